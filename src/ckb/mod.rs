@@ -1,0 +1,438 @@
+//! The contract knowledge base: typed contracts, loading, schema validation, lint and search.
+//!
+//! Knows nothing of MCP, processes or the ledger.
+
+mod types;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+pub use types::*;
+
+use crate::error::{Error, Result};
+
+/// The shipped files, embedded at build time by build.rs.
+pub mod embedded {
+    include!(concat!(env!("OUT_DIR"), "/embedded.rs"));
+}
+
+/// One problem in one contract file.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, schemars::JsonSchema)]
+pub struct Finding {
+    /// File path relative to the CKB root.
+    pub file: String,
+    /// Field path inside the file (JSON pointer style, e.g. `/tolerance/f32/atol`), or "" for the file.
+    pub field: String,
+    /// What is wrong and what to change.
+    pub message: String,
+}
+
+impl std::fmt::Display for Finding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.field.is_empty() {
+            write!(f, "{}: {}", self.file, self.message)
+        } else {
+            write!(f, "{}: field `{}`: {}", self.file, self.field, self.message)
+        }
+    }
+}
+
+/// A loaded, validated knowledge base.
+#[derive(Debug, Clone)]
+pub struct Ckb {
+    contracts: BTreeMap<String, Contract>,
+    files: BTreeMap<String, String>,
+    /// Where it was loaded from: `embedded` or a directory.
+    pub origin: String,
+}
+
+impl Ckb {
+    /// The knowledge base shipped inside the binary.
+    ///
+    /// # Errors
+    /// When a shipped file is invalid (only possible in a broken build; the tests check it).
+    pub fn embedded() -> Result<Ckb> {
+        Ckb::from_sources(embedded_files(), "embedded".into())
+    }
+
+    /// Load every `*.toml` under `dir` (except `candidates/`).
+    ///
+    /// # Errors
+    /// An unreadable directory, or one [`Finding`] per invalid file, all listed in the message.
+    pub fn from_dir(dir: &Path) -> Result<Ckb> {
+        Ckb::from_sources(read_dir_files(dir)?, dir.display().to_string())
+    }
+
+    /// Parse, validate against the schema and lint a set of (relative path, TOML text) files.
+    ///
+    /// # Errors
+    /// [`crate::error::ErrorKind::Input`] listing every finding, one per line.
+    pub fn from_sources(files: Vec<(String, String)>, origin: String) -> Result<Ckb> {
+        let (ckb, findings) = Ckb::check_sources(files, origin);
+        match ckb {
+            Some(ckb) if findings.is_empty() => Ok(ckb),
+            _ => Err(Error::input(format!(
+                "the contract knowledge base is invalid ({} finding(s)):\n{}",
+                findings.len(),
+                findings
+                    .iter()
+                    .map(|f| format!("  {f}"))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            ))),
+        }
+    }
+
+    /// Like [`Ckb::from_sources`] but returns all findings instead of failing: `ckb check` uses it.
+    pub fn check_sources(
+        files: Vec<(String, String)>,
+        origin: String,
+    ) -> (Option<Ckb>, Vec<Finding>) {
+        let schema = contract_schema();
+        let validator =
+            jsonschema::validator_for(&schema).expect("the generated contract schema is valid");
+        let mut findings = Vec::new();
+        let mut contracts = BTreeMap::new();
+        let mut file_of = BTreeMap::new();
+        for (file, text) in &files {
+            let value: toml::Value = match toml::from_str(text) {
+                Ok(v) => v,
+                Err(e) => {
+                    findings.push(Finding {
+                        file: file.clone(),
+                        field: String::new(),
+                        message: format!("not valid TOML: {e}"),
+                    });
+                    continue;
+                }
+            };
+            let json = serde_json::to_value(&value).expect("TOML values convert to JSON");
+            let errors: Vec<_> = validator.iter_errors(&json).collect();
+            if !errors.is_empty() {
+                for e in errors {
+                    findings.push(Finding {
+                        file: file.clone(),
+                        field: e.instance_path().to_string(),
+                        message: e.to_string(),
+                    });
+                }
+                continue;
+            }
+            match serde_json::from_value::<Contract>(json) {
+                Ok(c) => {
+                    if let Some(prev) = file_of.get(&c.id) {
+                        findings.push(Finding {
+                            file: file.clone(),
+                            field: "/id".into(),
+                            message: format!("duplicate id `{}`, also defined in {prev}", c.id),
+                        });
+                        continue;
+                    }
+                    file_of.insert(c.id.clone(), file.clone());
+                    contracts.insert(c.id.clone(), c);
+                }
+                Err(e) => findings.push(Finding {
+                    file: file.clone(),
+                    field: String::new(),
+                    message: e.to_string(),
+                }),
+            }
+        }
+        let ckb = Ckb {
+            contracts,
+            files: file_of,
+            origin,
+        };
+        findings.extend(ckb.lint());
+        (Some(ckb), findings)
+    }
+
+    /// Consistency rules the schema cannot express. Each finding names file and field.
+    pub fn lint(&self) -> Vec<Finding> {
+        let mut out = Vec::new();
+        let ids: BTreeSet<&str> = self.contracts.keys().map(String::as_str).collect();
+        for c in self.contracts.values() {
+            let file = self.files.get(&c.id).cloned().unwrap_or_default();
+            let mut bad = |field: &str, message: String| {
+                out.push(Finding {
+                    file: file.clone(),
+                    field: field.into(),
+                    message,
+                })
+            };
+            let prefix = c.kind.prefix();
+            if !c.id.starts_with(&format!("{prefix}.")) || c.id.len() <= prefix.len() + 1 {
+                bad(
+                    "/id",
+                    format!("id `{}` must be `{prefix}.<name>` for kind {prefix}", c.id),
+                );
+            }
+            if c.sources.is_empty() {
+                bad(
+                    "/sources",
+                    "at least one source is required: say where the knowledge comes from".into(),
+                );
+            }
+            let mut refs: Vec<(&str, &String)> = Vec::new();
+            refs.extend(c.failure_modes.iter().map(|r| ("/failure_modes", r)));
+            refs.extend(c.requires.iter().map(|r| ("/requires", r)));
+            if let Some(m) = &c.model {
+                refs.extend(m.kernels.iter().map(|r| ("/model/kernels", r)));
+                refs.extend(m.components.iter().map(|r| ("/model/components", r)));
+                for k in &m.kernels {
+                    if !k.starts_with("kernel.") {
+                        bad("/model/kernels", format!("`{k}` is not a kernel id"));
+                    }
+                }
+                for k in &m.components {
+                    if !k.starts_with("component.") {
+                        bad("/model/components", format!("`{k}` is not a component id"));
+                    }
+                }
+            }
+            if let Some(f) = &c.failure {
+                refs.extend(f.applies_to.iter().map(|r| ("/failure/applies_to", r)));
+            }
+            for (field, r) in refs {
+                if !ids.contains(r.as_str()) {
+                    bad(
+                        field,
+                        format!("reference `{r}` does not resolve to any contract"),
+                    );
+                }
+            }
+            for f in &c.failure_modes {
+                if !f.starts_with("failure.") {
+                    bad("/failure_modes", format!("`{f}` is not a failure-mode id"));
+                }
+            }
+            let section = |present: bool, name: &str, bad: &mut dyn FnMut(&str, String)| {
+                let wanted = match name {
+                    "model" => c.kind == Kind::Model,
+                    "platform" => c.kind == Kind::Platform,
+                    _ => c.kind == Kind::Failure,
+                };
+                if present && !wanted {
+                    bad(
+                        &format!("/{name}"),
+                        format!("a `{name}` section belongs only to kind {name}"),
+                    );
+                }
+                if !present && wanted {
+                    bad(
+                        &format!("/{name}"),
+                        format!("kind {name} needs a `[{name}]` section"),
+                    );
+                }
+            };
+            section(c.model.is_some(), "model", &mut bad);
+            section(c.platform.is_some(), "platform", &mut bad);
+            section(c.failure.is_some(), "failure", &mut bad);
+            if c.kind == Kind::Kernel {
+                if c.math.is_empty() {
+                    bad(
+                        "/math",
+                        "a kernel needs its exact semantics in `math`".into(),
+                    );
+                }
+                if c.pseudocode.is_empty() {
+                    bad("/pseudocode", "a kernel needs pseudocode".into());
+                }
+                if !c.tolerance.contains_key("f32") {
+                    bad(
+                        "/tolerance",
+                        "a kernel needs a tolerance for f32 with its reasoning".into(),
+                    );
+                }
+                if c.test_cases.is_empty() {
+                    bad(
+                        "/test_cases",
+                        "a kernel needs at least one test case".into(),
+                    );
+                }
+                if c.failure_modes.is_empty() {
+                    bad(
+                        "/failure_modes",
+                        "a kernel needs at least one failure mode".into(),
+                    );
+                }
+                if c.rust.is_none() {
+                    bad(
+                        "/rust",
+                        "a kernel needs the Rust signature the engine exposes".into(),
+                    );
+                }
+                if c.phase != Some(Phase::Kernels) {
+                    bad("/phase", "a kernel belongs to phase `kernels`".into());
+                }
+            }
+            for (dtype, t) in &c.tolerance {
+                if !(t.atol >= 0.0 && t.rtol >= 0.0 && t.atol.is_finite() && t.rtol.is_finite()) {
+                    bad(
+                        &format!("/tolerance/{dtype}"),
+                        "atol and rtol must be finite and >= 0".into(),
+                    );
+                }
+                if t.reasoning.trim().is_empty() {
+                    bad(
+                        &format!("/tolerance/{dtype}/reasoning"),
+                        "say why these numbers".into(),
+                    );
+                }
+            }
+            for (i, case) in c.test_cases.iter().enumerate() {
+                for (dim, [lo, hi]) in &case.dims {
+                    if lo > hi || *lo == 0 {
+                        bad(
+                            &format!("/test_cases/{i}/dims/{dim}"),
+                            format!("range [{lo}, {hi}] must satisfy 1 <= lo <= hi"),
+                        );
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// The contract with this id.
+    ///
+    /// # Errors
+    /// [`crate::error::ErrorKind::Usage`] naming the closest known ids.
+    pub fn get(&self, id: &str) -> Result<&Contract> {
+        self.contracts.get(id).ok_or_else(|| {
+            let near: Vec<&str> = self
+                .contracts
+                .keys()
+                .filter(|k| {
+                    let tail = id.rsplit('.').next().unwrap_or(id);
+                    k.contains(tail) || id.contains(k.rsplit('.').next().unwrap_or(k))
+                })
+                .map(String::as_str)
+                .take(5)
+                .collect();
+            Error::usage(format!(
+                "unknown contract id `{id}`{}; `metainfer contract search TEXT` lists ids",
+                if near.is_empty() {
+                    String::new()
+                } else {
+                    format!(" (did you mean: {})", near.join(", "))
+                }
+            ))
+        })
+    }
+
+    /// All contracts, ordered by id.
+    pub fn all(&self) -> impl Iterator<Item = &Contract> {
+        self.contracts.values()
+    }
+
+    /// Contracts of one kind, ordered by id.
+    pub fn of_kind(&self, kind: Kind) -> impl Iterator<Item = &Contract> {
+        self.contracts.values().filter(move |c| c.kind == kind)
+    }
+
+    /// File (relative to the CKB root) a contract was loaded from.
+    pub fn file_of(&self, id: &str) -> Option<&str> {
+        self.files.get(id).map(String::as_str)
+    }
+
+    /// Case-insensitive search over id, summary, math and pseudocode. Every word of `text` must
+    /// occur; results are ranked by where the words occur (id > summary > body).
+    pub fn search(&self, text: &str) -> Vec<&Contract> {
+        let words: Vec<String> = text.split_whitespace().map(str::to_lowercase).collect();
+        let mut hits: Vec<(u32, &Contract)> = self
+            .contracts
+            .values()
+            .filter_map(|c| {
+                let id = c.id.to_lowercase();
+                let summary = c.summary.to_lowercase();
+                let body = format!(
+                    "{} {} {}",
+                    c.math,
+                    c.pseudocode,
+                    c.failure.as_ref().map(|f| f.symptom.as_str()).unwrap_or("")
+                )
+                .to_lowercase();
+                let mut score = 0;
+                for w in &words {
+                    let s = if id.contains(w.as_str()) {
+                        4
+                    } else if summary.contains(w.as_str()) {
+                        2
+                    } else if body.contains(w.as_str()) {
+                        1
+                    } else {
+                        return None;
+                    };
+                    score += s;
+                }
+                Some((score, c))
+            })
+            .collect();
+        hits.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.id.cmp(&b.1.id)));
+        hits.into_iter().map(|(_, c)| c).collect()
+    }
+
+    /// The model-family contract routed from config.json's `architectures` or `model_type`.
+    pub fn family_for(
+        &self,
+        architectures: &[String],
+        model_type: Option<&str>,
+    ) -> Option<&Contract> {
+        self.of_kind(Kind::Model).find(|c| {
+            let m = c
+                .model
+                .as_ref()
+                .expect("lint: model kind has a model section");
+            architectures.iter().any(|a| m.architectures.contains(a))
+                || model_type.is_some_and(|t| m.model_types.iter().any(|x| x == t))
+        })
+    }
+
+    /// The platform contract for a `--target` name.
+    pub fn platform_for(&self, target: &str) -> Option<&Contract> {
+        self.of_kind(Kind::Platform)
+            .find(|c| c.platform.as_ref().is_some_and(|p| p.target == target))
+    }
+}
+
+/// The contract files under `dir` as (path relative to `dir`, text), in path order; `candidates/` is
+/// skipped (staged knowledge is not part of the CKB).
+///
+/// # Errors
+/// When `dir` is not a directory or a file cannot be read.
+pub fn read_dir_files(dir: &Path) -> Result<Vec<(String, String)>> {
+    if !dir.is_dir() {
+        return Err(Error::usage(format!(
+            "CKB directory {} does not exist or is not a directory",
+            dir.display()
+        )));
+    }
+    let mut files = Vec::new();
+    for entry in walkdir::WalkDir::new(dir)
+        .follow_links(false)
+        .sort_by_file_name()
+    {
+        let entry = entry.map_err(|e| Error::input(format!("walking {}: {e}", dir.display())))?;
+        let path = entry.path();
+        let rel = path.strip_prefix(dir).unwrap_or(path);
+        if !entry.file_type().is_file()
+            || path.extension().and_then(|e| e.to_str()) != Some("toml")
+            || rel.starts_with("candidates")
+        {
+            continue;
+        }
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::input(format!("{}: cannot read: {e}", path.display())))?;
+        files.push((rel.to_string_lossy().replace('\\', "/"), text));
+    }
+    Ok(files)
+}
+
+/// The shipped contract files as (path, text).
+pub fn embedded_files() -> Vec<(String, String)> {
+    embedded::CONTRACTS
+        .iter()
+        .map(|(p, s)| (p.to_string(), s.to_string()))
+        .collect()
+}

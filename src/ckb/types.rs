@@ -1,0 +1,339 @@
+//! Contract types. One TOML file in `contracts/` deserialises into one [`Contract`]; the JSON Schema
+//! that every file is validated against is generated from these types (see [`contract_schema`]).
+
+use std::collections::BTreeMap;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// The kind of knowledge a contract holds. The id prefix must match (`kernel.`, `component.`, `model.`,
+/// `platform.`, `failure.`).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum Kind {
+    /// A numerical kernel with an oracle and server-owned tests.
+    Kernel,
+    /// A stateful or structural part of an engine (KV cache, sampler, tokenizer, weight loading).
+    Component,
+    /// A model family: config.json routing, weight names, and the kernels and components it needs.
+    Model,
+    /// A hardware platform: figures for the profiler and optimisation guidance.
+    Platform,
+    /// A known way to get a kernel or model wrong, with its symptom and detection.
+    Failure,
+}
+
+impl Kind {
+    /// The id prefix every contract of this kind carries, e.g. `kernel` for `kernel.rms_norm`.
+    pub fn prefix(self) -> &'static str {
+        match self {
+            Kind::Kernel => "kernel",
+            Kind::Component => "component",
+            Kind::Model => "model",
+            Kind::Platform => "platform",
+            Kind::Failure => "failure",
+        }
+    }
+}
+
+/// The build phases of an engine, in the order an agent builds them and the gates unlock.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// Numerical kernels, tested one by one against the oracle.
+    Kernels,
+    /// Reading config.json and the safetensors weights.
+    WeightLoading,
+    /// One transformer decoder layer (attention + MLP with residuals).
+    DecoderLayer,
+    /// All layers, final norm and lm_head: token in, logits out, with a KV cache.
+    FullForward,
+    /// Tokenizer, sampler and the decode loop.
+    Generation,
+    /// Speed on the target platform.
+    Performance,
+}
+
+impl Phase {
+    /// All phases in build order.
+    pub const ALL: [Phase; 6] = [
+        Phase::Kernels,
+        Phase::WeightLoading,
+        Phase::DecoderLayer,
+        Phase::FullForward,
+        Phase::Generation,
+        Phase::Performance,
+    ];
+
+    /// The snake_case name used in files and reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Kernels => "kernels",
+            Phase::WeightLoading => "weight_loading",
+            Phase::DecoderLayer => "decoder_layer",
+            Phase::FullForward => "full_forward",
+            Phase::Generation => "generation",
+            Phase::Performance => "performance",
+        }
+    }
+}
+
+/// Where a piece of knowledge comes from (paper, model card, specification, measurement).
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Source {
+    /// Short citation, e.g. "Zhang & Sennrich 2019, Root Mean Square Layer Normalization".
+    pub title: String,
+    /// Where to find it (arXiv id, URL or document section).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub locator: Option<String>,
+}
+
+/// A tensor argument of a kernel, with a symbolic shape.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TensorSpec {
+    /// Argument name as it appears in the Rust signature.
+    pub name: String,
+    /// Symbolic shape, outermost first, e.g. `["rows", "dim"]`; `[]` for a scalar.
+    pub shape: Vec<String>,
+    /// Element type, e.g. `f32`, `u32`, `usize`.
+    pub dtype: String,
+    /// What the tensor holds.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub doc: String,
+}
+
+/// A scalar parameter (eps, theta, ...).
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Param {
+    /// Name as it appears in the signature or config.json.
+    pub name: String,
+    /// Element type.
+    pub dtype: String,
+    /// The usual value, where there is one (as text, e.g. "1e-5").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default: Option<String>,
+    /// What it means and where its value comes from.
+    pub doc: String,
+}
+
+/// Accepted error of an engine's output against the f64 oracle, for one dtype:
+/// `|got - want| <= atol + rtol * |want|` element by element.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Tolerance {
+    /// Absolute part.
+    pub atol: f64,
+    /// Relative part.
+    pub rtol: f64,
+    /// Why these numbers (accumulation order, reduction length K, unit roundoff of the dtype).
+    pub reasoning: String,
+}
+
+/// One server-owned test case of a kernel: a named set of symbolic dimensions with their ranges.
+/// Each run draws concrete sizes within the ranges from a fresh seed.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TestCase {
+    /// Case name, e.g. "small", "gqa-long", "large-magnitude".
+    pub name: String,
+    /// Inclusive ranges per symbolic dimension, e.g. `{ dim = [1, 512] }`.
+    pub dims: BTreeMap<String, [u64; 2]>,
+    /// Scale of the random input values (uniform in [-scale, scale]); adversarial cases use large values.
+    #[serde(default = "one")]
+    pub scale: f64,
+    /// What the case is meant to catch.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub doc: String,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+/// The part of an engine crate a contract fixes: the module and the Rust items the gates call.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RustApi {
+    /// Module file of the engine crate, e.g. `kernels` for `src/kernels.rs`.
+    pub module: String,
+    /// The public items with `todo!()` bodies, exactly as the scaffold writes them.
+    pub skeleton: String,
+}
+
+/// A config.json field a model family reads.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ConfigField {
+    /// Key in config.json.
+    pub key: String,
+    /// Role in the engine, e.g. `hidden`, `n_heads`.
+    pub role: String,
+    /// Whether a config without it is refused.
+    #[serde(default)]
+    pub required: bool,
+    /// The default the HF configuration class applies when the key is absent (as text).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default: Option<String>,
+    /// Values the family covers, when only some are (e.g. hidden_act = ["silu"]). Empty: any.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub supported: Vec<String>,
+}
+
+/// A weight tensor of a model family. `{i}` stands for the layer index.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct WeightSpec {
+    /// Tensor name in model.safetensors, e.g. `model.layers.{i}.self_attn.q_proj.weight`.
+    pub name: String,
+    /// Role, e.g. `wq`.
+    pub role: String,
+    /// Symbolic shape in config roles, e.g. `["n_heads*head_dim", "hidden"]`.
+    pub shape: Vec<String>,
+    /// Absent in some checkpoints (e.g. `lm_head.weight` with tied embeddings).
+    #[serde(default)]
+    pub optional: bool,
+    /// What to use when it is absent.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub doc: String,
+}
+
+/// Model-family specifics (kind = model).
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ModelFamily {
+    /// config.json `architectures` values routed to this family.
+    pub architectures: Vec<String>,
+    /// config.json `model_type` values routed to this family.
+    pub model_types: Vec<String>,
+    /// config.json fields the family reads.
+    pub config: Vec<ConfigField>,
+    /// config.json keys whose presence (non-null, non-false) means a feature this contract does not cover.
+    #[serde(default)]
+    pub unsupported_keys: Vec<String>,
+    /// Weight tensors.
+    pub weights: Vec<WeightSpec>,
+    /// Kernel contract ids the family needs.
+    pub kernels: Vec<String>,
+    /// Component contract ids the family needs.
+    pub components: Vec<String>,
+    /// The forward pass in our own words.
+    pub forward: String,
+    /// Tolerance on logits of the end-to-end forward, per dtype.
+    pub logits_tolerance: BTreeMap<String, Tolerance>,
+}
+
+/// Platform specifics (kind = platform).
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Platform {
+    /// Target name used in constraints (`--target`).
+    pub target: String,
+    /// Dtypes the platform contracts cover.
+    pub dtypes: Vec<String>,
+    /// Memory read bandwidth per thread count in GB/s, measured or published (see `sources`).
+    #[serde(default)]
+    pub bandwidth_gbs: BTreeMap<String, f64>,
+    /// Peak f32 GFLOP/s per thread count.
+    #[serde(default)]
+    pub peak_gflops_f32: BTreeMap<String, f64>,
+    /// SIMD width in bits of the widest vector unit assumed.
+    pub simd_bits: u32,
+    /// Optimisation guidance, most effective first.
+    pub guidance: Vec<String>,
+}
+
+/// Failure-mode specifics (kind = failure).
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct FailureMode {
+    /// What the gate sees.
+    pub symptom: String,
+    /// What is wrong in the code.
+    pub root_cause: String,
+    /// How the server tells it apart.
+    pub detection: String,
+    /// What to change.
+    pub fix: String,
+    /// Id of the oracle mutant that reproduces it, if one exists.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mutant: Option<String>,
+    /// Contract ids this failure mode belongs to.
+    pub applies_to: Vec<String>,
+}
+
+/// One contract of the knowledge base. Fields beyond the common ones are required by kind; the
+/// lint in [`crate::ckb::lint`] says which.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Contract {
+    /// Stable id, `<kind>.<name>`, e.g. `kernel.rms_norm`.
+    pub id: String,
+    /// Kind of contract; must match the id prefix.
+    pub kind: Kind,
+    /// Version, bumped on every amendment; outcomes record the version they ran under.
+    pub version: u32,
+    /// One-line summary.
+    pub summary: String,
+    /// Build phase this contract belongs to (kernels and components).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<Phase>,
+    /// Exact semantics in notation.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub math: String,
+    /// Inputs with symbolic shapes and dtypes.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub inputs: Vec<TensorSpec>,
+    /// Outputs with symbolic shapes and dtypes.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub outputs: Vec<TensorSpec>,
+    /// Scalar parameters.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub parameters: Vec<Param>,
+    /// Tolerance per dtype against the f64 oracle.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub tolerance: BTreeMap<String, Tolerance>,
+    /// What must hold before a call.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub preconditions: Vec<String>,
+    /// The Rust items the engine must expose.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rust: Option<RustApi>,
+    /// Pseudocode, in our own words.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub pseudocode: String,
+    /// Failure-mode contract ids.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub failure_modes: Vec<String>,
+    /// Server-owned test cases (kernels).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub test_cases: Vec<TestCase>,
+    /// Other contract ids this one builds on.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub requires: Vec<String>,
+    /// Where the knowledge comes from.
+    pub sources: Vec<Source>,
+    /// Model-family section (kind = model).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<ModelFamily>,
+    /// Platform section (kind = platform).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub platform: Option<Platform>,
+    /// Failure-mode section (kind = failure).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<FailureMode>,
+}
+
+/// The JSON Schema (draft 2020-12) every contract file is validated against, generated from [`Contract`].
+pub fn contract_schema() -> serde_json::Value {
+    let schema = schemars::generate::SchemaSettings::draft2020_12()
+        .into_generator()
+        .into_root_schema_for::<Contract>();
+    serde_json::to_value(schema).expect("a generated schema serialises")
+}

@@ -1,0 +1,219 @@
+//! The outcome ledger: every tool call's result, in SQLite (WAL, one transaction per outcome).
+//!
+//! Knows nothing of MCP or processes. Schema versions are tracked with `PRAGMA user_version`; a
+//! database written by a newer metainfer is refused rather than guessed at.
+
+use std::path::{Path, PathBuf};
+
+use rusqlite::{Connection, OptionalExtension, params};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// Schema version this build writes.
+pub const SCHEMA_VERSION: i64 = 1;
+
+/// One recorded result of a tool call.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Outcome {
+    /// Unique id (random, hex).
+    pub id: String,
+    /// UTC time, RFC 3339 (seconds since the epoch when the clock is unusual).
+    pub time: String,
+    /// Tool name, e.g. `run_kernel_test`.
+    pub tool: String,
+    /// Engine directory, when the tool acts on one.
+    pub engine: String,
+    /// sha256 of the engine's sources (Cargo.toml + src/), "" when none.
+    pub engine_hash: String,
+    /// Contract ids with versions, e.g. `kernel.rope@1`.
+    pub contracts: Vec<String>,
+    /// Whether the check passed.
+    pub passed: bool,
+    /// One-line summary.
+    pub summary: String,
+    /// Figures as JSON (errors, tok/s, counts).
+    pub figures: serde_json::Value,
+    /// Reference level the engine was built under (`zero`, `docs`, `code`).
+    pub reference_level: String,
+    /// Wall time of the call in milliseconds.
+    pub duration_ms: u64,
+}
+
+/// An open ledger.
+pub struct Ledger {
+    conn: Connection,
+    /// Database file.
+    pub path: PathBuf,
+}
+
+/// The ledger file used when none is given: `$METAINFER_LEDGER`, else the per-user data directory
+/// (`~/.local/share/metainfer/ledger.sqlite` on Linux).
+pub fn default_path() -> PathBuf {
+    if let Ok(p) = std::env::var("METAINFER_LEDGER") {
+        return PathBuf::from(p);
+    }
+    dirs::data_dir()
+        .unwrap_or_else(std::env::temp_dir)
+        .join("metainfer")
+        .join("ledger.sqlite")
+}
+
+impl Ledger {
+    /// Open (creating if needed) and migrate the ledger at `path`.
+    ///
+    /// # Errors
+    /// When the file cannot be opened, is not a SQLite database, or has a newer schema version.
+    pub fn open(path: &Path) -> Result<Ledger> {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(|e| {
+                Error::input(format!(
+                    "cannot create ledger directory {}: {e}",
+                    dir.display()
+                ))
+            })?;
+        }
+        let fail = |e: rusqlite::Error| Error::input(format!("ledger {}: {e}", path.display()));
+        let conn = Connection::open(path).map_err(fail)?;
+        conn.busy_timeout(std::time::Duration::from_secs(10))
+            .map_err(fail)?;
+        conn.pragma_update(None, "journal_mode", "WAL")
+            .map_err(fail)?;
+        let version: i64 = conn
+            .pragma_query_value(None, "user_version", |r| r.get(0))
+            .map_err(fail)?;
+        if version > SCHEMA_VERSION {
+            return Err(Error::input(format!(
+                "ledger {} has schema version {version}, newer than this metainfer's {SCHEMA_VERSION}; upgrade metainfer or pass another --ledger",
+                path.display()
+            )));
+        }
+        if version < 1 {
+            conn.execute_batch(
+                "BEGIN;
+                 CREATE TABLE IF NOT EXISTS outcomes (
+                    id TEXT PRIMARY KEY,
+                    time TEXT NOT NULL,
+                    tool TEXT NOT NULL,
+                    engine TEXT NOT NULL,
+                    engine_hash TEXT NOT NULL,
+                    contracts TEXT NOT NULL,
+                    passed INTEGER NOT NULL,
+                    summary TEXT NOT NULL,
+                    figures TEXT NOT NULL,
+                    reference_level TEXT NOT NULL,
+                    duration_ms INTEGER NOT NULL
+                 );
+                 CREATE INDEX IF NOT EXISTS outcomes_engine ON outcomes(engine_hash, tool);
+                 PRAGMA user_version = 1;
+                 COMMIT;",
+            )
+            .map_err(fail)?;
+        }
+        Ok(Ledger {
+            conn,
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// Record one outcome in its own transaction.
+    ///
+    /// # Errors
+    /// When SQLite fails (disk full, locked beyond the busy timeout).
+    pub fn record(&self, o: &Outcome) -> Result<()> {
+        self.conn
+            .execute(
+                "INSERT INTO outcomes (id, time, tool, engine, engine_hash, contracts, passed, summary, figures, reference_level, duration_ms)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
+                params![
+                    o.id,
+                    o.time,
+                    o.tool,
+                    o.engine,
+                    o.engine_hash,
+                    serde_json::to_string(&o.contracts).expect("strings serialise"),
+                    o.passed,
+                    o.summary,
+                    o.figures.to_string(),
+                    o.reference_level,
+                    o.duration_ms as i64
+                ],
+            )
+            .map_err(|e| Error::internal(format!("ledger {}: cannot record outcome: {e}", self.path.display())))?;
+        Ok(())
+    }
+
+    /// The newest `limit` outcomes after skipping `offset`, newest first.
+    ///
+    /// # Errors
+    /// When SQLite fails.
+    pub fn list(&self, offset: usize, limit: usize) -> Result<Vec<Outcome>> {
+        let fail =
+            |e: rusqlite::Error| Error::internal(format!("ledger {}: {e}", self.path.display()));
+        let mut stmt = self
+            .conn
+            .prepare(
+                "SELECT id, time, tool, engine, engine_hash, contracts, passed, summary, figures, reference_level, duration_ms
+                 FROM outcomes ORDER BY rowid DESC LIMIT ?1 OFFSET ?2",
+            )
+            .map_err(fail)?;
+        let rows = stmt
+            .query_map(params![limit as i64, offset as i64], |r| {
+                Ok(Outcome {
+                    id: r.get(0)?,
+                    time: r.get(1)?,
+                    tool: r.get(2)?,
+                    engine: r.get(3)?,
+                    engine_hash: r.get(4)?,
+                    contracts: serde_json::from_str(&r.get::<_, String>(5)?).unwrap_or_default(),
+                    passed: r.get(6)?,
+                    summary: r.get(7)?,
+                    figures: serde_json::from_str(&r.get::<_, String>(8)?).unwrap_or_default(),
+                    reference_level: r.get(9)?,
+                    duration_ms: r.get::<_, i64>(10)? as u64,
+                })
+            })
+            .map_err(fail)?;
+        rows.collect::<rusqlite::Result<Vec<_>>>().map_err(fail)
+    }
+
+    /// Number of outcomes recorded.
+    ///
+    /// # Errors
+    /// When SQLite fails.
+    pub fn count(&self) -> Result<usize> {
+        self.conn
+            .query_row("SELECT COUNT(*) FROM outcomes", [], |r| r.get::<_, i64>(0))
+            .map(|n| n as usize)
+            .map_err(|e| Error::internal(format!("ledger {}: {e}", self.path.display())))
+    }
+
+    /// Whether `tool` last passed on exactly this engine source hash.
+    ///
+    /// # Errors
+    /// When SQLite fails.
+    pub fn passed_on(&self, tool: &str, engine_hash: &str) -> Result<bool> {
+        self.conn
+            .query_row(
+                "SELECT passed FROM outcomes WHERE tool = ?1 AND engine_hash = ?2 ORDER BY rowid DESC LIMIT 1",
+                params![tool, engine_hash],
+                |r| r.get::<_, bool>(0),
+            )
+            .optional()
+            .map(|p| p.unwrap_or(false))
+            .map_err(|e| Error::internal(format!("ledger {}: {e}", self.path.display())))
+    }
+}
+
+/// A fresh random outcome id (128 bits, hex).
+pub fn new_id() -> String {
+    use rand::Rng;
+    let v: u128 = rand::rng().random();
+    format!("{v:032x}")
+}
+
+/// Now as RFC 3339 UTC with seconds, e.g. `2026-11-30T20:08:52Z`.
+pub fn now_rfc3339() -> String {
+    humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()
+}

@@ -1,0 +1,16 @@
+//! metainfer: the toolbox with which coding agents build compact, custom LLM inference engines.
+//!
+//! An MCP server (and a CLI over the same operations) that holds the contract knowledge base (CKB),
+//! scaffolds engine crates, and proves them with server-owned gates: kernel tests against f64
+//! oracles, end-to-end generation against a reference forward pass on real checkpoints, and
+//! profiling. Every outcome is recorded in a SQLite ledger. See ARCHITECTURE.md for the module map.
+
+pub mod ckb;
+pub mod demo;
+pub mod error;
+pub mod harness;
+pub mod ledger;
+pub mod mcp;
+pub mod model;
+pub mod ops;
+pub mod oracle;

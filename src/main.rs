@@ -1,0 +1,505 @@
+//! The metainfer CLI: every MCP tool is also a subcommand; `--json` prints exactly the tool's
+//! structured output. Exit status: 0 the check passed, 1 it ran and failed, 2 bad usage or input.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use metainfer::ckb::{self, Ckb};
+use metainfer::error::{Error, ErrorKind, Result};
+use metainfer::harness::{Budget, Workshop};
+use metainfer::ops::{self, Ctx, Report};
+
+#[derive(Parser)]
+#[command(
+    name = "metainfer",
+    version,
+    about = "Contracts, oracles and gates with which coding agents build custom LLM inference engines"
+)]
+struct Cli {
+    #[command(flatten)]
+    global: Global,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Args)]
+struct Global {
+    /// Contract knowledge base directory (default: the CKB built into this binary).
+    #[arg(long, global = true, value_name = "DIR")]
+    ckb: Option<PathBuf>,
+    /// Ledger database (default: $METAINFER_LEDGER or the per-user data directory).
+    #[arg(long, global = true, value_name = "FILE")]
+    ledger: Option<PathBuf>,
+    /// Build cache with the shared cargo target directory (default: $METAINFER_CACHE or the per-user cache).
+    #[arg(long, global = true, value_name = "DIR")]
+    cache: Option<PathBuf>,
+    /// Time limit of one compile/test/verify/profile call, in seconds.
+    #[arg(long, global = true, default_value_t = 900, value_name = "SECS")]
+    time_limit: u64,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve MCP over stdio (stdout carries JSON-RPC only; logs go to stderr).
+    Serve {
+        /// Confine every path argument to this directory (and the --model-dir directories).
+        #[arg(long, value_name = "DIR")]
+        workspace: Option<PathBuf>,
+        /// A model directory path arguments may also point into.
+        #[arg(long = "model-dir", value_name = "DIR")]
+        model_dirs: Vec<PathBuf>,
+    },
+    /// Plan an engine from constraints (tool plan_engine).
+    Plan {
+        #[arg(long, value_name = "DIR")]
+        model: PathBuf,
+        #[arg(long, default_value = "cpu")]
+        target: String,
+        #[arg(long, default_value = "f32")]
+        dtype: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show or search contracts (tool lookup_contract).
+    Contract {
+        #[command(subcommand)]
+        action: ContractCmd,
+    },
+    /// The knowledge base itself.
+    Ckb {
+        #[command(subcommand)]
+        action: CkbCmd,
+    },
+    /// Write an engine crate for the constraints (tool scaffold_engine).
+    Scaffold {
+        #[arg(long, value_name = "DIR")]
+        model: PathBuf,
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+        #[arg(long, default_value = "cpu")]
+        target: String,
+        #[arg(long, default_value = "f32")]
+        dtype: String,
+        /// Crate name.
+        #[arg(long)]
+        name: Option<String>,
+        /// Overwrite the scaffold's files in a non-empty directory.
+        #[arg(long)]
+        force: bool,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Build the engine with structured diagnostics (tool compile_engine).
+    Compile {
+        #[arg(long, value_name = "DIR")]
+        engine: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Test kernels against the oracle (tool run_kernel_test).
+    TestKernel {
+        #[arg(long, value_name = "DIR")]
+        engine: PathBuf,
+        /// Kernel contract id; repeat for several; none: all.
+        #[arg(long = "kernel", value_name = "ID")]
+        kernels: Vec<String>,
+        /// Replay a run's seed.
+        #[arg(long)]
+        seed: Option<u64>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Verify generation on a real checkpoint (tool verify_generation).
+    Verify {
+        #[arg(long, value_name = "DIR")]
+        engine: PathBuf,
+        #[arg(long, value_name = "DIR")]
+        model: PathBuf,
+        /// Prompt; repeat for several (two random prompts are always added).
+        #[arg(long = "prompt", value_name = "TEXT")]
+        prompts: Vec<String>,
+        #[arg(long)]
+        max_new_tokens: Option<usize>,
+        #[arg(long)]
+        seed: Option<u64>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Measure tokens/s (tool profile_engine).
+    Profile {
+        #[arg(long, value_name = "DIR")]
+        engine: PathBuf,
+        #[arg(long, value_name = "DIR")]
+        model: PathBuf,
+        #[arg(long)]
+        runs: Option<usize>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// List recorded outcomes, newest first.
+    Ledger {
+        #[arg(long, default_value_t = 20)]
+        limit: usize,
+        #[arg(long, default_value_t = 0)]
+        offset: usize,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Run the whole loop over MCP on a real model and print the steps and the generated text.
+    Demo {
+        /// Model directory (default ../shared/models/babyllama-105).
+        #[arg(long, value_name = "DIR")]
+        model: Option<PathBuf>,
+        /// Keep the workspace (scaffolded engine) in this directory.
+        #[arg(long, value_name = "DIR")]
+        keep: Option<PathBuf>,
+        #[arg(long, default_value_t = 100)]
+        max_new_tokens: usize,
+    },
+}
+
+#[derive(Subcommand)]
+enum ContractCmd {
+    /// Show one contract.
+    Show {
+        id: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Search contracts by words.
+    Search {
+        text: String,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum CkbCmd {
+    /// Validate every contract file against the schema and the lint; list findings.
+    Check {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print the JSON Schema of a contract file.
+    Schema,
+}
+
+fn emit<R: Report>(r: &R, json: bool) -> ExitCode {
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(r).expect("reports serialise")
+        );
+    } else {
+        print!("{}", r.text());
+        if !r.text().ends_with('\n') {
+            println!();
+        }
+    }
+    if r.passed() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
+}
+
+fn load_ckb(dir: Option<&PathBuf>) -> Result<Ckb> {
+    match dir {
+        Some(d) => Ckb::from_dir(d),
+        None => Ckb::embedded(),
+    }
+}
+
+fn ctx(g: &Global, workspace: Option<PathBuf>, models: Vec<PathBuf>) -> Result<Ctx> {
+    Ok(Ctx {
+        ckb: load_ckb(g.ckb.as_ref())?,
+        workshop: g
+            .cache
+            .clone()
+            .map(|root| Workshop { root })
+            .unwrap_or_else(Workshop::default_location),
+        ledger: g
+            .ledger
+            .clone()
+            .unwrap_or_else(metainfer::ledger::default_path),
+        workspace,
+        models,
+        time_limit_s: g.time_limit,
+    })
+}
+
+fn s(p: &std::path::Path) -> String {
+    p.display().to_string()
+}
+
+fn ckb_check(g: &Global, json: bool) -> Result<ExitCode> {
+    let (files, origin) = match &g.ckb {
+        Some(dir) => (ckb::read_dir_files(dir)?, s(dir)),
+        None => (ckb::embedded_files(), "embedded".to_string()),
+    };
+    let (loaded, mut findings) = Ckb::check_sources(files, origin.clone());
+    if let Some(ckb) = &loaded {
+        for c in ckb.of_kind(ckb::Kind::Kernel) {
+            if !metainfer::oracle::kernel_oracle_exists(&c.id) {
+                findings.push(ckb::Finding {
+                    file: ckb.file_of(&c.id).unwrap_or_default().into(),
+                    field: "/id".into(),
+                    message: format!(
+                        "no oracle implements `{}`; a kernel contract needs one in src/oracle",
+                        c.id
+                    ),
+                });
+            }
+        }
+    }
+    let n = loaded.as_ref().map(|c| c.all().count()).unwrap_or(0);
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({"origin": origin, "contracts": n, "passed": findings.is_empty(), "findings": findings})
+        );
+    } else if findings.is_empty() {
+        println!("ckb check passed: {n} contracts in {origin}, schema-valid and lint-clean");
+    } else {
+        println!(
+            "ckb check FAILED: {} finding(s) in {origin}",
+            findings.len()
+        );
+        for f in &findings {
+            println!("  {f}");
+        }
+    }
+    Ok(if findings.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+fn run(cli: Cli) -> Result<ExitCode> {
+    let g = &cli.global;
+    let budget = || Budget::secs(g.time_limit);
+    match cli.command {
+        Command::Serve {
+            workspace,
+            model_dirs,
+        } => {
+            let workspace = workspace
+                .map(|w| {
+                    w.canonicalize()
+                        .map_err(|e| Error::usage(format!("--workspace {}: {e}", w.display())))
+                })
+                .transpose()?;
+            let ctx = ctx(g, workspace, model_dirs)?;
+            let rt = tokio::runtime::Runtime::new()
+                .map_err(|e| Error::internal(format!("tokio runtime: {e}")))?;
+            rt.block_on(metainfer::mcp::serve_stdio(ctx))
+                .map_err(|e| Error::internal(format!("MCP server: {e}")))?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Plan {
+            model,
+            target,
+            dtype,
+            json,
+        } => {
+            let r = ops::plan::plan(
+                &ctx(g, None, vec![])?,
+                &ops::plan::PlanRequest {
+                    model: s(&model),
+                    target,
+                    dtype,
+                },
+            )?;
+            Ok(emit(&r, json))
+        }
+        Command::Contract { action } => {
+            let c = ctx(g, None, vec![])?;
+            let (req, json) = match action {
+                ContractCmd::Show { id, json } => (
+                    ops::lookup::LookupRequest {
+                        id: Some(id),
+                        query: None,
+                        cursor: None,
+                    },
+                    json,
+                ),
+                ContractCmd::Search { text, json } => (
+                    ops::lookup::LookupRequest {
+                        id: None,
+                        query: Some(text),
+                        cursor: None,
+                    },
+                    json,
+                ),
+            };
+            Ok(emit(&ops::lookup::lookup(&c, &req)?, json))
+        }
+        Command::Ckb {
+            action: CkbCmd::Check { json },
+        } => ckb_check(g, json),
+        Command::Ckb {
+            action: CkbCmd::Schema,
+        } => {
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&ckb::contract_schema()).expect("schema serialises")
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Scaffold {
+            model,
+            out,
+            target,
+            dtype,
+            name,
+            force,
+            json,
+        } => {
+            let req = ops::scaffold::ScaffoldRequest {
+                model: s(&model),
+                out: s(&out),
+                target,
+                dtype,
+                name,
+                force,
+            };
+            Ok(emit(
+                &ops::scaffold::scaffold(&ctx(g, None, vec![])?, &req)?,
+                json,
+            ))
+        }
+        Command::Compile { engine, json } => {
+            let r = ops::compile::compile(
+                &ctx(g, None, vec![])?,
+                &ops::compile::CompileRequest { engine: s(&engine) },
+                &budget(),
+            )?;
+            Ok(emit(&r, json))
+        }
+        Command::TestKernel {
+            engine,
+            kernels,
+            seed,
+            json,
+        } => {
+            let req = ops::kernel_test::KernelTestRequest {
+                engine: s(&engine),
+                kernels,
+                seed,
+            };
+            Ok(emit(
+                &ops::kernel_test::kernel_test(&ctx(g, None, vec![])?, &req, &budget())?,
+                json,
+            ))
+        }
+        Command::Verify {
+            engine,
+            model,
+            prompts,
+            max_new_tokens,
+            seed,
+            json,
+        } => {
+            let req = ops::verify::VerifyRequest {
+                engine: s(&engine),
+                model: s(&model),
+                prompts,
+                max_new_tokens,
+                seed,
+            };
+            Ok(emit(
+                &ops::verify::verify(&ctx(g, None, vec![])?, &req, &budget())?,
+                json,
+            ))
+        }
+        Command::Profile {
+            engine,
+            model,
+            runs,
+            json,
+        } => {
+            let req = ops::profile::ProfileRequest {
+                engine: s(&engine),
+                model: s(&model),
+                prompt_len: None,
+                new_tokens: None,
+                runs,
+            };
+            Ok(emit(
+                &ops::profile::profile(&ctx(g, None, vec![])?, &req, &budget())?,
+                json,
+            ))
+        }
+        Command::Ledger {
+            limit,
+            offset,
+            json,
+        } => {
+            let c = ctx(g, None, vec![])?;
+            let l = metainfer::ledger::Ledger::open(&c.ledger)?;
+            let rows = l.list(offset, limit)?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::json!({"ledger": s(&l.path), "total": l.count()?, "outcomes": rows})
+                );
+            } else {
+                println!("ledger {}: {} outcomes", l.path.display(), l.count()?);
+                for o in rows {
+                    println!(
+                        "{} {:<18} {:<4} {:>7} ms  {}  {}",
+                        o.time,
+                        o.tool,
+                        if o.passed { "pass" } else { "FAIL" },
+                        o.duration_ms,
+                        &o.engine_hash.get(..12).unwrap_or("-"),
+                        o.summary
+                    );
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Demo {
+            model,
+            keep,
+            max_new_tokens,
+        } => {
+            let model = model.unwrap_or_else(metainfer::model::default_model_dir);
+            let rt = tokio::runtime::Runtime::new()
+                .map_err(|e| Error::internal(format!("tokio runtime: {e}")))?;
+            let ok = rt.block_on(metainfer::demo::run(metainfer::demo::DemoOptions {
+                model,
+                keep,
+                max_new_tokens,
+            }))?;
+            Ok(if ok {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            })
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("METAINFER_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .init();
+    match run(Cli::parse()) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e}");
+            match e.kind {
+                ErrorKind::Usage | ErrorKind::Input | ErrorKind::Internal => ExitCode::from(2),
+            }
+        }
+    }
+}

@@ -1,0 +1,280 @@
+//! The MCP server (rmcp, stdio). The only module that knows rmcp: it turns requests into ops calls
+//! and reports into tool results (text content + structuredContent matching outputSchema).
+//!
+//! A failed gate is a normal result (`isError` false, `passed` false in the structured content); a
+//! bad request is a tool error (`isError` true) whose text says what to fix.
+
+pub mod schema;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rmcp::handler::server::router::tool::ToolRouter;
+use rmcp::handler::server::wrapper::Parameters;
+use rmcp::model::{
+    CallToolResult, ContentBlock, Implementation, ProgressNotificationParam, ServerCapabilities,
+    ServerConfig,
+};
+use rmcp::service::RequestContext;
+use rmcp::{ErrorData, RoleServer, ServerHandler, ServiceExt, tool, tool_handler, tool_router};
+use serde::Serialize;
+
+use crate::harness::Budget;
+use crate::ops::compile::{CompileReport, CompileRequest};
+use crate::ops::kernel_test::{KernelTestReport, KernelTestRequest};
+use crate::ops::lookup::{LookupReport, LookupRequest};
+use crate::ops::plan::{PlanReport, PlanRequest};
+use crate::ops::profile::{ProfileReport, ProfileRequest};
+use crate::ops::scaffold::{ScaffoldReport, ScaffoldRequest};
+use crate::ops::verify::{VerifyReport, VerifyRequest};
+use crate::ops::{Ctx, Report};
+use schema::{input, output};
+
+/// What the server tells an agent at initialisation: the order of work.
+pub const INSTRUCTIONS: &str = "metainfer helps you build a compact LLM inference engine for exact constraints, proven \
+against server-owned oracles. Order of work: 1) plan_engine with the model directory, target and dtype: it routes \
+config.json to a model-family contract and lists the phases (kernels, weight_loading, decoder_layer, full_forward, \
+generation, performance) with their contracts and gates. 2) lookup_contract for each contract id before writing its \
+code: math, shapes, tolerance, pseudocode and failure modes. Build only from these contracts; do not read or copy \
+other inference frameworks. 3) scaffold_engine into an empty directory: it writes the crate with the fixed public \
+signatures the gates call; keep them. 4) Implement kernels, then compile_engine and run_kernel_test until every \
+kernel passes (inputs are drawn fresh each run; the seed replays one). 5) Implement weight loading, the decoder \
+layer, the full forward with KV cache, the tokenizer and the greedy sampler, then verify_generation on the real \
+checkpoint (tokenizer, logits and greedy tokens are compared with the reference; some prompts are random). \
+6) profile_engine for tokens/s. Every call is recorded in the outcome ledger.";
+
+/// The metainfer MCP server.
+#[derive(Clone)]
+pub struct Server {
+    ctx: Arc<Ctx>,
+    #[allow(dead_code, reason = "read by the tool_handler macro")]
+    tool_router: ToolRouter<Self>,
+}
+
+fn ok_result<R: Report + Serialize>(report: &R) -> CallToolResult {
+    let mut r = CallToolResult::success(vec![ContentBlock::text(crate::ops::bound_text(
+        &report.text(),
+    ))]);
+    r.structured_content = Some(serde_json::to_value(report).expect("reports serialise"));
+    r
+}
+
+fn err_result(e: crate::error::Error) -> CallToolResult {
+    CallToolResult::error(vec![ContentBlock::text(e.message)])
+}
+
+fn into_result<R: Report + Serialize>(
+    r: crate::error::Result<R>,
+) -> Result<CallToolResult, ErrorData> {
+    Ok(match r {
+        Ok(report) => ok_result(&report),
+        Err(e) => err_result(e),
+    })
+}
+
+impl Server {
+    /// A server over a context.
+    pub fn new(ctx: Ctx) -> Server {
+        Server {
+            ctx: Arc::new(ctx),
+            tool_router: Self::tool_router(),
+        }
+    }
+
+    /// Run a long, blocking operation off the async runtime with a time budget. Cancellation of the
+    /// request kills its child processes; progress notifications are sent every few seconds when the
+    /// client gave a progress token.
+    async fn long<R, F>(
+        &self,
+        rc: RequestContext<RoleServer>,
+        what: &'static str,
+        f: F,
+    ) -> Result<CallToolResult, ErrorData>
+    where
+        R: Report + Serialize + Send + 'static,
+        F: FnOnce(&Ctx, &Budget) -> crate::error::Result<R> + Send + 'static,
+    {
+        let budget = Budget::secs(self.ctx.time_limit_s);
+        let cancel = budget.cancel.clone();
+        let ctx = self.ctx.clone();
+        let b = budget.clone();
+        let mut job = tokio::task::spawn_blocking(move || f(&ctx, &b));
+        let token = rc.meta.get_progress_token();
+        let started = std::time::Instant::now();
+        let mut tick = tokio::time::interval(Duration::from_secs(3));
+        tick.tick().await;
+        let mut n = 0.0;
+        let result = loop {
+            tokio::select! {
+                r = &mut job => break r,
+                _ = rc.ct.cancelled() => {
+                    cancel.store(true, std::sync::atomic::Ordering::Relaxed);
+                    // The job sees the flag, kills its child and returns shortly.
+                    let _ = (&mut job).await;
+                    return Ok(err_result(crate::error::Error::usage(format!("{what} cancelled by the client"))));
+                }
+                _ = tick.tick() => {
+                    if let Some(t) = &token {
+                        n += 1.0;
+                        let msg = format!("{what}: {:.0} s", started.elapsed().as_secs_f64());
+                        let _ = rc.peer.notify_progress(ProgressNotificationParam::new(t.clone(), n).with_message(msg)).await;
+                    }
+                }
+            }
+        };
+        match result {
+            Ok(r) => into_result(r),
+            Err(e) => Err(ErrorData::internal_error(
+                format!("{what} failed inside the server: {e}"),
+                None,
+            )),
+        }
+    }
+}
+
+#[tool_router]
+impl Server {
+    /// Plan an engine from constraints: routes the model's config.json to a model-family contract (or names the
+    /// uncovered fields) and returns the build phases with their contracts and gates.
+    #[tool(
+        name = "plan_engine",
+        input_schema = input::<PlanRequest>(),
+        output_schema = output::<PlanReport>(),
+        annotations(read_only_hint = true, destructive_hint = false, idempotent_hint = true, open_world_hint = false)
+    )]
+    async fn plan_engine(
+        &self,
+        Parameters(req): Parameters<PlanRequest>,
+    ) -> Result<CallToolResult, ErrorData> {
+        into_result(crate::ops::plan::plan(&self.ctx, &req))
+    }
+
+    /// Look up a contract by id (math, shapes, dtypes, tolerance, pseudocode, failure modes, Rust signature) or
+    /// search the knowledge base by words.
+    #[tool(
+        name = "lookup_contract",
+        input_schema = input::<LookupRequest>(),
+        output_schema = output::<LookupReport>(),
+        annotations(read_only_hint = true, destructive_hint = false, idempotent_hint = true, open_world_hint = false)
+    )]
+    async fn lookup_contract(
+        &self,
+        Parameters(req): Parameters<LookupRequest>,
+    ) -> Result<CallToolResult, ErrorData> {
+        into_result(crate::ops::lookup::lookup(&self.ctx, &req))
+    }
+
+    /// Write a compilable engine crate for the constraints into an empty directory: Cargo.toml, one module per
+    /// phase, the fixed public signatures the gates call with their contract docs, and todo!() bodies.
+    #[tool(
+        name = "scaffold_engine",
+        input_schema = input::<ScaffoldRequest>(),
+        output_schema = output::<ScaffoldReport>(),
+        annotations(read_only_hint = false, destructive_hint = false, idempotent_hint = false, open_world_hint = false)
+    )]
+    async fn scaffold_engine(
+        &self,
+        Parameters(req): Parameters<ScaffoldRequest>,
+    ) -> Result<CallToolResult, ErrorData> {
+        into_result(crate::ops::scaffold::scaffold(&self.ctx, &req))
+    }
+
+    /// Build the engine crate (release) and return compiler errors with file, line, code and a contract hint.
+    #[tool(
+        name = "compile_engine",
+        input_schema = input::<CompileRequest>(),
+        output_schema = output::<CompileReport>(),
+        annotations(read_only_hint = true, destructive_hint = false, idempotent_hint = true, open_world_hint = false)
+    )]
+    async fn compile_engine(
+        &self,
+        Parameters(req): Parameters<CompileRequest>,
+        rc: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        self.long(rc, "compile_engine", move |ctx, b| {
+            crate::ops::compile::compile(ctx, &req, b)
+        })
+        .await
+    }
+
+    /// Test the engine's kernels against the f64 oracle at each contract's tolerance, on inputs drawn from a
+    /// fresh seed (reported; pass it back to replay). Per kernel: pass/fail, max abs/rel error, worst case.
+    #[tool(
+        name = "run_kernel_test",
+        input_schema = input::<KernelTestRequest>(),
+        output_schema = output::<KernelTestReport>(),
+        annotations(read_only_hint = true, destructive_hint = false, idempotent_hint = false, open_world_hint = false)
+    )]
+    async fn run_kernel_test(
+        &self,
+        Parameters(req): Parameters<KernelTestRequest>,
+        rc: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        self.long(rc, "run_kernel_test", move |ctx, b| {
+            crate::ops::kernel_test::kernel_test(ctx, &req, b)
+        })
+        .await
+    }
+
+    /// Verify end-to-end generation on a real checkpoint: the engine's tokenizer against HF tokenizers, greedy
+    /// tokens exactly and per-step logits within tolerance against the reference forward pass. Some prompts are
+    /// drawn at random on every run.
+    #[tool(
+        name = "verify_generation",
+        input_schema = input::<VerifyRequest>(),
+        output_schema = output::<VerifyReport>(),
+        annotations(read_only_hint = true, destructive_hint = false, idempotent_hint = false, open_world_hint = false)
+    )]
+    async fn verify_generation(
+        &self,
+        Parameters(req): Parameters<VerifyRequest>,
+        rc: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        self.long(rc, "verify_generation", move |ctx, b| {
+            crate::ops::verify::verify(ctx, &req, b)
+        })
+        .await
+    }
+
+    /// Measure prefill and decode tokens/s (median, min, max over several runs), time to first token and load
+    /// time, against the platform's bandwidth roofline.
+    #[tool(
+        name = "profile_engine",
+        input_schema = input::<ProfileRequest>(),
+        output_schema = output::<ProfileReport>(),
+        annotations(read_only_hint = true, destructive_hint = false, idempotent_hint = false, open_world_hint = false)
+    )]
+    async fn profile_engine(
+        &self,
+        Parameters(req): Parameters<ProfileRequest>,
+        rc: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        self.long(rc, "profile_engine", move |ctx, b| {
+            crate::ops::profile::profile(ctx, &req, b)
+        })
+        .await
+    }
+}
+
+#[tool_handler]
+impl ServerHandler for Server {
+    fn get_info(&self) -> ServerConfig {
+        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+            .with_server_info(
+                Implementation::new("metainfer", env!("CARGO_PKG_VERSION")).with_title(
+                    "metainfer: contracts, oracles and gates for custom LLM inference engines",
+                ),
+            )
+            .with_instructions(INSTRUCTIONS)
+    }
+}
+
+/// Serve MCP over stdin/stdout until the client closes stdin.
+///
+/// # Errors
+/// When the transport fails to start.
+pub async fn serve_stdio(ctx: Ctx) -> anyhow::Result<()> {
+    let service = Server::new(ctx).serve(rmcp::transport::stdio()).await?;
+    service.waiting().await?;
+    Ok(())
+}

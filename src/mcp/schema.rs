@@ -1,0 +1,182 @@
+//! Portable JSON Schemas for tool inputs and outputs. Several clients reject `$ref`/`$defs`,
+//! `$schema`, `type: [T, "null"]`, top-level `anyOf` and arrays without `items`; these schemas have
+//! none of them: subschemas are inlined and nullability is expressed by leaving a field out of
+//! `required`.
+
+use std::sync::Arc;
+
+use rmcp::model::JsonObject;
+use schemars::JsonSchema;
+use schemars::generate::SchemaSettings;
+use serde_json::Value;
+
+fn generate<T: JsonSchema>(for_output: bool) -> Value {
+    let mut settings = SchemaSettings::draft2020_12();
+    settings.inline_subschemas = true;
+    settings.meta_schema = None;
+    if for_output {
+        settings = settings.for_serialize();
+    }
+    let schema = settings.into_generator().into_root_schema_for::<T>();
+    let mut v = serde_json::to_value(schema).expect("schemas serialise");
+    clean(&mut v);
+    if let Value::Object(o) = &mut v {
+        o.remove("title");
+        o.remove("description");
+        o.entry("properties")
+            .or_insert_with(|| Value::Object(Default::default()));
+    }
+    v
+}
+
+/// Remove what clients reject, recursively.
+fn clean(v: &mut Value) {
+    match v {
+        Value::Object(o) => {
+            o.remove("$schema");
+            o.remove("$defs");
+            o.remove("definitions");
+            if o.get("default").is_some_and(Value::is_null) {
+                o.remove("default");
+            }
+            // type: [T, "null"] -> T
+            if let Some(Value::Array(types)) = o.get("type") {
+                let kept: Vec<Value> = types
+                    .iter()
+                    .filter(|t| t.as_str() != Some("null"))
+                    .cloned()
+                    .collect();
+                let new = if kept.len() == 1 {
+                    kept[0].clone()
+                } else {
+                    Value::Array(kept)
+                };
+                o.insert("type".into(), new);
+            }
+            // anyOf/oneOf [X, {type: null}] -> X merged in place
+            for key in ["anyOf", "oneOf"] {
+                if let Some(Value::Array(alts)) = o.get(key) {
+                    let kept: Vec<Value> = alts
+                        .iter()
+                        .filter(|a| a.get("type").and_then(Value::as_str) != Some("null"))
+                        .cloned()
+                        .collect();
+                    if kept.len() == 1 {
+                        o.remove(key);
+                        if let Value::Object(inner) = kept[0].clone() {
+                            for (k, val) in inner {
+                                o.entry(k).or_insert(val);
+                            }
+                        }
+                    } else {
+                        o.insert(key.into(), Value::Array(kept));
+                    }
+                }
+            }
+            if o.get("type").and_then(Value::as_str) == Some("array") && !o.contains_key("items") {
+                o.insert("items".into(), serde_json::json!({}));
+            }
+            for (_, child) in o.iter_mut() {
+                clean(child);
+            }
+        }
+        Value::Array(a) => a.iter_mut().for_each(clean),
+        _ => {}
+    }
+}
+
+fn object(v: Value) -> Arc<JsonObject> {
+    match v {
+        Value::Object(o) => Arc::new(o),
+        other => panic!("tool schemas are objects, got {other}"),
+    }
+}
+
+/// Portable input schema of a request type.
+pub fn input<T: JsonSchema>() -> Arc<JsonObject> {
+    object(generate::<T>(false))
+}
+
+/// Portable output schema of a report type (describes what `Serialize` writes).
+pub fn output<T: JsonSchema>() -> Arc<JsonObject> {
+    object(generate::<T>(true))
+}
+
+/// Every place a schema is not portable, as JSON pointers with the reason; empty when it is.
+pub fn portability_problems(schema: &Value) -> Vec<String> {
+    fn walk(v: &Value, path: String, out: &mut Vec<String>) {
+        match v {
+            Value::Object(o) => {
+                for bad in ["$ref", "$defs", "$schema", "definitions"] {
+                    if o.contains_key(bad) {
+                        out.push(format!("{path}: has {bad}"));
+                    }
+                }
+                if let Some(Value::Array(t)) = o.get("type")
+                    && t.iter().any(|x| x == "null")
+                {
+                    out.push(format!("{path}: null in a type union"));
+                }
+                if o.get("type").and_then(Value::as_str) == Some("array")
+                    && !o.contains_key("items")
+                {
+                    out.push(format!("{path}: array without items"));
+                }
+                for (k, child) in o {
+                    walk(child, format!("{path}/{k}"), out);
+                }
+            }
+            Value::Array(a) => {
+                for (i, child) in a.iter().enumerate() {
+                    walk(child, format!("{path}/{i}"), out);
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    if schema.get("type").and_then(Value::as_str) != Some("object") {
+        out.push("/: root is not type object".into());
+    }
+    for bad in ["anyOf", "oneOf", "allOf"] {
+        if schema.get(bad).is_some() {
+            out.push(format!("/: top-level {bad}"));
+        }
+    }
+    walk(schema, String::new(), &mut out);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(schemars::JsonSchema, serde::Serialize)]
+    #[allow(dead_code)]
+    struct Inner {
+        x: Option<u32>,
+    }
+    #[derive(schemars::JsonSchema, serde::Serialize)]
+    #[allow(dead_code)]
+    struct Outer {
+        inner: Inner,
+        list: Vec<Inner>,
+        maybe: Option<String>,
+    }
+
+    #[test]
+    fn nested_optional_types_become_portable() {
+        let raw = serde_json::to_value(schemars::schema_for!(Outer)).unwrap();
+        assert!(
+            !portability_problems(&raw).is_empty(),
+            "the raw schemars output must be caught: {raw}"
+        );
+        let s = Value::Object((*input::<Outer>()).clone());
+        assert_eq!(portability_problems(&s), Vec::<String>::new(), "{s}");
+        assert_eq!(s["properties"]["maybe"]["type"], "string");
+        assert_eq!(
+            s["properties"]["list"]["items"]["properties"]["x"]["type"],
+            "integer"
+        );
+    }
+}

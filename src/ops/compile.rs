@@ -1,0 +1,164 @@
+//! compile_engine: build the engine crate with cargo's JSON diagnostics; structured errors with a
+//! contract hint where a fixed signature is involved.
+
+use std::path::Path;
+use std::time::Instant;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::{Ctx, Report};
+use crate::error::Result;
+use crate::harness::{self, Budget, Diagnostic, Exit};
+
+/// Which engine to build.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct CompileRequest {
+    /// Engine crate directory.
+    pub engine: String,
+}
+
+/// Most diagnostics returned; the rest are counted.
+pub const MAX_DIAGNOSTICS: usize = 40;
+
+/// Build result.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct CompileReport {
+    /// Whether the crate built.
+    pub passed: bool,
+    /// sha256 of the engine's sources.
+    pub engine_hash: String,
+    /// Number of errors.
+    pub errors: usize,
+    /// Number of warnings.
+    pub warnings: usize,
+    /// Errors first, then warnings, at most MAX_DIAGNOSTICS.
+    pub diagnostics: Vec<Diagnostic>,
+    /// Diagnostics left out of the list.
+    pub truncated: usize,
+    /// Build time in seconds.
+    pub seconds: f64,
+    /// Cargo's own failure text when it failed without diagnostics (bounded).
+    pub cargo_output: String,
+}
+
+impl Report for CompileReport {
+    fn passed(&self) -> bool {
+        self.passed
+    }
+    fn text(&self) -> String {
+        let mut s = format!(
+            "compile {}: {} error(s), {} warning(s) in {:.1} s\n",
+            if self.passed { "PASSED" } else { "FAILED" },
+            self.errors,
+            self.warnings,
+            self.seconds
+        );
+        for d in &self.diagnostics {
+            s += &format!(
+                "{}{}: {}:{}:{}: {}{}{}\n",
+                d.level,
+                if d.code.is_empty() {
+                    String::new()
+                } else {
+                    format!("[{}]", d.code)
+                },
+                d.file,
+                d.line,
+                d.column,
+                d.message,
+                if d.label.is_empty() {
+                    String::new()
+                } else {
+                    format!(" ({})", d.label)
+                },
+                if d.contract.is_empty() {
+                    String::new()
+                } else {
+                    format!(" -- see contract {}", d.contract)
+                }
+            );
+        }
+        if self.truncated > 0 {
+            s += &format!("[{} more diagnostics not shown]\n", self.truncated);
+        }
+        if !self.cargo_output.is_empty() {
+            s += &self.cargo_output;
+        }
+        s
+    }
+}
+
+/// Name the contract whose skeleton defines the item a diagnostic points at: the file is
+/// `src/<module>.rs` and the message or label names a function of that contract's skeleton.
+fn hint(ctx: &Ctx, d: &mut Diagnostic) {
+    let Some(module) = d
+        .file
+        .strip_prefix("src/")
+        .and_then(|f| f.strip_suffix(".rs"))
+    else {
+        return;
+    };
+    for c in ctx.ckb.all() {
+        let Some(rust) = c.rust.as_ref().filter(|r| r.module == module) else {
+            continue;
+        };
+        let names = rust
+            .skeleton
+            .split("fn ")
+            .skip(1)
+            .filter_map(|s| s.split(['(', '<']).next());
+        let text = format!("{} {}", d.message, d.label);
+        if names
+            .clone()
+            .any(|n| text.contains(&format!("`{n}`")) || text.contains(&format!("{n}(")))
+        {
+            d.contract = c.id.clone();
+            return;
+        }
+    }
+}
+
+/// Build an engine.
+///
+/// # Errors
+/// Not a crate, outside the workspace, or cargo cannot be started.
+pub fn compile(ctx: &Ctx, req: &CompileRequest, budget: &Budget) -> Result<CompileReport> {
+    let started = Instant::now();
+    let dir = ctx.confine(Path::new(&req.engine), true)?;
+    let engine = harness::engine_info(&dir)?;
+    let build = ctx
+        .workshop
+        .cargo_build(&engine.dir.join("Cargo.toml"), budget)?;
+    let report = report_of(ctx, &engine, build);
+    ctx.record("compile_engine", Some(&engine), vec![], &report, serde_json::json!({"errors": report.errors, "warnings": report.warnings, "seconds": report.seconds}), started);
+    Ok(report)
+}
+
+/// Turn a cargo build into a report (also used for the harness build inside the other gates).
+pub fn report_of(ctx: &Ctx, engine: &harness::Engine, build: harness::Build) -> CompileReport {
+    let mut diags = build.diagnostics;
+    diags.iter_mut().for_each(|d| hint(ctx, d));
+    diags.sort_by_key(|d| d.level != "error");
+    let errors = diags.iter().filter(|d| d.level == "error").count();
+    let warnings = diags.len() - errors;
+    let truncated = diags.len().saturating_sub(MAX_DIAGNOSTICS);
+    diags.truncate(MAX_DIAGNOSTICS);
+    let cargo_output = if build.ok || errors > 0 {
+        String::new()
+    } else if build.run.exit == Exit::TimedOut || build.run.exit == Exit::Cancelled {
+        build.run.failure_text(0)
+    } else {
+        build.run.failure_text(4000)
+    };
+    CompileReport {
+        passed: build.ok,
+        engine_hash: engine.hash.clone(),
+        errors,
+        warnings,
+        diagnostics: diags,
+        truncated,
+        seconds: build.run.seconds,
+        cargo_output,
+    }
+}

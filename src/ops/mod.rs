@@ -1,0 +1,181 @@
+//! One module per skill. Plain functions over typed requests returning typed reports; the MCP server
+//! and the CLI both call these. A failed gate is a report with `passed = false`, never an `Err`.
+//!
+//! Depends on ckb, model, oracle, harness and ledger; knows nothing of MCP.
+
+pub mod compile;
+pub mod kernel_test;
+pub mod lookup;
+pub mod plan;
+pub mod profile;
+pub mod scaffold;
+pub mod verify;
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::ckb::Ckb;
+use crate::error::{Error, Result};
+use crate::harness::Workshop;
+use crate::ledger::{Ledger, Outcome};
+
+/// Everything an operation needs from its surroundings.
+#[derive(Debug, Clone)]
+pub struct Ctx {
+    /// The knowledge base.
+    pub ckb: Ckb,
+    /// Build cache and harness location.
+    pub workshop: Workshop,
+    /// Ledger database file.
+    pub ledger: PathBuf,
+    /// When set, every path argument must resolve inside it (or inside `models`).
+    pub workspace: Option<PathBuf>,
+    /// Extra directories model paths may lie in.
+    pub models: Vec<PathBuf>,
+    /// Default time limit of a long operation, seconds.
+    pub time_limit_s: u64,
+}
+
+/// What every report can say about itself.
+pub trait Report: Serialize {
+    /// Whether the check passed (decides exit status 0 or 1).
+    fn passed(&self) -> bool;
+    /// A text rendering useful on its own (MCP text content, CLI output without --json).
+    fn text(&self) -> String;
+}
+
+/// The reference level an engine is built under: what the agent was allowed to read.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ReferenceLevel {
+    /// Knowledge from the CKB only.
+    #[default]
+    Zero,
+    /// Public documentation too.
+    Docs,
+    /// Other implementations' code too.
+    Code,
+}
+
+impl ReferenceLevel {
+    /// Name as recorded in the ledger.
+    pub fn name(self) -> &'static str {
+        match self {
+            ReferenceLevel::Zero => "zero",
+            ReferenceLevel::Docs => "docs",
+            ReferenceLevel::Code => "code",
+        }
+    }
+}
+
+impl Ctx {
+    /// Resolve a path argument (symlinks and `..` included) and check it lies inside the workspace or
+    /// a model directory, when a workspace is configured. `must_exist = false` resolves the parent.
+    ///
+    /// # Errors
+    /// [`crate::error::ErrorKind::Usage`] naming the path and the allowed roots.
+    pub fn confine(&self, path: &Path, must_exist: bool) -> Result<PathBuf> {
+        let resolved = if must_exist || path.exists() {
+            path.canonicalize()
+                .map_err(|e| Error::usage(format!("{}: {e}", path.display())))?
+        } else {
+            let parent = path
+                .parent()
+                .filter(|p| !p.as_os_str().is_empty())
+                .unwrap_or(Path::new("."));
+            let name = path.file_name().ok_or_else(|| {
+                Error::usage(format!("{}: not a file or directory name", path.display()))
+            })?;
+            std::fs::create_dir_all(parent)
+                .map_err(|e| Error::usage(format!("{}: {e}", parent.display())))?;
+            parent
+                .canonicalize()
+                .map_err(|e| Error::usage(format!("{}: {e}", parent.display())))?
+                .join(name)
+        };
+        let Some(ws) = &self.workspace else {
+            return Ok(resolved);
+        };
+        let roots: Vec<PathBuf> = std::iter::once(ws)
+            .chain(&self.models)
+            .filter_map(|r| r.canonicalize().ok())
+            .collect();
+        if roots.iter().any(|r| resolved.starts_with(r)) {
+            Ok(resolved)
+        } else {
+            Err(Error::usage(format!(
+                "{} is outside the workspace; allowed roots: {}",
+                resolved.display(),
+                roots
+                    .iter()
+                    .map(|r| r.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )))
+        }
+    }
+
+    /// Record an outcome in the ledger. A ledger failure is logged, not fatal: the caller's report
+    /// still reaches the agent.
+    pub fn record(
+        &self,
+        tool: &str,
+        engine: Option<&crate::harness::Engine>,
+        contracts: Vec<String>,
+        report: &impl Report,
+        figures: serde_json::Value,
+        started: Instant,
+    ) {
+        let summary = report.text().lines().next().unwrap_or_default().to_string();
+        let outcome = Outcome {
+            id: crate::ledger::new_id(),
+            time: crate::ledger::now_rfc3339(),
+            tool: tool.into(),
+            engine: engine
+                .map(|e| e.dir.display().to_string())
+                .unwrap_or_default(),
+            engine_hash: engine.map(|e| e.hash.clone()).unwrap_or_default(),
+            contracts,
+            passed: report.passed(),
+            summary,
+            figures,
+            reference_level: ReferenceLevel::Zero.name().into(),
+            duration_ms: started.elapsed().as_millis() as u64,
+        };
+        match Ledger::open(&self.ledger).and_then(|l| l.record(&outcome)) {
+            Ok(()) => {}
+            Err(e) => tracing::warn!("outcome not recorded: {e}"),
+        }
+    }
+
+    /// Contract ids with versions, as outcomes record them (`kernel.rope@1`).
+    pub fn versioned(&self, ids: &[&str]) -> Vec<String> {
+        ids.iter()
+            .filter_map(|id| self.ckb.get(id).ok())
+            .map(|c| format!("{}@{}", c.id, c.version))
+            .collect()
+    }
+}
+
+/// Format a float for tables: 3 significant digits in scientific notation.
+pub fn sci(x: f64) -> String {
+    format!("{x:.2e}")
+}
+
+/// Largest text content of one tool result, in characters (clients cut at about 25k tokens).
+pub const MAX_TEXT: usize = 20_000;
+
+/// Bound a text to [`MAX_TEXT`] characters, marking the cut.
+pub fn bound_text(s: &str) -> String {
+    if s.chars().count() <= MAX_TEXT {
+        return s.to_string();
+    }
+    let head: String = s.chars().take(MAX_TEXT).collect();
+    format!(
+        "{head}\n[... truncated: {} more characters; use the structured content or narrower arguments]",
+        s.chars().count() - MAX_TEXT
+    )
+}

@@ -1,0 +1,239 @@
+//! plan_engine: from constraints (model directory, target, dtype) to the phases in build order, each
+//! with its contracts and the gates that check it. Reads config.json only; weights are not needed.
+
+use std::path::Path;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::{Ctx, Report};
+use crate::ckb::{Kind, Phase};
+use crate::error::{Error, Result};
+use crate::model::{self, Gap, ResolvedConfig};
+
+/// Constraints of the engine to build.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct PlanRequest {
+    /// Hugging Face model directory (config.json is read; weights are not needed to plan).
+    pub model: String,
+    /// Target platform name, e.g. `cpu`.
+    #[serde(default = "default_target")]
+    pub target: String,
+    /// Weight and activation dtype, e.g. `f32`.
+    #[serde(default = "default_dtype")]
+    pub dtype: String,
+}
+
+fn default_target() -> String {
+    "cpu".into()
+}
+fn default_dtype() -> String {
+    "f32".into()
+}
+
+/// One phase of the build.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct PhasePlan {
+    /// Phase name, in build order: kernels, weight_loading, decoder_layer, full_forward, generation, performance.
+    pub phase: String,
+    /// Contract ids the phase implements.
+    pub contracts: Vec<String>,
+    /// Tools whose pass unlocks the next phase.
+    pub gates: Vec<String>,
+    /// What to build.
+    pub goal: String,
+}
+
+/// The plan.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct PlanReport {
+    /// Whether the knowledge base covers these constraints.
+    pub covered: bool,
+    /// Model-family contract id, "" when not routed.
+    pub family: String,
+    /// Platform contract id, "" when the target is not covered.
+    pub platform: String,
+    /// dtype asked for.
+    pub dtype: String,
+    /// The config as the engine must read it (defaults applied); absent when not covered.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub config: Option<ResolvedConfig>,
+    /// Why the constraints are not covered: config.json fields, target or dtype.
+    pub gaps: Vec<Gap>,
+    /// Phases in build order.
+    pub phases: Vec<PhasePlan>,
+}
+
+impl Report for PlanReport {
+    fn passed(&self) -> bool {
+        self.covered
+    }
+    fn text(&self) -> String {
+        let mut s = if self.covered {
+            format!(
+                "covered: {} on {} in {}\n",
+                self.family, self.platform, self.dtype
+            )
+        } else {
+            format!("not covered ({} gap(s))\n", self.gaps.len())
+        };
+        for g in &self.gaps {
+            s += &format!("  gap {}: {}\n", g.field, g.reason);
+        }
+        if let Some(c) = &self.config {
+            s += &format!(
+                "config: hidden {} intermediate {} layers {} heads {}/{} kv head_dim {} vocab {} max_seq {} eps {} theta {} tied {}\n",
+                c.hidden,
+                c.intermediate,
+                c.n_layers,
+                c.n_heads,
+                c.n_kv_heads,
+                c.head_dim,
+                c.vocab,
+                c.max_seq,
+                c.rms_norm_eps,
+                c.rope_theta,
+                c.tied
+            );
+        }
+        for (i, p) in self.phases.iter().enumerate() {
+            s += &format!(
+                "{}. {}: {} | gates: {}\n   {}\n",
+                i + 1,
+                p.phase,
+                p.contracts.join(", "),
+                p.gates.join(", "),
+                p.goal
+            );
+        }
+        s
+    }
+}
+
+/// Plan an engine.
+///
+/// # Errors
+/// Unreadable model directory (missing config.json, bad JSON). An uncovered architecture is a
+/// report with gaps, not an error.
+pub fn plan(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
+    let dir = ctx.confine(Path::new(&req.model), true)?;
+    let config = model::read_config(&dir)?;
+    let mut gaps = Vec::new();
+    let family = match model::route(&ctx.ckb, &config) {
+        Ok(c) => Some(c),
+        Err(g) => {
+            gaps.extend(g);
+            None
+        }
+    };
+    let resolved = family.and_then(|f| match model::resolve(f, &config) {
+        Ok(r) => Some(r),
+        Err(g) => {
+            gaps.extend(g);
+            None
+        }
+    });
+    let platform = ctx.ckb.platform_for(&req.target);
+    match platform {
+        None => gaps.push(Gap {
+            field: "target".into(),
+            reason: format!(
+                "no platform contract for target `{}`; covered: {}",
+                req.target,
+                ctx.ckb
+                    .of_kind(Kind::Platform)
+                    .map(|c| c.platform.as_ref().unwrap().target.clone())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        }),
+        Some(p) if !p.platform.as_ref().unwrap().dtypes.contains(&req.dtype) => gaps.push(Gap {
+            field: "dtype".into(),
+            reason: format!(
+                "{} covers dtypes {:?}, not `{}`",
+                p.id,
+                p.platform.as_ref().unwrap().dtypes,
+                req.dtype
+            ),
+        }),
+        Some(_) => {}
+    }
+    let mut phases = Vec::new();
+    if let Some(f) = family {
+        let m = f.model.as_ref().unwrap();
+        let mut ids: Vec<&str> = m
+            .kernels
+            .iter()
+            .chain(&m.components)
+            .map(String::as_str)
+            .collect();
+        ids.push(&f.id);
+        for phase in Phase::ALL {
+            let mut contracts: Vec<String> = ids
+                .iter()
+                .filter_map(|id| ctx.ckb.get(id).ok())
+                .filter(|c| c.phase == Some(phase))
+                .map(|c| c.id.clone())
+                .collect();
+            let (gates, goal): (&[&str], &str) = match phase {
+                Phase::Kernels => (
+                    &["compile_engine", "run_kernel_test"],
+                    "implement every kernel in src/kernels.rs; each is tested alone against the f64 oracle on fresh random inputs",
+                ),
+                Phase::WeightLoading => (
+                    &["compile_engine", "verify_generation"],
+                    "Model::load reads config.json and model.safetensors; shapes checked against the family contract",
+                ),
+                Phase::DecoderLayer => (
+                    &["verify_generation"],
+                    "one decoder layer: pre-norm attention with RoPE and KV cache, residual, pre-norm SiLU-gated MLP, residual",
+                ),
+                Phase::FullForward => (
+                    &["verify_generation"],
+                    "all layers, final norm, lm_head (tied or not): Model::forward and Model::prefill give logits within the family's tolerance",
+                ),
+                Phase::Generation => (
+                    &["verify_generation"],
+                    "tokenizer matches HF tokenizers exactly; greedy tokens match the reference exactly",
+                ),
+                Phase::Performance => (
+                    &["profile_engine"],
+                    "prefill and decode tokens/s on the target; keep every earlier gate green",
+                ),
+            };
+            if matches!(phase, Phase::DecoderLayer | Phase::FullForward) {
+                contracts.push(f.id.clone());
+            }
+            if let Some(p) = platform.filter(|_| phase == Phase::Performance) {
+                contracts.push(p.id.clone());
+            }
+            phases.push(PhasePlan {
+                phase: phase.name().into(),
+                contracts,
+                gates: gates.iter().map(|g| g.to_string()).collect(),
+                goal: goal.into(),
+            });
+        }
+    }
+    Ok(PlanReport {
+        covered: gaps.is_empty(),
+        family: family.map(|f| f.id.clone()).unwrap_or_default(),
+        platform: platform.map(|p| p.id.clone()).unwrap_or_default(),
+        dtype: req.dtype.clone(),
+        config: resolved,
+        gaps,
+        phases,
+    })
+}
+
+/// The constraints as a scaffold records them in the engine's `metainfer.toml`.
+pub fn constraints_toml(req: &PlanRequest, report: &PlanReport) -> Result<String> {
+    let cfg = report
+        .config
+        .as_ref()
+        .ok_or_else(|| Error::usage("constraints are not covered; run plan first"))?;
+    Ok(format!(
+        "# Constraints this engine was scaffolded for (written by metainfer scaffold).\nfamily = {:?}\ntarget = {:?}\ndtype = {:?}\nreference_level = \"zero\"\nmodel = {:?}\nhidden = {}\nn_layers = {}\nvocab = {}\n",
+        report.family, req.target, req.dtype, req.model, cfg.hidden, cfg.n_layers, cfg.vocab
+    ))
+}

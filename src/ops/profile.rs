@@ -1,0 +1,256 @@
+//! profile_engine: prefill and decode tokens/s (median, min, max of several runs) and time per phase,
+//! measured by the harness on a real checkpoint.
+
+use std::path::Path;
+use std::time::Instant;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::{Ctx, Report};
+use crate::error::{Error, Result};
+use crate::harness::{self, Budget};
+
+/// What to profile.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct ProfileRequest {
+    /// Engine crate directory.
+    pub engine: String,
+    /// Hugging Face model directory.
+    pub model: String,
+    /// Prompt length in tokens for the prefill measurement (default 32).
+    #[serde(default)]
+    pub prompt_len: Option<usize>,
+    /// Tokens decoded per run (default 64).
+    #[serde(default)]
+    pub new_tokens: Option<usize>,
+    /// Runs; medians are over these (default 5).
+    #[serde(default)]
+    pub runs: Option<usize>,
+}
+
+/// Median, min and max of one figure over the runs.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, JsonSchema, PartialEq)]
+pub struct Spread {
+    /// Median.
+    pub median: f64,
+    /// Smallest.
+    pub min: f64,
+    /// Largest.
+    pub max: f64,
+}
+
+impl Spread {
+    /// Spread of a non-empty sample.
+    pub fn of(v: &[f64]) -> Spread {
+        let mut s = v.to_vec();
+        s.sort_by(|a, b| a.total_cmp(b));
+        if s.is_empty() {
+            return Spread {
+                median: f64::NAN,
+                min: f64::NAN,
+                max: f64::NAN,
+            };
+        }
+        let median = if s.len() % 2 == 1 {
+            s[s.len() / 2]
+        } else {
+            (s[s.len() / 2 - 1] + s[s.len() / 2]) / 2.0
+        };
+        Spread {
+            median,
+            min: s[0],
+            max: s[s.len() - 1],
+        }
+    }
+}
+
+/// Profile result.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct ProfileReport {
+    /// Whether the profile ran.
+    pub passed: bool,
+    /// Whether verify_generation last passed on exactly these sources (figures of an unverified
+    /// engine are marked, never silently trusted).
+    pub verified: bool,
+    /// Prompt length used.
+    pub prompt_len: usize,
+    /// Tokens decoded per run.
+    pub new_tokens: usize,
+    /// Runs.
+    pub runs: usize,
+    /// Prefill tokens/s.
+    pub prefill_tok_s: Spread,
+    /// Decode tokens/s.
+    pub decode_tok_s: Spread,
+    /// Time to first token (prefill of the prompt), ms.
+    pub first_token_ms: Spread,
+    /// Model load time, ms.
+    pub load_ms: f64,
+    /// Decode roofline: platform bandwidth (1 thread) / bytes of f32 weights read per token, tokens/s.
+    pub roofline_decode_tok_s: f64,
+    /// Harness failure text, when it failed.
+    pub error: String,
+}
+
+impl Report for ProfileReport {
+    fn passed(&self) -> bool {
+        self.passed
+    }
+    fn text(&self) -> String {
+        if !self.passed {
+            return format!("profile FAILED: {}", self.error);
+        }
+        format!(
+            "profile{}: decode {:.0} tok/s (min {:.0}, max {:.0}), prefill {:.0} tok/s (min {:.0}, max {:.0}) over {} runs\n\
+             time to first token {:.2} ms ({} prompt tokens), load {:.1} ms; 1-thread bandwidth roofline {:.0} tok/s ({:.0}% of it)\n",
+            if self.verified {
+                ""
+            } else {
+                " (UNVERIFIED: verify_generation has not passed on these sources)"
+            },
+            self.decode_tok_s.median,
+            self.decode_tok_s.min,
+            self.decode_tok_s.max,
+            self.prefill_tok_s.median,
+            self.prefill_tok_s.min,
+            self.prefill_tok_s.max,
+            self.runs,
+            self.first_token_ms.median,
+            self.prompt_len,
+            self.load_ms,
+            self.roofline_decode_tok_s,
+            100.0 * self.decode_tok_s.median / self.roofline_decode_tok_s
+        )
+    }
+}
+
+/// Profile an engine.
+///
+/// # Errors
+/// Not a crate, unreadable or uncovered model, outside the workspace, or the harness cannot start.
+pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<ProfileReport> {
+    let started = Instant::now();
+    let dir = ctx.confine(Path::new(&req.engine), true)?;
+    let model_dir = ctx.confine(Path::new(&req.model), true)?;
+    let engine = harness::engine_info(&dir)?;
+    let cfg = crate::model::load_config(&ctx.ckb, &model_dir)?;
+    let prompt_len = req
+        .prompt_len
+        .unwrap_or(32)
+        .clamp(1, cfg.max_seq.saturating_sub(1).max(1));
+    let new_tokens = req
+        .new_tokens
+        .unwrap_or(64)
+        .clamp(1, cfg.max_seq - prompt_len);
+    let runs = req.runs.unwrap_or(5).clamp(1, 100);
+    let verified = crate::ledger::Ledger::open(&ctx.ledger)
+        .and_then(|l| l.passed_on("verify_generation", &engine.hash))
+        .unwrap_or(false);
+    let weights = (cfg.vocab * cfg.hidden * if cfg.tied { 1 } else { 2 })
+        + cfg.n_layers
+            * (cfg.hidden * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+                + 3 * cfg.hidden * cfg.intermediate
+                + 2 * cfg.hidden)
+        + cfg.hidden;
+    // The embedding row read per token is negligible; lm_head (or the tied table) is read in full.
+    let bytes_per_token =
+        4.0 * (weights - if cfg.tied { 0 } else { cfg.vocab * cfg.hidden }) as f64;
+    let bandwidth = ctx
+        .ckb
+        .platform_for("cpu")
+        .and_then(|p| {
+            p.platform
+                .as_ref()
+                .and_then(|p| p.bandwidth_gbs.get("1").copied())
+        })
+        .unwrap_or(15.0);
+    let roofline = bandwidth * 1e9 / bytes_per_token;
+    let mut report = ProfileReport {
+        passed: false,
+        verified,
+        prompt_len,
+        new_tokens,
+        runs,
+        prefill_tok_s: Spread::of(&[]),
+        decode_tok_s: Spread::of(&[]),
+        first_token_ms: Spread::of(&[]),
+        load_ms: 0.0,
+        roofline_decode_tok_s: roofline,
+        error: String::new(),
+    };
+    let build = ctx.workshop.build_harness(&engine, budget)?;
+    let Some(exe) = build.executable.clone().filter(|_| build.ok) else {
+        report.error = format!(
+            "the engine does not build with the harness:\n{}",
+            super::Report::text(&super::compile::report_of(ctx, &engine, build))
+        );
+        ctx.record(
+            "profile_engine",
+            Some(&engine),
+            vec![],
+            &report,
+            serde_json::json!({}),
+            started,
+        );
+        return Ok(report);
+    };
+    let run = harness::run(
+        duct::cmd(
+            &exe,
+            [
+                "profile".into(),
+                model_dir.clone().into_os_string(),
+                prompt_len.to_string().into(),
+                new_tokens.to_string().into(),
+                runs.to_string().into(),
+            ] as [std::ffi::OsString; 5],
+        ),
+        budget,
+    )?;
+    if !run.ok() {
+        report.error = format!("the engine's profile process {}", run.failure_text(2000));
+        ctx.record(
+            "profile_engine",
+            Some(&engine),
+            vec![],
+            &report,
+            serde_json::json!({}),
+            started,
+        );
+        return Ok(report);
+    }
+    let v: serde_json::Value = serde_json::from_str(run.stdout.lines().last().unwrap_or_default())
+        .map_err(|e| Error::internal(format!("harness profile output is not JSON: {e}")))?;
+    let nums = |k: &str| -> Vec<f64> {
+        v[k].as_array()
+            .map(|a| a.iter().filter_map(|x| x.as_f64()).collect())
+            .unwrap_or_default()
+    };
+    let prefill: Vec<f64> = nums("prefill_s")
+        .iter()
+        .map(|s| prompt_len as f64 / s)
+        .collect();
+    let decode: Vec<f64> = nums("decode_s_per_token").iter().map(|s| 1.0 / s).collect();
+    let first: Vec<f64> = nums("first_token_s").iter().map(|s| s * 1e3).collect();
+    report.prefill_tok_s = Spread::of(&prefill);
+    report.decode_tok_s = Spread::of(&decode);
+    report.first_token_ms = Spread::of(&first);
+    report.load_ms = v["load_s"].as_f64().unwrap_or(f64::NAN) * 1e3;
+    report.passed = !decode.is_empty();
+    let figures = serde_json::json!({
+        "decode_tok_s": report.decode_tok_s.median,
+        "prefill_tok_s": report.prefill_tok_s.median,
+        "roofline_decode_tok_s": roofline,
+        "verified": verified,
+    });
+    ctx.record(
+        "profile_engine",
+        Some(&engine),
+        vec![],
+        &report,
+        figures,
+        started,
+    );
+    Ok(report)
+}

@@ -1,0 +1,259 @@
+//! scaffold_engine: write a compilable engine crate for the constraints, with the public signatures
+//! the gates call (from the contracts' `rust` sections), their docs, and `todo!()` bodies.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::plan::{PlanRequest, constraints_toml, plan};
+use super::{Ctx, Report};
+use crate::error::{Error, Result};
+
+/// Where and for what to scaffold.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct ScaffoldRequest {
+    /// Hugging Face model directory the engine is for.
+    pub model: String,
+    /// Directory to create the crate in; must be empty or absent unless `force`.
+    pub out: String,
+    /// Target platform, e.g. `cpu`.
+    #[serde(default = "cpu")]
+    pub target: String,
+    /// dtype, e.g. `f32`.
+    #[serde(default = "f32")]
+    pub dtype: String,
+    /// Crate name; default `engine`.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Overwrite the scaffold's files in a non-empty directory (other files are kept).
+    #[serde(default)]
+    pub force: bool,
+}
+
+fn cpu() -> String {
+    "cpu".into()
+}
+fn f32() -> String {
+    "f32".into()
+}
+
+/// What was written.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct ScaffoldReport {
+    /// Engine crate directory (absolute).
+    pub dir: String,
+    /// Files written, relative to `dir`.
+    pub files: Vec<String>,
+    /// Contract ids whose signatures were written.
+    pub contracts: Vec<String>,
+    /// What to do next.
+    pub next: String,
+}
+
+impl Report for ScaffoldReport {
+    fn passed(&self) -> bool {
+        true
+    }
+    fn text(&self) -> String {
+        format!(
+            "scaffolded {} ({} files: {})\ncontracts: {}\nnext: {}",
+            self.dir,
+            self.files.len(),
+            self.files.join(", "),
+            self.contracts.join(", "),
+            self.next
+        )
+    }
+}
+
+/// The files of a scaffold, as (relative path, contents), for the constraints.
+///
+/// # Errors
+/// When the constraints are not covered.
+pub fn render(ctx: &Ctx, req: &ScaffoldRequest) -> Result<(Vec<(String, String)>, Vec<String>)> {
+    let preq = PlanRequest {
+        model: req.model.clone(),
+        target: req.target.clone(),
+        dtype: req.dtype.clone(),
+    };
+    let report = plan(ctx, &preq)?;
+    if !report.covered {
+        return Err(Error::usage(format!(
+            "cannot scaffold: the constraints are not covered:\n{}",
+            report
+                .gaps
+                .iter()
+                .map(|g| format!("  {}: {}", g.field, g.reason))
+                .collect::<Vec<_>>()
+                .join("\n")
+        )));
+    }
+    let name = req.name.clone().unwrap_or_else(|| "engine".into());
+    if name.is_empty()
+        || !name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+    {
+        return Err(Error::usage(format!(
+            "crate name {name:?} must be ASCII letters, digits, '-' or '_'"
+        )));
+    }
+    let mut modules: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let mut contracts = Vec::new();
+    let mut order: Vec<String> = Vec::new();
+    for phase in &report.phases {
+        for id in &phase.contracts {
+            let c = ctx.ckb.get(id)?;
+            if let Some(rust) = &c.rust
+                && !contracts.contains(&c.id)
+            {
+                contracts.push(c.id.clone());
+                if !order.contains(&rust.module) {
+                    order.push(rust.module.clone());
+                }
+                modules
+                    .entry(rust.module.clone())
+                    .or_default()
+                    .push(format!(
+                        "// Contract {} v{} ({}): {}\n{}\n",
+                        c.id,
+                        c.version,
+                        c.phase.map(|p| p.name()).unwrap_or("model"),
+                        c.summary,
+                        rust.skeleton.trim_end()
+                    ));
+            }
+        }
+    }
+    let mut files = Vec::new();
+    files.push((
+        "Cargo.toml".into(),
+        format!(
+            "[package]\nname = {name:?}\nversion = \"0.1.0\"\nedition = \"2024\"\npublish = false\n\n\
+             # General-purpose crates only: no inference framework or its bindings (zero-reference rule).\n\
+             [dependencies]\nsafetensors = \"0.8\"\nserde = {{ version = \"1\", features = [\"derive\"] }}\nserde_json = \"1\"\n\n\
+             # A standalone crate, even inside another workspace.\n[workspace]\n"
+        ),
+    ));
+    let mut lib = String::from(
+        "//! Inference engine scaffolded by metainfer. Fill in every `todo!()` from the contracts\n\
+         //! (`metainfer contract show ID`); the public signatures are what the gates call: keep them.\n\
+         #![allow(unused_variables)]\n\n",
+    );
+    for m in &order {
+        lib += &format!("pub mod {m};\n");
+    }
+    files.push(("src/lib.rs".into(), lib));
+    for m in &order {
+        let body = modules[m].join("\n");
+        // Skeletons that refer to paths bring their own `use` lines; hoist them to the top.
+        let (uses, rest): (Vec<&str>, Vec<&str>) =
+            body.lines().partition(|l| l.starts_with("use "));
+        let mut uses: Vec<&str> = uses;
+        uses.sort();
+        uses.dedup();
+        let mut text = format!(
+            "//! Module `{m}`: contracts {}.\n\n",
+            contracts_in(ctx, m, &contracts).join(", ")
+        );
+        if !uses.is_empty() {
+            text += &(uses.join("\n") + "\n\n");
+        }
+        text += &rest.join("\n");
+        text += "\n";
+        files.push((format!("src/{m}.rs"), text));
+    }
+    let constraints = constraints_toml(
+        &PlanRequest {
+            model: req.model.clone(),
+            target: req.target.clone(),
+            dtype: req.dtype.clone(),
+        },
+        &report,
+    )?;
+    files.push(("metainfer.toml".into(), constraints));
+    files.push((
+        "PLAN.md".into(),
+        format!("# Build plan\n\n```\n{}```\n", report.text()),
+    ));
+    Ok((files, contracts))
+}
+
+fn contracts_in(ctx: &Ctx, module: &str, ids: &[String]) -> Vec<String> {
+    ids.iter()
+        .filter(|id| {
+            ctx.ckb
+                .get(id)
+                .ok()
+                .and_then(|c| c.rust.as_ref())
+                .is_some_and(|r| r.module == module)
+        })
+        .cloned()
+        .collect()
+}
+
+/// Scaffold an engine crate.
+///
+/// # Errors
+/// Uncovered constraints; a non-empty `out` without `force`; a path outside the workspace.
+pub fn scaffold(ctx: &Ctx, req: &ScaffoldRequest) -> Result<ScaffoldReport> {
+    let out = ctx.confine(Path::new(&req.out), false)?;
+    let (files, contracts) = render(ctx, req)?;
+    let non_empty = out.is_dir()
+        && std::fs::read_dir(&out)
+            .map(|mut d| d.next().is_some())
+            .unwrap_or(false);
+    if out.exists() && !out.is_dir() {
+        return Err(Error::usage(format!(
+            "{} exists and is not a directory",
+            out.display()
+        )));
+    }
+    if non_empty && !req.force {
+        return Err(Error::usage(format!(
+            "{} is not empty; choose an empty or new directory, or pass force to overwrite the scaffold's files",
+            out.display()
+        )));
+    }
+    // Write into a sibling temporary directory first, then move each file into place, so that a
+    // failure part-way leaves no half-written crate.
+    let parent = out
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."));
+    std::fs::create_dir_all(&parent)
+        .map_err(|e| Error::usage(format!("{}: {e}", parent.display())))?;
+    let staging = tempfile::tempdir_in(&parent)
+        .map_err(|e| Error::internal(format!("cannot stage in {}: {e}", parent.display())))?;
+    for (rel, text) in &files {
+        let p = staging.path().join(rel);
+        std::fs::create_dir_all(p.parent().unwrap())
+            .map_err(|e| Error::internal(format!("{}: {e}", p.display())))?;
+        std::fs::write(&p, text).map_err(|e| Error::internal(format!("{}: {e}", p.display())))?;
+    }
+    if !out.exists() || !non_empty {
+        if out.exists() {
+            std::fs::remove_dir(&out)
+                .map_err(|e| Error::internal(format!("{}: {e}", out.display())))?;
+        }
+        let staged = staging.keep();
+        std::fs::rename(&staged, &out)
+            .map_err(|e| Error::internal(format!("moving scaffold to {}: {e}", out.display())))?;
+    } else {
+        for (rel, _) in &files {
+            let to = out.join(rel);
+            std::fs::create_dir_all(to.parent().unwrap())
+                .map_err(|e| Error::internal(format!("{}: {e}", to.display())))?;
+            std::fs::rename(staging.path().join(rel), &to)
+                .map_err(|e| Error::internal(format!("{}: {e}", to.display())))?;
+        }
+    }
+    Ok(ScaffoldReport {
+        dir: out.display().to_string(),
+        files: files.into_iter().map(|(r, _)| r).collect(),
+        contracts,
+        next: "implement src/kernels.rs, then call compile_engine and run_kernel_test; then the model, tokenizer and generate modules, then verify_generation".into(),
+    })
+}

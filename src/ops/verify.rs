@@ -1,0 +1,398 @@
+//! verify_generation: load a real checkpoint through the engine, check its tokenizer against HF
+//! `tokenizers`, run greedy generation, and compare the tokens exactly and the per-step logits within
+//! the family's tolerance against the server's f64 reference forward pass.
+//!
+//! Some prompts are drawn at random on every run (seed reported), so no hard-coded output can pass.
+
+use std::path::Path;
+use std::time::Instant;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::{Ctx, Report};
+use crate::ckb::Tolerance;
+use crate::error::{Error, Result};
+use crate::harness::{self, Budget};
+use crate::model;
+use crate::oracle::llama::Reference;
+
+/// What to verify.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct VerifyRequest {
+    /// Engine crate directory.
+    pub engine: String,
+    /// Hugging Face model directory with real weights.
+    pub model: String,
+    /// Prompts of your own; two more are drawn at random on every run.
+    #[serde(default)]
+    pub prompts: Vec<String>,
+    /// Tokens to generate per prompt (default 32).
+    #[serde(default)]
+    pub max_new_tokens: Option<usize>,
+    /// Seed for the random prompts, to replay a run.
+    #[serde(default)]
+    pub seed: Option<u64>,
+}
+
+/// The verdict for one prompt.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct PromptResult {
+    /// The prompt.
+    pub prompt: String,
+    /// Whether the prompt was drawn at random by the server.
+    pub random: bool,
+    /// Engine ids equal HF tokenizers' ids (BOS included).
+    pub tokenizer_ok: bool,
+    /// Greedy tokens equal the reference's (up to a near-tie, see `tie_at`).
+    pub tokens_ok: bool,
+    /// Logits within tolerance at every compared step.
+    pub logits_ok: bool,
+    /// Steps compared.
+    pub steps: usize,
+    /// First step where the engine's token differs from the reference, -1 when none.
+    pub first_mismatch: i64,
+    /// Step at which the reference's top two logits were within tolerance and the engine took the
+    /// other one: accepted, comparison stops there. -1 when none.
+    pub tie_at: i64,
+    /// Largest |engine - reference| logit over compared steps.
+    pub max_abs_err: f64,
+    /// Text the engine generated (its own decode).
+    pub text: String,
+    /// Text HF tokenizers decode from the engine's ids; must equal `text`.
+    pub reference_text: String,
+    /// What failed, in words.
+    pub error: String,
+}
+
+/// Verification result.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct VerifyReport {
+    /// Whether every prompt passed every check.
+    pub passed: bool,
+    /// Seed of the random prompts.
+    pub seed: u64,
+    /// Model-family contract used for the reference.
+    pub family: String,
+    /// Logit tolerance applied.
+    pub atol: f64,
+    /// Logit tolerance applied.
+    pub rtol: f64,
+    /// Per prompt.
+    pub prompts: Vec<PromptResult>,
+    /// Harness build or run failure, when there was one.
+    pub error: String,
+}
+
+impl Report for VerifyReport {
+    fn passed(&self) -> bool {
+        self.passed
+    }
+    fn text(&self) -> String {
+        let ok = self.prompts.iter().filter(|p| p.error.is_empty()).count();
+        let mut s = format!(
+            "verify {}: {ok}/{} prompts passed (seed {}, {}, logits atol {} rtol {})\n",
+            if self.passed { "PASSED" } else { "FAILED" },
+            self.prompts.len(),
+            self.seed,
+            self.family,
+            self.atol,
+            self.rtol
+        );
+        if !self.error.is_empty() {
+            s += &format!("{}\n", self.error);
+        }
+        for p in &self.prompts {
+            s += &format!(
+                "{} {:?}{}: tokenizer {} tokens {} logits {} ({} steps, max abs {})\n   {:?}\n",
+                if p.error.is_empty() { "ok  " } else { "FAIL" },
+                p.prompt,
+                if p.random { " (random)" } else { "" },
+                mark(p.tokenizer_ok),
+                mark(p.tokens_ok),
+                mark(p.logits_ok),
+                p.steps,
+                super::sci(p.max_abs_err),
+                p.text
+            );
+            if !p.error.is_empty() {
+                s += &format!("   {}\n", p.error);
+            }
+        }
+        s
+    }
+}
+
+fn mark(b: bool) -> &'static str {
+    if b { "ok" } else { "FAIL" }
+}
+
+/// FNV-1a 64-bit hash of a string (Fowler, Noll, Vo), used to derive per-item seeds.
+pub fn fnv1a(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// Words for random prompts: common in children's stories, so tiny story models stay in distribution.
+const WORDS: &[&str] = &[
+    "the", "a", "little", "dog", "cat", "girl", "boy", "sun", "tree", "ball", "happy", "big",
+    "red", "park", "mom", "friend", "bird", "toy", "played", "saw", "went", "day", "one", "was",
+    "and", "with", "car", "box", "blue", "fish",
+];
+
+/// Draw `n` prompts of 2-6 words.
+pub fn random_prompts(seed: u64, n: usize) -> Vec<String> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    (0..n)
+        .map(|_| {
+            let len = rng.random_range(2..=6);
+            let words: Vec<&str> = (0..len)
+                .map(|_| WORDS[rng.random_range(0..WORDS.len())])
+                .collect();
+            let mut s = words.join(" ");
+            if let Some(first) = s.get(..1) {
+                s = first.to_uppercase() + &s[1..];
+            }
+            s
+        })
+        .collect()
+}
+
+/// Verify generation.
+///
+/// # Errors
+/// Not a crate, unreadable model, uncovered config, outside the workspace, or the harness cannot be
+/// started. An engine that fails to build or produces wrong output is a report, not an error.
+pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyReport> {
+    let started = Instant::now();
+    let dir = ctx.confine(Path::new(&req.engine), true)?;
+    let model_dir = ctx.confine(Path::new(&req.model), true)?;
+    let engine = harness::engine_info(&dir)?;
+    let cfg = model::load_config(&ctx.ckb, &model_dir)?;
+    let family = ctx.ckb.get(&cfg.family)?;
+    let tol = family
+        .model
+        .as_ref()
+        .and_then(|m| m.logits_tolerance.get("f32").cloned())
+        .unwrap_or(Tolerance {
+            atol: 1e-3,
+            rtol: 1e-3,
+            reasoning: String::new(),
+        });
+    let tensors = model::read_safetensors(&model_dir)?;
+    let mut reference = Reference::new(&cfg, &tensors)?;
+    let tok = model::hf_tokenizer(&model_dir)?;
+    let max_new = req.max_new_tokens.unwrap_or(32).clamp(1, 4096);
+    let seed = req.seed.unwrap_or_else(|| rand::rng().random());
+    let mut prompts: Vec<(String, bool)> = req.prompts.iter().map(|p| (p.clone(), false)).collect();
+    if prompts.is_empty() {
+        prompts.push(("Once upon a time".into(), false));
+    }
+    prompts.extend(random_prompts(seed, 2).into_iter().map(|p| (p, true)));
+
+    let mut contract_ids: Vec<&str> = vec![family.id.as_str()];
+    let m = family.model.as_ref().expect("model contract");
+    contract_ids.extend(m.kernels.iter().chain(&m.components).map(String::as_str));
+    let versioned = ctx.versioned(&contract_ids);
+
+    let fail = |error: String, prompts: Vec<PromptResult>| VerifyReport {
+        passed: false,
+        seed,
+        family: family.id.clone(),
+        atol: tol.atol,
+        rtol: tol.rtol,
+        prompts,
+        error,
+    };
+    let build = ctx.workshop.build_harness(&engine, budget)?;
+    let Some(exe) = build.executable.clone().filter(|_| build.ok) else {
+        let compile = super::compile::report_of(ctx, &engine, build);
+        let report = fail(
+            format!(
+                "the engine does not build with the harness:\n{}",
+                super::Report::text(&compile)
+            ),
+            vec![],
+        );
+        ctx.record(
+            "verify_generation",
+            Some(&engine),
+            versioned,
+            &report,
+            serde_json::json!({"seed": seed}),
+            started,
+        );
+        return Ok(report);
+    };
+
+    let scratch = ctx.workshop.scratch()?;
+    let request = scratch.path().join("generate.json");
+    let out = scratch.path().join("generate.safetensors");
+    let texts: Vec<&str> = prompts.iter().map(|(p, _)| p.as_str()).collect();
+    std::fs::write(
+        &request,
+        serde_json::json!({"prompts": texts, "max_new_tokens": max_new}).to_string(),
+    )
+    .map_err(|e| Error::internal(format!("{}: {e}", request.display())))?;
+    let run = harness::run(
+        duct::cmd(
+            &exe,
+            [
+                std::ffi::OsStr::new("generate"),
+                model_dir.as_os_str(),
+                request.as_os_str(),
+                out.as_os_str(),
+            ],
+        ),
+        budget,
+    )?;
+    if !run.ok() {
+        let report = fail(
+            format!("the engine's generation process {}", run.failure_text(2000)),
+            vec![],
+        );
+        ctx.record(
+            "verify_generation",
+            Some(&engine),
+            versioned,
+            &report,
+            serde_json::json!({"seed": seed}),
+            started,
+        );
+        return Ok(report);
+    }
+    let (meta, mut tensors_out) = harness::read_tensor_words(&out)?;
+    for (k, v) in tensors_out.clone() {
+        if let Some(i) = k.strip_prefix("logits.") {
+            tensors_out.insert(format!("logits_f.{i}"), v);
+        }
+    }
+
+    let mut results = Vec::new();
+    for (i, (prompt, random)) in prompts.iter().enumerate() {
+        let mut r = PromptResult {
+            prompt: prompt.clone(),
+            random: *random,
+            tokenizer_ok: false,
+            tokens_ok: false,
+            logits_ok: false,
+            steps: 0,
+            first_mismatch: -1,
+            tie_at: -1,
+            max_abs_err: 0.0,
+            text: meta.get(&format!("text.{i}")).cloned().unwrap_or_default(),
+            reference_text: String::new(),
+            error: String::new(),
+        };
+        let want_ids = model::hf_encode(&tok, prompt)?;
+        let got_ids = tensors_out
+            .get(&format!("prompt_ids.{i}"))
+            .cloned()
+            .unwrap_or_default();
+        r.tokenizer_ok = got_ids == want_ids;
+        let (rows, want_tokens) = reference.greedy(&want_ids, max_new)?;
+        let got_tokens = tensors_out
+            .get(&format!("tokens.{i}"))
+            .cloned()
+            .unwrap_or_default();
+        let got_logits = tensors_out
+            .get(&format!("logits_f.{i}"))
+            .cloned()
+            .unwrap_or_default();
+        let got_logits: Vec<f32> = got_logits.iter().map(|&b| f32::from_bits(b)).collect();
+        let vocab = cfg.vocab;
+        let mut logits_ok =
+            got_logits.len() >= vocab * want_tokens.len().min(got_tokens.len()).max(1);
+        let mut tokens_ok = got_tokens.len() == want_tokens.len();
+        for (step, want_row) in rows.iter().enumerate() {
+            let Some(got_row) = got_logits.get(step * vocab..(step + 1) * vocab) else {
+                break;
+            };
+            r.steps = step + 1;
+            let (abs, _, _, ok) = super::kernel_test::compare(got_row, want_row, &tol);
+            r.max_abs_err = r.max_abs_err.max(abs);
+            logits_ok &= ok;
+            let (Some(&g), Some(&w)) = (got_tokens.get(step), want_tokens.get(step)) else {
+                break;
+            };
+            if g != w {
+                // A near-tie in the reference: the engine's choice is within tolerance of the best.
+                let best = want_row[w as usize];
+                let theirs = want_row
+                    .get(g as usize)
+                    .copied()
+                    .unwrap_or(f64::NEG_INFINITY);
+                if ok && best - theirs <= tol.atol + tol.rtol * best.abs() {
+                    r.tie_at = step as i64;
+                } else {
+                    tokens_ok = false;
+                    r.first_mismatch = step as i64;
+                }
+                break;
+            }
+        }
+        r.logits_ok = logits_ok && r.steps > 0;
+        r.tokens_ok = tokens_ok && r.steps > 0;
+        let mut all = got_ids.clone();
+        all.extend_from_slice(&got_tokens);
+        r.reference_text = model::hf_decode(&tok, &all).unwrap_or_default();
+        let text_ok = r.reference_text == r.text;
+        let mut why = Vec::new();
+        if !r.tokenizer_ok {
+            why.push(format!(
+                "tokenizer: engine ids {got_ids:?} != HF ids {want_ids:?}"
+            ));
+        }
+        if !r.logits_ok {
+            why.push(format!(
+                "logits: max abs error {} exceeds atol {} rtol {} (or missing rows)",
+                super::sci(r.max_abs_err),
+                tol.atol,
+                tol.rtol
+            ));
+        }
+        if !r.tokens_ok {
+            why.push(format!(
+                "tokens: first mismatch at step {} (engine {:?} vs reference {:?})",
+                r.first_mismatch,
+                got_tokens.get(r.first_mismatch.max(0) as usize),
+                want_tokens.get(r.first_mismatch.max(0) as usize)
+            ));
+        }
+        if !text_ok {
+            why.push(format!(
+                "decode: engine text {:?} != HF decode {:?}",
+                r.text, r.reference_text
+            ));
+        }
+        r.error = why.join("; ");
+        results.push(r);
+    }
+    let passed = results.iter().all(|r| r.error.is_empty());
+    let report = VerifyReport {
+        passed,
+        seed,
+        family: family.id.clone(),
+        atol: tol.atol,
+        rtol: tol.rtol,
+        prompts: results,
+        error: String::new(),
+    };
+    let figures = serde_json::json!({
+        "seed": seed,
+        "max_abs_err": report.prompts.iter().map(|p| p.max_abs_err).fold(0.0, f64::max),
+        "prompts": report.prompts.len(),
+    });
+    ctx.record(
+        "verify_generation",
+        Some(&engine),
+        versioned,
+        &report,
+        figures,
+        started,
+    );
+    Ok(report)
+}

@@ -1,0 +1,189 @@
+//! Reference forward pass of the Llama family (contract model.llama) in f64, built from the oracle
+//! kernels. Used by verify_generation as the expected logits and tokens.
+
+use super::{AttnShape, argmax, attention, embedding, linear, rms_norm, rope, silu_and_mul, widen};
+use crate::error::{Error, Result};
+use crate::model::{ResolvedConfig, Tensors};
+
+struct Layer {
+    attn_norm: Vec<f64>,
+    wq: Vec<f64>,
+    wk: Vec<f64>,
+    wv: Vec<f64>,
+    wo: Vec<f64>,
+    ffn_norm: Vec<f64>,
+    w_gate: Vec<f64>,
+    w_up: Vec<f64>,
+    w_down: Vec<f64>,
+}
+
+/// The reference model with its f64 KV cache.
+pub struct Reference {
+    cfg: ResolvedConfig,
+    embed: Vec<f64>,
+    layers: Vec<Layer>,
+    norm: Vec<f64>,
+    lm_head: Option<Vec<f64>>,
+    k_cache: Vec<Vec<f64>>,
+    v_cache: Vec<Vec<f64>>,
+    len: usize,
+}
+
+impl Reference {
+    /// Build from a resolved config and the checkpoint's tensors, checking every shape.
+    ///
+    /// # Errors
+    /// [`crate::error::ErrorKind::Input`] naming a missing tensor or a shape that disagrees with config.json.
+    pub fn new(cfg: &ResolvedConfig, tensors: &Tensors) -> Result<Reference> {
+        let get = |name: &str, shape: &[usize]| -> Result<Vec<f64>> {
+            let (s, v) = tensors.get(name).ok_or_else(|| {
+                Error::input(format!(
+                    "model.safetensors has no tensor `{name}` (required by {})",
+                    cfg.family
+                ))
+            })?;
+            if s != shape {
+                return Err(Error::input(format!(
+                    "tensor `{name}` has shape {s:?}, config.json implies {shape:?}"
+                )));
+            }
+            Ok(widen(v))
+        };
+        let (h, hd, nh, nkv, ff) = (
+            cfg.hidden,
+            cfg.head_dim,
+            cfg.n_heads,
+            cfg.n_kv_heads,
+            cfg.intermediate,
+        );
+        let mut layers = Vec::new();
+        for i in 0..cfg.n_layers {
+            let p = format!("model.layers.{i}.");
+            layers.push(Layer {
+                attn_norm: get(&format!("{p}input_layernorm.weight"), &[h])?,
+                wq: get(&format!("{p}self_attn.q_proj.weight"), &[nh * hd, h])?,
+                wk: get(&format!("{p}self_attn.k_proj.weight"), &[nkv * hd, h])?,
+                wv: get(&format!("{p}self_attn.v_proj.weight"), &[nkv * hd, h])?,
+                wo: get(&format!("{p}self_attn.o_proj.weight"), &[h, nh * hd])?,
+                ffn_norm: get(&format!("{p}post_attention_layernorm.weight"), &[h])?,
+                w_gate: get(&format!("{p}mlp.gate_proj.weight"), &[ff, h])?,
+                w_up: get(&format!("{p}mlp.up_proj.weight"), &[ff, h])?,
+                w_down: get(&format!("{p}mlp.down_proj.weight"), &[h, ff])?,
+            });
+        }
+        let lm_head = if tensors.contains_key("lm_head.weight") {
+            Some(get("lm_head.weight", &[cfg.vocab, h])?)
+        } else if cfg.tied {
+            None
+        } else {
+            return Err(Error::input(
+                "model.safetensors has no `lm_head.weight` and config.json does not set tie_word_embeddings",
+            ));
+        };
+        Ok(Reference {
+            embed: get("model.embed_tokens.weight", &[cfg.vocab, h])?,
+            norm: get("model.norm.weight", &[h])?,
+            lm_head,
+            layers,
+            k_cache: vec![Vec::new(); cfg.n_layers],
+            v_cache: vec![Vec::new(); cfg.n_layers],
+            len: 0,
+            cfg: cfg.clone(),
+        })
+    }
+
+    /// Forget the cache.
+    pub fn reset(&mut self) {
+        self.k_cache
+            .iter_mut()
+            .chain(self.v_cache.iter_mut())
+            .for_each(Vec::clear);
+        self.len = 0;
+    }
+
+    /// Run one token at the next position; return its logits [vocab].
+    ///
+    /// # Errors
+    /// When the token is outside the vocabulary or the cache is full.
+    pub fn step(&mut self, token: u32) -> Result<Vec<f64>> {
+        let c = &self.cfg;
+        if token as usize >= c.vocab {
+            return Err(Error::usage(format!(
+                "token id {token} is outside the vocabulary ({})",
+                c.vocab
+            )));
+        }
+        if self.len >= c.max_seq {
+            return Err(Error::usage(format!(
+                "sequence longer than max_position_embeddings {}",
+                c.max_seq
+            )));
+        }
+        let pos = self.len;
+        let (h, hd, nh, nkv) = (c.hidden, c.head_dim, c.n_heads, c.n_kv_heads);
+        let mut x = embedding(&self.embed, h, &[token]);
+        for (l, w) in self.layers.iter().enumerate() {
+            let xn = rms_norm(&x, &w.attn_norm, c.rms_norm_eps);
+            let mut q = linear(&xn, &w.wq, 1, h, nh * hd);
+            let mut k = linear(&xn, &w.wk, 1, h, nkv * hd);
+            let v = linear(&xn, &w.wv, 1, h, nkv * hd);
+            rope(&mut q, &[pos], nh, hd, c.rope_theta);
+            rope(&mut k, &[pos], nkv, hd, c.rope_theta);
+            self.k_cache[l].extend_from_slice(&k);
+            self.v_cache[l].extend_from_slice(&v);
+            let shape = AttnShape {
+                n_q: 1,
+                kv_len: pos + 1,
+                n_heads: nh,
+                n_kv_heads: nkv,
+                head_dim: hd,
+            };
+            let a = attention(&q, &self.k_cache[l], &self.v_cache[l], shape);
+            let o = linear(&a, &w.wo, 1, nh * hd, h);
+            x.iter_mut().zip(&o).for_each(|(xi, oi)| *xi += oi);
+            let xn = rms_norm(&x, &w.ffn_norm, c.rms_norm_eps);
+            let g = linear(&xn, &w.w_gate, 1, h, c.intermediate);
+            let u = linear(&xn, &w.w_up, 1, h, c.intermediate);
+            let d = linear(&silu_and_mul(&g, &u), &w.w_down, 1, c.intermediate, h);
+            x.iter_mut().zip(&d).for_each(|(xi, di)| *xi += di);
+        }
+        let xn = rms_norm(&x, &self.norm, c.rms_norm_eps);
+        self.len += 1;
+        Ok(linear(
+            &xn,
+            self.lm_head.as_ref().unwrap_or(&self.embed),
+            1,
+            h,
+            c.vocab,
+        ))
+    }
+
+    /// Greedy generation: feed `prompt`, then `max_new` argmax tokens (stopping at max_seq).
+    /// Returns the logits after the last prompt token and after each generated token but the last,
+    /// one row per generated token, and the generated ids: `logits[i]` chose `tokens[i]`.
+    ///
+    /// # Errors
+    /// As [`Reference::step`]; an empty prompt.
+    pub fn greedy(&mut self, prompt: &[u32], max_new: usize) -> Result<(Vec<Vec<f64>>, Vec<u32>)> {
+        if prompt.is_empty() {
+            return Err(Error::usage("the prompt encodes to no tokens"));
+        }
+        self.reset();
+        let mut logits = Vec::new();
+        for &t in prompt {
+            logits = self.step(t)?;
+        }
+        let mut rows = Vec::new();
+        let mut tokens = Vec::new();
+        for i in 0..max_new {
+            let next = argmax(&logits) as u32;
+            rows.push(logits);
+            tokens.push(next);
+            if i + 1 == max_new || self.len >= self.cfg.max_seq {
+                break;
+            }
+            logits = self.step(next)?;
+        }
+        Ok((rows, tokens))
+    }
+}

@@ -1,0 +1,175 @@
+//! Reference implementations in f64 of every kernel contract, and a reference forward pass for each
+//! covered model family. Written from the contracts, independently of any engine; plain loops, no
+//! tricks, so that they are easy to check by eye.
+//!
+//! Depends on `model` (resolved config and tensors) only.
+
+pub mod llama;
+
+/// Kernel contract ids that have an oracle here. `ckb check` refuses a kernel contract without one.
+pub const KERNELS: &[&str] = &[
+    "kernel.embedding",
+    "kernel.rms_norm",
+    "kernel.rope",
+    "kernel.linear",
+    "kernel.silu_and_mul",
+    "kernel.softmax",
+    "kernel.attention",
+    "kernel.argmax",
+];
+
+/// Whether an oracle implements this kernel contract.
+pub fn kernel_oracle_exists(id: &str) -> bool {
+    KERNELS.contains(&id)
+}
+
+/// Embedding lookup. `table`: [vocab, dim]; `ids`: [n]; returns [n, dim]. (contract kernel.embedding)
+///
+/// # Panics
+/// When an id is outside the table (the caller draws ids within the vocabulary).
+pub fn embedding(table: &[f64], dim: usize, ids: &[u32]) -> Vec<f64> {
+    let mut out = Vec::with_capacity(ids.len() * dim);
+    for &id in ids {
+        let row = id as usize * dim;
+        out.extend_from_slice(&table[row..row + dim]);
+    }
+    out
+}
+
+/// RMSNorm (Zhang & Sennrich 2019, arXiv:1910.07467) over rows of width `weight.len()`:
+/// `y = x / sqrt(mean(x^2) + eps) * w`. `x`: [rows, dim]. (contract kernel.rms_norm)
+pub fn rms_norm(x: &[f64], weight: &[f64], eps: f64) -> Vec<f64> {
+    let dim = weight.len();
+    let mut out = Vec::with_capacity(x.len());
+    for row in x.chunks_exact(dim) {
+        let ms = row.iter().map(|v| v * v).sum::<f64>() / dim as f64;
+        let inv = 1.0 / (ms + eps).sqrt();
+        out.extend(row.iter().zip(weight).map(|(v, w)| v * inv * w));
+    }
+    out
+}
+
+/// Rotary embedding with rotate-half pairing (HF Llama; Su et al. 2021, arXiv:2104.09864), in place.
+/// `x`: [n_tokens, n_heads, head_dim]; pairs (j, j + head_dim/2), angle = pos * theta^(-2j/head_dim).
+/// (contract kernel.rope)
+pub fn rope(x: &mut [f64], positions: &[usize], n_heads: usize, head_dim: usize, theta: f64) {
+    let half = head_dim / 2;
+    for (t, &pos) in positions.iter().enumerate() {
+        for h in 0..n_heads {
+            let base = (t * n_heads + h) * head_dim;
+            for j in 0..half {
+                let freq = theta.powf(-2.0 * j as f64 / head_dim as f64);
+                let (sin, cos) = (pos as f64 * freq).sin_cos();
+                let a = x[base + j];
+                let b = x[base + j + half];
+                x[base + j] = a * cos - b * sin;
+                x[base + j + half] = a * sin + b * cos;
+            }
+        }
+    }
+}
+
+/// `y = x W^T`. `x`: [m, k]; `w`: [n, k]; returns [m, n]. (contract kernel.linear)
+pub fn linear(x: &[f64], w: &[f64], m: usize, k: usize, n: usize) -> Vec<f64> {
+    let mut out = vec![0.0; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            out[i * n + j] = (0..k).map(|p| x[i * k + p] * w[j * k + p]).sum();
+        }
+    }
+    out
+}
+
+/// SiLU (Elfwing et al. 2017) of `gate` times `up`, element-wise. (contract kernel.silu_and_mul)
+pub fn silu_and_mul(gate: &[f64], up: &[f64]) -> Vec<f64> {
+    gate.iter()
+        .zip(up)
+        .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+        .collect()
+}
+
+/// Softmax over each row of width `n`, with the row maximum subtracted first. (contract kernel.softmax)
+pub fn softmax(x: &[f64], n: usize) -> Vec<f64> {
+    let mut out = Vec::with_capacity(x.len());
+    for row in x.chunks_exact(n) {
+        let max = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let exps: Vec<f64> = row.iter().map(|v| (v - max).exp()).collect();
+        let sum: f64 = exps.iter().sum();
+        out.extend(exps.iter().map(|e| e / sum));
+    }
+    out
+}
+
+/// Shapes of one attention call (see contract kernel.attention).
+#[derive(Debug, Clone, Copy)]
+pub struct AttnShape {
+    /// New query tokens.
+    pub n_q: usize,
+    /// Cache positions filled, including the new tokens.
+    pub kv_len: usize,
+    /// Query heads.
+    pub n_heads: usize,
+    /// Key/value heads; `n_heads` is a multiple of it.
+    pub n_kv_heads: usize,
+    /// Width of a head.
+    pub head_dim: usize,
+}
+
+/// Causal grouped-query attention (Vaswani et al. 2017; Ainslie et al. 2023, arXiv:2305.13245).
+/// `q`: [n_q, n_heads, head_dim]; `k`, `v`: [kv_len, n_kv_heads, head_dim]; returns
+/// [n_q, n_heads, head_dim]. Query i sits at position kv_len - n_q + i and sees positions 0..=that;
+/// head h reads KV head h / (n_heads / n_kv_heads); scores scaled by 1/sqrt(head_dim).
+/// (contract kernel.attention)
+pub fn attention(q: &[f64], k: &[f64], v: &[f64], s: AttnShape) -> Vec<f64> {
+    let AttnShape {
+        n_q,
+        kv_len,
+        n_heads,
+        n_kv_heads,
+        head_dim,
+    } = s;
+    let group = n_heads / n_kv_heads;
+    let scale = 1.0 / (head_dim as f64).sqrt();
+    let mut out = vec![0.0; n_q * n_heads * head_dim];
+    for i in 0..n_q {
+        let pos = kv_len - n_q + i;
+        for h in 0..n_heads {
+            let kvh = h / group;
+            let qv = &q[(i * n_heads + h) * head_dim..][..head_dim];
+            let scores: Vec<f64> = (0..=pos)
+                .map(|t| {
+                    let kv = &k[(t * n_kv_heads + kvh) * head_dim..][..head_dim];
+                    qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f64>() * scale
+                })
+                .collect();
+            let p = softmax(&scores, scores.len());
+            let o = &mut out[(i * n_heads + h) * head_dim..][..head_dim];
+            for (t, pt) in p.iter().enumerate() {
+                let vv = &v[(t * n_kv_heads + kvh) * head_dim..][..head_dim];
+                for (oj, vj) in o.iter_mut().zip(vv) {
+                    *oj += pt * vj;
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Index of the largest element, the first on ties. (contract kernel.argmax)
+///
+/// # Panics
+/// On an empty slice.
+pub fn argmax(x: &[f64]) -> usize {
+    let mut best = 0;
+    for (i, v) in x.iter().enumerate() {
+        if *v > x[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+/// Widen f32 values to f64.
+pub fn widen(x: &[f32]) -> Vec<f64> {
+    x.iter().map(|&v| v as f64).collect()
+}
