@@ -154,7 +154,8 @@ enum Command {
         /// Keep the workspace (scaffolded engine) in this directory.
         #[arg(long, value_name = "DIR")]
         keep: Option<PathBuf>,
-        #[arg(long, default_value_t = 100)]
+        /// Tokens to generate (103 reproduces the golden continuation of "Once upon a time").
+        #[arg(long, default_value_t = 103)]
         max_new_tokens: usize,
     },
 }

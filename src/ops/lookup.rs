@@ -81,6 +81,14 @@ fn brief(c: &crate::ckb::Contract) -> ContractBrief {
 /// # Errors
 /// Unknown id, or neither id nor query given.
 pub fn lookup(ctx: &Ctx, req: &LookupRequest) -> Result<LookupReport> {
+    let started = std::time::Instant::now();
+    let report = lookup_only(ctx, req)?;
+    let ids: Vec<&str> = report.matches.iter().map(|m| m.id.as_str()).collect();
+    ctx.record("lookup_contract", None, ctx.versioned(&ids), &report, serde_json::json!({"matches": report.matches.len()}), started);
+    Ok(report)
+}
+
+fn lookup_only(ctx: &Ctx, req: &LookupRequest) -> Result<LookupReport> {
     match (&req.id, &req.query) {
         (Some(id), _) => {
             let c = ctx.ckb.get(id)?;

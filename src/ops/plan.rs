@@ -116,6 +116,19 @@ impl Report for PlanReport {
 /// Unreadable model directory (missing config.json, bad JSON). An uncovered architecture is a
 /// report with gaps, not an error.
 pub fn plan(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
+    let started = std::time::Instant::now();
+    let report = plan_only(ctx, req)?;
+    let ids: Vec<&str> = report.phases.iter().flat_map(|p| p.contracts.iter().map(String::as_str)).collect();
+    let figures = serde_json::json!({"family": report.family, "gaps": report.gaps.iter().map(|g| &g.field).collect::<Vec<_>>()});
+    ctx.record("plan_engine", None, ctx.versioned(&ids), &report, figures, started);
+    Ok(report)
+}
+
+/// [`plan`] without recording an outcome (used inside scaffold).
+///
+/// # Errors
+/// As [`plan`].
+pub fn plan_only(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
     let dir = ctx.confine(Path::new(&req.model), true)?;
     let config = model::read_config(&dir)?;
     let mut gaps = Vec::new();

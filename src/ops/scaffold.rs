@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::plan::{PlanRequest, constraints_toml, plan};
+use super::plan::{PlanRequest, constraints_toml, plan_only};
 use super::{Ctx, Report};
 use crate::error::{Error, Result};
 
@@ -78,7 +78,7 @@ pub fn render(ctx: &Ctx, req: &ScaffoldRequest) -> Result<(Vec<(String, String)>
         target: req.target.clone(),
         dtype: req.dtype.clone(),
     };
-    let report = plan(ctx, &preq)?;
+    let report = plan_only(ctx, &preq)?;
     if !report.covered {
         return Err(Error::usage(format!(
             "cannot scaffold: the constraints are not covered:\n{}",
@@ -199,6 +199,15 @@ fn contracts_in(ctx: &Ctx, module: &str, ids: &[String]) -> Vec<String> {
 /// # Errors
 /// Uncovered constraints; a non-empty `out` without `force`; a path outside the workspace.
 pub fn scaffold(ctx: &Ctx, req: &ScaffoldRequest) -> Result<ScaffoldReport> {
+    let started = std::time::Instant::now();
+    let report = scaffold_only(ctx, req)?;
+    let ids: Vec<&str> = report.contracts.iter().map(String::as_str).collect();
+    let engine = crate::harness::engine_info(std::path::Path::new(&report.dir)).ok();
+    ctx.record("scaffold_engine", engine.as_ref(), ctx.versioned(&ids), &report, serde_json::json!({"files": report.files.len()}), started);
+    Ok(report)
+}
+
+fn scaffold_only(ctx: &Ctx, req: &ScaffoldRequest) -> Result<ScaffoldReport> {
     let out = ctx.confine(Path::new(&req.out), false)?;
     let (files, contracts) = render(ctx, req)?;
     let non_empty = out.is_dir()

@@ -1,0 +1,124 @@
+//! Every gate fails on an empty crate, on the bare scaffold and on a broken engine, and passes on
+//! the example engine. Run at the library level (the MCP path is covered by the demo test).
+
+use metainfer::error::ErrorKind;
+use metainfer::harness::Budget;
+use metainfer::ops::compile::{CompileRequest, compile};
+use metainfer::ops::kernel_test::{KernelTestRequest, kernel_test};
+use metainfer::ops::profile::{ProfileRequest, profile};
+use metainfer::ops::scaffold::{ScaffoldRequest, scaffold};
+use metainfer::ops::verify::{VerifyRequest, verify};
+
+fn s(p: &std::path::Path) -> String {
+    p.display().to_string()
+}
+
+fn budget() -> Budget {
+    Budget::secs(900)
+}
+
+fn verify_req(engine: &std::path::Path) -> VerifyRequest {
+    VerifyRequest { engine: s(engine), model: s(&crate::babyllama()), prompts: vec![], max_new_tokens: Some(8), seed: None }
+}
+
+#[test]
+fn bare_scaffold_compiles_and_fails_every_other_gate() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let engine = t.path().join("engine");
+    let req = ScaffoldRequest { model: s(&crate::babyllama()), out: s(&engine), target: "cpu".into(), dtype: "f32".into(), name: Some("bare".into()), force: false };
+    let r = scaffold(&ctx, &req).unwrap();
+    assert!(r.files.contains(&"src/kernels.rs".to_string()), "{:?}", r.files);
+    let kernels = std::fs::read_to_string(engine.join("src/kernels.rs")).unwrap();
+    assert!(kernels.contains("pub fn rope(x: &mut [f32], positions: &[usize], n_heads: usize, head_dim: usize, theta: f32)"));
+    assert!(kernels.contains("todo!()"));
+
+    // A second scaffold into the same (now non-empty) directory is refused; nothing is changed.
+    let e = scaffold(&ctx, &req).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::Usage);
+    assert!(e.message.contains("not empty"), "{}", e.message);
+
+    let c = compile(&ctx, &CompileRequest { engine: s(&engine) }, &budget()).unwrap();
+    assert!(c.passed, "the bare scaffold must compile: {c:?}");
+
+    let k = kernel_test(&ctx, &KernelTestRequest { engine: s(&engine), kernels: vec![], seed: Some(1) }, &budget()).unwrap();
+    assert!(!k.passed);
+    assert_eq!(k.kernels.len(), 8);
+    assert!(k.kernels.iter().all(|k| !k.passed && k.error.contains("not yet implemented")), "{k:?}");
+
+    let v = verify(&ctx, &verify_req(&engine), &budget()).unwrap();
+    assert!(!v.passed && v.error.contains("not yet implemented"), "{}", v.error);
+
+    let p = profile(&ctx, &ProfileRequest { engine: s(&engine), model: s(&crate::babyllama()), prompt_len: None, new_tokens: None, runs: Some(1) }, &budget()).unwrap();
+    assert!(!p.passed);
+
+    // Every call was recorded, failures included.
+    let ledger = metainfer::ledger::Ledger::open(&ctx.ledger).unwrap();
+    let tools: Vec<String> = ledger.list(0, 10).unwrap().into_iter().map(|o| o.tool).collect();
+    assert_eq!(tools, ["profile_engine", "verify_generation", "run_kernel_test", "compile_engine", "scaffold_engine"]);
+}
+
+#[test]
+fn empty_crate_and_non_crate_fail() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let e = compile(&ctx, &CompileRequest { engine: s(t.path()) }, &budget()).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::Usage);
+    assert!(e.message.contains("not a Rust crate"), "{}", e.message);
+
+    let empty = t.path().join("empty");
+    std::fs::create_dir_all(empty.join("src")).unwrap();
+    std::fs::write(empty.join("Cargo.toml"), "[package]\nname = \"empty\"\nversion = \"0.1.0\"\nedition = \"2024\"\n\n[workspace]\n").unwrap();
+    std::fs::write(empty.join("src/lib.rs"), "").unwrap();
+    let k = kernel_test(&ctx, &KernelTestRequest { engine: s(&empty), kernels: vec!["kernel.rope".into()], seed: None }, &budget()).unwrap();
+    assert!(!k.passed && k.build_error.contains("error"), "{k:?}");
+    let v = verify(&ctx, &verify_req(&empty), &budget()).unwrap();
+    assert!(!v.passed);
+
+    let e = kernel_test(&ctx, &KernelTestRequest { engine: s(&empty), kernels: vec!["kernel.nope".into()], seed: None }, &budget()).unwrap_err();
+    assert!(e.message.contains("unknown contract id `kernel.nope`"), "{}", e.message);
+}
+
+#[test]
+fn example_engine_passes_and_broken_engines_fail_at_the_right_gate() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+
+    let good = t.path().join("good");
+    crate::copy_example(&good);
+    let k = kernel_test(&ctx, &KernelTestRequest { engine: s(&good), kernels: vec![], seed: None }, &budget()).unwrap();
+    assert!(k.passed, "{}", metainfer::ops::Report::text(&k));
+    let v = verify(&ctx, &verify_req(&good), &budget()).unwrap();
+    assert!(v.passed, "{}", metainfer::ops::Report::text(&v));
+
+    // Adjacent-pair RoPE (llama2.c / GPT-J style) instead of rotate-half: the rope kernel fails and
+    // so does generation.
+    let rope = t.path().join("rope");
+    crate::copy_example(&rope);
+    crate::inject(&rope, "src/kernels.rs", "let half = head_dim / 2;", "let half = 1;");
+    let k = kernel_test(&ctx, &KernelTestRequest { engine: s(&rope), kernels: vec![], seed: None }, &budget()).unwrap();
+    let failed: Vec<&str> = k.kernels.iter().filter(|k| !k.passed).map(|k| k.kernel.as_str()).collect();
+    assert_eq!(failed, ["kernel.rope"], "{}", metainfer::ops::Report::text(&k));
+
+    let v = verify(&ctx, &verify_req(&rope), &budget()).unwrap();
+    assert!(!v.passed && v.prompts.iter().all(|p| !p.logits_ok), "{}", metainfer::ops::Report::text(&v));
+
+    // Gate and up projections swapped in the model (kernels themselves are right): the kernel gate
+    // passes, verify_generation fails on logits and tokens.
+    let mlp = t.path().join("mlp");
+    crate::copy_example(&mlp);
+    crate::inject(&mlp, "src/model.rs", "kernels::silu_and_mul(&s.gate, &s.up,", "kernels::silu_and_mul(&s.up, &s.gate,");
+    let k = kernel_test(&ctx, &KernelTestRequest { engine: s(&mlp), kernels: vec![], seed: None }, &budget()).unwrap();
+    assert!(k.passed);
+    let v = verify(&ctx, &verify_req(&mlp), &budget()).unwrap();
+    assert!(!v.passed && v.prompts.iter().all(|p| !p.logits_ok), "{}", metainfer::ops::Report::text(&v));
+
+    // Tokenizer without BOS: caught by the tokenizer check.
+    let bos = t.path().join("bos");
+    crate::copy_example(&bos);
+    let src = std::fs::read_to_string(bos.join("src/tokenizer.rs")).unwrap();
+    assert!(src.contains("pub fn encode(&self, text: &str) -> Vec<u32> {"));
+    crate::inject(&bos, "src/tokenizer.rs", "pub fn encode(&self, text: &str) -> Vec<u32> {", "pub fn encode(&self, text: &str) -> Vec<u32> {\n        let mut ids = self.encode_inner(text);\n        if ids.first() == Some(&1) { ids.remove(0); }\n        ids\n    }\n\n    fn encode_inner(&self, text: &str) -> Vec<u32> {");
+    let v = verify(&ctx, &verify_req(&bos), &budget()).unwrap();
+    assert!(!v.passed && v.prompts.iter().all(|p| !p.tokenizer_ok), "{}", metainfer::ops::Report::text(&v));
+}
