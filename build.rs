@@ -10,12 +10,8 @@ fn main() {
     for (konst, folder, exts) in [
         ("CONTRACTS", "contracts", &["toml"][..]),
         ("SKILLS", "skills", &["md"][..]),
-        ("PROMPTS", "prompts", &["md"][..]),
-        (
-            "EXAMPLE_ENGINE",
-            "examples/engines/llama-cpu-f32",
-            &["toml", "rs"][..],
-        ),
+        ("PROMPTS", "prompts", &["toml"][..]),
+        ("EXAMPLE_ENGINE", "examples/engines/llama-cpu-f32", &["toml", "rs"][..]),
     ] {
         let dir = Path::new(&root).join(folder);
         println!("cargo:rerun-if-changed={}", dir.display());
@@ -32,20 +28,11 @@ fn main() {
             })
             .collect();
         files.sort();
-        code.push_str(&format!(
-            "/// Embedded `{folder}/` files: (path relative to `{folder}/`, contents).\n"
-        ));
+        code.push_str(&format!("/// Embedded `{folder}/` files: (path relative to `{folder}/`, contents).\n"));
         code.push_str(&format!("pub static {konst}: &[(&str, &str)] = &[\n"));
         for f in files {
-            let rel = f
-                .strip_prefix(&dir)
-                .unwrap()
-                .to_string_lossy()
-                .replace('\\', "/");
-            code.push_str(&format!(
-                "    ({rel:?}, include_str!({:?})),\n",
-                f.display().to_string()
-            ));
+            let rel = f.strip_prefix(&dir).unwrap().to_string_lossy().replace('\\', "/");
+            code.push_str(&format!("    ({rel:?}, include_str!({:?})),\n", f.display().to_string()));
         }
         code.push_str("];\n");
     }

@@ -59,33 +59,21 @@ fn summary_line(tool: &str, v: &Value) -> String {
             v["platform"].as_str().unwrap_or("?"),
             v["phases"].as_array().map_or(0, Vec::len)
         ),
-        "lookup_contract" => format!(
-            "{} v{}",
-            v["matches"][0]["id"].as_str().unwrap_or("?"),
-            v["matches"][0]["version"]
-        ),
+        "lookup_contract" => {
+            format!("{} v{}", v["matches"][0]["id"].as_str().unwrap_or("?"), v["matches"][0]["version"])
+        }
         "scaffold_engine" => format!("{} files", v["files"].as_array().map_or(0, Vec::len)),
         "compile_engine" => format!("{} errors, {} warnings", v["errors"], v["warnings"]),
         "run_kernel_test" => {
             let ks = v["kernels"].as_array().cloned().unwrap_or_default();
             let ok = ks.iter().filter(|k| k["passed"] == true).count();
-            let worst = ks
-                .iter()
-                .filter_map(|k| k["max_abs_err"].as_f64())
-                .fold(0.0, f64::max);
-            format!(
-                "{ok}/{} kernels, max abs err {worst:.1e}, seed {}",
-                ks.len(),
-                v["seed"]
-            )
+            let worst = ks.iter().filter_map(|k| k["max_abs_err"].as_f64()).fold(0.0, f64::max);
+            format!("{ok}/{} kernels, max abs err {worst:.1e}, seed {}", ks.len(), v["seed"])
         }
         "verify_generation" => {
             let ps = v["prompts"].as_array().cloned().unwrap_or_default();
             let ok = ps.iter().filter(|p| p["error"] == "").count();
-            let worst = ps
-                .iter()
-                .filter_map(|p| p["max_abs_err"].as_f64())
-                .fold(0.0, f64::max);
+            let worst = ps.iter().filter_map(|p| p["max_abs_err"].as_f64()).fold(0.0, f64::max);
             format!("{ok}/{} prompts exact, max logit err {worst:.1e}", ps.len())
         }
         "profile_engine" => format!(
@@ -111,68 +99,40 @@ pub async fn run(opts: DemoOptions) -> Result<bool> {
             opts.model.display()
         )));
     }
-    let model = opts
-        .model
-        .canonicalize()
-        .map_err(|e| Error::usage(format!("{}: {e}", opts.model.display())))?;
+    let model = opts.model.canonicalize().map_err(|e| Error::usage(format!("{}: {e}", opts.model.display())))?;
     let temp;
     let workspace = match &opts.keep {
         Some(k) => {
-            std::fs::create_dir_all(k)
-                .map_err(|e| Error::usage(format!("{}: {e}", k.display())))?;
-            k.canonicalize()
-                .map_err(|e| Error::usage(format!("{}: {e}", k.display())))?
+            std::fs::create_dir_all(k).map_err(|e| Error::usage(format!("{}: {e}", k.display())))?;
+            k.canonicalize().map_err(|e| Error::usage(format!("{}: {e}", k.display())))?
         }
         None => {
-            temp = tempfile::tempdir()
-                .map_err(|e| Error::internal(format!("temporary workspace: {e}")))?;
+            temp = tempfile::tempdir().map_err(|e| Error::internal(format!("temporary workspace: {e}")))?;
             temp.path().to_path_buf()
         }
     };
     let engine = workspace.join("engine");
     if engine.exists() {
-        return Err(Error::usage(format!(
-            "{} already exists; pass an empty --keep directory",
-            engine.display()
-        )));
+        return Err(Error::usage(format!("{} already exists; pass an empty --keep directory", engine.display())));
     }
-    let exe = std::env::current_exe()
-        .map_err(|e| Error::internal(format!("cannot find own executable: {e}")))?;
-    println!(
-        "metainfer demo: serving {} over MCP stdio, workspace {}",
-        exe.display(),
-        workspace.display()
-    );
+    let exe = std::env::current_exe().map_err(|e| Error::internal(format!("cannot find own executable: {e}")))?;
+    println!("metainfer demo: serving {} over MCP stdio, workspace {}", exe.display(), workspace.display());
     let (ws, md) = (workspace.clone(), model.clone());
     let transport = TokioChildProcess::new(tokio::process::Command::new(&exe).configure(|cmd| {
-        cmd.arg("serve")
-            .arg("--workspace")
-            .arg(&ws)
-            .arg("--model-dir")
-            .arg(&md);
+        cmd.arg("serve").arg("--workspace").arg(&ws).arg("--model-dir").arg(&md);
     }))
     .map_err(|e| Error::internal(format!("cannot start `metainfer serve`: {e}")))?;
-    let client = ()
-        .serve(transport)
-        .await
-        .map_err(|e| Error::internal(format!("MCP initialisation failed: {e}")))?;
+    let client = ().serve(transport).await.map_err(|e| Error::internal(format!("MCP initialisation failed: {e}")))?;
     let info = client
         .peer_info()
         .and_then(|i| i.server_info.clone())
         .map(|s| format!("{} {}", s.name, s.version))
         .unwrap_or_default();
-    let tools = client
-        .list_all_tools()
-        .await
-        .map_err(|e| Error::internal(format!("tools/list failed: {e}")))?;
+    let tools = client.list_all_tools().await.map_err(|e| Error::internal(format!("tools/list failed: {e}")))?;
     println!(
         "connected to {info}; {} tools: {}",
         tools.len(),
-        tools
-            .iter()
-            .map(|t| t.name.to_string())
-            .collect::<Vec<_>>()
-            .join(", ")
+        tools.iter().map(|t| t.name.to_string()).collect::<Vec<_>>().join(", ")
     );
 
     let m = model.display().to_string();
@@ -180,10 +140,7 @@ pub async fn run(opts: DemoOptions) -> Result<bool> {
     let mut steps: Vec<Step> = Vec::new();
     let mut text = String::new();
     let calls: Vec<(&str, Value)> = vec![
-        (
-            "plan_engine",
-            json!({"model": m, "target": "cpu", "dtype": "f32"}),
-        ),
+        ("plan_engine", json!({"model": m, "target": "cpu", "dtype": "f32"})),
         ("lookup_contract", json!({"id": "kernel.rope"})),
         ("scaffold_engine", json!({"model": m, "out": e})),
         ("compile_engine", json!({"engine": e})),
@@ -197,17 +154,11 @@ pub async fn run(opts: DemoOptions) -> Result<bool> {
     for (tool, args) in calls {
         if tool == "compile_engine" {
             write_example_engine(&engine)?;
-            println!(
-                "  (agent) wrote the engine code: examples/engines/llama-cpu-f32 over the scaffold"
-            );
+            println!("  (agent) wrote the engine code: examples/engines/llama-cpu-f32 over the scaffold");
         }
         let t = Instant::now();
-        let params = CallToolRequestParams::new(tool)
-            .with_arguments(args.as_object().cloned().unwrap_or_default());
-        let r = client
-            .call_tool(params)
-            .await
-            .map_err(|e| Error::internal(format!("{tool} call failed: {e}")))?;
+        let params = CallToolRequestParams::new(tool).with_arguments(args.as_object().cloned().unwrap_or_default());
+        let r = client.call_tool(params).await.map_err(|e| Error::internal(format!("{tool} call failed: {e}")))?;
         let seconds = t.elapsed().as_secs_f64();
         let v = r.structured_content.clone().unwrap_or(Value::Null);
         let is_error = r.is_error == Some(true);
@@ -225,21 +176,10 @@ pub async fn run(opts: DemoOptions) -> Result<bool> {
             summary_line(tool, &v)
         };
         if tool == "verify_generation" {
-            text = v["prompts"][0]["text"]
-                .as_str()
-                .unwrap_or_default()
-                .to_string();
+            text = v["prompts"][0]["text"].as_str().unwrap_or_default().to_string();
         }
-        println!(
-            "  {tool:<18} {}  {seconds:>6.1} s  {detail}",
-            if passed { "PASS" } else { "FAIL" }
-        );
-        steps.push(Step {
-            tool: tool.into(),
-            passed,
-            seconds,
-            detail,
-        });
+        println!("  {tool:<18} {}  {seconds:>6.1} s  {detail}", if passed { "PASS" } else { "FAIL" });
+        steps.push(Step { tool: tool.into(), passed, seconds, detail });
         if !passed && tool != "profile_engine" {
             if let Some(t) = r.content.first().and_then(|c| c.as_text()) {
                 println!("{}", crate::harness::tail(&t.text, 3000));
@@ -247,10 +187,7 @@ pub async fn run(opts: DemoOptions) -> Result<bool> {
             break;
         }
     }
-    client
-        .cancel()
-        .await
-        .map_err(|e| Error::internal(format!("closing the MCP session: {e}")))?;
+    client.cancel().await.map_err(|e| Error::internal(format!("closing the MCP session: {e}")))?;
 
     println!("\n| step | tool | result | seconds | detail |\n|---|---|---|---|---|");
     for (i, s) in steps.iter().enumerate() {
@@ -267,19 +204,9 @@ pub async fn run(opts: DemoOptions) -> Result<bool> {
         println!("\nGenerated (greedy, verified token by token against the reference):\n{text}\n");
     }
     let ledger = crate::ledger::Ledger::open(&crate::ledger::default_path())?;
-    println!(
-        "ledger {}: {} outcomes recorded; newest:",
-        ledger.path.display(),
-        ledger.count()?
-    );
+    println!("ledger {}: {} outcomes recorded; newest:", ledger.path.display(), ledger.count()?);
     for o in ledger.list(0, steps.len())? {
-        println!(
-            "  {} {:<18} {} {}",
-            o.time,
-            o.tool,
-            if o.passed { "pass" } else { "FAIL" },
-            o.summary
-        );
+        println!("  {} {:<18} {} {}", o.time, o.tool, if o.passed { "pass" } else { "FAIL" }, o.summary);
     }
     Ok(steps.len() == 7 && steps.iter().all(|s| s.passed))
 }

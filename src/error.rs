@@ -26,24 +26,15 @@ pub struct Error {
 impl Error {
     /// A bad request.
     pub fn usage(message: impl Into<String>) -> Self {
-        Error {
-            kind: ErrorKind::Usage,
-            message: message.into(),
-        }
+        Error { kind: ErrorKind::Usage, message: message.into() }
     }
     /// An unreadable or malformed input.
     pub fn input(message: impl Into<String>) -> Self {
-        Error {
-            kind: ErrorKind::Input,
-            message: message.into(),
-        }
+        Error { kind: ErrorKind::Input, message: message.into() }
     }
     /// A fault of the server.
     pub fn internal(message: impl Into<String>) -> Self {
-        Error {
-            kind: ErrorKind::Internal,
-            message: message.into(),
-        }
+        Error { kind: ErrorKind::Internal, message: message.into() }
     }
 }
 

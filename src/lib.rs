@@ -6,8 +6,10 @@
 //! profiling. Every outcome is recorded in a SQLite ledger. See ARCHITECTURE.md for the module map.
 
 pub mod ckb;
+pub mod clients;
 pub mod demo;
 pub mod error;
+pub mod guide;
 pub mod harness;
 pub mod ledger;
 pub mod mcp;

@@ -146,6 +146,23 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Write the skills as <DIR>/<name>/SKILL.md (Claude Code's layout).
+    InstallSkills {
+        /// Target directory.
+        #[arg(long, default_value = ".claude/skills", value_name = "DIR")]
+        dir: PathBuf,
+    },
+    /// Register the server in an agent client's config (merged; other servers are kept).
+    Register {
+        #[arg(long, value_enum)]
+        client: metainfer::clients::Client,
+        /// Print the merged config instead of writing it.
+        #[arg(long)]
+        print: bool,
+        /// Project directory (the workspace the server is confined to).
+        #[arg(long, default_value = ".", value_name = "DIR")]
+        dir: PathBuf,
+    },
     /// Run the whole loop over MCP on a real model and print the steps and the generated text.
     Demo {
         /// Model directory (default ../shared/models/babyllama-105).
@@ -189,21 +206,14 @@ enum CkbCmd {
 
 fn emit<R: Report>(r: &R, json: bool) -> ExitCode {
     if json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(r).expect("reports serialise")
-        );
+        println!("{}", serde_json::to_string_pretty(r).expect("reports serialise"));
     } else {
         print!("{}", r.text());
         if !r.text().ends_with('\n') {
             println!();
         }
     }
-    if r.passed() {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(1)
-    }
+    if r.passed() { ExitCode::SUCCESS } else { ExitCode::from(1) }
 }
 
 fn load_ckb(dir: Option<&PathBuf>) -> Result<Ckb> {
@@ -216,15 +226,8 @@ fn load_ckb(dir: Option<&PathBuf>) -> Result<Ckb> {
 fn ctx(g: &Global, workspace: Option<PathBuf>, models: Vec<PathBuf>) -> Result<Ctx> {
     Ok(Ctx {
         ckb: load_ckb(g.ckb.as_ref())?,
-        workshop: g
-            .cache
-            .clone()
-            .map(|root| Workshop { root })
-            .unwrap_or_else(Workshop::default_location),
-        ledger: g
-            .ledger
-            .clone()
-            .unwrap_or_else(metainfer::ledger::default_path),
+        workshop: g.cache.clone().map(|root| Workshop { root }).unwrap_or_else(Workshop::default_location),
+        ledger: g.ledger.clone().unwrap_or_else(metainfer::ledger::default_path),
         workspace,
         models,
         time_limit_s: g.time_limit,
@@ -247,10 +250,7 @@ fn ckb_check(g: &Global, json: bool) -> Result<ExitCode> {
                 findings.push(ckb::Finding {
                     file: ckb.file_of(&c.id).unwrap_or_default().into(),
                     field: "/id".into(),
-                    message: format!(
-                        "no oracle implements `{}`; a kernel contract needs one in src/oracle",
-                        c.id
-                    ),
+                    message: format!("no oracle implements `{}`; a kernel contract needs one in src/oracle", c.id),
                 });
             }
         }
@@ -264,113 +264,52 @@ fn ckb_check(g: &Global, json: bool) -> Result<ExitCode> {
     } else if findings.is_empty() {
         println!("ckb check passed: {n} contracts in {origin}, schema-valid and lint-clean");
     } else {
-        println!(
-            "ckb check FAILED: {} finding(s) in {origin}",
-            findings.len()
-        );
+        println!("ckb check FAILED: {} finding(s) in {origin}", findings.len());
         for f in &findings {
             println!("  {f}");
         }
     }
-    Ok(if findings.is_empty() {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(1)
-    })
+    Ok(if findings.is_empty() { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
 
 fn run(cli: Cli) -> Result<ExitCode> {
     let g = &cli.global;
     let budget = || Budget::secs(g.time_limit);
     match cli.command {
-        Command::Serve {
-            workspace,
-            model_dirs,
-        } => {
+        Command::Serve { workspace, model_dirs } => {
             let workspace = workspace
-                .map(|w| {
-                    w.canonicalize()
-                        .map_err(|e| Error::usage(format!("--workspace {}: {e}", w.display())))
-                })
+                .map(|w| w.canonicalize().map_err(|e| Error::usage(format!("--workspace {}: {e}", w.display()))))
                 .transpose()?;
             let ctx = ctx(g, workspace, model_dirs)?;
-            let rt = tokio::runtime::Runtime::new()
-                .map_err(|e| Error::internal(format!("tokio runtime: {e}")))?;
-            rt.block_on(metainfer::mcp::serve_stdio(ctx))
-                .map_err(|e| Error::internal(format!("MCP server: {e}")))?;
+            let rt = tokio::runtime::Runtime::new().map_err(|e| Error::internal(format!("tokio runtime: {e}")))?;
+            rt.block_on(metainfer::mcp::serve_stdio(ctx)).map_err(|e| Error::internal(format!("MCP server: {e}")))?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Plan {
-            model,
-            target,
-            dtype,
-            json,
-        } => {
-            let r = ops::plan::plan(
-                &ctx(g, None, vec![])?,
-                &ops::plan::PlanRequest {
-                    model: s(&model),
-                    target,
-                    dtype,
-                },
-            )?;
+        Command::Plan { model, target, dtype, json } => {
+            let r =
+                ops::plan::plan(&ctx(g, None, vec![])?, &ops::plan::PlanRequest { model: s(&model), target, dtype })?;
             Ok(emit(&r, json))
         }
         Command::Contract { action } => {
             let c = ctx(g, None, vec![])?;
             let (req, json) = match action {
-                ContractCmd::Show { id, json } => (
-                    ops::lookup::LookupRequest {
-                        id: Some(id),
-                        query: None,
-                        cursor: None,
-                    },
-                    json,
-                ),
-                ContractCmd::Search { text, json } => (
-                    ops::lookup::LookupRequest {
-                        id: None,
-                        query: Some(text),
-                        cursor: None,
-                    },
-                    json,
-                ),
+                ContractCmd::Show { id, json } => {
+                    (ops::lookup::LookupRequest { id: Some(id), query: None, cursor: None }, json)
+                }
+                ContractCmd::Search { text, json } => {
+                    (ops::lookup::LookupRequest { id: None, query: Some(text), cursor: None }, json)
+                }
             };
             Ok(emit(&ops::lookup::lookup(&c, &req)?, json))
         }
-        Command::Ckb {
-            action: CkbCmd::Check { json },
-        } => ckb_check(g, json),
-        Command::Ckb {
-            action: CkbCmd::Schema,
-        } => {
-            println!(
-                "{}",
-                serde_json::to_string_pretty(&ckb::contract_schema()).expect("schema serialises")
-            );
+        Command::Ckb { action: CkbCmd::Check { json } } => ckb_check(g, json),
+        Command::Ckb { action: CkbCmd::Schema } => {
+            println!("{}", serde_json::to_string_pretty(&ckb::contract_schema()).expect("schema serialises"));
             Ok(ExitCode::SUCCESS)
         }
-        Command::Scaffold {
-            model,
-            out,
-            target,
-            dtype,
-            name,
-            force,
-            json,
-        } => {
-            let req = ops::scaffold::ScaffoldRequest {
-                model: s(&model),
-                out: s(&out),
-                target,
-                dtype,
-                name,
-                force,
-            };
-            Ok(emit(
-                &ops::scaffold::scaffold(&ctx(g, None, vec![])?, &req)?,
-                json,
-            ))
+        Command::Scaffold { model, out, target, dtype, name, force, json } => {
+            let req = ops::scaffold::ScaffoldRequest { model: s(&model), out: s(&out), target, dtype, name, force };
+            Ok(emit(&ops::scaffold::scaffold(&ctx(g, None, vec![])?, &req)?, json))
         }
         Command::Compile { engine, json } => {
             let r = ops::compile::compile(
@@ -380,48 +319,16 @@ fn run(cli: Cli) -> Result<ExitCode> {
             )?;
             Ok(emit(&r, json))
         }
-        Command::TestKernel {
-            engine,
-            kernels,
-            seed,
-            json,
-        } => {
-            let req = ops::kernel_test::KernelTestRequest {
-                engine: s(&engine),
-                kernels,
-                seed,
-            };
-            Ok(emit(
-                &ops::kernel_test::kernel_test(&ctx(g, None, vec![])?, &req, &budget())?,
-                json,
-            ))
+        Command::TestKernel { engine, kernels, seed, json } => {
+            let req = ops::kernel_test::KernelTestRequest { engine: s(&engine), kernels, seed };
+            Ok(emit(&ops::kernel_test::kernel_test(&ctx(g, None, vec![])?, &req, &budget())?, json))
         }
-        Command::Verify {
-            engine,
-            model,
-            prompts,
-            max_new_tokens,
-            seed,
-            json,
-        } => {
-            let req = ops::verify::VerifyRequest {
-                engine: s(&engine),
-                model: s(&model),
-                prompts,
-                max_new_tokens,
-                seed,
-            };
-            Ok(emit(
-                &ops::verify::verify(&ctx(g, None, vec![])?, &req, &budget())?,
-                json,
-            ))
+        Command::Verify { engine, model, prompts, max_new_tokens, seed, json } => {
+            let req =
+                ops::verify::VerifyRequest { engine: s(&engine), model: s(&model), prompts, max_new_tokens, seed };
+            Ok(emit(&ops::verify::verify(&ctx(g, None, vec![])?, &req, &budget())?, json))
         }
-        Command::Profile {
-            engine,
-            model,
-            runs,
-            json,
-        } => {
+        Command::Profile { engine, model, runs, json } => {
             let req = ops::profile::ProfileRequest {
                 engine: s(&engine),
                 model: s(&model),
@@ -429,24 +336,14 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 new_tokens: None,
                 runs,
             };
-            Ok(emit(
-                &ops::profile::profile(&ctx(g, None, vec![])?, &req, &budget())?,
-                json,
-            ))
+            Ok(emit(&ops::profile::profile(&ctx(g, None, vec![])?, &req, &budget())?, json))
         }
-        Command::Ledger {
-            limit,
-            offset,
-            json,
-        } => {
+        Command::Ledger { limit, offset, json } => {
             let c = ctx(g, None, vec![])?;
             let l = metainfer::ledger::Ledger::open(&c.ledger)?;
             let rows = l.list(offset, limit)?;
             if json {
-                println!(
-                    "{}",
-                    serde_json::json!({"ledger": s(&l.path), "total": l.count()?, "outcomes": rows})
-                );
+                println!("{}", serde_json::json!({"ledger": s(&l.path), "total": l.count()?, "outcomes": rows}));
             } else {
                 println!("ledger {}: {} outcomes", l.path.display(), l.count()?);
                 for o in rows {
@@ -463,24 +360,35 @@ fn run(cli: Cli) -> Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Demo {
-            model,
-            keep,
-            max_new_tokens,
-        } => {
-            let model = model.unwrap_or_else(metainfer::model::default_model_dir);
-            let rt = tokio::runtime::Runtime::new()
-                .map_err(|e| Error::internal(format!("tokio runtime: {e}")))?;
-            let ok = rt.block_on(metainfer::demo::run(metainfer::demo::DemoOptions {
-                model,
-                keep,
-                max_new_tokens,
-            }))?;
-            Ok(if ok {
-                ExitCode::SUCCESS
+        Command::InstallSkills { dir } => {
+            for p in metainfer::guide::install_skills(&dir)? {
+                println!("wrote {}", p.display());
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Register { client, print, dir } => {
+            let project = dir.canonicalize().map_err(|e| Error::usage(format!("--dir {}: {e}", dir.display())))?;
+            let exe = std::env::current_exe().map_err(|e| Error::internal(format!("own executable: {e}")))?;
+            let entry = metainfer::clients::Entry {
+                command: exe.display().to_string(),
+                args: vec!["serve".into(), "--workspace".into(), project.display().to_string()],
+            };
+            if print {
+                let path = client.config_path(&project);
+                let existing = std::fs::read_to_string(&path).unwrap_or_default();
+                println!("# {}", path.display());
+                print!("{}", client.merge(&existing, "metainfer", &entry)?);
             } else {
-                ExitCode::from(1)
-            })
+                let path = metainfer::clients::register(client, &project, "metainfer", &entry)?;
+                println!("registered metainfer in {}", path.display());
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Demo { model, keep, max_new_tokens } => {
+            let model = model.unwrap_or_else(metainfer::model::default_model_dir);
+            let rt = tokio::runtime::Runtime::new().map_err(|e| Error::internal(format!("tokio runtime: {e}")))?;
+            let ok = rt.block_on(metainfer::demo::run(metainfer::demo::DemoOptions { model, keep, max_new_tokens }))?;
+            Ok(if ok { ExitCode::SUCCESS } else { ExitCode::from(1) })
         }
     }
 }

@@ -74,23 +74,15 @@ impl Ckb {
             _ => Err(Error::input(format!(
                 "the contract knowledge base is invalid ({} finding(s)):\n{}",
                 findings.len(),
-                findings
-                    .iter()
-                    .map(|f| format!("  {f}"))
-                    .collect::<Vec<_>>()
-                    .join("\n")
+                findings.iter().map(|f| format!("  {f}")).collect::<Vec<_>>().join("\n")
             ))),
         }
     }
 
     /// Like [`Ckb::from_sources`] but returns all findings instead of failing: `ckb check` uses it.
-    pub fn check_sources(
-        files: Vec<(String, String)>,
-        origin: String,
-    ) -> (Option<Ckb>, Vec<Finding>) {
+    pub fn check_sources(files: Vec<(String, String)>, origin: String) -> (Option<Ckb>, Vec<Finding>) {
         let schema = contract_schema();
-        let validator =
-            jsonschema::validator_for(&schema).expect("the generated contract schema is valid");
+        let validator = jsonschema::validator_for(&schema).expect("the generated contract schema is valid");
         let mut findings = Vec::new();
         let mut contracts = BTreeMap::new();
         let mut file_of = BTreeMap::new();
@@ -131,18 +123,10 @@ impl Ckb {
                     file_of.insert(c.id.clone(), file.clone());
                     contracts.insert(c.id.clone(), c);
                 }
-                Err(e) => findings.push(Finding {
-                    file: file.clone(),
-                    field: String::new(),
-                    message: e.to_string(),
-                }),
+                Err(e) => findings.push(Finding { file: file.clone(), field: String::new(), message: e.to_string() }),
             }
         }
-        let ckb = Ckb {
-            contracts,
-            files: file_of,
-            origin,
-        };
+        let ckb = Ckb { contracts, files: file_of, origin };
         findings.extend(ckb.lint());
         (Some(ckb), findings)
     }
@@ -153,25 +137,14 @@ impl Ckb {
         let ids: BTreeSet<&str> = self.contracts.keys().map(String::as_str).collect();
         for c in self.contracts.values() {
             let file = self.files.get(&c.id).cloned().unwrap_or_default();
-            let mut bad = |field: &str, message: String| {
-                out.push(Finding {
-                    file: file.clone(),
-                    field: field.into(),
-                    message,
-                })
-            };
+            let mut bad =
+                |field: &str, message: String| out.push(Finding { file: file.clone(), field: field.into(), message });
             let prefix = c.kind.prefix();
             if !c.id.starts_with(&format!("{prefix}.")) || c.id.len() <= prefix.len() + 1 {
-                bad(
-                    "/id",
-                    format!("id `{}` must be `{prefix}.<name>` for kind {prefix}", c.id),
-                );
+                bad("/id", format!("id `{}` must be `{prefix}.<name>` for kind {prefix}", c.id));
             }
             if c.sources.is_empty() {
-                bad(
-                    "/sources",
-                    "at least one source is required: say where the knowledge comes from".into(),
-                );
+                bad("/sources", "at least one source is required: say where the knowledge comes from".into());
             }
             let mut refs: Vec<(&str, &String)> = Vec::new();
             refs.extend(c.failure_modes.iter().map(|r| ("/failure_modes", r)));
@@ -195,10 +168,7 @@ impl Ckb {
             }
             for (field, r) in refs {
                 if !ids.contains(r.as_str()) {
-                    bad(
-                        field,
-                        format!("reference `{r}` does not resolve to any contract"),
-                    );
+                    bad(field, format!("reference `{r}` does not resolve to any contract"));
                 }
             }
             for f in &c.failure_modes {
@@ -213,16 +183,10 @@ impl Ckb {
                     _ => c.kind == Kind::Failure,
                 };
                 if present && !wanted {
-                    bad(
-                        &format!("/{name}"),
-                        format!("a `{name}` section belongs only to kind {name}"),
-                    );
+                    bad(&format!("/{name}"), format!("a `{name}` section belongs only to kind {name}"));
                 }
                 if !present && wanted {
-                    bad(
-                        &format!("/{name}"),
-                        format!("kind {name} needs a `[{name}]` section"),
-                    );
+                    bad(&format!("/{name}"), format!("kind {name} needs a `[{name}]` section"));
                 }
             };
             section(c.model.is_some(), "model", &mut bad);
@@ -230,37 +194,22 @@ impl Ckb {
             section(c.failure.is_some(), "failure", &mut bad);
             if c.kind == Kind::Kernel {
                 if c.math.is_empty() {
-                    bad(
-                        "/math",
-                        "a kernel needs its exact semantics in `math`".into(),
-                    );
+                    bad("/math", "a kernel needs its exact semantics in `math`".into());
                 }
                 if c.pseudocode.is_empty() {
                     bad("/pseudocode", "a kernel needs pseudocode".into());
                 }
                 if !c.tolerance.contains_key("f32") {
-                    bad(
-                        "/tolerance",
-                        "a kernel needs a tolerance for f32 with its reasoning".into(),
-                    );
+                    bad("/tolerance", "a kernel needs a tolerance for f32 with its reasoning".into());
                 }
                 if c.test_cases.is_empty() {
-                    bad(
-                        "/test_cases",
-                        "a kernel needs at least one test case".into(),
-                    );
+                    bad("/test_cases", "a kernel needs at least one test case".into());
                 }
                 if c.failure_modes.is_empty() {
-                    bad(
-                        "/failure_modes",
-                        "a kernel needs at least one failure mode".into(),
-                    );
+                    bad("/failure_modes", "a kernel needs at least one failure mode".into());
                 }
                 if c.rust.is_none() {
-                    bad(
-                        "/rust",
-                        "a kernel needs the Rust signature the engine exposes".into(),
-                    );
+                    bad("/rust", "a kernel needs the Rust signature the engine exposes".into());
                 }
                 if c.phase != Some(Phase::Kernels) {
                     bad("/phase", "a kernel belongs to phase `kernels`".into());
@@ -268,16 +217,10 @@ impl Ckb {
             }
             for (dtype, t) in &c.tolerance {
                 if !(t.atol >= 0.0 && t.rtol >= 0.0 && t.atol.is_finite() && t.rtol.is_finite()) {
-                    bad(
-                        &format!("/tolerance/{dtype}"),
-                        "atol and rtol must be finite and >= 0".into(),
-                    );
+                    bad(&format!("/tolerance/{dtype}"), "atol and rtol must be finite and >= 0".into());
                 }
                 if t.reasoning.trim().is_empty() {
-                    bad(
-                        &format!("/tolerance/{dtype}/reasoning"),
-                        "say why these numbers".into(),
-                    );
+                    bad(&format!("/tolerance/{dtype}/reasoning"), "say why these numbers".into());
                 }
             }
             for (i, case) in c.test_cases.iter().enumerate() {
@@ -312,11 +255,7 @@ impl Ckb {
                 .collect();
             Error::usage(format!(
                 "unknown contract id `{id}`{}; `metainfer contract search TEXT` lists ids",
-                if near.is_empty() {
-                    String::new()
-                } else {
-                    format!(" (did you mean: {})", near.join(", "))
-                }
+                if near.is_empty() { String::new() } else { format!(" (did you mean: {})", near.join(", ")) }
             ))
         })
     }
@@ -374,16 +313,9 @@ impl Ckb {
     }
 
     /// The model-family contract routed from config.json's `architectures` or `model_type`.
-    pub fn family_for(
-        &self,
-        architectures: &[String],
-        model_type: Option<&str>,
-    ) -> Option<&Contract> {
+    pub fn family_for(&self, architectures: &[String], model_type: Option<&str>) -> Option<&Contract> {
         self.of_kind(Kind::Model).find(|c| {
-            let m = c
-                .model
-                .as_ref()
-                .expect("lint: model kind has a model section");
+            let m = c.model.as_ref().expect("lint: model kind has a model section");
             architectures.iter().any(|a| m.architectures.contains(a))
                 || model_type.is_some_and(|t| m.model_types.iter().any(|x| x == t))
         })
@@ -391,8 +323,7 @@ impl Ckb {
 
     /// The platform contract for a `--target` name.
     pub fn platform_for(&self, target: &str) -> Option<&Contract> {
-        self.of_kind(Kind::Platform)
-            .find(|c| c.platform.as_ref().is_some_and(|p| p.target == target))
+        self.of_kind(Kind::Platform).find(|c| c.platform.as_ref().is_some_and(|p| p.target == target))
     }
 }
 
@@ -403,16 +334,10 @@ impl Ckb {
 /// When `dir` is not a directory or a file cannot be read.
 pub fn read_dir_files(dir: &Path) -> Result<Vec<(String, String)>> {
     if !dir.is_dir() {
-        return Err(Error::usage(format!(
-            "CKB directory {} does not exist or is not a directory",
-            dir.display()
-        )));
+        return Err(Error::usage(format!("CKB directory {} does not exist or is not a directory", dir.display())));
     }
     let mut files = Vec::new();
-    for entry in walkdir::WalkDir::new(dir)
-        .follow_links(false)
-        .sort_by_file_name()
-    {
+    for entry in walkdir::WalkDir::new(dir).follow_links(false).sort_by_file_name() {
         let entry = entry.map_err(|e| Error::input(format!("walking {}: {e}", dir.display())))?;
         let path = entry.path();
         let rel = path.strip_prefix(dir).unwrap_or(path);
@@ -422,8 +347,8 @@ pub fn read_dir_files(dir: &Path) -> Result<Vec<(String, String)>> {
         {
             continue;
         }
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| Error::input(format!("{}: cannot read: {e}", path.display())))?;
+        let text =
+            std::fs::read_to_string(path).map_err(|e| Error::input(format!("{}: cannot read: {e}", path.display())))?;
         files.push((rel.to_string_lossy().replace('\\', "/"), text));
     }
     Ok(files)
@@ -431,8 +356,33 @@ pub fn read_dir_files(dir: &Path) -> Result<Vec<(String, String)>> {
 
 /// The shipped contract files as (path, text).
 pub fn embedded_files() -> Vec<(String, String)> {
-    embedded::CONTRACTS
-        .iter()
-        .map(|(p, s)| (p.to_string(), s.to_string()))
-        .collect()
+    embedded::CONTRACTS.iter().map(|(p, s)| (p.to_string(), s.to_string())).collect()
+}
+
+impl Ckb {
+    /// A coverage report in Markdown: model families (architectures, kernels, components), platforms
+    /// (target, dtypes) and the family x platform x dtype matrix the CKB covers.
+    pub fn coverage_report(&self) -> String {
+        let mut s = format!("# CKB coverage ({} contracts, {})\n\n", self.contracts.len(), self.origin);
+        for kind in [Kind::Kernel, Kind::Component, Kind::Model, Kind::Platform, Kind::Failure] {
+            let ids: Vec<String> = self.of_kind(kind).map(|c| format!("{}@{}", c.id, c.version)).collect();
+            s += &format!("- {} ({}): {}\n", kind.prefix(), ids.len(), ids.join(", "));
+        }
+        s += "\n| family | architectures | platform | target | dtypes |\n|---|---|---|---|---|\n";
+        for m in self.of_kind(Kind::Model) {
+            let fam = m.model.as_ref().expect("lint: model section");
+            for p in self.of_kind(Kind::Platform) {
+                let plat = p.platform.as_ref().expect("lint: platform section");
+                s += &format!(
+                    "| {} | {} | {} | {} | {} |\n",
+                    m.id,
+                    fam.architectures.join(", "),
+                    p.id,
+                    plat.target,
+                    plat.dtypes.join(", ")
+                );
+            }
+        }
+        s
+    }
 }

@@ -8,9 +8,7 @@ use serde::{Deserialize, Serialize};
 
 /// The kind of knowledge a contract holds. The id prefix must match (`kernel.`, `component.`, `model.`,
 /// `platform.`, `failure.`).
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Kind {
     /// A numerical kernel with an oracle and server-owned tests.
@@ -39,9 +37,7 @@ impl Kind {
 }
 
 /// The build phases of an engine, in the order an agent builds them and the gates unlock.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Phase {
     /// Numerical kernels, tested one by one against the oracle.
@@ -332,8 +328,6 @@ pub struct Contract {
 
 /// The JSON Schema (draft 2020-12) every contract file is validated against, generated from [`Contract`].
 pub fn contract_schema() -> serde_json::Value {
-    let schema = schemars::generate::SchemaSettings::draft2020_12()
-        .into_generator()
-        .into_root_schema_for::<Contract>();
+    let schema = schemars::generate::SchemaSettings::draft2020_12().into_generator().into_root_schema_for::<Contract>();
     serde_json::to_value(schema).expect("a generated schema serialises")
 }

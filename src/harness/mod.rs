@@ -32,10 +32,7 @@ pub struct Budget {
 impl Budget {
     /// A budget of `secs` seconds from now, not cancelled.
     pub fn secs(secs: u64) -> Budget {
-        Budget {
-            deadline: Instant::now() + Duration::from_secs(secs),
-            cancel: Arc::new(AtomicBool::new(false)),
-        }
+        Budget { deadline: Instant::now() + Duration::from_secs(secs), cancel: Arc::new(AtomicBool::new(false)) }
     }
 }
 
@@ -123,16 +120,9 @@ pub fn run(expr: duct::Expression, budget: &Budget) -> Result<Run> {
     if let Some(exit) = stopped {
         // kill() also reaps the child.
         let _ = handle.kill();
-        return Ok(Run {
-            exit,
-            stdout: String::new(),
-            stderr: String::new(),
-            seconds: start.elapsed().as_secs_f64(),
-        });
+        return Ok(Run { exit, stdout: String::new(), stderr: String::new(), seconds: start.elapsed().as_secs_f64() });
     }
-    let out = handle
-        .wait()
-        .map_err(|e| Error::internal(format!("waiting for child: {e}")))?;
+    let out = handle.wait().map_err(|e| Error::internal(format!("waiting for child: {e}")))?;
     Ok(Run {
         exit: Exit::Code(out.status.code()),
         stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -175,33 +165,14 @@ pub fn engine_info(dir: &Path) -> Result<Engine> {
         .manifest_path(&manifest)
         .no_deps()
         .exec()
-        .map_err(|e| {
-            Error::usage(format!(
-                "{}: cargo cannot read this crate: {e}",
-                manifest.display()
-            ))
-        })?;
-    let pkg = meta
-        .packages
-        .iter()
-        .find(|p| p.manifest_path.as_std_path() == manifest)
-        .ok_or_else(|| {
-            Error::usage(format!(
-                "{}: no package found (is it a virtual workspace?)",
-                manifest.display()
-            ))
-        })?;
+        .map_err(|e| Error::usage(format!("{}: cargo cannot read this crate: {e}", manifest.display())))?;
+    let pkg = meta.packages.iter().find(|p| p.manifest_path.as_std_path() == manifest).ok_or_else(|| {
+        Error::usage(format!("{}: no package found (is it a virtual workspace?)", manifest.display()))
+    })?;
     if !pkg.targets.iter().any(|t| t.is_lib()) {
-        return Err(Error::usage(format!(
-            "{}: the engine must be a library crate (src/lib.rs)",
-            manifest.display()
-        )));
+        return Err(Error::usage(format!("{}: the engine must be a library crate (src/lib.rs)", manifest.display())));
     }
-    Ok(Engine {
-        package: pkg.name.to_string(),
-        hash: source_hash(&dir)?,
-        dir,
-    })
+    Ok(Engine { package: pkg.name.to_string(), hash: source_hash(&dir)?, dir })
 }
 
 /// sha256 over the engine's Cargo.toml and src/ tree (paths and contents, in path order).
@@ -211,21 +182,14 @@ pub fn engine_info(dir: &Path) -> Result<Engine> {
 pub fn source_hash(dir: &Path) -> Result<String> {
     let mut h = Sha256::new();
     let mut files = vec![dir.join("Cargo.toml")];
-    for e in walkdir::WalkDir::new(dir.join("src"))
-        .follow_links(false)
-        .sort_by_file_name()
-    {
+    for e in walkdir::WalkDir::new(dir.join("src")).follow_links(false).sort_by_file_name() {
         let e = e.map_err(|e| Error::input(format!("walking {}: {e}", dir.display())))?;
         if e.file_type().is_file() {
             files.push(e.into_path());
         }
     }
     for f in files {
-        let rel = f
-            .strip_prefix(dir)
-            .unwrap_or(&f)
-            .to_string_lossy()
-            .replace('\\', "/");
+        let rel = f.strip_prefix(dir).unwrap_or(&f).to_string_lossy().replace('\\', "/");
         let bytes = std::fs::read(&f).map_err(|e| Error::input(format!("{}: {e}", f.display())))?;
         h.update((rel.len() as u64).to_le_bytes());
         h.update(rel.as_bytes());
@@ -260,11 +224,7 @@ impl Workshop {
     pub fn default_location() -> Workshop {
         let root = std::env::var_os("METAINFER_CACHE")
             .map(PathBuf::from)
-            .unwrap_or_else(|| {
-                dirs::cache_dir()
-                    .unwrap_or_else(std::env::temp_dir)
-                    .join("metainfer")
-            });
+            .unwrap_or_else(|| dirs::cache_dir().unwrap_or_else(std::env::temp_dir).join("metainfer"));
         Workshop { root }
     }
 
@@ -294,12 +254,7 @@ impl Workshop {
         .env("CARGO_TERM_COLOR", "never");
         let run = run(expr, budget)?;
         let (diagnostics, executable) = parse_messages(&run.stdout);
-        Ok(Build {
-            ok: run.ok(),
-            diagnostics,
-            executable,
-            run,
-        })
+        Ok(Build { ok: run.ok(), diagnostics, executable, run })
     }
 
     /// Write the harness crate for an engine (outside the engine's sources) and return its manifest.
@@ -320,8 +275,7 @@ impl Workshop {
             engine.package
         );
         let write = |p: PathBuf, s: &str| {
-            std::fs::write(&p, s)
-                .map_err(|e| Error::internal(format!("cannot write {}: {e}", p.display())))
+            std::fs::write(&p, s).map_err(|e| Error::internal(format!("cannot write {}: {e}", p.display())))
         };
         write(dir.join("Cargo.toml"), &manifest)?;
         write(dir.join("src/main.rs"), HARNESS_MAIN)?;
@@ -343,10 +297,8 @@ impl Workshop {
     /// When the cache is not writable.
     pub fn scratch(&self) -> Result<tempfile::TempDir> {
         let dir = self.root.join("scratch");
-        std::fs::create_dir_all(&dir)
-            .map_err(|e| Error::internal(format!("cannot create {}: {e}", dir.display())))?;
-        tempfile::tempdir_in(&dir)
-            .map_err(|e| Error::internal(format!("cannot create scratch dir: {e}")))
+        std::fs::create_dir_all(&dir).map_err(|e| Error::internal(format!("cannot create {}: {e}", dir.display())))?;
+        tempfile::tempdir_in(&dir).map_err(|e| Error::internal(format!("cannot create scratch dir: {e}")))
     }
 }
 
@@ -355,27 +307,15 @@ impl Workshop {
 ///
 /// # Errors
 /// [`crate::error::ErrorKind::Internal`] when the file is missing or malformed.
-pub fn read_tensor_words(
-    path: &Path,
-) -> Result<(HashMap<String, String>, HashMap<String, Vec<u32>>)> {
-    let bytes =
-        std::fs::read(path).map_err(|e| Error::internal(format!("{}: {e}", path.display())))?;
+pub fn read_tensor_words(path: &Path) -> Result<(HashMap<String, String>, HashMap<String, Vec<u32>>)> {
+    let bytes = std::fs::read(path).map_err(|e| Error::internal(format!("{}: {e}", path.display())))?;
     let bad = |e: safetensors::SafeTensorError| Error::internal(format!("{}: {e}", path.display()));
     let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).map_err(bad)?;
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(bad)?;
-    let meta = header
-        .metadata()
-        .clone()
-        .unwrap_or_default()
-        .into_iter()
-        .collect();
+    let meta = header.metadata().clone().unwrap_or_default().into_iter().collect();
     let mut out = HashMap::new();
     for (name, view) in st.tensors() {
-        let words = view
-            .data()
-            .chunks_exact(4)
-            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect();
+        let words = view.data().chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
         out.insert(name, words);
     }
     Ok((meta, out))

@@ -54,10 +54,7 @@ pub fn default_path() -> PathBuf {
     if let Ok(p) = std::env::var("METAINFER_LEDGER") {
         return PathBuf::from(p);
     }
-    dirs::data_dir()
-        .unwrap_or_else(std::env::temp_dir)
-        .join("metainfer")
-        .join("ledger.sqlite")
+    dirs::data_dir().unwrap_or_else(std::env::temp_dir).join("metainfer").join("ledger.sqlite")
 }
 
 impl Ledger {
@@ -67,22 +64,14 @@ impl Ledger {
     /// When the file cannot be opened, is not a SQLite database, or has a newer schema version.
     pub fn open(path: &Path) -> Result<Ledger> {
         if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir).map_err(|e| {
-                Error::input(format!(
-                    "cannot create ledger directory {}: {e}",
-                    dir.display()
-                ))
-            })?;
+            std::fs::create_dir_all(dir)
+                .map_err(|e| Error::input(format!("cannot create ledger directory {}: {e}", dir.display())))?;
         }
         let fail = |e: rusqlite::Error| Error::input(format!("ledger {}: {e}", path.display()));
         let conn = Connection::open(path).map_err(fail)?;
-        conn.busy_timeout(std::time::Duration::from_secs(10))
-            .map_err(fail)?;
-        conn.pragma_update(None, "journal_mode", "WAL")
-            .map_err(fail)?;
-        let version: i64 = conn
-            .pragma_query_value(None, "user_version", |r| r.get(0))
-            .map_err(fail)?;
+        conn.busy_timeout(std::time::Duration::from_secs(10)).map_err(fail)?;
+        conn.pragma_update(None, "journal_mode", "WAL").map_err(fail)?;
+        let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0)).map_err(fail)?;
         if version > SCHEMA_VERSION {
             return Err(Error::input(format!(
                 "ledger {} has schema version {version}, newer than this metainfer's {SCHEMA_VERSION}; upgrade metainfer or pass another --ledger",
@@ -111,10 +100,7 @@ impl Ledger {
             )
             .map_err(fail)?;
         }
-        Ok(Ledger {
-            conn,
-            path: path.to_path_buf(),
-        })
+        Ok(Ledger { conn, path: path.to_path_buf() })
     }
 
     /// Record one outcome in its own transaction.
@@ -149,8 +135,7 @@ impl Ledger {
     /// # Errors
     /// When SQLite fails.
     pub fn list(&self, offset: usize, limit: usize) -> Result<Vec<Outcome>> {
-        let fail =
-            |e: rusqlite::Error| Error::internal(format!("ledger {}: {e}", self.path.display()));
+        let fail = |e: rusqlite::Error| Error::internal(format!("ledger {}: {e}", self.path.display()));
         let mut stmt = self
             .conn
             .prepare(

@@ -12,8 +12,10 @@ use std::time::Duration;
 use rmcp::handler::server::router::tool::ToolRouter;
 use rmcp::handler::server::wrapper::Parameters;
 use rmcp::model::{
-    CallToolResult, ContentBlock, Implementation, ProgressNotificationParam, ServerCapabilities,
-    ServerConfig,
+    CallToolResult, ContentBlock, GetPromptRequestParams, GetPromptResponse, GetPromptResult, Implementation,
+    ListPromptsResult, ListResourceTemplatesResult, ListResourcesResult, PaginatedRequestParams,
+    ProgressNotificationParam, Prompt, PromptArgument, PromptMessage, ReadResourceRequestParams, ReadResourceResponse,
+    ReadResourceResult, Resource, ResourceContents, ResourceTemplate, Role, ServerCapabilities, ServerConfig,
 };
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData, RoleServer, ServerHandler, ServiceExt, tool, tool_handler, tool_router};
@@ -52,9 +54,7 @@ pub struct Server {
 }
 
 fn ok_result<R: Report + Serialize>(report: &R) -> CallToolResult {
-    let mut r = CallToolResult::success(vec![ContentBlock::text(crate::ops::bound_text(
-        &report.text(),
-    ))]);
+    let mut r = CallToolResult::success(vec![ContentBlock::text(crate::ops::bound_text(&report.text()))]);
     r.structured_content = Some(serde_json::to_value(report).expect("reports serialise"));
     r
 }
@@ -63,9 +63,7 @@ fn err_result(e: crate::error::Error) -> CallToolResult {
     CallToolResult::error(vec![ContentBlock::text(e.message)])
 }
 
-fn into_result<R: Report + Serialize>(
-    r: crate::error::Result<R>,
-) -> Result<CallToolResult, ErrorData> {
+fn into_result<R: Report + Serialize>(r: crate::error::Result<R>) -> Result<CallToolResult, ErrorData> {
     Ok(match r {
         Ok(report) => ok_result(&report),
         Err(e) => err_result(e),
@@ -75,10 +73,7 @@ fn into_result<R: Report + Serialize>(
 impl Server {
     /// A server over a context.
     pub fn new(ctx: Ctx) -> Server {
-        Server {
-            ctx: Arc::new(ctx),
-            tool_router: Self::tool_router(),
-        }
+        Server { ctx: Arc::new(ctx), tool_router: Self::tool_router() }
     }
 
     /// Run a long, blocking operation off the async runtime with a time budget. Cancellation of the
@@ -124,10 +119,7 @@ impl Server {
         };
         match result {
             Ok(r) => into_result(r),
-            Err(e) => Err(ErrorData::internal_error(
-                format!("{what} failed inside the server: {e}"),
-                None,
-            )),
+            Err(e) => Err(ErrorData::internal_error(format!("{what} failed inside the server: {e}"), None)),
         }
     }
 }
@@ -142,10 +134,7 @@ impl Server {
         output_schema = output::<PlanReport>(),
         annotations(read_only_hint = true, destructive_hint = false, idempotent_hint = true, open_world_hint = false)
     )]
-    async fn plan_engine(
-        &self,
-        Parameters(req): Parameters<PlanRequest>,
-    ) -> Result<CallToolResult, ErrorData> {
+    async fn plan_engine(&self, Parameters(req): Parameters<PlanRequest>) -> Result<CallToolResult, ErrorData> {
         into_result(crate::ops::plan::plan(&self.ctx, &req))
     }
 
@@ -157,10 +146,7 @@ impl Server {
         output_schema = output::<LookupReport>(),
         annotations(read_only_hint = true, destructive_hint = false, idempotent_hint = true, open_world_hint = false)
     )]
-    async fn lookup_contract(
-        &self,
-        Parameters(req): Parameters<LookupRequest>,
-    ) -> Result<CallToolResult, ErrorData> {
+    async fn lookup_contract(&self, Parameters(req): Parameters<LookupRequest>) -> Result<CallToolResult, ErrorData> {
         into_result(crate::ops::lookup::lookup(&self.ctx, &req))
     }
 
@@ -172,10 +158,7 @@ impl Server {
         output_schema = output::<ScaffoldReport>(),
         annotations(read_only_hint = false, destructive_hint = false, idempotent_hint = false, open_world_hint = false)
     )]
-    async fn scaffold_engine(
-        &self,
-        Parameters(req): Parameters<ScaffoldRequest>,
-    ) -> Result<CallToolResult, ErrorData> {
+    async fn scaffold_engine(&self, Parameters(req): Parameters<ScaffoldRequest>) -> Result<CallToolResult, ErrorData> {
         into_result(crate::ops::scaffold::scaffold(&self.ctx, &req))
     }
 
@@ -191,10 +174,7 @@ impl Server {
         Parameters(req): Parameters<CompileRequest>,
         rc: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
-        self.long(rc, "compile_engine", move |ctx, b| {
-            crate::ops::compile::compile(ctx, &req, b)
-        })
-        .await
+        self.long(rc, "compile_engine", move |ctx, b| crate::ops::compile::compile(ctx, &req, b)).await
     }
 
     /// Test the engine's kernels against the f64 oracle at each contract's tolerance, on inputs drawn from a
@@ -210,10 +190,7 @@ impl Server {
         Parameters(req): Parameters<KernelTestRequest>,
         rc: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
-        self.long(rc, "run_kernel_test", move |ctx, b| {
-            crate::ops::kernel_test::kernel_test(ctx, &req, b)
-        })
-        .await
+        self.long(rc, "run_kernel_test", move |ctx, b| crate::ops::kernel_test::kernel_test(ctx, &req, b)).await
     }
 
     /// Verify end-to-end generation on a real checkpoint: the engine's tokenizer against HF tokenizers, greedy
@@ -230,10 +207,7 @@ impl Server {
         Parameters(req): Parameters<VerifyRequest>,
         rc: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
-        self.long(rc, "verify_generation", move |ctx, b| {
-            crate::ops::verify::verify(ctx, &req, b)
-        })
-        .await
+        self.long(rc, "verify_generation", move |ctx, b| crate::ops::verify::verify(ctx, &req, b)).await
     }
 
     /// Measure prefill and decode tokens/s (median, min, max over several runs), time to first token and load
@@ -249,21 +223,147 @@ impl Server {
         Parameters(req): Parameters<ProfileRequest>,
         rc: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
-        self.long(rc, "profile_engine", move |ctx, b| {
-            crate::ops::profile::profile(ctx, &req, b)
-        })
-        .await
+        self.long(rc, "profile_engine", move |ctx, b| crate::ops::profile::profile(ctx, &req, b)).await
+    }
+}
+
+/// Resource URI of the coverage report.
+pub const COVERAGE_URI: &str = "ckb://coverage";
+
+impl Server {
+    /// Read one resource by URI: `ckb://contract/{id}` (TOML), `ckb://coverage` (Markdown),
+    /// `skill://{name}` (SKILL.md text).
+    fn resource(&self, uri: &str) -> Result<(String, &'static str), ErrorData> {
+        if uri == COVERAGE_URI {
+            return Ok((self.ctx.ckb.coverage_report(), "text/markdown"));
+        }
+        if let Some(id) = uri.strip_prefix("ckb://contract/") {
+            let c = self.ctx.ckb.get(id).map_err(|e| ErrorData::resource_not_found(e.message, None))?;
+            let text = toml::to_string_pretty(c).map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
+            return Ok((text, "application/toml"));
+        }
+        if let Some(name) = uri.strip_prefix("skill://") {
+            let skills = crate::guide::skills().map_err(|e| ErrorData::internal_error(e.message, None))?;
+            return skills.into_iter().find(|s| s.name == name).map(|s| (s.text, "text/markdown")).ok_or_else(|| {
+                ErrorData::resource_not_found(format!("no skill `{name}`; resources/list names them"), None)
+            });
+        }
+        Err(ErrorData::resource_not_found(
+            format!("unknown resource `{uri}`; use ckb://contract/{{id}}, {COVERAGE_URI} or skill://{{name}}"),
+            None,
+        ))
     }
 }
 
 #[tool_handler]
 impl ServerHandler for Server {
-    fn get_info(&self) -> ServerConfig {
-        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
-            .with_server_info(
-                Implementation::new("metainfer", env!("CARGO_PKG_VERSION")).with_title(
-                    "metainfer: contracts, oracles and gates for custom LLM inference engines",
+    async fn list_resources(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListResourcesResult, ErrorData> {
+        let mut out = vec![
+            Resource::new(COVERAGE_URI, "ckb-coverage")
+                .with_description("What the contract knowledge base covers: families, platforms, dtypes")
+                .with_mime_type("text/markdown"),
+        ];
+        for c in self.ctx.ckb.all() {
+            out.push(
+                Resource::new(format!("ckb://contract/{}", c.id), c.id.clone())
+                    .with_description(c.summary.clone())
+                    .with_mime_type("application/toml"),
+            );
+        }
+        for s in crate::guide::skills().map_err(|e| ErrorData::internal_error(e.message, None))? {
+            out.push(
+                Resource::new(format!("skill://{}", s.name), s.name.clone())
+                    .with_description(s.description)
+                    .with_mime_type("text/markdown"),
+            );
+        }
+        Ok(ListResourcesResult::with_all_items(out))
+    }
+
+    async fn list_resource_templates(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListResourceTemplatesResult, ErrorData> {
+        Ok(ListResourceTemplatesResult::with_all_items(vec![
+            ResourceTemplate::new("ckb://contract/{id}", "contract")
+                .with_description("A contract of the knowledge base as TOML, e.g. ckb://contract/kernel.rope")
+                .with_mime_type("application/toml"),
+            ResourceTemplate::new("skill://{name}", "skill")
+                .with_description("An agent skill (SKILL.md), e.g. skill://generate-engine")
+                .with_mime_type("text/markdown"),
+        ]))
+    }
+
+    async fn read_resource(
+        &self,
+        request: ReadResourceRequestParams,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ReadResourceResponse, ErrorData> {
+        let (text, mime) = self.resource(&request.uri)?;
+        Ok(ReadResourceResult::new(vec![ResourceContents::text(text, request.uri.clone()).with_mime_type(mime)]).into())
+    }
+
+    async fn list_prompts(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListPromptsResult, ErrorData> {
+        let prompts = crate::guide::prompts().map_err(|e| ErrorData::internal_error(e.message, None))?;
+        Ok(ListPromptsResult::with_all_items(
+            prompts
+                .into_iter()
+                .map(|p| {
+                    let args = p
+                        .arguments
+                        .iter()
+                        .map(|a| {
+                            PromptArgument::new(&a.name).with_description(&a.description).with_required(a.required)
+                        })
+                        .collect();
+                    Prompt::new(p.name, Some(p.description), Some(args))
+                })
+                .collect(),
+        ))
+    }
+
+    async fn get_prompt(
+        &self,
+        request: GetPromptRequestParams,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<GetPromptResponse, ErrorData> {
+        let prompts = crate::guide::prompts().map_err(|e| ErrorData::internal_error(e.message, None))?;
+        let p = prompts.iter().find(|p| p.name == request.name).ok_or_else(|| {
+            ErrorData::invalid_params(
+                format!(
+                    "no prompt `{}`; prompts: {}",
+                    request.name,
+                    prompts.iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join(", ")
                 ),
+                None,
+            )
+        })?;
+        let args: std::collections::BTreeMap<String, String> = request
+            .arguments
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(k, v)| (k, v.as_str().map(str::to_owned).unwrap_or_else(|| v.to_string())))
+            .collect();
+        let text = p.render(&args).map_err(|e| ErrorData::invalid_params(e.message, None))?;
+        Ok(GetPromptResult::new(vec![PromptMessage::new_text(Role::User, text)])
+            .with_description(p.description.clone())
+            .into())
+    }
+
+    fn get_info(&self) -> ServerConfig {
+        ServerConfig::new(ServerCapabilities::builder().enable_tools().enable_resources().enable_prompts().build())
+            .with_server_info(
+                Implementation::new("metainfer", env!("CARGO_PKG_VERSION"))
+                    .with_title("metainfer: contracts, oracles and gates for custom LLM inference engines"),
             )
             .with_instructions(INSTRUCTIONS)
     }

@@ -23,8 +23,7 @@ fn generate<T: JsonSchema>(for_output: bool) -> Value {
     if let Value::Object(o) = &mut v {
         o.remove("title");
         o.remove("description");
-        o.entry("properties")
-            .or_insert_with(|| Value::Object(Default::default()));
+        o.entry("properties").or_insert_with(|| Value::Object(Default::default()));
     }
     v
 }
@@ -41,16 +40,8 @@ fn clean(v: &mut Value) {
             }
             // type: [T, "null"] -> T
             if let Some(Value::Array(types)) = o.get("type") {
-                let kept: Vec<Value> = types
-                    .iter()
-                    .filter(|t| t.as_str() != Some("null"))
-                    .cloned()
-                    .collect();
-                let new = if kept.len() == 1 {
-                    kept[0].clone()
-                } else {
-                    Value::Array(kept)
-                };
+                let kept: Vec<Value> = types.iter().filter(|t| t.as_str() != Some("null")).cloned().collect();
+                let new = if kept.len() == 1 { kept[0].clone() } else { Value::Array(kept) };
                 o.insert("type".into(), new);
             }
             // anyOf/oneOf [X, {type: null}] -> X merged in place
@@ -117,9 +108,7 @@ pub fn portability_problems(schema: &Value) -> Vec<String> {
                 {
                     out.push(format!("{path}: null in a type union"));
                 }
-                if o.get("type").and_then(Value::as_str) == Some("array")
-                    && !o.contains_key("items")
-                {
+                if o.get("type").and_then(Value::as_str) == Some("array") && !o.contains_key("items") {
                     out.push(format!("{path}: array without items"));
                 }
                 for (k, child) in o {
@@ -167,16 +156,10 @@ mod tests {
     #[test]
     fn nested_optional_types_become_portable() {
         let raw = serde_json::to_value(schemars::schema_for!(Outer)).unwrap();
-        assert!(
-            !portability_problems(&raw).is_empty(),
-            "the raw schemars output must be caught: {raw}"
-        );
+        assert!(!portability_problems(&raw).is_empty(), "the raw schemars output must be caught: {raw}");
         let s = Value::Object((*input::<Outer>()).clone());
         assert_eq!(portability_problems(&s), Vec::<String>::new(), "{s}");
         assert_eq!(s["properties"]["maybe"]["type"], "string");
-        assert_eq!(
-            s["properties"]["list"]["items"]["properties"]["x"]["type"],
-            "integer"
-        );
+        assert_eq!(s["properties"]["list"]["items"]["properties"]["x"]["type"], "integer");
     }
 }

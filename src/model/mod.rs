@@ -63,37 +63,21 @@ pub fn read_config(dir: &Path) -> Result<serde_json::Map<String, Value>> {
         )));
     }
     let text = std::fs::read_to_string(&path).map_err(|e| {
-        Error::input(format!(
-            "{}: cannot read ({e}); a Hugging Face model directory has a config.json",
-            path.display()
-        ))
+        Error::input(format!("{}: cannot read ({e}); a Hugging Face model directory has a config.json", path.display()))
     })?;
     match serde_json::from_str::<Value>(&text) {
         Ok(Value::Object(map)) => Ok(map),
-        Ok(_) => Err(Error::input(format!(
-            "{}: must be a JSON object",
-            path.display()
-        ))),
-        Err(e) => Err(Error::input(format!(
-            "{}: not valid JSON: {e}",
-            path.display()
-        ))),
+        Ok(_) => Err(Error::input(format!("{}: must be a JSON object", path.display()))),
+        Err(e) => Err(Error::input(format!("{}: not valid JSON: {e}", path.display()))),
     }
 }
 
 /// Route a config to a model family: `Ok(contract)` or the gaps that prevent it.
-pub fn route<'a>(
-    ckb: &'a Ckb,
-    config: &serde_json::Map<String, Value>,
-) -> std::result::Result<&'a Contract, Vec<Gap>> {
+pub fn route<'a>(ckb: &'a Ckb, config: &serde_json::Map<String, Value>) -> std::result::Result<&'a Contract, Vec<Gap>> {
     let architectures: Vec<String> = config
         .get("architectures")
         .and_then(Value::as_array)
-        .map(|a| {
-            a.iter()
-                .filter_map(|v| v.as_str().map(str::to_owned))
-                .collect()
-        })
+        .map(|a| a.iter().filter_map(|v| v.as_str().map(str::to_owned)).collect())
         .unwrap_or_default();
     let model_type = config.get("model_type").and_then(Value::as_str);
     ckb.family_for(&architectures, model_type).ok_or_else(|| {
@@ -111,8 +95,7 @@ pub fn route<'a>(
 }
 
 fn number(v: &Value) -> Option<f64> {
-    v.as_f64()
-        .or_else(|| v.as_str().and_then(|s| s.parse().ok()))
+    v.as_f64().or_else(|| v.as_str().and_then(|s| s.parse().ok()))
 }
 
 /// Evaluate a contract default: a number, a boolean, another key, or `a / b` of keys.
@@ -138,10 +121,7 @@ pub fn resolve(
     contract: &Contract,
     config: &serde_json::Map<String, Value>,
 ) -> std::result::Result<ResolvedConfig, Vec<Gap>> {
-    let family: &ModelFamily = contract
-        .model
-        .as_ref()
-        .expect("model contracts have a model section");
+    let family: &ModelFamily = contract.model.as_ref().expect("model contracts have a model section");
     let mut gaps = Vec::new();
     let mut roles: BTreeMap<&str, Value> = BTreeMap::new();
     for f in &family.config {
@@ -152,10 +132,7 @@ pub fn resolve(
         match v {
             Some(v) => {
                 if !f.supported.is_empty() {
-                    let s = v
-                        .as_str()
-                        .map(str::to_owned)
-                        .unwrap_or_else(|| v.to_string());
+                    let s = v.as_str().map(str::to_owned).unwrap_or_else(|| v.to_string());
                     if !f.supported.contains(&s) {
                         gaps.push(Gap {
                             field: f.key.clone(),
@@ -182,10 +159,7 @@ pub fn resolve(
         {
             gaps.push(Gap {
                 field: key.clone(),
-                reason: format!(
-                    "`{key}` = {v} is a feature {} does not cover yet",
-                    contract.id
-                ),
+                reason: format!("`{key}` = {v} is a feature {} does not cover yet", contract.id),
             });
         }
     }
@@ -193,10 +167,7 @@ pub fn resolve(
         match roles.get(role).and_then(number) {
             Some(n) if n >= 1.0 && n.fract() == 0.0 && n < 1e9 => n as usize,
             Some(n) => {
-                gaps.push(Gap {
-                    field: role.into(),
-                    reason: format!("must be a positive integer, got {n}"),
-                });
+                gaps.push(Gap { field: role.into(), reason: format!("must be a positive integer, got {n}") });
                 0
             }
             None => 0,
@@ -234,16 +205,10 @@ pub fn resolve(
             });
         }
         if !(cfg.rms_norm_eps > 0.0) {
-            gaps.push(Gap {
-                field: "rms_norm_eps".into(),
-                reason: "must be a positive number".into(),
-            });
+            gaps.push(Gap { field: "rms_norm_eps".into(), reason: "must be a positive number".into() });
         }
         if !(cfg.rope_theta > 0.0) {
-            gaps.push(Gap {
-                field: "rope_theta".into(),
-                reason: "must be a positive number".into(),
-            });
+            gaps.push(Gap { field: "rope_theta".into(), reason: "must be a positive number".into() });
         }
     }
     if gaps.is_empty() { Ok(cfg) } else { Err(gaps) }
@@ -263,10 +228,7 @@ fn gaps_error(dir: &Path, gaps: &[Gap]) -> Error {
     Error::usage(format!(
         "{}/config.json is not covered by the knowledge base:\n{}",
         dir.display(),
-        gaps.iter()
-            .map(|g| format!("  {}: {}", g.field, g.reason))
-            .collect::<Vec<_>>()
-            .join("\n")
+        gaps.iter().map(|g| format!("  {}: {}", g.field, g.reason)).collect::<Vec<_>>().join("\n")
     ))
 }
 
@@ -288,30 +250,23 @@ pub fn read_safetensors(dir: &Path) -> Result<Tensors> {
 /// # Errors
 /// As [`read_safetensors`].
 pub fn read_safetensors_file(path: &Path) -> Result<Tensors> {
-    let bytes = std::fs::read(path)
-        .map_err(|e| Error::input(format!("{}: cannot read ({e})", path.display())))?;
+    let bytes = std::fs::read(path).map_err(|e| Error::input(format!("{}: cannot read ({e})", path.display())))?;
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| {
-        Error::input(format!(
-            "{}: not a valid safetensors file ({e}); is it truncated or corrupt?",
-            path.display()
-        ))
+        Error::input(format!("{}: not a valid safetensors file ({e}); is it truncated or corrupt?", path.display()))
     })?;
     let mut out = Tensors::new();
     for (name, view) in st.tensors() {
         let data = view.data();
         let values: Vec<f32> = match view.dtype() {
-            safetensors::Dtype::F32 => data
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-            safetensors::Dtype::BF16 => data
-                .chunks_exact(2)
-                .map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16))
-                .collect(),
-            safetensors::Dtype::F16 => data
-                .chunks_exact(2)
-                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
+            safetensors::Dtype::F32 => {
+                data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+            }
+            safetensors::Dtype::BF16 => {
+                data.chunks_exact(2).map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16)).collect()
+            }
+            safetensors::Dtype::F16 => {
+                data.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
+            }
             other => {
                 return Err(Error::input(format!(
                     "{}: tensor `{name}` has dtype {other:?}; supported: F32, BF16, F16",
@@ -349,8 +304,7 @@ pub fn hf_encode(tok: &tokenizers::Tokenizer, text: &str) -> Result<Vec<u32>> {
 /// # Errors
 /// When an id is outside the vocabulary.
 pub fn hf_decode(tok: &tokenizers::Tokenizer, ids: &[u32]) -> Result<String> {
-    tok.decode(ids, true)
-        .map_err(|e| Error::input(format!("tokenizer cannot decode {ids:?}: {e}")))
+    tok.decode(ids, true).map_err(|e| Error::input(format!("tokenizer cannot decode {ids:?}: {e}")))
 }
 
 /// The model directory used by the demo and tests: `../shared/models/babyllama-105` relative to the

@@ -58,25 +58,13 @@ impl Report for CompileReport {
             s += &format!(
                 "{}{}: {}:{}:{}: {}{}{}\n",
                 d.level,
-                if d.code.is_empty() {
-                    String::new()
-                } else {
-                    format!("[{}]", d.code)
-                },
+                if d.code.is_empty() { String::new() } else { format!("[{}]", d.code) },
                 d.file,
                 d.line,
                 d.column,
                 d.message,
-                if d.label.is_empty() {
-                    String::new()
-                } else {
-                    format!(" ({})", d.label)
-                },
-                if d.contract.is_empty() {
-                    String::new()
-                } else {
-                    format!(" -- see contract {}", d.contract)
-                }
+                if d.label.is_empty() { String::new() } else { format!(" ({})", d.label) },
+                if d.contract.is_empty() { String::new() } else { format!(" -- see contract {}", d.contract) }
             );
         }
         if self.truncated > 0 {
@@ -92,27 +80,16 @@ impl Report for CompileReport {
 /// Name the contract whose skeleton defines the item a diagnostic points at: the file is
 /// `src/<module>.rs` and the message or label names a function of that contract's skeleton.
 fn hint(ctx: &Ctx, d: &mut Diagnostic) {
-    let Some(module) = d
-        .file
-        .strip_prefix("src/")
-        .and_then(|f| f.strip_suffix(".rs"))
-    else {
+    let Some(module) = d.file.strip_prefix("src/").and_then(|f| f.strip_suffix(".rs")) else {
         return;
     };
     for c in ctx.ckb.all() {
         let Some(rust) = c.rust.as_ref().filter(|r| r.module == module) else {
             continue;
         };
-        let names = rust
-            .skeleton
-            .split("fn ")
-            .skip(1)
-            .filter_map(|s| s.split(['(', '<']).next());
+        let names = rust.skeleton.split("fn ").skip(1).filter_map(|s| s.split(['(', '<']).next());
         let text = format!("{} {}", d.message, d.label);
-        if names
-            .clone()
-            .any(|n| text.contains(&format!("`{n}`")) || text.contains(&format!("{n}(")))
-        {
+        if names.clone().any(|n| text.contains(&format!("`{n}`")) || text.contains(&format!("{n}("))) {
             d.contract = c.id.clone();
             return;
         }
@@ -127,11 +104,16 @@ pub fn compile(ctx: &Ctx, req: &CompileRequest, budget: &Budget) -> Result<Compi
     let started = Instant::now();
     let dir = ctx.confine(Path::new(&req.engine), true)?;
     let engine = harness::engine_info(&dir)?;
-    let build = ctx
-        .workshop
-        .cargo_build(&engine.dir.join("Cargo.toml"), budget)?;
+    let build = ctx.workshop.cargo_build(&engine.dir.join("Cargo.toml"), budget)?;
     let report = report_of(ctx, &engine, build);
-    ctx.record("compile_engine", Some(&engine), vec![], &report, serde_json::json!({"errors": report.errors, "warnings": report.warnings, "seconds": report.seconds}), started);
+    ctx.record(
+        "compile_engine",
+        Some(&engine),
+        vec![],
+        &report,
+        serde_json::json!({"errors": report.errors, "warnings": report.warnings, "seconds": report.seconds}),
+        started,
+    );
     Ok(report)
 }
 

@@ -96,11 +96,7 @@ impl Report for KernelTestReport {
                 super::sci(k.max_rel_err),
                 k.worst_index,
                 k.worst_case,
-                if k.error.is_empty() {
-                    String::new()
-                } else {
-                    format!("\n     {}", k.error)
-                }
+                if k.error.is_empty() { String::new() } else { format!("\n     {}", k.error) }
             );
         }
         s
@@ -123,18 +119,14 @@ enum Expect {
 }
 
 fn uniform(rng: &mut ChaCha8Rng, n: usize, scale: f64) -> Vec<f32> {
-    (0..n)
-        .map(|_| (rng.random_range(-1.0..1.0) * scale) as f32)
-        .collect()
+    (0..n).map(|_| (rng.random_range(-1.0..1.0) * scale) as f32).collect()
 }
 
 fn dim(rng: &mut ChaCha8Rng, case: &TestCase, name: &str) -> Result<usize> {
-    let [lo, hi] = *case.dims.get(name).ok_or_else(|| {
-        Error::input(format!(
-            "test case `{}` has no range for dim `{name}`",
-            case.name
-        ))
-    })?;
+    let [lo, hi] = *case
+        .dims
+        .get(name)
+        .ok_or_else(|| Error::input(format!("test case `{}` has no range for dim `{name}`", case.name)))?;
     Ok(rng.random_range(lo..=hi) as usize)
 }
 
@@ -153,11 +145,7 @@ fn draw(c: &Contract, case: &TestCase, rng: &mut ChaCha8Rng) -> Result<Drawn> {
     let w = oracle::widen;
     match c.id.as_str() {
         "kernel.embedding" => {
-            let (vocab, dm, n) = (
-                dim(rng, case, "vocab")?,
-                dim(rng, case, "dim")?,
-                dim(rng, case, "n")?,
-            );
+            let (vocab, dm, n) = (dim(rng, case, "vocab")?, dim(rng, case, "dim")?, dim(rng, case, "n")?);
             let table = uniform(rng, vocab * dm, s);
             let ids: Vec<u32> = (0..n).map(|_| rng.random_range(0..vocab as u32)).collect();
             d.label = format!("vocab={vocab} dim={dm} n={n}");
@@ -183,14 +171,11 @@ fn draw(c: &Contract, case: &TestCase, rng: &mut ChaCha8Rng) -> Result<Drawn> {
             let max_pos = dim(rng, case, "max_pos")?;
             let theta: f32 = [10_000.0, 500_000.0, 1_000_000.0][rng.random_range(0..3)];
             let x = uniform(rng, nt * nh * hd, s);
-            let positions: Vec<u32> = (0..nt)
-                .map(|_| rng.random_range(0..=max_pos as u32))
-                .collect();
+            let positions: Vec<u32> = (0..nt).map(|_| rng.random_range(0..=max_pos as u32)).collect();
             let pos: Vec<usize> = positions.iter().map(|&p| p as usize).collect();
             let mut want = w(&x);
             oracle::rope(&mut want, &pos, nh, hd, theta as f64);
-            d.label =
-                format!("n_tokens={nt} n_heads={nh} head_dim={hd} max_pos={max_pos} theta={theta}");
+            d.label = format!("n_tokens={nt} n_heads={nh} head_dim={hd} max_pos={max_pos} theta={theta}");
             d.expect = Expect::Values(want);
             params.insert("n_heads".into(), nh.to_string());
             params.insert("head_dim".into(), hd.to_string());
@@ -199,11 +184,7 @@ fn draw(c: &Contract, case: &TestCase, rng: &mut ChaCha8Rng) -> Result<Drawn> {
             d.u32s.push(("positions".into(), positions));
         }
         "kernel.linear" => {
-            let (m, k, n) = (
-                dim(rng, case, "m")?,
-                dim(rng, case, "k")?,
-                dim(rng, case, "n")?,
-            );
+            let (m, k, n) = (dim(rng, case, "m")?, dim(rng, case, "k")?, dim(rng, case, "n")?);
             let x = uniform(rng, m * k, s);
             let wt = uniform(rng, n * k, 1.0);
             d.label = format!("m={m} k={k} n={n}");
@@ -233,32 +214,17 @@ fn draw(c: &Contract, case: &TestCase, rng: &mut ChaCha8Rng) -> Result<Drawn> {
         "kernel.attention" => {
             let kv_len = dim(rng, case, "kv_len")?;
             let n_q = dim(rng, case, "n_q")?.min(kv_len);
-            let (nkv, group, hd) = (
-                dim(rng, case, "n_kv_heads")?,
-                dim(rng, case, "group")?,
-                dim(rng, case, "head_dim")?,
-            );
+            let (nkv, group, hd) =
+                (dim(rng, case, "n_kv_heads")?, dim(rng, case, "group")?, dim(rng, case, "head_dim")?);
             let nh = nkv * group;
             let q = uniform(rng, n_q * nh * hd, s);
             let k = uniform(rng, kv_len * nkv * hd, s);
             let v = uniform(rng, kv_len * nkv * hd, 1.0);
-            let shape = AttnShape {
-                n_q,
-                kv_len,
-                n_heads: nh,
-                n_kv_heads: nkv,
-                head_dim: hd,
-            };
-            d.label =
-                format!("n_q={n_q} kv_len={kv_len} n_heads={nh} n_kv_heads={nkv} head_dim={hd}");
+            let shape = AttnShape { n_q, kv_len, n_heads: nh, n_kv_heads: nkv, head_dim: hd };
+            d.label = format!("n_q={n_q} kv_len={kv_len} n_heads={nh} n_kv_heads={nkv} head_dim={hd}");
             d.expect = Expect::Values(oracle::attention(&w(&q), &w(&k), &w(&v), shape));
-            for (key, val) in [
-                ("n_q", n_q),
-                ("kv_len", kv_len),
-                ("n_heads", nh),
-                ("n_kv_heads", nkv),
-                ("head_dim", hd),
-            ] {
+            for (key, val) in [("n_q", n_q), ("kv_len", kv_len), ("n_heads", nh), ("n_kv_heads", nkv), ("head_dim", hd)]
+            {
                 params.insert(key.into(), val.to_string());
             }
             d.f32s.push(("q".into(), q));
@@ -292,52 +258,34 @@ fn draw(c: &Contract, case: &TestCase, rng: &mut ChaCha8Rng) -> Result<Drawn> {
 }
 
 fn write_inputs(path: &Path, d: &Drawn) -> Result<()> {
-    let f: Vec<(String, Vec<u8>)> = d
-        .f32s
-        .iter()
-        .map(|(n, v)| (n.clone(), v.iter().flat_map(|x| x.to_le_bytes()).collect()))
-        .collect();
-    let u: Vec<(String, Vec<u8>)> = d
-        .u32s
-        .iter()
-        .map(|(n, v)| (n.clone(), v.iter().flat_map(|x| x.to_le_bytes()).collect()))
-        .collect();
+    let f: Vec<(String, Vec<u8>)> =
+        d.f32s.iter().map(|(n, v)| (n.clone(), v.iter().flat_map(|x| x.to_le_bytes()).collect())).collect();
+    let u: Vec<(String, Vec<u8>)> =
+        d.u32s.iter().map(|(n, v)| (n.clone(), v.iter().flat_map(|x| x.to_le_bytes()).collect())).collect();
     let mut views = Vec::new();
     for (n, b) in &f {
         views.push((
             n.clone(),
-            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![b.len() / 4], b)
-                .expect("view"),
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![b.len() / 4], b).expect("view"),
         ));
     }
     for (n, b) in &u {
         views.push((
             n.clone(),
-            safetensors::tensor::TensorView::new(safetensors::Dtype::U32, vec![b.len() / 4], b)
-                .expect("view"),
+            safetensors::tensor::TensorView::new(safetensors::Dtype::U32, vec![b.len() / 4], b).expect("view"),
         ));
     }
-    let meta = if d.params.is_empty() {
-        None
-    } else {
-        Some(d.params.clone())
-    };
-    safetensors::serialize_to_file(views, meta, path)
-        .map_err(|e| Error::internal(format!("{}: {e}", path.display())))
+    let meta = if d.params.is_empty() { None } else { Some(d.params.clone()) };
+    safetensors::serialize_to_file(views, meta, path).map_err(|e| Error::internal(format!("{}: {e}", path.display())))
 }
 
 /// Compare engine output with expected values at a tolerance: (max abs, max rel, worst index, all within).
 pub fn compare(got: &[f32], want: &[f64], tol: &Tolerance) -> (f64, f64, usize, bool) {
-    let (mut max_abs, mut max_rel, mut worst, mut worst_excess) =
-        (0.0f64, 0.0f64, 0usize, f64::NEG_INFINITY);
+    let (mut max_abs, mut max_rel, mut worst, mut worst_excess) = (0.0f64, 0.0f64, 0usize, f64::NEG_INFINITY);
     let mut ok = got.len() == want.len();
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
         let g = *g as f64;
-        let err = if g.is_finite() {
-            (g - w).abs()
-        } else {
-            f64::INFINITY
-        };
+        let err = if g.is_finite() { (g - w).abs() } else { f64::INFINITY };
         let rel = err / w.abs().max(1e-30);
         let excess = err - (tol.atol + tol.rtol * w.abs());
         if excess > 0.0 || !g.is_finite() {
@@ -348,11 +296,7 @@ pub fn compare(got: &[f32], want: &[f64], tol: &Tolerance) -> (f64, f64, usize, 
             worst = i;
         }
         max_abs = max_abs.max(err);
-        max_rel = max_rel.max(if err.is_infinite() {
-            f64::INFINITY
-        } else {
-            rel
-        });
+        max_rel = max_rel.max(if err.is_infinite() { f64::INFINITY } else { rel });
     }
     (max_abs, max_rel, worst, ok)
 }
@@ -361,11 +305,7 @@ pub fn compare(got: &[f32], want: &[f64], tol: &Tolerance) -> (f64, f64, usize, 
 ///
 /// # Errors
 /// Not a crate, unknown kernel id, outside the workspace, or the harness cannot be started.
-pub fn kernel_test(
-    ctx: &Ctx,
-    req: &KernelTestRequest,
-    budget: &Budget,
-) -> Result<KernelTestReport> {
+pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Result<KernelTestReport> {
     let started = Instant::now();
     let dir = ctx.confine(Path::new(&req.engine), true)?;
     let engine = harness::engine_info(&dir)?;
@@ -377,10 +317,7 @@ pub fn kernel_test(
             .map(|id| {
                 let c = ctx.ckb.get(id)?;
                 if c.kind != Kind::Kernel {
-                    return Err(Error::usage(format!(
-                        "`{id}` is a {} contract, not a kernel",
-                        c.kind.prefix()
-                    )));
+                    return Err(Error::usage(format!("`{id}` is a {} contract, not a kernel", c.kind.prefix())));
                 }
                 Ok(c)
             })
@@ -393,12 +330,8 @@ pub fn kernel_test(
     let build = ctx.workshop.build_harness(&engine, budget)?;
     if !build.ok || build.executable.is_none() {
         let compile = super::compile::report_of(ctx, &engine, build);
-        let report = KernelTestReport {
-            passed: false,
-            seed,
-            kernels: vec![],
-            build_error: super::Report::text(&compile),
-        };
+        let report =
+            KernelTestReport { passed: false, seed, kernels: vec![], build_error: super::Report::text(&compile) };
         ctx.record(
             "run_kernel_test",
             Some(&engine),
@@ -416,9 +349,7 @@ pub fn kernel_test(
     let mut drawn = Vec::new();
     for c in &contracts {
         for (ci, case) in c.test_cases.iter().enumerate() {
-            let mut rng = ChaCha8Rng::seed_from_u64(
-                seed ^ crate::ops::verify::fnv1a(&c.id) ^ (ci as u64) << 48,
-            );
+            let mut rng = ChaCha8Rng::seed_from_u64(seed ^ crate::ops::verify::fnv1a(&c.id) ^ (ci as u64) << 48);
             let d = draw(c, case, &mut rng)?;
             let n = drawn.len();
             let input = scratch.path().join(format!("case{n}.in.safetensors"));
@@ -433,33 +364,17 @@ pub fn kernel_test(
     std::fs::write(&request, serde_json::json!({ "cases": cases }).to_string())
         .map_err(|e| Error::internal(format!("{}: {e}", request.display())))?;
     let run = harness::run(
-        duct::cmd(
-            &exe,
-            [
-                std::ffi::OsStr::new("kernel"),
-                request.as_os_str(),
-                result.as_os_str(),
-            ],
-        ),
+        duct::cmd(&exe, [std::ffi::OsStr::new("kernel"), request.as_os_str(), result.as_os_str()]),
         budget,
     )?;
-    let results: serde_json::Value = std::fs::read(&result)
-        .ok()
-        .and_then(|b| serde_json::from_slice(&b).ok())
-        .unwrap_or(serde_json::Value::Null);
-    let process_error = if run.ok() {
-        String::new()
-    } else {
-        run.failure_text(1500)
-    };
+    let results: serde_json::Value =
+        std::fs::read(&result).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or(serde_json::Value::Null);
+    let process_error = if run.ok() { String::new() } else { run.failure_text(1500) };
 
     let mut kernels: Vec<KernelResult> = Vec::new();
     for c in &contracts {
-        let tol = c.tolerance.get("f32").cloned().unwrap_or(Tolerance {
-            atol: 0.0,
-            rtol: 0.0,
-            reasoning: String::new(),
-        });
+        let tol =
+            c.tolerance.get("f32").cloned().unwrap_or(Tolerance { atol: 0.0, rtol: 0.0, reasoning: String::new() });
         let mut kr = KernelResult {
             kernel: c.id.clone(),
             passed: true,
@@ -473,11 +388,7 @@ pub fn kernel_test(
             error: String::new(),
         };
         let mut worst_abs = -1.0;
-        for (i, (d, output)) in drawn
-            .iter()
-            .enumerate()
-            .filter(|(_, (d, _))| d.kernel == c.id)
-        {
+        for (i, (d, output)) in drawn.iter().enumerate().filter(|(_, (d, _))| d.kernel == c.id) {
             kr.cases += 1;
             let entry = &results["results"][i];
             if let Some(p) = entry["panic"].as_str() {
@@ -529,41 +440,26 @@ pub fn kernel_test(
             kr.max_rel_err = kr.max_rel_err.max(rel);
             if !ok && kr.error.is_empty() {
                 kr.error = match &d.expect {
-                    Expect::Index(want) => format!(
-                        "returned index {idx}, expected {want} (first maximum) on {}",
-                        d.label
-                    ),
-                    Expect::Values(_) if abs.is_infinite() => format!(
-                        "output has NaN/inf or unwritten elements (NaN sentinel) on {}",
-                        d.label
-                    ),
-                    Expect::Values(_) => format!(
-                        "outside tolerance atol {} rtol {} on {}",
-                        tol.atol, tol.rtol, d.label
-                    ),
+                    Expect::Index(want) => {
+                        format!("returned index {idx}, expected {want} (first maximum) on {}", d.label)
+                    }
+                    Expect::Values(_) if abs.is_infinite() => {
+                        format!("output has NaN/inf or unwritten elements (NaN sentinel) on {}", d.label)
+                    }
+                    Expect::Values(_) => {
+                        format!("outside tolerance atol {} rtol {} on {}", tol.atol, tol.rtol, d.label)
+                    }
                 };
             }
         }
         kernels.push(kr);
     }
     let passed = !kernels.is_empty() && kernels.iter().all(|k| k.passed);
-    let report = KernelTestReport {
-        passed,
-        seed,
-        kernels,
-        build_error: String::new(),
-    };
+    let report = KernelTestReport { passed, seed, kernels, build_error: String::new() };
     let figures = serde_json::json!({
         "seed": seed,
         "kernels": report.kernels.iter().map(|k| serde_json::json!({"id": k.kernel, "passed": k.passed, "max_abs_err": if k.max_abs_err.is_finite() { k.max_abs_err } else { -1.0 }})).collect::<Vec<_>>(),
     });
-    ctx.record(
-        "run_kernel_test",
-        Some(&engine),
-        versioned,
-        &report,
-        figures,
-        started,
-    );
+    ctx.record("run_kernel_test", Some(&engine), versioned, &report, figures, started);
     Ok(report)
 }

@@ -68,12 +68,7 @@ impl Report for LookupReport {
 pub const PAGE: usize = 25;
 
 fn brief(c: &crate::ckb::Contract) -> ContractBrief {
-    ContractBrief {
-        id: c.id.clone(),
-        kind: c.kind.prefix().into(),
-        version: c.version,
-        summary: c.summary.clone(),
-    }
+    ContractBrief { id: c.id.clone(), kind: c.kind.prefix().into(), version: c.version, summary: c.summary.clone() }
 }
 
 /// Look up a contract.
@@ -84,7 +79,14 @@ pub fn lookup(ctx: &Ctx, req: &LookupRequest) -> Result<LookupReport> {
     let started = std::time::Instant::now();
     let report = lookup_only(ctx, req)?;
     let ids: Vec<&str> = report.matches.iter().map(|m| m.id.as_str()).collect();
-    ctx.record("lookup_contract", None, ctx.versioned(&ids), &report, serde_json::json!({"matches": report.matches.len()}), started);
+    ctx.record(
+        "lookup_contract",
+        None,
+        ctx.versioned(&ids),
+        &report,
+        serde_json::json!({"matches": report.matches.len()}),
+        started,
+    );
     Ok(report)
 }
 
@@ -92,13 +94,8 @@ fn lookup_only(ctx: &Ctx, req: &LookupRequest) -> Result<LookupReport> {
     match (&req.id, &req.query) {
         (Some(id), _) => {
             let c = ctx.ckb.get(id)?;
-            let toml = toml::to_string_pretty(c)
-                .map_err(|e| Error::internal(format!("cannot render {id}: {e}")))?;
-            Ok(LookupReport {
-                matches: vec![brief(c)],
-                contract_toml: toml,
-                next_cursor: None,
-            })
+            let toml = toml::to_string_pretty(c).map_err(|e| Error::internal(format!("cannot render {id}: {e}")))?;
+            Ok(LookupReport { matches: vec![brief(c)], contract_toml: toml, next_cursor: None })
         }
         (None, Some(q)) => {
             let hits = ctx.ckb.search(q);
@@ -110,8 +107,6 @@ fn lookup_only(ctx: &Ctx, req: &LookupRequest) -> Result<LookupReport> {
                 next_cursor: (end < hits.len()).then_some(end),
             })
         }
-        (None, None) => Err(Error::usage(
-            "give `id` (e.g. kernel.rope) or `query` (e.g. \"rotary\")",
-        )),
+        (None, None) => Err(Error::usage("give `id` (e.g. kernel.rope) or `query` (e.g. \"rotary\")")),
     }
 }

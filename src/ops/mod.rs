@@ -79,41 +79,27 @@ impl Ctx {
     /// [`crate::error::ErrorKind::Usage`] naming the path and the allowed roots.
     pub fn confine(&self, path: &Path, must_exist: bool) -> Result<PathBuf> {
         let resolved = if must_exist || path.exists() {
-            path.canonicalize()
-                .map_err(|e| Error::usage(format!("{}: {e}", path.display())))?
+            path.canonicalize().map_err(|e| Error::usage(format!("{}: {e}", path.display())))?
         } else {
-            let parent = path
-                .parent()
-                .filter(|p| !p.as_os_str().is_empty())
-                .unwrap_or(Path::new("."));
-            let name = path.file_name().ok_or_else(|| {
-                Error::usage(format!("{}: not a file or directory name", path.display()))
-            })?;
-            std::fs::create_dir_all(parent)
-                .map_err(|e| Error::usage(format!("{}: {e}", parent.display())))?;
-            parent
-                .canonicalize()
-                .map_err(|e| Error::usage(format!("{}: {e}", parent.display())))?
-                .join(name)
+            let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+            let name = path
+                .file_name()
+                .ok_or_else(|| Error::usage(format!("{}: not a file or directory name", path.display())))?;
+            std::fs::create_dir_all(parent).map_err(|e| Error::usage(format!("{}: {e}", parent.display())))?;
+            parent.canonicalize().map_err(|e| Error::usage(format!("{}: {e}", parent.display())))?.join(name)
         };
         let Some(ws) = &self.workspace else {
             return Ok(resolved);
         };
-        let roots: Vec<PathBuf> = std::iter::once(ws)
-            .chain(&self.models)
-            .filter_map(|r| r.canonicalize().ok())
-            .collect();
+        let roots: Vec<PathBuf> =
+            std::iter::once(ws).chain(&self.models).filter_map(|r| r.canonicalize().ok()).collect();
         if roots.iter().any(|r| resolved.starts_with(r)) {
             Ok(resolved)
         } else {
             Err(Error::usage(format!(
                 "{} is outside the workspace; allowed roots: {}",
                 resolved.display(),
-                roots
-                    .iter()
-                    .map(|r| r.display().to_string())
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                roots.iter().map(|r| r.display().to_string()).collect::<Vec<_>>().join(", ")
             )))
         }
     }
@@ -134,9 +120,7 @@ impl Ctx {
             id: crate::ledger::new_id(),
             time: crate::ledger::now_rfc3339(),
             tool: tool.into(),
-            engine: engine
-                .map(|e| e.dir.display().to_string())
-                .unwrap_or_default(),
+            engine: engine.map(|e| e.dir.display().to_string()).unwrap_or_default(),
             engine_hash: engine.map(|e| e.hash.clone()).unwrap_or_default(),
             contracts,
             passed: report.passed(),
@@ -153,10 +137,7 @@ impl Ctx {
 
     /// Contract ids with versions, as outcomes record them (`kernel.rope@1`).
     pub fn versioned(&self, ids: &[&str]) -> Vec<String> {
-        ids.iter()
-            .filter_map(|id| self.ckb.get(id).ok())
-            .map(|c| format!("{}@{}", c.id, c.version))
-            .collect()
+        ids.iter().filter_map(|id| self.ckb.get(id).ok()).map(|c| format!("{}@{}", c.id, c.version)).collect()
     }
 }
 

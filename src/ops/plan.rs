@@ -70,10 +70,7 @@ impl Report for PlanReport {
     }
     fn text(&self) -> String {
         let mut s = if self.covered {
-            format!(
-                "covered: {} on {} in {}\n",
-                self.family, self.platform, self.dtype
-            )
+            format!("covered: {} on {} in {}\n", self.family, self.platform, self.dtype)
         } else {
             format!("not covered ({} gap(s))\n", self.gaps.len())
         };
@@ -119,7 +116,8 @@ pub fn plan(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
     let started = std::time::Instant::now();
     let report = plan_only(ctx, req)?;
     let ids: Vec<&str> = report.phases.iter().flat_map(|p| p.contracts.iter().map(String::as_str)).collect();
-    let figures = serde_json::json!({"family": report.family, "gaps": report.gaps.iter().map(|g| &g.field).collect::<Vec<_>>()});
+    let figures =
+        serde_json::json!({"family": report.family, "gaps": report.gaps.iter().map(|g| &g.field).collect::<Vec<_>>()});
     ctx.record("plan_engine", None, ctx.versioned(&ids), &report, figures, started);
     Ok(report)
 }
@@ -162,24 +160,14 @@ pub fn plan_only(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
         }),
         Some(p) if !p.platform.as_ref().unwrap().dtypes.contains(&req.dtype) => gaps.push(Gap {
             field: "dtype".into(),
-            reason: format!(
-                "{} covers dtypes {:?}, not `{}`",
-                p.id,
-                p.platform.as_ref().unwrap().dtypes,
-                req.dtype
-            ),
+            reason: format!("{} covers dtypes {:?}, not `{}`", p.id, p.platform.as_ref().unwrap().dtypes, req.dtype),
         }),
         Some(_) => {}
     }
     let mut phases = Vec::new();
     if let Some(f) = family {
         let m = f.model.as_ref().unwrap();
-        let mut ids: Vec<&str> = m
-            .kernels
-            .iter()
-            .chain(&m.components)
-            .map(String::as_str)
-            .collect();
+        let mut ids: Vec<&str> = m.kernels.iter().chain(&m.components).map(String::as_str).collect();
         ids.push(&f.id);
         for phase in Phase::ALL {
             let mut contracts: Vec<String> = ids
@@ -209,10 +197,9 @@ pub fn plan_only(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
                     &["verify_generation"],
                     "tokenizer matches HF tokenizers exactly; greedy tokens match the reference exactly",
                 ),
-                Phase::Performance => (
-                    &["profile_engine"],
-                    "prefill and decode tokens/s on the target; keep every earlier gate green",
-                ),
+                Phase::Performance => {
+                    (&["profile_engine"], "prefill and decode tokens/s on the target; keep every earlier gate green")
+                }
             };
             if matches!(phase, Phase::DecoderLayer | Phase::FullForward) {
                 contracts.push(f.id.clone());
@@ -241,10 +228,7 @@ pub fn plan_only(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
 
 /// The constraints as a scaffold records them in the engine's `metainfer.toml`.
 pub fn constraints_toml(req: &PlanRequest, report: &PlanReport) -> Result<String> {
-    let cfg = report
-        .config
-        .as_ref()
-        .ok_or_else(|| Error::usage("constraints are not covered; run plan first"))?;
+    let cfg = report.config.as_ref().ok_or_else(|| Error::usage("constraints are not covered; run plan first"))?;
     Ok(format!(
         "# Constraints this engine was scaffolded for (written by metainfer scaffold).\nfamily = {:?}\ntarget = {:?}\ndtype = {:?}\nreference_level = \"zero\"\nmodel = {:?}\nhidden = {}\nn_layers = {}\nvocab = {}\n",
         report.family, req.target, req.dtype, req.model, cfg.hidden, cfg.n_layers, cfg.vocab

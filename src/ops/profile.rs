@@ -46,22 +46,10 @@ impl Spread {
         let mut s = v.to_vec();
         s.sort_by(|a, b| a.total_cmp(b));
         if s.is_empty() {
-            return Spread {
-                median: f64::NAN,
-                min: f64::NAN,
-                max: f64::NAN,
-            };
+            return Spread { median: f64::NAN, min: f64::NAN, max: f64::NAN };
         }
-        let median = if s.len() % 2 == 1 {
-            s[s.len() / 2]
-        } else {
-            (s[s.len() / 2 - 1] + s[s.len() / 2]) / 2.0
-        };
-        Spread {
-            median,
-            min: s[0],
-            max: s[s.len() - 1],
-        }
+        let median = if s.len() % 2 == 1 { s[s.len() / 2] } else { (s[s.len() / 2 - 1] + s[s.len() / 2]) / 2.0 };
+        Spread { median, min: s[0], max: s[s.len() - 1] }
     }
 }
 
@@ -104,11 +92,7 @@ impl Report for ProfileReport {
         format!(
             "profile{}: decode {:.0} tok/s (min {:.0}, max {:.0}), prefill {:.0} tok/s (min {:.0}, max {:.0}) over {} runs\n\
              time to first token {:.2} ms ({} prompt tokens), load {:.1} ms; 1-thread bandwidth roofline {:.0} tok/s ({:.0}% of it)\n",
-            if self.verified {
-                ""
-            } else {
-                " (UNVERIFIED: verify_generation has not passed on these sources)"
-            },
+            if self.verified { "" } else { " (UNVERIFIED: verify_generation has not passed on these sources)" },
             self.decode_tok_s.median,
             self.decode_tok_s.min,
             self.decode_tok_s.max,
@@ -135,14 +119,8 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     let model_dir = ctx.confine(Path::new(&req.model), true)?;
     let engine = harness::engine_info(&dir)?;
     let cfg = crate::model::load_config(&ctx.ckb, &model_dir)?;
-    let prompt_len = req
-        .prompt_len
-        .unwrap_or(32)
-        .clamp(1, cfg.max_seq.saturating_sub(1).max(1));
-    let new_tokens = req
-        .new_tokens
-        .unwrap_or(64)
-        .clamp(1, cfg.max_seq - prompt_len);
+    let prompt_len = req.prompt_len.unwrap_or(32).clamp(1, cfg.max_seq.saturating_sub(1).max(1));
+    let new_tokens = req.new_tokens.unwrap_or(64).clamp(1, cfg.max_seq - prompt_len);
     let runs = req.runs.unwrap_or(5).clamp(1, 100);
     let verified = crate::ledger::Ledger::open(&ctx.ledger)
         .and_then(|l| l.passed_on("verify_generation", &engine.hash))
@@ -154,16 +132,11 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
                 + 2 * cfg.hidden)
         + cfg.hidden;
     // The embedding row read per token is negligible; lm_head (or the tied table) is read in full.
-    let bytes_per_token =
-        4.0 * (weights - if cfg.tied { 0 } else { cfg.vocab * cfg.hidden }) as f64;
+    let bytes_per_token = 4.0 * (weights - if cfg.tied { 0 } else { cfg.vocab * cfg.hidden }) as f64;
     let bandwidth = ctx
         .ckb
         .platform_for("cpu")
-        .and_then(|p| {
-            p.platform
-                .as_ref()
-                .and_then(|p| p.bandwidth_gbs.get("1").copied())
-        })
+        .and_then(|p| p.platform.as_ref().and_then(|p| p.bandwidth_gbs.get("1").copied()))
         .unwrap_or(15.0);
     let roofline = bandwidth * 1e9 / bytes_per_token;
     let mut report = ProfileReport {
@@ -185,14 +158,7 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
             "the engine does not build with the harness:\n{}",
             super::Report::text(&super::compile::report_of(ctx, &engine, build))
         );
-        ctx.record(
-            "profile_engine",
-            Some(&engine),
-            vec![],
-            &report,
-            serde_json::json!({}),
-            started,
-        );
+        ctx.record("profile_engine", Some(&engine), vec![], &report, serde_json::json!({}), started);
         return Ok(report);
     };
     let run = harness::run(
@@ -210,27 +176,15 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     )?;
     if !run.ok() {
         report.error = format!("the engine's profile process {}", run.failure_text(2000));
-        ctx.record(
-            "profile_engine",
-            Some(&engine),
-            vec![],
-            &report,
-            serde_json::json!({}),
-            started,
-        );
+        ctx.record("profile_engine", Some(&engine), vec![], &report, serde_json::json!({}), started);
         return Ok(report);
     }
     let v: serde_json::Value = serde_json::from_str(run.stdout.lines().last().unwrap_or_default())
         .map_err(|e| Error::internal(format!("harness profile output is not JSON: {e}")))?;
     let nums = |k: &str| -> Vec<f64> {
-        v[k].as_array()
-            .map(|a| a.iter().filter_map(|x| x.as_f64()).collect())
-            .unwrap_or_default()
+        v[k].as_array().map(|a| a.iter().filter_map(|x| x.as_f64()).collect()).unwrap_or_default()
     };
-    let prefill: Vec<f64> = nums("prefill_s")
-        .iter()
-        .map(|s| prompt_len as f64 / s)
-        .collect();
+    let prefill: Vec<f64> = nums("prefill_s").iter().map(|s| prompt_len as f64 / s).collect();
     let decode: Vec<f64> = nums("decode_s_per_token").iter().map(|s| 1.0 / s).collect();
     let first: Vec<f64> = nums("first_token_s").iter().map(|s| s * 1e3).collect();
     report.prefill_tok_s = Spread::of(&prefill);
@@ -244,13 +198,6 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
         "roofline_decode_tok_s": roofline,
         "verified": verified,
     });
-    ctx.record(
-        "profile_engine",
-        Some(&engine),
-        vec![],
-        &report,
-        figures,
-        started,
-    );
+    ctx.record("profile_engine", Some(&engine), vec![], &report, figures, started);
     Ok(report)
 }

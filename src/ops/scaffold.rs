@@ -73,32 +73,17 @@ impl Report for ScaffoldReport {
 /// # Errors
 /// When the constraints are not covered.
 pub fn render(ctx: &Ctx, req: &ScaffoldRequest) -> Result<(Vec<(String, String)>, Vec<String>)> {
-    let preq = PlanRequest {
-        model: req.model.clone(),
-        target: req.target.clone(),
-        dtype: req.dtype.clone(),
-    };
+    let preq = PlanRequest { model: req.model.clone(), target: req.target.clone(), dtype: req.dtype.clone() };
     let report = plan_only(ctx, &preq)?;
     if !report.covered {
         return Err(Error::usage(format!(
             "cannot scaffold: the constraints are not covered:\n{}",
-            report
-                .gaps
-                .iter()
-                .map(|g| format!("  {}: {}", g.field, g.reason))
-                .collect::<Vec<_>>()
-                .join("\n")
+            report.gaps.iter().map(|g| format!("  {}: {}", g.field, g.reason)).collect::<Vec<_>>().join("\n")
         )));
     }
     let name = req.name.clone().unwrap_or_else(|| "engine".into());
-    if name.is_empty()
-        || !name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
-    {
-        return Err(Error::usage(format!(
-            "crate name {name:?} must be ASCII letters, digits, '-' or '_'"
-        )));
+    if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
+        return Err(Error::usage(format!("crate name {name:?} must be ASCII letters, digits, '-' or '_'")));
     }
     let mut modules: BTreeMap<String, Vec<String>> = BTreeMap::new();
     let mut contracts = Vec::new();
@@ -113,17 +98,14 @@ pub fn render(ctx: &Ctx, req: &ScaffoldRequest) -> Result<(Vec<(String, String)>
                 if !order.contains(&rust.module) {
                     order.push(rust.module.clone());
                 }
-                modules
-                    .entry(rust.module.clone())
-                    .or_default()
-                    .push(format!(
-                        "// Contract {} v{} ({}): {}\n{}\n",
-                        c.id,
-                        c.version,
-                        c.phase.map(|p| p.name()).unwrap_or("model"),
-                        c.summary,
-                        rust.skeleton.trim_end()
-                    ));
+                modules.entry(rust.module.clone()).or_default().push(format!(
+                    "// Contract {} v{} ({}): {}\n{}\n",
+                    c.id,
+                    c.version,
+                    c.phase.map(|p| p.name()).unwrap_or("model"),
+                    c.summary,
+                    rust.skeleton.trim_end()
+                ));
             }
         }
     }
@@ -149,15 +131,11 @@ pub fn render(ctx: &Ctx, req: &ScaffoldRequest) -> Result<(Vec<(String, String)>
     for m in &order {
         let body = modules[m].join("\n");
         // Skeletons that refer to paths bring their own `use` lines; hoist them to the top.
-        let (uses, rest): (Vec<&str>, Vec<&str>) =
-            body.lines().partition(|l| l.starts_with("use "));
+        let (uses, rest): (Vec<&str>, Vec<&str>) = body.lines().partition(|l| l.starts_with("use "));
         let mut uses: Vec<&str> = uses;
         uses.sort();
         uses.dedup();
-        let mut text = format!(
-            "//! Module `{m}`: contracts {}.\n\n",
-            contracts_in(ctx, m, &contracts).join(", ")
-        );
+        let mut text = format!("//! Module `{m}`: contracts {}.\n\n", contracts_in(ctx, m, &contracts).join(", "));
         if !uses.is_empty() {
             text += &(uses.join("\n") + "\n\n");
         }
@@ -166,30 +144,17 @@ pub fn render(ctx: &Ctx, req: &ScaffoldRequest) -> Result<(Vec<(String, String)>
         files.push((format!("src/{m}.rs"), text));
     }
     let constraints = constraints_toml(
-        &PlanRequest {
-            model: req.model.clone(),
-            target: req.target.clone(),
-            dtype: req.dtype.clone(),
-        },
+        &PlanRequest { model: req.model.clone(), target: req.target.clone(), dtype: req.dtype.clone() },
         &report,
     )?;
     files.push(("metainfer.toml".into(), constraints));
-    files.push((
-        "PLAN.md".into(),
-        format!("# Build plan\n\n```\n{}```\n", report.text()),
-    ));
+    files.push(("PLAN.md".into(), format!("# Build plan\n\n```\n{}```\n", report.text())));
     Ok((files, contracts))
 }
 
 fn contracts_in(ctx: &Ctx, module: &str, ids: &[String]) -> Vec<String> {
     ids.iter()
-        .filter(|id| {
-            ctx.ckb
-                .get(id)
-                .ok()
-                .and_then(|c| c.rust.as_ref())
-                .is_some_and(|r| r.module == module)
-        })
+        .filter(|id| ctx.ckb.get(id).ok().and_then(|c| c.rust.as_ref()).is_some_and(|r| r.module == module))
         .cloned()
         .collect()
 }
@@ -203,22 +168,23 @@ pub fn scaffold(ctx: &Ctx, req: &ScaffoldRequest) -> Result<ScaffoldReport> {
     let report = scaffold_only(ctx, req)?;
     let ids: Vec<&str> = report.contracts.iter().map(String::as_str).collect();
     let engine = crate::harness::engine_info(std::path::Path::new(&report.dir)).ok();
-    ctx.record("scaffold_engine", engine.as_ref(), ctx.versioned(&ids), &report, serde_json::json!({"files": report.files.len()}), started);
+    ctx.record(
+        "scaffold_engine",
+        engine.as_ref(),
+        ctx.versioned(&ids),
+        &report,
+        serde_json::json!({"files": report.files.len()}),
+        started,
+    );
     Ok(report)
 }
 
 fn scaffold_only(ctx: &Ctx, req: &ScaffoldRequest) -> Result<ScaffoldReport> {
     let out = ctx.confine(Path::new(&req.out), false)?;
     let (files, contracts) = render(ctx, req)?;
-    let non_empty = out.is_dir()
-        && std::fs::read_dir(&out)
-            .map(|mut d| d.next().is_some())
-            .unwrap_or(false);
+    let non_empty = out.is_dir() && std::fs::read_dir(&out).map(|mut d| d.next().is_some()).unwrap_or(false);
     if out.exists() && !out.is_dir() {
-        return Err(Error::usage(format!(
-            "{} exists and is not a directory",
-            out.display()
-        )));
+        return Err(Error::usage(format!("{} exists and is not a directory", out.display())));
     }
     if non_empty && !req.force {
         return Err(Error::usage(format!(
@@ -228,24 +194,18 @@ fn scaffold_only(ctx: &Ctx, req: &ScaffoldRequest) -> Result<ScaffoldReport> {
     }
     // Write into a sibling temporary directory first, then move each file into place, so that a
     // failure part-way leaves no half-written crate.
-    let parent = out
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| PathBuf::from("."));
-    std::fs::create_dir_all(&parent)
-        .map_err(|e| Error::usage(format!("{}: {e}", parent.display())))?;
+    let parent = out.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."));
+    std::fs::create_dir_all(&parent).map_err(|e| Error::usage(format!("{}: {e}", parent.display())))?;
     let staging = tempfile::tempdir_in(&parent)
         .map_err(|e| Error::internal(format!("cannot stage in {}: {e}", parent.display())))?;
     for (rel, text) in &files {
         let p = staging.path().join(rel);
-        std::fs::create_dir_all(p.parent().unwrap())
-            .map_err(|e| Error::internal(format!("{}: {e}", p.display())))?;
+        std::fs::create_dir_all(p.parent().unwrap()).map_err(|e| Error::internal(format!("{}: {e}", p.display())))?;
         std::fs::write(&p, text).map_err(|e| Error::internal(format!("{}: {e}", p.display())))?;
     }
     if !out.exists() || !non_empty {
         if out.exists() {
-            std::fs::remove_dir(&out)
-                .map_err(|e| Error::internal(format!("{}: {e}", out.display())))?;
+            std::fs::remove_dir(&out).map_err(|e| Error::internal(format!("{}: {e}", out.display())))?;
         }
         let staged = staging.keep();
         std::fs::rename(&staged, &out)

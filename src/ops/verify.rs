@@ -131,16 +131,13 @@ fn mark(b: bool) -> &'static str {
 
 /// FNV-1a 64-bit hash of a string (Fowler, Noll, Vo), used to derive per-item seeds.
 pub fn fnv1a(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
-    })
+    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
 }
 
 /// Words for random prompts: common in children's stories, so tiny story models stay in distribution.
 const WORDS: &[&str] = &[
-    "the", "a", "little", "dog", "cat", "girl", "boy", "sun", "tree", "ball", "happy", "big",
-    "red", "park", "mom", "friend", "bird", "toy", "played", "saw", "went", "day", "one", "was",
-    "and", "with", "car", "box", "blue", "fish",
+    "the", "a", "little", "dog", "cat", "girl", "boy", "sun", "tree", "ball", "happy", "big", "red", "park", "mom",
+    "friend", "bird", "toy", "played", "saw", "went", "day", "one", "was", "and", "with", "car", "box", "blue", "fish",
 ];
 
 /// Draw `n` prompts of 2-6 words.
@@ -149,9 +146,7 @@ pub fn random_prompts(seed: u64, n: usize) -> Vec<String> {
     (0..n)
         .map(|_| {
             let len = rng.random_range(2..=6);
-            let words: Vec<&str> = (0..len)
-                .map(|_| WORDS[rng.random_range(0..WORDS.len())])
-                .collect();
+            let words: Vec<&str> = (0..len).map(|_| WORDS[rng.random_range(0..WORDS.len())]).collect();
             let mut s = words.join(" ");
             if let Some(first) = s.get(..1) {
                 s = first.to_uppercase() + &s[1..];
@@ -173,15 +168,11 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     let engine = harness::engine_info(&dir)?;
     let cfg = model::load_config(&ctx.ckb, &model_dir)?;
     let family = ctx.ckb.get(&cfg.family)?;
-    let tol = family
-        .model
-        .as_ref()
-        .and_then(|m| m.logits_tolerance.get("f32").cloned())
-        .unwrap_or(Tolerance {
-            atol: 1e-3,
-            rtol: 1e-3,
-            reasoning: String::new(),
-        });
+    let tol = family.model.as_ref().and_then(|m| m.logits_tolerance.get("f32").cloned()).unwrap_or(Tolerance {
+        atol: 1e-3,
+        rtol: 1e-3,
+        reasoning: String::new(),
+    });
     let tensors = model::read_safetensors(&model_dir)?;
     let mut reference = Reference::new(&cfg, &tensors)?;
     let tok = model::hf_tokenizer(&model_dir)?;
@@ -210,21 +201,9 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     let build = ctx.workshop.build_harness(&engine, budget)?;
     let Some(exe) = build.executable.clone().filter(|_| build.ok) else {
         let compile = super::compile::report_of(ctx, &engine, build);
-        let report = fail(
-            format!(
-                "the engine does not build with the harness:\n{}",
-                super::Report::text(&compile)
-            ),
-            vec![],
-        );
-        ctx.record(
-            "verify_generation",
-            Some(&engine),
-            versioned,
-            &report,
-            serde_json::json!({"seed": seed}),
-            started,
-        );
+        let report =
+            fail(format!("the engine does not build with the harness:\n{}", super::Report::text(&compile)), vec![]);
+        ctx.record("verify_generation", Some(&engine), versioned, &report, serde_json::json!({"seed": seed}), started);
         return Ok(report);
     };
 
@@ -232,36 +211,18 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     let request = scratch.path().join("generate.json");
     let out = scratch.path().join("generate.safetensors");
     let texts: Vec<&str> = prompts.iter().map(|(p, _)| p.as_str()).collect();
-    std::fs::write(
-        &request,
-        serde_json::json!({"prompts": texts, "max_new_tokens": max_new}).to_string(),
-    )
-    .map_err(|e| Error::internal(format!("{}: {e}", request.display())))?;
+    std::fs::write(&request, serde_json::json!({"prompts": texts, "max_new_tokens": max_new}).to_string())
+        .map_err(|e| Error::internal(format!("{}: {e}", request.display())))?;
     let run = harness::run(
         duct::cmd(
             &exe,
-            [
-                std::ffi::OsStr::new("generate"),
-                model_dir.as_os_str(),
-                request.as_os_str(),
-                out.as_os_str(),
-            ],
+            [std::ffi::OsStr::new("generate"), model_dir.as_os_str(), request.as_os_str(), out.as_os_str()],
         ),
         budget,
     )?;
     if !run.ok() {
-        let report = fail(
-            format!("the engine's generation process {}", run.failure_text(2000)),
-            vec![],
-        );
-        ctx.record(
-            "verify_generation",
-            Some(&engine),
-            versioned,
-            &report,
-            serde_json::json!({"seed": seed}),
-            started,
-        );
+        let report = fail(format!("the engine's generation process {}", run.failure_text(2000)), vec![]);
+        ctx.record("verify_generation", Some(&engine), versioned, &report, serde_json::json!({"seed": seed}), started);
         return Ok(report);
     }
     let (meta, mut tensors_out) = harness::read_tensor_words(&out)?;
@@ -288,24 +249,14 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
             error: String::new(),
         };
         let want_ids = model::hf_encode(&tok, prompt)?;
-        let got_ids = tensors_out
-            .get(&format!("prompt_ids.{i}"))
-            .cloned()
-            .unwrap_or_default();
+        let got_ids = tensors_out.get(&format!("prompt_ids.{i}")).cloned().unwrap_or_default();
         r.tokenizer_ok = got_ids == want_ids;
         let (rows, want_tokens) = reference.greedy(&want_ids, max_new)?;
-        let got_tokens = tensors_out
-            .get(&format!("tokens.{i}"))
-            .cloned()
-            .unwrap_or_default();
-        let got_logits = tensors_out
-            .get(&format!("logits_f.{i}"))
-            .cloned()
-            .unwrap_or_default();
+        let got_tokens = tensors_out.get(&format!("tokens.{i}")).cloned().unwrap_or_default();
+        let got_logits = tensors_out.get(&format!("logits_f.{i}")).cloned().unwrap_or_default();
         let got_logits: Vec<f32> = got_logits.iter().map(|&b| f32::from_bits(b)).collect();
         let vocab = cfg.vocab;
-        let mut logits_ok =
-            got_logits.len() >= vocab * want_tokens.len().min(got_tokens.len()).max(1);
+        let mut logits_ok = got_logits.len() >= vocab * want_tokens.len().min(got_tokens.len()).max(1);
         let mut tokens_ok = got_tokens.len() == want_tokens.len();
         for (step, want_row) in rows.iter().enumerate() {
             let Some(got_row) = got_logits.get(step * vocab..(step + 1) * vocab) else {
@@ -321,10 +272,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
             if g != w {
                 // A near-tie in the reference: the engine's choice is within tolerance of the best.
                 let best = want_row[w as usize];
-                let theirs = want_row
-                    .get(g as usize)
-                    .copied()
-                    .unwrap_or(f64::NEG_INFINITY);
+                let theirs = want_row.get(g as usize).copied().unwrap_or(f64::NEG_INFINITY);
                 if ok && best - theirs <= tol.atol + tol.rtol * best.abs() {
                     r.tie_at = step as i64;
                 } else {
@@ -342,9 +290,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         let text_ok = r.reference_text == r.text;
         let mut why = Vec::new();
         if !r.tokenizer_ok {
-            why.push(format!(
-                "tokenizer: engine ids {got_ids:?} != HF ids {want_ids:?}"
-            ));
+            why.push(format!("tokenizer: engine ids {got_ids:?} != HF ids {want_ids:?}"));
         }
         if !r.logits_ok {
             why.push(format!(
@@ -363,10 +309,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
             ));
         }
         if !text_ok {
-            why.push(format!(
-                "decode: engine text {:?} != HF decode {:?}",
-                r.text, r.reference_text
-            ));
+            why.push(format!("decode: engine text {:?} != HF decode {:?}", r.text, r.reference_text));
         }
         r.error = why.join("; ");
         results.push(r);
@@ -386,13 +329,6 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         "max_abs_err": report.prompts.iter().map(|p| p.max_abs_err).fold(0.0, f64::max),
         "prompts": report.prompts.len(),
     });
-    ctx.record(
-        "verify_generation",
-        Some(&engine),
-        versioned,
-        &report,
-        figures,
-        started,
-    );
+    ctx.record("verify_generation", Some(&engine), versioned, &report, figures, started);
     Ok(report)
 }

@@ -37,25 +37,14 @@ impl Reference {
     pub fn new(cfg: &ResolvedConfig, tensors: &Tensors) -> Result<Reference> {
         let get = |name: &str, shape: &[usize]| -> Result<Vec<f64>> {
             let (s, v) = tensors.get(name).ok_or_else(|| {
-                Error::input(format!(
-                    "model.safetensors has no tensor `{name}` (required by {})",
-                    cfg.family
-                ))
+                Error::input(format!("model.safetensors has no tensor `{name}` (required by {})", cfg.family))
             })?;
             if s != shape {
-                return Err(Error::input(format!(
-                    "tensor `{name}` has shape {s:?}, config.json implies {shape:?}"
-                )));
+                return Err(Error::input(format!("tensor `{name}` has shape {s:?}, config.json implies {shape:?}")));
             }
             Ok(widen(v))
         };
-        let (h, hd, nh, nkv, ff) = (
-            cfg.hidden,
-            cfg.head_dim,
-            cfg.n_heads,
-            cfg.n_kv_heads,
-            cfg.intermediate,
-        );
+        let (h, hd, nh, nkv, ff) = (cfg.hidden, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.intermediate);
         let mut layers = Vec::new();
         for i in 0..cfg.n_layers {
             let p = format!("model.layers.{i}.");
@@ -94,10 +83,7 @@ impl Reference {
 
     /// Forget the cache.
     pub fn reset(&mut self) {
-        self.k_cache
-            .iter_mut()
-            .chain(self.v_cache.iter_mut())
-            .for_each(Vec::clear);
+        self.k_cache.iter_mut().chain(self.v_cache.iter_mut()).for_each(Vec::clear);
         self.len = 0;
     }
 
@@ -108,16 +94,10 @@ impl Reference {
     pub fn step(&mut self, token: u32) -> Result<Vec<f64>> {
         let c = &self.cfg;
         if token as usize >= c.vocab {
-            return Err(Error::usage(format!(
-                "token id {token} is outside the vocabulary ({})",
-                c.vocab
-            )));
+            return Err(Error::usage(format!("token id {token} is outside the vocabulary ({})", c.vocab)));
         }
         if self.len >= c.max_seq {
-            return Err(Error::usage(format!(
-                "sequence longer than max_position_embeddings {}",
-                c.max_seq
-            )));
+            return Err(Error::usage(format!("sequence longer than max_position_embeddings {}", c.max_seq)));
         }
         let pos = self.len;
         let (h, hd, nh, nkv) = (c.hidden, c.head_dim, c.n_heads, c.n_kv_heads);
@@ -131,13 +111,7 @@ impl Reference {
             rope(&mut k, &[pos], nkv, hd, c.rope_theta);
             self.k_cache[l].extend_from_slice(&k);
             self.v_cache[l].extend_from_slice(&v);
-            let shape = AttnShape {
-                n_q: 1,
-                kv_len: pos + 1,
-                n_heads: nh,
-                n_kv_heads: nkv,
-                head_dim: hd,
-            };
+            let shape = AttnShape { n_q: 1, kv_len: pos + 1, n_heads: nh, n_kv_heads: nkv, head_dim: hd };
             let a = attention(&q, &self.k_cache[l], &self.v_cache[l], shape);
             let o = linear(&a, &w.wo, 1, nh * hd, h);
             x.iter_mut().zip(&o).for_each(|(xi, oi)| *xi += oi);
@@ -149,13 +123,7 @@ impl Reference {
         }
         let xn = rms_norm(&x, &self.norm, c.rms_norm_eps);
         self.len += 1;
-        Ok(linear(
-            &xn,
-            self.lm_head.as_ref().unwrap_or(&self.embed),
-            1,
-            h,
-            c.vocab,
-        ))
+        Ok(linear(&xn, self.lm_head.as_ref().unwrap_or(&self.embed), 1, h, c.vocab))
     }
 
     /// Greedy generation: feed `prompt`, then `max_new` argmax tokens (stopping at max_seq).

@@ -82,10 +82,7 @@ pub fn linear(x: &[f64], w: &[f64], m: usize, k: usize, n: usize) -> Vec<f64> {
 
 /// SiLU (Elfwing et al. 2017) of `gate` times `up`, element-wise. (contract kernel.silu_and_mul)
 pub fn silu_and_mul(gate: &[f64], up: &[f64]) -> Vec<f64> {
-    gate.iter()
-        .zip(up)
-        .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
-        .collect()
+    gate.iter().zip(up).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect()
 }
 
 /// Softmax over each row of width `n`, with the row maximum subtracted first. (contract kernel.softmax)
@@ -121,13 +118,7 @@ pub struct AttnShape {
 /// head h reads KV head h / (n_heads / n_kv_heads); scores scaled by 1/sqrt(head_dim).
 /// (contract kernel.attention)
 pub fn attention(q: &[f64], k: &[f64], v: &[f64], s: AttnShape) -> Vec<f64> {
-    let AttnShape {
-        n_q,
-        kv_len,
-        n_heads,
-        n_kv_heads,
-        head_dim,
-    } = s;
+    let AttnShape { n_q, kv_len, n_heads, n_kv_heads, head_dim } = s;
     let group = n_heads / n_kv_heads;
     let scale = 1.0 / (head_dim as f64).sqrt();
     let mut out = vec![0.0; n_q * n_heads * head_dim];

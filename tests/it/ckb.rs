@@ -22,9 +22,20 @@ fn shipped_ckb_is_schema_valid_and_lint_clean() {
     assert_eq!(findings, vec![]);
     let c = c.unwrap();
     for id in [
-        "kernel.embedding", "kernel.rms_norm", "kernel.rope", "kernel.linear", "kernel.silu_and_mul", "kernel.softmax",
-        "kernel.attention", "kernel.argmax", "component.kv_cache", "component.sampler", "component.tokenizer",
-        "component.weight_loading", "model.llama", "platform.cpu-x86_64",
+        "kernel.embedding",
+        "kernel.rms_norm",
+        "kernel.rope",
+        "kernel.linear",
+        "kernel.silu_and_mul",
+        "kernel.softmax",
+        "kernel.attention",
+        "kernel.argmax",
+        "component.kv_cache",
+        "component.sampler",
+        "component.tokenizer",
+        "component.weight_loading",
+        "model.llama",
+        "platform.cpu-x86_64",
     ] {
         c.get(id).unwrap_or_else(|e| panic!("{e}"));
     }
@@ -51,16 +62,20 @@ fn dangling_reference_names_field() {
         s.replacen("\"failure.softmax-no-max-subtraction\"", "\"failure.does-not-exist\"", 1)
     });
     assert!(
-        f.iter().any(|f| f.file == "kernels/softmax.toml" && f.field == "/failure_modes" && f.message.contains("failure.does-not-exist")),
+        f.iter().any(|f| f.file == "kernels/softmax.toml"
+            && f.field == "/failure_modes"
+            && f.message.contains("failure.does-not-exist")),
         "{f:?}"
     );
 }
 
 #[test]
 fn id_must_match_kind_and_be_unique() {
-    let f = findings_after("kernels/linear.toml", |s| s.replacen("id = \"kernel.linear\"", "id = \"component.linear\"", 1));
+    let f =
+        findings_after("kernels/linear.toml", |s| s.replacen("id = \"kernel.linear\"", "id = \"component.linear\"", 1));
     assert!(f.iter().any(|f| f.file == "kernels/linear.toml" && f.field == "/id"), "{f:?}");
-    let f = findings_after("kernels/linear.toml", |s| s.replacen("id = \"kernel.linear\"", "id = \"kernel.argmax\"", 1));
+    let f =
+        findings_after("kernels/linear.toml", |s| s.replacen("id = \"kernel.linear\"", "id = \"kernel.argmax\"", 1));
     assert!(f.iter().any(|f| f.message.contains("duplicate id")), "{f:?}");
 }
 

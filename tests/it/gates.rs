@@ -18,7 +18,13 @@ fn budget() -> Budget {
 }
 
 fn verify_req(engine: &std::path::Path) -> VerifyRequest {
-    VerifyRequest { engine: s(engine), model: s(&crate::babyllama()), prompts: vec![], max_new_tokens: Some(8), seed: None }
+    VerifyRequest {
+        engine: s(engine),
+        model: s(&crate::babyllama()),
+        prompts: vec![],
+        max_new_tokens: Some(8),
+        seed: None,
+    }
 }
 
 #[test]
@@ -26,11 +32,21 @@ fn bare_scaffold_compiles_and_fails_every_other_gate() {
     let t = tempfile::tempdir().unwrap();
     let ctx = crate::ctx(t.path());
     let engine = t.path().join("engine");
-    let req = ScaffoldRequest { model: s(&crate::babyllama()), out: s(&engine), target: "cpu".into(), dtype: "f32".into(), name: Some("bare".into()), force: false };
+    let req = ScaffoldRequest {
+        model: s(&crate::babyllama()),
+        out: s(&engine),
+        target: "cpu".into(),
+        dtype: "f32".into(),
+        name: Some("bare".into()),
+        force: false,
+    };
     let r = scaffold(&ctx, &req).unwrap();
     assert!(r.files.contains(&"src/kernels.rs".to_string()), "{:?}", r.files);
     let kernels = std::fs::read_to_string(engine.join("src/kernels.rs")).unwrap();
-    assert!(kernels.contains("pub fn rope(x: &mut [f32], positions: &[usize], n_heads: usize, head_dim: usize, theta: f32)"));
+    assert!(
+        kernels
+            .contains("pub fn rope(x: &mut [f32], positions: &[usize], n_heads: usize, head_dim: usize, theta: f32)")
+    );
     assert!(kernels.contains("todo!()"));
 
     // A second scaffold into the same (now non-empty) directory is refused; nothing is changed.
@@ -41,7 +57,8 @@ fn bare_scaffold_compiles_and_fails_every_other_gate() {
     let c = compile(&ctx, &CompileRequest { engine: s(&engine) }, &budget()).unwrap();
     assert!(c.passed, "the bare scaffold must compile: {c:?}");
 
-    let k = kernel_test(&ctx, &KernelTestRequest { engine: s(&engine), kernels: vec![], seed: Some(1) }, &budget()).unwrap();
+    let k = kernel_test(&ctx, &KernelTestRequest { engine: s(&engine), kernels: vec![], seed: Some(1) }, &budget())
+        .unwrap();
     assert!(!k.passed);
     assert_eq!(k.kernels.len(), 8);
     assert!(k.kernels.iter().all(|k| !k.passed && k.error.contains("not yet implemented")), "{k:?}");
@@ -49,7 +66,18 @@ fn bare_scaffold_compiles_and_fails_every_other_gate() {
     let v = verify(&ctx, &verify_req(&engine), &budget()).unwrap();
     assert!(!v.passed && v.error.contains("not yet implemented"), "{}", v.error);
 
-    let p = profile(&ctx, &ProfileRequest { engine: s(&engine), model: s(&crate::babyllama()), prompt_len: None, new_tokens: None, runs: Some(1) }, &budget()).unwrap();
+    let p = profile(
+        &ctx,
+        &ProfileRequest {
+            engine: s(&engine),
+            model: s(&crate::babyllama()),
+            prompt_len: None,
+            new_tokens: None,
+            runs: Some(1),
+        },
+        &budget(),
+    )
+    .unwrap();
     assert!(!p.passed);
 
     // Every call was recorded, failures included.
@@ -68,14 +96,28 @@ fn empty_crate_and_non_crate_fail() {
 
     let empty = t.path().join("empty");
     std::fs::create_dir_all(empty.join("src")).unwrap();
-    std::fs::write(empty.join("Cargo.toml"), "[package]\nname = \"empty\"\nversion = \"0.1.0\"\nedition = \"2024\"\n\n[workspace]\n").unwrap();
+    std::fs::write(
+        empty.join("Cargo.toml"),
+        "[package]\nname = \"empty\"\nversion = \"0.1.0\"\nedition = \"2024\"\n\n[workspace]\n",
+    )
+    .unwrap();
     std::fs::write(empty.join("src/lib.rs"), "").unwrap();
-    let k = kernel_test(&ctx, &KernelTestRequest { engine: s(&empty), kernels: vec!["kernel.rope".into()], seed: None }, &budget()).unwrap();
+    let k = kernel_test(
+        &ctx,
+        &KernelTestRequest { engine: s(&empty), kernels: vec!["kernel.rope".into()], seed: None },
+        &budget(),
+    )
+    .unwrap();
     assert!(!k.passed && k.build_error.contains("error"), "{k:?}");
     let v = verify(&ctx, &verify_req(&empty), &budget()).unwrap();
     assert!(!v.passed);
 
-    let e = kernel_test(&ctx, &KernelTestRequest { engine: s(&empty), kernels: vec!["kernel.nope".into()], seed: None }, &budget()).unwrap_err();
+    let e = kernel_test(
+        &ctx,
+        &KernelTestRequest { engine: s(&empty), kernels: vec!["kernel.nope".into()], seed: None },
+        &budget(),
+    )
+    .unwrap_err();
     assert!(e.message.contains("unknown contract id `kernel.nope`"), "{}", e.message);
 }
 
@@ -107,7 +149,12 @@ fn example_engine_passes_and_broken_engines_fail_at_the_right_gate() {
     // passes, verify_generation fails on logits and tokens.
     let mlp = t.path().join("mlp");
     crate::copy_example(&mlp);
-    crate::inject(&mlp, "src/model.rs", "kernels::silu_and_mul(&s.gate, &s.up,", "kernels::silu_and_mul(&s.up, &s.gate,");
+    crate::inject(
+        &mlp,
+        "src/model.rs",
+        "kernels::silu_and_mul(&s.gate, &s.up,",
+        "kernels::silu_and_mul(&s.up, &s.gate,",
+    );
     let k = kernel_test(&ctx, &KernelTestRequest { engine: s(&mlp), kernels: vec![], seed: None }, &budget()).unwrap();
     assert!(k.passed);
     let v = verify(&ctx, &verify_req(&mlp), &budget()).unwrap();
@@ -118,7 +165,12 @@ fn example_engine_passes_and_broken_engines_fail_at_the_right_gate() {
     crate::copy_example(&bos);
     let src = std::fs::read_to_string(bos.join("src/tokenizer.rs")).unwrap();
     assert!(src.contains("pub fn encode(&self, text: &str) -> Vec<u32> {"));
-    crate::inject(&bos, "src/tokenizer.rs", "pub fn encode(&self, text: &str) -> Vec<u32> {", "pub fn encode(&self, text: &str) -> Vec<u32> {\n        let mut ids = self.encode_inner(text);\n        if ids.first() == Some(&1) { ids.remove(0); }\n        ids\n    }\n\n    fn encode_inner(&self, text: &str) -> Vec<u32> {");
+    crate::inject(
+        &bos,
+        "src/tokenizer.rs",
+        "pub fn encode(&self, text: &str) -> Vec<u32> {",
+        "pub fn encode(&self, text: &str) -> Vec<u32> {\n        let mut ids = self.encode_inner(text);\n        if ids.first() == Some(&1) { ids.remove(0); }\n        ids\n    }\n\n    fn encode_inner(&self, text: &str) -> Vec<u32> {",
+    );
     let v = verify(&ctx, &verify_req(&bos), &budget()).unwrap();
     assert!(!v.passed && v.prompts.iter().all(|p| !p.tokenizer_ok), "{}", metainfer::ops::Report::text(&v));
 }

@@ -25,11 +25,20 @@ async fn connect(ledger_dir: &Path, workspace: Option<&Path>) -> Client {
 }
 
 async fn call(c: &Client, tool: &str, args: Value) -> rmcp::model::CallToolResult {
-    c.call_tool(CallToolRequestParams::new(tool.to_string()).with_arguments(args.as_object().unwrap().clone())).await.unwrap()
+    c.call_tool(CallToolRequestParams::new(tool.to_string()).with_arguments(args.as_object().unwrap().clone()))
+        .await
+        .unwrap()
 }
 
-const TOOLS: [&str; 7] =
-    ["compile_engine", "lookup_contract", "plan_engine", "profile_engine", "run_kernel_test", "scaffold_engine", "verify_generation"];
+const TOOLS: [&str; 7] = [
+    "compile_engine",
+    "lookup_contract",
+    "plan_engine",
+    "profile_engine",
+    "run_kernel_test",
+    "scaffold_engine",
+    "verify_generation",
+];
 
 #[tokio::test]
 async fn tools_list_is_portable_annotated_and_matches_snapshot() {
@@ -77,7 +86,10 @@ async fn calls_return_text_and_structured_content_and_bad_requests_are_tool_erro
     assert_eq!(r.is_error, Some(false));
     let v = r.structured_content.unwrap();
     assert_eq!(v["matches"][0]["id"], "kernel.rope");
-    assert!(v["contract_toml"].as_str().unwrap().contains("rotate-half") || v["contract_toml"].as_str().unwrap().contains("rotate_half"));
+    assert!(
+        v["contract_toml"].as_str().unwrap().contains("rotate-half")
+            || v["contract_toml"].as_str().unwrap().contains("rotate_half")
+    );
     assert!(r.content[0].as_text().unwrap().text.contains("kernel.rope"));
 
     let r = call(&c, "plan_engine", json!({"model": crate::babyllama()})).await;
