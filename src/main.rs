@@ -282,7 +282,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 .transpose()?;
             let ctx = ctx(g, workspace, model_dirs)?;
             let rt = tokio::runtime::Runtime::new().map_err(|e| Error::internal(format!("tokio runtime: {e}")))?;
-            rt.block_on(metainfer::mcp::serve_stdio(ctx)).map_err(|e| Error::internal(format!("MCP server: {e}")))?;
+            let served = rt.block_on(metainfer::mcp::serve_stdio(ctx));
+            // Calls in flight were cancelled; give their blocking threads a moment to reap children.
+            rt.shutdown_timeout(std::time::Duration::from_secs(2));
+            served.map_err(|e| Error::internal(format!("MCP server: {e}")))?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Plan { model, target, dtype, json } => {

@@ -96,7 +96,14 @@ pub fn tail(s: &str, max: usize) -> String {
 /// [`crate::error::ErrorKind::Internal`] when the program cannot be started.
 pub fn run(expr: duct::Expression, budget: &Budget) -> Result<Run> {
     let start = Instant::now();
+    // Each child leads its own process group, so that a kill reaches its descendants too (cargo's
+    // rustc and build-script processes, threads or children of an engine).
     let handle = expr
+        .before_spawn(|cmd| {
+            use std::os::unix::process::CommandExt;
+            cmd.process_group(0);
+            Ok(())
+        })
         .stdout_capture()
         .stderr_capture()
         .stdin_null()
@@ -118,8 +125,7 @@ pub fn run(expr: duct::Expression, budget: &Budget) -> Result<Run> {
         std::thread::sleep(Duration::from_millis(20));
     };
     if let Some(exit) = stopped {
-        // kill() also reaps the child.
-        let _ = handle.kill();
+        kill_group(&handle);
         return Ok(Run { exit, stdout: String::new(), stderr: String::new(), seconds: start.elapsed().as_secs_f64() });
     }
     let out = handle.wait().map_err(|e| Error::internal(format!("waiting for child: {e}")))?;
@@ -129,6 +135,19 @@ pub fn run(expr: duct::Expression, budget: &Budget) -> Result<Run> {
         stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
         seconds: start.elapsed().as_secs_f64(),
     })
+}
+
+/// SIGKILL the child's whole process group, then reap the child.
+fn kill_group(handle: &duct::Handle) {
+    for pid in handle.pids() {
+        // SAFETY: kill(2) with a negative pid signals the process group led by `pid`, which this
+        // function's caller created with process_group(0); no memory is touched.
+        unsafe {
+            libc::kill(-(pid as libc::pid_t), libc::SIGKILL);
+        }
+    }
+    // kill() on an exited child only reaps it.
+    let _ = handle.kill();
 }
 
 /// What the server knows about an engine crate.

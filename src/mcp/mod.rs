@@ -49,6 +49,8 @@ checkpoint (tokenizer, logits and greedy tokens are compared with the reference;
 #[derive(Clone)]
 pub struct Server {
     ctx: Arc<Ctx>,
+    /// Cancellation flags of the calls in flight, so that closing the session kills their children.
+    running: Arc<std::sync::Mutex<Vec<Arc<std::sync::atomic::AtomicBool>>>>,
     #[allow(dead_code, reason = "read by the tool_handler macro")]
     tool_router: ToolRouter<Self>,
 }
@@ -73,7 +75,7 @@ fn into_result<R: Report + Serialize>(r: crate::error::Result<R>) -> Result<Call
 impl Server {
     /// A server over a context.
     pub fn new(ctx: Ctx) -> Server {
-        Server { ctx: Arc::new(ctx), tool_router: Self::tool_router() }
+        Server { ctx: Arc::new(ctx), running: Default::default(), tool_router: Self::tool_router() }
     }
 
     /// Run a long, blocking operation off the async runtime with a time budget. Cancellation of the
@@ -91,6 +93,11 @@ impl Server {
     {
         let budget = Budget::secs(self.ctx.time_limit_s);
         let cancel = budget.cancel.clone();
+        {
+            let mut running = self.running.lock().expect("not poisoned");
+            running.retain(|c| Arc::strong_count(c) > 1);
+            running.push(cancel.clone());
+        }
         let ctx = self.ctx.clone();
         let b = budget.clone();
         let mut job = tokio::task::spawn_blocking(move || f(&ctx, &b));
@@ -374,7 +381,14 @@ impl ServerHandler for Server {
 /// # Errors
 /// When the transport fails to start.
 pub async fn serve_stdio(ctx: Ctx) -> anyhow::Result<()> {
-    let service = Server::new(ctx).serve(rmcp::transport::stdio()).await?;
-    service.waiting().await?;
+    let server = Server::new(ctx);
+    let running = server.running.clone();
+    let service = server.serve(rmcp::transport::stdio()).await?;
+    let result = service.waiting().await;
+    // The client is gone: stop every call still in flight (their children are killed and reaped).
+    for c in running.lock().expect("not poisoned").iter() {
+        c.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+    result?;
     Ok(())
 }

@@ -42,7 +42,8 @@ pub struct KernelResult {
     pub passed: bool,
     /// Cases run.
     pub cases: usize,
-    /// Largest |got - want| over all cases (infinite when an output was NaN or missing).
+    /// Largest |got - want| over all cases; [`UNWRITTEN`] (f64::MAX) when an output was NaN, infinite
+    /// or missing (JSON has no infinity).
     pub max_abs_err: f64,
     /// Largest |got - want| / max(|want|, 1e-30).
     pub max_rel_err: f64,
@@ -279,13 +280,17 @@ fn write_inputs(path: &Path, d: &Drawn) -> Result<()> {
     safetensors::serialize_to_file(views, meta, path).map_err(|e| Error::internal(format!("{}: {e}", path.display())))
 }
 
+/// The error reported for an output element that is NaN, infinite or missing (JSON has no
+/// infinity, so the largest finite f64 stands for it).
+pub const UNWRITTEN: f64 = f64::MAX;
+
 /// Compare engine output with expected values at a tolerance: (max abs, max rel, worst index, all within).
 pub fn compare(got: &[f32], want: &[f64], tol: &Tolerance) -> (f64, f64, usize, bool) {
     let (mut max_abs, mut max_rel, mut worst, mut worst_excess) = (0.0f64, 0.0f64, 0usize, f64::NEG_INFINITY);
     let mut ok = got.len() == want.len();
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
         let g = *g as f64;
-        let err = if g.is_finite() { (g - w).abs() } else { f64::INFINITY };
+        let err = if g.is_finite() { (g - w).abs().min(UNWRITTEN) } else { UNWRITTEN };
         let rel = err / w.abs().max(1e-30);
         let excess = err - (tol.atol + tol.rtol * w.abs());
         if excess > 0.0 || !g.is_finite() {
@@ -296,7 +301,7 @@ pub fn compare(got: &[f32], want: &[f64], tol: &Tolerance) -> (f64, f64, usize, 
             worst = i;
         }
         max_abs = max_abs.max(err);
-        max_rel = max_rel.max(if err.is_infinite() { f64::INFINITY } else { rel });
+        max_rel = max_rel.max(if err == UNWRITTEN { UNWRITTEN } else { rel.min(UNWRITTEN) });
     }
     (max_abs, max_rel, worst, ok)
 }
@@ -393,7 +398,7 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
             let entry = &results["results"][i];
             if let Some(p) = entry["panic"].as_str() {
                 kr.passed = false;
-                kr.max_abs_err = f64::INFINITY;
+                kr.max_abs_err = UNWRITTEN;
                 if kr.error.is_empty() {
                     kr.error = format!("panicked on {}: {p}", d.label);
                     kr.worst_case = d.label.clone();
@@ -404,7 +409,7 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
                 Ok((_, t)) => t,
                 Err(_) => {
                     kr.passed = false;
-                    kr.max_abs_err = f64::INFINITY;
+                    kr.max_abs_err = UNWRITTEN;
                     if kr.error.is_empty() {
                         kr.error = if process_error.is_empty() {
                             format!("no output for {}", d.label)
@@ -426,7 +431,7 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
                     let e = if g == *want { 0.0 } else { 1.0 };
                     (e, e, g, g == *want)
                 }
-                _ => (f64::INFINITY, f64::INFINITY, 0, false),
+                _ => (UNWRITTEN, UNWRITTEN, 0, false),
             };
             if !ok {
                 kr.passed = false;
@@ -443,7 +448,7 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
                     Expect::Index(want) => {
                         format!("returned index {idx}, expected {want} (first maximum) on {}", d.label)
                     }
-                    Expect::Values(_) if abs.is_infinite() => {
+                    Expect::Values(_) if abs == UNWRITTEN => {
                         format!("output has NaN/inf or unwritten elements (NaN sentinel) on {}", d.label)
                     }
                     Expect::Values(_) => {
@@ -458,7 +463,7 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
     let report = KernelTestReport { passed, seed, kernels, build_error: String::new() };
     let figures = serde_json::json!({
         "seed": seed,
-        "kernels": report.kernels.iter().map(|k| serde_json::json!({"id": k.kernel, "passed": k.passed, "max_abs_err": if k.max_abs_err.is_finite() { k.max_abs_err } else { -1.0 }})).collect::<Vec<_>>(),
+        "kernels": report.kernels.iter().map(|k| serde_json::json!({"id": k.kernel, "passed": k.passed, "max_abs_err": k.max_abs_err})).collect::<Vec<_>>(),
     });
     ctx.record("run_kernel_test", Some(&engine), versioned, &report, figures, started);
     Ok(report)

@@ -41,12 +41,12 @@ pub struct Spread {
 }
 
 impl Spread {
-    /// Spread of a non-empty sample.
+    /// Spread of a sample; all zeros for an empty one (nothing was measured).
     pub fn of(v: &[f64]) -> Spread {
         let mut s = v.to_vec();
         s.sort_by(|a, b| a.total_cmp(b));
         if s.is_empty() {
-            return Spread { median: f64::NAN, min: f64::NAN, max: f64::NAN };
+            return Spread { median: 0.0, min: 0.0, max: 0.0 };
         }
         let median = if s.len() % 2 == 1 { s[s.len() / 2] } else { (s[s.len() / 2 - 1] + s[s.len() / 2]) / 2.0 };
         Spread { median, min: s[0], max: s[s.len() - 1] }
@@ -190,7 +190,7 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     report.prefill_tok_s = Spread::of(&prefill);
     report.decode_tok_s = Spread::of(&decode);
     report.first_token_ms = Spread::of(&first);
-    report.load_ms = v["load_s"].as_f64().unwrap_or(f64::NAN) * 1e3;
+    report.load_ms = v["load_s"].as_f64().unwrap_or(0.0) * 1e3;
     report.passed = !decode.is_empty();
     let figures = serde_json::json!({
         "decode_tok_s": report.decode_tok_s.median,

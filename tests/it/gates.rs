@@ -56,15 +56,18 @@ fn bare_scaffold_compiles_and_fails_every_other_gate() {
 
     let c = compile(&ctx, &CompileRequest { engine: s(&engine) }, &budget()).unwrap();
     assert!(c.passed, "the bare scaffold must compile: {c:?}");
+    crate::assert_conforms(&c);
 
     let k = kernel_test(&ctx, &KernelTestRequest { engine: s(&engine), kernels: vec![], seed: Some(1) }, &budget())
         .unwrap();
     assert!(!k.passed);
     assert_eq!(k.kernels.len(), 8);
     assert!(k.kernels.iter().all(|k| !k.passed && k.error.contains("not yet implemented")), "{k:?}");
+    crate::assert_conforms(&k);
 
     let v = verify(&ctx, &verify_req(&engine), &budget()).unwrap();
     assert!(!v.passed && v.error.contains("not yet implemented"), "{}", v.error);
+    crate::assert_conforms(&v);
 
     let p = profile(
         &ctx,
@@ -79,6 +82,7 @@ fn bare_scaffold_compiles_and_fails_every_other_gate() {
     )
     .unwrap();
     assert!(!p.passed);
+    crate::assert_conforms(&p);
 
     // Every call was recorded, failures included.
     let ledger = metainfer::ledger::Ledger::open(&ctx.ledger).unwrap();
@@ -130,6 +134,7 @@ fn example_engine_passes_and_broken_engines_fail_at_the_right_gate() {
     crate::copy_example(&good);
     let k = kernel_test(&ctx, &KernelTestRequest { engine: s(&good), kernels: vec![], seed: None }, &budget()).unwrap();
     assert!(k.passed, "{}", metainfer::ops::Report::text(&k));
+    crate::assert_conforms(&k);
     let v = verify(&ctx, &verify_req(&good), &budget()).unwrap();
     assert!(v.passed, "{}", metainfer::ops::Report::text(&v));
 

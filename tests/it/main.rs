@@ -2,6 +2,7 @@
 //! golden output); builds share one cache under cargo's test tmp dir so dependencies compile once.
 
 mod ckb;
+mod client;
 mod gates;
 mod mcp;
 mod model;
@@ -67,4 +68,14 @@ pub fn inject(dir: &Path, rel: &str, from: &str, to: &str) {
     let s = std::fs::read_to_string(&p).unwrap();
     assert!(s.contains(from), "fault pattern {from:?} not found in {rel}");
     std::fs::write(&p, s.replacen(from, to, 1)).unwrap();
+}
+
+/// A report's JSON (its structuredContent) must validate against the tool's outputSchema; clients
+/// such as the Python SDK reject the call otherwise.
+pub fn assert_conforms<T: schemars::JsonSchema + serde::Serialize>(report: &T) {
+    let schema = serde_json::Value::Object((*metainfer::mcp::schema::output::<T>()).clone());
+    let value = serde_json::to_value(report).unwrap();
+    let v = jsonschema::validator_for(&schema).unwrap();
+    let errors: Vec<String> = v.iter_errors(&value).map(|e| format!("{}: {e}", e.instance_path())).collect();
+    assert!(errors.is_empty(), "structured content does not match outputSchema: {errors:?}\n{value}");
 }
