@@ -1,6 +1,7 @@
 //! Reference forward pass of the Llama family (contract model.llama) in f64, built from the oracle
 //! kernels. Used by verify_generation as the expected logits and tokens.
 
+use super::mutants::{self, AttnFaults, Mutation, Mutations};
 use super::{AttnShape, argmax, attention, embedding, linear, rms_norm, rope, silu_and_mul, widen};
 use crate::error::{Error, Result};
 use crate::model::{ResolvedConfig, Tensors};
@@ -27,6 +28,8 @@ pub struct Reference {
     k_cache: Vec<Vec<f64>>,
     v_cache: Vec<Vec<f64>>,
     len: usize,
+    /// Known-wrong variants applied by [`Reference::step`]; empty for the true forward pass.
+    mutations: Mutations,
 }
 
 impl Reference {
@@ -77,8 +80,26 @@ impl Reference {
             k_cache: vec![Vec::new(); cfg.n_layers],
             v_cache: vec![Vec::new(); cfg.n_layers],
             len: 0,
+            mutations: Mutations::NONE,
             cfg: cfg.clone(),
         })
+    }
+
+    /// Turn this reference into a mutant of the forward pass (or back into the true one with
+    /// [`Mutations::NONE`]), and forget the cache. Used to name the mistake behind failing logits.
+    pub fn set_mutations(&mut self, mutations: Mutations) {
+        self.mutations = mutations;
+        self.reset();
+    }
+
+    /// The mutations in force; empty for the true forward pass.
+    pub fn mutations(&self) -> Mutations {
+        self.mutations
+    }
+
+    /// The resolved config this reference was built from.
+    pub fn config(&self) -> &ResolvedConfig {
+        &self.cfg
     }
 
     /// Forget the cache.
@@ -101,29 +122,46 @@ impl Reference {
         }
         let pos = self.len;
         let (h, hd, nh, nkv) = (c.hidden, c.head_dim, c.n_heads, c.n_kv_heads);
-        let mut x = embedding(&self.embed, h, &[token]);
+        // Every kernel call goes through the dispatchers below, which run the true kernel unless a
+        // mutation of it is in force (see `set_mutations`).
+        let m = self.mutations;
+        let mut x = if m.has(Mutation::EmbeddingOffByOne) {
+            mutants::embedding_off_by_one(&self.embed, h, &[token])
+        } else {
+            embedding(&self.embed, h, &[token])
+        };
         for (l, w) in self.layers.iter().enumerate() {
-            let xn = rms_norm(&x, &w.attn_norm, c.rms_norm_eps);
-            let mut q = linear(&xn, &w.wq, 1, h, nh * hd);
-            let mut k = linear(&xn, &w.wk, 1, h, nkv * hd);
-            let v = linear(&xn, &w.wv, 1, h, nkv * hd);
-            rope(&mut q, &[pos], nh, hd, c.rope_theta);
-            rope(&mut k, &[pos], nkv, hd, c.rope_theta);
-            self.k_cache[l].extend_from_slice(&k);
-            self.v_cache[l].extend_from_slice(&v);
+            let xn = norm(m, &x, &w.attn_norm, c.rms_norm_eps);
+            let mut q = lin(m, &xn, &w.wq, 1, h, nh * hd);
+            let mut k = lin(m, &xn, &w.wk, 1, h, nkv * hd);
+            let v = lin(m, &xn, &w.wv, 1, h, nkv * hd);
+            rot(m, &mut q, pos, nh, hd, c.rope_theta);
+            rot(m, &mut k, pos, nkv, hd, c.rope_theta);
+            if m.has(Mutation::KvPositionOffByOne) {
+                // Row pos - 1 (0 at pos 0) gets this token's K/V; row pos stays unwritten (zero).
+                let (width, row) = (nkv * hd, pos.saturating_sub(1) * nkv * hd);
+                for (cache, new) in [(&mut self.k_cache[l], &k), (&mut self.v_cache[l], &v)] {
+                    cache.resize((pos + 1) * width, 0.0);
+                    cache[row..row + width].copy_from_slice(new);
+                }
+            } else {
+                self.k_cache[l].extend_from_slice(&k);
+                self.v_cache[l].extend_from_slice(&v);
+            }
             let shape = AttnShape { n_q: 1, kv_len: pos + 1, n_heads: nh, n_kv_heads: nkv, head_dim: hd };
-            let a = attention(&q, &self.k_cache[l], &self.v_cache[l], shape);
-            let o = linear(&a, &w.wo, 1, nh * hd, h);
+            let a = attend(m, &q, &self.k_cache[l], &self.v_cache[l], shape);
+            let o = lin(m, &a, &w.wo, 1, nh * hd, h);
             x.iter_mut().zip(&o).for_each(|(xi, oi)| *xi += oi);
-            let xn = rms_norm(&x, &w.ffn_norm, c.rms_norm_eps);
-            let g = linear(&xn, &w.w_gate, 1, h, c.intermediate);
-            let u = linear(&xn, &w.w_up, 1, h, c.intermediate);
-            let d = linear(&silu_and_mul(&g, &u), &w.w_down, 1, c.intermediate, h);
+            let xn = norm(m, &x, &w.ffn_norm, c.rms_norm_eps);
+            let g = lin(m, &xn, &w.w_gate, 1, h, c.intermediate);
+            let u = lin(m, &xn, &w.w_up, 1, h, c.intermediate);
+            let act = if m.has(Mutation::SiluSwapped) { mutants::silu_swapped(&g, &u) } else { silu_and_mul(&g, &u) };
+            let d = lin(m, &act, &w.w_down, 1, c.intermediate, h);
             x.iter_mut().zip(&d).for_each(|(xi, di)| *xi += di);
         }
-        let xn = rms_norm(&x, &self.norm, c.rms_norm_eps);
+        let xn = norm(m, &x, &self.norm, c.rms_norm_eps);
         self.len += 1;
-        Ok(linear(&xn, self.lm_head.as_ref().unwrap_or(&self.embed), 1, h, c.vocab))
+        Ok(lin(m, &xn, self.lm_head.as_ref().unwrap_or(&self.embed), 1, h, c.vocab))
     }
 
     /// Greedy generation: feed `prompt`, then `max_new` argmax tokens (stopping at max_seq).
@@ -154,4 +192,67 @@ impl Reference {
         }
         Ok((rows, tokens))
     }
+
+    /// Teacher-forced run on someone else's choices: feed `prompt`, then `tokens` in turn, and return
+    /// the logits after the last prompt token and after each of `tokens` but the last (stopping at
+    /// max_seq), so that row i is what this model would have chosen `tokens[i]` from, as in
+    /// [`Reference::greedy`].
+    ///
+    /// # Errors
+    /// As [`Reference::step`]; an empty prompt.
+    pub fn forced(&mut self, prompt: &[u32], tokens: &[u32]) -> Result<Vec<Vec<f64>>> {
+        if prompt.is_empty() {
+            return Err(Error::usage("the prompt encodes to no tokens"));
+        }
+        self.reset();
+        let mut logits = Vec::new();
+        for &t in prompt {
+            logits = self.step(t)?;
+        }
+        let mut rows = Vec::new();
+        for (i, &t) in tokens.iter().enumerate() {
+            rows.push(logits);
+            if i + 1 == tokens.len() || self.len >= self.cfg.max_seq {
+                break;
+            }
+            logits = self.step(t)?;
+        }
+        Ok(rows)
+    }
+}
+
+/// RMSNorm, or its mutant when one is in force.
+fn norm(m: Mutations, x: &[f64], weight: &[f64], eps: f64) -> Vec<f64> {
+    if m.has(Mutation::RmsNormNoWeight) {
+        mutants::rms_norm_no_weight(x, weight, eps)
+    } else if m.has(Mutation::RmsNormEpsOutside) {
+        mutants::rms_norm_eps_outside(x, weight, eps)
+    } else {
+        rms_norm(x, weight, eps)
+    }
+}
+
+/// `x W^T`, or `x W` under [`Mutation::LinearXw`].
+fn lin(m: Mutations, x: &[f64], w: &[f64], rows: usize, k: usize, n: usize) -> Vec<f64> {
+    if m.has(Mutation::LinearXw) { mutants::linear_xw(x, w, rows, k, n) } else { linear(x, w, rows, k, n) }
+}
+
+/// RoPE of one token at `pos`, or its mutants.
+fn rot(m: Mutations, x: &mut [f64], pos: usize, heads: usize, head_dim: usize, theta: f64) {
+    let theta = if m.has(Mutation::RopeThetaDefault) { mutants::DEFAULT_THETA } else { theta };
+    if m.has(Mutation::RopeAdjacent) {
+        mutants::rope_adjacent(x, &[pos], heads, head_dim, theta);
+    } else {
+        rope(x, &[pos], heads, head_dim, theta);
+    }
+}
+
+/// Attention, or its mutants (the missing mask has no effect on one query at the last position).
+fn attend(m: Mutations, q: &[f64], k: &[f64], v: &[f64], s: AttnShape) -> Vec<f64> {
+    let faults = AttnFaults {
+        gqa_modulo: m.has(Mutation::GqaModulo),
+        no_mask: false,
+        no_scale: m.has(Mutation::AttentionNoScale),
+    };
+    if faults == AttnFaults::default() { attention(q, k, v, s) } else { mutants::attention_with(q, k, v, s, faults) }
 }

@@ -5,6 +5,7 @@
 //! Depends on `model` (resolved config and tensors) only.
 
 pub mod llama;
+pub mod mutants;
 
 /// Kernel contract ids that have an oracle here. `ckb check` refuses a kernel contract without one.
 pub const KERNELS: &[&str] = &[
