@@ -9,6 +9,7 @@ pub mod ckb;
 pub mod clients;
 pub mod demo;
 pub mod error;
+pub mod guard;
 pub mod guide;
 pub mod harness;
 pub mod ledger;

@@ -52,12 +52,16 @@ enum Command {
     },
     /// Plan an engine from constraints (tool plan_engine).
     Plan {
+        /// Hugging Face model directory (config.json, model.safetensors, tokenizer.json).
         #[arg(long, value_name = "DIR")]
         model: PathBuf,
+        /// Target platform (a platform contract's target).
         #[arg(long, default_value = "cpu")]
         target: String,
+        /// Weight and activation dtype.
         #[arg(long, default_value = "f32")]
         dtype: String,
+        /// Print exactly the tool's structured output as JSON.
         #[arg(long)]
         json: bool,
     },
@@ -73,12 +77,16 @@ enum Command {
     },
     /// Write an engine crate for the constraints (tool scaffold_engine).
     Scaffold {
+        /// Hugging Face model directory (config.json, model.safetensors, tokenizer.json).
         #[arg(long, value_name = "DIR")]
         model: PathBuf,
+        /// Directory to create the engine crate in (empty or new).
         #[arg(long, value_name = "DIR")]
         out: PathBuf,
+        /// Target platform (a platform contract's target).
         #[arg(long, default_value = "cpu")]
         target: String,
+        /// Weight and activation dtype.
         #[arg(long, default_value = "f32")]
         dtype: String,
         /// Crate name.
@@ -87,18 +95,22 @@ enum Command {
         /// Overwrite the scaffold's files in a non-empty directory.
         #[arg(long)]
         force: bool,
+        /// Print exactly the tool's structured output as JSON.
         #[arg(long)]
         json: bool,
     },
     /// Build the engine with structured diagnostics (tool compile_engine).
     Compile {
+        /// Engine crate directory.
         #[arg(long, value_name = "DIR")]
         engine: PathBuf,
+        /// Print exactly the tool's structured output as JSON.
         #[arg(long)]
         json: bool,
     },
     /// Test kernels against the oracle (tool run_kernel_test).
     TestKernel {
+        /// Engine crate directory.
         #[arg(long, value_name = "DIR")]
         engine: PathBuf,
         /// Kernel contract id; repeat for several; none: all.
@@ -107,13 +119,16 @@ enum Command {
         /// Replay a run's seed.
         #[arg(long)]
         seed: Option<u64>,
+        /// Print exactly the tool's structured output as JSON.
         #[arg(long)]
         json: bool,
     },
     /// Verify generation on a real checkpoint (tool verify_generation).
     Verify {
+        /// Engine crate directory.
         #[arg(long, value_name = "DIR")]
         engine: PathBuf,
+        /// Hugging Face model directory (config.json, model.safetensors, tokenizer.json).
         #[arg(long, value_name = "DIR")]
         model: PathBuf,
         /// Prompt; repeat for several (two random prompts are always added).
@@ -123,17 +138,35 @@ enum Command {
         max_new_tokens: Option<usize>,
         #[arg(long)]
         seed: Option<u64>,
+        /// Print exactly the tool's structured output as JSON.
         #[arg(long)]
         json: bool,
     },
-    /// Measure tokens/s (tool profile_engine).
-    Profile {
+    /// Check the zero-reference and anti-fake rules (tool check_rules).
+    CheckRules {
+        /// Engine crate directory.
         #[arg(long, value_name = "DIR")]
         engine: PathBuf,
+        /// Print exactly the tool's structured output as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Registered reference code (other frameworks): only fingerprints are stored.
+    Reference {
+        #[command(subcommand)]
+        action: ReferenceCmd,
+    },
+    /// Measure tokens/s (tool profile_engine).
+    Profile {
+        /// Engine crate directory.
+        #[arg(long, value_name = "DIR")]
+        engine: PathBuf,
+        /// Hugging Face model directory (config.json, model.safetensors, tokenizer.json).
         #[arg(long, value_name = "DIR")]
         model: PathBuf,
         #[arg(long)]
         runs: Option<usize>,
+        /// Print exactly the tool's structured output as JSON.
         #[arg(long)]
         json: bool,
     },
@@ -143,6 +176,7 @@ enum Command {
         limit: usize,
         #[arg(long, default_value_t = 0)]
         offset: usize,
+        /// Print exactly the tool's structured output as JSON.
         #[arg(long)]
         json: bool,
     },
@@ -182,21 +216,38 @@ enum ContractCmd {
     /// Show one contract.
     Show {
         id: String,
+        /// Print exactly the tool's structured output as JSON.
         #[arg(long)]
         json: bool,
     },
     /// Search contracts by words.
     Search {
         text: String,
+        /// Print exactly the tool's structured output as JSON.
         #[arg(long)]
         json: bool,
     },
 }
 
 #[derive(Subcommand)]
+enum ReferenceCmd {
+    /// Fingerprint a source tree (Rust, C/C++, CUDA, Python, Go) and register it under a name.
+    Add {
+        #[arg(value_name = "DIR")]
+        dir: PathBuf,
+        /// Name to register it under (default: the directory name).
+        #[arg(long)]
+        name: Option<String>,
+    },
+    /// List registered references.
+    List,
+}
+
+#[derive(Subcommand)]
 enum CkbCmd {
     /// Validate every contract file against the schema and the lint; list findings.
     Check {
+        /// Print exactly the tool's structured output as JSON.
         #[arg(long)]
         json: bool,
     },
@@ -359,6 +410,48 @@ fn run(cli: Cli) -> Result<ExitCode> {
                         &o.engine_hash.get(..12).unwrap_or("-"),
                         o.summary
                     );
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::CheckRules { engine, json } => {
+            let req = ops::rules::RulesRequest { engine: s(&engine) };
+            Ok(emit(&ops::rules::check_rules(&ctx(g, None, vec![])?, &req, &budget())?, json))
+        }
+        Command::Reference { action } => {
+            let c = ctx(g, None, vec![])?;
+            let mut l = metainfer::ledger::Ledger::open(&c.ledger)?;
+            match action {
+                ReferenceCmd::Add { dir, name } => {
+                    let dir = dir.canonicalize().map_err(|e| Error::usage(format!("{}: {e}", dir.display())))?;
+                    let name = name.unwrap_or_else(|| {
+                        dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
+                    });
+                    let refs = metainfer::guard::provenance::fingerprint_tree(&name, &dir);
+                    if refs.is_empty() {
+                        return Err(Error::usage(format!("{} holds no source files to fingerprint", dir.display())));
+                    }
+                    let files: Vec<(String, Vec<(u64, u32)>)> = refs
+                        .iter()
+                        .map(|r| (r.file.clone(), r.prints.iter().map(|p| (p.hash, p.line)).collect()))
+                        .collect();
+                    let prints: usize = files.iter().map(|f| f.1.len()).sum();
+                    l.add_reference(&name, &files)?;
+                    println!(
+                        "registered reference `{name}`: {} files, {prints} fingerprints (no code stored)",
+                        files.len()
+                    );
+                }
+                ReferenceCmd::List => {
+                    let mut by_name: std::collections::BTreeMap<String, (usize, usize)> = Default::default();
+                    for (n, _, p) in l.references()? {
+                        let e = by_name.entry(n).or_default();
+                        e.0 += 1;
+                        e.1 += p.len();
+                    }
+                    for (n, (files, prints)) in by_name {
+                        println!("{n}: {files} files, {prints} fingerprints");
+                    }
                 }
             }
             Ok(ExitCode::SUCCESS)

@@ -180,6 +180,7 @@ impl Ckb {
                 let wanted = match name {
                     "model" => c.kind == Kind::Model,
                     "platform" => c.kind == Kind::Platform,
+                    "policy" => c.kind == Kind::Policy,
                     _ => c.kind == Kind::Failure,
                 };
                 if present && !wanted {
@@ -192,6 +193,7 @@ impl Ckb {
             section(c.model.is_some(), "model", &mut bad);
             section(c.platform.is_some(), "platform", &mut bad);
             section(c.failure.is_some(), "failure", &mut bad);
+            section(c.policy.is_some(), "policy", &mut bad);
             if c.kind == Kind::Kernel {
                 if c.math.is_empty() {
                     bad("/math", "a kernel needs its exact semantics in `math`".into());
@@ -364,7 +366,7 @@ impl Ckb {
     /// (target, dtypes) and the family x platform x dtype matrix the CKB covers.
     pub fn coverage_report(&self) -> String {
         let mut s = format!("# CKB coverage ({} contracts, {})\n\n", self.contracts.len(), self.origin);
-        for kind in [Kind::Kernel, Kind::Component, Kind::Model, Kind::Platform, Kind::Failure] {
+        for kind in [Kind::Kernel, Kind::Component, Kind::Model, Kind::Platform, Kind::Failure, Kind::Policy] {
             let ids: Vec<String> = self.of_kind(kind).map(|c| format!("{}@{}", c.id, c.version)).collect();
             s += &format!("- {} ({}): {}\n", kind.prefix(), ids.len(), ids.join(", "));
         }

@@ -21,6 +21,8 @@ pub enum Kind {
     Platform,
     /// A known way to get a kernel or model wrong, with its symptom and detection.
     Failure,
+    /// A rule the server enforces on engines (e.g. the zero-reference dependency deny list).
+    Policy,
 }
 
 impl Kind {
@@ -32,6 +34,7 @@ impl Kind {
             Kind::Model => "model",
             Kind::Platform => "platform",
             Kind::Failure => "failure",
+            Kind::Policy => "policy",
         }
     }
 }
@@ -264,6 +267,39 @@ pub struct FailureMode {
     pub applies_to: Vec<String>,
 }
 
+/// One entry of a dependency deny list.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DenyEntry {
+    /// Crate name, or a prefix pattern ending in `*` (e.g. `candle-*`).
+    pub pattern: String,
+    /// Why it is denied.
+    pub reason: String,
+}
+
+/// Policy specifics (kind = policy).
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Policy {
+    /// Crates an engine may not depend on, directly or transitively.
+    #[serde(default)]
+    pub deny: Vec<DenyEntry>,
+    /// Per target, the only crates an engine may depend on (stricter than the deny list); a target
+    /// without an entry has no allow list.
+    #[serde(default)]
+    pub allow: BTreeMap<String, Vec<String>>,
+}
+
+impl DenyEntry {
+    /// Whether a crate name matches this entry (exact, or prefix when the pattern ends in `*`).
+    pub fn matches(&self, name: &str) -> bool {
+        match self.pattern.strip_suffix('*') {
+            Some(prefix) => name.starts_with(prefix),
+            None => name == self.pattern,
+        }
+    }
+}
+
 /// One contract of the knowledge base. Fields beyond the common ones are required by kind; the
 /// lint in [`crate::ckb::lint`] says which.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
@@ -324,6 +360,9 @@ pub struct Contract {
     /// Failure-mode section (kind = failure).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure: Option<FailureMode>,
+    /// Policy section (kind = policy).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy: Option<Policy>,
 }
 
 /// The JSON Schema (draft 2020-12) every contract file is validated against, generated from [`Contract`].

@@ -45,6 +45,8 @@ pub enum Exit {
     TimedOut,
     /// The caller cancelled and it was killed.
     Cancelled,
+    /// It wrote more than [`MAX_OUTPUT_BYTES`] to stdout or stderr and was killed.
+    OutputLimit,
 }
 
 /// A finished child process.
@@ -73,6 +75,7 @@ impl Run {
             Exit::Code(None) => "was killed by a signal".into(),
             Exit::TimedOut => "ran past its time limit and was killed".into(),
             Exit::Cancelled => "was cancelled".into(),
+            Exit::OutputLimit => format!("wrote more than {MAX_OUTPUT_BYTES} bytes of output and was killed"),
         };
         format!("{why}; stderr (tail):\n{}", tail(&self.stderr, max))
     }
@@ -89,27 +92,38 @@ pub fn tail(s: &str, max: usize) -> String {
     }
 }
 
-/// Run a command to completion within `budget`, capturing stdout and stderr. The child is killed
-/// and reaped on timeout or cancellation.
+/// Most bytes of output a child may write to stdout or stderr before it is killed.
+pub const MAX_OUTPUT_BYTES: u64 = 64 << 20;
+
+/// Run a command to completion within `budget`. Its stdout and stderr go to files in a temporary
+/// directory (so a grandchild holding them open cannot stall the wait, and memory stays bounded);
+/// a child that writes more than [`MAX_OUTPUT_BYTES`] is killed. The child leads its own process
+/// group, which is killed on timeout, cancellation, output overflow and after it exits (so nothing
+/// it started lingers).
 ///
 /// # Errors
 /// [`crate::error::ErrorKind::Internal`] when the program cannot be started.
 pub fn run(expr: duct::Expression, budget: &Budget) -> Result<Run> {
     let start = Instant::now();
-    // Each child leads its own process group, so that a kill reaches its descendants too (cargo's
-    // rustc and build-script processes, threads or children of an engine).
+    let dir = tempfile::tempdir().map_err(|e| Error::internal(format!("temporary output directory: {e}")))?;
+    let (out_path, err_path) = (dir.path().join("stdout"), dir.path().join("stderr"));
     let handle = expr
         .before_spawn(|cmd| {
             use std::os::unix::process::CommandExt;
             cmd.process_group(0);
             Ok(())
         })
-        .stdout_capture()
-        .stderr_capture()
+        // The engine's code (build scripts included) gets no pointer to the server's own state.
+        .env_remove("METAINFER_LEDGER")
+        .env_remove("METAINFER_CACHE")
+        .stdout_path(&out_path)
+        .stderr_path(&err_path)
         .stdin_null()
         .unchecked()
         .start()
         .map_err(|e| Error::internal(format!("cannot start {expr:?}: {e}")))?;
+    let size = |p: &Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
+    let mut polls = 0u32;
     let stopped = loop {
         match handle.try_wait() {
             Ok(Some(_)) => break None,
@@ -122,19 +136,48 @@ pub fn run(expr: duct::Expression, budget: &Budget) -> Result<Run> {
         if Instant::now() >= budget.deadline {
             break Some(Exit::TimedOut);
         }
+        polls += 1;
+        if polls % 10 == 0 && (size(&out_path) > MAX_OUTPUT_BYTES || size(&err_path) > MAX_OUTPUT_BYTES) {
+            break Some(Exit::OutputLimit);
+        }
         std::thread::sleep(Duration::from_millis(20));
     };
-    if let Some(exit) = stopped {
-        kill_group(&handle);
-        return Ok(Run { exit, stdout: String::new(), stderr: String::new(), seconds: start.elapsed().as_secs_f64() });
-    }
-    let out = handle.wait().map_err(|e| Error::internal(format!("waiting for child: {e}")))?;
+    kill_group(&handle);
+    let exit = match stopped {
+        Some(e) => e,
+        None => Exit::Code(handle.try_wait().ok().flatten().and_then(|o| o.status.code())),
+    };
     Ok(Run {
-        exit: Exit::Code(out.status.code()),
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        exit,
+        stdout: read_bounded(&out_path, MAX_OUTPUT_BYTES),
+        stderr: read_tail(&err_path, 64 << 10),
         seconds: start.elapsed().as_secs_f64(),
     })
+}
+
+/// Read at most `max` bytes of a file (lossy UTF-8); "" when it is missing.
+fn read_bounded(path: &Path, max: u64) -> String {
+    use std::io::Read;
+    let mut buf = Vec::new();
+    if let Ok(f) = std::fs::File::open(path) {
+        let _ = f.take(max).read_to_end(&mut buf);
+    }
+    String::from_utf8_lossy(&buf).into_owned()
+}
+
+/// The last `max` bytes of a file (lossy UTF-8), marked when cut.
+fn read_tail(path: &Path, max: u64) -> String {
+    use std::io::{Read, Seek, SeekFrom};
+    let Ok(mut f) = std::fs::File::open(path) else { return String::new() };
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let skip = len.saturating_sub(max);
+    if f.seek(SeekFrom::Start(skip)).is_err() {
+        return String::new();
+    }
+    let mut buf = Vec::new();
+    let _ = f.read_to_end(&mut buf);
+    let text = String::from_utf8_lossy(&buf).into_owned();
+    if skip > 0 { format!("[... {skip} bytes cut ...]{text}") } else { text }
 }
 
 /// SIGKILL the child's whole process group, then reap the child.
@@ -146,33 +189,30 @@ fn kill_group(handle: &duct::Handle) {
             libc::kill(-(pid as libc::pid_t), libc::SIGKILL);
         }
     }
-    // kill() on an exited child only reaps it.
+    // kill() on an exited child only reaps it; an error here means it was already reaped.
     let _ = handle.kill();
 }
 
 /// What the server knows about an engine crate.
 #[derive(Debug, Clone)]
 pub struct Engine {
-    /// Canonical engine directory.
+    /// Canonical engine directory (the agent's).
     pub dir: PathBuf,
+    /// The server's snapshot of it, which is what gets built: content-compared on every call, so
+    /// that a file whose modification time was set back still triggers a rebuild, and the sources
+    /// cannot change between hashing and building.
+    pub build_dir: PathBuf,
     /// Cargo package name.
     pub package: String,
-    /// sha256 over Cargo.toml and every file under src/, in path order.
+    /// sha256 over every file of the engine (paths and contents, in path order; `target/` and
+    /// `.git/` excluded).
     pub hash: String,
 }
 
-/// Inspect an engine directory with `cargo metadata --no-deps`.
-///
-/// # Errors
-/// [`crate::error::ErrorKind::Usage`] when the directory does not exist or holds no Cargo package
-/// with a library target.
-pub fn engine_info(dir: &Path) -> Result<Engine> {
-    let dir = dir.canonicalize().map_err(|e| {
-        Error::usage(format!(
-            "engine directory {} cannot be opened ({e}); pass the crate made by `scaffold`",
-            dir.display()
-        ))
-    })?;
+/// Most bytes of one engine file the snapshot copies.
+pub const MAX_ENGINE_FILE_BYTES: u64 = 16 << 20;
+
+fn package_of(dir: &Path) -> Result<String> {
     let manifest = dir.join("Cargo.toml");
     if !manifest.is_file() {
         return Err(Error::usage(format!(
@@ -191,31 +231,64 @@ pub fn engine_info(dir: &Path) -> Result<Engine> {
     if !pkg.targets.iter().any(|t| t.is_lib()) {
         return Err(Error::usage(format!("{}: the engine must be a library crate (src/lib.rs)", manifest.display())));
     }
-    Ok(Engine { package: pkg.name.to_string(), hash: source_hash(&dir)?, dir })
+    Ok(pkg.name.to_string())
 }
 
-/// sha256 over the engine's Cargo.toml and src/ tree (paths and contents, in path order).
-///
-/// # Errors
-/// When a file cannot be read.
-pub fn source_hash(dir: &Path) -> Result<String> {
-    let mut h = Sha256::new();
-    let mut files = vec![dir.join("Cargo.toml")];
-    for e in walkdir::WalkDir::new(dir.join("src")).follow_links(false).sort_by_file_name() {
+/// The engine's files: (relative path, contents), in path order, without following links out of
+/// the directory (a link to a file inside is read through).
+fn engine_files(dir: &Path) -> Result<Vec<(String, Vec<u8>)>> {
+    let mut files = Vec::new();
+    let mut it = walkdir::WalkDir::new(dir).follow_links(false).max_depth(16).sort_by_file_name().into_iter();
+    while let Some(e) = it.next() {
         let e = e.map_err(|e| Error::input(format!("walking {}: {e}", dir.display())))?;
-        if e.file_type().is_file() {
-            files.push(e.into_path());
+        let rel = e.path().strip_prefix(dir).unwrap_or(e.path()).to_string_lossy().replace('\\', "/");
+        if e.file_type().is_dir() {
+            if e.depth() == 1 && (rel == "target" || rel == ".git") {
+                it.skip_current_dir();
+            }
+            continue;
         }
+        let path = if e.path_is_symlink() {
+            match e.path().canonicalize() {
+                Ok(t) if t.starts_with(dir) && t.is_file() => t,
+                _ => continue,
+            }
+        } else {
+            e.path().to_path_buf()
+        };
+        let len = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+        if len > MAX_ENGINE_FILE_BYTES {
+            return Err(Error::usage(format!(
+                "{rel} is {len} bytes; engine files are limited to {MAX_ENGINE_FILE_BYTES} (keep weights in the model directory)"
+            )));
+        }
+        if files.len() >= 5_000 {
+            return Err(Error::usage(format!("{} holds more than 5000 files; is it the engine crate?", dir.display())));
+        }
+        let bytes = std::fs::read(&path).map_err(|e| Error::input(format!("{}: {e}", path.display())))?;
+        files.push((rel, bytes));
     }
-    for f in files {
-        let rel = f.strip_prefix(dir).unwrap_or(&f).to_string_lossy().replace('\\', "/");
-        let bytes = std::fs::read(&f).map_err(|e| Error::input(format!("{}: {e}", f.display())))?;
+    Ok(files)
+}
+
+/// sha256 over (path, contents) pairs in order.
+fn hash_files(files: &[(String, Vec<u8>)]) -> String {
+    let mut h = Sha256::new();
+    for (rel, bytes) in files {
         h.update((rel.len() as u64).to_le_bytes());
         h.update(rel.as_bytes());
         h.update((bytes.len() as u64).to_le_bytes());
-        h.update(&bytes);
+        h.update(bytes);
     }
-    Ok(format!("{:x}", h.finalize()))
+    format!("{:x}", h.finalize())
+}
+
+/// sha256 of an engine directory's files, as [`Engine::hash`].
+///
+/// # Errors
+/// When a file cannot be read or is too large.
+pub fn source_hash(dir: &Path) -> Result<String> {
+    Ok(hash_files(&engine_files(dir)?))
 }
 
 /// Server-owned build state: the shared cargo target directory and the harness crates.
@@ -276,6 +349,45 @@ impl Workshop {
         Ok(Build { ok: run.ok(), diagnostics, executable, run })
     }
 
+    /// Inspect an engine directory and refresh the server's snapshot of it.
+    ///
+    /// # Errors
+    /// [`crate::error::ErrorKind::Usage`] when the directory does not exist or holds no Cargo
+    /// package with a library target; Internal when the snapshot cannot be written.
+    pub fn engine(&self, dir: &Path) -> Result<Engine> {
+        let dir = dir.canonicalize().map_err(|e| {
+            Error::usage(format!(
+                "engine directory {} cannot be opened ({e}); pass the crate made by `scaffold`",
+                dir.display()
+            ))
+        })?;
+        let package = package_of(&dir)?;
+        let files = engine_files(&dir)?;
+        let hash = hash_files(&files);
+        let mut h = Sha256::new();
+        h.update(dir.to_string_lossy().as_bytes());
+        let build_dir = self.root.join("snapshots").join(&format!("{:x}", h.finalize())[..16]);
+        let fail = |p: &Path, e: std::io::Error| Error::internal(format!("snapshot {}: {e}", p.display()));
+        let mut keep = std::collections::HashSet::new();
+        for (rel, bytes) in &files {
+            let to = build_dir.join(rel);
+            keep.insert(to.clone());
+            if std::fs::read(&to).ok().as_deref() == Some(bytes.as_slice()) {
+                continue;
+            }
+            std::fs::create_dir_all(to.parent().expect("a file has a parent")).map_err(|e| fail(&to, e))?;
+            std::fs::write(&to, bytes).map_err(|e| fail(&to, e))?;
+        }
+        // Drop files the engine no longer has (cargo's own Cargo.lock stays when the engine has none).
+        for e in walkdir::WalkDir::new(&build_dir).into_iter().filter_map(|e| e.ok()) {
+            let p = e.path();
+            if e.file_type().is_file() && !keep.contains(p) && p != build_dir.join("Cargo.lock") {
+                let _ = std::fs::remove_file(p);
+            }
+        }
+        Ok(Engine { dir, build_dir, package, hash })
+    }
+
     /// Write the harness crate for an engine (outside the engine's sources) and return its manifest.
     ///
     /// # Errors
@@ -290,7 +402,7 @@ impl Workshop {
         let manifest = format!(
             "[package]\nname = \"metainfer-harness\"\nversion = \"0.0.0\"\nedition = \"2021\"\npublish = false\n\n\
              [dependencies]\nengine = {{ path = {:?}, package = {:?} }}\nsafetensors = \"0.8\"\nserde_json = \"1\"\n\n[workspace]\n",
-            engine.dir.to_string_lossy(),
+            engine.build_dir.to_string_lossy(),
             engine.package
         );
         let write = |p: PathBuf, s: &str| {
@@ -338,4 +450,35 @@ pub fn read_tensor_words(path: &Path) -> Result<(HashMap<String, String>, HashMa
         out.insert(name, words);
     }
     Ok((meta, out))
+}
+
+/// The engine's fully resolved dependency graph (all targets, transitive), from `cargo metadata`
+/// run on its snapshot: (name, version) of every package except the engine itself.
+///
+/// # Errors
+/// When cargo cannot resolve the graph (the message carries cargo's).
+pub fn dependency_graph(engine: &Engine, budget: &Budget) -> Result<Vec<(String, String)>> {
+    let expr = duct::cmd(
+        std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()),
+        [
+            "metadata".into(),
+            "--format-version".into(),
+            "1".into(),
+            "--manifest-path".into(),
+            engine.build_dir.join("Cargo.toml").into_os_string(),
+        ] as [std::ffi::OsString; 5],
+    );
+    let r = run(expr, budget)?;
+    if !r.ok() {
+        return Err(Error::usage(format!("cargo cannot resolve the engine's dependencies: {}", r.failure_text(2000))));
+    }
+    let meta: cargo_metadata::Metadata =
+        serde_json::from_str(&r.stdout).map_err(|e| Error::internal(format!("cargo metadata output: {e}")))?;
+    let root = meta.root_package().map(|p| p.id.clone());
+    Ok(meta
+        .packages
+        .iter()
+        .filter(|p| Some(&p.id) != root.as_ref())
+        .map(|p| (p.name.to_string(), p.version.to_string()))
+        .collect())
 }

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 
 /// Schema version this build writes.
-pub const SCHEMA_VERSION: i64 = 1;
+pub const SCHEMA_VERSION: i64 = 2;
 
 /// One recorded result of a tool call.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -100,7 +100,81 @@ impl Ledger {
             )
             .map_err(fail)?;
         }
+        if version < 2 {
+            conn.execute_batch(
+                "BEGIN;
+                 CREATE TABLE IF NOT EXISTS reference_files (
+                    id INTEGER PRIMARY KEY,
+                    name TEXT NOT NULL,
+                    file TEXT NOT NULL,
+                    UNIQUE(name, file)
+                 );
+                 CREATE TABLE IF NOT EXISTS reference_prints (
+                    file_id INTEGER NOT NULL REFERENCES reference_files(id) ON DELETE CASCADE,
+                    hash INTEGER NOT NULL,
+                    line INTEGER NOT NULL
+                 );
+                 CREATE INDEX IF NOT EXISTS reference_prints_file ON reference_prints(file_id);
+                 PRAGMA user_version = 2;
+                 COMMIT;",
+            )
+            .map_err(fail)?;
+        }
         Ok(Ledger { conn, path: path.to_path_buf() })
+    }
+
+    /// Store the fingerprints of a reference tree under `name` (replacing an earlier registration of
+    /// the same name), in one transaction. Files: (relative path, [(hash, line)]). No code is stored.
+    ///
+    /// # Errors
+    /// When SQLite fails.
+    pub fn add_reference(&mut self, name: &str, files: &[(String, Vec<(u64, u32)>)]) -> Result<()> {
+        let fail = |e: rusqlite::Error| Error::internal(format!("ledger {}: {e}", self.path.display()));
+        let tx = self.conn.transaction().map_err(fail)?;
+        tx.execute(
+            "DELETE FROM reference_prints WHERE file_id IN (SELECT id FROM reference_files WHERE name = ?1)",
+            [name],
+        )
+        .map_err(fail)?;
+        tx.execute("DELETE FROM reference_files WHERE name = ?1", [name]).map_err(fail)?;
+        for (file, prints) in files {
+            tx.execute("INSERT INTO reference_files (name, file) VALUES (?1, ?2)", params![name, file])
+                .map_err(fail)?;
+            let id = tx.last_insert_rowid();
+            let mut stmt = tx
+                .prepare_cached("INSERT INTO reference_prints (file_id, hash, line) VALUES (?1, ?2, ?3)")
+                .map_err(fail)?;
+            for (hash, line) in prints {
+                stmt.execute(params![id, *hash as i64, line]).map_err(fail)?;
+            }
+        }
+        tx.commit().map_err(fail)
+    }
+
+    /// Every registered reference file: (name, file, [(hash, line)]).
+    ///
+    /// # Errors
+    /// When SQLite fails.
+    #[allow(clippy::type_complexity)]
+    pub fn references(&self) -> Result<Vec<(String, String, Vec<(u64, u32)>)>> {
+        let fail = |e: rusqlite::Error| Error::internal(format!("ledger {}: {e}", self.path.display()));
+        let mut files: Vec<(i64, String, String, Vec<(u64, u32)>)> = {
+            let mut stmt = self.conn.prepare("SELECT id, name, file FROM reference_files ORDER BY id").map_err(fail)?;
+            let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, Vec::new()))).map_err(fail)?;
+            rows.collect::<rusqlite::Result<_>>().map_err(fail)?
+        };
+        let pos: std::collections::HashMap<i64, usize> = files.iter().enumerate().map(|(i, f)| (f.0, i)).collect();
+        let mut stmt = self.conn.prepare("SELECT file_id, hash, line FROM reference_prints").map_err(fail)?;
+        let rows = stmt
+            .query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?, r.get::<_, u32>(2)?)))
+            .map_err(fail)?;
+        for row in rows {
+            let (id, hash, line) = row.map_err(fail)?;
+            if let Some(&i) = pos.get(&id) {
+                files[i].3.push((hash as u64, line));
+            }
+        }
+        Ok(files.into_iter().map(|(_, n, f, p)| (n, f, p)).collect())
     }
 
     /// Record one outcome in its own transaction.

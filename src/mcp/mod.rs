@@ -27,6 +27,7 @@ use crate::ops::kernel_test::{KernelTestReport, KernelTestRequest};
 use crate::ops::lookup::{LookupReport, LookupRequest};
 use crate::ops::plan::{PlanReport, PlanRequest};
 use crate::ops::profile::{ProfileReport, ProfileRequest};
+use crate::ops::rules::{RulesReport, RulesRequest};
 use crate::ops::scaffold::{ScaffoldReport, ScaffoldRequest};
 use crate::ops::verify::{VerifyReport, VerifyRequest};
 use crate::ops::{Ctx, Report};
@@ -215,6 +216,23 @@ impl Server {
         rc: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
         self.long(rc, "verify_generation", move |ctx, b| crate::ops::verify::verify(ctx, &req, b)).await
+    }
+
+    /// Check the zero-reference and anti-fake rules on an engine: denied dependencies (full resolved graph),
+    /// paths, includes and symlinks outside the crate, build scripts, changed gate signatures, hard-coded outputs,
+    /// and fingerprint matches with registered reference code. Also run before every gate.
+    #[tool(
+        name = "check_rules",
+        input_schema = input::<RulesRequest>(),
+        output_schema = output::<RulesReport>(),
+        annotations(read_only_hint = true, destructive_hint = false, idempotent_hint = true, open_world_hint = false)
+    )]
+    async fn check_rules(
+        &self,
+        Parameters(req): Parameters<RulesRequest>,
+        rc: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        self.long(rc, "check_rules", move |ctx, b| crate::ops::rules::check_rules(ctx, &req, b)).await
     }
 
     /// Measure prefill and decode tokens/s (median, min, max over several runs), time to first token and load

@@ -40,6 +40,8 @@ pub struct CompileReport {
     pub seconds: f64,
     /// Cargo's own failure text when it failed without diagnostics (bounded).
     pub cargo_output: String,
+    /// Rule findings (check_rules); a blocking one stops the build.
+    pub rules: Vec<crate::guard::Finding>,
 }
 
 impl Report for CompileReport {
@@ -103,9 +105,26 @@ fn hint(ctx: &Ctx, d: &mut Diagnostic) {
 pub fn compile(ctx: &Ctx, req: &CompileRequest, budget: &Budget) -> Result<CompileReport> {
     let started = Instant::now();
     let dir = ctx.confine(Path::new(&req.engine), true)?;
-    let engine = harness::engine_info(&dir)?;
-    let build = ctx.workshop.cargo_build(&engine.dir.join("Cargo.toml"), budget)?;
-    let report = report_of(ctx, &engine, build);
+    let engine = ctx.workshop.engine(&dir)?;
+    let rules = super::rules::precheck(ctx, &engine, budget)?;
+    if !rules.passed {
+        let report = CompileReport {
+            passed: false,
+            engine_hash: engine.hash.clone(),
+            errors: 0,
+            warnings: 0,
+            diagnostics: vec![],
+            truncated: 0,
+            seconds: 0.0,
+            cargo_output: super::rules::blocked_text(&rules),
+            rules: rules.findings,
+        };
+        ctx.record("compile_engine", Some(&engine), vec![], &report, serde_json::json!({"blocked": true}), started);
+        return Ok(report);
+    }
+    let build = ctx.workshop.cargo_build(&engine.build_dir.join("Cargo.toml"), budget)?;
+    let mut report = report_of(ctx, &engine, build);
+    report.rules = rules.findings;
     ctx.record(
         "compile_engine",
         Some(&engine),
@@ -142,5 +161,6 @@ pub fn report_of(ctx: &Ctx, engine: &harness::Engine, build: harness::Build) -> 
         truncated,
         seconds: build.run.seconds,
         cargo_output,
+        rules: vec![],
     }
 }

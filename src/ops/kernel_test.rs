@@ -57,6 +57,9 @@ pub struct KernelResult {
     pub rtol: f64,
     /// Why it failed in words (panic text, NaN, out of tolerance), "" when it passed.
     pub error: String,
+    /// Known failure modes (failure contracts of this kernel) whose oracle mutant reproduces the
+    /// engine's output on the same inputs; empty when it passed or nothing explains the failure.
+    pub diagnosis: Vec<super::diagnose::Diagnosis>,
 }
 
 /// Kernel test result.
@@ -70,6 +73,8 @@ pub struct KernelTestReport {
     pub kernels: Vec<KernelResult>,
     /// Harness build failure, when the engine did not build with the harness.
     pub build_error: String,
+    /// Rule findings (check_rules); a blocking one stops the test.
+    pub rules: Vec<crate::guard::Finding>,
 }
 
 impl Report for KernelTestReport {
@@ -99,6 +104,9 @@ impl Report for KernelTestReport {
                 k.worst_case,
                 if k.error.is_empty() { String::new() } else { format!("\n     {}", k.error) }
             );
+            for d in &k.diagnosis {
+                s += &format!("     {}\n", d.line());
+            }
         }
         s
     }
@@ -235,9 +243,10 @@ fn draw(c: &Contract, case: &TestCase, rng: &mut ChaCha8Rng) -> Result<Drawn> {
         "kernel.argmax" => {
             let n = dim(rng, case, "n")?;
             let mut x = uniform(rng, n, s);
-            // Plant a tie for the maximum half of the time: the contract says the first index wins.
-            if n >= 2 && rng.random_bool(0.5) {
-                let (a, b) = (rng.random_range(0..n), rng.random_range(0..n));
+            // Plant a tie for the maximum at two distinct indices: the contract says the first wins.
+            if n >= 2 {
+                let a = rng.random_range(0..n - 1);
+                let b = rng.random_range(a + 1..n);
                 let top = x.iter().cloned().fold(f32::MIN, f32::max) + 1.0;
                 x[a] = top;
                 x[b] = top;
@@ -313,11 +322,18 @@ pub fn compare(got: &[f32], want: &[f64], tol: &Tolerance) -> (f64, f64, usize, 
 pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Result<KernelTestReport> {
     let started = Instant::now();
     let dir = ctx.confine(Path::new(&req.engine), true)?;
-    let engine = harness::engine_info(&dir)?;
-    let contracts: Vec<&Contract> = if req.kernels.is_empty() {
+    let engine = ctx.workshop.engine(&dir)?;
+    // Each kernel once, in the order asked.
+    let wanted: Vec<String> = req.kernels.iter().fold(Vec::new(), |mut v, k| {
+        if !v.contains(k) {
+            v.push(k.clone());
+        }
+        v
+    });
+    let contracts: Vec<&Contract> = if wanted.is_empty() {
         ctx.ckb.of_kind(Kind::Kernel).collect()
     } else {
-        req.kernels
+        wanted
             .iter()
             .map(|id| {
                 let c = ctx.ckb.get(id)?;
@@ -332,11 +348,28 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
     let ids: Vec<&str> = contracts.iter().map(|c| c.id.as_str()).collect();
     let versioned = ctx.versioned(&ids);
 
+    let rules = super::rules::precheck(ctx, &engine, budget)?;
+    if !rules.passed {
+        let report = KernelTestReport {
+            passed: false,
+            seed,
+            kernels: vec![],
+            build_error: super::rules::blocked_text(&rules),
+            rules: rules.findings,
+        };
+        ctx.record("run_kernel_test", Some(&engine), versioned, &report, serde_json::json!({"blocked": true}), started);
+        return Ok(report);
+    }
     let build = ctx.workshop.build_harness(&engine, budget)?;
     if !build.ok || build.executable.is_none() {
         let compile = super::compile::report_of(ctx, &engine, build);
-        let report =
-            KernelTestReport { passed: false, seed, kernels: vec![], build_error: super::Report::text(&compile) };
+        let report = KernelTestReport {
+            passed: false,
+            seed,
+            kernels: vec![],
+            build_error: super::Report::text(&compile),
+            rules: vec![],
+        };
         ctx.record(
             "run_kernel_test",
             Some(&engine),
@@ -391,14 +424,18 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
             atol: tol.atol,
             rtol: tol.rtol,
             error: String::new(),
+            diagnosis: vec![],
         };
         let mut worst_abs = -1.0;
+        // Cases with an output, kept for the diagnosis: (drawn case, output words, within, abs error).
+        let mut io: Vec<(&Drawn, Vec<u32>, bool, f64)> = Vec::new();
         for (i, (d, output)) in drawn.iter().enumerate().filter(|(_, (d, _))| d.kernel == c.id) {
             kr.cases += 1;
             let entry = &results["results"][i];
             if let Some(p) = entry["panic"].as_str() {
                 kr.passed = false;
                 kr.max_abs_err = UNWRITTEN;
+                kr.max_rel_err = UNWRITTEN;
                 if kr.error.is_empty() {
                     kr.error = format!("panicked on {}: {p}", d.label);
                     kr.worst_case = d.label.clone();
@@ -410,6 +447,7 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
                 Err(_) => {
                     kr.passed = false;
                     kr.max_abs_err = UNWRITTEN;
+                    kr.max_rel_err = UNWRITTEN;
                     if kr.error.is_empty() {
                         kr.error = if process_error.is_empty() {
                             format!("no output for {}", d.label)
@@ -433,6 +471,9 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
                 }
                 _ => (UNWRITTEN, UNWRITTEN, 0, false),
             };
+            if let Some(words) = out.get("out") {
+                io.push((d, words.clone(), ok, abs));
+            }
             if !ok {
                 kr.passed = false;
             }
@@ -457,13 +498,33 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
                 };
             }
         }
+        if !process_error.is_empty() && kr.passed {
+            // The outputs may exist, but the process did not finish cleanly (time limit, output
+            // limit, a crash after writing): nothing it produced counts.
+            kr.passed = false;
+            kr.error = format!("the harness process {process_error}");
+        }
+        if !kr.passed {
+            let cases: Vec<super::diagnose::KernelCase> = io
+                .iter()
+                .map(|(d, out, ok, err)| super::diagnose::KernelCase {
+                    f32s: &d.f32s,
+                    u32s: &d.u32s,
+                    params: &d.params,
+                    out,
+                    oracle_ok: *ok,
+                    oracle_err: *err,
+                })
+                .collect();
+            kr.diagnosis = super::diagnose::kernel(&ctx.ckb, c, &cases, &tol);
+        }
         kernels.push(kr);
     }
     let passed = !kernels.is_empty() && kernels.iter().all(|k| k.passed);
-    let report = KernelTestReport { passed, seed, kernels, build_error: String::new() };
+    let report = KernelTestReport { passed, seed, kernels, build_error: String::new(), rules: rules.findings };
     let figures = serde_json::json!({
         "seed": seed,
-        "kernels": report.kernels.iter().map(|k| serde_json::json!({"id": k.kernel, "passed": k.passed, "max_abs_err": k.max_abs_err})).collect::<Vec<_>>(),
+        "kernels": report.kernels.iter().map(|k| serde_json::json!({"id": k.kernel, "passed": k.passed, "max_abs_err": k.max_abs_err, "diagnosis": k.diagnosis.iter().map(|d| d.failure.as_str()).collect::<Vec<_>>()})).collect::<Vec<_>>(),
     });
     ctx.record("run_kernel_test", Some(&engine), versioned, &report, figures, started);
     Ok(report)

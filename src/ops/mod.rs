@@ -4,18 +4,19 @@
 //! Depends on ckb, model, oracle, harness and ledger; knows nothing of MCP.
 
 pub mod compile;
+pub mod diagnose;
 pub mod kernel_test;
 pub mod lookup;
 pub mod plan;
 pub mod profile;
+pub mod rules;
 pub mod scaffold;
 pub mod verify;
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use schemars::JsonSchema;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
 use crate::ckb::Ckb;
 use crate::error::{Error, Result};
@@ -47,50 +48,62 @@ pub trait Report: Serialize {
     fn text(&self) -> String;
 }
 
-/// The reference level an engine is built under: what the agent was allowed to read.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum ReferenceLevel {
-    /// Knowledge from the CKB only.
-    #[default]
-    Zero,
-    /// Public documentation too.
-    Docs,
-    /// Other implementations' code too.
-    Code,
-}
-
-impl ReferenceLevel {
-    /// Name as recorded in the ledger.
-    pub fn name(self) -> &'static str {
-        match self {
-            ReferenceLevel::Zero => "zero",
-            ReferenceLevel::Docs => "docs",
-            ReferenceLevel::Code => "code",
-        }
-    }
-}
+pub use crate::guard::ReferenceLevel;
 
 impl Ctx {
-    /// Resolve a path argument (symlinks and `..` included) and check it lies inside the workspace or
-    /// a model directory, when a workspace is configured. `must_exist = false` resolves the parent.
+    /// Resolve a path argument (symlinks and `..` included) and, when a workspace is configured,
+    /// check that it lies inside the workspace or a model directory. A relative path is taken
+    /// relative to the workspace (or the current directory without one). With `must_exist = false`
+    /// the path may not exist yet: its nearest existing ancestor is resolved and checked. Nothing is
+    /// created here.
     ///
     /// # Errors
     /// [`crate::error::ErrorKind::Usage`] naming the path and the allowed roots.
     pub fn confine(&self, path: &Path, must_exist: bool) -> Result<PathBuf> {
-        let resolved = if must_exist || path.exists() {
+        let path = match (&self.workspace, path.is_relative()) {
+            (Some(ws), true) => ws.join(path),
+            _ => path.to_path_buf(),
+        };
+        let resolved = if path.exists() {
             path.canonicalize().map_err(|e| Error::usage(format!("{}: {e}", path.display())))?
+        } else if must_exist {
+            return Err(Error::usage(format!("{} does not exist", path.display())));
         } else {
-            let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-            let name = path
-                .file_name()
-                .ok_or_else(|| Error::usage(format!("{}: not a file or directory name", path.display())))?;
-            std::fs::create_dir_all(parent).map_err(|e| Error::usage(format!("{}: {e}", parent.display())))?;
-            parent.canonicalize().map_err(|e| Error::usage(format!("{}: {e}", parent.display())))?.join(name)
+            // Resolve the nearest existing ancestor, then append the missing components lexically.
+            let mut missing = Vec::new();
+            let mut cur = path.as_path();
+            loop {
+                if cur.as_os_str().is_empty() {
+                    cur = Path::new(".");
+                }
+                if cur.exists() {
+                    break;
+                }
+                match (cur.file_name(), cur.parent()) {
+                    (Some(name), Some(parent)) => {
+                        missing.push(name.to_owned());
+                        cur = parent;
+                    }
+                    _ => return Err(Error::usage(format!("{}: not a usable path", path.display()))),
+                }
+            }
+            if !cur.is_dir() {
+                return Err(Error::usage(format!(
+                    "{} exists and is not a directory, so {} cannot be created",
+                    cur.display(),
+                    path.display()
+                )));
+            }
+            let mut r = cur.canonicalize().map_err(|e| Error::usage(format!("{}: {e}", cur.display())))?;
+            for m in missing.iter().rev() {
+                if m == ".." || m == "." {
+                    return Err(Error::usage(format!("{}: `..` or `.` after a missing directory", path.display())));
+                }
+                r.push(m);
+            }
+            r
         };
-        let Some(ws) = &self.workspace else {
-            return Ok(resolved);
-        };
+        let Some(ws) = &self.workspace else { return Ok(resolved) };
         let roots: Vec<PathBuf> =
             std::iter::once(ws).chain(&self.models).filter_map(|r| r.canonicalize().ok()).collect();
         if roots.iter().any(|r| resolved.starts_with(r)) {
@@ -126,7 +139,7 @@ impl Ctx {
             passed: report.passed(),
             summary,
             figures,
-            reference_level: ReferenceLevel::Zero.name().into(),
+            reference_level: engine.map(|e| ReferenceLevel::of_engine(&e.dir)).unwrap_or_default().name().into(),
             duration_ms: started.elapsed().as_millis() as u64,
         };
         match Ledger::open(&self.ledger).and_then(|l| l.record(&outcome)) {

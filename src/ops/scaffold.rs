@@ -167,7 +167,7 @@ pub fn scaffold(ctx: &Ctx, req: &ScaffoldRequest) -> Result<ScaffoldReport> {
     let started = std::time::Instant::now();
     let report = scaffold_only(ctx, req)?;
     let ids: Vec<&str> = report.contracts.iter().map(String::as_str).collect();
-    let engine = crate::harness::engine_info(std::path::Path::new(&report.dir)).ok();
+    let engine = ctx.workshop.engine(std::path::Path::new(&report.dir)).ok();
     ctx.record(
         "scaffold_engine",
         engine.as_ref(),
@@ -188,7 +188,7 @@ fn scaffold_only(ctx: &Ctx, req: &ScaffoldRequest) -> Result<ScaffoldReport> {
     }
     if non_empty && !req.force {
         return Err(Error::usage(format!(
-            "{} is not empty; choose an empty or new directory, or pass force to overwrite the scaffold's files",
+            "{} is not empty; choose an empty or new directory, or pass force (CLI: --force) to overwrite the scaffold's files",
             out.display()
         )));
     }

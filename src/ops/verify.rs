@@ -26,7 +26,8 @@ pub struct VerifyRequest {
     pub engine: String,
     /// Hugging Face model directory with real weights.
     pub model: String,
-    /// Prompts of your own; two more are drawn at random on every run.
+    /// Prompts of your own; three more are drawn at random on every run, the last of which is
+    /// generated to the end of the model's context (at most 512 tokens).
     #[serde(default)]
     pub prompts: Vec<String>,
     /// Tokens to generate per prompt (default 32).
@@ -84,6 +85,12 @@ pub struct VerifyReport {
     pub prompts: Vec<PromptResult>,
     /// Harness build or run failure, when there was one.
     pub error: String,
+    /// Known failure modes whose mutated reference forward pass reproduces the engine's logits on the
+    /// first prompt whose logits failed (see `diagnose::generation` for the rule); empty when the
+    /// logits passed or nothing explains them.
+    pub diagnosis: Vec<super::diagnose::Diagnosis>,
+    /// Rule findings (check_rules); a blocking one stops verification.
+    pub rules: Vec<crate::guard::Finding>,
 }
 
 impl Report for VerifyReport {
@@ -121,6 +128,9 @@ impl Report for VerifyReport {
                 s += &format!("   {}\n", p.error);
             }
         }
+        for d in &self.diagnosis {
+            s += &format!("{}\n", d.line());
+        }
         s
     }
 }
@@ -133,6 +143,9 @@ fn mark(b: bool) -> &'static str {
 pub fn fnv1a(s: &str) -> u64 {
     s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
 }
+
+/// Most tokens generated for the long random prompt.
+pub const LONG_RUN: usize = 512;
 
 /// Words for random prompts: common in children's stories, so tiny story models stay in distribution.
 const WORDS: &[&str] = &[
@@ -165,7 +178,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     let started = Instant::now();
     let dir = ctx.confine(Path::new(&req.engine), true)?;
     let model_dir = ctx.confine(Path::new(&req.model), true)?;
-    let engine = harness::engine_info(&dir)?;
+    let engine = ctx.workshop.engine(&dir)?;
     let cfg = model::load_config(&ctx.ckb, &model_dir)?;
     let family = ctx.ckb.get(&cfg.family)?;
     let tol = family.model.as_ref().and_then(|m| m.logits_tolerance.get("f32").cloned()).unwrap_or(Tolerance {
@@ -176,13 +189,34 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     let tensors = model::read_safetensors(&model_dir)?;
     let mut reference = Reference::new(&cfg, &tensors)?;
     let tok = model::hf_tokenizer(&model_dir)?;
-    let max_new = req.max_new_tokens.unwrap_or(32).clamp(1, 4096);
+    let max_new = req.max_new_tokens.unwrap_or(32);
+    if max_new == 0 || max_new > 4096 {
+        return Err(Error::usage(format!("max_new_tokens must be 1..=4096, got {max_new}")));
+    }
     let seed = req.seed.unwrap_or_else(|| rand::rng().random());
     let mut prompts: Vec<(String, bool)> = req.prompts.iter().map(|p| (p.clone(), false)).collect();
     if prompts.is_empty() {
         prompts.push(("Once upon a time".into(), false));
     }
-    prompts.extend(random_prompts(seed, 2).into_iter().map(|p| (p, true)));
+    prompts.extend(random_prompts(seed, 3).into_iter().map(|p| (p, true)));
+    // Tokens to generate per prompt: the last random prompt runs to the end of the context (at most
+    // LONG_RUN tokens), so a KV cache that is wrong only at long positions is caught too.
+    let mut budgets = Vec::new();
+    for (i, (p, _)) in prompts.iter().enumerate() {
+        let n = model::hf_encode(&tok, p)?.len();
+        if n >= cfg.max_seq {
+            return Err(Error::usage(format!(
+                "prompt {p:?} encodes to {n} tokens; the model's context (max_position_embeddings) is {}: shorten it",
+                cfg.max_seq
+            )));
+        }
+        let room = cfg.max_seq - n;
+        budgets.push(if i + 1 == prompts.len() {
+            room.min(LONG_RUN).max(max_new.min(room))
+        } else {
+            max_new.min(room)
+        });
+    }
 
     let mut contract_ids: Vec<&str> = vec![family.id.as_str()];
     let m = family.model.as_ref().expect("model contract");
@@ -197,7 +231,23 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         rtol: tol.rtol,
         prompts,
         error,
+        diagnosis: vec![],
+        rules: vec![],
     };
+    let rules = super::rules::precheck(ctx, &engine, budget)?;
+    if !rules.passed {
+        let mut report = fail(super::rules::blocked_text(&rules), vec![]);
+        report.rules = rules.findings;
+        ctx.record(
+            "verify_generation",
+            Some(&engine),
+            versioned,
+            &report,
+            serde_json::json!({"blocked": true}),
+            started,
+        );
+        return Ok(report);
+    }
     let build = ctx.workshop.build_harness(&engine, budget)?;
     let Some(exe) = build.executable.clone().filter(|_| build.ok) else {
         let compile = super::compile::report_of(ctx, &engine, build);
@@ -210,8 +260,9 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     let scratch = ctx.workshop.scratch()?;
     let request = scratch.path().join("generate.json");
     let out = scratch.path().join("generate.safetensors");
-    let texts: Vec<&str> = prompts.iter().map(|(p, _)| p.as_str()).collect();
-    std::fs::write(&request, serde_json::json!({"prompts": texts, "max_new_tokens": max_new}).to_string())
+    let items: Vec<serde_json::Value> =
+        prompts.iter().zip(&budgets).map(|((p, _), n)| serde_json::json!({"text": p, "max_new_tokens": n})).collect();
+    std::fs::write(&request, serde_json::json!({"prompts": items}).to_string())
         .map_err(|e| Error::internal(format!("{}: {e}", request.display())))?;
     let run = harness::run(
         duct::cmd(
@@ -233,6 +284,8 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     }
 
     let mut results = Vec::new();
+    // The engine's ids, tokens and logits for the first prompt whose logits failed, for the diagnosis.
+    let mut first_fail: Option<(Vec<u32>, Vec<u32>, Vec<f32>)> = None;
     for (i, (prompt, random)) in prompts.iter().enumerate() {
         let mut r = PromptResult {
             prompt: prompt.clone(),
@@ -251,7 +304,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         let want_ids = model::hf_encode(&tok, prompt)?;
         let got_ids = tensors_out.get(&format!("prompt_ids.{i}")).cloned().unwrap_or_default();
         r.tokenizer_ok = got_ids == want_ids;
-        let (rows, want_tokens) = reference.greedy(&want_ids, max_new)?;
+        let (rows, want_tokens) = reference.greedy(&want_ids, budgets[i])?;
         let got_tokens = tensors_out.get(&format!("tokens.{i}")).cloned().unwrap_or_default();
         let got_logits = tensors_out.get(&format!("logits_f.{i}")).cloned().unwrap_or_default();
         let got_logits: Vec<f32> = got_logits.iter().map(|&b| f32::from_bits(b)).collect();
@@ -284,6 +337,9 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         }
         r.logits_ok = logits_ok && r.steps > 0;
         r.tokens_ok = tokens_ok && r.steps > 0;
+        if !r.logits_ok && first_fail.is_none() {
+            first_fail = Some((got_ids.clone(), got_tokens.clone(), got_logits.clone()));
+        }
         let mut all = got_ids.clone();
         all.extend_from_slice(&got_tokens);
         r.reference_text = model::hf_decode(&tok, &all).unwrap_or_default();
@@ -314,7 +370,20 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         r.error = why.join("; ");
         results.push(r);
     }
-    let passed = results.iter().all(|r| r.error.is_empty());
+    let mut passed = results.iter().all(|r| r.error.is_empty());
+    let mut error = String::new();
+    let kernels_passed = crate::ledger::Ledger::open(&ctx.ledger)
+        .and_then(|l| l.passed_on("run_kernel_test", &engine.hash))
+        .unwrap_or(false);
+    if passed && !kernels_passed {
+        // Phase order: generation passes only on sources whose kernels passed.
+        passed = false;
+        error = "phase order: generation matches the reference, but run_kernel_test has not passed on these exact sources; run it, then verify again".into();
+    }
+    let diagnosis = match &first_fail {
+        Some((ids, tokens, logits)) => super::diagnose::generation(&ctx.ckb, &mut reference, ids, tokens, logits, &tol),
+        None => vec![],
+    };
     let report = VerifyReport {
         passed,
         seed,
@@ -322,12 +391,15 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         atol: tol.atol,
         rtol: tol.rtol,
         prompts: results,
-        error: String::new(),
+        error,
+        diagnosis,
+        rules: rules.findings,
     };
     let figures = serde_json::json!({
         "seed": seed,
         "max_abs_err": report.prompts.iter().map(|p| p.max_abs_err).fold(0.0, f64::max),
         "prompts": report.prompts.len(),
+        "diagnosis": report.diagnosis.iter().map(|d| d.failure.as_str()).collect::<Vec<_>>(),
     });
     ctx.record("verify_generation", Some(&engine), versioned, &report, figures, started);
     Ok(report)

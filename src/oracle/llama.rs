@@ -192,33 +192,6 @@ impl Reference {
         }
         Ok((rows, tokens))
     }
-
-    /// Teacher-forced run on someone else's choices: feed `prompt`, then `tokens` in turn, and return
-    /// the logits after the last prompt token and after each of `tokens` but the last (stopping at
-    /// max_seq), so that row i is what this model would have chosen `tokens[i]` from, as in
-    /// [`Reference::greedy`].
-    ///
-    /// # Errors
-    /// As [`Reference::step`]; an empty prompt.
-    pub fn forced(&mut self, prompt: &[u32], tokens: &[u32]) -> Result<Vec<Vec<f64>>> {
-        if prompt.is_empty() {
-            return Err(Error::usage("the prompt encodes to no tokens"));
-        }
-        self.reset();
-        let mut logits = Vec::new();
-        for &t in prompt {
-            logits = self.step(t)?;
-        }
-        let mut rows = Vec::new();
-        for (i, &t) in tokens.iter().enumerate() {
-            rows.push(logits);
-            if i + 1 == tokens.len() || self.len >= self.cfg.max_seq {
-                break;
-            }
-            logits = self.step(t)?;
-        }
-        Ok(rows)
-    }
 }
 
 /// RMSNorm, or its mutant when one is in force.

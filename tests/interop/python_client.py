@@ -18,7 +18,7 @@ from mcp.client.stdio import stdio_client
 
 TOOLS = {
     "plan_engine", "lookup_contract", "scaffold_engine", "compile_engine",
-    "run_kernel_test", "verify_generation", "profile_engine",
+    "run_kernel_test", "verify_generation", "profile_engine", "check_rules",
 }
 
 results = []
@@ -79,6 +79,9 @@ async def main(binary, model):
                   str(r.content[:1]))
             r = await s.call_tool("profile_engine", {"engine": engine, "model": model, "runs": 1})
             check("profile_engine (bare scaffold fails)", not is_error(r) and structured(r).get("passed") is False,
+                  str(r.content[:1]))
+            r = await s.call_tool("check_rules", {"engine": engine})
+            check("check_rules (bare scaffold is clean)", not is_error(r) and structured(r).get("passed") is True,
                   str(r.content[:1]))
             r = await s.call_tool("lookup_contract", {"id": "kernel.unknown"})
             check("bad request is a tool error", is_error(r))

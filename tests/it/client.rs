@@ -15,9 +15,13 @@ use rmcp::transport::{ConfigureCommandExt, TokioChildProcess};
 use rmcp::{ClientHandler, ServiceExt};
 
 fn serve_cmd(ledger: &std::path::Path) -> tokio::process::Command {
-    let ledger = ledger.to_path_buf();
+    serve_cmd_with_cache(ledger, &crate::cache())
+}
+
+fn serve_cmd_with_cache(ledger: &std::path::Path, cache: &std::path::Path) -> tokio::process::Command {
+    let (ledger, cache) = (ledger.to_path_buf(), cache.to_path_buf());
     tokio::process::Command::new(crate::bin()).configure(|cmd| {
-        cmd.arg("serve").env("METAINFER_LEDGER", &ledger).env("METAINFER_CACHE", crate::cache());
+        cmd.arg("serve").env("METAINFER_LEDGER", &ledger).env("METAINFER_CACHE", &cache);
     })
 }
 
@@ -82,7 +86,8 @@ fn shipped_skills_are_valid_and_install_as_claude_skills() {
 fn register_merges_into_an_existing_claude_config() {
     let t = tempfile::tempdir().unwrap();
     std::fs::write(t.path().join(".mcp.json"), r#"{"mcpServers": {"other": {"command": "x", "args": []}}}"#).unwrap();
-    let out = Command::new(crate::bin()).args(["register", "--client", "claude", "--dir"]).arg(t.path()).output().unwrap();
+    let out =
+        Command::new(crate::bin()).args(["register", "--client", "claude", "--dir"]).arg(t.path()).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(t.path().join(".mcp.json")).unwrap()).unwrap();
     assert_eq!(v["mcpServers"]["other"]["command"], "x");
@@ -121,7 +126,8 @@ fn stdout_carries_only_json_rpc_and_server_exits_on_eof() {
     let mut ids = Vec::new();
     while ids.len() < 7 {
         let line = lines.next().expect("server closed stdout early").unwrap();
-        let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("non-JSON on stdout: {line:?}: {e}"));
+        let v: serde_json::Value =
+            serde_json::from_str(&line).unwrap_or_else(|e| panic!("non-JSON on stdout: {line:?}: {e}"));
         assert_eq!(v["jsonrpc"], "2.0", "{line}");
         if let Some(id) = v["id"].as_i64() {
             ids.push(id);
@@ -133,7 +139,8 @@ fn stdout_carries_only_json_rpc_and_server_exits_on_eof() {
     drop(stdin);
     for line in lines {
         let line = line.unwrap();
-        serde_json::from_str::<serde_json::Value>(&line).unwrap_or_else(|e| panic!("non-JSON on stdout: {line:?}: {e}"));
+        serde_json::from_str::<serde_json::Value>(&line)
+            .unwrap_or_else(|e| panic!("non-JSON on stdout: {line:?}: {e}"));
     }
     loop {
         if let Some(status) = child.try_wait().unwrap() {
@@ -181,21 +188,30 @@ async fn long_call_sends_progress_and_cancel_leaves_no_process() {
     let t = tempfile::tempdir().unwrap();
     let marker = format!("sleepy{}", std::process::id());
     let engine = t.path().join(&marker);
-    std::fs::create_dir_all(engine.join("src")).unwrap();
-    std::fs::write(
-        engine.join("Cargo.toml"),
-        format!("[package]\nname = \"{marker}\"\nversion = \"0.1.0\"\nedition = \"2024\"\nbuild = \"build.rs\"\n\n[workspace]\n"),
-    )
-    .unwrap();
-    std::fs::write(engine.join("build.rs"), "fn main() { std::thread::sleep(std::time::Duration::from_secs(120)); }\n").unwrap();
-    std::fs::write(engine.join("src/lib.rs"), "").unwrap();
+    // A scaffold (so the rules pass: every gate signature is there) with a build script that sleeps.
+    let out = Command::new(crate::bin())
+        .args(["scaffold", "--name", &marker, "--model"])
+        .arg(crate::babyllama())
+        .arg("--out")
+        .arg(&engine)
+        .env("METAINFER_LEDGER", t.path().join("l.sqlite"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    std::fs::write(engine.join("build.rs"), "fn main() { std::thread::sleep(std::time::Duration::from_secs(120)); }\n")
+        .unwrap();
 
     let counter = Counter::default();
-    let c = counter.clone().serve(TokioChildProcess::new(serve_cmd(&t.path().join("l.sqlite"))).unwrap()).await.unwrap();
+    // Its own build cache, so that other tests' builds holding the shared target-dir lock cannot delay it.
+    let cmd = serve_cmd_with_cache(&t.path().join("l.sqlite"), &t.path().join("cache"));
+    let c = counter.clone().serve(TokioChildProcess::new(cmd).unwrap()).await.unwrap();
     let params = CallToolRequestParams::new("compile_engine")
         .with_arguments(serde_json::json!({"engine": engine}).as_object().unwrap().clone());
     let handle = c
-        .send_cancellable_request(ClientRequest::CallToolRequest(Request::new(params)), PeerRequestOptions::no_options())
+        .send_cancellable_request(
+            ClientRequest::CallToolRequest(Request::new(params)),
+            PeerRequestOptions::no_options(),
+        )
         .await
         .unwrap();
     // Wait until the build script runs (cargo compiles it first), then for two progress ticks.
@@ -218,7 +234,10 @@ async fn long_call_sends_progress_and_cancel_leaves_no_process() {
     }
     // The server is still serving.
     let r = c
-        .call_tool(CallToolRequestParams::new("lookup_contract").with_arguments(serde_json::json!({"id": "kernel.rope"}).as_object().unwrap().clone()))
+        .call_tool(
+            CallToolRequestParams::new("lookup_contract")
+                .with_arguments(serde_json::json!({"id": "kernel.rope"}).as_object().unwrap().clone()),
+        )
         .await
         .unwrap();
     assert_eq!(r.is_error, Some(false));

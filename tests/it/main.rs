@@ -3,10 +3,12 @@
 
 mod ckb;
 mod client;
+mod diagnose;
 mod gates;
 mod mcp;
 mod model;
 mod oracle;
+mod rules;
 
 use std::path::{Path, PathBuf};
 

@@ -184,14 +184,16 @@ fn kernel_cmd(request: &Path, result: &Path) {
 fn generate_cmd(dir: &Path, request: &Path, out: &Path) {
     let req: serde_json::Value =
         serde_json::from_slice(&std::fs::read(request).unwrap_or_else(|e| die(&format!("{e}")))).unwrap_or_else(|e| die(&format!("{e}")));
-    let max_new = req["max_new_tokens"].as_u64().unwrap_or(16) as usize;
+    let default_new = req["max_new_tokens"].as_u64().unwrap_or(16) as usize;
     let tok = engine::tokenizer::Tokenizer::load(dir).unwrap_or_else(|e| die(&format!("tokenizer load: {e}")));
     let mut model = engine::model::Model::load(dir).unwrap_or_else(|e| die(&format!("model load: {e}")));
     let vocab = model.vocab_size();
     let mut tensors = Vec::new();
     let mut meta = HashMap::new();
     for (p, prompt) in req["prompts"].as_array().cloned().unwrap_or_default().iter().enumerate() {
-        let prompt = prompt.as_str().unwrap_or_default();
+        // A prompt is a string, or {"text": ..., "max_new_tokens": n}.
+        let max_new = prompt["max_new_tokens"].as_u64().map(|n| n as usize).unwrap_or(default_new);
+        let prompt = prompt.as_str().or_else(|| prompt["text"].as_str()).unwrap_or_default();
         let ids = tok.encode(prompt);
         tensors.push((format!("prompt_ids.{p}"), Out::U(ids.clone())));
         if ids.is_empty() {
@@ -238,6 +240,7 @@ fn profile_cmd(dir: &Path, prompt_len: usize, new_tokens: usize, runs: usize) {
     let mut prefill = Vec::new();
     let mut decode = Vec::new();
     let mut first_token = Vec::new();
+    let mut checks = Vec::new();
     for run in 0..runs {
         // Different tokens on every run, so that nothing can be cached between runs.
         let prompt: Vec<u32> = (0..prompt_len).map(|i| ((i * 7 + run * 13 + 3) as u32) % vocab).collect();
@@ -249,12 +252,15 @@ fn profile_cmd(dir: &Path, prompt_len: usize, new_tokens: usize, runs: usize) {
         first_token.push(p);
         let t = Instant::now();
         let mut n = 0;
+        let mut generated = vec![next];
         for pos in prompt_len..(prompt_len + new_tokens).min(model.max_seq_len()) {
             next = engine::generate::sample_greedy(model.forward(next, pos));
+            generated.push(next);
             n += 1;
         }
         decode.push(t.elapsed().as_secs_f64() / n.max(1) as f64);
-        std::hint::black_box(next);
+        // The timed runs' outputs are checked by the server too.
+        checks.push(serde_json::json!({"prompt": prompt, "tokens": generated}));
     }
     println!(
         "{}",
@@ -265,6 +271,7 @@ fn profile_cmd(dir: &Path, prompt_len: usize, new_tokens: usize, runs: usize) {
             "first_token_s": first_token,
             "prefill_median_s": median(prefill.clone()),
             "decode_median_s_per_token": median(decode.clone()),
+            "runs": checks,
         })
     );
 }

@@ -1,0 +1,221 @@
+//! Rule checks on engine crates: the zero-reference rule and the anti-fake rules, one file per rule,
+//! each finding with a stable rule id. Reads only the engine directory (bounded: no symlink is
+//! followed, large and binary files are skipped and reported) and what the caller passes in (the
+//! resolved dependency graph, the CKB, registered reference fingerprints).
+//!
+//! Knows nothing of MCP and starts no process (the dependency graph comes from `harness`).
+
+pub mod containment;
+pub mod dependencies;
+pub mod hardcoded;
+pub mod provenance;
+pub mod signatures;
+
+use std::path::{Path, PathBuf};
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::ckb::Ckb;
+
+/// The reference level an engine is built under: what the agent was allowed to read.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ReferenceLevel {
+    /// Knowledge from the CKB only.
+    #[default]
+    Zero,
+    /// Public documentation too.
+    Docs,
+    /// Other implementations' code too.
+    Code,
+}
+
+impl ReferenceLevel {
+    /// Name as recorded in the ledger.
+    pub fn name(self) -> &'static str {
+        match self {
+            ReferenceLevel::Zero => "zero",
+            ReferenceLevel::Docs => "docs",
+            ReferenceLevel::Code => "code",
+        }
+    }
+}
+
+impl ReferenceLevel {
+    /// Read `reference_level` from an engine's `metainfer.toml` (written by scaffold); `zero` when
+    /// absent or unreadable.
+    pub fn of_engine(dir: &Path) -> ReferenceLevel {
+        std::fs::read_to_string(dir.join("metainfer.toml"))
+            .ok()
+            .and_then(|t| toml::from_str::<toml::Table>(&t).ok())
+            .and_then(|t| t.get("reference_level").and_then(|v| v.as_str()).map(str::to_owned))
+            .and_then(|l| serde_json::from_value(serde_json::Value::String(l)).ok())
+            .unwrap_or_default()
+    }
+}
+
+/// How bad a finding is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Severity {
+    /// Stops the gate; recorded in the ledger.
+    Blocking,
+    /// Reported; the gate still runs.
+    Warning,
+}
+
+/// One rule violation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Finding {
+    /// Stable rule id, e.g. `dependency-denied`, `path-outside`, `signature-changed`.
+    pub rule: String,
+    /// Blocking or warning.
+    pub severity: Severity,
+    /// File relative to the engine directory ("" for the crate as a whole).
+    pub file: String,
+    /// 1-based line, 0 when not tied to a line.
+    pub line: u32,
+    /// What is wrong and what to change.
+    pub message: String,
+}
+
+impl Finding {
+    /// A blocking finding.
+    pub fn blocking(rule: &str, file: &str, line: u32, message: String) -> Finding {
+        Finding { rule: rule.into(), severity: Severity::Blocking, file: file.into(), line, message }
+    }
+    /// A warning.
+    pub fn warning(rule: &str, file: &str, line: u32, message: String) -> Finding {
+        Finding { rule: rule.into(), severity: Severity::Warning, file: file.into(), line, message }
+    }
+}
+
+impl std::fmt::Display for Finding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let sev = match self.severity {
+            Severity::Blocking => "blocking",
+            Severity::Warning => "warning",
+        };
+        if self.file.is_empty() {
+            write!(f, "[{}] {sev}: {}", self.rule, self.message)
+        } else {
+            write!(f, "[{}] {sev}: {}:{}: {}", self.rule, self.file, self.line, self.message)
+        }
+    }
+}
+
+/// Bounds of a scan.
+pub const MAX_FILE_BYTES: u64 = 1 << 20;
+/// Most files examined.
+pub const MAX_FILES: usize = 5_000;
+/// Deepest directory level examined.
+pub const MAX_DEPTH: usize = 16;
+
+/// A text source file of the engine.
+#[derive(Debug, Clone)]
+pub struct SourceFile {
+    /// Path relative to the engine directory, `/`-separated.
+    pub rel: String,
+    /// Absolute path.
+    pub path: PathBuf,
+    /// Contents.
+    pub text: String,
+}
+
+/// What a bounded walk of the engine directory found.
+#[derive(Debug, Clone, Default)]
+pub struct Tree {
+    /// Rust sources, manifests and build scripts (`*.rs`, `*.toml`).
+    pub files: Vec<SourceFile>,
+    /// Symlinks: (relative path, target as read, resolved target if it resolves).
+    pub symlinks: Vec<(String, PathBuf, Option<PathBuf>)>,
+    /// What was not examined and why.
+    pub skipped: Vec<String>,
+}
+
+/// Walk `dir` (canonical) without following links, skipping `target/` and `.git/`.
+pub fn walk(dir: &Path) -> Tree {
+    let mut tree = Tree::default();
+    let mut seen = 0usize;
+    let walker = walkdir::WalkDir::new(dir).follow_links(false).max_depth(MAX_DEPTH).sort_by_file_name();
+    let mut it = walker.into_iter();
+    while let Some(entry) = it.next() {
+        let entry = match entry {
+            Ok(e) => e,
+            Err(e) => {
+                tree.skipped.push(format!("{}: {e}", e.path().map(|p| p.display().to_string()).unwrap_or_default()));
+                continue;
+            }
+        };
+        let rel = entry.path().strip_prefix(dir).unwrap_or(entry.path()).to_string_lossy().replace('\\', "/");
+        if entry.file_type().is_dir() {
+            if entry.depth() == 1 && (rel == "target" || rel == ".git") {
+                it.skip_current_dir();
+            } else if entry.depth() == MAX_DEPTH {
+                tree.skipped.push(format!("{rel}/: deeper than {MAX_DEPTH} levels"));
+            }
+            continue;
+        }
+        seen += 1;
+        if seen > MAX_FILES {
+            tree.skipped.push(format!("more than {MAX_FILES} files; the rest were not examined"));
+            break;
+        }
+        if entry.path_is_symlink() {
+            let target = std::fs::read_link(entry.path()).unwrap_or_default();
+            let resolved = entry.path().canonicalize().ok();
+            tree.symlinks.push((rel, target, resolved));
+            continue;
+        }
+        let is_text = rel.ends_with(".rs") || rel.ends_with(".toml");
+        if !is_text {
+            continue;
+        }
+        let size = entry.metadata().map(|m| m.len()).unwrap_or(0);
+        if size > MAX_FILE_BYTES {
+            tree.skipped.push(format!("{rel}: {size} bytes, larger than {MAX_FILE_BYTES}"));
+            continue;
+        }
+        match std::fs::read(entry.path()) {
+            Ok(bytes) => match String::from_utf8(bytes) {
+                Ok(text) => tree.files.push(SourceFile { rel, path: entry.path().to_path_buf(), text }),
+                Err(_) => tree.skipped.push(format!("{rel}: not UTF-8")),
+            },
+            Err(e) => tree.skipped.push(format!("{rel}: {e}")),
+        }
+    }
+    tree
+}
+
+/// Everything the rules need besides the engine directory.
+#[derive(Debug, Clone)]
+pub struct Inputs<'a> {
+    /// The knowledge base (deny list, signatures).
+    pub ckb: &'a Ckb,
+    /// Target platform name, for the allow list.
+    pub target: &'a str,
+    /// Resolved packages (name, version) of the engine's full dependency graph, the engine excluded.
+    pub packages: &'a [(String, String)],
+    /// Registered reference fingerprints.
+    pub references: &'a [provenance::Reference],
+    /// Reference level of the engine: at `code`, provenance matches are warnings.
+    pub level: ReferenceLevel,
+}
+
+/// Run every rule on an engine directory.
+pub fn check(dir: &Path, inputs: &Inputs) -> (Vec<Finding>, Vec<String>) {
+    let tree = walk(dir);
+    let mut findings = Vec::new();
+    findings.extend(dependencies::check(inputs.ckb, inputs.target, inputs.packages));
+    findings.extend(containment::check(dir, &tree));
+    findings.extend(signatures::check(inputs.ckb, &tree));
+    findings.extend(hardcoded::check(&tree));
+    findings.extend(provenance::check(&tree, inputs.references, inputs.level));
+    (findings, tree.skipped)
+}
+
+/// Whether any finding blocks.
+pub fn blocks(findings: &[Finding]) -> bool {
+    findings.iter().any(|f| f.severity == Severity::Blocking)
+}

@@ -1,0 +1,128 @@
+//! check_rules: the zero-reference and anti-fake rules on an engine (see `guard`). Also run before
+//! compile_engine, run_kernel_test, verify_generation and profile_engine: a blocking finding stops
+//! the gate, and the outcome is recorded.
+
+use std::path::Path;
+use std::time::Instant;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::{Ctx, ReferenceLevel, Report};
+use crate::error::Result;
+use crate::guard::{self, Finding, Severity, provenance};
+use crate::harness::{self, Budget, Engine};
+
+/// Which engine to check.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct RulesRequest {
+    /// Engine crate directory.
+    pub engine: String,
+}
+
+/// Rule findings.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct RulesReport {
+    /// Whether no finding blocks.
+    pub passed: bool,
+    /// sha256 of the engine's files.
+    pub engine_hash: String,
+    /// Reference level from the engine's metainfer.toml (zero, docs, code).
+    pub reference_level: ReferenceLevel,
+    /// Packages in the resolved dependency graph.
+    pub packages: usize,
+    /// Findings, blocking first.
+    pub findings: Vec<Finding>,
+    /// What was not examined and why (large, binary or unreadable files, depth).
+    pub skipped: Vec<String>,
+}
+
+impl Report for RulesReport {
+    fn passed(&self) -> bool {
+        self.passed
+    }
+    fn text(&self) -> String {
+        let blocking = self.findings.iter().filter(|f| f.severity == Severity::Blocking).count();
+        let mut s = format!(
+            "rules {}: {blocking} blocking, {} warning(s); {} packages resolved; reference level {}\n",
+            if self.passed { "PASSED" } else { "FAILED" },
+            self.findings.len() - blocking,
+            self.packages,
+            self.reference_level.name()
+        );
+        for f in &self.findings {
+            s += &format!("{f}\n");
+        }
+        for k in &self.skipped {
+            s += &format!("skipped: {k}\n");
+        }
+        s
+    }
+}
+
+/// Run the rules on an engine already inspected (no ledger record).
+///
+/// # Errors
+/// When cargo cannot resolve the dependency graph or the ledger's references cannot be read.
+pub fn precheck(ctx: &Ctx, engine: &Engine, budget: &Budget) -> Result<RulesReport> {
+    let (packages, unresolved) = match harness::dependency_graph(engine, budget) {
+        Ok(p) => (p, None),
+        Err(e) => (Vec::new(), Some(e.message)),
+    };
+    let references: Vec<provenance::Reference> = crate::ledger::Ledger::open(&ctx.ledger)?
+        .references()?
+        .into_iter()
+        .map(|(name, file, prints)| provenance::Reference {
+            name,
+            file,
+            prints: prints.into_iter().map(|(hash, line)| provenance::Print { hash, line }).collect(),
+        })
+        .collect();
+    let level = ReferenceLevel::of_engine(&engine.dir);
+    let target = std::fs::read_to_string(engine.dir.join("metainfer.toml"))
+        .ok()
+        .and_then(|t| toml::from_str::<toml::Table>(&t).ok())
+        .and_then(|t| t.get("target").and_then(|v| v.as_str()).map(str::to_owned))
+        .unwrap_or_else(|| "cpu".into());
+    let inputs = guard::Inputs { ckb: &ctx.ckb, target: &target, packages: &packages, references: &references, level };
+    let (mut findings, skipped) = guard::check(&engine.dir, &inputs);
+    if let Some(why) = unresolved {
+        findings.push(Finding::blocking(
+            "dependency-unresolved",
+            "Cargo.toml",
+            0,
+            format!("the dependency graph cannot be resolved, so the dependency rules cannot be checked: {why}"),
+        ));
+    }
+    findings.sort_by_key(|f| f.severity != Severity::Blocking);
+    Ok(RulesReport {
+        passed: !guard::blocks(&findings),
+        engine_hash: engine.hash.clone(),
+        reference_level: level,
+        packages: packages.len(),
+        findings,
+        skipped,
+    })
+}
+
+/// Check the rules on an engine and record the outcome.
+///
+/// # Errors
+/// Not a crate, outside the workspace, or cargo cannot resolve the dependency graph.
+pub fn check_rules(ctx: &Ctx, req: &RulesRequest, budget: &Budget) -> Result<RulesReport> {
+    let started = Instant::now();
+    let dir = ctx.confine(Path::new(&req.engine), true)?;
+    let engine = ctx.workshop.engine(&dir)?;
+    let report = precheck(ctx, &engine, budget)?;
+    let figures = serde_json::json!({
+        "findings": report.findings.iter().map(|f| &f.rule).collect::<Vec<_>>(),
+        "skipped": report.skipped.len(),
+    });
+    ctx.record("check_rules", Some(&engine), ctx.versioned(&["policy.zero-reference"]), &report, figures, started);
+    Ok(report)
+}
+
+/// The text a gate reports when rules block it.
+pub fn blocked_text(r: &RulesReport) -> String {
+    format!("blocked by rule findings (fix them, then run the gate again):\n{}", r.text())
+}

@@ -1,0 +1,307 @@
+//! The rules: one fixture per rule (made at test time from the example engine) caught with its id;
+//! the example engine has no finding; every correctness gate fails on an empty crate, the bare
+//! scaffold and an engine that returns plausible constants.
+
+use std::path::Path;
+
+use metainfer::guard::Severity;
+use metainfer::harness::Budget;
+use metainfer::ops::kernel_test::{KernelTestRequest, kernel_test};
+use metainfer::ops::profile::{ProfileRequest, profile};
+use metainfer::ops::rules::{RulesRequest, check_rules};
+use metainfer::ops::verify::{VerifyRequest, verify};
+
+fn s(p: &Path) -> String {
+    p.display().to_string()
+}
+
+fn rules_of(ctx: &metainfer::ops::Ctx, engine: &Path) -> Vec<(String, Severity)> {
+    let r = check_rules(ctx, &RulesRequest { engine: s(engine) }, &Budget::secs(600)).unwrap();
+    r.findings.into_iter().map(|f| (f.rule, f.severity)).collect()
+}
+
+fn append(dir: &Path, rel: &str, text: &str) {
+    let p = dir.join(rel);
+    let mut s = std::fs::read_to_string(&p).unwrap_or_default();
+    s.push_str(text);
+    std::fs::write(p, s).unwrap();
+}
+
+#[test]
+fn example_engine_has_no_finding() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let r = check_rules(&ctx, &RulesRequest { engine: s(&crate::example_engine()) }, &Budget::secs(600)).unwrap();
+    assert!(r.passed && r.findings.is_empty(), "{}", metainfer::ops::Report::text(&r));
+    assert!(r.packages > 0, "the dependency graph was resolved");
+}
+
+#[test]
+fn each_rule_catches_its_fixture() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let fixture = |name: &str| {
+        let d = t.path().join(name);
+        crate::copy_example(&d);
+        d
+    };
+    let mut caught = Vec::new();
+    let mut expect = |engine: &Path, rule: &str| {
+        let found = rules_of(&ctx, engine);
+        assert!(found.iter().any(|(r, sev)| r == rule && *sev == Severity::Blocking), "{rule} not caught: {found:?}");
+        caught.push(rule.to_string());
+    };
+
+    // dependency-denied: a crate named like an inference framework anywhere in the graph.
+    let d = fixture("deny");
+    std::fs::create_dir_all(d.join("vendor/candle-core/src")).unwrap();
+    std::fs::write(
+        d.join("vendor/candle-core/Cargo.toml"),
+        "[package]\nname = \"candle-core\"\nversion = \"0.11.0\"\nedition = \"2021\"\n",
+    )
+    .unwrap();
+    std::fs::write(d.join("vendor/candle-core/src/lib.rs"), "").unwrap();
+    crate::inject(
+        &d,
+        "Cargo.toml",
+        "[dependencies]\n",
+        "[dependencies]\ncandle-core = { path = \"vendor/candle-core\" }\n",
+    );
+    expect(&d, "dependency-denied");
+
+    // path-outside: a path dependency on a crate beside the engine.
+    let d = fixture("path");
+    let outside = t.path().join("outside-crate");
+    std::fs::create_dir_all(outside.join("src")).unwrap();
+    std::fs::write(
+        outside.join("Cargo.toml"),
+        "[package]\nname = \"helper\"\nversion = \"0.1.0\"\nedition = \"2021\"\n",
+    )
+    .unwrap();
+    std::fs::write(outside.join("src/lib.rs"), "").unwrap();
+    crate::inject(&d, "Cargo.toml", "[dependencies]\n", "[dependencies]\nhelper = { path = \"../outside-crate\" }\n");
+    expect(&d, "path-outside");
+
+    // path-outside via include_str!.
+    let d = fixture("include");
+    append(&d, "src/lib.rs", "\npub const SECRET: &str = include_str!(\"../../outside.txt\");\n");
+    std::fs::write(t.path().join("outside.txt"), "x").unwrap();
+    expect(&d, "path-outside");
+
+    // git-dependency.
+    let d = fixture("git");
+    crate::inject(
+        &d,
+        "Cargo.toml",
+        "[dependencies]\n",
+        "[dependencies]\nhelper = { git = \"https://example.invalid/helper.git\" }\n",
+    );
+    expect(&d, "git-dependency");
+
+    // symlink-outside.
+    let d = fixture("symlink");
+    std::os::unix::fs::symlink(t.path().join("outside.txt"), d.join("src/data.txt")).unwrap();
+    expect(&d, "symlink-outside");
+
+    // build-script that runs a program.
+    let d = fixture("build");
+    std::fs::write(
+        d.join("build.rs"),
+        "fn main() { let _ = std::process::Command::new(\"curl\").arg(\"https://example.invalid\").status(); }\n",
+    )
+    .unwrap();
+    expect(&d, "build-script");
+
+    // signature-changed: the gate's rope signature altered.
+    let d = fixture("sig");
+    crate::inject(&d, "src/kernels.rs", "theta: f32", "theta: f64");
+    expect(&d, "signature-changed");
+
+    // hardcoded-output: a token-id table.
+    let d = fixture("hard");
+    let ids: Vec<String> = (0..48).map(|i| (i * 7 % 105).to_string()).collect();
+    append(&d, "src/generate.rs", &format!("\npub const ANSWER: [u32; 48] = [{}];\n", ids.join(", ")));
+    expect(&d, "hardcoded-output");
+
+    // provenance-match: register "another framework" whose code is the example's kernels with
+    // every identifier renamed; the engine's kernels.rs matches it.
+    let reference = t.path().join("other-framework");
+    std::fs::create_dir_all(&reference).unwrap();
+    let kernels = std::fs::read_to_string(crate::example_engine().join("src/kernels.rs")).unwrap();
+    std::fs::write(
+        reference.join("ops.rs"),
+        kernels.replace("out", "dst").replace("head_dim", "hd").replace("theta", "base"),
+    )
+    .unwrap();
+    let out = std::process::Command::new(crate::bin())
+        .args(["--ledger"])
+        .arg(&ctx.ledger)
+        .args(["reference", "add", "--name", "other-framework"])
+        .arg(&reference)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let d = fixture("copied");
+    expect(&d, "provenance-match");
+    // At reference level `code` the same match is a warning, not a block.
+    crate::inject(&d, "metainfer.toml", "reference_level = \"zero\"", "reference_level = \"code\"");
+    let found = rules_of(&ctx, &d);
+    assert!(found.contains(&("provenance-match".to_string(), Severity::Warning)), "{found:?}");
+
+    println!("rules caught: {} fixtures: {}", caught.len(), caught.join(", "));
+
+    // A blocking finding stops a gate, and the outcome is recorded.
+    let d = t.path().join("sig");
+    let k = kernel_test(&ctx, &KernelTestRequest { engine: s(&d), kernels: vec![], seed: None }, &Budget::secs(600))
+        .unwrap();
+    assert!(!k.passed && k.build_error.contains("signature-changed") && k.kernels.is_empty(), "{k:?}");
+    let ledger = metainfer::ledger::Ledger::open(&ctx.ledger).unwrap();
+    let last = &ledger.list(0, 1).unwrap()[0];
+    assert_eq!((last.tool.as_str(), last.passed), ("run_kernel_test", false));
+    assert_eq!(last.figures["blocked"], true);
+}
+
+#[test]
+fn verify_passes_only_after_kernel_tests_passed_on_the_same_sources() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let d = t.path().join("engine");
+    crate::copy_example(&d);
+    let req = VerifyRequest {
+        engine: s(&d),
+        model: s(&crate::babyllama()),
+        prompts: vec![],
+        max_new_tokens: Some(4),
+        seed: None,
+    };
+    let v = verify(&ctx, &req, &Budget::secs(600)).unwrap();
+    assert!(!v.passed && v.error.contains("phase order"), "{}", v.error);
+    assert!(v.prompts.iter().all(|p| p.error.is_empty()), "generation itself matched");
+    let k = kernel_test(&ctx, &KernelTestRequest { engine: s(&d), kernels: vec![], seed: None }, &Budget::secs(600))
+        .unwrap();
+    assert!(k.passed);
+    assert!(verify(&ctx, &req, &Budget::secs(600)).unwrap().passed);
+    // Any change to the sources needs the kernel tests again.
+    append(&d, "src/lib.rs", "\n// a comment\n");
+    let v = verify(&ctx, &req, &Budget::secs(600)).unwrap();
+    assert!(!v.passed && v.error.contains("phase order"));
+}
+
+/// An engine that fills every output with plausible constants and returns constant logits.
+fn constant_engine(dir: &Path, ctx: &metainfer::ops::Ctx) {
+    let req = metainfer::ops::scaffold::ScaffoldRequest {
+        model: s(&crate::babyllama()),
+        out: s(dir),
+        target: "cpu".into(),
+        dtype: "f32".into(),
+        name: Some("constant".into()),
+        force: false,
+    };
+    metainfer::ops::scaffold::scaffold(ctx, &req).unwrap();
+    let edit = |rel: &str, f: &dyn Fn(String) -> String| {
+        let p = dir.join(rel);
+        let text = std::fs::read_to_string(&p).unwrap();
+        std::fs::write(&p, f(text)).unwrap();
+    };
+    edit("src/kernels.rs", &|t| {
+        t.replace("out: &mut [f32]) { todo!() }", "out: &mut [f32]) { out.fill(0.25) }")
+            .replace("theta: f32) { todo!() }", "theta: f32) { x.fill(0.25) }")
+            .replace("n: usize) { todo!() }", "n: usize) { x.fill(1.0 / n as f32) }")
+            .replace("-> usize { todo!() }", "-> usize { 0 }")
+    });
+    edit("src/model.rs", &|t| {
+        t.replace(
+            "pub fn load(dir: &Path) -> Result<Model, String> { todo!() }",
+            "pub fn load(dir: &Path) -> Result<Model, String> { Ok(Model {}) }",
+        )
+        .replace("pub fn vocab_size(&self) -> usize { todo!() }", "pub fn vocab_size(&self) -> usize { 105 }")
+        .replace("pub fn max_seq_len(&self) -> usize { todo!() }", "pub fn max_seq_len(&self) -> usize { 256 }")
+        .replace("pub fn reset(&mut self) { todo!() }", "pub fn reset(&mut self) {}")
+        .replace("-> &[f32] { todo!() }", "-> &[f32] { &[0.5; 105] }")
+    });
+    edit("src/tokenizer.rs", &|t| {
+        t.replace("-> Result<Tokenizer, String> { todo!() }", "-> Result<Tokenizer, String> { Ok(Tokenizer {}) }")
+            .replace("-> Vec<u32> { todo!() }", "-> Vec<u32> { vec![1, 3, 5] }")
+            .replace("-> String { todo!() }", "-> String { String::new() }")
+    });
+    edit("src/generate.rs", &|t| t.replace("-> u32 { todo!() }", "-> u32 { 3 }"));
+    for rel in ["src/kernels.rs", "src/model.rs", "src/tokenizer.rs", "src/generate.rs"] {
+        assert!(!std::fs::read_to_string(dir.join(rel)).unwrap().contains("todo!()"), "{rel} still has todo!()");
+    }
+}
+
+#[test]
+fn every_gate_fails_on_empty_bare_and_constant_engines() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let budget = Budget::secs(600);
+
+    let empty = t.path().join("empty");
+    std::fs::create_dir_all(empty.join("src")).unwrap();
+    std::fs::write(
+        empty.join("Cargo.toml"),
+        "[package]\nname = \"empty\"\nversion = \"0.1.0\"\nedition = \"2024\"\n\n[workspace]\n",
+    )
+    .unwrap();
+    std::fs::write(empty.join("src/lib.rs"), "").unwrap();
+
+    let bare = t.path().join("bare");
+    let req = metainfer::ops::scaffold::ScaffoldRequest {
+        model: s(&crate::babyllama()),
+        out: s(&bare),
+        target: "cpu".into(),
+        dtype: "f32".into(),
+        name: None,
+        force: false,
+    };
+    metainfer::ops::scaffold::scaffold(&ctx, &req).unwrap();
+
+    let constant = t.path().join("constant");
+    constant_engine(&constant, &ctx);
+    let c = metainfer::ops::compile::compile(
+        &ctx,
+        &metainfer::ops::compile::CompileRequest { engine: s(&constant) },
+        &budget,
+    )
+    .unwrap();
+    assert!(c.passed, "the constant engine must build, so that the gates judge its outputs: {c:?}");
+
+    for engine in [&empty, &bare, &constant] {
+        let k =
+            kernel_test(&ctx, &KernelTestRequest { engine: s(engine), kernels: vec![], seed: None }, &budget).unwrap();
+        assert!(!k.passed, "run_kernel_test passed on {}", engine.display());
+        if engine == &constant {
+            assert!(
+                k.kernels.iter().all(|k| !k.passed),
+                "every constant kernel must fail: {}",
+                metainfer::ops::Report::text(&k)
+            );
+        }
+        let v = verify(
+            &ctx,
+            &VerifyRequest {
+                engine: s(engine),
+                model: s(&crate::babyllama()),
+                prompts: vec![],
+                max_new_tokens: Some(4),
+                seed: None,
+            },
+            &budget,
+        )
+        .unwrap();
+        assert!(!v.passed, "verify_generation passed on {}", engine.display());
+        let p = profile(
+            &ctx,
+            &ProfileRequest {
+                engine: s(engine),
+                model: s(&crate::babyllama()),
+                prompt_len: None,
+                new_tokens: None,
+                runs: Some(1),
+            },
+            &budget,
+        )
+        .unwrap();
+        assert!(!p.passed, "profile_engine passed on {}", engine.display());
+    }
+}
