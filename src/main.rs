@@ -37,6 +37,9 @@ struct Global {
     /// Time limit of one compile/test/verify/profile call, in seconds.
     #[arg(long, global = true, default_value_t = 900, value_name = "SECS")]
     time_limit: u64,
+    /// Largest text content of one MCP tool result, in characters (longer text is cut and marked).
+    #[arg(long, global = true, default_value_t = metainfer::ops::MAX_TEXT, value_name = "CHARS")]
+    max_output: usize,
 }
 
 #[derive(Subcommand)]
@@ -282,6 +285,7 @@ fn ctx(g: &Global, workspace: Option<PathBuf>, models: Vec<PathBuf>) -> Result<C
         workspace,
         models,
         time_limit_s: g.time_limit,
+        max_output: g.max_output,
     })
 }
 
@@ -368,7 +372,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Compile { engine, json } => {
             let r = ops::compile::compile(
                 &ctx(g, None, vec![])?,
-                &ops::compile::CompileRequest { engine: s(&engine) },
+                &ops::compile::CompileRequest { engine: s(&engine), cursor: None },
                 &budget(),
             )?;
             Ok(emit(&r, json))

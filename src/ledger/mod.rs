@@ -209,16 +209,24 @@ impl Ledger {
     /// # Errors
     /// When SQLite fails.
     pub fn list(&self, offset: usize, limit: usize) -> Result<Vec<Outcome>> {
+        self.list_filtered(offset, limit, None)
+    }
+
+    /// Like [`Ledger::list`], only outcomes of `tool` when given.
+    ///
+    /// # Errors
+    /// When SQLite fails.
+    pub fn list_filtered(&self, offset: usize, limit: usize, tool: Option<&str>) -> Result<Vec<Outcome>> {
         let fail = |e: rusqlite::Error| Error::internal(format!("ledger {}: {e}", self.path.display()));
         let mut stmt = self
             .conn
             .prepare(
                 "SELECT id, time, tool, engine, engine_hash, contracts, passed, summary, figures, reference_level, duration_ms
-                 FROM outcomes ORDER BY rowid DESC LIMIT ?1 OFFSET ?2",
+                 FROM outcomes WHERE (?3 IS NULL OR tool = ?3) ORDER BY rowid DESC LIMIT ?1 OFFSET ?2",
             )
             .map_err(fail)?;
         let rows = stmt
-            .query_map(params![limit as i64, offset as i64], |r| {
+            .query_map(params![limit as i64, offset as i64, tool], |r| {
                 Ok(Outcome {
                     id: r.get(0)?,
                     time: r.get(1)?,

@@ -25,6 +25,7 @@ use crate::harness::Budget;
 use crate::ops::compile::{CompileReport, CompileRequest};
 use crate::ops::kernel_test::{KernelTestReport, KernelTestRequest};
 use crate::ops::lookup::{LookupReport, LookupRequest};
+use crate::ops::outcomes::{OutcomesReport, OutcomesRequest};
 use crate::ops::plan::{PlanReport, PlanRequest};
 use crate::ops::profile::{ProfileReport, ProfileRequest};
 use crate::ops::rules::{RulesReport, RulesRequest};
@@ -52,12 +53,14 @@ pub struct Server {
     ctx: Arc<Ctx>,
     /// Cancellation flags of the calls in flight, so that closing the session kills their children.
     running: Arc<std::sync::Mutex<Vec<Arc<std::sync::atomic::AtomicBool>>>>,
+    /// Engine directories a call is working on: a second call on the same engine is refused.
+    busy: Arc<std::sync::Mutex<std::collections::HashMap<String, &'static str>>>,
     #[allow(dead_code, reason = "read by the tool_handler macro")]
     tool_router: ToolRouter<Self>,
 }
 
-fn ok_result<R: Report + Serialize>(report: &R) -> CallToolResult {
-    let mut r = CallToolResult::success(vec![ContentBlock::text(crate::ops::bound_text(&report.text()))]);
+fn ok_result<R: Report + Serialize>(report: &R, max_text: usize) -> CallToolResult {
+    let mut r = CallToolResult::success(vec![ContentBlock::text(crate::ops::bound_text(&report.text(), max_text))]);
     r.structured_content = Some(serde_json::to_value(report).expect("reports serialise"));
     r
 }
@@ -66,17 +69,22 @@ fn err_result(e: crate::error::Error) -> CallToolResult {
     CallToolResult::error(vec![ContentBlock::text(e.message)])
 }
 
-fn into_result<R: Report + Serialize>(r: crate::error::Result<R>) -> Result<CallToolResult, ErrorData> {
-    Ok(match r {
-        Ok(report) => ok_result(&report),
-        Err(e) => err_result(e),
-    })
-}
-
 impl Server {
+    fn into_result<R: Report + Serialize>(&self, r: crate::error::Result<R>) -> Result<CallToolResult, ErrorData> {
+        Ok(match r {
+            Ok(report) => ok_result(&report, self.ctx.max_output),
+            Err(e) => err_result(e),
+        })
+    }
+
     /// A server over a context.
     pub fn new(ctx: Ctx) -> Server {
-        Server { ctx: Arc::new(ctx), running: Default::default(), tool_router: Self::tool_router() }
+        Server {
+            ctx: Arc::new(ctx),
+            running: Default::default(),
+            busy: Default::default(),
+            tool_router: Self::tool_router(),
+        }
     }
 
     /// Run a long, blocking operation off the async runtime with a time budget. Cancellation of the
@@ -86,12 +94,34 @@ impl Server {
         &self,
         rc: RequestContext<RoleServer>,
         what: &'static str,
+        engine: &str,
         f: F,
     ) -> Result<CallToolResult, ErrorData>
     where
         R: Report + Serialize + Send + 'static,
         F: FnOnce(&Ctx, &Budget) -> crate::error::Result<R> + Send + 'static,
     {
+        // One call at a time per engine directory: builds and snapshots of one engine must not interleave.
+        let key = std::path::Path::new(engine)
+            .canonicalize()
+            .map(|p| p.display().to_string())
+            .unwrap_or_else(|_| engine.to_string());
+        {
+            let mut busy = self.busy.lock().expect("not poisoned");
+            if let Some(other) = busy.get(&key) {
+                return Ok(err_result(crate::error::Error::usage(format!(
+                    "{key} is busy with {other}; wait for that call to finish (or cancel it), then call {what} again"
+                ))));
+            }
+            busy.insert(key.clone(), what);
+        }
+        struct Release(Arc<std::sync::Mutex<std::collections::HashMap<String, &'static str>>>, String);
+        impl Drop for Release {
+            fn drop(&mut self) {
+                self.0.lock().expect("not poisoned").remove(&self.1);
+            }
+        }
+        let _release = Release(self.busy.clone(), key);
         let budget = Budget::secs(self.ctx.time_limit_s);
         let cancel = budget.cancel.clone();
         {
@@ -126,7 +156,7 @@ impl Server {
             }
         };
         match result {
-            Ok(r) => into_result(r),
+            Ok(r) => self.into_result(r),
             Err(e) => Err(ErrorData::internal_error(format!("{what} failed inside the server: {e}"), None)),
         }
     }
@@ -143,7 +173,7 @@ impl Server {
         annotations(read_only_hint = true, destructive_hint = false, idempotent_hint = true, open_world_hint = false)
     )]
     async fn plan_engine(&self, Parameters(req): Parameters<PlanRequest>) -> Result<CallToolResult, ErrorData> {
-        into_result(crate::ops::plan::plan(&self.ctx, &req))
+        self.into_result(crate::ops::plan::plan(&self.ctx, &req))
     }
 
     /// Look up a contract by id (math, shapes, dtypes, tolerance, pseudocode, failure modes, Rust signature) or
@@ -155,7 +185,19 @@ impl Server {
         annotations(read_only_hint = true, destructive_hint = false, idempotent_hint = true, open_world_hint = false)
     )]
     async fn lookup_contract(&self, Parameters(req): Parameters<LookupRequest>) -> Result<CallToolResult, ErrorData> {
-        into_result(crate::ops::lookup::lookup(&self.ctx, &req))
+        self.into_result(crate::ops::lookup::lookup(&self.ctx, &req))
+    }
+
+    /// List the outcome ledger, newest first: every tool call's result with its engine hash, contracts and
+    /// figures. Paginated: pass `next_cursor` back as `cursor`.
+    #[tool(
+        name = "list_outcomes",
+        input_schema = input::<OutcomesRequest>(),
+        output_schema = output::<OutcomesReport>(),
+        annotations(read_only_hint = true, destructive_hint = false, idempotent_hint = true, open_world_hint = false)
+    )]
+    async fn list_outcomes(&self, Parameters(req): Parameters<OutcomesRequest>) -> Result<CallToolResult, ErrorData> {
+        self.into_result(crate::ops::outcomes::list(&self.ctx, &req))
     }
 
     /// Write a compilable engine crate for the constraints into an empty directory: Cargo.toml, one module per
@@ -167,7 +209,7 @@ impl Server {
         annotations(read_only_hint = false, destructive_hint = false, idempotent_hint = false, open_world_hint = false)
     )]
     async fn scaffold_engine(&self, Parameters(req): Parameters<ScaffoldRequest>) -> Result<CallToolResult, ErrorData> {
-        into_result(crate::ops::scaffold::scaffold(&self.ctx, &req))
+        self.into_result(crate::ops::scaffold::scaffold(&self.ctx, &req))
     }
 
     /// Build the engine crate (release) and return compiler errors with file, line, code and a contract hint.
@@ -182,7 +224,8 @@ impl Server {
         Parameters(req): Parameters<CompileRequest>,
         rc: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
-        self.long(rc, "compile_engine", move |ctx, b| crate::ops::compile::compile(ctx, &req, b)).await
+        let engine = req.engine.clone();
+        self.long(rc, "compile_engine", &engine, move |ctx, b| crate::ops::compile::compile(ctx, &req, b)).await
     }
 
     /// Test the engine's kernels against the f64 oracle at each contract's tolerance, on inputs drawn from a
@@ -198,7 +241,9 @@ impl Server {
         Parameters(req): Parameters<KernelTestRequest>,
         rc: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
-        self.long(rc, "run_kernel_test", move |ctx, b| crate::ops::kernel_test::kernel_test(ctx, &req, b)).await
+        let engine = req.engine.clone();
+        self.long(rc, "run_kernel_test", &engine, move |ctx, b| crate::ops::kernel_test::kernel_test(ctx, &req, b))
+            .await
     }
 
     /// Verify end-to-end generation on a real checkpoint: the engine's tokenizer against HF tokenizers, greedy
@@ -215,7 +260,8 @@ impl Server {
         Parameters(req): Parameters<VerifyRequest>,
         rc: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
-        self.long(rc, "verify_generation", move |ctx, b| crate::ops::verify::verify(ctx, &req, b)).await
+        let engine = req.engine.clone();
+        self.long(rc, "verify_generation", &engine, move |ctx, b| crate::ops::verify::verify(ctx, &req, b)).await
     }
 
     /// Check the zero-reference and anti-fake rules on an engine: denied dependencies (full resolved graph),
@@ -232,7 +278,8 @@ impl Server {
         Parameters(req): Parameters<RulesRequest>,
         rc: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
-        self.long(rc, "check_rules", move |ctx, b| crate::ops::rules::check_rules(ctx, &req, b)).await
+        let engine = req.engine.clone();
+        self.long(rc, "check_rules", &engine, move |ctx, b| crate::ops::rules::check_rules(ctx, &req, b)).await
     }
 
     /// Measure prefill and decode tokens/s (median, min, max over several runs), time to first token and load
@@ -248,7 +295,8 @@ impl Server {
         Parameters(req): Parameters<ProfileRequest>,
         rc: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
-        self.long(rc, "profile_engine", move |ctx, b| crate::ops::profile::profile(ctx, &req, b)).await
+        let engine = req.engine.clone();
+        self.long(rc, "profile_engine", &engine, move |ctx, b| crate::ops::profile::profile(ctx, &req, b)).await
     }
 }
 

@@ -16,9 +16,13 @@ use crate::harness::{self, Budget, Diagnostic, Exit};
 pub struct CompileRequest {
     /// Engine crate directory.
     pub engine: String,
+    /// Index of the first diagnostic to return (the previous page's `next_cursor`); the build is
+    /// cached, so asking for the next page is cheap.
+    #[serde(default)]
+    pub cursor: Option<usize>,
 }
 
-/// Most diagnostics returned; the rest are counted.
+/// Most diagnostics returned per page; the rest are counted.
 pub const MAX_DIAGNOSTICS: usize = 40;
 
 /// Build result.
@@ -34,8 +38,11 @@ pub struct CompileReport {
     pub warnings: usize,
     /// Errors first, then warnings, at most MAX_DIAGNOSTICS.
     pub diagnostics: Vec<Diagnostic>,
-    /// Diagnostics left out of the list.
+    /// Diagnostics left out of this page.
     pub truncated: usize,
+    /// Cursor of the next page of diagnostics, absent on the last.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub next_cursor: Option<usize>,
     /// Build time in seconds.
     pub seconds: f64,
     /// Cargo's own failure text when it failed without diagnostics (bounded).
@@ -115,6 +122,7 @@ pub fn compile(ctx: &Ctx, req: &CompileRequest, budget: &Budget) -> Result<Compi
             warnings: 0,
             diagnostics: vec![],
             truncated: 0,
+            next_cursor: None,
             seconds: 0.0,
             cargo_output: super::rules::blocked_text(&rules),
             rules: rules.findings,
@@ -123,7 +131,7 @@ pub fn compile(ctx: &Ctx, req: &CompileRequest, budget: &Budget) -> Result<Compi
         return Ok(report);
     }
     let build = ctx.workshop.cargo_build(&engine.build_dir.join("Cargo.toml"), budget)?;
-    let mut report = report_of(ctx, &engine, build);
+    let mut report = report_of(ctx, &engine, build, req.cursor.unwrap_or(0));
     report.rules = rules.findings;
     ctx.record(
         "compile_engine",
@@ -137,14 +145,18 @@ pub fn compile(ctx: &Ctx, req: &CompileRequest, budget: &Budget) -> Result<Compi
 }
 
 /// Turn a cargo build into a report (also used for the harness build inside the other gates).
-pub fn report_of(ctx: &Ctx, engine: &harness::Engine, build: harness::Build) -> CompileReport {
+pub fn report_of(ctx: &Ctx, engine: &harness::Engine, build: harness::Build, cursor: usize) -> CompileReport {
     let mut diags = build.diagnostics;
     diags.iter_mut().for_each(|d| hint(ctx, d));
     diags.sort_by_key(|d| d.level != "error");
     let errors = diags.iter().filter(|d| d.level == "error").count();
     let warnings = diags.len() - errors;
-    let truncated = diags.len().saturating_sub(MAX_DIAGNOSTICS);
-    diags.truncate(MAX_DIAGNOSTICS);
+    let total = diags.len();
+    let start = cursor.min(total);
+    let end = (start + MAX_DIAGNOSTICS).min(total);
+    let truncated = total - (end - start);
+    let next_cursor = (end < total).then_some(end);
+    let diags: Vec<Diagnostic> = diags.drain(start..end).collect();
     let cargo_output = if build.ok || errors > 0 {
         String::new()
     } else if build.run.exit == Exit::TimedOut || build.run.exit == Exit::Cancelled {
@@ -159,6 +171,7 @@ pub fn report_of(ctx: &Ctx, engine: &harness::Engine, build: harness::Build) -> 
         warnings,
         diagnostics: diags,
         truncated,
+        next_cursor,
         seconds: build.run.seconds,
         cargo_output,
         rules: vec![],

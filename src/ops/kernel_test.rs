@@ -362,7 +362,7 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
     }
     let build = ctx.workshop.build_harness(&engine, budget)?;
     if !build.ok || build.executable.is_none() {
-        let compile = super::compile::report_of(ctx, &engine, build);
+        let compile = super::compile::report_of(ctx, &engine, build, 0);
         let report = KernelTestReport {
             passed: false,
             seed,

@@ -7,6 +7,7 @@ pub mod compile;
 pub mod diagnose;
 pub mod kernel_test;
 pub mod lookup;
+pub mod outcomes;
 pub mod plan;
 pub mod profile;
 pub mod rules;
@@ -38,6 +39,8 @@ pub struct Ctx {
     pub models: Vec<PathBuf>,
     /// Default time limit of a long operation, seconds.
     pub time_limit_s: u64,
+    /// Largest text content of one tool result, characters.
+    pub max_output: usize,
 }
 
 /// What every report can say about itself.
@@ -159,17 +162,17 @@ pub fn sci(x: f64) -> String {
     format!("{x:.2e}")
 }
 
-/// Largest text content of one tool result, in characters (clients cut at about 25k tokens).
+/// Default largest text content of one tool result, in characters (clients cut at about 25k tokens).
 pub const MAX_TEXT: usize = 20_000;
 
-/// Bound a text to [`MAX_TEXT`] characters, marking the cut.
-pub fn bound_text(s: &str) -> String {
-    if s.chars().count() <= MAX_TEXT {
+/// Bound a text to `max` characters, marking the cut.
+pub fn bound_text(s: &str, max: usize) -> String {
+    if s.chars().count() <= max {
         return s.to_string();
     }
-    let head: String = s.chars().take(MAX_TEXT).collect();
+    let head: String = s.chars().take(max).collect();
     format!(
         "{head}\n[... truncated: {} more characters; use the structured content or narrower arguments]",
-        s.chars().count() - MAX_TEXT
+        s.chars().count() - max
     )
 }

@@ -184,7 +184,7 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     let Some(exe) = build.executable.clone().filter(|_| build.ok) else {
         report.error = format!(
             "the engine does not build with the harness:\n{}",
-            super::Report::text(&super::compile::report_of(ctx, &engine, build))
+            super::Report::text(&super::compile::report_of(ctx, &engine, build, 0))
         );
         ctx.record("profile_engine", Some(&engine), vec![], &report, serde_json::json!({}), started);
         return Ok(report);

@@ -250,7 +250,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     }
     let build = ctx.workshop.build_harness(&engine, budget)?;
     let Some(exe) = build.executable.clone().filter(|_| build.ok) else {
-        let compile = super::compile::report_of(ctx, &engine, build);
+        let compile = super::compile::report_of(ctx, &engine, build, 0);
         let report =
             fail(format!("the engine does not build with the harness:\n{}", super::Report::text(&compile)), vec![]);
         ctx.record("verify_generation", Some(&engine), versioned, &report, serde_json::json!({"seed": seed}), started);

@@ -222,6 +222,17 @@ async fn long_call_sends_progress_and_cancel_leaves_no_process() {
     }
     tokio::time::sleep(Duration::from_secs(7)).await;
     assert!(counter.0.load(Ordering::SeqCst) >= 1, "no progress notification in 7 s");
+    // A second call on the engine being compiled is refused with a message that says what to do.
+    let again = c
+        .call_tool(
+            CallToolRequestParams::new("run_kernel_test")
+                .with_arguments(serde_json::json!({"engine": engine}).as_object().unwrap().clone()),
+        )
+        .await
+        .unwrap();
+    assert_eq!(again.is_error, Some(true));
+    let text = &again.content[0].as_text().unwrap().text;
+    assert!(text.contains("busy with compile_engine"), "{text}");
     handle.cancel(Some("test".into())).await.unwrap();
     let start = Instant::now();
     loop {
@@ -241,5 +252,51 @@ async fn long_call_sends_progress_and_cancel_leaves_no_process() {
         .await
         .unwrap();
     assert_eq!(r.is_error, Some(false));
+    c.cancel().await.unwrap();
+}
+
+/// Tool results are bounded (configurable) and the ledger is listed page by page.
+#[tokio::test]
+async fn output_is_bounded_and_outcomes_are_paginated() {
+    let t = tempfile::tempdir().unwrap();
+    let mut cmd = serve_cmd(&t.path().join("l.sqlite"));
+    cmd.args(["--max-output", "300"]);
+    let c = ().serve(TokioChildProcess::new(cmd).unwrap()).await.unwrap();
+    let args = |v: serde_json::Value| v.as_object().unwrap().clone();
+    let r = c
+        .call_tool(
+            CallToolRequestParams::new("lookup_contract")
+                .with_arguments(args(serde_json::json!({"id": "kernel.attention"}))),
+        )
+        .await
+        .unwrap();
+    let text = &r.content[0].as_text().unwrap().text;
+    assert!(text.chars().count() < 500 && text.contains("truncated"), "{text}");
+    assert!(
+        r.structured_content.unwrap()["contract_toml"].as_str().unwrap().len() > 300,
+        "structured content is whole"
+    );
+    for _ in 0..3 {
+        c.call_tool(
+            CallToolRequestParams::new("lookup_contract").with_arguments(args(serde_json::json!({"query": "rope"}))),
+        )
+        .await
+        .unwrap();
+    }
+    let page = |cursor: Option<u64>| {
+        let mut a = serde_json::json!({"limit": 3});
+        if let Some(cur) = cursor {
+            a["cursor"] = cur.into();
+        }
+        CallToolRequestParams::new("list_outcomes").with_arguments(args(a))
+    };
+    let p1 = c.call_tool(page(None)).await.unwrap().structured_content.unwrap();
+    assert_eq!(p1["total"], 4);
+    assert_eq!(p1["outcomes"].as_array().unwrap().len(), 3);
+    assert_eq!(p1["next_cursor"], 3);
+    let p2 = c.call_tool(page(Some(3))).await.unwrap().structured_content.unwrap();
+    assert_eq!(p2["outcomes"].as_array().unwrap().len(), 1);
+    assert!(p2.get("next_cursor").is_none());
+    assert_eq!(p2["outcomes"][0]["summary"].as_str().unwrap().contains("kernel.attention"), true);
     c.cancel().await.unwrap();
 }

@@ -54,7 +54,7 @@ fn bare_scaffold_compiles_and_fails_every_other_gate() {
     assert_eq!(e.kind, ErrorKind::Usage);
     assert!(e.message.contains("not empty"), "{}", e.message);
 
-    let c = compile(&ctx, &CompileRequest { engine: s(&engine) }, &budget()).unwrap();
+    let c = compile(&ctx, &CompileRequest { engine: s(&engine), cursor: None }, &budget()).unwrap();
     assert!(c.passed, "the bare scaffold must compile: {c:?}");
     crate::assert_conforms(&c);
 
@@ -94,7 +94,7 @@ fn bare_scaffold_compiles_and_fails_every_other_gate() {
 fn empty_crate_and_non_crate_fail() {
     let t = tempfile::tempdir().unwrap();
     let ctx = crate::ctx(t.path());
-    let e = compile(&ctx, &CompileRequest { engine: s(t.path()) }, &budget()).unwrap_err();
+    let e = compile(&ctx, &CompileRequest { engine: s(t.path()), cursor: None }, &budget()).unwrap_err();
     assert_eq!(e.kind, ErrorKind::Usage);
     assert!(e.message.contains("not a Rust crate"), "{}", e.message);
 

@@ -51,6 +51,7 @@ pub fn ctx(dir: &Path) -> Ctx {
         workspace: None,
         models: vec![],
         time_limit_s: 900,
+        max_output: metainfer::ops::MAX_TEXT,
     }
 }
 

@@ -30,9 +30,10 @@ async fn call(c: &Client, tool: &str, args: Value) -> rmcp::model::CallToolResul
         .unwrap()
 }
 
-const TOOLS: [&str; 8] = [
+const TOOLS: [&str; 9] = [
     "check_rules",
     "compile_engine",
+    "list_outcomes",
     "lookup_contract",
     "plan_engine",
     "profile_engine",
@@ -149,7 +150,7 @@ fn demo_passes_every_gate_and_prints_the_golden_text() {
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(0), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    for tool in TOOLS.iter().filter(|t| **t != "check_rules") {
+    for tool in TOOLS.iter().filter(|t| !matches!(**t, "check_rules" | "list_outcomes")) {
         assert!(stdout.contains(&format!("| {tool} | pass |")), "{tool} did not pass:\n{stdout}");
     }
     let golden = crate::golden();

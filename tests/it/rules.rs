@@ -260,7 +260,7 @@ fn every_gate_fails_on_empty_bare_and_constant_engines() {
     constant_engine(&constant, &ctx);
     let c = metainfer::ops::compile::compile(
         &ctx,
-        &metainfer::ops::compile::CompileRequest { engine: s(&constant) },
+        &metainfer::ops::compile::CompileRequest { engine: s(&constant), cursor: None },
         &budget,
     )
     .unwrap();
