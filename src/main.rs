@@ -175,8 +175,12 @@ enum Command {
     },
     /// List recorded outcomes, newest first.
     Ledger {
+        #[command(subcommand)]
+        action: Option<LedgerCmd>,
+        /// Outcomes to list.
         #[arg(long, default_value_t = 20)]
         limit: usize,
+        /// Newer outcomes to skip.
         #[arg(long, default_value_t = 0)]
         offset: usize,
         /// Print exactly the tool's structured output as JSON.
@@ -229,6 +233,20 @@ enum ContractCmd {
         /// Print exactly the tool's structured output as JSON.
         #[arg(long)]
         json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum LedgerCmd {
+    /// Write every outcome, oldest first, as JSONL (to stdout, or --out FILE).
+    Export {
+        #[arg(long, value_name = "FILE")]
+        out: Option<PathBuf>,
+    },
+    /// Merge outcomes from a JSONL export; outcomes already present (same id) are skipped.
+    Import {
+        #[arg(value_name = "FILE")]
+        file: PathBuf,
     },
 }
 
@@ -286,6 +304,7 @@ fn ctx(g: &Global, workspace: Option<PathBuf>, models: Vec<PathBuf>) -> Result<C
         models,
         time_limit_s: g.time_limit,
         max_output: g.max_output,
+        client: std::sync::Arc::new(std::sync::RwLock::new("cli".into())),
     })
 }
 
@@ -396,7 +415,32 @@ fn run(cli: Cli) -> Result<ExitCode> {
             };
             Ok(emit(&ops::profile::profile(&ctx(g, None, vec![])?, &req, &budget())?, json))
         }
-        Command::Ledger { limit, offset, json } => {
+        Command::Ledger { action: Some(action), .. } => {
+            let c = ctx(g, None, vec![])?;
+            let mut l = metainfer::ledger::Ledger::open(&c.ledger)?;
+            match action {
+                LedgerCmd::Export { out: None } => print!("{}", l.export_jsonl()?),
+                LedgerCmd::Export { out: Some(path) } => {
+                    let text = l.export_jsonl()?;
+                    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+                    let tmp = tempfile::NamedTempFile::new_in(dir)
+                        .map_err(|e| Error::usage(format!("{}: {e}", dir.display())))?;
+                    std::fs::write(tmp.path(), &text).map_err(|e| Error::usage(format!("{}: {e}", path.display())))?;
+                    tmp.persist(&path).map_err(|e| Error::usage(format!("{}: {e}", path.display())))?;
+                    eprintln!("exported {} outcomes to {}", text.lines().count(), path.display());
+                }
+                LedgerCmd::Import { file } => {
+                    let text =
+                        std::fs::read_to_string(&file).map_err(|e| Error::usage(format!("{}: {e}", file.display())))?;
+                    let (new, known) = l
+                        .import_jsonl(&text)
+                        .map_err(|e| Error::input(format!("{}: {}", file.display(), e.message)))?;
+                    println!("imported {new} new outcomes; {known} were already present");
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Ledger { action: None, limit, offset, json } => {
             let c = ctx(g, None, vec![])?;
             let l = metainfer::ledger::Ledger::open(&c.ledger)?;
             let rows = l.list(offset, limit)?;

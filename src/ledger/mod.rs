@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 
 /// Schema version this build writes.
-pub const SCHEMA_VERSION: i64 = 2;
+pub const SCHEMA_VERSION: i64 = 3;
 
 /// One recorded result of a tool call.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -39,6 +39,12 @@ pub struct Outcome {
     pub reference_level: String,
     /// Wall time of the call in milliseconds.
     pub duration_ms: u64,
+    /// The MCP client that made the call (`name/version`), or `cli`.
+    #[serde(default)]
+    pub client: String,
+    /// The engine's constraints (its metainfer.toml as JSON), `{}` when none.
+    #[serde(default)]
+    pub constraints: serde_json::Value,
 }
 
 /// An open ledger.
@@ -120,6 +126,16 @@ impl Ledger {
             )
             .map_err(fail)?;
         }
+        if version < 3 {
+            conn.execute_batch(
+                "BEGIN;
+                 ALTER TABLE outcomes ADD COLUMN client TEXT NOT NULL DEFAULT '';
+                 ALTER TABLE outcomes ADD COLUMN constraints TEXT NOT NULL DEFAULT '{}';
+                 PRAGMA user_version = 3;
+                 COMMIT;",
+            )
+            .map_err(fail)?;
+        }
         Ok(Ledger { conn, path: path.to_path_buf() })
     }
 
@@ -184,8 +200,8 @@ impl Ledger {
     pub fn record(&self, o: &Outcome) -> Result<()> {
         self.conn
             .execute(
-                "INSERT INTO outcomes (id, time, tool, engine, engine_hash, contracts, passed, summary, figures, reference_level, duration_ms)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
+                "INSERT INTO outcomes (id, time, tool, engine, engine_hash, contracts, passed, summary, figures, reference_level, duration_ms, client, constraints)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
                 params![
                     o.id,
                     o.time,
@@ -197,7 +213,9 @@ impl Ledger {
                     o.summary,
                     o.figures.to_string(),
                     o.reference_level,
-                    o.duration_ms as i64
+                    o.duration_ms as i64,
+                    o.client,
+                    o.constraints.to_string()
                 ],
             )
             .map_err(|e| Error::internal(format!("ledger {}: cannot record outcome: {e}", self.path.display())))?;
@@ -221,7 +239,7 @@ impl Ledger {
         let mut stmt = self
             .conn
             .prepare(
-                "SELECT id, time, tool, engine, engine_hash, contracts, passed, summary, figures, reference_level, duration_ms
+                "SELECT id, time, tool, engine, engine_hash, contracts, passed, summary, figures, reference_level, duration_ms, client, constraints
                  FROM outcomes WHERE (?3 IS NULL OR tool = ?3) ORDER BY rowid DESC LIMIT ?1 OFFSET ?2",
             )
             .map_err(fail)?;
@@ -239,6 +257,8 @@ impl Ledger {
                     figures: serde_json::from_str(&r.get::<_, String>(8)?).unwrap_or_default(),
                     reference_level: r.get(9)?,
                     duration_ms: r.get::<_, i64>(10)? as u64,
+                    client: r.get(11)?,
+                    constraints: serde_json::from_str(&r.get::<_, String>(12)?).unwrap_or_default(),
                 })
             })
             .map_err(fail)?;
@@ -283,4 +303,60 @@ pub fn new_id() -> String {
 /// Now as RFC 3339 UTC with seconds, e.g. `2026-11-30T20:08:52Z`.
 pub fn now_rfc3339() -> String {
     humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()
+}
+
+impl Ledger {
+    /// Every outcome, oldest first, one JSON object per line (JSONL).
+    ///
+    /// # Errors
+    /// When SQLite fails.
+    pub fn export_jsonl(&self) -> Result<String> {
+        let total = self.count()?;
+        let mut rows = self.list(0, total)?;
+        rows.reverse();
+        Ok(rows.iter().map(|o| serde_json::to_string(o).expect("outcomes serialise") + "\n").collect())
+    }
+
+    /// Merge outcomes from JSONL: each is inserted unless an outcome with its id exists (so importing
+    /// the same file twice changes nothing). One transaction; a malformed line rejects the whole file.
+    /// Returns (inserted, already present).
+    ///
+    /// # Errors
+    /// A line that is not an outcome (its number is named), or SQLite failing.
+    pub fn import_jsonl(&mut self, text: &str) -> Result<(usize, usize)> {
+        let mut outcomes = Vec::new();
+        for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+            let o: Outcome = serde_json::from_str(line)
+                .map_err(|e| Error::input(format!("line {}: not an outcome: {e}; nothing was imported", i + 1)))?;
+            outcomes.push(o);
+        }
+        let fail = |e: rusqlite::Error| Error::internal(format!("ledger {}: {e}", self.path.display()));
+        let tx = self.conn.transaction().map_err(fail)?;
+        let mut inserted = 0;
+        for o in &outcomes {
+            inserted += tx
+                .execute(
+                    "INSERT OR IGNORE INTO outcomes (id, time, tool, engine, engine_hash, contracts, passed, summary, figures, reference_level, duration_ms, client, constraints)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
+                    params![
+                        o.id,
+                        o.time,
+                        o.tool,
+                        o.engine,
+                        o.engine_hash,
+                        serde_json::to_string(&o.contracts).expect("strings serialise"),
+                        o.passed,
+                        o.summary,
+                        o.figures.to_string(),
+                        o.reference_level,
+                        o.duration_ms as i64,
+                        o.client,
+                        o.constraints.to_string()
+                    ],
+                )
+                .map_err(fail)?;
+        }
+        tx.commit().map_err(fail)?;
+        Ok((inserted, outcomes.len() - inserted))
+    }
 }

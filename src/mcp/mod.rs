@@ -70,6 +70,18 @@ fn err_result(e: crate::error::Error) -> CallToolResult {
 }
 
 impl Server {
+    /// Remember the client's name and version (from its initialize request) for the ledger.
+    fn note_client(&self, rc: &RequestContext<RoleServer>) {
+        if let Some(info) = rc.peer.peer_info() {
+            let who = format!("{}/{}", info.client_info.name, info.client_info.version);
+            if let Ok(mut c) = self.ctx.client.write()
+                && *c != who
+            {
+                *c = who;
+            }
+        }
+    }
+
     fn into_result<R: Report + Serialize>(&self, r: crate::error::Result<R>) -> Result<CallToolResult, ErrorData> {
         Ok(match r {
             Ok(report) => ok_result(&report, self.ctx.max_output),
@@ -122,6 +134,7 @@ impl Server {
             }
         }
         let _release = Release(self.busy.clone(), key);
+        self.note_client(&rc);
         let budget = Budget::secs(self.ctx.time_limit_s);
         let cancel = budget.cancel.clone();
         {
@@ -172,7 +185,12 @@ impl Server {
         output_schema = output::<PlanReport>(),
         annotations(read_only_hint = true, destructive_hint = false, idempotent_hint = true, open_world_hint = false)
     )]
-    async fn plan_engine(&self, Parameters(req): Parameters<PlanRequest>) -> Result<CallToolResult, ErrorData> {
+    async fn plan_engine(
+        &self,
+        Parameters(req): Parameters<PlanRequest>,
+        rc: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        self.note_client(&rc);
         self.into_result(crate::ops::plan::plan(&self.ctx, &req))
     }
 
@@ -184,7 +202,12 @@ impl Server {
         output_schema = output::<LookupReport>(),
         annotations(read_only_hint = true, destructive_hint = false, idempotent_hint = true, open_world_hint = false)
     )]
-    async fn lookup_contract(&self, Parameters(req): Parameters<LookupRequest>) -> Result<CallToolResult, ErrorData> {
+    async fn lookup_contract(
+        &self,
+        Parameters(req): Parameters<LookupRequest>,
+        rc: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        self.note_client(&rc);
         self.into_result(crate::ops::lookup::lookup(&self.ctx, &req))
     }
 
@@ -196,7 +219,12 @@ impl Server {
         output_schema = output::<OutcomesReport>(),
         annotations(read_only_hint = true, destructive_hint = false, idempotent_hint = true, open_world_hint = false)
     )]
-    async fn list_outcomes(&self, Parameters(req): Parameters<OutcomesRequest>) -> Result<CallToolResult, ErrorData> {
+    async fn list_outcomes(
+        &self,
+        Parameters(req): Parameters<OutcomesRequest>,
+        rc: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        self.note_client(&rc);
         self.into_result(crate::ops::outcomes::list(&self.ctx, &req))
     }
 
@@ -208,7 +236,12 @@ impl Server {
         output_schema = output::<ScaffoldReport>(),
         annotations(read_only_hint = false, destructive_hint = false, idempotent_hint = false, open_world_hint = false)
     )]
-    async fn scaffold_engine(&self, Parameters(req): Parameters<ScaffoldRequest>) -> Result<CallToolResult, ErrorData> {
+    async fn scaffold_engine(
+        &self,
+        Parameters(req): Parameters<ScaffoldRequest>,
+        rc: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        self.note_client(&rc);
         self.into_result(crate::ops::scaffold::scaffold(&self.ctx, &req))
     }
 

@@ -41,6 +41,8 @@ pub struct Ctx {
     pub time_limit_s: u64,
     /// Largest text content of one tool result, characters.
     pub max_output: usize,
+    /// Who is calling (`name/version` of the MCP client, or `cli`), recorded with every outcome.
+    pub client: std::sync::Arc<std::sync::RwLock<String>>,
 }
 
 /// What every report can say about itself.
@@ -144,6 +146,12 @@ impl Ctx {
             figures,
             reference_level: engine.map(|e| ReferenceLevel::of_engine(&e.dir)).unwrap_or_default().name().into(),
             duration_ms: started.elapsed().as_millis() as u64,
+            client: self.client.read().map(|c| c.clone()).unwrap_or_default(),
+            constraints: engine
+                .and_then(|e| std::fs::read_to_string(e.dir.join("metainfer.toml")).ok())
+                .and_then(|t| toml::from_str::<toml::Table>(&t).ok())
+                .and_then(|t| serde_json::to_value(t).ok())
+                .unwrap_or_else(|| serde_json::json!({})),
         };
         match Ledger::open(&self.ledger).and_then(|l| l.record(&outcome)) {
             Ok(()) => {}

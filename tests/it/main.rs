@@ -5,6 +5,7 @@ mod ckb;
 mod client;
 mod diagnose;
 mod gates;
+mod ledger;
 mod mcp;
 mod model;
 mod oracle;
@@ -52,6 +53,7 @@ pub fn ctx(dir: &Path) -> Ctx {
         models: vec![],
         time_limit_s: 900,
         max_output: metainfer::ops::MAX_TEXT,
+        client: Default::default(),
     }
 }
 

@@ -1,0 +1,135 @@
+//! The ledger: exact export/import round trip, idempotent merge, parallel writers, refusal of a newer
+//! schema, migration of an older one, and consistency after the writer is killed mid-import.
+
+use metainfer::ledger::{Ledger, Outcome};
+
+fn outcome(i: usize, tool: &str) -> Outcome {
+    Outcome {
+        id: format!("{i:032x}-{tool}"),
+        time: "2026-11-30T20:00:00Z".into(),
+        tool: tool.into(),
+        engine: "/w/engine".into(),
+        engine_hash: format!("{:064x}", i % 7),
+        contracts: vec!["kernel.rope@1".into(), "model.llama@1".into()],
+        passed: i % 3 != 0,
+        summary: format!("outcome {i} with \"quotes\" and unicode é"),
+        figures: serde_json::json!({"i": i, "max_abs_err": 1.5e-7, "list": [1, 2, 3]}),
+        reference_level: ["zero", "docs", "code"][i % 3].into(),
+        duration_ms: i as u64 * 11,
+        client: "test/1".into(),
+        constraints: serde_json::json!({"family": "model.llama", "dtype": "f32"}),
+    }
+}
+
+#[test]
+fn export_import_round_trips_exactly_and_merges_idempotently() {
+    let t = tempfile::tempdir().unwrap();
+    let a = Ledger::open(&t.path().join("a.sqlite")).unwrap();
+    for i in 0..50 {
+        a.record(&outcome(i, "run_kernel_test")).unwrap();
+    }
+    let text = a.export_jsonl().unwrap();
+    assert_eq!(text.lines().count(), 50);
+    let mut b = Ledger::open(&t.path().join("b.sqlite")).unwrap();
+    assert_eq!(b.import_jsonl(&text).unwrap(), (50, 0));
+    assert_eq!(b.export_jsonl().unwrap(), text, "round trip must be exact");
+    assert_eq!(b.import_jsonl(&text).unwrap(), (0, 50), "a second import changes nothing");
+    assert_eq!(b.count().unwrap(), 50);
+    // A merge of two machines' ledgers keeps both sets once.
+    let c = Ledger::open(&t.path().join("c.sqlite")).unwrap();
+    for i in 40..70 {
+        c.record(&outcome(i, "run_kernel_test")).unwrap();
+    }
+    assert_eq!(b.import_jsonl(&c.export_jsonl().unwrap()).unwrap(), (20, 10));
+    assert_eq!(b.count().unwrap(), 70);
+    // A malformed line rejects the whole file and names the line.
+    let e =
+        b.import_jsonl(&format!("{}\n{{not json\n", serde_json::to_string(&outcome(99, "x")).unwrap())).unwrap_err();
+    assert!(e.message.contains("line 2"), "{}", e.message);
+    assert_eq!(b.count().unwrap(), 70);
+}
+
+#[test]
+fn parallel_writers_lose_nothing() {
+    let t = tempfile::tempdir().unwrap();
+    let path = t.path().join("l.sqlite");
+    Ledger::open(&path).unwrap();
+    let writers: Vec<_> = (0..4)
+        .map(|w| {
+            let path = path.clone();
+            std::thread::spawn(move || {
+                let l = Ledger::open(&path).unwrap();
+                for i in 0..100 {
+                    l.record(&outcome(w * 1000 + i, "verify_generation")).unwrap();
+                }
+            })
+        })
+        .collect();
+    for w in writers {
+        w.join().unwrap();
+    }
+    assert_eq!(Ledger::open(&path).unwrap().count().unwrap(), 400);
+}
+
+#[test]
+fn newer_schema_is_refused_and_older_one_migrates() {
+    let t = tempfile::tempdir().unwrap();
+    let newer = t.path().join("newer.sqlite");
+    {
+        let conn = rusqlite::Connection::open(&newer).unwrap();
+        conn.pragma_update(None, "user_version", 99).unwrap();
+    }
+    let e = Ledger::open(&newer).err().expect("a newer schema must be refused");
+    assert!(e.message.contains("newer") && e.message.contains("99"), "{}", e.message);
+
+    let old = t.path().join("old.sqlite");
+    {
+        let conn = rusqlite::Connection::open(&old).unwrap();
+        conn.execute_batch(
+            "CREATE TABLE outcomes (id TEXT PRIMARY KEY, time TEXT NOT NULL, tool TEXT NOT NULL, engine TEXT NOT NULL,
+             engine_hash TEXT NOT NULL, contracts TEXT NOT NULL, passed INTEGER NOT NULL, summary TEXT NOT NULL,
+             figures TEXT NOT NULL, reference_level TEXT NOT NULL, duration_ms INTEGER NOT NULL);
+             INSERT INTO outcomes VALUES ('old1', '2026-01-01T00:00:00Z', 'compile_engine', '/e', 'h', '[]', 1, 's', '{}', 'zero', 5);
+             PRAGMA user_version = 1;",
+        )
+        .unwrap();
+    }
+    let l = Ledger::open(&old).unwrap();
+    let rows = l.list(0, 10).unwrap();
+    assert_eq!(rows.len(), 1);
+    assert_eq!((rows[0].id.as_str(), rows[0].client.as_str()), ("old1", ""));
+    l.record(&outcome(1, "compile_engine")).unwrap();
+    assert_eq!(l.count().unwrap(), 2);
+}
+
+#[test]
+fn a_writer_killed_mid_import_leaves_a_consistent_database() {
+    let t = tempfile::tempdir().unwrap();
+    let path = t.path().join("l.sqlite");
+    let big: String =
+        (0..30_000).map(|i| serde_json::to_string(&outcome(i, "profile_engine")).unwrap() + "\n").collect();
+    let file = t.path().join("big.jsonl");
+    std::fs::write(&file, big).unwrap();
+    let mut child = std::process::Command::new(crate::bin())
+        .args(["--ledger"])
+        .arg(&path)
+        .args(["ledger", "import"])
+        .arg(&file)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // Kill it while it writes (the file parses in well under this, the inserts take longer).
+    let start = std::time::Instant::now();
+    while !path.exists() && start.elapsed() < std::time::Duration::from_secs(10) {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(150));
+    let _ = child.kill();
+    let status = child.wait().unwrap();
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    let check: String = conn.query_row("PRAGMA integrity_check", [], |r| r.get(0)).unwrap();
+    assert_eq!(check, "ok");
+    let l = Ledger::open(&path).unwrap();
+    let n = l.count().unwrap();
+    assert!(n == 0 || n == 30_000, "an import is one transaction: all or nothing, got {n} (status {status:?})");
+}
