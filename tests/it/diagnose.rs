@@ -391,8 +391,11 @@ fn model_mutations_are_named_from_their_own_logits() {
     }
 }
 
+/// Named f32 inputs, named u32 inputs and parameters of a kernel case.
+type Inputs = (Vec<(String, Vec<f32>)>, Vec<(String, Vec<u32>)>, HashMap<String, String>);
+
 /// A tiny case of each kernel, to check which mutants are wired to which kernel.
-fn tiny_case(kernel: &str) -> (Vec<(String, Vec<f32>)>, Vec<(String, Vec<u32>)>, HashMap<String, String>) {
+fn tiny_case(kernel: &str) -> Inputs {
     let f = |pairs: &[(&str, &[f32])]| pairs.iter().map(|(n, v)| (n.to_string(), v.to_vec())).collect::<Vec<_>>();
     let p = |pairs: &[(&str, &str)]| pairs.iter().map(|(n, v)| (n.to_string(), v.to_string())).collect();
     match kernel {
