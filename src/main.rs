@@ -187,6 +187,15 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// What the ledger says about the knowledge base (tool ckb_report).
+    Report {
+        /// Only contracts whose id starts with this, e.g. `kernel.`.
+        #[arg(long)]
+        prefix: Option<String>,
+        /// Print exactly the tool's structured output as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Write the skills as <DIR>/<name>/SKILL.md (Claude Code's layout).
     InstallSkills {
         /// Target directory.
@@ -503,6 +512,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 }
             }
             Ok(ExitCode::SUCCESS)
+        }
+        Command::Report { prefix, json } => {
+            let r = ops::report::report(&ctx(g, None, vec![])?, &ops::report::ReportRequest { prefix })?;
+            Ok(emit(&r, json))
         }
         Command::InstallSkills { dir } => {
             for p in metainfer::guide::install_skills(&dir)? {

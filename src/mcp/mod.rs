@@ -28,6 +28,7 @@ use crate::ops::lookup::{LookupReport, LookupRequest};
 use crate::ops::outcomes::{OutcomesReport, OutcomesRequest};
 use crate::ops::plan::{PlanReport, PlanRequest};
 use crate::ops::profile::{ProfileReport, ProfileRequest};
+use crate::ops::report::{CkbReport, ReportRequest};
 use crate::ops::rules::{RulesReport, RulesRequest};
 use crate::ops::scaffold::{ScaffoldReport, ScaffoldRequest};
 use crate::ops::verify::{VerifyReport, VerifyRequest};
@@ -226,6 +227,24 @@ impl Server {
     ) -> Result<CallToolResult, ErrorData> {
         self.note_client(&rc);
         self.into_result(crate::ops::outcomes::list(&self.ctx, &req))
+    }
+
+    /// Report what the ledger says about the knowledge base: per contract attempts, first-try pass rate, attempts
+    /// and time to green, frequent failure modes; the same per reference level; each engine's phase timeline; and
+    /// the coverage matrix (family x platform x dtype).
+    #[tool(
+        name = "ckb_report",
+        input_schema = input::<ReportRequest>(),
+        output_schema = output::<CkbReport>(),
+        annotations(read_only_hint = true, destructive_hint = false, idempotent_hint = true, open_world_hint = false)
+    )]
+    async fn ckb_report(
+        &self,
+        Parameters(req): Parameters<ReportRequest>,
+        rc: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        self.note_client(&rc);
+        self.into_result(crate::ops::report::report(&self.ctx, &req))
     }
 
     /// Write a compilable engine crate for the constraints into an empty directory: Cargo.toml, one module per

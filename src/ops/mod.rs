@@ -10,6 +10,7 @@ pub mod lookup;
 pub mod outcomes;
 pub mod plan;
 pub mod profile;
+pub mod report;
 pub mod rules;
 pub mod scaffold;
 pub mod verify;

@@ -133,3 +133,47 @@ fn a_writer_killed_mid_import_leaves_a_consistent_database() {
     let n = l.count().unwrap();
     assert!(n == 0 || n == 30_000, "an import is one transaction: all or nothing, got {n} (status {status:?})");
 }
+
+/// The report's figures from a ledger whose answer is known: engine A needs three attempts and two
+/// minutes for kernel.rope (two diagnosed as adjacent-pair RoPE), engine B passes at once.
+#[test]
+fn report_computes_pass_rates_attempts_and_failure_modes() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let kt = |engine: &str, time: &str, passed: bool, level: &str| Outcome {
+        id: format!("{engine}{time}"),
+        time: time.into(),
+        tool: "run_kernel_test".into(),
+        engine: engine.into(),
+        engine_hash: "h".into(),
+        contracts: vec!["kernel.rope@1".into()],
+        passed,
+        summary: String::new(),
+        figures: serde_json::json!({
+            "kernels": [{"id": "kernel.rope", "passed": passed, "diagnosis": if passed { vec![] } else { vec!["failure.rope-adjacent-pairs"] }}],
+        }),
+        reference_level: level.into(),
+        duration_ms: 1,
+        client: String::new(),
+        constraints: serde_json::json!({}),
+    };
+    let outcomes = vec![
+        kt("/a", "2026-11-30T10:00:00Z", false, "zero"),
+        kt("/b", "2026-11-30T10:00:30Z", true, "code"),
+        kt("/a", "2026-11-30T10:01:00Z", false, "zero"),
+        kt("/a", "2026-11-30T10:02:00Z", true, "zero"),
+    ];
+    let r = metainfer::ops::report::build(&ctx, &outcomes, &Default::default());
+    let rope = r.contracts.iter().find(|c| c.id == "kernel.rope").unwrap();
+    assert_eq!(rope.stats.attempts, 4);
+    assert_eq!(rope.stats.engines, 2);
+    assert_eq!(rope.stats.first_try_pass_rate, 0.5);
+    assert_eq!(rope.stats.median_attempts_to_green, 2.0); // median of 3 and 1
+    assert_eq!(rope.stats.median_seconds_to_green, 60.0); // median of 120 and 0
+    assert_eq!(rope.failure_modes, ["failure.rope-adjacent-pairs (2)"]);
+    let zero = r.levels.iter().find(|l| l.level == "zero").unwrap();
+    assert_eq!((zero.stats.attempts, zero.stats.first_try_pass_rate, zero.stats.median_attempts_to_green), (3, 0.0, 3.0));
+    let code = r.levels.iter().find(|l| l.level == "code").unwrap();
+    assert_eq!((code.stats.attempts, code.stats.first_try_pass_rate), (1, 1.0));
+    assert_eq!(r.coverage.iter().map(|c| c.status.as_str()).collect::<Vec<_>>(), ["covered"]);
+}
