@@ -68,6 +68,48 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Write a small random-weight HF checkpoint of a covered family (config.json, model.safetensors, tokenizer.json).
+    Synth {
+        /// Family: llama, mistral, qwen2, qwen3 or gemma.
+        #[arg(long)]
+        family: String,
+        /// Directory to create (must not exist, or be empty).
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+        /// Seed of the random weights.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// hidden_size.
+        #[arg(long)]
+        hidden: Option<usize>,
+        /// num_hidden_layers.
+        #[arg(long)]
+        layers: Option<usize>,
+        /// num_attention_heads.
+        #[arg(long)]
+        heads: Option<usize>,
+        /// num_key_value_heads.
+        #[arg(long = "kv-heads")]
+        kv_heads: Option<usize>,
+        /// head_dim (default hidden / heads).
+        #[arg(long = "head-dim")]
+        head_dim: Option<usize>,
+        /// vocab_size.
+        #[arg(long)]
+        vocab: Option<usize>,
+        /// intermediate_size.
+        #[arg(long)]
+        intermediate: Option<usize>,
+        /// max_position_embeddings.
+        #[arg(long = "max-seq")]
+        max_seq: Option<usize>,
+        /// sliding_window (mistral).
+        #[arg(long = "sliding-window")]
+        sliding_window: Option<usize>,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Show or search contracts (tool lookup_contract).
     Contract {
         #[command(subcommand)]
@@ -187,6 +229,15 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Stage candidate failure modes from recurring unexplained failures (tool evolve_knowledge).
+    Evolve {
+        /// Fewest failures in a cluster.
+        #[arg(long)]
+        min_cluster: Option<usize>,
+        /// Print exactly the tool's structured output as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// What the ledger says about the knowledge base (tool ckb_report).
     Report {
         /// Only contracts whose id starts with this, e.g. `kernel.`.
@@ -283,6 +334,21 @@ enum CkbCmd {
     },
     /// Print the JSON Schema of a contract file.
     Schema,
+    /// Validate a new or amended contract file and stage it as a candidate (tool propose_contract).
+    Propose {
+        #[arg(value_name = "FILE")]
+        file: PathBuf,
+        /// Print exactly the tool's structured output as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Move a staged candidate into the CKB working copy (--ckb DIR): needs evidence in the ledger, or --force.
+    Promote {
+        id: String,
+        /// Promote without evidence (a person's decision).
+        #[arg(long)]
+        force: bool,
+    },
 }
 
 fn emit<R: Report>(r: &R, json: bool) -> ExitCode {
@@ -314,6 +380,7 @@ fn ctx(g: &Global, workspace: Option<PathBuf>, models: Vec<PathBuf>) -> Result<C
         time_limit_s: g.time_limit,
         max_output: g.max_output,
         client: std::sync::Arc::new(std::sync::RwLock::new("cli".into())),
+        ckb_dir: g.ckb.clone(),
     })
 }
 
@@ -375,6 +442,37 @@ fn run(cli: Cli) -> Result<ExitCode> {
             let r =
                 ops::plan::plan(&ctx(g, None, vec![])?, &ops::plan::PlanRequest { model: s(&model), target, dtype })?;
             Ok(emit(&r, json))
+        }
+        Command::Synth {
+            family,
+            out,
+            seed,
+            hidden,
+            layers,
+            heads,
+            kv_heads,
+            head_dim,
+            vocab,
+            intermediate,
+            max_seq,
+            sliding_window,
+            json,
+        } => {
+            let req = ops::synth::SynthRequest {
+                family,
+                out,
+                seed,
+                hidden,
+                layers,
+                heads,
+                kv_heads,
+                head_dim,
+                vocab,
+                intermediate,
+                max_seq,
+                sliding_window,
+            };
+            Ok(emit(&ops::synth::synth(&req)?, json))
         }
         Command::Contract { action } => {
             let c = ctx(g, None, vec![])?;
@@ -512,6 +610,18 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 }
             }
             Ok(ExitCode::SUCCESS)
+        }
+        Command::Ckb { action: CkbCmd::Propose { file, json } } => {
+            let toml = std::fs::read_to_string(&file).map_err(|e| Error::usage(format!("{}: {e}", file.display())))?;
+            Ok(emit(&ops::evolve::propose(&ctx(g, None, vec![])?, &ops::evolve::ProposeRequest { toml })?, json))
+        }
+        Command::Ckb { action: CkbCmd::Promote { id, force } } => {
+            println!("{}", ops::evolve::promote(&ctx(g, None, vec![])?, &id, force)?);
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Evolve { min_cluster, json } => {
+            let r = ops::evolve::evolve(&ctx(g, None, vec![])?, &ops::evolve::EvolveRequest { min_cluster })?;
+            Ok(emit(&r, json))
         }
         Command::Report { prefix, json } => {
             let r = ops::report::report(&ctx(g, None, vec![])?, &ops::report::ReportRequest { prefix })?;

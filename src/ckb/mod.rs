@@ -17,7 +17,7 @@ pub mod embedded {
 }
 
 /// One problem in one contract file.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, schemars::JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
 pub struct Finding {
     /// File path relative to the CKB root.
     pub file: String,

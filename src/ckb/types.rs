@@ -216,6 +216,11 @@ pub struct ModelFamily {
     /// config.json keys whose presence (non-null, non-false) means a feature this contract does not cover.
     #[serde(default)]
     pub unsupported_keys: Vec<String>,
+    /// Forward-pass features beyond the Llama baseline that the family always has (`qkv_bias`, `qk_norm`,
+    /// `sliding_window`, `gelu_tanh_mlp`, `rmsnorm_one_plus_w`, `embed_scale_sqrt_hidden`); the resolved
+    /// config carries them to the oracle and the engine. Empty: plain Llama.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub features: Vec<String>,
     /// Weight tensors.
     pub weights: Vec<WeightSpec>,
     /// Kernel contract ids the family needs.
@@ -367,6 +372,61 @@ pub struct Contract {
 
 /// The JSON Schema (draft 2020-12) every contract file is validated against, generated from [`Contract`].
 pub fn contract_schema() -> serde_json::Value {
-    let schema = schemars::generate::SchemaSettings::draft2020_12().into_generator().into_root_schema_for::<Contract>();
-    serde_json::to_value(schema).expect("a generated schema serialises")
+    let mut settings = schemars::generate::SchemaSettings::draft2020_12();
+    settings.inline_subschemas = true;
+    let schema = settings.into_generator().into_root_schema_for::<Contract>();
+    let mut v = serde_json::to_value(schema).expect("a generated schema serialises");
+    portable(&mut v);
+    v
+}
+
+/// Make a generated schema portable, recursively: no `$schema`/`$defs`, no null in type unions,
+/// `anyOf`/`oneOf` with a null branch collapsed to the other branch (so errors point at the real
+/// field), every array with `items`. Used for contract files (TOML has no null) and MCP tool schemas.
+pub fn portable(v: &mut serde_json::Value) {
+    use serde_json::Value;
+    match v {
+        Value::Object(o) => {
+            o.remove("$schema");
+            o.remove("$defs");
+            o.remove("definitions");
+            if o.get("default").is_some_and(Value::is_null) {
+                o.remove("default");
+            }
+            // type: [T, "null"] -> T
+            if let Some(Value::Array(types)) = o.get("type") {
+                let kept: Vec<Value> = types.iter().filter(|t| t.as_str() != Some("null")).cloned().collect();
+                let new = if kept.len() == 1 { kept[0].clone() } else { Value::Array(kept) };
+                o.insert("type".into(), new);
+            }
+            // anyOf/oneOf [X, {type: null}] -> X merged in place
+            for key in ["anyOf", "oneOf"] {
+                if let Some(Value::Array(alts)) = o.get(key) {
+                    let kept: Vec<Value> = alts
+                        .iter()
+                        .filter(|a| a.get("type").and_then(Value::as_str) != Some("null"))
+                        .cloned()
+                        .collect();
+                    if kept.len() == 1 {
+                        o.remove(key);
+                        if let Value::Object(inner) = kept[0].clone() {
+                            for (k, val) in inner {
+                                o.entry(k).or_insert(val);
+                            }
+                        }
+                    } else {
+                        o.insert(key.into(), Value::Array(kept));
+                    }
+                }
+            }
+            if o.get("type").and_then(Value::as_str) == Some("array") && !o.contains_key("items") {
+                o.insert("items".into(), serde_json::json!({}));
+            }
+            for (_, child) in o.iter_mut() {
+                portable(child);
+            }
+        }
+        Value::Array(a) => a.iter_mut().for_each(portable),
+        _ => {}
+    }
 }

@@ -23,6 +23,7 @@ use serde::Serialize;
 
 use crate::harness::Budget;
 use crate::ops::compile::{CompileReport, CompileRequest};
+use crate::ops::evolve::{EvolveReport, EvolveRequest, ProposeReport, ProposeRequest};
 use crate::ops::kernel_test::{KernelTestReport, KernelTestRequest};
 use crate::ops::lookup::{LookupReport, LookupRequest};
 use crate::ops::outcomes::{OutcomesReport, OutcomesRequest};
@@ -245,6 +246,42 @@ impl Server {
     ) -> Result<CallToolResult, ErrorData> {
         self.note_client(&rc);
         self.into_result(crate::ops::report::report(&self.ctx, &req))
+    }
+
+    /// Cluster recurring failures in the ledger that no known failure mode explains, and stage one candidate
+    /// failure-mode contract per cluster (with the outcome ids as evidence). Candidates never enter the knowledge
+    /// base without promotion.
+    #[tool(
+        name = "evolve_knowledge",
+        input_schema = input::<EvolveRequest>(),
+        output_schema = output::<EvolveReport>(),
+        annotations(read_only_hint = false, destructive_hint = false, idempotent_hint = true, open_world_hint = false)
+    )]
+    async fn evolve_knowledge(
+        &self,
+        Parameters(req): Parameters<EvolveRequest>,
+        rc: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        self.note_client(&rc);
+        self.into_result(crate::ops::evolve::evolve(&self.ctx, &req))
+    }
+
+    /// Propose a new or amended contract (a model family, kernel, component, platform or failure mode) as TOML.
+    /// It is validated (schema and lint, against the knowledge base) and staged; an amendment must bump the
+    /// version. It is promoted once the ledger holds evidence, or by a person.
+    #[tool(
+        name = "propose_contract",
+        input_schema = input::<ProposeRequest>(),
+        output_schema = output::<ProposeReport>(),
+        annotations(read_only_hint = false, destructive_hint = false, idempotent_hint = true, open_world_hint = false)
+    )]
+    async fn propose_contract(
+        &self,
+        Parameters(req): Parameters<ProposeRequest>,
+        rc: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        self.note_client(&rc);
+        self.into_result(crate::ops::evolve::propose(&self.ctx, &req))
     }
 
     /// Write a compilable engine crate for the constraints into an empty directory: Cargo.toml, one module per

@@ -19,61 +19,13 @@ fn generate<T: JsonSchema>(for_output: bool) -> Value {
     }
     let schema = settings.into_generator().into_root_schema_for::<T>();
     let mut v = serde_json::to_value(schema).expect("schemas serialise");
-    clean(&mut v);
+    crate::ckb::portable(&mut v);
     if let Value::Object(o) = &mut v {
         o.remove("title");
         o.remove("description");
         o.entry("properties").or_insert_with(|| Value::Object(Default::default()));
     }
     v
-}
-
-/// Remove what clients reject, recursively.
-fn clean(v: &mut Value) {
-    match v {
-        Value::Object(o) => {
-            o.remove("$schema");
-            o.remove("$defs");
-            o.remove("definitions");
-            if o.get("default").is_some_and(Value::is_null) {
-                o.remove("default");
-            }
-            // type: [T, "null"] -> T
-            if let Some(Value::Array(types)) = o.get("type") {
-                let kept: Vec<Value> = types.iter().filter(|t| t.as_str() != Some("null")).cloned().collect();
-                let new = if kept.len() == 1 { kept[0].clone() } else { Value::Array(kept) };
-                o.insert("type".into(), new);
-            }
-            // anyOf/oneOf [X, {type: null}] -> X merged in place
-            for key in ["anyOf", "oneOf"] {
-                if let Some(Value::Array(alts)) = o.get(key) {
-                    let kept: Vec<Value> = alts
-                        .iter()
-                        .filter(|a| a.get("type").and_then(Value::as_str) != Some("null"))
-                        .cloned()
-                        .collect();
-                    if kept.len() == 1 {
-                        o.remove(key);
-                        if let Value::Object(inner) = kept[0].clone() {
-                            for (k, val) in inner {
-                                o.entry(k).or_insert(val);
-                            }
-                        }
-                    } else {
-                        o.insert(key.into(), Value::Array(kept));
-                    }
-                }
-            }
-            if o.get("type").and_then(Value::as_str) == Some("array") && !o.contains_key("items") {
-                o.insert("items".into(), serde_json::json!({}));
-            }
-            for (_, child) in o.iter_mut() {
-                clean(child);
-            }
-        }
-        Value::Array(a) => a.iter_mut().for_each(clean),
-        _ => {}
-    }
 }
 
 fn object(v: Value) -> Arc<JsonObject> {

@@ -11,6 +11,8 @@ use serde_json::Value;
 use crate::ckb::{Ckb, Contract, ModelFamily};
 use crate::error::{Error, Result};
 
+mod scaling;
+
 /// A model configuration resolved against a family contract: every field the engine needs, with the
 /// HF configuration class defaults applied (the contract's `config[].default`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -39,7 +41,25 @@ pub struct ResolvedConfig {
     pub rope_theta: f64,
     /// Whether lm_head shares the embedding matrix.
     pub tied: bool,
+    /// Sliding attention window in positions (a query at p sees max(0, p - window + 1)..=p); 0: full attention.
+    #[serde(default)]
+    pub sliding_window: usize,
+    /// RoPE frequency scaling from config.json `rope_scaling`; absent: plain RoPE.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_scaling: Option<RopeScaling>,
+    /// Forward-pass features beyond plain Llama (the family contract's `features`, e.g. `qkv_bias`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub features: Vec<String>,
 }
+
+impl ResolvedConfig {
+    /// Whether the forward pass has this feature (e.g. `qkv_bias`, `qk_norm`, `gelu_tanh_mlp`).
+    pub fn has(&self, feature: &str) -> bool {
+        self.features.iter().any(|f| f == feature)
+    }
+}
+
+pub use scaling::RopeScaling;
 
 /// Why a config.json is not covered: the fields at fault.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema, PartialEq, Eq)]
@@ -187,7 +207,12 @@ pub fn resolve(
         rms_norm_eps: float("rms_norm_eps"),
         rope_theta: float("rope_theta"),
         tied: roles.get("tied").and_then(Value::as_bool).unwrap_or(false),
+        sliding_window: 0,
+        rope_scaling: None,
+        features: family.features.clone(),
     };
+    let mut cfg = cfg;
+    scaling::resolve_extras(contract, config, &roles, &mut cfg, &mut gaps);
     if gaps.is_empty() {
         if cfg.n_heads % cfg.n_kv_heads != 0 {
             gaps.push(Gap {

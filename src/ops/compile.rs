@@ -138,7 +138,13 @@ pub fn compile(ctx: &Ctx, req: &CompileRequest, budget: &Budget) -> Result<Compi
         Some(&engine),
         vec![],
         &report,
-        serde_json::json!({"errors": report.errors, "warnings": report.warnings, "seconds": report.seconds}),
+        serde_json::json!({
+            "errors": report.errors,
+            "warnings": report.warnings,
+            "seconds": report.seconds,
+            "codes": report.diagnostics.iter().filter(|d| d.level == "error").map(|d| d.code.as_str()).collect::<Vec<_>>(),
+            "hinted": report.diagnostics.iter().filter(|d| !d.contract.is_empty()).map(|d| d.contract.as_str()).collect::<Vec<_>>(),
+        }),
         started,
     );
     Ok(report)

@@ -5,6 +5,7 @@
 
 pub mod compile;
 pub mod diagnose;
+pub mod evolve;
 pub mod kernel_test;
 pub mod lookup;
 pub mod outcomes;
@@ -13,6 +14,7 @@ pub mod profile;
 pub mod report;
 pub mod rules;
 pub mod scaffold;
+pub mod synth;
 pub mod verify;
 
 use std::path::{Path, PathBuf};
@@ -44,6 +46,19 @@ pub struct Ctx {
     pub max_output: usize,
     /// Who is calling (`name/version` of the MCP client, or `cli`), recorded with every outcome.
     pub client: std::sync::Arc<std::sync::RwLock<String>>,
+    /// The CKB working copy (`--ckb DIR`), where promotions are written; None for the built-in CKB.
+    pub ckb_dir: Option<PathBuf>,
+}
+
+impl Ctx {
+    /// Where candidate contracts are staged: `<ckb>/candidates` for a working copy, else beside the
+    /// ledger (`candidates/`). Candidates are never part of the CKB until promoted.
+    pub fn candidates_dir(&self) -> PathBuf {
+        match &self.ckb_dir {
+            Some(d) => d.join("candidates"),
+            None => self.ledger.parent().map(Path::to_path_buf).unwrap_or_default().join("candidates"),
+        }
+    }
 }
 
 /// What every report can say about itself.

@@ -1,6 +1,10 @@
 //! Reference forward pass of the Llama family (contract model.llama) in f64, built from the oracle
-//! kernels. Used by verify_generation as the expected logits and tokens.
+//! kernels. Used by verify_generation as the expected logits and tokens. The same pass covers the other
+//! dense decoder families (Mistral, Qwen2, Qwen3, Gemma) through the resolved config's `features`:
+//! q/k/v biases, per-head q/k RMSNorm, sliding-window attention, GeGLU, `(1 + w)` RMSNorm, the
+//! `sqrt(hidden)` embedding scale and RoPE scaling. Without features the numbers are plain Llama's.
 
+use super::families::{add_bias, gelu_tanh_and_mul, rope_inv_freq, rope_with_freqs};
 use super::mutants::{self, AttnFaults, Mutation, Mutations};
 use super::{AttnShape, argmax, attention, embedding, linear, rms_norm, rope, silu_and_mul, widen};
 use crate::error::{Error, Result};
@@ -16,6 +20,10 @@ struct Layer {
     w_gate: Vec<f64>,
     w_up: Vec<f64>,
     w_down: Vec<f64>,
+    /// q/k/v projection biases (feature `qkv_bias`).
+    bias: Option<[Vec<f64>; 3]>,
+    /// Per-head RMSNorm weights of q and k, [head_dim] (feature `qk_norm`).
+    qk_norm: Option<[Vec<f64>; 2]>,
 }
 
 /// The reference model with its f64 KV cache.
@@ -28,6 +36,10 @@ pub struct Reference {
     k_cache: Vec<Vec<f64>>,
     v_cache: Vec<Vec<f64>>,
     len: usize,
+    /// RoPE inverse frequencies when config.json scales them (`rope_scaling`); None: plain RoPE.
+    inv_freq: Option<Vec<f64>>,
+    /// Factor on the embedding row: sqrt(hidden) rounded to f32 (feature `embed_scale_sqrt_hidden`), else 1.
+    embed_scale: f64,
     /// Known-wrong variants applied by [`Reference::step`]; empty for the true forward pass.
     mutations: Mutations,
 }
@@ -48,16 +60,41 @@ impl Reference {
             Ok(widen(v))
         };
         let (h, hd, nh, nkv, ff) = (cfg.hidden, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.intermediate);
+        // Gemma's RMSNorm multiplies by (1 + w): fold the 1 into the stored weight once.
+        let one_plus = cfg.has("rmsnorm_one_plus_w");
+        let norm_w = |name: &str, n: usize| -> Result<Vec<f64>> {
+            let w = get(name, &[n])?;
+            Ok(if one_plus { w.iter().map(|x| 1.0 + x).collect() } else { w })
+        };
         let mut layers = Vec::new();
         for i in 0..cfg.n_layers {
             let p = format!("model.layers.{i}.");
+            let bias = if cfg.has("qkv_bias") {
+                Some([
+                    get(&format!("{p}self_attn.q_proj.bias"), &[nh * hd])?,
+                    get(&format!("{p}self_attn.k_proj.bias"), &[nkv * hd])?,
+                    get(&format!("{p}self_attn.v_proj.bias"), &[nkv * hd])?,
+                ])
+            } else {
+                None
+            };
+            let qk_norm = if cfg.has("qk_norm") {
+                Some([
+                    norm_w(&format!("{p}self_attn.q_norm.weight"), hd)?,
+                    norm_w(&format!("{p}self_attn.k_norm.weight"), hd)?,
+                ])
+            } else {
+                None
+            };
             layers.push(Layer {
-                attn_norm: get(&format!("{p}input_layernorm.weight"), &[h])?,
+                bias,
+                qk_norm,
+                attn_norm: norm_w(&format!("{p}input_layernorm.weight"), h)?,
                 wq: get(&format!("{p}self_attn.q_proj.weight"), &[nh * hd, h])?,
                 wk: get(&format!("{p}self_attn.k_proj.weight"), &[nkv * hd, h])?,
                 wv: get(&format!("{p}self_attn.v_proj.weight"), &[nkv * hd, h])?,
                 wo: get(&format!("{p}self_attn.o_proj.weight"), &[h, nh * hd])?,
-                ffn_norm: get(&format!("{p}post_attention_layernorm.weight"), &[h])?,
+                ffn_norm: norm_w(&format!("{p}post_attention_layernorm.weight"), h)?,
                 w_gate: get(&format!("{p}mlp.gate_proj.weight"), &[ff, h])?,
                 w_up: get(&format!("{p}mlp.up_proj.weight"), &[ff, h])?,
                 w_down: get(&format!("{p}mlp.down_proj.weight"), &[h, ff])?,
@@ -74,8 +111,10 @@ impl Reference {
         };
         Ok(Reference {
             embed: get("model.embed_tokens.weight", &[cfg.vocab, h])?,
-            norm: get("model.norm.weight", &[h])?,
+            norm: norm_w("model.norm.weight", h)?,
             lm_head,
+            inv_freq: cfg.rope_scaling.as_ref().map(|s| rope_inv_freq(hd, cfg.rope_theta, Some(s))),
+            embed_scale: if cfg.has("embed_scale_sqrt_hidden") { (h as f64).sqrt() as f32 as f64 } else { 1.0 },
             layers,
             k_cache: vec![Vec::new(); cfg.n_layers],
             v_cache: vec![Vec::new(); cfg.n_layers],
@@ -130,13 +169,30 @@ impl Reference {
         } else {
             embedding(&self.embed, h, &[token])
         };
+        if self.embed_scale != 1.0 {
+            x.iter_mut().for_each(|v| *v *= self.embed_scale);
+        }
         for (l, w) in self.layers.iter().enumerate() {
             let xn = norm(m, &x, &w.attn_norm, c.rms_norm_eps);
             let mut q = lin(m, &xn, &w.wq, 1, h, nh * hd);
             let mut k = lin(m, &xn, &w.wk, 1, h, nkv * hd);
-            let v = lin(m, &xn, &w.wv, 1, h, nkv * hd);
-            rot(m, &mut q, pos, nh, hd, c.rope_theta);
-            rot(m, &mut k, pos, nkv, hd, c.rope_theta);
+            let mut v = lin(m, &xn, &w.wv, 1, h, nkv * hd);
+            if let Some([bq, bk, bv]) = &w.bias {
+                add_bias(&mut q, bq);
+                add_bias(&mut k, bk);
+                add_bias(&mut v, bv);
+            }
+            if let Some([qn, kn]) = &w.qk_norm {
+                q = norm(m, &q, qn, c.rms_norm_eps);
+                k = norm(m, &k, kn, c.rms_norm_eps);
+            }
+            if let Some(f) = &self.inv_freq {
+                rope_with_freqs(&mut q, pos, nh, hd, f);
+                rope_with_freqs(&mut k, pos, nkv, hd, f);
+            } else {
+                rot(m, &mut q, pos, nh, hd, c.rope_theta);
+                rot(m, &mut k, pos, nkv, hd, c.rope_theta);
+            }
             if m.has(Mutation::KvPositionOffByOne) {
                 // Row pos - 1 (0 at pos 0) gets this token's K/V; row pos stays unwritten (zero).
                 let (width, row) = (nkv * hd, pos.saturating_sub(1) * nkv * hd);
@@ -148,14 +204,23 @@ impl Reference {
                 self.k_cache[l].extend_from_slice(&k);
                 self.v_cache[l].extend_from_slice(&v);
             }
-            let shape = AttnShape { n_q: 1, kv_len: pos + 1, n_heads: nh, n_kv_heads: nkv, head_dim: hd };
-            let a = attend(m, &q, &self.k_cache[l], &self.v_cache[l], shape);
+            // Sliding window: the query at pos sees positions max(0, pos - window + 1)..=pos only.
+            let start = if c.sliding_window > 0 { (pos + 1).saturating_sub(c.sliding_window) } else { 0 };
+            let shape = AttnShape { n_q: 1, kv_len: pos + 1 - start, n_heads: nh, n_kv_heads: nkv, head_dim: hd };
+            let from = start * nkv * hd;
+            let a = attend(m, &q, &self.k_cache[l][from..], &self.v_cache[l][from..], shape);
             let o = lin(m, &a, &w.wo, 1, nh * hd, h);
             x.iter_mut().zip(&o).for_each(|(xi, oi)| *xi += oi);
             let xn = norm(m, &x, &w.ffn_norm, c.rms_norm_eps);
             let g = lin(m, &xn, &w.w_gate, 1, h, c.intermediate);
             let u = lin(m, &xn, &w.w_up, 1, h, c.intermediate);
-            let act = if m.has(Mutation::SiluSwapped) { mutants::silu_swapped(&g, &u) } else { silu_and_mul(&g, &u) };
+            let act = if c.has("gelu_tanh_mlp") {
+                gelu_tanh_and_mul(&g, &u)
+            } else if m.has(Mutation::SiluSwapped) {
+                mutants::silu_swapped(&g, &u)
+            } else {
+                silu_and_mul(&g, &u)
+            };
             let d = lin(m, &act, &w.w_down, 1, c.intermediate, h);
             x.iter_mut().zip(&d).for_each(|(xi, di)| *xi += di);
         }

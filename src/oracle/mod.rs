@@ -4,6 +4,7 @@
 //!
 //! Depends on `model` (resolved config and tensors) only.
 
+pub mod families;
 pub mod llama;
 pub mod mutants;
 
@@ -18,6 +19,8 @@ pub const KERNELS: &[&str] = &[
     "kernel.attention",
     "kernel.argmax",
 ];
+
+pub use families::gelu_tanh_and_mul;
 
 /// Whether an oracle implements this kernel contract.
 pub fn kernel_oracle_exists(id: &str) -> bool {

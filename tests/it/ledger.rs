@@ -172,7 +172,10 @@ fn report_computes_pass_rates_attempts_and_failure_modes() {
     assert_eq!(rope.stats.median_seconds_to_green, 60.0); // median of 120 and 0
     assert_eq!(rope.failure_modes, ["failure.rope-adjacent-pairs (2)"]);
     let zero = r.levels.iter().find(|l| l.level == "zero").unwrap();
-    assert_eq!((zero.stats.attempts, zero.stats.first_try_pass_rate, zero.stats.median_attempts_to_green), (3, 0.0, 3.0));
+    assert_eq!(
+        (zero.stats.attempts, zero.stats.first_try_pass_rate, zero.stats.median_attempts_to_green),
+        (3, 0.0, 3.0)
+    );
     let code = r.levels.iter().find(|l| l.level == "code").unwrap();
     assert_eq!((code.stats.attempts, code.stats.first_try_pass_rate), (1, 1.0));
     assert_eq!(r.coverage.iter().map(|c| c.status.as_str()).collect::<Vec<_>>(), ["covered"]);

@@ -4,6 +4,8 @@
 mod ckb;
 mod client;
 mod diagnose;
+mod evolve;
+mod families;
 mod gates;
 mod ledger;
 mod mcp;
@@ -54,6 +56,7 @@ pub fn ctx(dir: &Path) -> Ctx {
         time_limit_s: 900,
         max_output: metainfer::ops::MAX_TEXT,
         client: Default::default(),
+        ckb_dir: None,
     }
 }
 

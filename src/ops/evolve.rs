@@ -1,0 +1,421 @@
+//! Knowledge-base evolution from the ledger, and contract proposals.
+//!
+//! - evolve_knowledge: clusters recurring failures that no failure mode explains (same gate, same
+//!   contract, same error shape; compile errors by error code and the contract hinted) and stages a
+//!   schema-valid candidate failure-mode contract per cluster, with the outcome ids as evidence.
+//! - propose_contract: validates a new or amended contract (schema + lint, against the CKB) and
+//!   stages it; nothing is staged when it fails.
+//! - promote: moves a staged contract into the CKB working copy when the ledger holds evidence (a
+//!   passing gate outcome that ran under it) or when a person forces it.
+//!
+//! Nothing enters the CKB without promotion: candidates live in `Ctx::candidates_dir`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::{Ctx, Report};
+use crate::ckb::{Ckb, Contract, Kind};
+use crate::error::{Error, Result};
+use crate::ledger::{Ledger, Outcome};
+
+/// Fewest outcomes in a cluster before it becomes a candidate.
+pub const MIN_CLUSTER: usize = 2;
+
+/// Options of an evolution run.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
+pub struct EvolveRequest {
+    /// Fewest failures in a cluster (default 2).
+    #[serde(default)]
+    pub min_cluster: Option<usize>,
+}
+
+/// One cluster of unexplained failures.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct Cluster {
+    /// Candidate contract id written for it.
+    pub candidate: String,
+    /// Gate tool.
+    pub tool: String,
+    /// Contract involved.
+    pub contract: String,
+    /// Normalised error shape (numbers replaced by N) or compiler error code.
+    pub shape: String,
+    /// Outcome ids, the evidence.
+    pub outcomes: Vec<String>,
+    /// Candidate file written, relative to the candidates directory.
+    pub file: String,
+}
+
+/// Result of an evolution run.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct EvolveReport {
+    /// Failed outcomes examined.
+    pub failures: usize,
+    /// Of those, explained by a known failure mode (a diagnosis).
+    pub explained: usize,
+    /// Clusters of unexplained failures that became candidates.
+    pub clusters: Vec<Cluster>,
+    /// Where candidates are staged.
+    pub candidates_dir: String,
+}
+
+impl Report for EvolveReport {
+    fn passed(&self) -> bool {
+        true
+    }
+    fn text(&self) -> String {
+        let mut s = format!(
+            "{} failures examined, {} explained by known failure modes; {} candidate(s) staged in {}\n",
+            self.failures,
+            self.explained,
+            self.clusters.len(),
+            self.candidates_dir
+        );
+        for c in &self.clusters {
+            s += &format!(
+                "{} <- {} x{} on {} ({}): {}\n",
+                c.candidate,
+                c.tool,
+                c.outcomes.len(),
+                c.contract,
+                c.shape,
+                c.file
+            );
+        }
+        s
+    }
+}
+
+/// Replace digit runs by `N` and cut to 120 characters: failures that differ only in numbers
+/// (seeds, errors, indices) have one shape.
+fn shape_of(text: &str) -> String {
+    let mut out = String::new();
+    let mut in_num = false;
+    for c in text.chars() {
+        if c.is_ascii_digit() || (in_num && (c == '.' || c == 'e' || c == '-')) {
+            if !in_num {
+                out.push('N');
+                in_num = true;
+            }
+        } else {
+            in_num = false;
+            out.push(c);
+        }
+    }
+    out.chars().take(120).collect()
+}
+
+fn has_diagnosis(v: &serde_json::Value) -> bool {
+    match v {
+        serde_json::Value::Object(o) => o.iter().any(|(k, x)| {
+            (k == "diagnosis" && x.as_array().is_some_and(|a| !a.is_empty()) || x.is_string() && k == "diagnosis")
+                || has_diagnosis(x)
+        }),
+        serde_json::Value::Array(a) => a.iter().any(has_diagnosis),
+        _ => false,
+    }
+}
+
+/// The (contract, shape) keys of one failed outcome that no diagnosis explains.
+fn keys(o: &Outcome) -> Vec<(String, String)> {
+    match o.tool.as_str() {
+        "compile_engine" => {
+            let codes: Vec<&str> = o.figures["codes"]
+                .as_array()
+                .map(|a| a.iter().filter_map(|c| c.as_str()).collect())
+                .unwrap_or_default();
+            let hinted: Vec<&str> = o.figures["hinted"]
+                .as_array()
+                .map(|a| a.iter().filter_map(|c| c.as_str()).collect())
+                .unwrap_or_default();
+            let contract = hinted.first().copied().unwrap_or("").to_string();
+            codes.iter().filter(|c| !c.is_empty()).map(|c| (contract.clone(), format!("compiler error {c}"))).collect()
+        }
+        "run_kernel_test" => o.figures["kernels"]
+            .as_array()
+            .map(|ks| {
+                ks.iter()
+                    .filter(|k| k["passed"] == false && k["diagnosis"].as_array().is_none_or(|d| d.is_empty()))
+                    .filter_map(|k| Some((k["id"].as_str()?.to_string(), "kernel outside tolerance".to_string())))
+                    .collect()
+            })
+            .unwrap_or_default(),
+        _ => {
+            let contract = o.contracts.iter().find(|c| c.starts_with("model.")).or(o.contracts.first());
+            let contract = contract.map(|c| c.split('@').next().unwrap_or(c).to_string()).unwrap_or_default();
+            vec![(contract, shape_of(&o.summary))]
+        }
+    }
+}
+
+/// Cluster the ledger's unexplained failures and stage one candidate failure-mode contract per cluster.
+///
+/// # Errors
+/// An unreadable ledger or an unwritable candidates directory.
+pub fn evolve(ctx: &Ctx, req: &EvolveRequest) -> Result<EvolveReport> {
+    let min = req.min_cluster.unwrap_or(MIN_CLUSTER).max(1);
+    let ledger = Ledger::open(&ctx.ledger)?;
+    let mut all = ledger.list(0, ledger.count()?)?;
+    all.reverse();
+    let failures: Vec<&Outcome> = all
+        .iter()
+        .filter(|o| !o.passed && matches!(o.tool.as_str(), "compile_engine" | "run_kernel_test" | "verify_generation"))
+        .filter(|o| o.figures.get("blocked").is_none())
+        .collect();
+    let mut explained = 0;
+    let mut clusters: BTreeMap<(String, String, String), Vec<String>> = BTreeMap::new();
+    for o in &failures {
+        if o.tool != "run_kernel_test" && has_diagnosis(&o.figures) {
+            explained += 1;
+            continue;
+        }
+        let ks = keys(o);
+        if ks.is_empty() {
+            explained += 1;
+        }
+        for (contract, shape) in ks {
+            clusters.entry((o.tool.clone(), contract, shape)).or_default().push(o.id.clone());
+        }
+    }
+    let dir = ctx.candidates_dir();
+    let mut out = Vec::new();
+    for ((tool, contract, shape), ids) in clusters {
+        if ids.len() < min {
+            continue;
+        }
+        let tag = format!("{:016x}", crate::ops::verify::fnv1a(&format!("{tool}|{contract}|{shape}")));
+        let id = format!("failure.candidate-{}", &tag[..10]);
+        let applies: Vec<String> =
+            if contract.is_empty() || ctx.ckb.get(&contract).is_err() { vec![] } else { vec![contract.clone()] };
+        let c = candidate_contract(&id, &tool, &contract, &shape, &ids, applies);
+        let file = format!("failures/{}.toml", id.trim_start_matches("failure."));
+        write_candidate(&dir, &file, &c)?;
+        out.push(Cluster { candidate: id, tool, contract, shape, outcomes: ids, file });
+    }
+    Ok(EvolveReport { failures: failures.len(), explained, clusters: out, candidates_dir: dir.display().to_string() })
+}
+
+fn candidate_contract(
+    id: &str,
+    tool: &str,
+    contract: &str,
+    shape: &str,
+    ids: &[String],
+    applies: Vec<String>,
+) -> Contract {
+    let evidence = ids.iter().take(20).cloned().collect::<Vec<_>>().join(", ");
+    let text = format!(
+        "[failure]\nsymptom = {symptom:?}\nroot_cause = \"unknown: a recurring failure that no known failure mode explains; to be written by whoever diagnoses it\"\n\
+         detection = {detection:?}\nfix = \"unknown yet\"\napplies_to = {applies:?}\n",
+        symptom =
+            format!("{tool} fails on {} with: {shape}", if contract.is_empty() { "the engine" } else { contract }),
+        detection = format!("same gate ({tool}), same contract, same error shape in {} outcomes", ids.len()),
+    );
+    let head = format!(
+        "id = {id:?}\nkind = \"failure\"\nversion = 1\nsummary = {summary:?}\nsources = [{{ title = \"metainfer ledger: recurring unexplained failures\", locator = {evidence:?} }}]\n",
+        summary = format!(
+            "Candidate: recurring {tool} failure on {}",
+            if contract.is_empty() { "engines" } else { contract }
+        ),
+    );
+    toml::from_str(&(head + &text)).expect("candidate contracts are built from valid TOML")
+}
+
+fn write_candidate(dir: &Path, rel: &str, c: &Contract) -> Result<PathBuf> {
+    let path = dir.join(rel);
+    let parent = path.parent().expect("candidate files have a parent");
+    std::fs::create_dir_all(parent).map_err(|e| Error::usage(format!("cannot create {}: {e}", parent.display())))?;
+    let text = toml::to_string_pretty(c).map_err(|e| Error::internal(format!("cannot render {}: {e}", c.id)))?;
+    let tmp =
+        tempfile::NamedTempFile::new_in(parent).map_err(|e| Error::usage(format!("{}: {e}", parent.display())))?;
+    std::fs::write(tmp.path(), text).map_err(|e| Error::usage(format!("{}: {e}", path.display())))?;
+    tmp.persist(&path).map_err(|e| Error::usage(format!("{}: {e}", path.display())))?;
+    Ok(path)
+}
+
+/// A contract proposal.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct ProposeRequest {
+    /// The contract as TOML (one file of the CKB).
+    pub toml: String,
+}
+
+/// Result of a proposal.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct ProposeReport {
+    /// Whether it was valid and is now staged.
+    pub staged: bool,
+    /// Contract id.
+    pub id: String,
+    /// Version proposed.
+    pub version: u32,
+    /// Whether it amends an existing contract (its version must be higher).
+    pub amendment: bool,
+    /// Staged file, "" when refused.
+    pub file: String,
+    /// Why it was refused: file, field and reason per finding.
+    pub findings: Vec<crate::ckb::Finding>,
+}
+
+impl Report for ProposeReport {
+    fn passed(&self) -> bool {
+        self.staged
+    }
+    fn text(&self) -> String {
+        if self.staged {
+            format!(
+                "staged {} v{} ({}) in {}; promote it with evidence (a passing gate that used it) or `metainfer ckb promote {}`",
+                self.id,
+                self.version,
+                if self.amendment { "amendment" } else { "new" },
+                self.file,
+                self.id
+            )
+        } else {
+            let mut s = format!("refused {}: {} finding(s); nothing was staged\n", self.id, self.findings.len());
+            for f in &self.findings {
+                s += &format!("  {f}\n");
+            }
+            s
+        }
+    }
+}
+
+fn dir_of(kind: Kind) -> &'static str {
+    match kind {
+        Kind::Kernel => "kernels",
+        Kind::Component => "components",
+        Kind::Model => "models",
+        Kind::Platform => "platforms",
+        Kind::Failure => "failures",
+        Kind::Policy => "policies",
+    }
+}
+
+/// The CKB's files (working copy or built-in) with `extra` added or replacing the file of the same id.
+fn files_with(ctx: &Ctx, extra: (String, String), replace_id: Option<&str>) -> Result<Vec<(String, String)>> {
+    let mut files = match &ctx.ckb_dir {
+        Some(d) => crate::ckb::read_dir_files(d)?,
+        None => crate::ckb::embedded_files(),
+    };
+    if let Some(id) = replace_id
+        && let Some(f) = ctx.ckb.file_of(id)
+    {
+        files.retain(|(p, _)| p != f);
+    }
+    files.push(extra);
+    Ok(files)
+}
+
+/// Validate and stage a proposal.
+///
+/// # Errors
+/// Only for an unwritable candidates directory; an invalid proposal is a report with findings.
+pub fn propose(ctx: &Ctx, req: &ProposeRequest) -> Result<ProposeReport> {
+    let refused = |id: String, version: u32, findings: Vec<crate::ckb::Finding>| ProposeReport {
+        staged: false,
+        id,
+        version,
+        amendment: false,
+        file: String::new(),
+        findings,
+    };
+    let value: toml::Value = match toml::from_str(&req.toml) {
+        Ok(v) => v,
+        Err(e) => {
+            let f = crate::ckb::Finding {
+                file: "proposal".into(),
+                field: String::new(),
+                message: format!("not valid TOML: {e}"),
+            };
+            return Ok(refused(String::new(), 0, vec![f]));
+        }
+    };
+    let id = value.get("id").and_then(|v| v.as_str()).unwrap_or("").to_string();
+    let version = value.get("version").and_then(|v| v.as_integer()).unwrap_or(0) as u32;
+    let existing = ctx.ckb.get(&id).ok();
+    let kind = value.get("kind").and_then(|v| v.as_str()).unwrap_or("");
+    let rel = format!("{}s/proposal.toml", kind.trim_end_matches('s'));
+    let files = files_with(ctx, (rel.clone(), req.toml.clone()), existing.map(|c| c.id.as_str()))?;
+    let (_, mut findings) = Ckb::check_sources(files, "proposal".into());
+    findings.retain(|f| f.file == rel || f.message.contains(&id));
+    for f in &mut findings {
+        if f.file == rel {
+            f.file = "proposal".into();
+        }
+    }
+    if let Some(c) = existing
+        && version <= c.version
+    {
+        findings.push(crate::ckb::Finding {
+            file: "proposal".into(),
+            field: "/version".into(),
+            message: format!("{id} is at version {}; an amendment must bump the version", c.version),
+        });
+    }
+    if !findings.is_empty() {
+        return Ok(refused(id, version, findings));
+    }
+    let contract: Contract =
+        toml::from_str(&req.toml).map_err(|e| Error::internal(format!("validated proposal: {e}")))?;
+    let file = format!("{}/{}.toml", dir_of(contract.kind), id.split_once('.').map(|x| x.1).unwrap_or(&id));
+    write_candidate(&ctx.candidates_dir(), &file, &contract)?;
+    Ok(ProposeReport { staged: true, id, version, amendment: existing.is_some(), file, findings: vec![] })
+}
+
+/// Promote a staged contract into the CKB working copy.
+///
+/// Evidence: a passing gate outcome in the ledger that ran under exactly `id@version`. Without
+/// evidence only `force` (a person's decision) promotes.
+///
+/// # Errors
+/// No working copy (`--ckb DIR`), no such candidate, no evidence without force, or the promoted CKB
+/// would be invalid.
+pub fn promote(ctx: &Ctx, id: &str, force: bool) -> Result<String> {
+    let ckb_dir = ctx.ckb_dir.as_ref().ok_or_else(|| {
+        Error::usage("promotion writes into a CKB working copy: pass --ckb DIR (a checkout of contracts/)")
+    })?;
+    let staged = crate::ckb::read_dir_files(&ctx.candidates_dir()).unwrap_or_default();
+    let (rel, text) = staged
+        .into_iter()
+        .find(|(_, t)| toml::from_str::<Contract>(t).is_ok_and(|c| c.id == id))
+        .ok_or_else(|| Error::usage(format!("no staged candidate `{id}` in {}", ctx.candidates_dir().display())))?;
+    let contract: Contract = toml::from_str(&text).map_err(|e| Error::input(format!("candidate {rel}: {e}")))?;
+    let tag = format!("{}@{}", contract.id, contract.version);
+    let ledger = Ledger::open(&ctx.ledger)?;
+    let evidence = ledger
+        .list(0, ledger.count()?)?
+        .into_iter()
+        .find(|o| o.passed && o.contracts.contains(&tag) && o.tool != "lookup_contract" && o.tool != "plan_engine");
+    if evidence.is_none() && !force {
+        return Err(Error::usage(format!(
+            "no evidence for {tag}: no passing gate outcome ran under it; build an engine that passes the gates using it, or promote by hand with --force"
+        )));
+    }
+    let files = files_with(ctx, (rel.clone(), text.clone()), Some(id))?;
+    let (_, findings) = Ckb::check_sources(files, "promotion".into());
+    if !findings.is_empty() {
+        return Err(Error::input(format!(
+            "promoting {id} would make the CKB invalid:\n{}",
+            findings.iter().map(|f| format!("  {f}")).collect::<Vec<_>>().join("\n")
+        )));
+    }
+    let target = match ctx.ckb.file_of(id) {
+        Some(f) => ckb_dir.join(f),
+        None => ckb_dir.join(&rel),
+    };
+    std::fs::create_dir_all(target.parent().expect("has a parent")).map_err(|e| Error::usage(format!("{e}")))?;
+    std::fs::write(&target, &text).map_err(|e| Error::usage(format!("{}: {e}", target.display())))?;
+    let _ = std::fs::remove_file(ctx.candidates_dir().join(&rel));
+    Ok(format!(
+        "promoted {tag} into {} ({})",
+        target.display(),
+        match evidence {
+            Some(o) => format!("evidence: outcome {} of {}", o.id, o.tool),
+            None => "forced by hand".into(),
+        }
+    ))
+}

@@ -1,0 +1,368 @@
+//! synth: a small random-weight Hugging Face checkpoint of any covered family (config.json with the
+//! family's real architectures, model_type and feature keys; model.safetensors in F32; a character-level
+//! BPE tokenizer.json). For testing the oracle and engines of families whose real checkpoints are large.
+//! Written into a temporary directory beside `out` and renamed into place.
+
+use std::path::{Path, PathBuf};
+
+use rand::{Rng, SeedableRng};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use super::Report;
+use crate::error::{Error, Result};
+
+/// Families `synth` can write, by short name.
+pub const FAMILIES: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "gemma"];
+
+/// Sizes and family of the checkpoint to write. Unset sizes take small defaults.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
+pub struct SynthRequest {
+    /// Family: llama, mistral, qwen2, qwen3 or gemma (a `model.` prefix is accepted).
+    pub family: String,
+    /// Directory to create; must not exist or be empty.
+    pub out: PathBuf,
+    /// Seed of the weights.
+    #[serde(default)]
+    pub seed: u64,
+    /// hidden_size (default 64).
+    #[serde(default)]
+    pub hidden: Option<usize>,
+    /// num_hidden_layers (default 2).
+    #[serde(default)]
+    pub layers: Option<usize>,
+    /// num_attention_heads (default 4).
+    #[serde(default)]
+    pub heads: Option<usize>,
+    /// num_key_value_heads (default 2).
+    #[serde(default)]
+    pub kv_heads: Option<usize>,
+    /// head_dim (default hidden / heads); written to config.json for qwen3, gemma and llama.
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    /// vocab_size (default 128; at least 8).
+    #[serde(default)]
+    pub vocab: Option<usize>,
+    /// intermediate_size (default 2 * hidden + 32).
+    #[serde(default)]
+    pub intermediate: Option<usize>,
+    /// max_position_embeddings (default 64).
+    #[serde(default)]
+    pub max_seq: Option<usize>,
+    /// mistral: sliding_window (default 8).
+    #[serde(default)]
+    pub sliding_window: Option<usize>,
+}
+
+/// What was written.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct SynthReport {
+    /// The checkpoint directory.
+    pub dir: String,
+    /// Family short name.
+    pub family: String,
+    /// The config.json written.
+    pub config: serde_json::Value,
+    /// Number of tensors in model.safetensors.
+    pub tensors: usize,
+    /// Number of parameters.
+    pub parameters: usize,
+}
+
+impl Report for SynthReport {
+    fn passed(&self) -> bool {
+        true
+    }
+    fn text(&self) -> String {
+        format!(
+            "wrote {} checkpoint to {}: {} tensors, {} parameters\n",
+            self.family, self.dir, self.tensors, self.parameters
+        )
+    }
+}
+
+/// Largest parameter count `synth` writes (200 MB of F32): it is for tests, not for real models.
+pub const MAX_PARAMETERS: usize = 50_000_000;
+
+/// The config.json of a synthetic checkpoint, checked for sizes that make no sense.
+///
+/// # Errors
+/// [`crate::error::ErrorKind::Usage`] for an unknown family or absurd sizes, saying which flag.
+pub fn synth_config(req: &SynthRequest) -> Result<serde_json::Value> {
+    let family = req.family.strip_prefix("model.").unwrap_or(&req.family);
+    if !FAMILIES.contains(&family) {
+        return Err(Error::usage(format!("unknown family `{}`; synth writes: {}", req.family, FAMILIES.join(", "))));
+    }
+    let hidden = req.hidden.unwrap_or(64);
+    let layers = req.layers.unwrap_or(2);
+    let heads = req.heads.unwrap_or(4);
+    let kv = req.kv_heads.unwrap_or(2.min(heads));
+    let vocab = req.vocab.unwrap_or(128);
+    let inter = req.intermediate.unwrap_or(2 * hidden + 32);
+    let max_seq = req.max_seq.unwrap_or(64);
+    let check = |ok: bool, msg: String| if ok { Ok(()) } else { Err(Error::usage(msg)) };
+    check((1..=8192).contains(&hidden), format!("--hidden {hidden} must be in 1..=8192"))?;
+    check((1..=64).contains(&layers), format!("--layers {layers} must be in 1..=64"))?;
+    check((1..=128).contains(&heads), format!("--heads {heads} must be in 1..=128"))?;
+    check(kv >= 1 && heads % kv == 0, format!("--kv-heads {kv} must be at least 1 and divide --heads {heads}"))?;
+    check((8..=262_144).contains(&vocab), format!("--vocab {vocab} must be in 8..=262144"))?;
+    check((1..=65_536).contains(&inter), format!("--intermediate {inter} must be in 1..=65536"))?;
+    check((1..=1_048_576).contains(&max_seq), format!("--max-seq {max_seq} must be in 1..=1048576"))?;
+    let head_dim = match req.head_dim {
+        Some(d) => d,
+        None => {
+            check(
+                hidden % heads == 0,
+                format!("--hidden {hidden} is not a multiple of --heads {heads}; pass --head-dim"),
+            )?;
+            hidden / heads
+        }
+    };
+    check(
+        head_dim >= 2 && head_dim % 2 == 0 && head_dim <= 1024,
+        format!("head_dim {head_dim} must be even, in 2..=1024 (RoPE pairs)"),
+    )?;
+    let tied = matches!(family, "qwen2" | "qwen3" | "gemma");
+    let per_layer = hidden * heads * head_dim * 2 + hidden * kv * head_dim * 2 + 3 * hidden * inter + 2 * hidden;
+    let params = layers * per_layer + vocab * hidden * if tied { 1 } else { 2 } + hidden;
+    check(
+        params <= MAX_PARAMETERS,
+        format!("{params} parameters is more than synth writes ({MAX_PARAMETERS}); choose smaller sizes"),
+    )?;
+    let (arch, theta) = match family {
+        "llama" => ("LlamaForCausalLM", 10_000.0),
+        "mistral" => ("MistralForCausalLM", 10_000.0),
+        "qwen2" => ("Qwen2ForCausalLM", 1_000_000.0),
+        "qwen3" => ("Qwen3ForCausalLM", 1_000_000.0),
+        _ => ("GemmaForCausalLM", 10_000.0),
+    };
+    let mut c = json!({
+        "architectures": [arch],
+        "model_type": family,
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": head_dim,
+        "vocab_size": vocab,
+        "max_position_embeddings": max_seq,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": theta,
+        "hidden_act": "silu",
+        "tie_word_embeddings": tied,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+    });
+    let o = c.as_object_mut().expect("an object");
+    match family {
+        "mistral" => {
+            let w = req.sliding_window.unwrap_or(8);
+            check(w >= 1, "--sliding-window must be at least 1".into())?;
+            o.insert("sliding_window".into(), json!(w));
+        }
+        "qwen2" => {
+            o.insert("use_sliding_window".into(), json!(false));
+            o.insert("sliding_window".into(), json!(max_seq));
+            o.insert("max_window_layers".into(), json!(layers));
+        }
+        "qwen3" => {
+            o.insert("attention_bias".into(), json!(false));
+            o.insert("use_sliding_window".into(), json!(false));
+            o.insert("sliding_window".into(), serde_json::Value::Null);
+        }
+        "gemma" => {
+            o.insert("hidden_act".into(), json!("gelu_pytorch_tanh"));
+            o.insert("hidden_activation".into(), json!("gelu_pytorch_tanh"));
+            o.insert("attention_bias".into(), json!(false));
+        }
+        _ => {}
+    }
+    Ok(c)
+}
+
+/// Standard normal draws (Box-Muller) scaled by `std`, around `mean`.
+fn normal(rng: &mut rand_chacha::ChaCha8Rng, n: usize, mean: f32, std: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            let u1: f64 = rng.random_range(f64::MIN_POSITIVE..1.0);
+            let u2: f64 = rng.random::<f64>();
+            let z = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos();
+            mean + std * z as f32
+        })
+        .collect()
+}
+
+/// The tensors of a synthetic checkpoint for `config` (as [`synth_config`] writes it): name, shape, values.
+/// Projections are N(0, 1/fan_in) so activations keep their scale through the layers; the embedding is
+/// N(0, 0.2^2), so that logits spread over a few units; norm weights are near one (near zero for
+/// Gemma's `1 + w`); biases are N(0, 0.25).
+///
+/// # Panics
+/// When `config` lacks a size key (it comes from [`synth_config`]).
+pub fn synth_tensors(config: &serde_json::Value, seed: u64) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let u = |k: &str| config[k].as_u64().unwrap_or_else(|| panic!("config has {k}")) as usize;
+    let (h, ff, nl, nh, nkv, hd, vocab) = (
+        u("hidden_size"),
+        u("intermediate_size"),
+        u("num_hidden_layers"),
+        u("num_attention_heads"),
+        u("num_key_value_heads"),
+        u("head_dim"),
+        u("vocab_size"),
+    );
+    let family = config["model_type"].as_str().unwrap_or("llama");
+    let tied = config["tie_word_embeddings"].as_bool().unwrap_or(false);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let norm_mean = if family == "gemma" { 0.0 } else { 1.0 };
+    let mut out = Vec::new();
+    let mut push = |rng: &mut rand_chacha::ChaCha8Rng, name: String, shape: Vec<usize>, mean: f32, std: f32| {
+        let n = shape.iter().product();
+        out.push((name, shape, normal(rng, n, mean, std)));
+    };
+    let proj = |fan_in: usize| 1.0 / (fan_in as f32).sqrt();
+    push(&mut rng, "model.embed_tokens.weight".into(), vec![vocab, h], 0.0, 0.2);
+    for i in 0..nl {
+        let p = format!("model.layers.{i}.");
+        push(&mut rng, format!("{p}input_layernorm.weight"), vec![h], norm_mean, 0.1);
+        push(&mut rng, format!("{p}self_attn.q_proj.weight"), vec![nh * hd, h], 0.0, proj(h));
+        push(&mut rng, format!("{p}self_attn.k_proj.weight"), vec![nkv * hd, h], 0.0, proj(h));
+        push(&mut rng, format!("{p}self_attn.v_proj.weight"), vec![nkv * hd, h], 0.0, proj(h));
+        if family == "qwen2" {
+            push(&mut rng, format!("{p}self_attn.q_proj.bias"), vec![nh * hd], 0.0, 0.5);
+            push(&mut rng, format!("{p}self_attn.k_proj.bias"), vec![nkv * hd], 0.0, 0.5);
+            push(&mut rng, format!("{p}self_attn.v_proj.bias"), vec![nkv * hd], 0.0, 0.5);
+        }
+        if family == "qwen3" {
+            push(&mut rng, format!("{p}self_attn.q_norm.weight"), vec![hd], 1.0, 0.3);
+            push(&mut rng, format!("{p}self_attn.k_norm.weight"), vec![hd], 1.0, 0.3);
+        }
+        push(&mut rng, format!("{p}self_attn.o_proj.weight"), vec![h, nh * hd], 0.0, proj(nh * hd));
+        push(&mut rng, format!("{p}post_attention_layernorm.weight"), vec![h], norm_mean, 0.1);
+        push(&mut rng, format!("{p}mlp.gate_proj.weight"), vec![ff, h], 0.0, proj(h));
+        push(&mut rng, format!("{p}mlp.up_proj.weight"), vec![ff, h], 0.0, proj(h));
+        push(&mut rng, format!("{p}mlp.down_proj.weight"), vec![h, ff], 0.0, proj(ff));
+    }
+    push(&mut rng, "model.norm.weight".into(), vec![h], norm_mean, 0.1);
+    if !tied {
+        push(&mut rng, "lm_head.weight".into(), vec![vocab, h], 0.0, 0.2);
+    }
+    out
+}
+
+/// A character-level BPE tokenizer.json (no merges) in the layout of the BabyLlama checkpoint: `<unk>`,
+/// `<s>`, `</s>`, `▁` (space), then printable ASCII characters, as many as `vocab` leaves room for.
+pub fn synth_tokenizer(vocab: usize) -> serde_json::Value {
+    let mut entries: Vec<String> = ["<unk>", "<s>", "</s>", "\u{2581}"].iter().map(|s| s.to_string()).collect();
+    entries.extend(
+        "etaoinshrdlucmfwypvbgkjqxzETAOINSHRDLUCMFWYPVBGKJQXZ.,!?'\"-:;0123456789()"
+            .chars()
+            .map(|c| c.to_string())
+            .take(vocab.saturating_sub(4)),
+    );
+    let vocab_map: serde_json::Map<String, serde_json::Value> =
+        entries.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
+    let special = |id: usize, content: &str| json!({"id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true});
+    json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": [special(0, "<unk>"), special(1, "<s>"), special(2, "</s>")],
+        "normalizer": {"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": "\u{2581}"},
+            {"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"}
+        ]},
+        "pre_tokenizer": null,
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"SpecialToken": {"id": "<s>", "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}
+        },
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "},
+            {"type": "ByteFallback"},
+            {"type": "Fuse"},
+            {"type": "Strip", "content": " ", "start": 1, "stop": 0}
+        ]},
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": "<unk>", "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": false, "ignore_merges": false,
+            "vocab": vocab_map, "merges": []
+        }
+    })
+}
+
+/// Write `config` (possibly edited after [`synth_config`]), its tensors and a tokenizer into `out`,
+/// atomically: everything goes to a temporary directory beside `out`, which is then renamed.
+///
+/// # Errors
+/// When `out` exists and is not an empty directory, or a file cannot be written.
+pub fn write_checkpoint(out: &Path, config: &serde_json::Value, seed: u64) -> Result<SynthReport> {
+    if out.exists() {
+        let empty = out.is_dir() && std::fs::read_dir(out).map(|mut d| d.next().is_none()).unwrap_or(false);
+        if !empty {
+            return Err(Error::usage(format!(
+                "{} exists and is not an empty directory; pass a new --out",
+                out.display()
+            )));
+        }
+    }
+    let parent = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    std::fs::create_dir_all(&parent).map_err(|e| Error::input(format!("cannot create {}: {e}", parent.display())))?;
+    let io = |what: &Path, e: std::io::Error| Error::input(format!("cannot write {}: {e}", what.display()));
+    let tmp = tempfile::Builder::new().prefix(".synth-").tempdir_in(&parent).map_err(|e| io(&parent, e))?;
+    let cfg_text = serde_json::to_string_pretty(config).expect("json serialises");
+    std::fs::write(tmp.path().join("config.json"), cfg_text).map_err(|e| io(out, e))?;
+    let vocab = config["vocab_size"].as_u64().unwrap_or(0) as usize;
+    let tok = serde_json::to_string_pretty(&synth_tokenizer(vocab)).expect("json serialises");
+    std::fs::write(tmp.path().join("tokenizer.json"), tok).map_err(|e| io(out, e))?;
+    let tensors = synth_tensors(config, seed);
+    let parameters = tensors.iter().map(|t| t.2.len()).sum();
+    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+        .iter()
+        .map(|(n, s, v)| (n.clone(), s.clone(), v.iter().flat_map(|x| x.to_le_bytes()).collect()))
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = bytes
+        .iter()
+        .map(|(n, s, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b).expect("consistent view"),
+            )
+        })
+        .collect();
+    let st = tmp.path().join("model.safetensors");
+    safetensors::serialize_to_file(views, None, &st)
+        .map_err(|e| Error::input(format!("cannot write {}: {e}", st.display())))?;
+    if out.exists() {
+        std::fs::remove_dir(out).map_err(|e| io(out, e))?;
+    }
+    let kept = tmp.keep();
+    std::fs::rename(&kept, out).map_err(|e| {
+        let _ = std::fs::remove_dir_all(&kept);
+        io(out, e)
+    })?;
+    Ok(SynthReport {
+        dir: out.display().to_string(),
+        family: config["model_type"].as_str().unwrap_or_default().into(),
+        config: config.clone(),
+        tensors: tensors.len(),
+        parameters,
+    })
+}
+
+/// Write a synthetic checkpoint for `req`.
+///
+/// # Errors
+/// As [`synth_config`] and [`write_checkpoint`].
+pub fn synth(req: &SynthRequest) -> Result<SynthReport> {
+    let config = synth_config(req)?;
+    write_checkpoint(&req.out, &config, req.seed)
+}

@@ -1,0 +1,159 @@
+//! Knowledge-base evolution: unexplained recurring failures become schema-valid candidates; proposals
+//! are validated and staged (or refused with field-level reasons, nothing staged); promotion needs
+//! evidence in the ledger or a person's --force, and then plan covers the new target.
+
+use std::path::Path;
+
+use metainfer::ckb::Ckb;
+use metainfer::ledger::{Ledger, Outcome};
+use metainfer::ops::evolve::{EvolveRequest, ProposeRequest, evolve, promote, propose};
+
+fn failed(i: usize, tool: &str, contracts: &[&str], summary: &str, figures: serde_json::Value) -> Outcome {
+    Outcome {
+        id: format!("o{i}"),
+        time: "2026-11-30T10:00:00Z".into(),
+        tool: tool.into(),
+        engine: "/e".into(),
+        engine_hash: "h".into(),
+        contracts: contracts.iter().map(|c| c.to_string()).collect(),
+        passed: false,
+        summary: summary.into(),
+        figures,
+        reference_level: "zero".into(),
+        duration_ms: 1,
+        client: String::new(),
+        constraints: serde_json::json!({}),
+    }
+}
+
+#[test]
+fn recurring_unexplained_failures_become_valid_candidates() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let l = Ledger::open(&ctx.ledger).unwrap();
+    for (i, seed) in [11u64, 22, 33].iter().enumerate() {
+        let summary =
+            format!("verify FAILED: 0/4 prompts passed (seed {seed}, model.llama, logits atol 0.001 rtol 0.001)");
+        l.record(&failed(i, "verify_generation", &["model.llama@1"], &summary, serde_json::json!({"diagnosis": []})))
+            .unwrap();
+    }
+    // Explained by a known failure mode: not a candidate.
+    l.record(&failed(
+        10,
+        "verify_generation",
+        &["model.llama@1"],
+        "verify FAILED: other",
+        serde_json::json!({"diagnosis": ["failure.rope-adjacent-pairs"]}),
+    ))
+    .unwrap();
+    for i in 20..22 {
+        let k = serde_json::json!({"kernels": [{"id": "kernel.softmax", "passed": false, "diagnosis": []}]});
+        l.record(&failed(i, "run_kernel_test", &["kernel.softmax@1"], "kernel tests FAILED", k)).unwrap();
+    }
+    for i in 30..32 {
+        let c = serde_json::json!({"codes": ["E0308"], "hinted": ["kernel.linear"]});
+        l.record(&failed(i, "compile_engine", &[], "compile FAILED", c)).unwrap();
+    }
+    let r = evolve(&ctx, &EvolveRequest::default()).unwrap();
+    assert_eq!((r.failures, r.explained), (8, 1));
+    let mut seen: Vec<(String, String, usize)> =
+        r.clusters.iter().map(|c| (c.tool.clone(), c.contract.clone(), c.outcomes.len())).collect();
+    seen.sort();
+    assert_eq!(
+        seen,
+        [
+            ("compile_engine".to_string(), "kernel.linear".to_string(), 2),
+            ("run_kernel_test".to_string(), "kernel.softmax".to_string(), 2),
+            ("verify_generation".to_string(), "model.llama".to_string(), 3),
+        ]
+    );
+    // Every candidate validates against the schema and lint together with the shipped CKB.
+    let mut files = metainfer::ckb::embedded_files();
+    for c in &r.clusters {
+        let text = std::fs::read_to_string(ctx.candidates_dir().join(&c.file)).unwrap();
+        assert!(text.contains("o0") || text.contains("o20") || text.contains("o30"), "evidence links outcomes: {text}");
+        files.push((format!("candidates-check/{}", c.file), text));
+    }
+    let (_, findings) = Ckb::check_sources(files, "test".into());
+    assert_eq!(findings, vec![]);
+    // Nothing entered the CKB: the built-in one has no candidate.
+    assert!(ctx.ckb.all().all(|c| !c.id.starts_with("failure.candidate-")));
+}
+
+fn aarch64_platform(version: u32) -> String {
+    format!(
+        r#"id = "platform.cpu-aarch64"
+kind = "platform"
+version = {version}
+summary = "64-bit Arm CPUs with NEON (128-bit SIMD), f32."
+sources = [{{ title = "Arm Architecture Reference Manual, Advanced SIMD (NEON)" }}]
+
+[platform]
+target = "cpu-aarch64"
+dtypes = ["f32"]
+simd_bits = 128
+bandwidth_gbs = {{ "1" = 20.0 }}
+peak_gflops_f32 = {{ "1" = 32.0 }}
+guidance = ["stream each weight once per token with four independent NEON accumulators"]
+"#
+    )
+}
+
+fn working_copy(dir: &Path) {
+    for (p, s) in metainfer::ckb::embedded_files() {
+        let path = dir.join(&p);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, s).unwrap();
+    }
+}
+
+#[test]
+fn proposals_are_validated_staged_and_promoted_on_evidence() {
+    let t = tempfile::tempdir().unwrap();
+    let mut ctx = crate::ctx(t.path());
+
+    // Refused with field-level reasons; nothing staged.
+    let bad = aarch64_platform(1).replace("simd_bits = 128", "simd_bits = \"wide\"");
+    let r = propose(&ctx, &ProposeRequest { toml: bad }).unwrap();
+    assert!(!r.staged && r.findings.iter().any(|f| f.field.contains("simd_bits")), "{r:?}");
+    assert!(!ctx.candidates_dir().exists(), "nothing may be staged for a refused proposal");
+    let amend_same =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("contracts/kernels/argmax.toml")).unwrap();
+    let r = propose(&ctx, &ProposeRequest { toml: amend_same.clone() }).unwrap();
+    assert!(!r.staged && r.findings.iter().any(|f| f.field == "/version"), "{r:?}");
+    let r = propose(&ctx, &ProposeRequest { toml: amend_same.replacen("version = 1", "version = 2", 1) }).unwrap();
+    assert!(r.staged && r.amendment, "{r:?}");
+
+    let r = propose(&ctx, &ProposeRequest { toml: aarch64_platform(1) }).unwrap();
+    assert!(r.staged && !r.amendment, "{r:?}");
+
+    // Promotion writes into a working copy only, and needs evidence or --force.
+    let e = promote(&ctx, "platform.cpu-aarch64", false).unwrap_err();
+    assert!(e.message.contains("--ckb"), "{}", e.message);
+    let wc = t.path().join("ckb");
+    working_copy(&wc);
+    let staged = std::fs::read_to_string(ctx.candidates_dir().join("platforms/cpu-aarch64.toml")).unwrap();
+    ctx.ckb_dir = Some(wc.clone());
+    std::fs::create_dir_all(ctx.candidates_dir().join("platforms")).unwrap();
+    std::fs::write(ctx.candidates_dir().join("platforms/cpu-aarch64.toml"), staged).unwrap();
+    let e = promote(&ctx, "platform.cpu-aarch64", false).unwrap_err();
+    assert!(e.message.contains("no evidence"), "{}", e.message);
+    let mut ok = failed(99, "profile_engine", &["platform.cpu-aarch64@1"], "profile", serde_json::json!({}));
+    ok.passed = true;
+    Ledger::open(&ctx.ledger).unwrap().record(&ok).unwrap();
+    let msg = promote(&ctx, "platform.cpu-aarch64", false).unwrap();
+    assert!(msg.contains("evidence: outcome o99"), "{msg}");
+    assert!(wc.join("platforms/cpu-aarch64.toml").is_file());
+
+    // The working copy is valid and plan now covers the new target.
+    let out = std::process::Command::new(crate::bin())
+        .arg("--ckb")
+        .arg(&wc)
+        .args(["plan", "--target", "cpu-aarch64", "--model"])
+        .arg(crate::babyllama())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{text}");
+    assert!(text.contains("platform.cpu-aarch64"), "{text}");
+}

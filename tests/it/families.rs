@@ -1,0 +1,332 @@
+//! Dense decoder families beyond Llama: routing of synthetic checkpoints, the generalised f64 reference
+//! forward, the effect of every feature on the logits, and config edge cases refused with the field.
+
+use std::path::{Path, PathBuf};
+
+use metainfer::ckb::Ckb;
+use metainfer::model::{self, ResolvedConfig};
+use metainfer::ops::plan::{PlanRequest, plan_only};
+use metainfer::ops::synth::{SynthRequest, synth_config, write_checkpoint};
+use metainfer::oracle::families::{gelu_tanh, rope_inv_freq};
+use metainfer::oracle::llama::Reference;
+use serde_json::{Value, json};
+
+/// Write a synthetic checkpoint of `family` into `root/name`, with `edit` applied to its config.json.
+fn synth(root: &Path, name: &str, family: &str, edit: impl FnOnce(&mut Value)) -> PathBuf {
+    let req = SynthRequest { family: family.into(), out: root.join(name), seed: 7, ..Default::default() };
+    let mut config = synth_config(&req).unwrap();
+    edit(&mut config);
+    write_checkpoint(&req.out, &config, req.seed).unwrap();
+    req.out
+}
+
+fn llama3(c: &mut Value) {
+    c["rope_scaling"] = json!({
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16
+    });
+}
+
+/// The six configurations of the issue: (name, family, config edit, family id, features).
+type Case = (&'static str, &'static str, fn(&mut Value), &'static str, &'static [&'static str]);
+const CASES: &[Case] = &[
+    ("llama", "llama", |_| {}, "model.llama", &[]),
+    ("llama3", "llama", llama3, "model.llama", &[]),
+    ("mistral", "mistral", |_| {}, "model.mistral", &["sliding_window"]),
+    ("qwen2", "qwen2", |_| {}, "model.qwen2", &["qkv_bias"]),
+    ("qwen3", "qwen3", |_| {}, "model.qwen3", &["qk_norm"]),
+    ("gemma", "gemma", |_| {}, "model.gemma", &["gelu_tanh_mlp", "rmsnorm_one_plus_w", "embed_scale_sqrt_hidden"]),
+];
+
+#[test]
+fn plan_engine_routes_all_six_families() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    for (name, family, edit, id, features) in CASES {
+        let dir = synth(t.path(), name, family, edit);
+        let r = plan_only(
+            &ctx,
+            &PlanRequest { model: dir.display().to_string(), target: "cpu".into(), dtype: "f32".into() },
+        )
+        .unwrap();
+        assert!(r.covered, "{name}: {:?}", r.gaps);
+        assert_eq!(&r.family, id, "{name}");
+        let cfg = r.config.unwrap();
+        assert_eq!(cfg.features, features.iter().map(|s| s.to_string()).collect::<Vec<_>>(), "{name}");
+        assert!(r.phases.iter().any(|p| p.contracts.contains(&id.to_string())), "{name}");
+        match *name {
+            "llama3" => {
+                let s = cfg.rope_scaling.expect("llama3 scaling resolved");
+                assert_eq!((s.rope_type.as_str(), s.factor, s.original_max_position_embeddings), ("llama3", 8.0, 16));
+            }
+            "mistral" => assert_eq!(cfg.sliding_window, 8),
+            "qwen2" | "gemma" | "qwen3" => assert!(cfg.tied, "{name} is tied in synth"),
+            _ => assert!(!cfg.tied && cfg.rope_scaling.is_none()),
+        }
+    }
+}
+
+fn load(dir: &Path) -> (ResolvedConfig, model::Tensors) {
+    (model::load_config(&Ckb::embedded().unwrap(), dir).unwrap(), model::read_safetensors(dir).unwrap())
+}
+
+/// Logits of every position of a 12-token sequence (longer than mistral's window of 8).
+fn run(cfg: &ResolvedConfig, tensors: &model::Tensors) -> Vec<Vec<f64>> {
+    let mut r = Reference::new(cfg, tensors).unwrap();
+    (0..12u32).map(|i| r.step((i * 7 + 3) % cfg.vocab as u32).unwrap()).collect()
+}
+
+fn max_diff(a: &[Vec<f64>], b: &[Vec<f64>]) -> f64 {
+    a.iter().flatten().zip(b.iter().flatten()).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
+}
+
+#[test]
+fn reference_forward_gives_finite_spread_logits_for_every_family() {
+    let t = tempfile::tempdir().unwrap();
+    for (name, family, edit, _, _) in CASES {
+        let dir = synth(t.path(), name, family, edit);
+        let (cfg, tensors) = load(&dir);
+        let rows = run(&cfg, &tensors);
+        for row in &rows {
+            assert_eq!(row.len(), cfg.vocab);
+            assert!(row.iter().all(|v| v.is_finite()), "{name}: non-finite logits");
+            let mean = row.iter().sum::<f64>() / row.len() as f64;
+            let sd = (row.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / row.len() as f64).sqrt();
+            assert!(sd > 0.1 && sd < 100.0, "{name}: logits degenerate (sd {sd})");
+        }
+        // Greedy decoding and the tokenizer work on the synthetic checkpoint.
+        let tok = model::hf_tokenizer(&dir).unwrap();
+        let ids = model::hf_encode(&tok, "hello world").unwrap();
+        assert_eq!(ids[0], 1, "BOS first");
+        assert!(ids.iter().all(|&i| (i as usize) < cfg.vocab));
+        let (logits, tokens) = Reference::new(&cfg, &tensors).unwrap().greedy(&ids, 4).unwrap();
+        assert_eq!((logits.len(), tokens.len()), (4, 4));
+    }
+}
+
+#[test]
+fn every_feature_changes_the_logits_when_toggled() {
+    let t = tempfile::tempdir().unwrap();
+    for (name, family, edit, _, features) in CASES {
+        let dir = synth(t.path(), name, family, edit);
+        let (cfg, tensors) = load(&dir);
+        let base = run(&cfg, &tensors);
+        for f in features.iter() {
+            let mut off = cfg.clone();
+            off.features.retain(|x| x != f);
+            if *f == "sliding_window" {
+                off.sliding_window = 0;
+            }
+            let d = max_diff(&base, &run(&off, &tensors));
+            assert!(d > 1e-3, "{name}: feature {f} has no effect on the logits ({d})");
+        }
+        if *name == "llama3" {
+            let mut off = cfg.clone();
+            off.rope_scaling = None;
+            let d = max_diff(&base, &run(&off, &tensors));
+            assert!(d > 1e-3, "llama3 rope scaling has no effect ({d})");
+            // Position 0 has angle 0 whatever the frequencies: scaling cannot change its logits.
+            assert!(max_diff(&base[..1], &run(&off, &tensors)[..1]) < 1e-12);
+        }
+    }
+}
+
+#[test]
+fn qwen2_biases_are_the_only_effect_of_qkv_bias() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = synth(t.path(), "qwen2", "qwen2", |_| {});
+    let (cfg, mut tensors) = load(&dir);
+    let with = run(&cfg, &tensors);
+    for (name, (_, v)) in tensors.iter_mut() {
+        if name.ends_with("_proj.bias") {
+            v.iter_mut().for_each(|x| *x = 0.0);
+        }
+    }
+    let zeroed = run(&cfg, &tensors);
+    assert!(max_diff(&with, &zeroed) > 1e-3, "biases must change the logits");
+    let mut off = cfg.clone();
+    off.features.clear();
+    assert!(max_diff(&zeroed, &run(&off, &tensors)) < 1e-12, "zero biases must equal no biases");
+}
+
+#[test]
+fn mistral_window_masks_exactly_positions_older_than_the_window() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = synth(t.path(), "mistral", "mistral", |_| {});
+    let (cfg, tensors) = load(&dir);
+    assert_eq!(cfg.sliding_window, 8);
+    let windowed = run(&cfg, &tensors);
+    let mut full = cfg.clone();
+    full.sliding_window = 0;
+    let full = run(&full, &tensors);
+    // Positions 0..=7 see at most 8 positions: identical. Position 8 loses position 0: different.
+    assert!(max_diff(&windowed[..8], &full[..8]) < 1e-12);
+    for p in 8..12 {
+        assert!(max_diff(&windowed[p..=p], &full[p..=p]) > 1e-6, "position {p} must not see position {}", p - 8);
+    }
+    // A window as long as the sequence is full attention.
+    let mut long = cfg.clone();
+    long.sliding_window = 12;
+    assert!(max_diff(&run(&long, &tensors), &full) < 1e-12);
+    // sliding_window: null means full attention.
+    let dir = synth(t.path(), "mistral-null", "mistral", |c| c["sliding_window"] = Value::Null);
+    let (cfg, _) = load(&dir);
+    assert_eq!(cfg.sliding_window, 0);
+    assert!(cfg.features.is_empty());
+}
+
+#[test]
+fn gelu_tanh_and_llama3_frequencies_match_published_values() {
+    // Tanh-approximated GELU at 1 and -1 (PyTorch gelu(approximate="tanh")).
+    assert!((gelu_tanh(1.0) - 0.841_191_990_607_477_2).abs() < 1e-12, "{}", gelu_tanh(1.0));
+    assert!((gelu_tanh(-1.0) + 0.158_808_009_392_522_8).abs() < 1e-12, "{}", gelu_tanh(-1.0));
+    // Llama 3.1: factor 8, low 1, high 4, original 8192, theta 500000, head_dim 128.
+    let s = model::RopeScaling {
+        rope_type: "llama3".into(),
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 8192,
+    };
+    let plain = rope_inv_freq(128, 500_000.0, None);
+    let scaled = rope_inv_freq(128, 500_000.0, Some(&s));
+    let wavelen = |f: f64| 2.0 * std::f64::consts::PI / f;
+    let (mut kept, mut divided, mut blended) = (0, 0, 0);
+    for (p, q) in plain.iter().zip(&scaled) {
+        let w = wavelen(*p);
+        if w < 8192.0 / 4.0 {
+            assert_eq!(p, q);
+            kept += 1;
+        } else if w > 8192.0 {
+            assert!((q - p / 8.0).abs() <= 1e-15 * p);
+            divided += 1;
+        } else {
+            let sm = (8192.0 / w - 1.0) / 3.0;
+            assert!((q - ((1.0 - sm) * p / 8.0 + sm * p)).abs() <= 1e-15 * p);
+            assert!(*q < *p && *q > p / 8.0);
+            blended += 1;
+        }
+    }
+    assert!(kept > 0 && divided > 0 && blended > 0, "{kept} {divided} {blended}");
+    let lin = model::RopeScaling { rope_type: "linear".into(), factor: 4.0, ..s };
+    let l = rope_inv_freq(128, 500_000.0, Some(&lin));
+    assert!(l.iter().zip(&plain).all(|(a, b)| (a - b / 4.0).abs() <= 1e-18));
+}
+
+fn refused(dir: &Path) -> String {
+    model::load_config(&Ckb::embedded().unwrap(), dir).unwrap_err().message
+}
+
+#[test]
+fn config_edge_cases_are_refused_with_the_field() {
+    let t = tempfile::tempdir().unwrap();
+    let cases: Vec<(&str, &str, Box<dyn FnOnce(&mut Value)>, &[&str])> = vec![
+        (
+            "yarn",
+            "llama",
+            Box::new(|c| c["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0})),
+            &["rope_scaling", "yarn"],
+        ),
+        (
+            "llama3-missing",
+            "llama",
+            Box::new(|c| c["rope_scaling"] = json!({"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0})),
+            &["rope_scaling", "low_freq_factor", "missing"],
+        ),
+        (
+            "llama3-inverted",
+            "llama",
+            Box::new(|c| {
+                llama3(c);
+                c["rope_scaling"]["high_freq_factor"] = json!(0.5);
+            }),
+            &["rope_scaling", "high_freq_factor"],
+        ),
+        (
+            "linear-zero",
+            "llama",
+            Box::new(|c| c["rope_scaling"] = json!({"type": "linear", "factor": 0})),
+            &["rope_scaling", "factor"],
+        ),
+        ("window-zero", "mistral", Box::new(|c| c["sliding_window"] = json!(0)), &["sliding_window", "positive"]),
+        ("qwen2-window", "qwen2", Box::new(|c| c["use_sliding_window"] = json!(true)), &["use_sliding_window"]),
+        ("qwen3-bias", "qwen3", Box::new(|c| c["attention_bias"] = json!(true)), &["attention_bias"]),
+        (
+            "gemma-gelu",
+            "gemma",
+            Box::new(|c| c["hidden_activation"] = json!("gelu")),
+            &["hidden_activation", "gelu_pytorch_tanh"],
+        ),
+        (
+            "qwen2-scaling",
+            "qwen2",
+            Box::new(|c| c["rope_scaling"] = json!({"rope_type": "linear", "factor": 2.0})),
+            &["rope_scaling"],
+        ),
+        ("gqa", "qwen3", Box::new(|c| c["num_key_value_heads"] = json!(3)), &["num_key_value_heads", "multiple"]),
+    ];
+    for (name, family, edit, words) in cases {
+        let dir = synth(t.path(), name, family, edit);
+        let m = refused(&dir);
+        for w in words {
+            assert!(m.contains(w), "{name}: {w:?} not in {m}");
+        }
+    }
+    // HF class defaults: Qwen2 without num_key_value_heads uses num_attention_heads; rope_type "default"
+    // and a null rope_scaling are plain RoPE.
+    let dir = synth(t.path(), "qwen2-kv", "qwen2", |c| {
+        c.as_object_mut().unwrap().remove("num_key_value_heads");
+        c["rope_scaling"] = Value::Null;
+    });
+    let cfg = model::load_config(&Ckb::embedded().unwrap(), &dir).unwrap();
+    assert_eq!((cfg.n_heads, cfg.n_kv_heads, cfg.rope_scaling), (4, 4, None));
+    let dir = synth(t.path(), "llama-default", "llama", |c| c["rope_scaling"] = json!({"rope_type": "default"}));
+    assert_eq!(model::load_config(&Ckb::embedded().unwrap(), &dir).unwrap().rope_scaling, None);
+}
+
+#[test]
+fn synth_refuses_absurd_sizes_and_occupied_directories() {
+    let t = tempfile::tempdir().unwrap();
+    let req = |f: &str| SynthRequest { family: f.into(), out: t.path().join("x"), ..Default::default() };
+    let e = synth_config(&SynthRequest { hidden: Some(100_000), ..req("llama") }).unwrap_err();
+    assert!(e.message.contains("--hidden"), "{}", e.message);
+    let e = synth_config(&SynthRequest { heads: Some(4), kv_heads: Some(3), ..req("qwen2") }).unwrap_err();
+    assert!(e.message.contains("--kv-heads"), "{}", e.message);
+    let e = synth_config(&SynthRequest { hidden: Some(8192), layers: Some(64), ..req("llama") }).unwrap_err();
+    assert!(e.message.contains("parameters"), "{}", e.message);
+    let e = synth_config(&req("mamba")).unwrap_err();
+    assert!(e.message.contains("mamba") && e.message.contains("gemma"), "{}", e.message);
+    std::fs::create_dir_all(t.path().join("x")).unwrap();
+    std::fs::write(t.path().join("x/keep"), "").unwrap();
+    let e = metainfer::ops::synth::synth(&req("llama")).unwrap_err();
+    assert!(e.message.contains("not an empty directory"), "{}", e.message);
+    assert!(t.path().join("x/keep").exists());
+    // No temporary directory is left behind.
+    let left: Vec<_> = std::fs::read_dir(t.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(left.len(), 1, "{left:?}");
+}
+
+#[test]
+fn synth_cli_writes_a_checkpoint_that_plans() {
+    let t = tempfile::tempdir().unwrap();
+    let out = t.path().join("qwen3");
+    let s = std::process::Command::new(crate::bin())
+        .args(["synth", "--family", "qwen3", "--out"])
+        .arg(&out)
+        .args(["--seed", "3", "--hidden", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--head-dim", "24"])
+        .args(["--vocab", "40", "--intermediate", "48", "--max-seq", "16"])
+        .output()
+        .unwrap();
+    assert!(s.status.success(), "{}", String::from_utf8_lossy(&s.stderr));
+    let cfg = model::load_config(&Ckb::embedded().unwrap(), &out).unwrap();
+    assert_eq!((cfg.hidden, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.vocab), (32, 24, 2, 1, 40));
+    let tensors = model::read_safetensors(&out).unwrap();
+    assert_eq!(tensors["model.layers.0.self_attn.q_norm.weight"].0, vec![24]);
+    assert_eq!(tensors["model.layers.0.self_attn.q_proj.weight"].0, vec![48, 32]);
+    let s = std::process::Command::new(crate::bin())
+        .args(["synth", "--family", "qwen3", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert_eq!(s.status.code(), Some(2), "an occupied --out is a usage error");
+}
