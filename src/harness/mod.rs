@@ -137,7 +137,7 @@ pub fn run(expr: duct::Expression, budget: &Budget) -> Result<Run> {
             break Some(Exit::TimedOut);
         }
         polls += 1;
-        if polls % 10 == 0 && (size(&out_path) > MAX_OUTPUT_BYTES || size(&err_path) > MAX_OUTPUT_BYTES) {
+        if polls.is_multiple_of(10) && (size(&out_path) > MAX_OUTPUT_BYTES || size(&err_path) > MAX_OUTPUT_BYTES) {
             break Some(Exit::OutputLimit);
         }
         std::thread::sleep(Duration::from_millis(20));
@@ -433,12 +433,15 @@ impl Workshop {
     }
 }
 
+/// String metadata of a safetensors file (`__metadata__`).
+pub type Metadata = HashMap<String, String>;
+
 /// Read a safetensors file written by the harness: its metadata and every tensor as raw
 /// little-endian 32-bit words (f32 values via `f32::from_bits`, u32 values as they are).
 ///
 /// # Errors
 /// [`crate::error::ErrorKind::Internal`] when the file is missing or malformed.
-pub fn read_tensor_words(path: &Path) -> Result<(HashMap<String, String>, HashMap<String, Vec<u32>>)> {
+pub fn read_tensor_words(path: &Path) -> Result<(Metadata, HashMap<String, Vec<u32>>)> {
     let bytes = std::fs::read(path).map_err(|e| Error::internal(format!("{}: {e}", path.display())))?;
     let bad = |e: safetensors::SafeTensorError| Error::internal(format!("{}: {e}", path.display()));
     let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).map_err(bad)?;

@@ -84,7 +84,7 @@ impl Server {
         }
     }
 
-    fn into_result<R: Report + Serialize>(&self, r: crate::error::Result<R>) -> Result<CallToolResult, ErrorData> {
+    fn to_result<R: Report + Serialize>(&self, r: crate::error::Result<R>) -> Result<CallToolResult, ErrorData> {
         Ok(match r {
             Ok(report) => ok_result(&report, self.ctx.max_output),
             Err(e) => err_result(e),
@@ -171,7 +171,7 @@ impl Server {
             }
         };
         match result {
-            Ok(r) => self.into_result(r),
+            Ok(r) => self.to_result(r),
             Err(e) => Err(ErrorData::internal_error(format!("{what} failed inside the server: {e}"), None)),
         }
     }
@@ -193,7 +193,7 @@ impl Server {
         rc: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
         self.note_client(&rc);
-        self.into_result(crate::ops::plan::plan(&self.ctx, &req))
+        self.to_result(crate::ops::plan::plan(&self.ctx, &req))
     }
 
     /// Look up a contract by id (math, shapes, dtypes, tolerance, pseudocode, failure modes, Rust signature) or
@@ -210,7 +210,7 @@ impl Server {
         rc: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
         self.note_client(&rc);
-        self.into_result(crate::ops::lookup::lookup(&self.ctx, &req))
+        self.to_result(crate::ops::lookup::lookup(&self.ctx, &req))
     }
 
     /// List the outcome ledger, newest first: every tool call's result with its engine hash, contracts and
@@ -227,7 +227,7 @@ impl Server {
         rc: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
         self.note_client(&rc);
-        self.into_result(crate::ops::outcomes::list(&self.ctx, &req))
+        self.to_result(crate::ops::outcomes::list(&self.ctx, &req))
     }
 
     /// Report what the ledger says about the knowledge base: per contract attempts, first-try pass rate, attempts
@@ -245,7 +245,7 @@ impl Server {
         rc: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
         self.note_client(&rc);
-        self.into_result(crate::ops::report::report(&self.ctx, &req))
+        self.to_result(crate::ops::report::report(&self.ctx, &req))
     }
 
     /// Cluster recurring failures in the ledger that no known failure mode explains, and stage one candidate
@@ -263,7 +263,7 @@ impl Server {
         rc: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
         self.note_client(&rc);
-        self.into_result(crate::ops::evolve::evolve(&self.ctx, &req))
+        self.to_result(crate::ops::evolve::evolve(&self.ctx, &req))
     }
 
     /// Propose a new or amended contract (a model family, kernel, component, platform or failure mode) as TOML.
@@ -281,7 +281,7 @@ impl Server {
         rc: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
         self.note_client(&rc);
-        self.into_result(crate::ops::evolve::propose(&self.ctx, &req))
+        self.to_result(crate::ops::evolve::propose(&self.ctx, &req))
     }
 
     /// Write a compilable engine crate for the constraints into an empty directory: Cargo.toml, one module per
@@ -298,7 +298,7 @@ impl Server {
         rc: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
         self.note_client(&rc);
-        self.into_result(crate::ops::scaffold::scaffold(&self.ctx, &req))
+        self.to_result(crate::ops::scaffold::scaffold(&self.ctx, &req))
     }
 
     /// Build the engine crate (release) and return compiler errors with file, line, code and a contract hint.

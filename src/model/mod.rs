@@ -214,7 +214,7 @@ pub fn resolve(
     let mut cfg = cfg;
     scaling::resolve_extras(contract, config, &roles, &mut cfg, &mut gaps);
     if gaps.is_empty() {
-        if cfg.n_heads % cfg.n_kv_heads != 0 {
+        if !cfg.n_heads.is_multiple_of(cfg.n_kv_heads) {
             gaps.push(Gap {
                 field: "num_key_value_heads".into(),
                 reason: format!(
@@ -223,16 +223,16 @@ pub fn resolve(
                 ),
             });
         }
-        if cfg.head_dim % 2 != 0 {
+        if !cfg.head_dim.is_multiple_of(2) {
             gaps.push(Gap {
                 field: "head_dim".into(),
                 reason: format!("head_dim {} must be even for RoPE", cfg.head_dim),
             });
         }
-        if !(cfg.rms_norm_eps > 0.0) {
+        if cfg.rms_norm_eps.is_nan() || cfg.rms_norm_eps <= 0.0 {
             gaps.push(Gap { field: "rms_norm_eps".into(), reason: "must be a positive number".into() });
         }
-        if !(cfg.rope_theta > 0.0) {
+        if cfg.rope_theta.is_nan() || cfg.rope_theta <= 0.0 {
             gaps.push(Gap { field: "rope_theta".into(), reason: "must be a positive number".into() });
         }
     }

@@ -111,8 +111,7 @@ fn shape_of(text: &str) -> String {
 fn has_diagnosis(v: &serde_json::Value) -> bool {
     match v {
         serde_json::Value::Object(o) => o.iter().any(|(k, x)| {
-            (k == "diagnosis" && x.as_array().is_some_and(|a| !a.is_empty()) || x.is_string() && k == "diagnosis")
-                || has_diagnosis(x)
+            (k == "diagnosis" && (x.as_array().is_some_and(|a| !a.is_empty()) || x.is_string())) || has_diagnosis(x)
         }),
         serde_json::Value::Array(a) => a.iter().any(has_diagnosis),
         _ => false,

@@ -240,7 +240,9 @@ pub fn build(ctx: &Ctx, outcomes: &[Outcome], req: &ReportRequest) -> CkbReport 
         .iter()
         .map(|l| LevelRow { level: l.to_string(), stats: stats(&per_level.get(*l).cloned().unwrap_or_default()) })
         .collect();
-    let mut per_engine: BTreeMap<String, (String, BTreeMap<&str, (usize, String)>)> = BTreeMap::new();
+    // engine -> (reference level, gate -> (attempts, time of first pass))
+    type Steps<'a> = BTreeMap<&'a str, (usize, String)>;
+    let mut per_engine: BTreeMap<String, (String, Steps)> = BTreeMap::new();
     for o in &gates {
         let e = per_engine.entry(o.engine.clone()).or_insert_with(|| (o.reference_level.clone(), BTreeMap::new()));
         let step = e.1.entry(GATES.iter().find(|g| **g == o.tool).copied().unwrap_or("")).or_default();

@@ -68,11 +68,14 @@ impl Report for ScaffoldReport {
     }
 }
 
+/// Files as (path relative to the crate, contents).
+pub type Files = Vec<(String, String)>;
+
 /// The files of a scaffold, as (relative path, contents), for the constraints.
 ///
 /// # Errors
 /// When the constraints are not covered.
-pub fn render(ctx: &Ctx, req: &ScaffoldRequest) -> Result<(Vec<(String, String)>, Vec<String>)> {
+pub fn render(ctx: &Ctx, req: &ScaffoldRequest) -> Result<(Files, Vec<String>)> {
     let preq = PlanRequest { model: req.model.clone(), target: req.target.clone(), dtype: req.dtype.clone() };
     let report = plan_only(ctx, &preq)?;
     if !report.covered {

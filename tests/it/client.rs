@@ -297,6 +297,6 @@ async fn output_is_bounded_and_outcomes_are_paginated() {
     let p2 = c.call_tool(page(Some(3))).await.unwrap().structured_content.unwrap();
     assert_eq!(p2["outcomes"].as_array().unwrap().len(), 1);
     assert!(p2.get("next_cursor").is_none());
-    assert_eq!(p2["outcomes"][0]["summary"].as_str().unwrap().contains("kernel.attention"), true);
+    assert!(p2["outcomes"][0]["summary"].as_str().unwrap().contains("kernel.attention"));
     c.cancel().await.unwrap();
 }
