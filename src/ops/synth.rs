@@ -105,7 +105,10 @@ pub fn synth_config(req: &SynthRequest) -> Result<serde_json::Value> {
     check((1..=8192).contains(&hidden), format!("--hidden {hidden} must be in 1..=8192"))?;
     check((1..=64).contains(&layers), format!("--layers {layers} must be in 1..=64"))?;
     check((1..=128).contains(&heads), format!("--heads {heads} must be in 1..=128"))?;
-    check(kv >= 1 && heads % kv == 0, format!("--kv-heads {kv} must be at least 1 and divide --heads {heads}"))?;
+    check(
+        kv >= 1 && heads.is_multiple_of(kv),
+        format!("--kv-heads {kv} must be at least 1 and divide --heads {heads}"),
+    )?;
     check((8..=262_144).contains(&vocab), format!("--vocab {vocab} must be in 8..=262144"))?;
     check((1..=65_536).contains(&inter), format!("--intermediate {inter} must be in 1..=65536"))?;
     check((1..=1_048_576).contains(&max_seq), format!("--max-seq {max_seq} must be in 1..=1048576"))?;
@@ -113,7 +116,7 @@ pub fn synth_config(req: &SynthRequest) -> Result<serde_json::Value> {
         Some(d) => d,
         None => {
             check(
-                hidden % heads == 0,
+                hidden.is_multiple_of(heads),
                 format!("--hidden {hidden} is not a multiple of --heads {heads}; pass --head-dim"),
             )?;
             hidden / heads
@@ -209,8 +212,8 @@ pub fn synth_tensors(config: &serde_json::Value, seed: u64) -> Vec<(String, Vec<
         u("intermediate_size"),
         u("num_hidden_layers"),
         u("num_attention_heads"),
-        u("num_key_value_heads"),
-        u("head_dim"),
+        config["num_key_value_heads"].as_u64().map_or(u("num_attention_heads"), |v| v as usize),
+        config["head_dim"].as_u64().map_or(u("hidden_size") / u("num_attention_heads"), |v| v as usize),
         u("vocab_size"),
     );
     let family = config["model_type"].as_str().unwrap_or("llama");

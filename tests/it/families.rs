@@ -213,6 +213,9 @@ fn gelu_tanh_and_llama3_frequencies_match_published_values() {
     assert!(l.iter().zip(&plain).all(|(a, b)| (a - b / 4.0).abs() <= 1e-18));
 }
 
+/// (name, family, config edit, words the refusal must contain).
+type EdgeCase = (&'static str, &'static str, Box<dyn FnOnce(&mut Value)>, &'static [&'static str]);
+
 fn refused(dir: &Path) -> String {
     model::load_config(&Ckb::embedded().unwrap(), dir).unwrap_err().message
 }
@@ -220,7 +223,7 @@ fn refused(dir: &Path) -> String {
 #[test]
 fn config_edge_cases_are_refused_with_the_field() {
     let t = tempfile::tempdir().unwrap();
-    let cases: Vec<(&str, &str, Box<dyn FnOnce(&mut Value)>, &[&str])> = vec![
+    let cases: Vec<EdgeCase> = vec![
         (
             "yarn",
             "llama",
@@ -292,7 +295,8 @@ fn synth_refuses_absurd_sizes_and_occupied_directories() {
     assert!(e.message.contains("--hidden"), "{}", e.message);
     let e = synth_config(&SynthRequest { heads: Some(4), kv_heads: Some(3), ..req("qwen2") }).unwrap_err();
     assert!(e.message.contains("--kv-heads"), "{}", e.message);
-    let e = synth_config(&SynthRequest { hidden: Some(8192), layers: Some(64), ..req("llama") }).unwrap_err();
+    let e = synth_config(&SynthRequest { hidden: Some(4096), heads: Some(32), layers: Some(64), ..req("llama") })
+        .unwrap_err();
     assert!(e.message.contains("parameters"), "{}", e.message);
     let e = synth_config(&req("mamba")).unwrap_err();
     assert!(e.message.contains("mamba") && e.message.contains("gemma"), "{}", e.message);
