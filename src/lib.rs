@@ -17,3 +17,4 @@ pub mod mcp;
 pub mod model;
 pub mod ops;
 pub mod oracle;
+pub mod probe;

@@ -238,6 +238,19 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Probe this machine: read bandwidth at L1/L2/L3/DRAM working sets and peak f32 FLOP/s on
+    /// 1..N threads (min/median/max); cached in the ledger per CPU model and core count.
+    Machine {
+        /// Measure again even when a cached probe exists.
+        #[arg(long)]
+        refresh: bool,
+        /// Runs per figure.
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
+        /// Print the probe as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// What the ledger says about the knowledge base (tool ckb_report).
     Report {
         /// Only contracts whose id starts with this, e.g. `kernel.`.
@@ -401,6 +414,21 @@ fn ckb_check(g: &Global, json: bool) -> Result<ExitCode> {
                     file: ckb.file_of(&c.id).unwrap_or_default().into(),
                     field: "/id".into(),
                     message: format!("no oracle implements `{}`; a kernel contract needs one in src/oracle", c.id),
+                });
+            }
+        }
+    }
+    if let Some(ckb) = &loaded {
+        for c in ckb.of_kind(ckb::Kind::Failure) {
+            if let Some(m) = c.failure.as_ref().and_then(|f| f.mutant.as_deref())
+                && !metainfer::oracle::mutants::mutant_exists(m)
+            {
+                findings.push(ckb::Finding {
+                    file: ckb.file_of(&c.id).unwrap_or_default().into(),
+                    field: "/failure/mutant".into(),
+                    message: format!(
+                        "no oracle mutant named `{m}`; add it in src/oracle/mutants.rs or remove the field"
+                    ),
                 });
             }
         }
@@ -622,6 +650,22 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Evolve { min_cluster, json } => {
             let r = ops::evolve::evolve(&ctx(g, None, vec![])?, &ops::evolve::EvolveRequest { min_cluster })?;
             Ok(emit(&r, json))
+        }
+        Command::Machine { refresh, runs, json } => {
+            let c = ctx(g, None, vec![])?;
+            let l = metainfer::ledger::Ledger::open(&c.ledger)?;
+            let fp = metainfer::probe::fingerprint();
+            let cached = if refresh { None } else { l.probe(&fp)?.and_then(|v| serde_json::from_value(v).ok()) };
+            let probe = match cached {
+                Some(p) => p,
+                None => {
+                    eprintln!("probing {fp} ({runs} runs per figure) ...");
+                    let p = metainfer::probe::run(runs, 0.05);
+                    l.put_probe(&fp, &serde_json::to_value(&p).expect("probes serialise"))?;
+                    p
+                }
+            };
+            Ok(emit(&probe, json))
         }
         Command::Report { prefix, json } => {
             let r = ops::report::report(&ctx(g, None, vec![])?, &ops::report::ReportRequest { prefix })?;

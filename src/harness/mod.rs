@@ -400,8 +400,11 @@ impl Workshop {
         std::fs::create_dir_all(dir.join("src"))
             .map_err(|e| Error::internal(format!("cannot create {}: {e}", dir.display())))?;
         let manifest = format!(
-            "[package]\nname = \"metainfer-harness\"\nversion = \"0.0.0\"\nedition = \"2021\"\npublish = false\n\n\
+            // A name per engine: builds share one target directory, and the uplifted binary
+            // `target/release/<name>` of one engine must never be run for another.
+            "[package]\nname = \"metainfer-harness-{}\"\nversion = \"0.0.0\"\nedition = \"2021\"\npublish = false\n\n\
              [dependencies]\nengine = {{ path = {:?}, package = {:?} }}\nsafetensors = \"0.8\"\nserde_json = \"1\"\n\n[workspace]\n",
+            &key[..16],
             engine.build_dir.to_string_lossy(),
             engine.package
         );

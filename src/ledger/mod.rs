@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 
 /// Schema version this build writes.
-pub const SCHEMA_VERSION: i64 = 3;
+pub const SCHEMA_VERSION: i64 = 4;
 
 /// One recorded result of a tool call.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -136,7 +136,48 @@ impl Ledger {
             )
             .map_err(fail)?;
         }
+        if version < 4 {
+            conn.execute_batch(
+                "BEGIN;
+                 CREATE TABLE IF NOT EXISTS machine_probes (
+                    fingerprint TEXT PRIMARY KEY,
+                    time TEXT NOT NULL,
+                    probe TEXT NOT NULL
+                 );
+                 PRAGMA user_version = 4;
+                 COMMIT;",
+            )
+            .map_err(fail)?;
+        }
         Ok(Ledger { conn, path: path.to_path_buf() })
+    }
+
+    /// Store (replace) the machine probe of a fingerprint, as JSON.
+    ///
+    /// # Errors
+    /// When SQLite fails.
+    pub fn put_probe(&self, fingerprint: &str, probe: &serde_json::Value) -> Result<()> {
+        self.conn
+            .execute(
+                "INSERT OR REPLACE INTO machine_probes (fingerprint, time, probe) VALUES (?1, ?2, ?3)",
+                params![fingerprint, now_rfc3339(), probe.to_string()],
+            )
+            .map(|_| ())
+            .map_err(|e| Error::internal(format!("ledger {}: {e}", self.path.display())))
+    }
+
+    /// The cached machine probe of a fingerprint, if any.
+    ///
+    /// # Errors
+    /// When SQLite fails.
+    pub fn probe(&self, fingerprint: &str) -> Result<Option<serde_json::Value>> {
+        self.conn
+            .query_row("SELECT probe FROM machine_probes WHERE fingerprint = ?1", [fingerprint], |r| {
+                r.get::<_, String>(0)
+            })
+            .optional()
+            .map(|o| o.and_then(|s| serde_json::from_str(&s).ok()))
+            .map_err(|e| Error::internal(format!("ledger {}: {e}", self.path.display())))
     }
 
     /// Store the fingerprints of a reference tree under `name` (replacing an earlier registration of

@@ -144,17 +144,32 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
         + cfg.hidden;
     // The embedding row read per token is negligible; lm_head (or the tied table) is read in full.
     let bytes_per_token = 4.0 * (weights - if cfg.tied { 0 } else { cfg.vocab * cfg.hidden }) as f64;
-    let bandwidth = ctx
-        .ckb
-        .platform_for("cpu")
-        .and_then(|p| p.platform.as_ref().and_then(|p| p.bandwidth_gbs.get("1").copied()))
+    // This machine's own figures when `metainfer machine` probed it, else the platform contract's.
+    let probe: Option<crate::probe::MachineProbe> = crate::ledger::Ledger::open(&ctx.ledger)
+        .ok()
+        .and_then(|l| l.probe(&crate::probe::fingerprint()).ok().flatten())
+        .and_then(|v| serde_json::from_value(v).ok());
+    let bandwidth = probe
+        .as_ref()
+        .and_then(|p| p.median("read DRAM", 1))
+        .or_else(|| {
+            ctx.ckb
+                .platform_for("cpu")
+                .and_then(|p| p.platform.as_ref().and_then(|p| p.bandwidth_gbs.get("1").copied()))
+        })
         .unwrap_or(15.0);
     let roofline = bandwidth * 1e9 / bytes_per_token;
-    let peak = ctx
+    // The compute bound must never understate: take the larger of the probe and the contract.
+    let contract_peak = ctx
         .ckb
         .platform_for("cpu")
         .and_then(|p| p.platform.as_ref().and_then(|p| p.peak_gflops_f32.values().copied().reduce(f64::max)))
         .unwrap_or(128.0);
+    let probe_peak = probe
+        .as_ref()
+        .map(|p| p.figures.iter().filter(|f| f.what.starts_with("peak")).map(|f| f.spread.max).fold(0.0, f64::max))
+        .unwrap_or(0.0);
+    let peak = contract_peak.max(probe_peak);
     let compute_bound = peak * 1e9 / (2.0 * weights as f64);
     let mut report = ProfileReport {
         passed: false,

@@ -180,3 +180,23 @@ fn report_computes_pass_rates_attempts_and_failure_modes() {
     assert_eq!((code.stats.attempts, code.stats.first_try_pass_rate), (1, 1.0));
     assert_eq!(r.coverage.iter().map(|c| c.status.as_str()).collect::<Vec<_>>(), ["covered"]);
 }
+
+/// The machine probe measures every figure on 1..N threads and is cached per machine fingerprint.
+#[test]
+fn machine_probe_is_complete_and_cached() {
+    let p = metainfer::probe::run(1, 0.002);
+    let cores = metainfer::probe::cores();
+    assert_eq!(p.figures.len(), cores * (metainfer::probe::WORKING_SETS.len() + 1));
+    for f in &p.figures {
+        assert!(f.spread.median.is_finite() && f.spread.median > 0.0, "{f:?}");
+        assert!(f.spread.min <= f.spread.median && f.spread.median <= f.spread.max, "{f:?}");
+    }
+    assert!(p.median("read DRAM", 1).is_some() && p.median("peak f32", cores).is_some());
+    let t = tempfile::tempdir().unwrap();
+    let l = Ledger::open(&t.path().join("l.sqlite")).unwrap();
+    assert!(l.probe(&p.fingerprint).unwrap().is_none());
+    l.put_probe(&p.fingerprint, &serde_json::to_value(&p).unwrap()).unwrap();
+    let back: metainfer::probe::MachineProbe =
+        serde_json::from_value(l.probe(&p.fingerprint).unwrap().unwrap()).unwrap();
+    assert_eq!(back, p);
+}
