@@ -140,6 +140,9 @@ enum Command {
         /// Overwrite the scaffold's files in a non-empty directory.
         #[arg(long)]
         force: bool,
+        /// Reference level: zero (CKB only), docs, or code.
+        #[arg(long, value_enum, default_value = "zero")]
+        reference_level: metainfer::ops::ReferenceLevel,
         /// Print exactly the tool's structured output as JSON.
         #[arg(long)]
         json: bool,
@@ -519,8 +522,16 @@ fn run(cli: Cli) -> Result<ExitCode> {
             println!("{}", serde_json::to_string_pretty(&ckb::contract_schema()).expect("schema serialises"));
             Ok(ExitCode::SUCCESS)
         }
-        Command::Scaffold { model, out, target, dtype, name, force, json } => {
-            let req = ops::scaffold::ScaffoldRequest { model: s(&model), out: s(&out), target, dtype, name, force };
+        Command::Scaffold { model, out, target, dtype, name, force, reference_level, json } => {
+            let req = ops::scaffold::ScaffoldRequest {
+                model: s(&model),
+                out: s(&out),
+                target,
+                dtype,
+                name,
+                force,
+                reference_level,
+            };
             Ok(emit(&ops::scaffold::scaffold(&ctx(g, None, vec![])?, &req)?, json))
         }
         Command::Compile { engine, json } => {

@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use crate::ckb::Ckb;
 
 /// The reference level an engine is built under: what the agent was allowed to read.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum ReferenceLevel {
     /// Knowledge from the CKB only.

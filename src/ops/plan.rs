@@ -227,10 +227,17 @@ pub fn plan_only(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
 }
 
 /// The constraints as a scaffold records them in the engine's `metainfer.toml`.
-pub fn constraints_toml(req: &PlanRequest, report: &PlanReport) -> Result<String> {
+pub fn constraints_toml(req: &PlanRequest, report: &PlanReport, level: super::ReferenceLevel) -> Result<String> {
     let cfg = report.config.as_ref().ok_or_else(|| Error::usage("constraints are not covered; run plan first"))?;
     Ok(format!(
-        "# Constraints this engine was scaffolded for (written by metainfer scaffold).\nfamily = {:?}\ntarget = {:?}\ndtype = {:?}\nreference_level = \"zero\"\nmodel = {:?}\nhidden = {}\nn_layers = {}\nvocab = {}\n",
-        report.family, req.target, req.dtype, req.model, cfg.hidden, cfg.n_layers, cfg.vocab
+        "# Constraints this engine was scaffolded for (written by metainfer scaffold).\nfamily = {:?}\ntarget = {:?}\ndtype = {:?}\nreference_level = {:?}\nmodel = {:?}\nhidden = {}\nn_layers = {}\nvocab = {}\n",
+        report.family,
+        req.target,
+        req.dtype,
+        level.name(),
+        req.model,
+        cfg.hidden,
+        cfg.n_layers,
+        cfg.vocab
     ))
 }

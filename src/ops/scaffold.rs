@@ -30,6 +30,10 @@ pub struct ScaffoldRequest {
     /// Overwrite the scaffold's files in a non-empty directory (other files are kept).
     #[serde(default)]
     pub force: bool,
+    /// What the agent building the engine may read: `zero` (the CKB only, default), `docs` (public
+    /// documentation too) or `code` (other implementations' code too). Recorded with every outcome.
+    #[serde(default)]
+    pub reference_level: super::ReferenceLevel,
 }
 
 fn cpu() -> String {
@@ -149,6 +153,7 @@ pub fn render(ctx: &Ctx, req: &ScaffoldRequest) -> Result<(Files, Vec<String>)> 
     let constraints = constraints_toml(
         &PlanRequest { model: req.model.clone(), target: req.target.clone(), dtype: req.dtype.clone() },
         &report,
+        req.reference_level,
     )?;
     files.push(("metainfer.toml".into(), constraints));
     files.push(("PLAN.md".into(), format!("# Build plan\n\n```\n{}```\n", report.text())));

@@ -39,6 +39,7 @@ fn bare_scaffold_compiles_and_fails_every_other_gate() {
         dtype: "f32".into(),
         name: Some("bare".into()),
         force: false,
+        reference_level: Default::default(),
     };
     let r = scaffold(&ctx, &req).unwrap();
     assert!(r.files.contains(&"src/kernels.rs".to_string()), "{:?}", r.files);

@@ -196,6 +196,7 @@ fn constant_engine(dir: &Path, ctx: &metainfer::ops::Ctx) {
         dtype: "f32".into(),
         name: Some("constant".into()),
         force: false,
+        reference_level: Default::default(),
     };
     metainfer::ops::scaffold::scaffold(ctx, &req).unwrap();
     let edit = |rel: &str, f: &dyn Fn(String) -> String| {
@@ -253,6 +254,7 @@ fn every_gate_fails_on_empty_bare_and_constant_engines() {
         dtype: "f32".into(),
         name: None,
         force: false,
+        reference_level: Default::default(),
     };
     metainfer::ops::scaffold::scaffold(&ctx, &req).unwrap();
 
@@ -304,4 +306,30 @@ fn every_gate_fails_on_empty_bare_and_constant_engines() {
         .unwrap();
         assert!(!p.passed, "profile_engine passed on {}", engine.display());
     }
+}
+
+/// Symlink loops, huge, binary and non-UTF-8 files, and an engine directory that is itself a
+/// symlink: the checks finish and say what they skipped.
+#[test]
+fn odd_engine_trees_finish_and_report_what_was_skipped() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let d = t.path().join("real");
+    crate::copy_example(&d);
+    std::os::unix::fs::symlink(d.join("loop-b"), d.join("loop-a")).unwrap();
+    std::os::unix::fs::symlink(d.join("loop-a"), d.join("loop-b")).unwrap();
+    std::fs::write(d.join("src/huge.rs"), "// x\n".repeat(300_000)).unwrap();
+    std::fs::write(d.join("src/latin1.rs"), b"// caf\xe9\n").unwrap();
+    std::fs::write(d.join("data.bin"), [0u8, 159, 146, 150, 255]).unwrap();
+    let link = t.path().join("engine-link");
+    std::os::unix::fs::symlink(&d, &link).unwrap();
+    let start = std::time::Instant::now();
+    let r = check_rules(&ctx, &RulesRequest { engine: s(&link) }, &Budget::secs(600)).unwrap();
+    assert!(start.elapsed() < std::time::Duration::from_secs(120));
+    let skipped = r.skipped.join("\n");
+    assert!(skipped.contains("src/huge.rs") && skipped.contains("larger than"), "{skipped}");
+    assert!(skipped.contains("src/latin1.rs") && skipped.contains("not UTF-8"), "{skipped}");
+    // The loop's links point inside the engine but resolve nowhere: reported, never followed.
+    let loops: Vec<_> = r.findings.iter().filter(|f| f.rule == "symlink-outside").map(|f| f.file.clone()).collect();
+    assert_eq!(loops, ["loop-a", "loop-b"], "{}", metainfer::ops::Report::text(&r));
 }
