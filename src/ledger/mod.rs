@@ -239,28 +239,9 @@ impl Ledger {
     /// # Errors
     /// When SQLite fails (disk full, locked beyond the busy timeout).
     pub fn record(&self, o: &Outcome) -> Result<()> {
-        self.conn
-            .execute(
-                "INSERT INTO outcomes (id, time, tool, engine, engine_hash, contracts, passed, summary, figures, reference_level, duration_ms, client, constraints)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
-                params![
-                    o.id,
-                    o.time,
-                    o.tool,
-                    o.engine,
-                    o.engine_hash,
-                    serde_json::to_string(&o.contracts).expect("strings serialise"),
-                    o.passed,
-                    o.summary,
-                    o.figures.to_string(),
-                    o.reference_level,
-                    o.duration_ms as i64,
-                    o.client,
-                    o.constraints.to_string()
-                ],
-            )
-            .map_err(|e| Error::internal(format!("ledger {}: cannot record outcome: {e}", self.path.display())))?;
-        Ok(())
+        insert(&self.conn, o, false)
+            .map(|_| ())
+            .map_err(|e| Error::internal(format!("ledger {}: cannot record outcome: {e}", self.path.display())))
     }
 
     /// The newest `limit` outcomes after skipping `offset`, newest first.
@@ -375,29 +356,36 @@ impl Ledger {
         let tx = self.conn.transaction().map_err(fail)?;
         let mut inserted = 0;
         for o in &outcomes {
-            inserted += tx
-                .execute(
-                    "INSERT OR IGNORE INTO outcomes (id, time, tool, engine, engine_hash, contracts, passed, summary, figures, reference_level, duration_ms, client, constraints)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
-                    params![
-                        o.id,
-                        o.time,
-                        o.tool,
-                        o.engine,
-                        o.engine_hash,
-                        serde_json::to_string(&o.contracts).expect("strings serialise"),
-                        o.passed,
-                        o.summary,
-                        o.figures.to_string(),
-                        o.reference_level,
-                        o.duration_ms as i64,
-                        o.client,
-                        o.constraints.to_string()
-                    ],
-                )
-                .map_err(fail)?;
+            inserted += insert(&tx, o, true).map_err(fail)?;
         }
         tx.commit().map_err(fail)?;
         Ok((inserted, outcomes.len() - inserted))
     }
+}
+
+/// Insert one outcome; with `or_ignore`, an outcome whose id exists is skipped. Returns rows inserted.
+fn insert(conn: &Connection, o: &Outcome, or_ignore: bool) -> rusqlite::Result<usize> {
+    let sql = format!(
+        "INSERT {}INTO outcomes (id, time, tool, engine, engine_hash, contracts, passed, summary, figures, reference_level, duration_ms, client, constraints)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
+        if or_ignore { "OR IGNORE " } else { "" }
+    );
+    conn.execute(
+        &sql,
+        params![
+            o.id,
+            o.time,
+            o.tool,
+            o.engine,
+            o.engine_hash,
+            serde_json::to_string(&o.contracts).expect("strings serialise"),
+            o.passed,
+            o.summary,
+            o.figures.to_string(),
+            o.reference_level,
+            o.duration_ms as i64,
+            o.client,
+            o.constraints.to_string()
+        ],
+    )
 }
