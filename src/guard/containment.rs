@@ -7,7 +7,7 @@
 
 use std::path::{Component, Path, PathBuf};
 
-use super::{Finding, Tree};
+use super::{Finding, Tree, line_of};
 
 /// Lexically normalise `base/rel` (no filesystem access, so nothing outside is touched).
 fn join_normal(base: &Path, rel: &str) -> PathBuf {
@@ -22,10 +22,6 @@ fn join_normal(base: &Path, rel: &str) -> PathBuf {
         }
     }
     out
-}
-
-fn line_of(text: &str, byte: usize) -> u32 {
-    text[..byte.min(text.len())].matches('\n').count() as u32 + 1
 }
 
 /// Dependency tables of a manifest: (section name, table).

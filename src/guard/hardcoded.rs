@@ -2,16 +2,12 @@
 //! long literal integer arrays (token ids) and long prose string literals (generated text) in Rust
 //! sources. verify_generation's random prompts make such code fail anyway; this names it early.
 
-use super::{Finding, Tree};
+use super::{Finding, Tree, line_of};
 
 /// Integer literals in one array literal from which it is flagged as a token-id table.
 pub const MAX_INT_ARRAY: usize = 32;
 /// Characters of a prose string literal from which it is flagged (words separated by spaces).
 pub const MAX_PROSE: usize = 80;
-
-fn line_of(text: &str, byte: usize) -> u32 {
-    text[..byte].matches('\n').count() as u32 + 1
-}
 
 /// Lengths of runs of comma-separated integer literals inside `[...]`, with their start byte.
 fn int_arrays(text: &str) -> Vec<(usize, usize)> {

@@ -215,6 +215,11 @@ pub fn check(dir: &Path, inputs: &Inputs) -> (Vec<Finding>, Vec<String>) {
     (findings, tree.skipped)
 }
 
+/// 1-based line of a byte offset in `text` (offsets past the end count as the last line).
+pub fn line_of(text: &str, byte: usize) -> u32 {
+    text[..byte.min(text.len())].matches('\n').count() as u32 + 1
+}
+
 /// Whether any finding blocks.
 pub fn blocks(findings: &[Finding]) -> bool {
     findings.iter().any(|f| f.severity == Severity::Blocking)
