@@ -167,6 +167,9 @@ enum Command {
         /// Replay a run's seed.
         #[arg(long)]
         seed: Option<u64>,
+        /// Weight dtype to build the engine for (f32, bf16, f16, int8); default: the engine's own (metainfer.toml).
+        #[arg(long)]
+        dtype: Option<String>,
         /// Print exactly the tool's structured output as JSON.
         #[arg(long)]
         json: bool,
@@ -186,6 +189,9 @@ enum Command {
         max_new_tokens: Option<usize>,
         #[arg(long)]
         seed: Option<u64>,
+        /// Weight dtype to build the engine for (f32, bf16, f16, int8); default: the engine's own (metainfer.toml).
+        #[arg(long)]
+        dtype: Option<String>,
         /// Print exactly the tool's structured output as JSON.
         #[arg(long)]
         json: bool,
@@ -214,6 +220,15 @@ enum Command {
         model: PathBuf,
         #[arg(long)]
         runs: Option<usize>,
+        /// Prompt length in tokens for the prefill measurement (default 32).
+        #[arg(long)]
+        prompt_len: Option<usize>,
+        /// Tokens decoded per run (default 64).
+        #[arg(long)]
+        new_tokens: Option<usize>,
+        /// Weight dtype to build the engine for (f32, bf16, f16, int8); default: the engine's own (metainfer.toml).
+        #[arg(long)]
+        dtype: Option<String>,
         /// Print exactly the tool's structured output as JSON.
         #[arg(long)]
         json: bool,
@@ -542,23 +557,23 @@ fn run(cli: Cli) -> Result<ExitCode> {
             )?;
             Ok(emit(&r, json))
         }
-        Command::TestKernel { engine, kernels, seed, json } => {
-            let req = ops::kernel_test::KernelTestRequest { engine: s(&engine), kernels, seed };
+        Command::TestKernel { engine, kernels, seed, dtype, json } => {
+            let req = ops::kernel_test::KernelTestRequest { engine: s(&engine), kernels, seed, dtype };
             Ok(emit(&ops::kernel_test::kernel_test(&ctx(g, None, vec![])?, &req, &budget())?, json))
         }
-        Command::Verify { engine, model, prompts, max_new_tokens, seed, json } => {
-            let req =
-                ops::verify::VerifyRequest { engine: s(&engine), model: s(&model), prompts, max_new_tokens, seed };
-            Ok(emit(&ops::verify::verify(&ctx(g, None, vec![])?, &req, &budget())?, json))
-        }
-        Command::Profile { engine, model, runs, json } => {
-            let req = ops::profile::ProfileRequest {
+        Command::Verify { engine, model, prompts, max_new_tokens, seed, dtype, json } => {
+            let req = ops::verify::VerifyRequest {
                 engine: s(&engine),
                 model: s(&model),
-                prompt_len: None,
-                new_tokens: None,
-                runs,
+                prompts,
+                max_new_tokens,
+                seed,
+                dtype,
             };
+            Ok(emit(&ops::verify::verify(&ctx(g, None, vec![])?, &req, &budget())?, json))
+        }
+        Command::Profile { engine, model, runs, prompt_len, new_tokens, dtype, json } => {
+            let req = ops::profile::ProfileRequest { engine: s(&engine), model: s(&model), prompt_len, new_tokens, runs, dtype };
             Ok(emit(&ops::profile::profile(&ctx(g, None, vec![])?, &req, &budget())?, json))
         }
         Command::Ledger { action: Some(action), .. } => {

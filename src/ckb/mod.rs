@@ -217,6 +217,33 @@ impl Ckb {
                     bad("/phase", "a kernel belongs to phase `kernels`".into());
                 }
             }
+            if let Some(v) = &c.variant {
+                if c.kind != Kind::Kernel {
+                    bad("/variant", "a `variant` section belongs only to kind kernel".into());
+                }
+                match self.contracts.get(&v.of) {
+                    Some(of) if of.kind == Kind::Kernel && of.variant.is_none() => {}
+                    Some(_) => bad("/variant/of", format!("`{}` is not a plain kernel contract", v.of)),
+                    None => bad("/variant/of", format!("reference `{}` does not resolve to any contract", v.of)),
+                }
+                if v.weight_dtype == "f32" || !types::WEIGHT_DTYPES.contains(&v.weight_dtype.as_str()) {
+                    bad(
+                        "/variant/weight_dtype",
+                        format!(
+                            "`{}` is not a weight dtype with a variant; use one of {}",
+                            v.weight_dtype,
+                            types::WEIGHT_DTYPES[1..].join(", ")
+                        ),
+                    );
+                }
+                if self
+                    .contracts
+                    .values()
+                    .any(|o| o.id < c.id && o.variant.as_ref().is_some_and(|w| w.of == v.of && w.weight_dtype == v.weight_dtype))
+                {
+                    bad("/variant", format!("another kernel is already the {} variant of {}", v.weight_dtype, v.of));
+                }
+            }
             for (dtype, t) in &c.tolerance {
                 if !(t.atol >= 0.0 && t.rtol >= 0.0 && t.atol.is_finite() && t.rtol.is_finite()) {
                     bad(&format!("/tolerance/{dtype}"), "atol and rtol must be finite and >= 0".into());

@@ -368,6 +368,26 @@ pub struct Contract {
     /// Policy section (kind = policy).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub policy: Option<Policy>,
+    /// Weight-dtype variant section (kernels only): this kernel takes the place of another one in
+    /// engines whose weights are stored in `weight_dtype`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub variant: Option<KernelVariant>,
+}
+
+/// Weight dtypes an engine may store its 2-D weights in; activations and accumulation stay f32.
+/// `int8` is weight-only symmetric quantisation with one f32 scale per output row.
+pub const WEIGHT_DTYPES: &[&str] = &["f32", "bf16", "f16", "int8"];
+
+/// A kernel that replaces another one for engines storing their weights in another dtype, e.g.
+/// `kernel.linear_bf16` is `kernel.linear` for bf16 weights. Plans and the gates pick it from the
+/// engine's dtype constraint.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct KernelVariant {
+    /// The kernel contract this one replaces, e.g. `kernel.linear`.
+    pub of: String,
+    /// Storage dtype of the weights this variant reads: one of [`WEIGHT_DTYPES`] other than `f32`.
+    pub weight_dtype: String,
 }
 
 /// The JSON Schema (draft 2020-12) every contract file is validated against, generated from [`Contract`].

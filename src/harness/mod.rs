@@ -209,6 +209,38 @@ pub struct Engine {
     pub hash: String,
 }
 
+/// What the harness of one engine calls and how it builds the engine.
+#[derive(Debug, Clone, Default)]
+pub struct HarnessSpec {
+    /// Kernel contract ids whose harness arm is compiled in (the engine must export each one).
+    pub kernels: Vec<String>,
+    /// Cargo features of the engine crate to enable (its weight-dtype variant).
+    pub features: Vec<String>,
+}
+
+/// The harness source with only the kernel arms of `kernels`: the template marks each arm with
+/// `// @kernel <id>` ... `// @end`, so an engine need not export kernels its plan does not use.
+pub fn harness_source(kernels: &[String]) -> String {
+    let mut out = String::with_capacity(HARNESS_MAIN.len());
+    let mut keep = true;
+    for line in HARNESS_MAIN.lines() {
+        let t = line.trim();
+        if let Some(id) = t.strip_prefix("// @kernel ") {
+            keep = kernels.iter().any(|k| k == id.trim());
+            continue;
+        }
+        if t == "// @end" {
+            keep = true;
+            continue;
+        }
+        if keep {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
 /// Most bytes of one engine file the snapshot copies.
 pub const MAX_ENGINE_FILE_BYTES: u64 = 16 << 20;
 
@@ -389,30 +421,37 @@ impl Workshop {
     }
 
     /// Write the harness crate for an engine (outside the engine's sources) and return its manifest.
+    /// The harness calls only the kernels in `spec` and builds the engine with `spec`'s features;
+    /// each feature set gets its own harness package, so variants of one engine never clash.
     ///
     /// # Errors
     /// When the cache directory is not writable.
-    pub fn write_harness(&self, engine: &Engine) -> Result<PathBuf> {
+    pub fn write_harness(&self, engine: &Engine, spec: &HarnessSpec) -> Result<PathBuf> {
         let mut h = Sha256::new();
         h.update(engine.dir.to_string_lossy().as_bytes());
+        for f in &spec.features {
+            h.update(b"\0");
+            h.update(f.as_bytes());
+        }
         let key = format!("{:x}", h.finalize());
         let dir = self.root.join("harness").join(&key[..16]);
         std::fs::create_dir_all(dir.join("src"))
             .map_err(|e| Error::internal(format!("cannot create {}: {e}", dir.display())))?;
         let manifest = format!(
-            // A name per engine: builds share one target directory, and the uplifted binary
-            // `target/release/<name>` of one engine must never be run for another.
+            // A name per engine and feature set: builds share one target directory, and the
+            // uplifted binary `target/release/<name>` of one engine must never be run for another.
             "[package]\nname = \"metainfer-harness-{}\"\nversion = \"0.0.0\"\nedition = \"2021\"\npublish = false\n\n\
-             [dependencies]\nengine = {{ path = {:?}, package = {:?} }}\nsafetensors = \"0.8\"\nserde_json = \"1\"\n\n[workspace]\n",
+             [dependencies]\nengine = {{ path = {:?}, package = {:?}, features = {:?} }}\nsafetensors = \"0.8\"\nserde_json = \"1\"\n\n[workspace]\n",
             &key[..16],
             engine.build_dir.to_string_lossy(),
-            engine.package
+            engine.package,
+            spec.features,
         );
         let write = |p: PathBuf, s: &str| {
             std::fs::write(&p, s).map_err(|e| Error::internal(format!("cannot write {}: {e}", p.display())))
         };
         write(dir.join("Cargo.toml"), &manifest)?;
-        write(dir.join("src/main.rs"), HARNESS_MAIN)?;
+        write(dir.join("src/main.rs"), &harness_source(&spec.kernels))?;
         Ok(dir.join("Cargo.toml"))
     }
 
@@ -420,8 +459,8 @@ impl Workshop {
     ///
     /// # Errors
     /// When cargo cannot be started or the cache is not writable.
-    pub fn build_harness(&self, engine: &Engine, budget: &Budget) -> Result<Build> {
-        let manifest = self.write_harness(engine)?;
+    pub fn build_harness(&self, engine: &Engine, spec: &HarnessSpec, budget: &Budget) -> Result<Build> {
+        let manifest = self.write_harness(engine, spec)?;
         self.cargo_build(&manifest, budget)
     }
 

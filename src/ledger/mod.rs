@@ -298,15 +298,17 @@ impl Ledger {
             .map_err(|e| Error::internal(format!("ledger {}: {e}", self.path.display())))
     }
 
-    /// Whether `tool` last passed on exactly this engine source hash.
+    /// Whether `tool` last passed on exactly this engine source hash built for weight dtype `dtype`
+    /// (outcomes whose constraints record no dtype count as f32).
     ///
     /// # Errors
     /// When SQLite fails.
-    pub fn passed_on(&self, tool: &str, engine_hash: &str) -> Result<bool> {
+    pub fn passed_on(&self, tool: &str, engine_hash: &str, dtype: &str) -> Result<bool> {
         self.conn
             .query_row(
-                "SELECT passed FROM outcomes WHERE tool = ?1 AND engine_hash = ?2 ORDER BY rowid DESC LIMIT 1",
-                params![tool, engine_hash],
+                "SELECT passed FROM outcomes WHERE tool = ?1 AND engine_hash = ?2 \
+                 AND COALESCE(json_extract(constraints, '$.dtype'), 'f32') = ?3 ORDER BY rowid DESC LIMIT 1",
+                params![tool, engine_hash, dtype],
                 |r| r.get::<_, bool>(0),
             )
             .optional()

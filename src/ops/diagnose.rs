@@ -97,6 +97,10 @@ pub struct KernelCase<'a> {
     pub f32s: &'a [(String, Vec<f32>)],
     /// u32 inputs by name.
     pub u32s: &'a [(String, Vec<u32>)],
+    /// 16-bit float inputs as bit patterns: (name, bits, whether bf16 (else IEEE binary16)).
+    pub halves: &'a [(String, Vec<u16>, bool)],
+    /// int8 inputs.
+    pub i8s: &'a [(String, Vec<i8>)],
     /// Scalar parameters as text, as written for the engine.
     pub params: &'a HashMap<String, String>,
     /// The engine's output tensor `out` as raw words (f32 bits, or the index for argmax).
@@ -162,6 +166,19 @@ pub fn kernel_mutant(kernel: &str, mutant: &str, c: &KernelCase) -> Option<Mutan
         ("kernel.linear", "linear_xw") => {
             v(mutants::linear_xw(&c.f("x")?, &c.f("w")?, c.p("m")?, c.p("k")?, c.p("n")?))
         }
+        ("kernel.linear_bf16" | "kernel.linear_f16", "half_format_swapped") => {
+            let (_, bits, bf16) = c.halves.iter().find(|(n, _, _)| n == "w")?;
+            v(mutants::half_format_swapped(&c.f("x")?, bits, c.p("m")?, c.p("k")?, c.p("n")?, *bf16))
+        }
+        ("kernel.linear_bf16", "bf16_accumulation") => {
+            let (_, bits, _) = c.halves.iter().find(|(n, _, _)| n == "w")?;
+            v(mutants::bf16_accumulation(&c.f("x")?, bits, c.p("m")?, c.p("k")?, c.p("n")?))
+        }
+        ("kernel.linear_int8", "int8_scale_missing") => {
+            let (_, q) = c.i8s.iter().find(|(n, _)| n == "w")?;
+            v(mutants::int8_scale_missing(&c.f("x")?, q, c.p("m")?, c.p("k")?, c.p("n")?))
+        }
+        ("kernel.gelu_tanh_and_mul", "gelu_erf") => v(mutants::gelu_erf(&c.f("gate")?, &c.f("up")?)),
         ("kernel.silu_and_mul", "silu_swapped") => v(mutants::silu_swapped(&c.f("gate")?, &c.f("up")?)),
         ("kernel.softmax", "softmax_no_max") => v(mutants::softmax_no_max(&c.f("x")?, c.p("n")?)),
         ("kernel.attention", "gqa_modulo") => {

@@ -25,9 +25,14 @@ use crate::oracle::{self, AttnShape};
 pub struct KernelTestRequest {
     /// Engine crate directory.
     pub engine: String,
-    /// Kernel contract ids, e.g. `kernel.rope`; empty: every kernel contract.
+    /// Kernel contract ids, e.g. `kernel.rope`; empty: every kernel the engine's plan needs (its
+    /// family's kernels at its weight dtype, from metainfer.toml).
     #[serde(default)]
     pub kernels: Vec<String>,
+    /// Weight dtype to build the engine for (f32, bf16, f16, int8); absent: the engine's own
+    /// (metainfer.toml `dtype`). Another dtype needs a `[dtype_features]` entry in metainfer.toml.
+    #[serde(default)]
+    pub dtype: Option<String>,
     /// Seed to replay a run; absent: a fresh one, reported in the result.
     #[serde(default)]
     pub seed: Option<u64>,
@@ -69,6 +74,8 @@ pub struct KernelTestReport {
     pub passed: bool,
     /// Seed of this run (replay with `seed`).
     pub seed: u64,
+    /// Weight dtype the engine was built for.
+    pub dtype: String,
     /// Per kernel.
     pub kernels: Vec<KernelResult>,
     /// Harness build failure, when the engine did not build with the harness.
@@ -84,10 +91,11 @@ impl Report for KernelTestReport {
     fn text(&self) -> String {
         let ok = self.kernels.iter().filter(|k| k.passed).count();
         let mut s = format!(
-            "kernel tests {}: {ok}/{} kernels passed (seed {})\n",
+            "kernel tests {}: {ok}/{} kernels passed (seed {}, {} weights)\n",
             if self.passed { "PASSED" } else { "FAILED" },
             self.kernels.len(),
-            self.seed
+            self.seed,
+            self.dtype
         );
         if !self.build_error.is_empty() {
             s += &format!("harness build failed:\n{}\n", self.build_error);
@@ -118,6 +126,9 @@ struct Drawn {
     label: String,
     f32s: Vec<(String, Vec<f32>)>,
     u32s: Vec<(String, Vec<u32>)>,
+    /// 16-bit float bit patterns: (name, bits, whether bf16 (else IEEE binary16)).
+    halves: Vec<(String, Vec<u16>, bool)>,
+    i8s: Vec<(String, Vec<i8>)>,
     params: HashMap<String, String>,
     expect: Expect,
 }
@@ -148,6 +159,8 @@ fn draw(c: &Contract, case: &TestCase, rng: &mut ChaCha8Rng) -> Result<Drawn> {
         label: String::new(),
         f32s: vec![],
         u32s: vec![],
+        halves: vec![],
+        i8s: vec![],
         params: HashMap::new(),
         expect: Expect::Index(0),
     };
@@ -203,6 +216,59 @@ fn draw(c: &Contract, case: &TestCase, rng: &mut ChaCha8Rng) -> Result<Drawn> {
             }
             d.f32s.push(("x".into(), x));
             d.f32s.push(("w".into(), wt));
+        }
+        "kernel.linear_bf16" | "kernel.linear_f16" | "kernel.linear_int8" => {
+            let (m, k, n) = (dim(rng, case, "m")?, dim(rng, case, "k")?, dim(rng, case, "n")?);
+            let x = uniform(rng, m * k, s);
+            let wt = uniform(rng, n * k, 1.0);
+            let want = match c.id.as_str() {
+                "kernel.linear_bf16" => {
+                    let bits: Vec<u16> = wt.iter().map(|&v| oracle::dtypes::round_bf16(v)).collect();
+                    let v = oracle::dtypes::widen_bf16(&bits);
+                    d.halves.push(("w".into(), bits, true));
+                    v
+                }
+                "kernel.linear_f16" => {
+                    let bits: Vec<u16> = wt.iter().map(|&v| oracle::dtypes::round_f16(v)).collect();
+                    let v = oracle::dtypes::widen_f16(&bits);
+                    d.halves.push(("w".into(), bits, false));
+                    v
+                }
+                _ => {
+                    // Quantised rows of uniform weights, scales near 1/127; one row is all zero, as
+                    // the quantiser makes of a zero row.
+                    let zero_row = rng.random_range(0..n);
+                    let mut q = Vec::with_capacity(n * k);
+                    let mut scales = Vec::with_capacity(n);
+                    for (o, row) in wt.chunks_exact(k).enumerate() {
+                        let (qr, sc) = if o == zero_row && n > 1 {
+                            (vec![0; k], 0.0)
+                        } else {
+                            oracle::dtypes::quantize_int8_row(row)
+                        };
+                        q.extend(qr);
+                        scales.push(sc);
+                    }
+                    let v = oracle::dtypes::dequant_int8(&q, &scales);
+                    d.i8s.push(("w".into(), q));
+                    d.f32s.push(("scales".into(), scales));
+                    v
+                }
+            };
+            d.label = format!("m={m} k={k} n={n}");
+            d.expect = Expect::Values(oracle::linear(&w(&x), &want, m, k, n));
+            for (key, v) in [("m", m), ("k", k), ("n", n)] {
+                params.insert(key.into(), v.to_string());
+            }
+            d.f32s.push(("x".into(), x));
+        }
+        "kernel.gelu_tanh_and_mul" => {
+            let len = dim(rng, case, "len")?;
+            let (g, u) = (uniform(rng, len, s), uniform(rng, len, 1.0));
+            d.label = format!("len={len} scale={s}");
+            d.expect = Expect::Values(oracle::gelu_tanh_and_mul(&w(&g), &w(&u)));
+            d.f32s.push(("gate".into(), g));
+            d.f32s.push(("up".into(), u));
         }
         "kernel.silu_and_mul" => {
             let len = dim(rng, case, "len")?;
@@ -285,6 +351,23 @@ fn write_inputs(path: &Path, d: &Drawn) -> Result<()> {
             safetensors::tensor::TensorView::new(safetensors::Dtype::U32, vec![b.len() / 4], b).expect("view"),
         ));
     }
+    let h: Vec<(String, Vec<u8>, bool)> = d
+        .halves
+        .iter()
+        .map(|(n, v, bf)| (n.clone(), v.iter().flat_map(|x| x.to_le_bytes()).collect(), *bf))
+        .collect();
+    for (n, b, bf) in &h {
+        let dtype = if *bf { safetensors::Dtype::BF16 } else { safetensors::Dtype::F16 };
+        views.push((n.clone(), safetensors::tensor::TensorView::new(dtype, vec![b.len() / 2], b).expect("view")));
+    }
+    let q: Vec<(String, Vec<u8>)> =
+        d.i8s.iter().map(|(n, v)| (n.clone(), v.iter().map(|&x| x as u8).collect())).collect();
+    for (n, b) in &q {
+        views.push((
+            n.clone(),
+            safetensors::tensor::TensorView::new(safetensors::Dtype::I8, vec![b.len()], b).expect("view"),
+        ));
+    }
     let meta = if d.params.is_empty() { None } else { Some(d.params.clone()) };
     safetensors::serialize_to_file(views, meta, path).map_err(|e| Error::internal(format!("{}: {e}", path.display())))
 }
@@ -330,8 +413,9 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
         }
         v
     });
+    let target = ctx.target(&engine, req.dtype.as_deref())?;
     let contracts: Vec<&Contract> = if wanted.is_empty() {
-        ctx.ckb.of_kind(Kind::Kernel).collect()
+        target.spec.kernels.iter().map(|id| ctx.ckb.get(id)).collect::<Result<_>>()?
     } else {
         wanted
             .iter()
@@ -353,6 +437,7 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
         let report = KernelTestReport {
             passed: false,
             seed,
+            dtype: target.dtype.clone(),
             kernels: vec![],
             build_error: super::rules::blocked_text(&rules),
             rules: rules.findings,
@@ -360,12 +445,19 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
         ctx.record("run_kernel_test", Some(&engine), versioned, &report, serde_json::json!({"blocked": true}), started);
         return Ok(report);
     }
-    let build = ctx.workshop.build_harness(&engine, budget)?;
+    let mut spec = target.spec.clone();
+    for c in &contracts {
+        if !spec.kernels.contains(&c.id) {
+            spec.kernels.push(c.id.clone());
+        }
+    }
+    let build = ctx.workshop.build_harness(&engine, &spec, budget)?;
     if !build.ok || build.executable.is_none() {
         let compile = super::compile::report_of(ctx, &engine, build, 0);
         let report = KernelTestReport {
             passed: false,
             seed,
+            dtype: target.dtype.clone(),
             kernels: vec![],
             build_error: super::Report::text(&compile),
             rules: vec![],
@@ -375,7 +467,7 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
             Some(&engine),
             versioned,
             &report,
-            serde_json::json!({"seed": seed, "build": "failed"}),
+            serde_json::json!({"seed": seed, "build": "failed", "dtype": target.dtype}),
             started,
         );
         return Ok(report);
@@ -510,6 +602,8 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
                 .map(|(d, out, ok, err)| super::diagnose::KernelCase {
                     f32s: &d.f32s,
                     u32s: &d.u32s,
+                    halves: &d.halves,
+                    i8s: &d.i8s,
                     params: &d.params,
                     out,
                     oracle_ok: *ok,
@@ -521,9 +615,17 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
         kernels.push(kr);
     }
     let passed = !kernels.is_empty() && kernels.iter().all(|k| k.passed);
-    let report = KernelTestReport { passed, seed, kernels, build_error: String::new(), rules: rules.findings };
+    let report = KernelTestReport {
+        passed,
+        seed,
+        dtype: target.dtype.clone(),
+        kernels,
+        build_error: String::new(),
+        rules: rules.findings,
+    };
     let figures = serde_json::json!({
         "seed": seed,
+        "dtype": target.dtype,
         "kernels": report.kernels.iter().map(|k| serde_json::json!({"id": k.kernel, "passed": k.passed, "max_abs_err": k.max_abs_err, "diagnosis": k.diagnosis.iter().map(|d| d.failure.as_str()).collect::<Vec<_>>()})).collect::<Vec<_>>(),
     });
     ctx.record("run_kernel_test", Some(&engine), versioned, &report, figures, started);

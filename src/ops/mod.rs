@@ -61,6 +61,67 @@ impl Ctx {
     }
 }
 
+/// What one gate call builds and checks, from the engine's `metainfer.toml` (written by scaffold)
+/// and the request's `dtype`: the model family, the weight dtype, the Cargo features that build the
+/// engine for that dtype (`[dtype_features]`), and the kernel contracts it implements.
+#[derive(Debug, Clone)]
+pub struct Target {
+    /// Model-family contract id (`family`, default `model.llama`).
+    pub family: String,
+    /// Weight dtype (`dtype`, default `f32`; a request may pick another one the engine declares).
+    pub dtype: String,
+    /// Harness arms and engine features.
+    pub spec: crate::harness::HarnessSpec,
+}
+
+impl Ctx {
+    /// Resolve the target of a gate call on `engine`. `dtype`: the request's, or None for the
+    /// engine's own.
+    ///
+    /// # Errors
+    /// [`crate::error::ErrorKind::Usage`] when metainfer.toml is not valid TOML, names an unknown
+    /// family, or the engine does not declare the requested dtype; the message says what to add.
+    pub fn target(&self, engine: &crate::harness::Engine, dtype: Option<&str>) -> Result<Target> {
+        let path = engine.dir.join("metainfer.toml");
+        let table: toml::Table = match std::fs::read_to_string(&path) {
+            Ok(t) => toml::from_str(&t)
+                .map_err(|e| Error::usage(format!("{}: not valid TOML ({e}); fix or re-scaffold it", path.display())))?,
+            Err(_) => toml::Table::new(),
+        };
+        let text = |key: &str, default: &str| table.get(key).and_then(|v| v.as_str()).unwrap_or(default).to_string();
+        let family = text("family", "model.llama");
+        let base = text("dtype", "f32");
+        let features: std::collections::BTreeMap<String, Vec<String>> = match table.get("dtype_features") {
+            Some(v) => v.clone().try_into().map_err(|e| {
+                Error::usage(format!(
+                    "{}: [dtype_features] must map a dtype to a list of Cargo features, e.g. bf16 = [\"bf16\"] ({e})",
+                    path.display()
+                ))
+            })?,
+            None => Default::default(),
+        };
+        let dtype = dtype.unwrap_or(&base).to_string();
+        let feats = match features.get(&dtype) {
+            Some(f) => f.clone(),
+            None if dtype == base => vec![],
+            None => {
+                let mut have: Vec<&str> = vec![base.as_str()];
+                have.extend(features.keys().map(String::as_str).filter(|d| *d != base));
+                return Err(Error::usage(format!(
+                    "engine {} is built for dtype {} (metainfer.toml); to test it at `{dtype}`, add `{dtype} = [\"<cargo feature>\"]` under [dtype_features] in its metainfer.toml",
+                    engine.dir.display(),
+                    have.join(", ")
+                )));
+            }
+        };
+        let fam = self.ckb.get(&family).map_err(|e| {
+            Error::usage(format!("{}: family `{family}` is not in the knowledge base ({e})", path.display()))
+        })?;
+        let kernels = plan::kernels_for(&self.ckb, fam, &dtype).map_err(Error::usage)?;
+        Ok(Target { family, dtype, spec: crate::harness::HarnessSpec { kernels, features: feats } })
+    }
+}
+
 /// What every report can say about itself.
 pub trait Report: Serialize {
     /// Whether the check passed (decides exit status 0 or 1).
@@ -159,7 +220,7 @@ impl Ctx {
             contracts,
             passed: report.passed(),
             summary,
-            figures,
+            figures: figures.clone(),
             reference_level: engine.map(|e| ReferenceLevel::of_engine(&e.dir)).unwrap_or_default().name().into(),
             duration_ms: started.elapsed().as_millis() as u64,
             client: self.client.read().map(|c| c.clone()).unwrap_or_default(),
@@ -167,6 +228,13 @@ impl Ctx {
                 .and_then(|e| std::fs::read_to_string(e.dir.join("metainfer.toml")).ok())
                 .and_then(|t| toml::from_str::<toml::Table>(&t).ok())
                 .and_then(|t| serde_json::to_value(t).ok())
+                .map(|mut c| {
+                    // A gate run at another dtype than the engine's own records the one it ran at.
+                    if let (Some(d), Some(o)) = (figures.get("dtype"), c.as_object_mut()) {
+                        o.insert("dtype".into(), d.clone());
+                    }
+                    c
+                })
                 .unwrap_or_else(|| serde_json::json!({})),
         };
         match Ledger::open(&self.ledger).and_then(|l| l.record(&outcome)) {

@@ -24,6 +24,9 @@ pub struct ProfileRequest {
     /// Tokens decoded per run (default 64).
     #[serde(default)]
     pub new_tokens: Option<usize>,
+    /// Weight dtype to build the engine for (f32, bf16, f16, int8); absent: the engine's own.
+    #[serde(default)]
+    pub dtype: Option<String>,
     /// Runs; medians are over these (default 5).
     #[serde(default)]
     pub runs: Option<usize>,
@@ -58,6 +61,8 @@ impl Spread {
 pub struct ProfileReport {
     /// Whether the profile ran.
     pub passed: bool,
+    /// Weight dtype the engine was built for.
+    pub dtype: String,
     /// Whether verify_generation last passed on exactly these sources (figures of an unverified
     /// engine are marked, never silently trusted).
     pub verified: bool,
@@ -75,7 +80,11 @@ pub struct ProfileReport {
     pub first_token_ms: Spread,
     /// Model load time, ms.
     pub load_ms: f64,
-    /// Decode roofline: platform bandwidth (1 thread) / bytes of f32 weights read per token, tokens/s.
+    /// Bytes of weights read per decoded token at the engine's weight dtype (4 per f32 weight, 2 per
+    /// bf16/f16, 1 per int8 plus one f32 scale per row; the embedding row itself is negligible).
+    pub bytes_per_token: f64,
+    /// Decode roofline: bandwidth (1 thread, the machine probe's DRAM median when probed, else the
+    /// platform contract) / `bytes_per_token`, tokens/s.
     /// Models that fit in cache can exceed it.
     pub roofline_decode_tok_s: f64,
     /// Compute bound: platform peak f32 FLOP/s (all threads) / 2 FLOP per weight per token. No real
@@ -129,12 +138,13 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     let dir = ctx.confine(Path::new(&req.engine), true)?;
     let model_dir = ctx.confine(Path::new(&req.model), true)?;
     let engine = ctx.workshop.engine(&dir)?;
+    let target = ctx.target(&engine, req.dtype.as_deref())?;
     let cfg = crate::model::load_config(&ctx.ckb, &model_dir)?;
     let prompt_len = req.prompt_len.unwrap_or(32).clamp(1, cfg.max_seq.saturating_sub(1).max(1));
     let new_tokens = req.new_tokens.unwrap_or(64).clamp(1, cfg.max_seq - prompt_len);
     let runs = req.runs.unwrap_or(5).clamp(1, 100);
     let verified = crate::ledger::Ledger::open(&ctx.ledger)
-        .and_then(|l| l.passed_on("verify_generation", &engine.hash))
+        .and_then(|l| l.passed_on("verify_generation", &engine.hash, &target.dtype))
         .unwrap_or(false);
     let weights = (cfg.vocab * cfg.hidden * if cfg.tied { 1 } else { 2 })
         + cfg.n_layers
@@ -143,7 +153,13 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
                 + 2 * cfg.hidden)
         + cfg.hidden;
     // The embedding row read per token is negligible; lm_head (or the tied table) is read in full.
-    let bytes_per_token = 4.0 * (weights - if cfg.tied { 0 } else { cfg.vocab * cfg.hidden }) as f64;
+    let streamed = (weights - if cfg.tied { 0 } else { cfg.vocab * cfg.hidden }) as f64;
+    let bytes_per_token = match target.dtype.as_str() {
+        "bf16" | "f16" => 2.0 * streamed,
+        // One f32 scale per row of hidden (or intermediate) weights: about 4 / hidden bytes each.
+        "int8" => streamed * (1.0 + 4.0 / cfg.hidden as f64),
+        _ => 4.0 * streamed,
+    };
     // This machine's own figures when `metainfer machine` probed it, else the platform contract's.
     let probe: Option<crate::probe::MachineProbe> = crate::ledger::Ledger::open(&ctx.ledger)
         .ok()
@@ -173,6 +189,8 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     let compute_bound = peak * 1e9 / (2.0 * weights as f64);
     let mut report = ProfileReport {
         passed: false,
+        dtype: target.dtype.clone(),
+        bytes_per_token,
         verified,
         prompt_len,
         new_tokens,
@@ -192,16 +210,16 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     report.rules = rules.findings.clone();
     if !rules.passed {
         report.error = super::rules::blocked_text(&rules);
-        ctx.record("profile_engine", Some(&engine), vec![], &report, serde_json::json!({"blocked": true}), started);
+        ctx.record("profile_engine", Some(&engine), vec![], &report, serde_json::json!({"blocked": true, "dtype": target.dtype}), started);
         return Ok(report);
     }
-    let build = ctx.workshop.build_harness(&engine, budget)?;
+    let build = ctx.workshop.build_harness(&engine, &target.spec, budget)?;
     let Some(exe) = build.executable.clone().filter(|_| build.ok) else {
         report.error = format!(
             "the engine does not build with the harness:\n{}",
             super::Report::text(&super::compile::report_of(ctx, &engine, build, 0))
         );
-        ctx.record("profile_engine", Some(&engine), vec![], &report, serde_json::json!({}), started);
+        ctx.record("profile_engine", Some(&engine), vec![], &report, serde_json::json!({"dtype": target.dtype}), started);
         return Ok(report);
     };
     let run = harness::run(
@@ -219,7 +237,7 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     )?;
     if !run.ok() {
         report.error = format!("the engine's profile process {}", run.failure_text(2000));
-        ctx.record("profile_engine", Some(&engine), vec![], &report, serde_json::json!({}), started);
+        ctx.record("profile_engine", Some(&engine), vec![], &report, serde_json::json!({"dtype": target.dtype}), started);
         return Ok(report);
     }
     let v: serde_json::Value = serde_json::from_str(run.stdout.lines().last().unwrap_or_default())
@@ -236,7 +254,7 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     report.load_ms = v["load_s"].as_f64().unwrap_or(0.0) * 1e3;
     // The timed runs' outputs: the first two are replayed through the reference forward pass.
     let tensors = crate::model::read_safetensors(&model_dir)?;
-    let mut reference = crate::oracle::llama::Reference::new(&cfg, &tensors)?;
+    let mut reference = crate::oracle::llama::Reference::with_weight_dtype(&cfg, &tensors, &target.dtype)?;
     let mut problems = Vec::new();
     report.outputs_ok = true;
     for r in v["runs"].as_array().map(Vec::as_slice).unwrap_or_default().iter().take(2) {
@@ -271,6 +289,8 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     report.error = problems.join("; ");
     report.passed = !decode.is_empty() && problems.is_empty();
     let figures = serde_json::json!({
+        "dtype": target.dtype,
+        "bytes_per_token": bytes_per_token,
         "decode_tok_s": report.decode_tok_s.median,
         "prefill_tok_s": report.prefill_tok_s.median,
         "roofline_decode_tok_s": roofline,

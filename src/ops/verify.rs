@@ -36,6 +36,10 @@ pub struct VerifyRequest {
     /// Seed for the random prompts, to replay a run.
     #[serde(default)]
     pub seed: Option<u64>,
+    /// Weight dtype to build the engine for (f32, bf16, f16, int8); absent: the engine's own
+    /// (metainfer.toml `dtype`). The reference then runs on the weights as that dtype stores them.
+    #[serde(default)]
+    pub dtype: Option<String>,
 }
 
 /// The verdict for one prompt.
@@ -77,6 +81,8 @@ pub struct VerifyReport {
     pub seed: u64,
     /// Model-family contract used for the reference.
     pub family: String,
+    /// Weight dtype the engine was built for and the reference ran at.
+    pub dtype: String,
     /// Logit tolerance applied.
     pub atol: f64,
     /// Logit tolerance applied.
@@ -100,11 +106,12 @@ impl Report for VerifyReport {
     fn text(&self) -> String {
         let ok = self.prompts.iter().filter(|p| p.error.is_empty()).count();
         let mut s = format!(
-            "verify {}: {ok}/{} prompts passed (seed {}, {}, logits atol {} rtol {})\n",
+            "verify {}: {ok}/{} prompts passed (seed {}, {} with {} weights, logits atol {} rtol {})\n",
             if self.passed { "PASSED" } else { "FAILED" },
             self.prompts.len(),
             self.seed,
             self.family,
+            self.dtype,
             self.atol,
             self.rtol
         );
@@ -179,15 +186,17 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     let dir = ctx.confine(Path::new(&req.engine), true)?;
     let model_dir = ctx.confine(Path::new(&req.model), true)?;
     let engine = ctx.workshop.engine(&dir)?;
+    let target = ctx.target(&engine, req.dtype.as_deref())?;
     let cfg = model::load_config(&ctx.ckb, &model_dir)?;
     let family = ctx.ckb.get(&cfg.family)?;
-    let tol = family.model.as_ref().and_then(|m| m.logits_tolerance.get("f32").cloned()).unwrap_or(Tolerance {
+    let logits_tol = &family.model.as_ref().expect("model contract").logits_tolerance;
+    let tol = logits_tol.get(&target.dtype).or_else(|| logits_tol.get("f32")).cloned().unwrap_or(Tolerance {
         atol: 1e-3,
         rtol: 1e-3,
         reasoning: String::new(),
     });
     let tensors = model::read_safetensors(&model_dir)?;
-    let mut reference = Reference::new(&cfg, &tensors)?;
+    let mut reference = Reference::with_weight_dtype(&cfg, &tensors, &target.dtype)?;
     let tok = model::hf_tokenizer(&model_dir)?;
     let max_new = req.max_new_tokens.unwrap_or(32);
     if max_new == 0 || max_new > 4096 {
@@ -220,13 +229,14 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
 
     let mut contract_ids: Vec<&str> = vec![family.id.as_str()];
     let m = family.model.as_ref().expect("model contract");
-    contract_ids.extend(m.kernels.iter().chain(&m.components).map(String::as_str));
+    contract_ids.extend(target.spec.kernels.iter().chain(&m.components).map(String::as_str));
     let versioned = ctx.versioned(&contract_ids);
 
     let fail = |error: String, prompts: Vec<PromptResult>| VerifyReport {
         passed: false,
         seed,
         family: family.id.clone(),
+        dtype: target.dtype.clone(),
         atol: tol.atol,
         rtol: tol.rtol,
         prompts,
@@ -243,17 +253,17 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
             Some(&engine),
             versioned,
             &report,
-            serde_json::json!({"blocked": true}),
+            serde_json::json!({"blocked": true, "dtype": target.dtype}),
             started,
         );
         return Ok(report);
     }
-    let build = ctx.workshop.build_harness(&engine, budget)?;
+    let build = ctx.workshop.build_harness(&engine, &target.spec, budget)?;
     let Some(exe) = build.executable.clone().filter(|_| build.ok) else {
         let compile = super::compile::report_of(ctx, &engine, build, 0);
         let report =
             fail(format!("the engine does not build with the harness:\n{}", super::Report::text(&compile)), vec![]);
-        ctx.record("verify_generation", Some(&engine), versioned, &report, serde_json::json!({"seed": seed}), started);
+        ctx.record("verify_generation", Some(&engine), versioned, &report, serde_json::json!({"seed": seed, "dtype": target.dtype}), started);
         return Ok(report);
     };
 
@@ -273,7 +283,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     )?;
     if !run.ok() {
         let report = fail(format!("the engine's generation process {}", run.failure_text(2000)), vec![]);
-        ctx.record("verify_generation", Some(&engine), versioned, &report, serde_json::json!({"seed": seed}), started);
+        ctx.record("verify_generation", Some(&engine), versioned, &report, serde_json::json!({"seed": seed, "dtype": target.dtype}), started);
         return Ok(report);
     }
     let (meta, mut tensors_out) = harness::read_tensor_words(&out)?;
@@ -373,7 +383,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     let mut passed = results.iter().all(|r| r.error.is_empty());
     let mut error = String::new();
     let kernels_passed = crate::ledger::Ledger::open(&ctx.ledger)
-        .and_then(|l| l.passed_on("run_kernel_test", &engine.hash))
+        .and_then(|l| l.passed_on("run_kernel_test", &engine.hash, &target.dtype))
         .unwrap_or(false);
     if passed && !kernels_passed {
         // Phase order: generation passes only on sources whose kernels passed.
@@ -388,6 +398,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         passed,
         seed,
         family: family.id.clone(),
+        dtype: target.dtype.clone(),
         atol: tol.atol,
         rtol: tol.rtol,
         prompts: results,
@@ -397,6 +408,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     };
     let figures = serde_json::json!({
         "seed": seed,
+        "dtype": report.dtype,
         "max_abs_err": report.prompts.iter().map(|p| p.max_abs_err).fold(0.0, f64::max),
         "prompts": report.prompts.len(),
         "diagnosis": report.diagnosis.iter().map(|d| d.failure.as_str()).collect::<Vec<_>>(),

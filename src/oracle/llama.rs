@@ -50,6 +50,23 @@ impl Reference {
     /// # Errors
     /// [`crate::error::ErrorKind::Input`] naming a missing tensor or a shape that disagrees with config.json.
     pub fn new(cfg: &ResolvedConfig, tensors: &Tensors) -> Result<Reference> {
+        Reference::with_weight_dtype(cfg, tensors, "f32")
+    }
+
+    /// As [`Reference::new`], on the weights an engine storing its 2-D tensors (embeddings,
+    /// projections, lm_head) in `weight_dtype` computes with: bf16/f16 rounded to nearest even, or
+    /// int8 quantised per row and dequantised (contracts kernel.linear_bf16, kernel.linear_f16,
+    /// kernel.linear_int8). 1-D tensors (norm weights, biases) stay as stored. `f32`: as stored.
+    ///
+    /// # Errors
+    /// As [`Reference::new`]; Usage for a dtype outside [`crate::ckb::WEIGHT_DTYPES`].
+    pub fn with_weight_dtype(cfg: &ResolvedConfig, tensors: &Tensors, weight_dtype: &str) -> Result<Reference> {
+        if !crate::ckb::WEIGHT_DTYPES.contains(&weight_dtype) {
+            return Err(Error::usage(format!(
+                "weight dtype `{weight_dtype}` unknown; use one of {}",
+                crate::ckb::WEIGHT_DTYPES.join(", ")
+            )));
+        }
         let get = |name: &str, shape: &[usize]| -> Result<Vec<f64>> {
             let (s, v) = tensors.get(name).ok_or_else(|| {
                 Error::input(format!("model.safetensors has no tensor `{name}` (required by {})", cfg.family))
@@ -57,7 +74,7 @@ impl Reference {
             if s != shape {
                 return Err(Error::input(format!("tensor `{name}` has shape {s:?}, config.json implies {shape:?}")));
             }
-            Ok(widen(v))
+            Ok(if shape.len() == 2 { super::dtypes::as_stored(v, shape[1], weight_dtype) } else { widen(v) })
         };
         let (h, hd, nh, nkv, ff) = (cfg.hidden, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.intermediate);
         // Gemma's RMSNorm multiplies by (1 + w): fold the 1 into the stored weight once.

@@ -4,6 +4,7 @@
 //!
 //! Depends on `model` (resolved config and tensors) only.
 
+pub mod dtypes;
 pub mod families;
 pub mod llama;
 pub mod mutants;
@@ -14,7 +15,11 @@ pub const KERNELS: &[&str] = &[
     "kernel.rms_norm",
     "kernel.rope",
     "kernel.linear",
+    "kernel.linear_bf16",
+    "kernel.linear_f16",
+    "kernel.linear_int8",
     "kernel.silu_and_mul",
+    "kernel.gelu_tanh_and_mul",
     "kernel.softmax",
     "kernel.attention",
     "kernel.argmax",

@@ -23,7 +23,59 @@ pub const MUTANTS: &[&str] = &[
     "argmax_last",
     "embedding_off_by_one",
     "kv_position_off_by_one",
+    "bf16_accumulation",
+    "half_format_swapped",
+    "int8_scale_missing",
+    "gelu_erf",
 ];
+
+/// `bf16_accumulation`: [`super::linear`] over bf16 weights whose running sum is rounded to bf16
+/// (nearest even) after every multiply-add, as a kernel that accumulates in the weight type does.
+/// `w`: [n, k] bf16 bits. (failure.bf16-accumulation)
+pub fn bf16_accumulation(x: &[f64], w: &[u16], m: usize, k: usize, n: usize) -> Vec<f64> {
+    use super::dtypes::{bf16_value, round_bf16};
+    let mut out = Vec::with_capacity(m * n);
+    for i in 0..m {
+        for o in 0..n {
+            let mut acc = 0.0f64;
+            for c in 0..k {
+                acc = bf16_value(round_bf16((acc + x[i * k + c] * bf16_value(w[o * k + c])) as f32));
+            }
+            out.push(acc);
+        }
+    }
+    out
+}
+
+/// `half_format_swapped`: [`super::linear`] with the 16-bit weights decoded by the other format's
+/// rule: bf16 bits read as IEEE binary16 when `stored_bf16`, binary16 bits read as bf16 otherwise.
+/// `w`: [n, k] bits. (failure.half-format-swapped)
+pub fn half_format_swapped(x: &[f64], w: &[u16], m: usize, k: usize, n: usize, stored_bf16: bool) -> Vec<f64> {
+    let wrong = if stored_bf16 { super::dtypes::widen_f16(w) } else { super::dtypes::widen_bf16(w) };
+    super::linear(x, &wrong, m, k, n)
+}
+
+/// `int8_scale_missing`: the int8 matrix-vector product without the per-row scale,
+/// out[i, o] = sum_c x[i, c] * q[o, c]. `q`: [n, k]. (failure.int8-scale-missing)
+pub fn int8_scale_missing(x: &[f64], q: &[i8], m: usize, k: usize, n: usize) -> Vec<f64> {
+    let w: Vec<f64> = q.iter().map(|&v| v as f64).collect();
+    super::linear(x, &w, m, k, n)
+}
+
+/// erf by Abramowitz & Stegun 1964, formula 7.1.26 (absolute error below 1.5e-7), enough to tell
+/// the exact GELU from its tanh approximation (they differ by up to about 4e-4).
+pub fn erf(x: f64) -> f64 {
+    let t = 1.0 / (1.0 + 0.327_591_1 * x.abs());
+    let poly = t * (0.254_829_592 + t * (-0.284_496_736 + t * (1.421_413_741 + t * (-1.453_152_027 + t * 1.061_405_429))));
+    let y = 1.0 - poly * (-x * x).exp();
+    if x < 0.0 { -y } else { y }
+}
+
+/// `gelu_erf`: GeGLU with the exact GELU 0.5 g (1 + erf(g / sqrt 2)) instead of the tanh form.
+/// All: [len]. (failure.gelu-erf-vs-tanh)
+pub fn gelu_erf(gate: &[f64], up: &[f64]) -> Vec<f64> {
+    gate.iter().zip(up).map(|(g, u)| 0.5 * g * (1.0 + erf(g / std::f64::consts::SQRT_2)) * u).collect()
+}
 
 /// Whether a mutant of this name exists (here or, for model-level ones, in [`Mutation`]).
 pub fn mutant_exists(name: &str) -> bool {
@@ -433,4 +485,29 @@ mod tests {
         let table = [0.0, 0.5, 1.0, 1.5, 2.0, 2.5];
         close(&embedding_off_by_one(&table, 2, &[0, 2, 1]), &[1.0, 1.5, 0.0, 0.5, 2.0, 2.5]);
     }
+
+    #[test]
+    fn erf_matches_published_values() {
+        // Abramowitz & Stegun table 7.1: erf(0.5) = 0.5204998778, erf(1) = 0.8427007929, erf(2) = 0.9953222650.
+        for (x, want) in [(0.5, 0.520_499_877_8), (1.0, 0.842_700_792_9), (2.0, 0.995_322_265_0), (-1.0, -0.842_700_792_9)] {
+            assert!((erf(x) - want).abs() < 2e-7, "erf({x}) = {}", erf(x));
+        }
+    }
+
+    #[test]
+    fn gelu_erf_and_tanh_differ_by_a_few_1e4() {
+        let g: Vec<f64> = (0..=600).map(|i| -3.0 + i as f64 * 0.01).collect();
+        let one = vec![1.0; g.len()];
+        let a = gelu_erf(&g, &one);
+        let b = super::super::gelu_tanh_and_mul(&g, &one);
+        let max = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
+        assert!(max > 1e-4 && max < 1e-3, "max difference {max}");
+    }
+
+    #[test]
+    fn int8_scale_missing_drops_the_scale() {
+        // x = [1, 2], q rows [3, 4] and [-1, 0]: sums 11 and -1.
+        assert_eq!(int8_scale_missing(&[1.0, 2.0], &[3, 4, -1, 0], 1, 2, 2), vec![11.0, -1.0]);
+    }
 }
+

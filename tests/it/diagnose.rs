@@ -236,6 +236,7 @@ fn verify_req(engine: &std::path::Path) -> VerifyRequest {
         prompts: vec![],
         max_new_tokens: Some(8),
         seed: Some(VERIFY_SEED),
+        dtype: None,
     }
 }
 
@@ -258,7 +259,7 @@ fn injected_faults_are_caught_and_named() {
     let good = t.path().join("good");
     crate::copy_example(&good);
     let k =
-        kernel_test(&ctx, &KernelTestRequest { engine: s(&good), kernels: vec![], seed: Some(KERNEL_SEED) }, &budget())
+        kernel_test(&ctx, &KernelTestRequest { engine: s(&good), kernels: vec![], seed: Some(KERNEL_SEED), dtype: None }, &budget())
             .unwrap();
     assert!(k.passed, "{}", k.text());
     assert!(k.kernels.iter().all(|k| k.diagnosis.is_empty()), "{}", k.text());
@@ -275,7 +276,7 @@ fn injected_faults_are_caught_and_named() {
         }
         let k = kernel_test(
             &ctx,
-            &KernelTestRequest { engine: s(&dir), kernels: vec![], seed: Some(KERNEL_SEED) },
+            &KernelTestRequest { engine: s(&dir), kernels: vec![], seed: Some(KERNEL_SEED), dtype: None },
             &budget(),
         )
         .unwrap();
@@ -409,7 +410,10 @@ fn tiny_case(kernel: &str) -> Inputs {
         "kernel.linear" => {
             (f(&[("x", &[1.0, 2.0]), ("w", &[1.0, 2.0, 3.0, 4.0])]), vec![], p(&[("m", "1"), ("k", "2"), ("n", "2")]))
         }
-        "kernel.silu_and_mul" => (f(&[("gate", &[1.0]), ("up", &[2.0])]), vec![], p(&[])),
+        "kernel.linear_bf16" | "kernel.linear_f16" | "kernel.linear_int8" => {
+            (f(&[("x", &[1.0, 2.0]), ("scales", &[0.5, 0.25])]), vec![], p(&[("m", "1"), ("k", "2"), ("n", "2")]))
+        }
+        "kernel.silu_and_mul" | "kernel.gelu_tanh_and_mul" => (f(&[("gate", &[1.0]), ("up", &[2.0])]), vec![], p(&[])),
         "kernel.softmax" => (f(&[("x", &[1.0, 2.0])]), vec![], p(&[("n", "2")])),
         "kernel.attention" => (
             f(&[("q", &[1.0, 2.0]), ("k_cache", &[1.0, 2.0]), ("v_cache", &[1.0, 2.0])]),
@@ -439,9 +443,14 @@ fn failure_contracts_name_existing_mutants() {
     assert_eq!(named, all, "every mutant is named by exactly one failure contract");
     for c in ckb.of_kind(Kind::Kernel) {
         let (f32s, u32s, params) = tiny_case(&c.id);
+        // 16-bit weights [1, 2, 3, 4] in the kernel's own format, int8 weights [1, 2, 3, 4].
+        let halves = [("w".to_string(), vec![0x3F80, 0x4000, 0x4040, 0x4080], c.id == "kernel.linear_bf16")];
+        let i8s = [("w".to_string(), vec![1i8, 2, 3, 4])];
         let case = diagnose::KernelCase {
             f32s: &f32s,
             u32s: &u32s,
+            halves: &halves,
+            i8s: &i8s,
             params: &params,
             out: &[],
             oracle_ok: false,

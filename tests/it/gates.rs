@@ -24,6 +24,7 @@ fn verify_req(engine: &std::path::Path) -> VerifyRequest {
         prompts: vec![],
         max_new_tokens: Some(8),
         seed: None,
+        dtype: None,
     }
 }
 
@@ -59,7 +60,7 @@ fn bare_scaffold_compiles_and_fails_every_other_gate() {
     assert!(c.passed, "the bare scaffold must compile: {c:?}");
     crate::assert_conforms(&c);
 
-    let k = kernel_test(&ctx, &KernelTestRequest { engine: s(&engine), kernels: vec![], seed: Some(1) }, &budget())
+    let k = kernel_test(&ctx, &KernelTestRequest { engine: s(&engine), kernels: vec![], seed: Some(1), dtype: None }, &budget())
         .unwrap();
     assert!(!k.passed);
     assert_eq!(k.kernels.len(), 8);
@@ -78,6 +79,7 @@ fn bare_scaffold_compiles_and_fails_every_other_gate() {
             prompt_len: None,
             new_tokens: None,
             runs: Some(1),
+            dtype: None,
         },
         &budget(),
     )
@@ -109,7 +111,7 @@ fn empty_crate_and_non_crate_fail() {
     std::fs::write(empty.join("src/lib.rs"), "").unwrap();
     let k = kernel_test(
         &ctx,
-        &KernelTestRequest { engine: s(&empty), kernels: vec!["kernel.rope".into()], seed: None },
+        &KernelTestRequest { engine: s(&empty), kernels: vec!["kernel.rope".into()], seed: None, dtype: None },
         &budget(),
     )
     .unwrap();
@@ -123,7 +125,7 @@ fn empty_crate_and_non_crate_fail() {
 
     let e = kernel_test(
         &ctx,
-        &KernelTestRequest { engine: s(&empty), kernels: vec!["kernel.nope".into()], seed: None },
+        &KernelTestRequest { engine: s(&empty), kernels: vec!["kernel.nope".into()], seed: None, dtype: None },
         &budget(),
     )
     .unwrap_err();
@@ -137,7 +139,7 @@ fn example_engine_passes_and_broken_engines_fail_at_the_right_gate() {
 
     let good = t.path().join("good");
     crate::copy_example(&good);
-    let k = kernel_test(&ctx, &KernelTestRequest { engine: s(&good), kernels: vec![], seed: None }, &budget()).unwrap();
+    let k = kernel_test(&ctx, &KernelTestRequest { engine: s(&good), kernels: vec![], seed: None, dtype: None }, &budget()).unwrap();
     assert!(k.passed, "{}", metainfer::ops::Report::text(&k));
     crate::assert_conforms(&k);
     let v = verify(&ctx, &verify_req(&good), &budget()).unwrap();
@@ -148,7 +150,7 @@ fn example_engine_passes_and_broken_engines_fail_at_the_right_gate() {
     let rope = t.path().join("rope");
     crate::copy_example(&rope);
     crate::inject(&rope, "src/kernels.rs", "let half = head_dim / 2;", "let half = 1;");
-    let k = kernel_test(&ctx, &KernelTestRequest { engine: s(&rope), kernels: vec![], seed: None }, &budget()).unwrap();
+    let k = kernel_test(&ctx, &KernelTestRequest { engine: s(&rope), kernels: vec![], seed: None, dtype: None }, &budget()).unwrap();
     let failed: Vec<&str> = k.kernels.iter().filter(|k| !k.passed).map(|k| k.kernel.as_str()).collect();
     assert_eq!(failed, ["kernel.rope"], "{}", metainfer::ops::Report::text(&k));
 
@@ -165,7 +167,7 @@ fn example_engine_passes_and_broken_engines_fail_at_the_right_gate() {
         "kernels::silu_and_mul(&s.gate, &s.up,",
         "kernels::silu_and_mul(&s.up, &s.gate,",
     );
-    let k = kernel_test(&ctx, &KernelTestRequest { engine: s(&mlp), kernels: vec![], seed: None }, &budget()).unwrap();
+    let k = kernel_test(&ctx, &KernelTestRequest { engine: s(&mlp), kernels: vec![], seed: None, dtype: None }, &budget()).unwrap();
     assert!(k.passed);
     let v = verify(&ctx, &verify_req(&mlp), &budget()).unwrap();
     assert!(!v.passed && v.prompts.iter().all(|p| !p.logits_ok), "{}", metainfer::ops::Report::text(&v));

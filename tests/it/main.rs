@@ -4,6 +4,7 @@
 mod ckb;
 mod client;
 mod diagnose;
+mod dtypes;
 mod evolve;
 mod families;
 mod gates;

@@ -152,7 +152,7 @@ fn each_rule_catches_its_fixture() {
 
     // A blocking finding stops a gate, and the outcome is recorded.
     let d = t.path().join("sig");
-    let k = kernel_test(&ctx, &KernelTestRequest { engine: s(&d), kernels: vec![], seed: None }, &Budget::secs(600))
+    let k = kernel_test(&ctx, &KernelTestRequest { engine: s(&d), kernels: vec![], seed: None, dtype: None }, &Budget::secs(600))
         .unwrap();
     assert!(!k.passed && k.build_error.contains("signature-changed") && k.kernels.is_empty(), "{k:?}");
     let ledger = metainfer::ledger::Ledger::open(&ctx.ledger).unwrap();
@@ -173,11 +173,12 @@ fn verify_passes_only_after_kernel_tests_passed_on_the_same_sources() {
         prompts: vec![],
         max_new_tokens: Some(4),
         seed: None,
+        dtype: None,
     };
     let v = verify(&ctx, &req, &Budget::secs(600)).unwrap();
     assert!(!v.passed && v.error.contains("phase order"), "{}", v.error);
     assert!(v.prompts.iter().all(|p| p.error.is_empty()), "generation itself matched");
-    let k = kernel_test(&ctx, &KernelTestRequest { engine: s(&d), kernels: vec![], seed: None }, &Budget::secs(600))
+    let k = kernel_test(&ctx, &KernelTestRequest { engine: s(&d), kernels: vec![], seed: None, dtype: None }, &Budget::secs(600))
         .unwrap();
     assert!(k.passed);
     assert!(verify(&ctx, &req, &Budget::secs(600)).unwrap().passed);
@@ -270,7 +271,7 @@ fn every_gate_fails_on_empty_bare_and_constant_engines() {
 
     for engine in [&empty, &bare, &constant] {
         let k =
-            kernel_test(&ctx, &KernelTestRequest { engine: s(engine), kernels: vec![], seed: None }, &budget).unwrap();
+            kernel_test(&ctx, &KernelTestRequest { engine: s(engine), kernels: vec![], seed: None, dtype: None }, &budget).unwrap();
         assert!(!k.passed, "run_kernel_test passed on {}", engine.display());
         if engine == &constant {
             assert!(
@@ -287,6 +288,7 @@ fn every_gate_fails_on_empty_bare_and_constant_engines() {
                 prompts: vec![],
                 max_new_tokens: Some(4),
                 seed: None,
+                dtype: None,
             },
             &budget,
         )
@@ -300,6 +302,7 @@ fn every_gate_fails_on_empty_bare_and_constant_engines() {
                 prompt_len: None,
                 new_tokens: None,
                 runs: Some(1),
+                dtype: None,
             },
             &budget,
         )
