@@ -226,6 +226,9 @@ enum Command {
         /// Tokens decoded per run (default 64).
         #[arg(long)]
         new_tokens: Option<usize>,
+        /// Threads the engine may use (RAYON_NUM_THREADS in the harness; default 1).
+        #[arg(long)]
+        threads: Option<usize>,
         /// Weight dtype to build the engine for (f32, bf16, f16, int8); default: the engine's own (metainfer.toml).
         #[arg(long)]
         dtype: Option<String>,
@@ -404,7 +407,12 @@ fn load_ckb(dir: Option<&PathBuf>) -> Result<Ckb> {
 fn ctx(g: &Global, workspace: Option<PathBuf>, models: Vec<PathBuf>) -> Result<Ctx> {
     Ok(Ctx {
         ckb: load_ckb(g.ckb.as_ref())?,
-        workshop: g.cache.clone().map(|root| Workshop { root }).unwrap_or_else(Workshop::default_location),
+        // Absolute: the harness manifest refers to the engine snapshot inside the cache by path.
+        workshop: g
+            .cache
+            .clone()
+            .map(|root| Workshop { root: std::path::absolute(&root).unwrap_or(root) })
+            .unwrap_or_else(Workshop::default_location),
         ledger: g.ledger.clone().unwrap_or_else(metainfer::ledger::default_path),
         workspace,
         models,
@@ -572,8 +580,16 @@ fn run(cli: Cli) -> Result<ExitCode> {
             };
             Ok(emit(&ops::verify::verify(&ctx(g, None, vec![])?, &req, &budget())?, json))
         }
-        Command::Profile { engine, model, runs, prompt_len, new_tokens, dtype, json } => {
-            let req = ops::profile::ProfileRequest { engine: s(&engine), model: s(&model), prompt_len, new_tokens, runs, dtype };
+        Command::Profile { engine, model, runs, prompt_len, new_tokens, dtype, threads, json } => {
+            let req = ops::profile::ProfileRequest {
+                engine: s(&engine),
+                model: s(&model),
+                prompt_len,
+                new_tokens,
+                runs,
+                dtype,
+                threads,
+            };
             Ok(emit(&ops::profile::profile(&ctx(g, None, vec![])?, &req, &budget())?, json))
         }
         Command::Ledger { action: Some(action), .. } => {

@@ -166,6 +166,9 @@ impl Ckb {
             if let Some(f) = &c.failure {
                 refs.extend(f.applies_to.iter().map(|r| ("/failure/applies_to", r)));
             }
+            if let Some(p) = &c.platform {
+                refs.extend(p.kernel_guidance.keys().map(|r| ("/platform/kernel_guidance", r)));
+            }
             for (field, r) in refs {
                 if !ids.contains(r.as_str()) {
                     bad(field, format!("reference `{r}` does not resolve to any contract"));

@@ -251,6 +251,10 @@ pub struct Platform {
     pub simd_bits: u32,
     /// Optimisation guidance, most effective first.
     pub guidance: Vec<String>,
+    /// Guidance per kernel contract id (a dtype variant falls back to the kernel it replaces), with
+    /// the measured effect where known; profile_engine quotes it for the kernel that bounds decode.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub kernel_guidance: BTreeMap<String, Vec<String>>,
 }
 
 /// Failure-mode specifics (kind = failure).

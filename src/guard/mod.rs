@@ -201,6 +201,8 @@ pub struct Inputs<'a> {
     pub references: &'a [provenance::Reference],
     /// Reference level of the engine: at `code`, provenance matches are warnings.
     pub level: ReferenceLevel,
+    /// Contract ids whose Rust signatures the engine must keep (its plan); None: every contract.
+    pub contracts: Option<&'a [String]>,
 }
 
 /// Run every rule on an engine directory.
@@ -209,7 +211,7 @@ pub fn check(dir: &Path, inputs: &Inputs) -> (Vec<Finding>, Vec<String>) {
     let mut findings = Vec::new();
     findings.extend(dependencies::check(inputs.ckb, inputs.target, inputs.packages));
     findings.extend(containment::check(dir, &tree));
-    findings.extend(signatures::check(inputs.ckb, &tree));
+    findings.extend(signatures::check(inputs.ckb, inputs.contracts, &tree));
     findings.extend(hardcoded::check(&tree));
     findings.extend(provenance::check(&tree, inputs.references, inputs.level));
     (findings, tree.skipped)

@@ -33,11 +33,12 @@ pub fn signatures(skeleton: &str) -> Vec<(String, String)> {
     out
 }
 
-/// Check every contract skeleton's signatures against the engine's module files.
-pub fn check(ckb: &Ckb, tree: &Tree) -> Vec<Finding> {
+/// Check the skeleton signatures of the contracts in `scope` (every contract when None) against the
+/// engine's module files.
+pub fn check(ckb: &Ckb, scope: Option<&[String]>, tree: &Tree) -> Vec<Finding> {
     let mut out = Vec::new();
     let mut missing: std::collections::BTreeMap<String, Vec<String>> = Default::default();
-    for c in ckb.all() {
+    for c in ckb.all().filter(|c| scope.is_none_or(|s| s.contains(&c.id))) {
         let Some(rust) = &c.rust else { continue };
         let rel = format!("src/{}.rs", rust.module);
         let file = tree.files.iter().find(|f| f.rel == rel);

@@ -12,6 +12,7 @@ pub mod outcomes;
 pub mod plan;
 pub mod profile;
 pub mod report;
+pub mod roofline;
 pub mod rules;
 pub mod scaffold;
 pub mod synth;
@@ -72,6 +73,19 @@ pub struct Target {
     pub dtype: String,
     /// Harness arms and engine features.
     pub spec: crate::harness::HarnessSpec,
+}
+
+impl Target {
+    /// Every contract id of this target's plan: the family, its kernels at this dtype, and its
+    /// components.
+    pub fn contract_ids(&self, ckb: &Ckb) -> Vec<String> {
+        let mut ids = vec![self.family.clone()];
+        ids.extend(self.spec.kernels.iter().cloned());
+        if let Some(m) = ckb.get(&self.family).ok().and_then(|c| c.model.as_ref()) {
+            ids.extend(m.components.iter().cloned());
+        }
+        ids
+    }
 }
 
 impl Ctx {

@@ -1,5 +1,7 @@
 //! profile_engine: prefill and decode tokens/s (median, min, max of several runs) and time per phase,
-//! measured by the harness on a real checkpoint.
+//! measured by the harness on a real checkpoint; then every kernel of a decode step timed on the
+//! model's shapes (see [`super::roofline`]), the kernel that bounds decode with the platform
+//! contract's guidance for it, and the change against the previous profile of the same engine.
 
 use std::path::Path;
 use std::time::Instant;
@@ -27,6 +29,10 @@ pub struct ProfileRequest {
     /// Weight dtype to build the engine for (f32, bf16, f16, int8); absent: the engine's own.
     #[serde(default)]
     pub dtype: Option<String>,
+    /// Threads the engine may use: the harness runs with RAYON_NUM_THREADS set to it, and the
+    /// roofline uses the machine's figures at that count (default 1).
+    #[serde(default)]
+    pub threads: Option<usize>,
     /// Runs; medians are over these (default 5).
     #[serde(default)]
     pub runs: Option<usize>,
@@ -94,10 +100,50 @@ pub struct ProfileReport {
     pub runs_checked: usize,
     /// Whether every checked timed run generated the reference's tokens.
     pub outputs_ok: bool,
+    /// Threads the engine ran with (RAYON_NUM_THREADS).
+    pub threads: usize,
+    /// Every kernel shape of one decode step, timed alone on the model's shapes; largest share first.
+    pub kernels: Vec<super::roofline::KernelProfile>,
+    /// The kernel contract with the largest share of decode time.
+    pub bounding_kernel: String,
+    /// Its share of the summed kernel time of one token.
+    pub bounding_share: f64,
+    /// Summed kernel time per token over the measured decode time per token: the rest is spent
+    /// outside the kernels (loop, copies, allocation).
+    pub kernel_time_fraction: f64,
+    /// The platform contract's guidance for the bounding kernel.
+    pub guidance: Vec<String>,
+    /// The previous passing profile of this engine directory at the same model, dtype, threads and
+    /// lengths, when the ledger has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous: Option<PreviousProfile>,
     /// Rule findings (check_rules); a blocking one stops the profile.
     pub rules: Vec<crate::guard::Finding>,
     /// Harness failure text, when it failed.
     pub error: String,
+}
+
+/// The comparison with the previous profile.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct PreviousProfile {
+    /// Its outcome id in the ledger.
+    pub outcome: String,
+    /// When it ran (RFC 3339).
+    pub time: String,
+    /// Its decode tokens/s.
+    pub decode_tok_s: Spread,
+    /// Change of the decode median, percent (negative: slower now).
+    pub change_pct: f64,
+    /// Slower beyond the noise: the two runs' decode ranges do not overlap and the median dropped
+    /// by more than the larger relative spread (max - min) / median of the two, and by at least 3%.
+    pub regression: bool,
+}
+
+/// Whether `now` is slower than `before` beyond the noise (the rule of [`PreviousProfile::regression`]).
+pub fn is_regression(before: &Spread, now: &Spread) -> bool {
+    let noise = |s: &Spread| if s.median > 0.0 { (s.max - s.min) / s.median } else { 0.0 };
+    let drop = if before.median > 0.0 { 1.0 - now.median / before.median } else { 0.0 };
+    now.max < before.min && drop > noise(before).max(noise(now)).max(0.03)
 }
 
 impl Report for ProfileReport {
@@ -125,7 +171,58 @@ impl Report for ProfileReport {
             self.load_ms,
             self.roofline_decode_tok_s,
             100.0 * self.decode_tok_s.median / self.roofline_decode_tok_s
-        )
+        ) + &self.kernels_text()
+    }
+}
+
+impl ProfileReport {
+    fn kernels_text(&self) -> String {
+        let mut s = String::new();
+        if let Some(p) = &self.previous {
+            s += &format!(
+                "previous profile {} ({}): decode {:.0} tok/s (min {:.0}, max {:.0}); change {:+.1}%{}\n",
+                p.outcome,
+                p.time,
+                p.decode_tok_s.median,
+                p.decode_tok_s.min,
+                p.decode_tok_s.max,
+                p.change_pct,
+                if p.regression { " REGRESSION beyond the noise" } else { "" }
+            );
+        }
+        if self.kernels.is_empty() {
+            return s;
+        }
+        s += &format!(
+            "kernels of one decode step ({} weights, {} thread(s)); kernel time is {:.0}% of the measured decode time:\n",
+            self.dtype,
+            self.threads,
+            100.0 * self.kernel_time_fraction
+        );
+        for k in &self.kernels {
+            s += &format!(
+                "  {:>5.1}%  {:<20} {:<44} x{:<3} {:>9.2} us  {:>7.1} GB/s {:>7.1} GFLOP/s  {:>4.0}% of roofline\n",
+                100.0 * k.share_of_decode,
+                k.kernel,
+                k.label,
+                k.calls_per_token,
+                k.time_us.median,
+                k.gb_s,
+                k.gflop_s,
+                100.0 * k.roofline_fraction
+            );
+        }
+        if !self.bounding_kernel.is_empty() {
+            s += &format!(
+                "verdict: {} bounds decode ({:.0}% of kernel time)\n",
+                self.bounding_kernel,
+                100.0 * self.bounding_share
+            );
+            for g in &self.guidance {
+                s += &format!("  guidance: {g}\n");
+            }
+        }
+        s
     }
 }
 
@@ -165,14 +262,17 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
         .ok()
         .and_then(|l| l.probe(&crate::probe::fingerprint()).ok().flatten())
         .and_then(|v| serde_json::from_value(v).ok());
+    let threads = req.threads.unwrap_or(1);
+    if threads == 0 || threads > 1024 {
+        return Err(Error::usage(format!("threads must be 1..=1024, got {threads}")));
+    }
+    let platform = ctx.ckb.platform_for("cpu").and_then(|p| p.platform.as_ref());
+    let contract_bw = |n: usize| platform.and_then(|p| p.bandwidth_gbs.get(&n.to_string()).copied());
     let bandwidth = probe
         .as_ref()
-        .and_then(|p| p.median("read DRAM", 1))
-        .or_else(|| {
-            ctx.ckb
-                .platform_for("cpu")
-                .and_then(|p| p.platform.as_ref().and_then(|p| p.bandwidth_gbs.get("1").copied()))
-        })
+        .and_then(|p| p.median("read DRAM", threads))
+        .or_else(|| contract_bw(threads))
+        .or_else(|| contract_bw(1).map(|b| b * threads as f64))
         .unwrap_or(15.0);
     let roofline = bandwidth * 1e9 / bytes_per_token;
     // The compute bound must never understate: take the larger of the probe and the contract.
@@ -189,6 +289,13 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     let compute_bound = peak * 1e9 / (2.0 * weights as f64);
     let mut report = ProfileReport {
         passed: false,
+        threads,
+        kernels: vec![],
+        bounding_kernel: String::new(),
+        bounding_share: 0.0,
+        kernel_time_fraction: 0.0,
+        guidance: vec![],
+        previous: None,
         dtype: target.dtype.clone(),
         bytes_per_token,
         verified,
@@ -232,7 +339,8 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
                 new_tokens.to_string().into(),
                 runs.to_string().into(),
             ] as [std::ffi::OsString; 5],
-        ),
+        )
+        .env("RAYON_NUM_THREADS", threads.to_string()),
         budget,
     )?;
     if !run.ok() {
@@ -286,11 +394,86 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
             "phase order: verify_generation has not passed on these exact sources; figures are unverified".into(),
         );
     }
+    // Every kernel of one decode step, timed alone on this model's shapes, at the middle of the
+    // decoded span.
+    let kv_len = prompt_len + new_tokens / 2;
+    let calls = super::roofline::decode_calls(&cfg, &target.spec.kernels, &target.dtype, kv_len, bytes_per_token);
+    let scratch = ctx.workshop.scratch()?;
+    let time_req = scratch.path().join("time.json");
+    let items: Vec<serde_json::Value> = calls
+        .iter()
+        .map(|c| {
+            serde_json::json!({"kernel": c.kernel, "dims": c.dims, "copies": c.copies, "iters": super::roofline::iters_for(c)})
+        })
+        .collect();
+    std::fs::write(&time_req, serde_json::json!({"reps": runs.max(3), "items": items}).to_string())
+        .map_err(|e| Error::internal(format!("{}: {e}", time_req.display())))?;
+    let timed = harness::run(
+        duct::cmd(&exe, [std::ffi::OsStr::new("time"), time_req.as_os_str()])
+            .env("RAYON_NUM_THREADS", threads.to_string()),
+        budget,
+    )?;
+    if timed.ok() {
+        let v: serde_json::Value =
+            serde_json::from_str(timed.stdout.lines().last().unwrap_or_default()).unwrap_or_default();
+        let seconds: Vec<Vec<f64>> = v["items"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .map(|i| {
+                        i["seconds_per_call"].as_array().map(|x| x.iter().filter_map(|y| y.as_f64()).collect()).unwrap_or_default()
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        if seconds.len() == calls.len() {
+            let peak_t = probe
+                .as_ref()
+                .and_then(|p| p.median("peak", threads))
+                .or_else(|| platform.and_then(|p| p.peak_gflops_f32.get(&threads.to_string()).copied()))
+                .unwrap_or(peak);
+            // Kernels read from the level the whole model's weights fit in (the probe's working
+            // sets: 256 KiB, 4 MiB, else DRAM); without a probe, the DRAM figure.
+            let level = if bytes_per_token <= (256 << 10) as f64 {
+                "read L2"
+            } else if bytes_per_token <= (4 << 20) as f64 {
+                "read L3"
+            } else {
+                "read DRAM"
+            };
+            let bw_kernels = probe.as_ref().and_then(|p| p.median(level, threads)).unwrap_or(bandwidth);
+            report.kernels = super::roofline::analyse(&calls, &seconds, bw_kernels, peak_t);
+            let per_token: f64 = calls.iter().zip(&seconds).map(|(c, s)| Spread::of(s).median * c.per_token as f64).sum();
+            if report.decode_tok_s.median > 0.0 {
+                report.kernel_time_fraction = per_token * report.decode_tok_s.median;
+            }
+            if let Some((k, share)) = super::roofline::bounding_kernel(&report.kernels) {
+                let guidance = platform.map(|p| &p.kernel_guidance);
+                let of = ctx.ckb.get(&k).ok().and_then(|c| c.variant.as_ref()).map(|v| v.of.clone());
+                report.guidance = guidance
+                    .and_then(|g| g.get(&k).or_else(|| of.as_ref().and_then(|o| g.get(o))))
+                    .cloned()
+                    .unwrap_or_default();
+                report.bounding_kernel = k;
+                report.bounding_share = share;
+            }
+        }
+    } else {
+        problems.push(format!("the per-kernel timing process {}", timed.failure_text(1000)));
+    }
+    report.previous = previous_profile(ctx, &engine, &model_dir, &report);
     report.error = problems.join("; ");
     report.passed = !decode.is_empty() && problems.is_empty();
     let figures = serde_json::json!({
         "dtype": target.dtype,
+        "model": model_dir.display().to_string(),
+        "threads": threads,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
         "bytes_per_token": bytes_per_token,
+        "decode": report.decode_tok_s,
+        "bounding_kernel": report.bounding_kernel,
+        "regression": report.previous.as_ref().is_some_and(|p| p.regression),
         "decode_tok_s": report.decode_tok_s.median,
         "prefill_tok_s": report.prefill_tok_s.median,
         "roofline_decode_tok_s": roofline,
@@ -300,4 +483,60 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     });
     ctx.record("profile_engine", Some(&engine), vec![], &report, figures, started);
     Ok(report)
+}
+
+/// The newest passing profile of the same engine directory with the same model, dtype, threads and
+/// lengths, compared with `now`.
+fn previous_profile(
+    ctx: &Ctx,
+    engine: &crate::harness::Engine,
+    model_dir: &Path,
+    now: &ProfileReport,
+) -> Option<PreviousProfile> {
+    let ledger = crate::ledger::Ledger::open(&ctx.ledger).ok()?;
+    let dir = engine.dir.display().to_string();
+    let model = model_dir.display().to_string();
+    let old = ledger.list_filtered(0, 500, Some("profile_engine")).ok()?.into_iter().find(|o| {
+        let f = &o.figures;
+        o.passed
+            && o.engine == dir
+            && f["model"].as_str() == Some(model.as_str())
+            && f["dtype"].as_str() == Some(now.dtype.as_str())
+            && f["threads"].as_u64() == Some(now.threads as u64)
+            && f["prompt_len"].as_u64() == Some(now.prompt_len as u64)
+            && f["new_tokens"].as_u64() == Some(now.new_tokens as u64)
+    })?;
+    let before: Spread = serde_json::from_value(old.figures["decode"].clone()).ok()?;
+    let change_pct =
+        if before.median > 0.0 { 100.0 * (now.decode_tok_s.median / before.median - 1.0) } else { 0.0 };
+    Some(PreviousProfile {
+        outcome: old.id,
+        time: old.time,
+        regression: is_regression(&before, &now.decode_tok_s),
+        decode_tok_s: before,
+        change_pct,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spread(median: f64, min: f64, max: f64) -> Spread {
+        Spread { median, min, max }
+    }
+
+    #[test]
+    fn regression_needs_disjoint_ranges_and_a_drop_beyond_the_noise() {
+        // 10% slower, ranges apart, spreads of 2%: a regression.
+        assert!(is_regression(&spread(1000.0, 990.0, 1010.0), &spread(900.0, 890.0, 910.0)));
+        // Same drop but the earlier run spread over 30%: within its noise.
+        assert!(!is_regression(&spread(1000.0, 800.0, 1100.0), &spread(900.0, 890.0, 910.0)));
+        // Ranges overlap: not a regression.
+        assert!(!is_regression(&spread(1000.0, 900.0, 1010.0), &spread(950.0, 940.0, 960.0)));
+        // 2% slower with tight ranges: below the 3% floor.
+        assert!(!is_regression(&spread(1000.0, 999.0, 1001.0), &spread(980.0, 979.0, 981.0)));
+        // Faster is never a regression.
+        assert!(!is_regression(&spread(1000.0, 990.0, 1010.0), &spread(1200.0, 1190.0, 1210.0)));
+    }
 }

@@ -84,7 +84,26 @@ pub fn precheck(ctx: &Ctx, engine: &Engine, budget: &Budget) -> Result<RulesRepo
         .and_then(|t| toml::from_str::<toml::Table>(&t).ok())
         .and_then(|t| t.get("target").and_then(|v| v.as_str()).map(str::to_owned))
         .unwrap_or_else(|| "cpu".into());
-    let inputs = guard::Inputs { ckb: &ctx.ckb, target: &target, packages: &packages, references: &references, level };
+    // The contracts whose signatures this engine must keep: its plan's (family, its kernels at its
+    // dtype, its components); an unreadable metainfer.toml falls back to the Llama f32 plan.
+    let plan = ctx.target(engine, None).or_else(|_| {
+        let fam = ctx.ckb.get("model.llama")?;
+        let kernels = super::plan::kernels_for(&ctx.ckb, fam, "f32").map_err(crate::error::Error::usage)?;
+        Ok::<_, crate::error::Error>(super::Target {
+            family: fam.id.clone(),
+            dtype: "f32".into(),
+            spec: crate::harness::HarnessSpec { kernels, features: vec![] },
+        })
+    });
+    let scope: Option<Vec<String>> = plan.ok().map(|t| t.contract_ids(&ctx.ckb));
+    let inputs = guard::Inputs {
+        ckb: &ctx.ckb,
+        target: &target,
+        packages: &packages,
+        references: &references,
+        level,
+        contracts: scope.as_deref(),
+    };
     let (mut findings, skipped) = guard::check(&engine.dir, &inputs);
     if let Some(why) = unresolved {
         findings.push(Finding::blocking(

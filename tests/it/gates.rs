@@ -80,6 +80,7 @@ fn bare_scaffold_compiles_and_fails_every_other_gate() {
             new_tokens: None,
             runs: Some(1),
             dtype: None,
+            threads: None,
         },
         &budget(),
     )
@@ -144,6 +145,34 @@ fn example_engine_passes_and_broken_engines_fail_at_the_right_gate() {
     crate::assert_conforms(&k);
     let v = verify(&ctx, &verify_req(&good), &budget()).unwrap();
     assert!(v.passed, "{}", metainfer::ops::Report::text(&v));
+
+    // Profile: every kernel of a decode step timed on BabyLlama's shapes. The projections hold
+    // 5 x (2 x 128^2 + 2 x 64 x 128 + 3 x 128 x 352) = 921,600 weights, and lm_head 105 x 128 more:
+    // every weight read per token goes through kernel.linear, so it must be what bounds decode; the
+    // guidance is the platform's for it.
+    let preq = ProfileRequest {
+        engine: s(&good),
+        model: s(&crate::babyllama()),
+        prompt_len: Some(8),
+        new_tokens: Some(16),
+        runs: Some(2),
+        dtype: None,
+        threads: None,
+    };
+    let p = profile(&ctx, &preq, &budget()).unwrap();
+    assert!(p.passed, "{}", metainfer::ops::Report::text(&p));
+    assert_eq!(p.bounding_kernel, "kernel.linear", "{}", metainfer::ops::Report::text(&p));
+    assert!(p.guidance.iter().any(|g| g.contains("matrix-vector")), "{:?}", p.guidance);
+    let kernels: std::collections::BTreeSet<&str> = p.kernels.iter().map(|k| k.kernel.as_str()).collect();
+    assert_eq!(kernels.len(), 8, "every kernel of the plan is timed: {kernels:?}");
+    let share: f64 = p.kernels.iter().map(|k| k.share_of_decode).sum();
+    assert!((share - 1.0).abs() < 1e-9, "{share}");
+    assert!(p.kernels.iter().all(|k| k.time_us.median > 0.0 && k.gb_s > 0.0), "{:?}", p.kernels);
+    assert!(p.previous.is_none());
+    // A second profile compares itself with the first.
+    let again = profile(&ctx, &preq, &budget()).unwrap();
+    let prev = again.previous.as_ref().expect("the first profile is in the ledger");
+    assert_eq!(prev.decode_tok_s, p.decode_tok_s);
 
     // Adjacent-pair RoPE (llama2.c / GPT-J style) instead of rotate-half: the rope kernel fails and
     // so does generation.

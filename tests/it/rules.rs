@@ -303,6 +303,7 @@ fn every_gate_fails_on_empty_bare_and_constant_engines() {
                 new_tokens: None,
                 runs: Some(1),
                 dtype: None,
+                threads: None,
             },
             &budget,
         )

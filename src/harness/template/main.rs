@@ -6,6 +6,7 @@
 //   kernel  <request.json> <result.json>   run each kernel case; outputs written as <case>.out.safetensors
 //   generate <model_dir> <request.json> <out.safetensors>
 //   profile <model_dir> <prompt_len> <new_tokens> <runs>   prints JSON timings on stdout
+//   time <request.json>                    times kernels on the model's shapes, prints JSON on stdout
 
 use std::collections::HashMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -343,6 +344,191 @@ fn profile_cmd(dir: &Path, prompt_len: usize, new_tokens: usize, runs: usize) {
     );
 }
 
+/// Filler values in [-1, 1) from a xorshift generator: timing does not depend on values, but the
+/// values must be finite and different between copies.
+fn fill(len: usize, seed: u64) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// One timed kernel on one shape: `copies` distinct weight buffers are used in turn, so the working
+/// set is the model's and weights stream from where they would in decode (cache or DRAM).
+struct Timed {
+    run: Box<dyn FnMut(usize)>,
+}
+
+fn timed_kernel(kernel: &str, d: &serde_json::Value, copies: usize) -> Timed {
+    let n = |k: &str| d[k].as_u64().unwrap_or_else(|| die(&format!("dim {k} missing"))) as usize;
+    let copies = copies.max(1);
+    match kernel {
+        // @kernel kernel.embedding
+        "kernel.embedding" => {
+            let (vocab, dim) = (n("vocab"), n("dim"));
+            let table = fill(vocab * dim, 1);
+            let mut out = vec![0.0f32; dim];
+            Timed { run: Box::new(move |i| engine::kernels::embedding(&table, dim, &[(i % vocab) as u32], &mut out)) }
+        }
+        // @end
+        // @kernel kernel.rms_norm
+        "kernel.rms_norm" => {
+            let dim = n("dim");
+            let (x, w) = (fill(dim, 2), fill(dim, 3));
+            let mut out = vec![0.0f32; dim];
+            Timed { run: Box::new(move |_| engine::kernels::rms_norm(&x, &w, 1e-5, &mut out)) }
+        }
+        // @end
+        // @kernel kernel.rope
+        "kernel.rope" => {
+            let (heads, hd) = (n("n_heads"), n("head_dim"));
+            let mut x = fill(heads * hd, 4);
+            Timed { run: Box::new(move |i| engine::kernels::rope(&mut x, &[i % 4096], heads, hd, 10000.0)) }
+        }
+        // @end
+        // @kernel kernel.linear
+        "kernel.linear" => {
+            let (k, nn) = (n("k"), n("n"));
+            let x = fill(k, 5);
+            let ws: Vec<Vec<f32>> = (0..copies).map(|c| fill(nn * k, 100 + c as u64)).collect();
+            let mut out = vec![0.0f32; nn];
+            Timed { run: Box::new(move |i| engine::kernels::linear(&x, &ws[i % ws.len()], 1, k, nn, &mut out)) }
+        }
+        // @end
+        // @kernel kernel.linear_bf16
+        "kernel.linear_bf16" => {
+            let (k, nn) = (n("k"), n("n"));
+            let x = fill(k, 5);
+            let ws: Vec<Vec<u16>> = (0..copies)
+                .map(|c| fill(nn * k, 100 + c as u64).iter().map(|v| (v.to_bits() >> 16) as u16).collect())
+                .collect();
+            let mut out = vec![0.0f32; nn];
+            Timed { run: Box::new(move |i| engine::kernels::linear_bf16(&x, &ws[i % ws.len()], 1, k, nn, &mut out)) }
+        }
+        // @end
+        // @kernel kernel.linear_f16
+        "kernel.linear_f16" => {
+            let (k, nn) = (n("k"), n("n"));
+            let x = fill(k, 5);
+            // Values in +-[0.5, 1): sign bit, exponent 14, random mantissa.
+            let ws: Vec<Vec<u16>> = (0..copies)
+                .map(|c| {
+                    fill(nn * k, 100 + c as u64)
+                        .iter()
+                        .map(|v| ((v.to_bits() >> 16) as u16 & 0x83FF) | 0x3800)
+                        .collect()
+                })
+                .collect();
+            let mut out = vec![0.0f32; nn];
+            Timed { run: Box::new(move |i| engine::kernels::linear_f16(&x, &ws[i % ws.len()], 1, k, nn, &mut out)) }
+        }
+        // @end
+        // @kernel kernel.linear_int8
+        "kernel.linear_int8" => {
+            let (k, nn) = (n("k"), n("n"));
+            let x = fill(k, 5);
+            let ws: Vec<Vec<i8>> = (0..copies)
+                .map(|c| fill(nn * k, 100 + c as u64).iter().map(|v| (v * 127.0) as i8).collect())
+                .collect();
+            let scales = vec![1.0f32 / 127.0; nn];
+            let mut out = vec![0.0f32; nn];
+            Timed {
+                run: Box::new(move |i| {
+                    engine::kernels::linear_int8(&x, &ws[i % ws.len()], &scales, 1, k, nn, &mut out)
+                }),
+            }
+        }
+        // @end
+        // @kernel kernel.silu_and_mul
+        "kernel.silu_and_mul" => {
+            let len = n("len");
+            let (g, u) = (fill(len, 6), fill(len, 7));
+            let mut out = vec![0.0f32; len];
+            Timed { run: Box::new(move |_| engine::kernels::silu_and_mul(&g, &u, &mut out)) }
+        }
+        // @end
+        // @kernel kernel.gelu_tanh_and_mul
+        "kernel.gelu_tanh_and_mul" => {
+            let len = n("len");
+            let (g, u) = (fill(len, 6), fill(len, 7));
+            let mut out = vec![0.0f32; len];
+            Timed { run: Box::new(move |_| engine::kernels::gelu_tanh_and_mul(&g, &u, &mut out)) }
+        }
+        // @end
+        // @kernel kernel.softmax
+        "kernel.softmax" => {
+            let len = n("n");
+            let mut x = fill(len, 8);
+            Timed { run: Box::new(move |_| engine::kernels::softmax(&mut x, len)) }
+        }
+        // @end
+        // @kernel kernel.attention
+        "kernel.attention" => {
+            let (kv_len, heads, kvh, hd) = (n("kv_len"), n("n_heads"), n("n_kv_heads"), n("head_dim"));
+            let q = fill(heads * hd, 9);
+            let caches: Vec<(Vec<f32>, Vec<f32>)> = (0..copies)
+                .map(|c| (fill(kv_len * kvh * hd, 200 + c as u64), fill(kv_len * kvh * hd, 300 + c as u64)))
+                .collect();
+            let mut out = vec![0.0f32; heads * hd];
+            Timed {
+                run: Box::new(move |i| {
+                    let (k, v) = &caches[i % caches.len()];
+                    engine::kernels::attention(&q, k, v, 1, kv_len, heads, kvh, hd, &mut out)
+                }),
+            }
+        }
+        // @end
+        // @kernel kernel.argmax
+        "kernel.argmax" => {
+            let len = n("n");
+            let x = fill(len, 10);
+            Timed {
+                run: Box::new(move |_| {
+                    std::hint::black_box(engine::kernels::argmax(&x));
+                }),
+            }
+        }
+        // @end
+        other => die(&format!("unknown kernel {other}")),
+    }
+}
+
+/// Time kernels on given shapes. Request: {"reps": R, "items": [{"kernel", "dims", "copies", "iters"}]};
+/// prints {"items": [{"kernel", "seconds_per_call": [R values]}]} on stdout.
+fn time_cmd(request: &Path) {
+    let req: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(request).unwrap_or_else(|e| die(&format!("{e}")))).unwrap_or_else(|e| die(&format!("{e}")));
+    let reps = req["reps"].as_u64().unwrap_or(5).max(1) as usize;
+    let mut items = Vec::new();
+    for item in req["items"].as_array().cloned().unwrap_or_default() {
+        let kernel = item["kernel"].as_str().unwrap_or_default().to_string();
+        let copies = item["copies"].as_u64().unwrap_or(1) as usize;
+        let iters = item["iters"].as_u64().unwrap_or(10).max(1) as usize;
+        let mut t = timed_kernel(&kernel, &item["dims"], copies);
+        // Warm-up: one pass over every copy.
+        for i in 0..copies.max(1) {
+            (t.run)(i);
+        }
+        let mut per_call = Vec::with_capacity(reps);
+        let mut call = 0usize;
+        for _ in 0..reps {
+            let start = Instant::now();
+            for _ in 0..iters {
+                (t.run)(call);
+                call += 1;
+            }
+            per_call.push(start.elapsed().as_secs_f64() / iters as f64);
+        }
+        items.push(serde_json::json!({"kernel": kernel, "seconds_per_call": per_call}));
+    }
+    println!("{}", serde_json::json!({ "items": items }));
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let arg = |i: usize| args.get(i).cloned().unwrap_or_else(|| die("missing argument"));
@@ -355,6 +541,7 @@ fn main() {
             arg(4).parse().unwrap_or_else(|_| die("new_tokens")),
             arg(5).parse().unwrap_or_else(|_| die("runs")),
         ),
-        _ => die("usage: harness kernel|generate|profile ..."),
+        Some("time") => time_cmd(Path::new(&arg(2))),
+        _ => die("usage: harness kernel|generate|profile|time ..."),
     }
 }

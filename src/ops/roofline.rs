@@ -1,0 +1,302 @@
+//! Per-kernel decode profile: which kernels one decoded token calls on the model's real shapes, the
+//! bytes and FLOPs of each call, and the verdict (the kernel that bounds decode).
+//!
+//! Bytes and FLOPs per call (f32 activations, `wb` bytes per stored weight: 4 f32, 2 bf16/f16,
+//! 1 int8 plus a 4-byte scale per row):
+//! - linear `[n, k]`: `n k wb + 4 k + 4 n` bytes, `2 n k` FLOPs (one multiply-add per weight);
+//! - attention at `kv_len`: K and V rows `2 kv_len n_kv_heads head_dim 4` bytes plus q and out,
+//!   `4 n_heads kv_len head_dim` FLOPs (scores and weighted sum);
+//! - elementwise kernels (RMSNorm, RoPE, activations): their vectors read and written once.
+//!
+//! Roofline (Williams, Waterman & Patterson 2009, CACM 52(4)): a call takes at least
+//! `max(bytes / bandwidth, flops / peak)`; the fraction reported is that bound over the measured time.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::profile::Spread;
+use crate::model::ResolvedConfig;
+
+/// One kernel call shape of a decode step.
+#[derive(Debug, Clone)]
+pub struct Call {
+    /// Kernel contract id.
+    pub kernel: String,
+    /// Where it is used, e.g. `q_proj, o_proj [288 x 288]`.
+    pub label: String,
+    /// Dimensions passed to the harness `time` command.
+    pub dims: serde_json::Value,
+    /// Calls per decoded token.
+    pub per_token: usize,
+    /// Bytes read and written per call.
+    pub bytes: f64,
+    /// FLOPs per call.
+    pub flops: f64,
+    /// Distinct buffers the harness cycles through, so the working set is the model's.
+    pub copies: usize,
+}
+
+/// Bytes per stored weight of `dtype` (int8's per-row scale is counted separately).
+pub fn weight_bytes(dtype: &str) -> f64 {
+    match dtype {
+        "bf16" | "f16" => 2.0,
+        "int8" => 1.0,
+        _ => 4.0,
+    }
+}
+
+/// The calls of one decode step at context length `kv_len`, for an engine implementing `kernels`
+/// (the plan's kernel set: its linear and activation kernels are the dtype's and family's).
+/// `model_bytes`: bytes of weights streamed per token, which sets how many copies of each weight
+/// matrix the harness cycles through (at most 256, and at most 1 GiB per shape).
+pub fn decode_calls(cfg: &ResolvedConfig, kernels: &[String], dtype: &str, kv_len: usize, model_bytes: f64) -> Vec<Call> {
+    let has = |k: &str| kernels.iter().any(|x| x == k);
+    let (h, hd, nh, nkv, ff, l, vocab) =
+        (cfg.hidden, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.intermediate, cfg.n_layers, cfg.vocab);
+    let f = |x: usize| x as f64;
+    let copies_for = |bytes: f64| {
+        let by_model = (model_bytes / bytes.max(1.0)).ceil() as usize;
+        let by_memory = ((1u64 << 30) as f64 / bytes.max(1.0)) as usize;
+        by_model.clamp(1, 256).min(by_memory.max(1))
+    };
+    let mut calls = Vec::new();
+    if has("kernel.embedding") {
+        calls.push(Call {
+            kernel: "kernel.embedding".into(),
+            label: format!("embed_tokens row [{h}]"),
+            dims: serde_json::json!({"vocab": vocab, "dim": h}),
+            per_token: 1,
+            bytes: f(h) * (weight_bytes(dtype) + 4.0),
+            flops: 0.0,
+            copies: 1,
+        });
+    }
+    if has("kernel.rms_norm") {
+        calls.push(Call {
+            kernel: "kernel.rms_norm".into(),
+            label: format!("input/post-attention/final norm [{h}]"),
+            dims: serde_json::json!({"dim": h}),
+            per_token: 2 * l + 1,
+            bytes: 12.0 * f(h),
+            flops: 4.0 * f(h),
+            copies: 1,
+        });
+        if cfg.has("qk_norm") {
+            calls.push(Call {
+                kernel: "kernel.rms_norm".into(),
+                label: format!("q/k per-head norm [{hd}]"),
+                dims: serde_json::json!({"dim": hd}),
+                per_token: l * (nh + nkv),
+                bytes: 12.0 * f(hd),
+                flops: 4.0 * f(hd),
+                copies: 1,
+            });
+        }
+    }
+    if has("kernel.rope") {
+        for (who, heads) in [("q", nh), ("k", nkv)] {
+            calls.push(Call {
+                kernel: "kernel.rope".into(),
+                label: format!("{who} [{heads} x {hd}]"),
+                dims: serde_json::json!({"n_heads": heads, "head_dim": hd}),
+                per_token: l,
+                bytes: 8.0 * f(heads * hd),
+                flops: 6.0 * f(heads * hd),
+                copies: 1,
+            });
+        }
+    }
+    if let Some(linear) = kernels.iter().find(|k| *k == "kernel.linear" || k.starts_with("kernel.linear_")) {
+        // (role, n, k, per token); projections with one shape are timed once.
+        let mut shapes: Vec<(Vec<&str>, usize, usize, usize)> = Vec::new();
+        let lm = if cfg.tied { "lm_head (tied embed_tokens)" } else { "lm_head" };
+        for (role, n, k, per) in [
+            ("q_proj", nh * hd, h, l),
+            ("k_proj", nkv * hd, h, l),
+            ("v_proj", nkv * hd, h, l),
+            ("o_proj", h, nh * hd, l),
+            ("gate_proj", ff, h, l),
+            ("up_proj", ff, h, l),
+            ("down_proj", h, ff, l),
+            (lm, vocab, h, 1),
+        ] {
+            match shapes.iter_mut().find(|s| s.1 == n && s.2 == k) {
+                Some(s) => {
+                    s.0.push(role);
+                    s.3 += per;
+                }
+                None => shapes.push((vec![role], n, k, per)),
+            }
+        }
+        let scale_bytes = if dtype == "int8" { 4.0 } else { 0.0 };
+        for (roles, n, k, per) in shapes {
+            let weights = f(n * k) * weight_bytes(dtype) + f(n) * scale_bytes;
+            calls.push(Call {
+                kernel: linear.clone(),
+                label: format!("{} [{n} x {k}]", roles.join(", ")),
+                dims: serde_json::json!({"m": 1, "k": k, "n": n}),
+                per_token: per,
+                bytes: weights + 4.0 * f(k + n),
+                flops: 2.0 * f(n * k),
+                copies: copies_for(weights),
+            });
+        }
+    }
+    for act in ["kernel.silu_and_mul", "kernel.gelu_tanh_and_mul"] {
+        if has(act) {
+            calls.push(Call {
+                kernel: act.into(),
+                label: format!("mlp activation [{ff}]"),
+                dims: serde_json::json!({"len": ff}),
+                per_token: l,
+                bytes: 12.0 * f(ff),
+                flops: 8.0 * f(ff),
+                copies: 1,
+            });
+        }
+    }
+    if has("kernel.attention") {
+        let kv = 8.0 * f(kv_len * nkv * hd);
+        calls.push(Call {
+            kernel: "kernel.attention".into(),
+            label: format!("kv_len {kv_len}, {nh}/{nkv} heads x {hd}"),
+            dims: serde_json::json!({"kv_len": kv_len, "n_heads": nh, "n_kv_heads": nkv, "head_dim": hd}),
+            per_token: l,
+            bytes: kv + 8.0 * f(nh * hd),
+            flops: 4.0 * f(nh * kv_len * hd),
+            copies: l.max(1),
+        });
+    }
+    if has("kernel.argmax") {
+        calls.push(Call {
+            kernel: "kernel.argmax".into(),
+            label: format!("logits [{vocab}]"),
+            dims: serde_json::json!({"n": vocab}),
+            per_token: 1,
+            bytes: 4.0 * f(vocab),
+            flops: f(vocab),
+            copies: 1,
+        });
+    }
+    calls
+}
+
+/// Harness iterations per timed repetition: about 5 ms of work at 10 GB/s, at least one pass over
+/// the copies.
+pub fn iters_for(c: &Call) -> usize {
+    ((5e-3 / (c.bytes.max(64.0) / 10e9)) as usize).clamp(c.copies, 200_000)
+}
+
+/// One kernel shape of the decode profile.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct KernelProfile {
+    /// Kernel contract id.
+    pub kernel: String,
+    /// Where it is used and its shape.
+    pub label: String,
+    /// Calls per decoded token.
+    pub calls_per_token: usize,
+    /// Time per call in microseconds over the repetitions.
+    pub time_us: Spread,
+    /// Achieved bandwidth at the median time, GB/s.
+    pub gb_s: f64,
+    /// Achieved GFLOP/s at the median time.
+    pub gflop_s: f64,
+    /// Roofline bound over the median time (1.0 = at the bound; above 1 only when the data is
+    /// served faster than the bandwidth assumed, e.g. from cache).
+    pub roofline_fraction: f64,
+    /// Share of the summed kernel time of one decoded token.
+    pub share_of_decode: f64,
+}
+
+/// Turn timings (seconds per call, per repetition, in `calls` order) into profiles, sorted by share
+/// of decode time, largest first. `bandwidth_gbs` and `peak_gflops` are the machine's at the thread
+/// count used.
+pub fn analyse(calls: &[Call], seconds: &[Vec<f64>], bandwidth_gbs: f64, peak_gflops: f64) -> Vec<KernelProfile> {
+    let mut out: Vec<KernelProfile> = calls
+        .iter()
+        .zip(seconds)
+        .map(|(c, s)| {
+            let t = Spread::of(&s.iter().map(|x| x * 1e6).collect::<Vec<_>>());
+            let secs = t.median * 1e-6;
+            let bound = (c.bytes / (bandwidth_gbs * 1e9)).max(c.flops / (peak_gflops * 1e9));
+            KernelProfile {
+                kernel: c.kernel.clone(),
+                label: c.label.clone(),
+                calls_per_token: c.per_token,
+                time_us: t,
+                gb_s: if secs > 0.0 { c.bytes / secs / 1e9 } else { 0.0 },
+                gflop_s: if secs > 0.0 { c.flops / secs / 1e9 } else { 0.0 },
+                roofline_fraction: if secs > 0.0 { bound / secs } else { 0.0 },
+                share_of_decode: secs * c.per_token as f64,
+            }
+        })
+        .collect();
+    let total: f64 = out.iter().map(|k| k.share_of_decode).sum();
+    for k in &mut out {
+        k.share_of_decode = if total > 0.0 { k.share_of_decode / total } else { 0.0 };
+    }
+    out.sort_by(|a, b| b.share_of_decode.total_cmp(&a.share_of_decode));
+    out
+}
+
+/// The kernel contract with the largest summed share of decode time, and that share.
+pub fn bounding_kernel(profiles: &[KernelProfile]) -> Option<(String, f64)> {
+    let mut by: Vec<(String, f64)> = Vec::new();
+    for p in profiles {
+        match by.iter_mut().find(|(k, _)| *k == p.kernel) {
+            Some(e) => e.1 += p.share_of_decode,
+            None => by.push((p.kernel.clone(), p.share_of_decode)),
+        }
+    }
+    by.into_iter().max_by(|a, b| a.1.total_cmp(&b.1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> ResolvedConfig {
+        // The stories15M shape (llama2.c README): dim 288, 6 layers, 6 heads, vocab 32000, hidden 768.
+        serde_json::from_value(serde_json::json!({
+            "family": "model.llama", "hidden": 288, "intermediate": 768, "n_layers": 6, "n_heads": 6,
+            "n_kv_heads": 6, "head_dim": 48, "vocab": 32000, "max_seq": 256, "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0, "tied": true
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn linear_calls_cover_every_weight_once_per_token() {
+        let c = cfg();
+        let ks: Vec<String> = ["kernel.linear", "kernel.attention"].iter().map(|s| s.to_string()).collect();
+        let calls = decode_calls(&c, &ks, "f32", 10, 6e7);
+        let weights: f64 = calls
+            .iter()
+            .filter(|c| c.kernel == "kernel.linear")
+            .map(|c| c.flops / 2.0 * c.per_token as f64)
+            .sum();
+        // 6 layers x (4 x 288^2 + 3 x 288 x 768) + 32000 x 288 = 15,187,968 weights (stories15M
+        // without the embedding lookup and norms).
+        assert_eq!(weights, 15_187_968.0);
+        // q, k, v and o share one shape: 4 calls per layer.
+        let square = calls.iter().find(|c| c.label.starts_with("q_proj")).unwrap();
+        assert_eq!(square.per_token, 24);
+        assert!(square.label.contains("o_proj"), "{}", square.label);
+    }
+
+    #[test]
+    fn verdict_sums_shapes_of_one_kernel() {
+        let calls = vec![
+            Call { kernel: "a".into(), label: "1".into(), dims: serde_json::json!({}), per_token: 1, bytes: 1.0, flops: 0.0, copies: 1 },
+            Call { kernel: "b".into(), label: "2".into(), dims: serde_json::json!({}), per_token: 1, bytes: 1.0, flops: 0.0, copies: 1 },
+            Call { kernel: "b".into(), label: "3".into(), dims: serde_json::json!({}), per_token: 2, bytes: 1.0, flops: 0.0, copies: 1 },
+        ];
+        // a: 3 s; b: 2 s + 2 x 1 s = 4 s.
+        let p = analyse(&calls, &[vec![3.0], vec![2.0], vec![1.0]], 10.0, 10.0);
+        assert_eq!(p[0].kernel, "a");
+        let (k, share) = bounding_kernel(&p).unwrap();
+        assert_eq!(k, "b");
+        assert!((share - 4.0 / 7.0).abs() < 1e-12);
+    }
+}
