@@ -5,6 +5,7 @@
 //! oracles, end-to-end generation against a reference forward pass on real checkpoints, and
 //! profiling. Every outcome is recorded in a SQLite ledger. See ARCHITECTURE.md for the module map.
 
+pub mod bench;
 pub mod ckb;
 pub mod clients;
 pub mod demo;

@@ -310,6 +310,36 @@ enum Command {
         #[arg(long, default_value_t = 103)]
         max_new_tokens: usize,
     },
+    /// Benchmark: the example engine (each weight dtype) against candle (feature candle-oracle) on
+    /// BabyLlama and the stories15M shape at 1 and 2 threads, alternating; roofline fractions; the
+    /// agent loop's speed and the server's overhead over raw cargo.
+    Bench {
+        /// Alternating repetitions per configuration (medians are over these).
+        #[arg(long, default_value_t = 5)]
+        reps: usize,
+        /// Thread counts; repeat for several.
+        #[arg(long = "threads", default_values_t = vec![1usize, 2])]
+        threads: Vec<usize>,
+        /// Prompt tokens before the timed decode.
+        #[arg(long, default_value_t = 32)]
+        prompt_len: usize,
+        /// Decoded tokens per run.
+        #[arg(long, default_value_t = 128)]
+        new_tokens: usize,
+        /// Skip the agent-loop timings.
+        #[arg(long)]
+        no_agent_loop: bool,
+        /// Print the measurements as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// One candle decode run for `bench` (prints seconds per token); needs feature candle-oracle.
+    #[command(hide = true)]
+    BenchPeer {
+        model: PathBuf,
+        prompt_len: usize,
+        new_tokens: usize,
+    },
 }
 
 #[derive(Subcommand)]
@@ -736,6 +766,34 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 println!("registered metainfer in {}", path.display());
             }
             Ok(ExitCode::SUCCESS)
+        }
+        Command::Bench { reps, threads, prompt_len, new_tokens, no_agent_loop, json } => {
+            if reps == 0 || threads.iter().any(|&t| t == 0) || new_tokens == 0 {
+                return Err(Error::usage("--reps, --threads and --new-tokens must be positive"));
+            }
+            let c = ctx(g, None, vec![])?;
+            let work = c.workshop.scratch()?;
+            let o = metainfer::bench::BenchOptions { reps, threads, prompt_len, new_tokens, agent_loop: !no_agent_loop };
+            let r = metainfer::bench::run(&c, &o, work.path())?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&r).expect("report serialises"));
+            } else {
+                print!("{}", r.text());
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::BenchPeer { model, prompt_len, new_tokens } => {
+            #[cfg(feature = "candle-oracle")]
+            {
+                let s = metainfer::bench::candle_decode(&model, prompt_len, new_tokens)?;
+                println!("{s}");
+                Ok(ExitCode::SUCCESS)
+            }
+            #[cfg(not(feature = "candle-oracle"))]
+            {
+                let _ = (model, prompt_len, new_tokens);
+                Err(Error::usage("this binary was built without the candle-oracle feature"))
+            }
         }
         Command::Demo { model, keep, max_new_tokens } => {
             let model = model.unwrap_or_else(metainfer::model::default_model_dir);

@@ -1,0 +1,420 @@
+//! `metainfer bench`: decode speed of the example engine (every weight dtype it declares) against
+//! candle 0.11 as a peer, alternating in one run, on BabyLlama and on the stories15M shape, at 1 and
+//! 2 threads; the fraction of the machine's measured bandwidth roofline; and the speed of the agent's
+//! loop (one-line edit, compile, kernel tests, verify) with the server's overhead over raw cargo.
+//!
+//! Candle runs only when the binary was built with the `candle-oracle` feature, in a child process
+//! of this binary (`metainfer bench-peer`), so each thread count gets its own process and pool.
+//! Every figure is a median over the repetitions, with min and max; ratios are between medians
+//! measured in the same run.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+use crate::harness::{self, Budget};
+use crate::ops::profile::Spread;
+use crate::ops::{self, Ctx, Report};
+
+/// The stories15M shape (Karpathy, llama2.c README model table: dim 288, 6 layers, 6 heads,
+/// vocab 32000, hidden_dim 768, max_seq_len 256) as a Hugging Face Llama config.
+pub fn stories15m_config() -> serde_json::Value {
+    serde_json::json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 288,
+        "intermediate_size": 768,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 6,
+        "vocab_size": 32000,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": true,
+        "hidden_act": "silu",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32"
+    })
+}
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    /// Alternating repetitions per configuration.
+    pub reps: usize,
+    /// Thread counts.
+    pub threads: Vec<usize>,
+    /// Prompt tokens before the timed decode.
+    pub prompt_len: usize,
+    /// Decoded tokens per run.
+    pub new_tokens: usize,
+    /// Also time the agent's loop (edits, compile, kernel tests, verify).
+    pub agent_loop: bool,
+}
+
+/// One row of the decode table.
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    /// Model label.
+    pub model: String,
+    /// Threads.
+    pub threads: usize,
+    /// Runner: `engine f32`, `engine bf16`, `engine int8`, `candle f32`.
+    pub runner: String,
+    /// Decode tokens/s over the repetitions.
+    pub decode_tok_s: Spread,
+    /// Bytes of weights read per token.
+    pub bytes_per_token: f64,
+    /// Measured bandwidth (probe, DRAM, these threads) / bytes per token, tokens/s.
+    pub roofline_tok_s: f64,
+}
+
+/// Agent-loop timings, seconds.
+#[derive(Debug, Clone, Serialize)]
+pub struct AgentLoop {
+    /// compile_engine + run_kernel_test after a one-line edit of the engine.
+    pub edit_compile_kernels_s: Spread,
+    /// verify_generation on BabyLlama (sources unchanged since the kernel tests).
+    pub verify_s: Spread,
+    /// compile_engine after a one-line edit.
+    pub compile_s: Spread,
+    /// The same `cargo build` run directly after a one-line edit.
+    pub raw_cargo_s: Spread,
+}
+
+/// Everything measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchReport {
+    /// Machine fingerprint.
+    pub machine: String,
+    /// DRAM read bandwidth medians by thread count, GB/s (machine probe).
+    pub dram_gbs: Vec<(usize, f64)>,
+    /// Decode rows.
+    pub rows: Vec<Row>,
+    /// Agent loop, when timed.
+    pub agent_loop: Option<AgentLoop>,
+    /// Whether candle ran.
+    pub candle: bool,
+}
+
+fn spread_of(v: &[f64]) -> Spread {
+    Spread::of(v)
+}
+
+/// The harness's decode seconds per token for one run (RAYON_NUM_THREADS = `threads`).
+fn engine_run(exe: &Path, model: &Path, o: &BenchOptions, threads: usize, budget: &Budget) -> Result<f64> {
+    let run = harness::run(
+        duct::cmd(
+            exe,
+            [
+                "profile".into(),
+                model.as_os_str().to_owned(),
+                o.prompt_len.to_string().into(),
+                o.new_tokens.to_string().into(),
+                "1".into(),
+            ] as [std::ffi::OsString; 5],
+        )
+        .env("RAYON_NUM_THREADS", threads.to_string()),
+        budget,
+    )?;
+    if !run.ok() {
+        return Err(Error::internal(format!("engine run {}", run.failure_text(1500))));
+    }
+    let v: serde_json::Value = serde_json::from_str(run.stdout.lines().last().unwrap_or_default())
+        .map_err(|e| Error::internal(format!("harness output is not JSON: {e}")))?;
+    v["decode_median_s_per_token"].as_f64().ok_or_else(|| Error::internal("harness printed no decode time"))
+}
+
+/// Candle's decode seconds per token for one run, in a child process of this binary.
+fn candle_run(model: &Path, o: &BenchOptions, threads: usize, budget: &Budget) -> Result<f64> {
+    let exe = std::env::current_exe().map_err(|e| Error::internal(format!("own executable: {e}")))?;
+    let run = harness::run(
+        duct::cmd(
+            exe,
+            [
+                "bench-peer".into(),
+                model.as_os_str().to_owned(),
+                o.prompt_len.to_string().into(),
+                o.new_tokens.to_string().into(),
+            ] as [std::ffi::OsString; 4],
+        )
+        .env("RAYON_NUM_THREADS", threads.to_string()),
+        budget,
+    )?;
+    if !run.ok() {
+        return Err(Error::internal(format!("candle run {}", run.failure_text(1500))));
+    }
+    run.stdout
+        .lines()
+        .last()
+        .and_then(|l| l.trim().parse::<f64>().ok())
+        .ok_or_else(|| Error::internal("candle run printed no decode time"))
+}
+
+/// Decode `new_tokens` greedily with candle-transformers' Llama after a `prompt_len` prefill, and
+/// return seconds per decoded token (threads from RAYON_NUM_THREADS, as candle reads it).
+///
+/// # Errors
+/// When the checkpoint cannot be loaded by candle.
+#[cfg(feature = "candle-oracle")]
+pub fn candle_decode(model: &Path, prompt_len: usize, new_tokens: usize) -> Result<f64> {
+    use candle_core::{DType, Device, Tensor};
+    use candle_transformers::models::llama;
+    let fail = |e: candle_core::Error| Error::internal(format!("candle: {e}"));
+    let cfg: llama::LlamaConfig = serde_json::from_slice(
+        &std::fs::read(model.join("config.json")).map_err(|e| Error::input(format!("config.json: {e}")))?,
+    )
+    .map_err(|e| Error::input(format!("config.json: {e}")))?;
+    let cfg = cfg.into_config(false);
+    // SAFETY: the checkpoint is not modified while mapped (a file of ../shared or written by bench).
+    let vb = unsafe {
+        candle_nn::VarBuilder::from_mmaped_safetensors(&[model.join("model.safetensors")], DType::F32, &Device::Cpu)
+    }
+    .map_err(fail)?;
+    let m = llama::Llama::load(vb, &cfg).map_err(fail)?;
+    let mut cache = llama::Cache::new(true, DType::F32, &cfg, &Device::Cpu).map_err(fail)?;
+    let prompt: Vec<u32> = (0..prompt_len as u32).map(|i| (i * 7 + 3) % cfg.vocab_size as u32).collect();
+    let input = Tensor::new(prompt.as_slice(), &Device::Cpu).and_then(|t| t.unsqueeze(0)).map_err(fail)?;
+    let logits = m.forward(&input, 0, &mut cache).map_err(fail)?;
+    let mut next = logits.argmax(candle_core::D::Minus1).and_then(|t| t.flatten_all()).map_err(fail)?;
+    let start = Instant::now();
+    for pos in prompt_len..prompt_len + new_tokens {
+        let input = next.unsqueeze(0).map_err(fail)?;
+        let logits = m.forward(&input, pos, &mut cache).map_err(fail)?;
+        next = logits.argmax(candle_core::D::Minus1).and_then(|t| t.flatten_all()).map_err(fail)?;
+    }
+    let _ = next.to_vec1::<u32>().map_err(fail)?;
+    Ok(start.elapsed().as_secs_f64() / new_tokens.max(1) as f64)
+}
+
+fn weights_streamed(cfg: &crate::model::ResolvedConfig) -> f64 {
+    let per_layer = cfg.hidden * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * cfg.hidden * cfg.intermediate;
+    (cfg.n_layers * per_layer + cfg.vocab * cfg.hidden) as f64
+}
+
+/// Run the benchmark. `work` holds the engine copy and the synthetic checkpoint.
+///
+/// # Errors
+/// When the engine does not build, a run fails, or a model cannot be read.
+pub fn run(ctx: &Ctx, o: &BenchOptions, work: &Path) -> Result<BenchReport> {
+    let budget = Budget::secs(ctx.time_limit_s);
+    let engine_dir = work.join("engine");
+    if !engine_dir.exists() {
+        crate::demo::write_example_engine(&engine_dir)?;
+    }
+    let s15 = work.join("stories15m");
+    if !s15.exists() {
+        crate::ops::synth::write_checkpoint(&s15, &stories15m_config(), 0)?;
+    }
+    let models: Vec<(String, PathBuf)> =
+        vec![("babyllama-105".into(), crate::model::default_model_dir()), ("stories15M shape".into(), s15)];
+    eprintln!("bench: probing the machine's bandwidth");
+    let probe = crate::probe::run(3, 0.1);
+    let dram = |t: usize| probe.median("read DRAM", t).unwrap_or(0.0);
+    let engine = ctx.workshop.engine(&engine_dir)?;
+    let table: toml::Table = std::fs::read_to_string(engine_dir.join("metainfer.toml"))
+        .ok()
+        .and_then(|t| toml::from_str(&t).ok())
+        .unwrap_or_default();
+    let mut dtypes = vec!["f32".to_string()];
+    if let Some(f) = table.get("dtype_features").and_then(|v| v.as_table()) {
+        dtypes.extend(["bf16", "int8"].iter().filter(|d| f.contains_key(**d)).map(|d| d.to_string()));
+    }
+    let mut exes = Vec::new();
+    for d in &dtypes {
+        let target = ctx.target(&engine, Some(d))?;
+        eprintln!("bench: building the harness for the {d} engine");
+        let build = ctx.workshop.build_harness(&engine, &target.spec, &budget)?;
+        let exe = build.executable.clone().filter(|_| build.ok).ok_or_else(|| {
+            Error::internal(format!("the {d} engine does not build:\n{}", build.run.failure_text(3000)))
+        })?;
+        exes.push((d.clone(), exe));
+    }
+    let candle = cfg!(feature = "candle-oracle");
+    let mut rows = Vec::new();
+    for (label, dir) in &models {
+        let cfg = crate::model::load_config(&ctx.ckb, dir)?;
+        let weights = weights_streamed(&cfg);
+        for &t in &o.threads {
+            let mut samples: Vec<Vec<f64>> = vec![Vec::new(); exes.len() + 1];
+            for rep in 0..o.reps {
+                eprintln!("bench: {label}, {t} thread(s), repetition {}/{}", rep + 1, o.reps);
+                for (i, (_, exe)) in exes.iter().enumerate() {
+                    samples[i].push(1.0 / engine_run(exe, dir, o, t, &budget)?);
+                }
+                if candle {
+                    samples[exes.len()].push(1.0 / candle_run(dir, o, t, &budget)?);
+                }
+            }
+            let mut runners: Vec<(String, f64)> =
+                exes.iter().map(|(d, _)| (format!("engine {d}"), ops::roofline::weight_bytes(d))).collect();
+            runners.push(("candle f32".into(), 4.0));
+            for (i, (runner, wb)) in runners.into_iter().enumerate() {
+                if samples[i].is_empty() {
+                    continue;
+                }
+                let bytes = weights * wb + if wb == 1.0 { 4.0 * (cfg.n_layers * 7 + 1) as f64 * cfg.hidden as f64 } else { 0.0 };
+                rows.push(Row {
+                    model: label.clone(),
+                    threads: t,
+                    runner,
+                    decode_tok_s: spread_of(&samples[i]),
+                    bytes_per_token: bytes,
+                    roofline_tok_s: dram(t) * 1e9 / bytes,
+                });
+            }
+        }
+    }
+    let agent_loop = if o.agent_loop { Some(agent_loop(ctx, &engine_dir, o.reps.max(3), &budget)?) } else { None };
+    Ok(BenchReport {
+        machine: probe.fingerprint.clone(),
+        dram_gbs: o.threads.iter().map(|&t| (t, dram(t))).collect(),
+        rows,
+        agent_loop,
+        candle,
+    })
+}
+
+/// Append a comment line to the engine's kernels.rs: a one-line edit that forces a rebuild.
+fn edit(engine_dir: &Path, n: usize) -> Result<()> {
+    let p = engine_dir.join("src/kernels.rs");
+    let mut s = std::fs::read_to_string(&p).map_err(|e| Error::internal(format!("{}: {e}", p.display())))?;
+    s.push_str(&format!("// edit {n}\n"));
+    std::fs::write(&p, s).map_err(|e| Error::internal(format!("{}: {e}", p.display())))
+}
+
+fn agent_loop(ctx: &Ctx, engine_dir: &Path, reps: usize, budget: &Budget) -> Result<AgentLoop> {
+    let e = engine_dir.display().to_string();
+    let model = crate::model::default_model_dir().display().to_string();
+    let compile_req = ops::compile::CompileRequest { engine: e.clone(), cursor: None };
+    let kernels_req = ops::kernel_test::KernelTestRequest { engine: e.clone(), kernels: vec![], seed: None, dtype: None };
+    let verify_req = ops::verify::VerifyRequest {
+        engine: e.clone(),
+        model,
+        prompts: vec![],
+        max_new_tokens: None,
+        seed: None,
+        dtype: None,
+    };
+    // Warm: dependencies, the harness and the engine built once.
+    ops::compile::compile(ctx, &compile_req, budget)?;
+    ops::kernel_test::kernel_test(ctx, &kernels_req, budget)?;
+    let (mut loop_s, mut verify_s, mut compile_s, mut raw_s) = (vec![], vec![], vec![], vec![]);
+    for i in 0..reps {
+        eprintln!("bench: agent loop {}/{reps}", i + 1);
+        edit(engine_dir, 3 * i)?;
+        let t = Instant::now();
+        let c = ops::compile::compile(ctx, &compile_req, budget)?;
+        let k = ops::kernel_test::kernel_test(ctx, &kernels_req, budget)?;
+        loop_s.push(t.elapsed().as_secs_f64());
+        if !c.passed() || !k.passed() {
+            return Err(Error::internal(format!("the example engine failed a gate:\n{}\n{}", c.text(), k.text())));
+        }
+        let t = Instant::now();
+        let v = ops::verify::verify(ctx, &verify_req, budget)?;
+        verify_s.push(t.elapsed().as_secs_f64());
+        if !v.passed() {
+            return Err(Error::internal(format!("the example engine failed verify:\n{}", v.text())));
+        }
+        edit(engine_dir, 3 * i + 1)?;
+        let t = Instant::now();
+        ops::compile::compile(ctx, &compile_req, budget)?;
+        compile_s.push(t.elapsed().as_secs_f64());
+        // The same cargo command on the same snapshot, after the same kind of edit.
+        edit(engine_dir, 3 * i + 2)?;
+        let engine = ctx.workshop.engine(engine_dir)?;
+        let t = Instant::now();
+        ctx.workshop.cargo_build(&engine.build_dir.join("Cargo.toml"), budget)?;
+        raw_s.push(t.elapsed().as_secs_f64());
+    }
+    Ok(AgentLoop {
+        edit_compile_kernels_s: spread_of(&loop_s),
+        verify_s: spread_of(&verify_s),
+        compile_s: spread_of(&compile_s),
+        raw_cargo_s: spread_of(&raw_s),
+    })
+}
+
+impl BenchReport {
+    /// The table and the goals, as text.
+    pub fn text(&self) -> String {
+        let mut s = format!("machine: {}\n", self.machine);
+        for (t, g) in &self.dram_gbs {
+            s += &format!("measured DRAM read bandwidth, {t} thread(s): {g:.1} GB/s (median)\n");
+        }
+        if !self.candle {
+            s += "candle: not built in (build with --features candle-oracle to compare)\n";
+        }
+        s += &format!(
+            "\n{:<18} {:>3}  {:<12} {:>10} {:>10} {:>10}  {:>9} {:>9} {:>9}\n",
+            "model", "thr", "runner", "tok/s med", "min", "max", "roofline", "vs candle", "vs f32"
+        );
+        let find = |m: &str, t: usize, r: &str| {
+            self.rows.iter().find(|x| x.model == m && x.threads == t && x.runner == r).map(|x| x.decode_tok_s.median)
+        };
+        for r in &self.rows {
+            let candle = find(&r.model, r.threads, "candle f32");
+            let f32e = find(&r.model, r.threads, "engine f32");
+            let ratio = |other: Option<f64>| match other {
+                Some(o) if o > 0.0 && r.runner != "candle f32" => format!("{:.2}x", r.decode_tok_s.median / o),
+                _ => "-".into(),
+            };
+            s += &format!(
+                "{:<18} {:>3}  {:<12} {:>10.0} {:>10.0} {:>10.0}  {:>8.0}% {:>9} {:>9}\n",
+                r.model,
+                r.threads,
+                r.runner,
+                r.decode_tok_s.median,
+                r.decode_tok_s.min,
+                r.decode_tok_s.max,
+                100.0 * r.decode_tok_s.median / r.roofline_tok_s.max(1e-9),
+                ratio(candle),
+                if r.runner.starts_with("engine") && r.runner != "engine f32" { ratio(f32e) } else { "-".into() },
+            );
+        }
+        s += "\ngoals (stories15M shape unless named; medians of this run):\n";
+        let goal = |ok: bool| if ok { "met" } else { "NOT met" };
+        let s15 = "stories15M shape";
+        if let Some(r) = self.rows.iter().find(|r| r.model == s15 && r.threads == 1 && r.runner == "engine f32") {
+            let frac = r.decode_tok_s.median / r.roofline_tok_s.max(1e-9);
+            s += &format!("  f32 decode >= 0.9 of the bandwidth roofline (1 thread): {:.2} ({})\n", frac, goal(frac >= 0.9));
+        }
+        for t in self.dram_gbs.iter().map(|x| x.0) {
+            if let (Some(e), Some(c)) = (find(s15, t, "engine f32"), find(s15, t, "candle f32")) {
+                s += &format!("  f32 >= 3x candle ({t} thread(s)): {:.2}x ({})\n", e / c, goal(e / c >= 3.0));
+            }
+            if let (Some(b), Some(f)) = (find(s15, t, "engine bf16"), find(s15, t, "engine f32")) {
+                s += &format!("  bf16 >= 1.7x f32 ({t} thread(s)): {:.2}x ({})\n", b / f, goal(b / f >= 1.7));
+            }
+            if let (Some(q), Some(f)) = (find(s15, t, "engine int8"), find(s15, t, "engine f32")) {
+                s += &format!("  int8 >= 3x f32 ({t} thread(s)): {:.2}x ({})\n", q / f, goal(q / f >= 3.0));
+            }
+        }
+        if let Some(b) = find("babyllama-105", 1, "engine f32") {
+            s += &format!("  BabyLlama >= 5,000 tok/s on one thread: {b:.0} ({})\n", goal(b >= 5000.0));
+        }
+        if let Some(a) = &self.agent_loop {
+            let over = a.compile_s.median / a.raw_cargo_s.median.max(1e-9) - 1.0;
+            s += &format!(
+                "\nagent loop (medians, min-max):\n  one-line edit + compile_engine + run_kernel_test: {:.2} s ({:.2}-{:.2}) ({})\n  verify_generation on BabyLlama: {:.2} s ({:.2}-{:.2}) ({})\n  compile_engine {:.2} s vs raw cargo build {:.2} s: server adds {:+.1}% ({})\n",
+                a.edit_compile_kernels_s.median,
+                a.edit_compile_kernels_s.min,
+                a.edit_compile_kernels_s.max,
+                goal(a.edit_compile_kernels_s.median <= 5.0),
+                a.verify_s.median,
+                a.verify_s.min,
+                a.verify_s.max,
+                goal(a.verify_s.median <= 3.0),
+                a.compile_s.median,
+                a.raw_cargo_s.median,
+                100.0 * over,
+                goal(over <= 0.05)
+            );
+        }
+        s
+    }
+}
