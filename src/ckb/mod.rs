@@ -134,6 +134,7 @@ impl Ckb {
     /// Consistency rules the schema cannot express. Each finding names file and field.
     pub fn lint(&self) -> Vec<Finding> {
         let mut out = Vec::new();
+        let mut out_cross = Vec::new();
         let ids: BTreeSet<&str> = self.contracts.keys().map(String::as_str).collect();
         for c in self.contracts.values() {
             let file = self.files.get(&c.id).cloned().unwrap_or_default();
@@ -225,6 +226,63 @@ impl Ckb {
                     bad(&format!("/tolerance/{dtype}/reasoning"), "say why these numbers".into());
                 }
             }
+            for (j, p) in c.parameters.iter().enumerate() {
+                for (i, q) in c.parameters[..j].iter().enumerate() {
+                    if p.name != q.name {
+                        continue;
+                    }
+                    if let (Some(a), Some(b)) = (&q.default, &p.default)
+                        && !same_value(a, b)
+                    {
+                        bad(
+                            &format!("/parameters/{j}/default"),
+                            format!(
+                                "parameter `{}` is stated twice with different defaults: {a:?} (/parameters/{i}) and {b:?} (/parameters/{j}); keep one entry with the right value",
+                                p.name
+                            ),
+                        );
+                    }
+                    if q.dtype != p.dtype {
+                        bad(
+                            &format!("/parameters/{j}/dtype"),
+                            format!(
+                                "parameter `{}` is stated twice with different dtypes: {:?} (/parameters/{i}) and {:?} (/parameters/{j}); keep one entry with the right dtype",
+                                p.name, q.dtype, p.dtype
+                            ),
+                        );
+                    }
+                }
+            }
+            if let Some(m) = &c.model {
+                for (j, f) in m.config.iter().enumerate() {
+                    for (i, g) in m.config[..j].iter().enumerate() {
+                        if let (true, Some(a), Some(b)) = (g.key == f.key, &g.default, &f.default)
+                            && !same_value(a, b)
+                        {
+                            bad(
+                                &format!("/model/config/{j}/default"),
+                                format!(
+                                    "config key `{}` is stated twice with different defaults: {a:?} (/model/config/{i}) and {b:?} (/model/config/{j}); keep one entry with the default of the HF configuration class",
+                                    f.key
+                                ),
+                            );
+                        }
+                    }
+                    if let Some(d) = &f.default
+                        && !f.supported.is_empty()
+                        && !f.supported.iter().any(|v| same_value(v, d))
+                    {
+                        bad(
+                            &format!("/model/config/{j}/default"),
+                            format!(
+                                "config key `{}` has default {d:?}, which is not among its supported values {:?}; add it to `supported` or correct the default",
+                                f.key, f.supported
+                            ),
+                        );
+                    }
+                }
+                out_cross.extend(self.kernel_default_conflicts(c, m, &file));
+            }
             for (i, case) in c.test_cases.iter().enumerate() {
                 for (dim, [lo, hi]) in &case.dims {
                     if lo > hi || *lo == 0 {
@@ -232,6 +290,38 @@ impl Ckb {
                             &format!("/test_cases/{i}/dims/{dim}"),
                             format!("range [{lo}, {hi}] must satisfy 1 <= lo <= hi"),
                         );
+                    }
+                }
+            }
+        }
+        out.extend(out_cross);
+        out
+    }
+
+    /// Where a model family's config default contradicts the default of a kernel parameter it feeds:
+    /// for every kernel the family names, every parameter with a `config_key` and a default, against the
+    /// family's `config` entry for that key when it states a default.
+    fn kernel_default_conflicts(&self, c: &Contract, m: &ModelFamily, file: &str) -> Vec<Finding> {
+        let mut out = Vec::new();
+        for k in m.kernels.iter().filter_map(|k| self.contracts.get(k)) {
+            let kfile = self.files.get(&k.id).map(String::as_str).unwrap_or_default();
+            for (pi, p) in k.parameters.iter().enumerate() {
+                let (Some(pd), Some(key)) = (&p.default, &p.config_key) else { continue };
+                for (fi, f) in m.config.iter().enumerate() {
+                    if &f.key != key {
+                        continue;
+                    }
+                    if let Some(fd) = &f.default
+                        && !same_value(fd, pd)
+                    {
+                        out.push(Finding {
+                            file: file.into(),
+                            field: format!("/model/config/{fi}/default"),
+                            message: format!(
+                                "config key `{key}` has default {fd:?} in {}, but {} ({kfile}) states {pd:?} as the default of its parameter `{}` (/parameters/{pi}/default), which it reads from `{key}`; make the two agree",
+                                c.id, k.id, p.name
+                            ),
+                        });
                     }
                 }
             }
@@ -326,6 +416,16 @@ impl Ckb {
     /// The platform contract for a `--target` name.
     pub fn platform_for(&self, target: &str) -> Option<&Contract> {
         self.of_kind(Kind::Platform).find(|c| c.platform.as_ref().is_some_and(|p| p.target == target))
+    }
+}
+
+/// Whether two values stated as text are the same value: equal as numbers when both parse as
+/// numbers (`"10000"` and `"1e4"`), else equal as trimmed text.
+fn same_value(a: &str, b: &str) -> bool {
+    let (a, b) = (a.trim(), b.trim());
+    match (a.parse::<f64>(), b.parse::<f64>()) {
+        (Ok(x), Ok(y)) => x == y,
+        _ => a == b,
     }
 }
 
