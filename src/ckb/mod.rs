@@ -37,6 +37,22 @@ impl std::fmt::Display for Finding {
     }
 }
 
+/// A contract file left out of a knowledge base loaded with `--skip-invalid` (`Ckb::from_sources_skip_invalid`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
+pub struct SkippedFile {
+    /// File path relative to the CKB root.
+    pub file: String,
+    /// Why it was left out: its findings (field and reason, `; `-separated), or the skipped file whose
+    /// contract it references.
+    pub reason: String,
+}
+
+impl std::fmt::Display for SkippedFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.file, self.reason)
+    }
+}
+
 /// A loaded, validated knowledge base.
 #[derive(Debug, Clone)]
 pub struct Ckb {
@@ -44,6 +60,7 @@ pub struct Ckb {
     files: BTreeMap<String, String>,
     /// Where it was loaded from: `embedded` or a directory.
     pub origin: String,
+    skipped: Vec<SkippedFile>,
 }
 
 impl Ckb {
@@ -77,6 +94,81 @@ impl Ckb {
                 findings.iter().map(|f| format!("  {f}")).collect::<Vec<_>>().join("\n")
             ))),
         }
+    }
+
+    /// Like [`Ckb::from_sources`], but an invalid file (not TOML, schema error, lint finding in that
+    /// file, dangling reference) is left out instead of failing the load, and so, in further rounds,
+    /// is every file whose contract then references a contract that was left out. The files left out
+    /// are listed, in the order they were found, by [`Ckb::skipped`].
+    ///
+    /// # Errors
+    /// [`crate::error::ErrorKind::Input`] when no valid contract remains, or a finding names no file
+    /// of the set (it cannot be attributed, so nothing can be skipped for it).
+    pub fn from_sources_skip_invalid(files: Vec<(String, String)>, origin: String) -> Result<Ckb> {
+        let mut remaining = files;
+        let mut skipped: Vec<SkippedFile> = Vec::new();
+        // Contract id -> file, for the files left out (read leniently: a schema-invalid file may still
+        // name its id).
+        let mut skipped_ids: BTreeMap<String, String> = BTreeMap::new();
+        loop {
+            let (ckb, findings) = Ckb::check_sources(remaining.clone(), origin.clone());
+            let ckb = ckb.expect("check_sources always returns a knowledge base");
+            if findings.is_empty() {
+                if ckb.contracts.is_empty() {
+                    return Err(Error::input(format!(
+                        "no valid contract in {origin}: every file was skipped:\n{}",
+                        skipped.iter().map(|s| format!("  {s}")).collect::<Vec<_>>().join("\n")
+                    )));
+                }
+                return Ok(Ckb { skipped, ..ckb });
+            }
+            let mut by_file: BTreeMap<String, Vec<Finding>> = BTreeMap::new();
+            for f in findings {
+                if !remaining.iter().any(|(p, _)| *p == f.file) {
+                    return Err(Error::input(format!("the contract knowledge base is invalid: {f}")));
+                }
+                by_file.entry(f.file.clone()).or_default().push(f);
+            }
+            for (file, text) in remaining.iter().filter(|(p, _)| by_file.contains_key(p)) {
+                let id = toml::from_str::<toml::Value>(text)
+                    .ok()
+                    .and_then(|v| v.get("id").and_then(|i| i.as_str()).map(str::to_string));
+                if let Some(id) = id.filter(|id| ckb.file_of(id).is_none_or(|f| f == file)) {
+                    skipped_ids.insert(id, file.clone());
+                }
+            }
+            // This round's files, those invalid in themselves first, then those only left out for
+            // referencing them.
+            let mut round: Vec<(bool, SkippedFile)> = Vec::new();
+            for (file, fs) in &by_file {
+                let mut only_dependent = true;
+                let reasons: Vec<String> = fs
+                    .iter()
+                    .map(|f| {
+                        let dep = skipped_ids
+                            .iter()
+                            .find(|(id, _)| f.message.contains(&format!("reference `{id}` does not resolve")));
+                        only_dependent &= dep.is_some();
+                        match dep {
+                            Some((id, from)) => {
+                                format!("field `{}` references `{id}`, which was skipped with {from}", f.field)
+                            }
+                            None if f.field.is_empty() => f.message.clone(),
+                            None => format!("field `{}`: {}", f.field, f.message),
+                        }
+                    })
+                    .collect();
+                round.push((only_dependent, SkippedFile { file: file.clone(), reason: reasons.join("; ") }));
+            }
+            round.sort_by_key(|(dependent, _)| *dependent);
+            skipped.extend(round.into_iter().map(|(_, s)| s));
+            remaining.retain(|(p, _)| !by_file.contains_key(p));
+        }
+    }
+
+    /// The files left out when loading with [`Ckb::from_sources_skip_invalid`]; empty otherwise.
+    pub fn skipped(&self) -> &[SkippedFile] {
+        &self.skipped
     }
 
     /// Like [`Ckb::from_sources`] but returns all findings instead of failing: `ckb check` uses it.
@@ -126,7 +218,7 @@ impl Ckb {
                 Err(e) => findings.push(Finding { file: file.clone(), field: String::new(), message: e.to_string() }),
             }
         }
-        let ckb = Ckb { contracts, files: file_of, origin };
+        let ckb = Ckb { contracts, files: file_of, origin, skipped: Vec::new() };
         findings.extend(ckb.lint());
         (Some(ckb), findings)
     }
@@ -469,6 +561,9 @@ impl Ckb {
         for kind in [Kind::Kernel, Kind::Component, Kind::Model, Kind::Platform, Kind::Failure, Kind::Policy] {
             let ids: Vec<String> = self.of_kind(kind).map(|c| format!("{}@{}", c.id, c.version)).collect();
             s += &format!("- {} ({}): {}\n", kind.prefix(), ids.len(), ids.join(", "));
+        }
+        for f in &self.skipped {
+            s += &format!("- skipped (invalid): {f}\n");
         }
         s += "\n| family | architectures | platform | target | dtypes |\n|---|---|---|---|---|\n";
         for m in self.of_kind(Kind::Model) {

@@ -202,3 +202,44 @@ fn model_default_contradicting_a_kernel_parameter_default_is_refused() {
     });
     assert_eq!(f, vec![]);
 }
+
+#[test]
+fn skip_invalid_leaves_out_a_broken_file_and_the_files_that_reference_it() {
+    let mut files = shipped();
+    let rope = files.iter_mut().find(|(p, _)| p == "kernels/rope.toml").unwrap();
+    rope.1 = rope.1.replacen("version = 2", "version = \"two\"", 1);
+    // Strict loading refuses, naming the file and the field.
+    let e = Ckb::from_sources(files.clone(), "test".into()).unwrap_err();
+    assert!(e.message.contains("kernels/rope.toml: field `/version`"), "{}", e.message);
+
+    let c = Ckb::from_sources_skip_invalid(files, "test".into()).unwrap();
+    let skipped: Vec<&str> = c.skipped().iter().map(|s| s.file.as_str()).collect();
+    assert_eq!(skipped[0], "kernels/rope.toml", "the broken file comes first: {skipped:?}");
+    assert!(c.skipped()[0].reason.starts_with("field `/version`: "), "{:?}", c.skipped()[0]);
+    // Every family names kernel.rope; so do the KV cache and the two RoPE failure modes. Files that
+    // reference those are left out in the next rounds.
+    assert!(skipped.contains(&"failures/kv-cache-wrong-position.toml"), "{skipped:?}");
+    for f in [
+        "components/kv_cache.toml",
+        "models/llama.toml",
+        "models/gemma.toml",
+        "models/mistral.toml",
+        "models/qwen2.toml",
+        "models/qwen3.toml",
+        "failures/rope-adjacent-pairs.toml",
+        "failures/rope-wrong-theta.toml",
+    ] {
+        let s = c.skipped().iter().find(|s| s.file == f).unwrap_or_else(|| panic!("{f} not skipped: {skipped:?}"));
+        assert!(s.reason.contains("references `kernel.rope`, which was skipped with kernels/rope.toml"), "{s:?}");
+    }
+    assert!(c.get("kernel.rope").is_err() && c.get("model.llama").is_err());
+    // Everything else loads, and what loaded is lint-clean.
+    c.get("kernel.rms_norm").unwrap();
+    c.get("platform.cpu-x86_64").unwrap();
+    assert_eq!(c.all().count() + c.skipped().len(), shipped().len());
+    assert_eq!(c.lint(), vec![]);
+    assert!(c.coverage_report().contains("- skipped (invalid): kernels/rope.toml: field `/version`"));
+
+    // A shipped CKB skips nothing.
+    assert_eq!(Ckb::from_sources_skip_invalid(shipped(), "test".into()).unwrap().skipped(), &[]);
+}
