@@ -73,11 +73,15 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Write a small random-weight HF checkpoint of a covered family (config.json, model.safetensors, tokenizer.json).
+    /// Write a random-weight HF checkpoint of a covered family (config.json, model.safetensors, tokenizer.json).
     Synth {
-        /// Family: llama, mistral, qwen2, qwen3 or gemma.
+        /// Family: llama, mistral, qwen2, qwen3 or gemma (llama with --preset).
         #[arg(long)]
-        family: String,
+        family: Option<String>,
+        /// A real model's shape: stories15m, stories42m or stories110m (the llama2.c TinyStories models);
+        /// the size options below override its values.
+        #[arg(long, value_name = "NAME")]
+        preset: Option<String>,
         /// Directory to create (must not exist, or be empty).
         #[arg(long, value_name = "DIR")]
         out: PathBuf,
@@ -499,6 +503,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         }
         Command::Synth {
             family,
+            preset,
             out,
             seed,
             hidden,
@@ -513,7 +518,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
             json,
         } => {
             let req = ops::synth::SynthRequest {
-                family,
+                family: family.unwrap_or_default(),
+                preset,
                 out,
                 seed,
                 hidden,
