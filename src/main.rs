@@ -37,6 +37,11 @@ struct Global {
     /// Time limit of one compile/test/verify/profile call, in seconds.
     #[arg(long, global = true, default_value_t = 900, value_name = "SECS")]
     time_limit: u64,
+    /// Leave invalid contract files out of the knowledge base (each logged with its file and reason, and
+    /// listed in every plan), with the files whose contracts reference theirs, instead of refusing to
+    /// start. `ckb check` lists every finding either way.
+    #[arg(long, global = true)]
+    skip_invalid: bool,
     /// Largest text content of one MCP tool result, in characters (longer text is cut and marked).
     #[arg(long, global = true, default_value_t = metainfer::ops::MAX_TEXT, value_name = "CHARS")]
     max_output: usize,
@@ -68,11 +73,15 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Write a small random-weight HF checkpoint of a covered family (config.json, model.safetensors, tokenizer.json).
+    /// Write a random-weight HF checkpoint of a covered family (config.json, model.safetensors, tokenizer.json).
     Synth {
-        /// Family: llama, mistral, qwen2, qwen3 or gemma.
+        /// Family: llama, mistral, qwen2, qwen3 or gemma (llama with --preset).
         #[arg(long)]
-        family: String,
+        family: Option<String>,
+        /// A real model's shape: stories15m, stories42m or stories110m (the llama2.c TinyStories models);
+        /// the size options below override its values.
+        #[arg(long, value_name = "NAME")]
+        preset: Option<String>,
         /// Directory to create (must not exist, or be empty).
         #[arg(long, value_name = "DIR")]
         out: PathBuf,
@@ -427,16 +436,34 @@ fn emit<R: Report>(r: &R, json: bool) -> ExitCode {
     if r.passed() { ExitCode::SUCCESS } else { ExitCode::from(1) }
 }
 
-fn load_ckb(dir: Option<&PathBuf>) -> Result<Ckb> {
-    match dir {
-        Some(d) => Ckb::from_dir(d),
-        None => Ckb::embedded(),
+fn load_ckb(dir: Option<&PathBuf>, skip_invalid: bool) -> Result<Ckb> {
+    if !skip_invalid {
+        return match dir {
+            Some(d) => Ckb::from_dir(d),
+            None => Ckb::embedded(),
+        };
     }
+    let ckb = match dir {
+        Some(d) => Ckb::from_sources_skip_invalid(ckb::read_dir_files(d)?, s(d))?,
+        None => Ckb::from_sources_skip_invalid(ckb::embedded_files(), "embedded".into())?,
+    };
+    for f in ckb.skipped() {
+        tracing::warn!("--skip-invalid: left out contract file {}: {}", f.file, f.reason);
+    }
+    if !ckb.skipped().is_empty() {
+        tracing::warn!(
+            "--skip-invalid: {} contract file(s) of {} left out; {} contracts loaded",
+            ckb.skipped().len(),
+            ckb.origin,
+            ckb.all().count()
+        );
+    }
+    Ok(ckb)
 }
 
 fn ctx(g: &Global, workspace: Option<PathBuf>, models: Vec<PathBuf>) -> Result<Ctx> {
     Ok(Ctx {
-        ckb: load_ckb(g.ckb.as_ref())?,
+        ckb: load_ckb(g.ckb.as_ref(), g.skip_invalid)?,
         // Absolute: the harness manifest refers to the engine snapshot inside the cache by path.
         workshop: g
             .cache
@@ -529,6 +556,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         }
         Command::Synth {
             family,
+            preset,
             out,
             seed,
             hidden,
@@ -543,7 +571,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
             json,
         } => {
             let req = ops::synth::SynthRequest {
-                family,
+                family: family.unwrap_or_default(),
+                preset,
                 out,
                 seed,
                 hidden,

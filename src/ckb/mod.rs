@@ -37,6 +37,22 @@ impl std::fmt::Display for Finding {
     }
 }
 
+/// A contract file left out of a knowledge base loaded with `--skip-invalid` (`Ckb::from_sources_skip_invalid`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
+pub struct SkippedFile {
+    /// File path relative to the CKB root.
+    pub file: String,
+    /// Why it was left out: its findings (field and reason, `; `-separated), or the skipped file whose
+    /// contract it references.
+    pub reason: String,
+}
+
+impl std::fmt::Display for SkippedFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.file, self.reason)
+    }
+}
+
 /// A loaded, validated knowledge base.
 #[derive(Debug, Clone)]
 pub struct Ckb {
@@ -44,6 +60,7 @@ pub struct Ckb {
     files: BTreeMap<String, String>,
     /// Where it was loaded from: `embedded` or a directory.
     pub origin: String,
+    skipped: Vec<SkippedFile>,
 }
 
 impl Ckb {
@@ -77,6 +94,81 @@ impl Ckb {
                 findings.iter().map(|f| format!("  {f}")).collect::<Vec<_>>().join("\n")
             ))),
         }
+    }
+
+    /// Like [`Ckb::from_sources`], but an invalid file (not TOML, schema error, lint finding in that
+    /// file, dangling reference) is left out instead of failing the load, and so, in further rounds,
+    /// is every file whose contract then references a contract that was left out. The files left out
+    /// are listed, in the order they were found, by [`Ckb::skipped`].
+    ///
+    /// # Errors
+    /// [`crate::error::ErrorKind::Input`] when no valid contract remains, or a finding names no file
+    /// of the set (it cannot be attributed, so nothing can be skipped for it).
+    pub fn from_sources_skip_invalid(files: Vec<(String, String)>, origin: String) -> Result<Ckb> {
+        let mut remaining = files;
+        let mut skipped: Vec<SkippedFile> = Vec::new();
+        // Contract id -> file, for the files left out (read leniently: a schema-invalid file may still
+        // name its id).
+        let mut skipped_ids: BTreeMap<String, String> = BTreeMap::new();
+        loop {
+            let (ckb, findings) = Ckb::check_sources(remaining.clone(), origin.clone());
+            let ckb = ckb.expect("check_sources always returns a knowledge base");
+            if findings.is_empty() {
+                if ckb.contracts.is_empty() {
+                    return Err(Error::input(format!(
+                        "no valid contract in {origin}: every file was skipped:\n{}",
+                        skipped.iter().map(|s| format!("  {s}")).collect::<Vec<_>>().join("\n")
+                    )));
+                }
+                return Ok(Ckb { skipped, ..ckb });
+            }
+            let mut by_file: BTreeMap<String, Vec<Finding>> = BTreeMap::new();
+            for f in findings {
+                if !remaining.iter().any(|(p, _)| *p == f.file) {
+                    return Err(Error::input(format!("the contract knowledge base is invalid: {f}")));
+                }
+                by_file.entry(f.file.clone()).or_default().push(f);
+            }
+            for (file, text) in remaining.iter().filter(|(p, _)| by_file.contains_key(p)) {
+                let id = toml::from_str::<toml::Value>(text)
+                    .ok()
+                    .and_then(|v| v.get("id").and_then(|i| i.as_str()).map(str::to_string));
+                if let Some(id) = id.filter(|id| ckb.file_of(id).is_none_or(|f| f == file)) {
+                    skipped_ids.insert(id, file.clone());
+                }
+            }
+            // This round's files, those invalid in themselves first, then those only left out for
+            // referencing them.
+            let mut round: Vec<(bool, SkippedFile)> = Vec::new();
+            for (file, fs) in &by_file {
+                let mut only_dependent = true;
+                let reasons: Vec<String> = fs
+                    .iter()
+                    .map(|f| {
+                        let dep = skipped_ids
+                            .iter()
+                            .find(|(id, _)| f.message.contains(&format!("reference `{id}` does not resolve")));
+                        only_dependent &= dep.is_some();
+                        match dep {
+                            Some((id, from)) => {
+                                format!("field `{}` references `{id}`, which was skipped with {from}", f.field)
+                            }
+                            None if f.field.is_empty() => f.message.clone(),
+                            None => format!("field `{}`: {}", f.field, f.message),
+                        }
+                    })
+                    .collect();
+                round.push((only_dependent, SkippedFile { file: file.clone(), reason: reasons.join("; ") }));
+            }
+            round.sort_by_key(|(dependent, _)| *dependent);
+            skipped.extend(round.into_iter().map(|(_, s)| s));
+            remaining.retain(|(p, _)| !by_file.contains_key(p));
+        }
+    }
+
+    /// The files left out when loading with [`Ckb::from_sources_skip_invalid`]; empty otherwise.
+    pub fn skipped(&self) -> &[SkippedFile] {
+        &self.skipped
     }
 
     /// Like [`Ckb::from_sources`] but returns all findings instead of failing: `ckb check` uses it.
@@ -126,7 +218,7 @@ impl Ckb {
                 Err(e) => findings.push(Finding { file: file.clone(), field: String::new(), message: e.to_string() }),
             }
         }
-        let ckb = Ckb { contracts, files: file_of, origin };
+        let ckb = Ckb { contracts, files: file_of, origin, skipped: Vec::new() };
         findings.extend(ckb.lint());
         (Some(ckb), findings)
     }
@@ -134,6 +226,7 @@ impl Ckb {
     /// Consistency rules the schema cannot express. Each finding names file and field.
     pub fn lint(&self) -> Vec<Finding> {
         let mut out = Vec::new();
+        let mut out_cross = Vec::new();
         let ids: BTreeSet<&str> = self.contracts.keys().map(String::as_str).collect();
         for c in self.contracts.values() {
             let file = self.files.get(&c.id).cloned().unwrap_or_default();
@@ -255,6 +348,63 @@ impl Ckb {
                     bad(&format!("/tolerance/{dtype}/reasoning"), "say why these numbers".into());
                 }
             }
+            for (j, p) in c.parameters.iter().enumerate() {
+                for (i, q) in c.parameters[..j].iter().enumerate() {
+                    if p.name != q.name {
+                        continue;
+                    }
+                    if let (Some(a), Some(b)) = (&q.default, &p.default)
+                        && !same_value(a, b)
+                    {
+                        bad(
+                            &format!("/parameters/{j}/default"),
+                            format!(
+                                "parameter `{}` is stated twice with different defaults: {a:?} (/parameters/{i}) and {b:?} (/parameters/{j}); keep one entry with the right value",
+                                p.name
+                            ),
+                        );
+                    }
+                    if q.dtype != p.dtype {
+                        bad(
+                            &format!("/parameters/{j}/dtype"),
+                            format!(
+                                "parameter `{}` is stated twice with different dtypes: {:?} (/parameters/{i}) and {:?} (/parameters/{j}); keep one entry with the right dtype",
+                                p.name, q.dtype, p.dtype
+                            ),
+                        );
+                    }
+                }
+            }
+            if let Some(m) = &c.model {
+                for (j, f) in m.config.iter().enumerate() {
+                    for (i, g) in m.config[..j].iter().enumerate() {
+                        if let (true, Some(a), Some(b)) = (g.key == f.key, &g.default, &f.default)
+                            && !same_value(a, b)
+                        {
+                            bad(
+                                &format!("/model/config/{j}/default"),
+                                format!(
+                                    "config key `{}` is stated twice with different defaults: {a:?} (/model/config/{i}) and {b:?} (/model/config/{j}); keep one entry with the default of the HF configuration class",
+                                    f.key
+                                ),
+                            );
+                        }
+                    }
+                    if let Some(d) = &f.default
+                        && !f.supported.is_empty()
+                        && !f.supported.iter().any(|v| same_value(v, d))
+                    {
+                        bad(
+                            &format!("/model/config/{j}/default"),
+                            format!(
+                                "config key `{}` has default {d:?}, which is not among its supported values {:?}; add it to `supported` or correct the default",
+                                f.key, f.supported
+                            ),
+                        );
+                    }
+                }
+                out_cross.extend(self.kernel_default_conflicts(c, m, &file));
+            }
             for (i, case) in c.test_cases.iter().enumerate() {
                 for (dim, [lo, hi]) in &case.dims {
                     if lo > hi || *lo == 0 {
@@ -262,6 +412,38 @@ impl Ckb {
                             &format!("/test_cases/{i}/dims/{dim}"),
                             format!("range [{lo}, {hi}] must satisfy 1 <= lo <= hi"),
                         );
+                    }
+                }
+            }
+        }
+        out.extend(out_cross);
+        out
+    }
+
+    /// Where a model family's config default contradicts the default of a kernel parameter it feeds:
+    /// for every kernel the family names, every parameter with a `config_key` and a default, against the
+    /// family's `config` entry for that key when it states a default.
+    fn kernel_default_conflicts(&self, c: &Contract, m: &ModelFamily, file: &str) -> Vec<Finding> {
+        let mut out = Vec::new();
+        for k in m.kernels.iter().filter_map(|k| self.contracts.get(k)) {
+            let kfile = self.files.get(&k.id).map(String::as_str).unwrap_or_default();
+            for (pi, p) in k.parameters.iter().enumerate() {
+                let (Some(pd), Some(key)) = (&p.default, &p.config_key) else { continue };
+                for (fi, f) in m.config.iter().enumerate() {
+                    if &f.key != key {
+                        continue;
+                    }
+                    if let Some(fd) = &f.default
+                        && !same_value(fd, pd)
+                    {
+                        out.push(Finding {
+                            file: file.into(),
+                            field: format!("/model/config/{fi}/default"),
+                            message: format!(
+                                "config key `{key}` has default {fd:?} in {}, but {} ({kfile}) states {pd:?} as the default of its parameter `{}` (/parameters/{pi}/default), which it reads from `{key}`; make the two agree",
+                                c.id, k.id, p.name
+                            ),
+                        });
                     }
                 }
             }
@@ -359,6 +541,16 @@ impl Ckb {
     }
 }
 
+/// Whether two values stated as text are the same value: equal as numbers when both parse as
+/// numbers (`"10000"` and `"1e4"`), else equal as trimmed text.
+fn same_value(a: &str, b: &str) -> bool {
+    let (a, b) = (a.trim(), b.trim());
+    match (a.parse::<f64>(), b.parse::<f64>()) {
+        (Ok(x), Ok(y)) => x == y,
+        _ => a == b,
+    }
+}
+
 /// The contract files under `dir` as (path relative to `dir`, text), in path order; `candidates/` is
 /// skipped (staged knowledge is not part of the CKB).
 ///
@@ -399,6 +591,9 @@ impl Ckb {
         for kind in [Kind::Kernel, Kind::Component, Kind::Model, Kind::Platform, Kind::Failure, Kind::Policy] {
             let ids: Vec<String> = self.of_kind(kind).map(|c| format!("{}@{}", c.id, c.version)).collect();
             s += &format!("- {} ({}): {}\n", kind.prefix(), ids.len(), ids.join(", "));
+        }
+        for f in &self.skipped {
+            s += &format!("- skipped (invalid): {f}\n");
         }
         s += "\n| family | architectures | platform | target | dtypes |\n|---|---|---|---|---|\n";
         for m in self.of_kind(Kind::Model) {

@@ -115,9 +115,15 @@ pub struct Param {
     pub name: String,
     /// Element type.
     pub dtype: String,
-    /// The usual value, where there is one (as text, e.g. "1e-5").
+    /// The usual value, where there is one (as text, e.g. "1e-6"). With `config_key` set, the value an
+    /// engine uses when config.json lacks that key; the lint requires it to equal the default every model
+    /// family naming this kernel states for the key.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub default: Option<String>,
+    /// The config.json key a model family supplies this parameter from (e.g. `rms_norm_eps` for
+    /// RMSNorm's `eps`), where there is one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config_key: Option<String>,
     /// What it means and where its value comes from.
     pub doc: String,
 }

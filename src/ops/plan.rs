@@ -7,7 +7,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::{Ctx, Report};
-use crate::ckb::{Kind, Phase};
+use crate::ckb::{Kind, Phase, SkippedFile};
 use crate::error::{Error, Result};
 use crate::model::{self, Gap, ResolvedConfig};
 
@@ -62,6 +62,10 @@ pub struct PlanReport {
     pub gaps: Vec<Gap>,
     /// Phases in build order.
     pub phases: Vec<PhasePlan>,
+    /// Contract files left out of the knowledge base as invalid (`--skip-invalid`), each with its
+    /// reason; this plan was made without them. Empty when every file loaded.
+    #[serde(default)]
+    pub skipped_contracts: Vec<SkippedFile>,
 }
 
 impl Report for PlanReport {
@@ -92,6 +96,9 @@ impl Report for PlanReport {
                 c.rope_theta,
                 c.tied
             );
+        }
+        for f in &self.skipped_contracts {
+            s += &format!("skipped invalid contract file {f}\n");
         }
         for (i, p) in self.phases.iter().enumerate() {
             s += &format!(
@@ -268,6 +275,7 @@ pub fn plan_only(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
         config: resolved,
         gaps,
         phases,
+        skipped_contracts: ctx.ckb.skipped().to_vec(),
     })
 }
 

@@ -1,7 +1,9 @@
-//! synth: a small random-weight Hugging Face checkpoint of any covered family (config.json with the
-//! family's real architectures, model_type and feature keys; model.safetensors in F32; a character-level
-//! BPE tokenizer.json). For testing the oracle and engines of families whose real checkpoints are large.
-//! Written into a temporary directory beside `out` and renamed into place.
+//! synth: a random-weight Hugging Face checkpoint of any covered family (config.json with the family's
+//! real architectures, model_type and feature keys; model.safetensors in F32; a BPE tokenizer.json
+//! covering every token id). Small by default, for testing the oracle and engines of families whose real
+//! checkpoints are large; or in a real model's shape ([`PRESETS`]), for speed work. Sizes are checked
+//! before anything is written; the checkpoint goes into a temporary directory beside `out` and is
+//! renamed into place.
 
 use std::path::{Path, PathBuf};
 
@@ -16,11 +18,93 @@ use crate::error::{Error, Result};
 /// Families `synth` can write, by short name.
 pub const FAMILIES: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "gemma"];
 
-/// Sizes and family of the checkpoint to write. Unset sizes take small defaults.
+/// A named model shape for speed work: the sizes of a real checkpoint, written with random weights
+/// (timing does not depend on the values). All presets are Llama-family shapes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Preset {
+    /// Name passed as `--preset`.
+    pub name: &'static str,
+    /// hidden_size (llama2.c `dim`).
+    pub hidden: usize,
+    /// num_hidden_layers.
+    pub layers: usize,
+    /// num_attention_heads.
+    pub heads: usize,
+    /// num_key_value_heads.
+    pub kv_heads: usize,
+    /// intermediate_size (the SwiGLU hidden width).
+    pub intermediate: usize,
+    /// vocab_size.
+    pub vocab: usize,
+    /// max_position_embeddings (llama2.c `max_seq_len`, the context length).
+    pub max_seq: usize,
+}
+
+/// The llama2.c TinyStories model shapes. Source: the model table of the llama2.c README (Karpathy 2023,
+/// <https://github.com/karpathy/llama2.c>): dim, n_layers, n_heads, n_kv_heads and max context length of
+/// stories15M, stories42M and stories110M, all with the 32000-token Llama 2 vocabulary. The intermediate
+/// sizes follow llama2.c's `model.py` (`hidden_dim = 4 * dim`, times 2/3, rounded up to a multiple of
+/// 32: 768, 1376, 2048). llama2.c shares the embedding with the output projection, so the presets are
+/// written with `tie_word_embeddings = true` and `rms_norm_eps = 1e-5` (`ModelArgs.norm_eps`); tied,
+/// they hold 15.2M, 41.7M and 109.5M parameters, as the names say.
+pub const PRESETS: &[Preset] = &[
+    Preset {
+        name: "stories15m",
+        hidden: 288,
+        layers: 6,
+        heads: 6,
+        kv_heads: 6,
+        intermediate: 768,
+        vocab: 32000,
+        max_seq: 256,
+    },
+    Preset {
+        name: "stories42m",
+        hidden: 512,
+        layers: 8,
+        heads: 8,
+        kv_heads: 8,
+        intermediate: 1376,
+        vocab: 32000,
+        max_seq: 1024,
+    },
+    Preset {
+        name: "stories110m",
+        hidden: 768,
+        layers: 12,
+        heads: 12,
+        kv_heads: 12,
+        intermediate: 2048,
+        vocab: 32000,
+        max_seq: 1024,
+    },
+];
+
+/// The preset of this name.
+///
+/// # Errors
+/// [`crate::error::ErrorKind::Usage`] for an unknown name, listing the known ones.
+pub fn preset(name: &str) -> Result<&'static Preset> {
+    PRESETS.iter().find(|p| p.name == name).ok_or_else(|| {
+        Error::usage(format!(
+            "unknown preset `{name}`; synth knows: {}",
+            PRESETS.iter().map(|p| p.name).collect::<Vec<_>>().join(", ")
+        ))
+    })
+}
+
+/// Sizes and family of the checkpoint to write. Unset sizes take the preset's values, or small
+/// defaults without a preset.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
 pub struct SynthRequest {
-    /// Family: llama, mistral, qwen2, qwen3 or gemma (a `model.` prefix is accepted).
+    /// Family: llama, mistral, qwen2, qwen3 or gemma (a `model.` prefix is accepted). May be empty with
+    /// a preset, which sets llama.
+    #[serde(default)]
     pub family: String,
+    /// A named shape from [`PRESETS`] (`stories15m`, `stories42m`, `stories110m`); explicit sizes
+    /// override its values.
+    #[serde(default)]
+    pub preset: Option<String>,
     /// Directory to create; must not exist or be empty.
     pub out: PathBuf,
     /// Seed of the weights.
@@ -82,25 +166,49 @@ impl Report for SynthReport {
     }
 }
 
-/// Largest parameter count `synth` writes (200 MB of F32): it is for tests, not for real models.
-pub const MAX_PARAMETERS: usize = 50_000_000;
+/// Largest checkpoint `synth` writes, in bytes of F32 weights (2 GB, decimal): enough for the presets
+/// (stories110m is about 438 MB), small enough to write in seconds and to hold in memory.
+pub const MAX_BYTES: usize = 2_000_000_000;
+
+/// Largest parameter count `synth` writes: [`MAX_BYTES`] of F32 (4 bytes each).
+pub const MAX_PARAMETERS: usize = MAX_BYTES / 4;
 
 /// The config.json of a synthetic checkpoint, checked for sizes that make no sense.
 ///
 /// # Errors
-/// [`crate::error::ErrorKind::Usage`] for an unknown family or absurd sizes, saying which flag.
+/// [`crate::error::ErrorKind::Usage`] for an unknown family or preset, a family other than llama with a
+/// preset, or absurd sizes (zero, too large, heads that do not divide, a checkpoint over
+/// [`MAX_BYTES`]), saying which flag to change.
 pub fn synth_config(req: &SynthRequest) -> Result<serde_json::Value> {
+    let preset = req.preset.as_deref().map(preset).transpose()?;
     let family = req.family.strip_prefix("model.").unwrap_or(&req.family);
+    let family = match (preset, family) {
+        (Some(_), "" | "llama") => "llama",
+        (Some(p), other) => {
+            return Err(Error::usage(format!(
+                "--preset {} is a llama shape and conflicts with --family {other}; drop --family or pass --family llama",
+                p.name
+            )));
+        }
+        (None, "") => {
+            return Err(Error::usage(format!(
+                "pass --family ({}) or --preset ({})",
+                FAMILIES.join(", "),
+                PRESETS.iter().map(|p| p.name).collect::<Vec<_>>().join(", ")
+            )));
+        }
+        (None, f) => f,
+    };
     if !FAMILIES.contains(&family) {
         return Err(Error::usage(format!("unknown family `{}`; synth writes: {}", req.family, FAMILIES.join(", "))));
     }
-    let hidden = req.hidden.unwrap_or(64);
-    let layers = req.layers.unwrap_or(2);
-    let heads = req.heads.unwrap_or(4);
-    let kv = req.kv_heads.unwrap_or(2.min(heads));
-    let vocab = req.vocab.unwrap_or(128);
-    let inter = req.intermediate.unwrap_or(2 * hidden + 32);
-    let max_seq = req.max_seq.unwrap_or(64);
+    let hidden = req.hidden.or(preset.map(|p| p.hidden)).unwrap_or(64);
+    let layers = req.layers.or(preset.map(|p| p.layers)).unwrap_or(2);
+    let heads = req.heads.or(preset.map(|p| p.heads)).unwrap_or(4);
+    let kv = req.kv_heads.or(preset.map(|p| p.kv_heads)).unwrap_or(2.min(heads));
+    let vocab = req.vocab.or(preset.map(|p| p.vocab)).unwrap_or(128);
+    let inter = req.intermediate.or(preset.map(|p| p.intermediate)).unwrap_or(2 * hidden + 32);
+    let max_seq = req.max_seq.or(preset.map(|p| p.max_seq)).unwrap_or(64);
     let check = |ok: bool, msg: String| if ok { Ok(()) } else { Err(Error::usage(msg)) };
     check((1..=8192).contains(&hidden), format!("--hidden {hidden} must be in 1..=8192"))?;
     check((1..=64).contains(&layers), format!("--layers {layers} must be in 1..=64"))?;
@@ -126,12 +234,16 @@ pub fn synth_config(req: &SynthRequest) -> Result<serde_json::Value> {
         head_dim >= 2 && head_dim % 2 == 0 && head_dim <= 1024,
         format!("head_dim {head_dim} must be even, in 2..=1024 (RoPE pairs)"),
     )?;
-    let tied = matches!(family, "qwen2" | "qwen3" | "gemma");
-    let per_layer = hidden * heads * head_dim * 2 + hidden * kv * head_dim * 2 + 3 * hidden * inter + 2 * hidden;
-    let params = layers * per_layer + vocab * hidden * if tied { 1 } else { 2 } + hidden;
+    let tied = preset.is_some() || matches!(family, "qwen2" | "qwen3" | "gemma");
+    let params = parameter_count(hidden, layers, heads, kv, head_dim, inter, vocab, tied, family);
     check(
         params <= MAX_PARAMETERS,
-        format!("{params} parameters is more than synth writes ({MAX_PARAMETERS}); choose smaller sizes"),
+        format!(
+            "the checkpoint would hold {params} parameters, {:.2} GB of f32 weights, more than synth writes ({} GB); \
+             choose smaller --hidden, --layers, --intermediate or --vocab",
+            (params * 4) as f64 / 1e9,
+            MAX_BYTES / 1_000_000_000
+        ),
     )?;
     let (arch, theta) = match family {
         "llama" => ("LlamaForCausalLM", 10_000.0),
@@ -151,7 +263,7 @@ pub fn synth_config(req: &SynthRequest) -> Result<serde_json::Value> {
         "head_dim": head_dim,
         "vocab_size": vocab,
         "max_position_embeddings": max_seq,
-        "rms_norm_eps": 1e-6,
+        "rms_norm_eps": if preset.is_some() { 1e-5 } else { 1e-6 },
         "rope_theta": theta,
         "hidden_act": "silu",
         "tie_word_embeddings": tied,
@@ -184,6 +296,31 @@ pub fn synth_config(req: &SynthRequest) -> Result<serde_json::Value> {
         _ => {}
     }
     Ok(c)
+}
+
+/// Parameters of a checkpoint of these sizes, as [`synth_tensors`] writes it: per layer the q/k/v/o
+/// projections, the three MLP matrices and two norms (plus qwen2's q/k/v biases and qwen3's q/k norms),
+/// then the embedding, the final norm and, unless `tied`, lm_head.
+#[allow(clippy::too_many_arguments)]
+pub fn parameter_count(
+    hidden: usize,
+    layers: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    intermediate: usize,
+    vocab: usize,
+    tied: bool,
+    family: &str,
+) -> usize {
+    let (q, kv) = (heads * head_dim, kv_heads * head_dim);
+    let extra = match family {
+        "qwen2" => q + 2 * kv,
+        "qwen3" => 2 * head_dim,
+        _ => 0,
+    };
+    let per_layer = 2 * hidden * q + 2 * hidden * kv + 3 * hidden * intermediate + 2 * hidden + extra;
+    layers * per_layer + vocab * hidden * if tied { 1 } else { 2 } + hidden
 }
 
 /// Standard normal draws (Box-Muller) scaled by `std`, around `mean`.
@@ -255,16 +392,37 @@ pub fn synth_tensors(config: &serde_json::Value, seed: u64) -> Vec<(String, Vec<
     out
 }
 
-/// A character-level BPE tokenizer.json (no merges) in the layout of the BabyLlama checkpoint: `<unk>`,
-/// `<s>`, `</s>`, `▁` (space), then printable ASCII characters, as many as `vocab` leaves room for.
+/// A BPE tokenizer.json in the layout of the BabyLlama checkpoint with exactly `vocab` entries, so
+/// that every token id a model of that vocabulary can produce decodes: `<unk>`, `<s>`, `</s>`, `▁`
+/// (space), then printable ASCII characters, as many as `vocab` leaves room for (character-level up to
+/// 79 entries); beyond that, merged tokens fill the vocabulary, shortest first: a token of the previous
+/// length (`▁` or a character to start with) followed by a character, each with its merge `"left right"`
+/// in that order of rank. A 32000 vocabulary holds the 79 specials and characters, 5700 two-character
+/// tokens and 26221 three-character ones (31921 merges).
 pub fn synth_tokenizer(vocab: usize) -> serde_json::Value {
+    const CHARS: &str = "etaoinshrdlucmfwypvbgkjqxzETAOINSHRDLUCMFWYPVBGKJQXZ.,!?'\"-:;0123456789()";
     let mut entries: Vec<String> = ["<unk>", "<s>", "</s>", "\u{2581}"].iter().map(|s| s.to_string()).collect();
-    entries.extend(
-        "etaoinshrdlucmfwypvbgkjqxzETAOINSHRDLUCMFWYPVBGKJQXZ.,!?'\"-:;0123456789()"
-            .chars()
-            .map(|c| c.to_string())
-            .take(vocab.saturating_sub(4)),
-    );
+    entries.extend(CHARS.chars().map(|c| c.to_string()).take(vocab.saturating_sub(4)));
+    let mut merges: Vec<String> = Vec::new();
+    let mut known: std::collections::HashSet<String> = entries.iter().cloned().collect();
+    let mut frontier: Vec<String> = entries[3.min(entries.len())..].to_vec();
+    'fill: while entries.len() < vocab && !frontier.is_empty() {
+        let mut next = Vec::new();
+        for left in &frontier {
+            for right in CHARS.chars() {
+                if entries.len() >= vocab {
+                    break 'fill;
+                }
+                let token = format!("{left}{right}");
+                if known.insert(token.clone()) {
+                    merges.push(format!("{left} {right}"));
+                    entries.push(token.clone());
+                    next.push(token);
+                }
+            }
+        }
+        frontier = next;
+    }
     let vocab_map: serde_json::Map<String, serde_json::Value> =
         entries.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
     let special = |id: usize, content: &str| json!({"id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true});
@@ -294,7 +452,7 @@ pub fn synth_tokenizer(vocab: usize) -> serde_json::Value {
         "model": {
             "type": "BPE", "dropout": null, "unk_token": "<unk>", "continuing_subword_prefix": null,
             "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": false, "ignore_merges": false,
-            "vocab": vocab_map, "merges": []
+            "vocab": vocab_map, "merges": merges
         }
     })
 }
@@ -327,11 +485,10 @@ pub fn write_checkpoint(out: &Path, config: &serde_json::Value, seed: u64) -> Re
     let tok = serde_json::to_string_pretty(&synth_tokenizer(vocab)).expect("json serialises");
     std::fs::write(tmp.path().join("tokenizer.json"), tok).map_err(|e| io(out, e))?;
     let tensors = synth_tensors(config, seed);
-    let parameters = tensors.iter().map(|t| t.2.len()).sum();
-    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
-        .iter()
-        .map(|(n, s, v)| (n.clone(), s.clone(), v.iter().flat_map(|x| x.to_le_bytes()).collect()))
-        .collect();
+    let (count, parameters) = (tensors.len(), tensors.iter().map(|t| t.2.len()).sum());
+    // Converted tensor by tensor, so that only one tensor is held twice.
+    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> =
+        tensors.into_iter().map(|(n, s, v)| (n, s, v.into_iter().flat_map(f32::to_le_bytes).collect())).collect();
     let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = bytes
         .iter()
         .map(|(n, s, b)| {
@@ -356,7 +513,7 @@ pub fn write_checkpoint(out: &Path, config: &serde_json::Value, seed: u64) -> Re
         dir: out.display().to_string(),
         family: config["model_type"].as_str().unwrap_or_default().into(),
         config: config.clone(),
-        tensors: tensors.len(),
+        tensors: count,
         parameters,
     })
 }

@@ -46,7 +46,7 @@ fn shipped_ckb_is_schema_valid_and_lint_clean() {
 
 #[test]
 fn wrong_type_names_file_and_field() {
-    let f = findings_after("kernels/rope.toml", |s| s.replacen("version = 1", "version = \"one\"", 1));
+    let f = findings_after("kernels/rope.toml", |s| s.replacen("version = 2", "version = \"one\"", 1));
     assert!(f.iter().any(|f| f.file == "kernels/rope.toml" && f.field == "/version"), "{f:?}");
 }
 
@@ -115,4 +115,131 @@ fn cli_ckb_check_fails_on_a_broken_directory_and_server_refuses_to_start() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("kernels/rope.toml"));
     assert!(out.stdout.is_empty(), "nothing but JSON-RPC may reach stdout");
+}
+
+/// The finding for `file` at `field`, asserting it is the only one there.
+fn finding_at(findings: &[Finding], file: &str, field: &str) -> String {
+    let at: Vec<&Finding> = findings.iter().filter(|f| f.file == file && f.field == field).collect();
+    assert_eq!(at.len(), 1, "one finding at {file} {field}: {findings:?}");
+    at[0].message.clone()
+}
+
+const SECOND_EPS: &str = "\n[[parameters]]\nname = \"eps\"\ndtype = \"f32\"\ndefault = \"1e-5\"\ndoc = \"Again.\"\n";
+
+#[test]
+fn parameter_stated_twice_with_different_defaults_is_refused() {
+    let f = findings_after("kernels/rms_norm.toml", |s| format!("{s}{SECOND_EPS}"));
+    assert_eq!(
+        finding_at(&f, "kernels/rms_norm.toml", "/parameters/1/default"),
+        "parameter `eps` is stated twice with different defaults: \"1e-6\" (/parameters/0) and \"1e-5\" (/parameters/1); keep one entry with the right value"
+    );
+    assert_eq!(f.len(), 1, "{f:?}");
+    // The same number written differently is the same value; a different dtype is not.
+    let f = findings_after("kernels/rms_norm.toml", |s| format!("{s}{}", SECOND_EPS.replace("1e-5", "0.000001")));
+    assert_eq!(f, vec![]);
+    let f = findings_after("kernels/rms_norm.toml", |s| {
+        format!("{s}{}", SECOND_EPS.replace("1e-5", "1e-6").replace("f32", "f64"))
+    });
+    assert_eq!(
+        finding_at(&f, "kernels/rms_norm.toml", "/parameters/1/dtype"),
+        "parameter `eps` is stated twice with different dtypes: \"f32\" (/parameters/0) and \"f64\" (/parameters/1); keep one entry with the right dtype"
+    );
+}
+
+#[test]
+fn model_config_key_stated_twice_with_different_defaults_is_refused() {
+    let f = findings_after("models/llama.toml", |s| {
+        format!("{s}\n[[model.config]]\nkey = \"max_position_embeddings\"\nrole = \"max_seq\"\ndefault = \"4096\"\n")
+    });
+    assert_eq!(
+        finding_at(&f, "models/llama.toml", "/model/config/13/default"),
+        "config key `max_position_embeddings` is stated twice with different defaults: \"2048\" (/model/config/6) and \"4096\" (/model/config/13); keep one entry with the default of the HF configuration class"
+    );
+    assert_eq!(f.len(), 1, "{f:?}");
+}
+
+#[test]
+fn model_config_default_outside_its_supported_values_is_refused() {
+    let f = findings_after("models/llama.toml", |s| {
+        s.replacen("default = \"silu\"\nsupported = [\"silu\"]", "default = \"gelu\"\nsupported = [\"silu\"]", 1)
+    });
+    assert_eq!(
+        finding_at(&f, "models/llama.toml", "/model/config/12/default"),
+        "config key `hidden_act` has default \"gelu\", which is not among its supported values [\"silu\"]; add it to `supported` or correct the default"
+    );
+    assert_eq!(f.len(), 1, "{f:?}");
+}
+
+#[test]
+fn model_default_contradicting_a_kernel_parameter_default_is_refused() {
+    let f = findings_after("models/llama.toml", |s| {
+        s.replacen(
+            "key = \"rms_norm_eps\"\nrole = \"rms_norm_eps\"\nrequired = false\ndefault = \"1e-6\"",
+            "key = \"rms_norm_eps\"\nrole = \"rms_norm_eps\"\nrequired = false\ndefault = \"1e-5\"",
+            1,
+        )
+    });
+    assert_eq!(
+        finding_at(&f, "models/llama.toml", "/model/config/7/default"),
+        "config key `rms_norm_eps` has default \"1e-5\" in model.llama, but kernel.rms_norm (kernels/rms_norm.toml) states \"1e-6\" as the default of its parameter `eps` (/parameters/0/default), which it reads from `rms_norm_eps`; make the two agree"
+    );
+    assert_eq!(f.len(), 1, "{f:?}");
+    // A changed kernel default contradicts every family that names the kernel, each in its own file.
+    let f = findings_after("kernels/rope.toml", |s| s.replacen("default = \"10000\"", "default = \"500000\"", 1));
+    let files: Vec<&str> = f.iter().map(|f| f.file.as_str()).collect();
+    assert_eq!(
+        files,
+        ["models/gemma.toml", "models/llama.toml", "models/mistral.toml", "models/qwen2.toml", "models/qwen3.toml"]
+    );
+    assert!(f.iter().all(|f| f.message.contains("\"10000.0\"") && f.message.contains("\"500000\"")), "{f:?}");
+    // Only where both state a default: a family without one is not compared.
+    let f = findings_after("models/llama.toml", |s| {
+        s.replacen(
+            "key = \"rope_theta\"\nrole = \"rope_theta\"\nrequired = false\ndefault = \"10000.0\"\n",
+            "key = \"rope_theta\"\nrole = \"rope_theta\"\nrequired = false\n",
+            1,
+        )
+    });
+    assert_eq!(f, vec![]);
+}
+
+#[test]
+fn skip_invalid_leaves_out_a_broken_file_and_the_files_that_reference_it() {
+    let mut files = shipped();
+    let rope = files.iter_mut().find(|(p, _)| p == "kernels/rope.toml").unwrap();
+    rope.1 = rope.1.replacen("version = 2", "version = \"two\"", 1);
+    // Strict loading refuses, naming the file and the field.
+    let e = Ckb::from_sources(files.clone(), "test".into()).unwrap_err();
+    assert!(e.message.contains("kernels/rope.toml: field `/version`"), "{}", e.message);
+
+    let c = Ckb::from_sources_skip_invalid(files, "test".into()).unwrap();
+    let skipped: Vec<&str> = c.skipped().iter().map(|s| s.file.as_str()).collect();
+    assert_eq!(skipped[0], "kernels/rope.toml", "the broken file comes first: {skipped:?}");
+    assert!(c.skipped()[0].reason.starts_with("field `/version`: "), "{:?}", c.skipped()[0]);
+    // Every family names kernel.rope; so do the KV cache and the two RoPE failure modes. Files that
+    // reference those are left out in the next rounds.
+    assert!(skipped.contains(&"failures/kv-cache-wrong-position.toml"), "{skipped:?}");
+    for f in [
+        "components/kv_cache.toml",
+        "models/llama.toml",
+        "models/gemma.toml",
+        "models/mistral.toml",
+        "models/qwen2.toml",
+        "models/qwen3.toml",
+        "failures/rope-adjacent-pairs.toml",
+        "failures/rope-wrong-theta.toml",
+    ] {
+        let s = c.skipped().iter().find(|s| s.file == f).unwrap_or_else(|| panic!("{f} not skipped: {skipped:?}"));
+        assert!(s.reason.contains("references `kernel.rope`, which was skipped with kernels/rope.toml"), "{s:?}");
+    }
+    assert!(c.get("kernel.rope").is_err() && c.get("model.llama").is_err());
+    // Everything else loads, and what loaded is lint-clean.
+    c.get("kernel.rms_norm").unwrap();
+    c.get("platform.cpu-x86_64").unwrap();
+    assert_eq!(c.all().count() + c.skipped().len(), shipped().len());
+    assert_eq!(c.lint(), vec![]);
+    assert!(c.coverage_report().contains("- skipped (invalid): kernels/rope.toml: field `/version`"));
+
+    // A shipped CKB skips nothing.
+    assert_eq!(Ckb::from_sources_skip_invalid(shipped(), "test".into()).unwrap().skipped(), &[]);
 }

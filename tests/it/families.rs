@@ -334,3 +334,134 @@ fn synth_cli_writes_a_checkpoint_that_plans() {
         .unwrap();
     assert_eq!(s.status.code(), Some(2), "an occupied --out is a usage error");
 }
+
+/// `metainfer synth` with these arguments into `out`.
+fn synth_cli(out: &Path, args: &[&str]) -> std::process::Output {
+    std::process::Command::new(crate::bin()).args(["synth", "--out"]).arg(out).args(args).output().unwrap()
+}
+
+#[test]
+fn synth_presets_write_the_llama2c_tinystories_shapes() {
+    // (preset, hidden, layers, heads, kv_heads, intermediate, vocab, max_seq, parameters): the llama2.c
+    // README's model table; parameters with the embedding shared by the output projection.
+    let shapes = [
+        ("stories15m", 288, 6, 6, 6, 768, 32000, 256, 15_191_712),
+        ("stories42m", 512, 8, 8, 8, 1376, 32000, 1024, 41_689_600),
+        ("stories110m", 768, 12, 12, 12, 2048, 32000, 1024, 109_529_856),
+    ];
+    let keys = [
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "vocab_size",
+        "max_position_embeddings",
+    ];
+    let t = tempfile::tempdir().unwrap();
+    for (name, h, l, nh, kv, i, v, s, params) in shapes {
+        let req = SynthRequest { preset: Some(name.into()), out: t.path().join(name), ..Default::default() };
+        let c = synth_config(&req).unwrap();
+        let got: Vec<u64> = keys.iter().map(|k| c[k].as_u64().unwrap()).collect();
+        assert_eq!(got, [h, l, nh, kv, i, v, s], "{name}");
+        assert_eq!((c["model_type"].as_str(), c["tie_word_embeddings"].as_bool()), (Some("llama"), Some(true)));
+        let hd = (h / nh) as usize;
+        let count = metainfer::ops::synth::parameter_count(
+            h as usize,
+            l as usize,
+            nh as usize,
+            kv as usize,
+            hd,
+            i as usize,
+            v as usize,
+            true,
+            "llama",
+        );
+        assert_eq!(count, params, "{name}");
+    }
+
+    // The smallest is written: config.json with exactly those numbers, tensors of the right shapes.
+    let out = t.path().join("stories15m");
+    let r = synth_cli(&out, &["--preset", "stories15m", "--json"]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let report: Value = serde_json::from_slice(&r.stdout).unwrap();
+    assert_eq!(report["parameters"], 15_191_712);
+    let c: Value = serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
+    let got: Vec<u64> = keys.iter().map(|k| c[k].as_u64().unwrap()).collect();
+    assert_eq!(got, [288, 6, 6, 6, 768, 32000, 256]);
+    assert_eq!(c["architectures"], json!(["LlamaForCausalLM"]));
+    let tensors = model::read_safetensors(&out).unwrap();
+    let shape = |n: &str| tensors.get(n).unwrap_or_else(|| panic!("{n} missing")).0.clone();
+    assert_eq!(shape("model.embed_tokens.weight"), [32000, 288]);
+    for l in 0..6 {
+        let p = format!("model.layers.{l}.");
+        for (n, want) in [
+            ("input_layernorm.weight", vec![288]),
+            ("self_attn.q_proj.weight", vec![288, 288]),
+            ("self_attn.k_proj.weight", vec![288, 288]),
+            ("self_attn.v_proj.weight", vec![288, 288]),
+            ("self_attn.o_proj.weight", vec![288, 288]),
+            ("post_attention_layernorm.weight", vec![288]),
+            ("mlp.gate_proj.weight", vec![768, 288]),
+            ("mlp.up_proj.weight", vec![768, 288]),
+            ("mlp.down_proj.weight", vec![288, 768]),
+        ] {
+            assert_eq!(shape(&format!("{p}{n}")), want, "{p}{n}");
+        }
+    }
+    assert_eq!(shape("model.norm.weight"), [288]);
+    assert_eq!(tensors.len(), 1 + 6 * 9 + 1, "tied: no lm_head.weight");
+    let cfg = model::load_config(&Ckb::embedded().unwrap(), &out).unwrap();
+    assert_eq!((cfg.hidden, cfg.head_dim, cfg.vocab, cfg.max_seq, cfg.tied), (288, 48, 32000, 256, true));
+
+    // The tokenizer covers all 32000 ids for HF tokenizers: text round-trips, every id decodes.
+    let tok = model::hf_tokenizer(&out).unwrap();
+    assert_eq!(tok.get_vocab_size(true), 32000);
+    let text = "Once upon a time, there was a little girl named Lily.";
+    let ids = model::hf_encode(&tok, text).unwrap();
+    assert_eq!(ids[0], 1, "BOS first");
+    assert!(ids.len() < text.len(), "merges apply: {ids:?}");
+    assert!(ids.iter().all(|&i| i < 32000));
+    assert_eq!(model::hf_decode(&tok, &ids).unwrap(), text);
+    let all: Vec<u32> = (3..32000).collect();
+    assert!(all.chunks(1000).all(|c| model::hf_decode(&tok, c).unwrap().chars().count() >= c.len()));
+
+    // Explicit sizes override the preset's.
+    let out = t.path().join("short");
+    let r = synth_cli(&out, &["--preset", "stories42m", "--family", "llama", "--layers", "1", "--max-seq", "64"]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let c: Value = serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
+    let got: Vec<u64> = keys.iter().map(|k| c[k].as_u64().unwrap()).collect();
+    assert_eq!(got, [512, 1, 8, 8, 1376, 32000, 64]);
+}
+
+#[test]
+fn synth_refuses_unknown_presets_conflicting_families_and_absurd_shapes_and_creates_nothing() {
+    let t = tempfile::tempdir().unwrap();
+    let out = t.path().join("x");
+    for (args, want) in [
+        (
+            &["--preset", "stories1b"][..],
+            "unknown preset `stories1b`; synth knows: stories15m, stories42m, stories110m",
+        ),
+        (
+            &["--preset", "stories15m", "--family", "qwen2"],
+            "--preset stories15m is a llama shape and conflicts with --family qwen2; drop --family or pass --family llama",
+        ),
+        (&["--preset", "stories15m", "--heads", "7", "--kv-heads", "7"], "--hidden 288 is not a multiple of --heads 7"),
+        (&["--preset", "stories15m", "--layers", "0"], "--layers 0 must be in 1..=64"),
+        (&["--preset", "stories15m", "--vocab", "0"], "--vocab 0 must be in 8..=262144"),
+        (
+            &["--preset", "stories110m", "--hidden", "6144", "--layers", "64"],
+            "the checkpoint would hold 12276996096 parameters, 49.11 GB of f32 weights, more than synth writes (2 GB); choose smaller --hidden, --layers, --intermediate or --vocab",
+        ),
+        (&[], "pass --family (llama, mistral, qwen2, qwen3, gemma) or --preset (stories15m, stories42m, stories110m)"),
+    ] {
+        let r = synth_cli(&out, args);
+        let stderr = String::from_utf8_lossy(&r.stderr);
+        assert_eq!(r.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(want), "{args:?}: {stderr}");
+        let left: Vec<_> = std::fs::read_dir(t.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert!(left.is_empty(), "{args:?} left {left:?}");
+    }
+}

@@ -163,3 +163,64 @@ fn demo_passes_every_gate_and_prints_the_golden_text() {
     let ledger = metainfer::ledger::Ledger::open(&t.path().join("ledger.sqlite")).unwrap();
     assert_eq!(ledger.count().unwrap(), 7);
 }
+
+/// A working copy of the shipped CKB in `dir` with `file` replaced by `text`.
+fn ckb_copy_with(dir: &Path, file: &str, text: &str) {
+    for (p, s) in metainfer::ckb::embedded_files() {
+        let path = dir.join(&p);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, if p == file { text.to_string() } else { s }).unwrap();
+    }
+}
+
+#[tokio::test]
+async fn serve_skips_an_invalid_contract_file_only_with_skip_invalid_and_every_plan_says_so() {
+    use tokio::io::AsyncReadExt;
+    let t = tempfile::tempdir().unwrap();
+    let ckb = t.path().join("ckb");
+    let broken = "policies/zero-reference.toml";
+    let shipped = metainfer::ckb::embedded_files().into_iter().find(|(p, _)| p == broken).unwrap().1;
+    ckb_copy_with(&ckb, broken, &shipped.replacen("version = 1", "version = \"one\"", 1));
+
+    // Without the flag: refused, naming the file and the field; nothing on stdout.
+    let out = std::process::Command::new(crate::bin())
+        .args(["serve", "--ckb"])
+        .arg(&ckb)
+        .env("METAINFER_LEDGER", t.path().join("ledger.sqlite"))
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains(broken) && stderr.contains("/version"), "{stderr}");
+    assert!(out.stdout.is_empty());
+
+    // With it: the server starts, logs the skipped file, and plan_engine lists it.
+    let mut cmd = tokio::process::Command::new(crate::bin());
+    cmd.arg("serve")
+        .arg("--ckb")
+        .arg(&ckb)
+        .arg("--skip-invalid")
+        .env("METAINFER_LEDGER", t.path().join("ledger.sqlite"))
+        .env("METAINFER_CACHE", crate::cache());
+    let (transport, stderr) = TokioChildProcess::builder(cmd).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let c: Client = ().serve(transport).await.unwrap();
+    let r = call(&c, "plan_engine", json!({"model": crate::babyllama()})).await;
+    assert_eq!(r.is_error, Some(false), "{:?}", r.content);
+    let v = r.structured_content.unwrap();
+    assert_eq!(v["covered"], true, "{v}");
+    let skipped = v["skipped_contracts"].as_array().unwrap();
+    assert_eq!(skipped.len(), 1, "{v}");
+    assert_eq!(skipped[0]["file"], broken);
+    let reason = skipped[0]["reason"].as_str().unwrap();
+    assert!(reason.starts_with("field `/version`:") && reason.contains("\"one\""), "{reason}");
+    let text = &r.content[0].as_text().unwrap().text;
+    assert!(text.contains(&format!("skipped invalid contract file {broken}: field `/version`")), "{text}");
+    c.cancel().await.unwrap();
+    let mut log = String::new();
+    tokio::time::timeout(std::time::Duration::from_secs(20), stderr.unwrap().read_to_string(&mut log))
+        .await
+        .expect("the server exits when the client is gone")
+        .unwrap();
+    assert!(log.contains(&format!("left out contract file {broken}: field `/version`")), "{log}");
+}
