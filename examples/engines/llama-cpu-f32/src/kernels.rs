@@ -1,28 +1,19 @@
 //! Phase 1: kernels. Every tensor is a flat row-major `f32` slice; shapes are given in the docs.
 //! The server's harness fills every output buffer with NaN before a call, so every element must be written.
 
+use crate::matmul;
+
 /// Embedding lookup. `table`: [vocab, dim]; `ids`: [n]; `out`: [n, dim]; out[i, :] = table[ids[i], :].
 pub fn embedding(table: &[f32], dim: usize, ids: &[u32], out: &mut [f32]) {
-    assert_eq!(
-        out.len(),
-        ids.len() * dim,
-        "embedding: out must be [n, dim]"
-    );
+    assert_eq!(out.len(), ids.len() * dim, "embedding: out must be [n, dim]");
     if dim == 0 {
         return;
     }
-    assert_eq!(
-        table.len() % dim,
-        0,
-        "embedding: table length is not a multiple of dim"
-    );
+    assert_eq!(table.len() % dim, 0, "embedding: table length is not a multiple of dim");
     let vocab = table.len() / dim;
     for (row, &id) in out.chunks_exact_mut(dim).zip(ids) {
         let id = id as usize;
-        assert!(
-            id < vocab,
-            "embedding: token id {id} out of range (vocab {vocab})"
-        );
+        assert!(id < vocab, "embedding: token id {id} out of range (vocab {vocab})");
         row.copy_from_slice(&table[id * dim..(id + 1) * dim]);
     }
 }
@@ -35,19 +26,50 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     if dim == 0 {
         return;
     }
-    assert_eq!(
-        x.len() % dim,
-        0,
-        "rms_norm: x length is not a multiple of dim"
+    assert_eq!(x.len() % dim, 0, "rms_norm: x length is not a multiple of dim");
+    matmul::vectorized(
+        #[inline(always)]
+        || {
+            for (xr, or) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
+                let inv = (1.0 / (sum_squares(xr) / dim as f64 + eps as f64).sqrt()) as f32;
+                for ((o, &v), &w) in or.iter_mut().zip(xr).zip(weight) {
+                    *o = v * inv * w;
+                }
+            }
+        },
     );
-    for (xr, or) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
-        let sum_sq: f64 = xr.iter().map(|&v| (v as f64) * (v as f64)).sum();
-        let inv = 1.0 / (sum_sq / dim as f64 + eps as f64).sqrt();
-        let inv = inv as f32;
-        for ((o, &v), &w) in or.iter_mut().zip(xr).zip(weight) {
-            *o = v * inv * w;
+}
+
+/// Sum of squares in f64 with 8 independent lanes, reduced by a halving tree.
+#[inline(always)]
+fn sum_squares(x: &[f32]) -> f64 {
+    const L: usize = 8;
+    let mut acc = [0.0f64; L];
+    let chunks = x.chunks_exact(L);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for l in 0..L {
+            acc[l] += c[l] as f64 * c[l] as f64;
         }
     }
+    for (l, &v) in tail.iter().enumerate() {
+        acc[l] += v as f64 * v as f64;
+    }
+    reduce_lanes(&mut acc)
+}
+
+/// Sum of the lanes by a halving tree (lane j + lane j + width, width = L/2, L/4, ..., 1).
+#[inline(always)]
+fn reduce_lanes<T: Copy + std::ops::AddAssign, const L: usize>(acc: &mut [T; L]) -> T {
+    let mut width = L / 2;
+    while width > 0 {
+        for l in 0..width {
+            let v = acc[l + width];
+            acc[l] += v;
+        }
+        width /= 2;
+    }
+    acc[0]
 }
 
 /// Rotary position embedding, rotate-half pairing (HF Llama), in place.
@@ -57,11 +79,7 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 pub fn rope(x: &mut [f32], positions: &[usize], n_heads: usize, head_dim: usize, theta: f32) {
     assert_eq!(head_dim % 2, 0, "rope: head_dim must be even");
     let token_len = n_heads * head_dim;
-    assert_eq!(
-        x.len(),
-        positions.len() * token_len,
-        "rope: x must be [n_tokens, n_heads, head_dim]"
-    );
+    assert_eq!(x.len(), positions.len() * token_len, "rope: x must be [n_tokens, n_heads, head_dim]");
     if token_len == 0 {
         return;
     }
@@ -69,10 +87,7 @@ pub fn rope(x: &mut [f32], positions: &[usize], n_heads: usize, head_dim: usize,
     let theta = theta as f64;
     for (tok, &pos) in x.chunks_exact_mut(token_len).zip(positions) {
         for j in 0..half {
-            // Angles are formed in f64 so that large positions keep their precision.
-            let freq = theta.powf(-((2 * j) as f64) / head_dim as f64);
-            let (sin, cos) = (pos as f64 * freq).sin_cos();
-            let (sin, cos) = (sin as f32, cos as f32);
+            let (cos, sin) = rope_cos_sin(pos, rope_freq(theta, j, head_dim));
             for head in tok.chunks_exact_mut(head_dim) {
                 let a = head[j];
                 let b = head[j + half];
@@ -83,73 +98,90 @@ pub fn rope(x: &mut [f32], positions: &[usize], n_heads: usize, head_dim: usize,
     }
 }
 
-/// Number of independent partial sums in [`dot`]; enough to let the compiler keep several SIMD
-/// registers busy without reassociating floating-point additions itself.
-const LANES: usize = 16;
-
-/// Dot product of two equally long slices with `LANES` independent accumulators.
+/// Rotary frequency of pair j: theta^(-2j / head_dim), in f64.
 #[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    debug_assert_eq!(a.len(), b.len());
-    let mut acc = [0.0f32; LANES];
-    let a_chunks = a.chunks_exact(LANES);
-    let b_chunks = b.chunks_exact(LANES);
-    let a_tail = a_chunks.remainder();
-    let b_tail = b_chunks.remainder();
-    for (ca, cb) in a_chunks.zip(b_chunks) {
-        for l in 0..LANES {
-            acc[l] += ca[l] * cb[l];
+pub(crate) fn rope_freq(theta: f64, j: usize, head_dim: usize) -> f64 {
+    theta.powf(-((2 * j) as f64) / head_dim as f64)
+}
+
+/// (cos, sin) of the rotary angle pos * freq, formed in f64 so that large positions keep their
+/// precision, rounded to f32.
+#[inline]
+pub(crate) fn rope_cos_sin(pos: usize, freq: f64) -> (f32, f32) {
+    let (sin, cos) = (pos as f64 * freq).sin_cos();
+    (cos as f32, sin as f32)
+}
+
+/// Rotate one token in place with precomputed angles, exactly as [`rope`] does.
+/// `tok`: [n_heads, head_dim]; `cos`, `sin`: [head_dim / 2].
+pub(crate) fn rope_apply(tok: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32]) {
+    let half = head_dim / 2;
+    for head in tok.chunks_exact_mut(head_dim) {
+        let (lo, hi) = head.split_at_mut(half);
+        for (((a, b), &c), &s) in lo.iter_mut().zip(hi.iter_mut()).zip(cos).zip(sin) {
+            let (va, vb) = (*a, *b);
+            *a = va * c - vb * s;
+            *b = va * s + vb * c;
         }
     }
-    let mut tail = 0.0f32;
-    for (&x, &y) in a_tail.iter().zip(b_tail) {
-        tail += x * y;
-    }
-    // Pairwise reduction of the partial sums.
-    let mut width = LANES / 2;
-    while width > 0 {
-        for l in 0..width {
-            acc[l] += acc[l + width];
-        }
-        width /= 2;
-    }
-    acc[0] + tail
 }
 
 /// Linear layer without bias: y = x W^T. `x`: [m, k]; `w`: [n, k] (PyTorch nn.Linear layout); `out`: [m, n].
+/// f32 accumulation; AVX-512F or AVX2+FMA kernels when the CPU has them, rows of W split across the
+/// rayon pool for large matrices.
 pub fn linear(x: &[f32], w: &[f32], m: usize, k: usize, n: usize, out: &mut [f32]) {
-    assert_eq!(x.len(), m * k, "linear: x must be [m, k]");
-    assert_eq!(w.len(), n * k, "linear: w must be [n, k]");
-    assert_eq!(out.len(), m * n, "linear: out must be [m, n]");
-    if k == 0 {
-        out.fill(0.0);
-        return;
-    }
-    if n == 0 {
-        return;
-    }
-    for (xr, yr) in x.chunks_exact(k).zip(out.chunks_exact_mut(n)) {
-        for (y, wr) in yr.iter_mut().zip(w.chunks_exact(k)) {
-            *y = dot(xr, wr);
-        }
-    }
+    matmul::linear::<matmul::F32>(matmul::detected(), x, w, &[], m, k, n, out);
+}
+
+/// y = x W^T with W given as bf16 bit patterns. `x`: [m, k]; `w`: [n, k] (u16 bf16 bits);
+/// `out`: [m, n]. Each weight widens exactly to f32; f32 accumulation.
+pub fn linear_bf16(x: &[f32], w: &[u16], m: usize, k: usize, n: usize, out: &mut [f32]) {
+    matmul::linear::<matmul::Bf16>(matmul::detected(), x, w, &[], m, k, n, out);
+}
+
+/// y = x W^T with W given as IEEE binary16 bit patterns. `x`: [m, k]; `w`: [n, k] (u16 f16 bits);
+/// `out`: [m, n]. Each weight widens exactly to f32; f32 accumulation.
+pub fn linear_f16(x: &[f32], w: &[u16], m: usize, k: usize, n: usize, out: &mut [f32]) {
+    matmul::linear::<matmul::F16>(matmul::detected(), x, w, &[], m, k, n, out);
+}
+
+/// Weight-only int8 linear layer: out[i, o] = scales[o] * sum_c x[i, c] * (w[o, c] as f32).
+/// `x`: [m, k]; `w`: [n, k] i8; `scales`: [n] f32 (one per output row); `out`: [m, n]. f32 accumulation.
+pub fn linear_int8(x: &[f32], w: &[i8], scales: &[f32], m: usize, k: usize, n: usize, out: &mut [f32]) {
+    matmul::linear::<matmul::I8>(matmul::detected(), x, w, scales, m, k, n, out);
 }
 
 /// SwiGLU activation: out[i] = silu(gate[i]) * up[i], silu(g) = g / (1 + exp(-g)). All: [len].
 pub fn silu_and_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    assert_eq!(
-        gate.len(),
-        out.len(),
-        "silu_and_mul: gate and out differ in length"
+    assert_eq!(gate.len(), out.len(), "silu_and_mul: gate and out differ in length");
+    assert_eq!(up.len(), out.len(), "silu_and_mul: up and out differ in length");
+    matmul::vectorized(
+        #[inline(always)]
+        || {
+            for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+                *o = g / (1.0 + exp(-g)) * u;
+            }
+        },
     );
-    assert_eq!(
-        up.len(),
-        out.len(),
-        "silu_and_mul: up and out differ in length"
-    );
-    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-        *o = g / (1.0 + (-g).exp()) * u;
-    }
+}
+
+/// e^x in f32 within about 2 ulp, written to vectorise: x = n ln2 + r with |r| <= ln2 / 2,
+/// e^r by a degree-7 polynomial (Cephes expf), times 2^n built from its bits. Inputs are clamped to
+/// [-87.33, 88] so that 2^n stays a normal number: below, the result is about 1.2e-38 instead of
+/// smaller; above, about 1.65e38 instead of larger. NaN stays NaN.
+#[inline(always)]
+pub(crate) fn exp(x: f32) -> f32 {
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer.
+    const ROUND: f32 = 12_582_912.0;
+    let x = x.clamp(-87.33, 88.0);
+    let n = (x * std::f32::consts::LOG2_E + ROUND) - ROUND;
+    let r = (x - n * LN2_HI) - n * LN2_LO;
+    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r + 0.166_666_65) * r
+        + 0.5;
+    let y = p * (r * r) + r + 1.0;
+    y * f32::from_bits(((n as i32 + 127) as u32) << 23)
 }
 
 /// Numerically stable softmax over each row, in place. `x`: [rows, n].
@@ -159,22 +191,93 @@ pub fn softmax(x: &mut [f32], n: usize) {
         return;
     }
     assert_eq!(x.len() % n, 0, "softmax: x length is not a multiple of n");
-    for row in x.chunks_exact_mut(n) {
-        softmax_row(row);
-    }
+    matmul::vectorized(
+        #[inline(always)]
+        || {
+            for row in x.chunks_exact_mut(n) {
+                softmax_row(row);
+            }
+        },
+    );
 }
 
+/// Softmax of one row in place: max, exponentials, a 16-lane sum, one scale.
+#[inline(always)]
 fn softmax_row(row: &mut [f32]) {
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0f32;
+    let max = max(row);
     for v in row.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
+        *v = exp(*v - max);
     }
-    let inv = 1.0 / sum;
+    let inv = 1.0 / sum(row);
     for v in row.iter_mut() {
         *v *= inv;
     }
+}
+
+/// out[c] = sum_t weights[t] * rows[t * stride + c] for c < out.len(), with even and odd t
+/// accumulated separately and added at the end.
+#[inline(always)]
+fn weighted_rows<O: AsMut<[f32]> + ?Sized>(weights: &[f32], rows: &[f32], stride: usize, out: &mut O) {
+    let out = out.as_mut();
+    let w = out.len();
+    let mut even = [0.0f32; 16];
+    let mut odd = [0.0f32; 16];
+    let (even, odd) = (&mut even[..w], &mut odd[..w]);
+    let pairs = weights.chunks_exact(2);
+    let last = pairs.remainder();
+    for (p, pair) in pairs.enumerate() {
+        let r0 = &rows[2 * p * stride..][..w];
+        let r1 = &rows[(2 * p + 1) * stride..][..w];
+        for c in 0..w {
+            even[c] += pair[0] * r0[c];
+            odd[c] += pair[1] * r1[c];
+        }
+    }
+    if let [wl] = last {
+        let r = &rows[(weights.len() - 1) * stride..][..w];
+        for c in 0..w {
+            even[c] += wl * r[c];
+        }
+    }
+    for c in 0..w {
+        out[c] = even[c] + odd[c];
+    }
+}
+
+/// Largest element (NaN is skipped; -inf for an empty or all-NaN row), with 16 independent lanes.
+#[inline(always)]
+fn max(x: &[f32]) -> f32 {
+    const L: usize = 16;
+    let mut acc = [f32::NEG_INFINITY; L];
+    let chunks = x.chunks_exact(L);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for l in 0..L {
+            acc[l] = if c[l] > acc[l] { c[l] } else { acc[l] };
+        }
+    }
+    for (l, &v) in tail.iter().enumerate() {
+        acc[l] = if v > acc[l] { v } else { acc[l] };
+    }
+    acc.iter().fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
+}
+
+/// Sum with 16 independent lanes, reduced by a halving tree.
+#[inline(always)]
+fn sum(x: &[f32]) -> f32 {
+    const L: usize = 16;
+    let mut acc = [0.0f32; L];
+    let chunks = x.chunks_exact(L);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for l in 0..L {
+            acc[l] += c[l];
+        }
+    }
+    for (l, &v) in tail.iter().enumerate() {
+        acc[l] += v;
+    }
+    reduce_lanes(&mut acc)
 }
 
 /// Causal grouped-query attention of `n_q` new query tokens over a KV cache of `kv_len` positions.
@@ -194,18 +297,7 @@ pub fn attention(
     out: &mut [f32],
 ) {
     let mut scores = vec![0.0f32; kv_len];
-    attention_with_scratch(
-        q,
-        k_cache,
-        v_cache,
-        n_q,
-        kv_len,
-        n_heads,
-        n_kv_heads,
-        head_dim,
-        out,
-        &mut scores,
-    );
+    attention_with_scratch(q, k_cache, v_cache, n_q, kv_len, n_heads, n_kv_heads, head_dim, out, &mut scores);
 }
 
 /// [`attention`] with a caller-provided score buffer of at least `kv_len` elements, so the model's
@@ -223,66 +315,53 @@ pub(crate) fn attention_with_scratch(
     out: &mut [f32],
     scores: &mut [f32],
 ) {
-    assert!(
-        n_q <= kv_len,
-        "attention: n_q ({n_q}) exceeds kv_len ({kv_len})"
-    );
+    assert!(n_q <= kv_len, "attention: n_q ({n_q}) exceeds kv_len ({kv_len})");
     assert!(
         n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads),
         "attention: n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})"
     );
     let q_stride = n_heads * head_dim;
     let kv_stride = n_kv_heads * head_dim;
-    assert_eq!(
-        q.len(),
-        n_q * q_stride,
-        "attention: q must be [n_q, n_heads, head_dim]"
-    );
-    assert_eq!(
-        out.len(),
-        n_q * q_stride,
-        "attention: out must be [n_q, n_heads, head_dim]"
-    );
-    assert!(
-        k_cache.len() >= kv_len * kv_stride,
-        "attention: k_cache shorter than kv_len"
-    );
-    assert!(
-        v_cache.len() >= kv_len * kv_stride,
-        "attention: v_cache shorter than kv_len"
-    );
-    assert!(
-        scores.len() >= kv_len,
-        "attention: score scratch shorter than kv_len"
-    );
+    assert_eq!(q.len(), n_q * q_stride, "attention: q must be [n_q, n_heads, head_dim]");
+    assert_eq!(out.len(), n_q * q_stride, "attention: out must be [n_q, n_heads, head_dim]");
+    assert!(k_cache.len() >= kv_len * kv_stride, "attention: k_cache shorter than kv_len");
+    assert!(v_cache.len() >= kv_len * kv_stride, "attention: v_cache shorter than kv_len");
+    assert!(scores.len() >= kv_len, "attention: score scratch shorter than kv_len");
     if head_dim == 0 {
         return;
     }
     let group = n_heads / n_kv_heads;
     let scale = 1.0 / (head_dim as f32).sqrt();
-    for i in 0..n_q {
-        let p = kv_len - n_q + i;
-        let span = p + 1;
-        for h in 0..n_heads {
-            let kvh = h / group;
-            let q_off = i * q_stride + h * head_dim;
-            let qh = &q[q_off..q_off + head_dim];
-            let sc = &mut scores[..span];
-            for (t, s) in sc.iter_mut().enumerate() {
-                let k_off = t * kv_stride + kvh * head_dim;
-                *s = dot(qh, &k_cache[k_off..k_off + head_dim]) * scale;
-            }
-            softmax_row(sc);
-            let oh = &mut out[q_off..q_off + head_dim];
-            oh.fill(0.0);
-            for (t, &wgt) in sc.iter().enumerate() {
-                let v_off = t * kv_stride + kvh * head_dim;
-                for (o, &v) in oh.iter_mut().zip(&v_cache[v_off..v_off + head_dim]) {
-                    *o += wgt * v;
+    matmul::vectorized(
+        #[inline(always)]
+        || {
+            for i in 0..n_q {
+                let span = kv_len - n_q + i + 1;
+                for h in 0..n_heads {
+                    let kvh = h / group;
+                    let q_off = i * q_stride + h * head_dim;
+                    let qh = &q[q_off..q_off + head_dim];
+                    let sc = &mut scores[..span];
+                    matmul::dots(qh, &k_cache[kvh * head_dim..], kv_stride, sc);
+                    for s in sc.iter_mut() {
+                        *s *= scale;
+                    }
+                    softmax_row(sc);
+                    let v_head = &v_cache[kvh * head_dim..];
+                    let oh = &mut out[q_off..q_off + head_dim];
+                    for (b, ob) in oh.chunks_mut(16).enumerate() {
+                        let rows = &v_head[b * 16..];
+                        if ob.len() == 16 {
+                            let ob: &mut [f32; 16] = ob.try_into().expect("16 elements");
+                            weighted_rows(sc, rows, kv_stride, ob);
+                        } else {
+                            weighted_rows(sc, rows, kv_stride, ob);
+                        }
+                    }
                 }
             }
-        }
-    }
+        },
+    );
 }
 
 /// Index of the largest element; the first one on ties. `x`: [n], n >= 1.
@@ -298,4 +377,43 @@ pub fn argmax(x: &[f32]) -> usize {
         }
     }
     best
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_is_within_two_ulp() {
+        let mut worst = 0.0f64;
+        let mut x = -87.0f32;
+        while x < 88.0 {
+            let want = (x as f64).exp();
+            let rel = ((exp(x) as f64 - want) / want).abs();
+            worst = worst.max(rel);
+            x += 0.001_7;
+        }
+        assert!(worst < 2.5e-7, "largest relative error {worst:e}");
+        assert_eq!(exp(0.0), 1.0);
+        assert!(exp(-1000.0) < 1.3e-38 && exp(-1000.0) >= 0.0);
+        assert!(exp(f32::NEG_INFINITY) < 1.3e-38);
+        assert!(exp(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn softmax_and_attention_rows_agree_with_f64() {
+        let row: Vec<f32> = (0..37).map(|i| ((i * 17 % 11) as f32 - 5.0) * 0.7).collect();
+        let mut got = row.clone();
+        softmax(&mut got, row.len());
+        let max = row.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(v as f64));
+        let total: f64 = row.iter().map(|&v| (v as f64 - max).exp()).sum();
+        for (&g, &v) in got.iter().zip(&row) {
+            let want = (v as f64 - max).exp() / total;
+            assert!((g as f64 - want).abs() <= 1e-6 + 1e-5 * want);
+        }
+        let mut out = [f32::NAN; 3];
+        silu_and_mul(&[-100.0, 0.0, 2.0], &[1.0, 5.0, 3.0], &mut out);
+        assert!(out[0].abs() < 1e-30 && out[1] == 0.0);
+        assert!((out[2] as f64 - 2.0 / (1.0 + (-2.0f64).exp()) * 3.0).abs() < 1e-6);
+    }
 }

@@ -1,6 +1,22 @@
-//! A small Llama-family inference engine: f32 on the CPU, Hugging Face checkpoint layout
-//! (`config.json`, `model.safetensors`, `tokenizer.json`), greedy decoding with a KV cache.
+//! A Llama-family inference engine on the CPU: Hugging Face checkpoint layout (`config.json`,
+//! `model.safetensors`, `tokenizer.json`), greedy decoding with a KV cache.
+//!
+//! Weight matrices are stored as f32 by default, or as bf16, f16 or int8 (symmetric, one scale per
+//! output row) with the cargo feature of that name; activations, accumulation and the KV cache are
+//! f32 in every variant. Matrix products use AVX-512F or AVX2+FMA kernels chosen at run time and
+//! split their rows across the rayon pool (RAYON_NUM_THREADS threads).
+
+#[cfg(any(
+    all(feature = "bf16", feature = "f16"),
+    all(feature = "bf16", feature = "int8"),
+    all(feature = "f16", feature = "int8"),
+))]
+compile_error!("enable at most one of the features bf16, f16 and int8");
+
 pub mod generate;
 pub mod kernels;
+mod matmul;
 pub mod model;
+pub mod quant;
 pub mod tokenizer;
+mod weights;

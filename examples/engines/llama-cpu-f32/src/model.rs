@@ -1,10 +1,13 @@
 //! Phases 2-4: weight loading, one decoder layer, full forward with a KV cache.
 use std::path::Path;
+use std::sync::Arc;
 
-use safetensors::{Dtype, SafeTensors};
+use memmap2::Mmap;
+use safetensors::SafeTensors;
 use serde::Deserialize;
 
 use crate::kernels;
+use crate::weights::{self, Matrix};
 
 /// The subset of a Hugging Face `LlamaConfig` this engine reads.
 #[derive(Deserialize)]
@@ -64,22 +67,15 @@ impl Config {
             }
         };
         if head_dim == 0 || head_dim % 2 != 0 {
-            return Err(format!(
-                "config.json: head_dim ({head_dim}) must be even and positive"
-            ));
+            return Err(format!("config.json: head_dim ({head_dim}) must be even and positive"));
         }
         if raw.vocab_size == 0 || raw.hidden_size == 0 || raw.max_position_embeddings == 0 {
-            return Err(
-                "config.json: vocab_size, hidden_size and max_position_embeddings must be positive"
-                    .into(),
-            );
+            return Err("config.json: vocab_size, hidden_size and max_position_embeddings must be positive".into());
         }
         if let Some(act) = &raw.hidden_act
             && act != "silu"
         {
-            return Err(format!(
-                "config.json: unsupported hidden_act {act:?} (only \"silu\")"
-            ));
+            return Err(format!("config.json: unsupported hidden_act {act:?} (only \"silu\")"));
         }
         // A JSON null deserialises to None.
         if let Some(scaling) = &raw.rope_scaling {
@@ -115,43 +111,51 @@ impl Config {
     }
 }
 
+/// Tokens run together in one pass of [`Model::prefill`]; scratch buffers hold this many rows.
+const PREFILL_CHUNK: usize = 32;
+
 /// Weights and KV cache of one decoder layer.
 struct Layer {
     attn_norm: Vec<f32>,
-    wq: Vec<f32>,
-    wk: Vec<f32>,
-    wv: Vec<f32>,
-    wo: Vec<f32>,
+    wq: Matrix,
+    wk: Matrix,
+    wv: Matrix,
+    wo: Matrix,
     ffn_norm: Vec<f32>,
-    w_gate: Vec<f32>,
-    w_up: Vec<f32>,
-    w_down: Vec<f32>,
+    w_gate: Matrix,
+    w_up: Matrix,
+    w_down: Matrix,
     /// [max_seq, n_kv_heads, head_dim]
     k_cache: Vec<f32>,
     /// [max_seq, n_kv_heads, head_dim]
     v_cache: Vec<f32>,
 }
 
-/// Buffers reused by every forward step, so the hot path never allocates.
+/// Buffers reused by every forward step, so the hot path never allocates. Row-major with up to
+/// `PREFILL_CHUNK` rows (one per token).
 struct Scratch {
-    /// Residual stream [hidden].
+    /// Residual stream [rows, hidden].
     x: Vec<f32>,
-    /// Normalised activations [hidden].
+    /// Normalised activations [rows, hidden].
     h: Vec<f32>,
-    /// Queries [n_heads * head_dim].
+    /// Queries [rows, n_heads * head_dim].
     q: Vec<f32>,
-    /// Attention output [n_heads * head_dim].
+    /// Attention output [rows, n_heads * head_dim].
     att: Vec<f32>,
     /// Attention scores [max_seq].
     scores: Vec<f32>,
-    /// Projection back to the residual width [hidden].
+    /// Projection back to the residual width [rows, hidden].
     proj: Vec<f32>,
-    /// MLP gate [intermediate].
+    /// MLP gate [rows, intermediate].
     gate: Vec<f32>,
-    /// MLP up [intermediate].
+    /// MLP up [rows, intermediate].
     up: Vec<f32>,
-    /// SwiGLU output [intermediate].
+    /// SwiGLU output [rows, intermediate].
     act: Vec<f32>,
+    /// Rotary cos [rows, head_dim / 2].
+    cos: Vec<f32>,
+    /// Rotary sin [rows, head_dim / 2].
+    sin: Vec<f32>,
     /// Output logits [vocab].
     logits: Vec<f32>,
 }
@@ -159,149 +163,92 @@ struct Scratch {
 /// A loaded Llama-family model with its KV cache.
 pub struct Model {
     cfg: Config,
+    /// The checkpoint file, mapped; weight matrices may view into it.
+    _map: Arc<Mmap>,
     /// [vocab, hidden]
-    embed: Vec<f32>,
+    embed: Matrix,
     /// [hidden]
     final_norm: Vec<f32>,
     /// [vocab, hidden]; `None` means the output projection is tied to `embed`.
-    lm_head: Option<Vec<f32>>,
+    lm_head: Option<Matrix>,
     layers: Vec<Layer>,
+    /// Rotary frequencies theta^(-2j / head_dim) [head_dim / 2].
+    rope_freq: Vec<f64>,
     scratch: Scratch,
     /// One past the highest cache position written since the last reset.
     cache_filled: usize,
 }
 
-/// Convert an IEEE half-precision bit pattern to f32.
-fn f16_to_f32(bits: u16) -> f32 {
-    let sign = ((bits >> 15) as u32) << 31;
-    let exp = ((bits >> 10) & 0x1f) as u32;
-    let mant = (bits & 0x3ff) as u32;
-    let out = if exp == 0 {
-        if mant == 0 {
-            sign
-        } else {
-            // Subnormal half: value = mant * 2^-24, exactly representable in f32.
-            let v = mant as f32 * (1.0 / 16_777_216.0);
-            return if sign != 0 { -v } else { v };
-        }
-    } else if exp == 0x1f {
-        sign | 0x7f80_0000 | (mant << 13)
-    } else {
-        sign | ((exp + 127 - 15) << 23) | (mant << 13)
-    };
-    f32::from_bits(out)
-}
-
-/// Read tensor `name` from the checkpoint as f32, checking its shape.
-fn load_tensor(st: &SafeTensors, name: &str, shape: &[usize]) -> Result<Vec<f32>, String> {
-    let view = st
-        .tensor(name)
-        .map_err(|_| format!("model.safetensors: missing tensor {name}"))?;
-    if view.shape() != shape {
-        return Err(format!(
-            "model.safetensors: tensor {name} has shape {:?}, expected {:?}",
-            view.shape(),
-            shape
-        ));
-    }
-    let data = view.data();
-    let out: Vec<f32> = match view.dtype() {
-        Dtype::F32 => data
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-        Dtype::BF16 => data
-            .chunks_exact(2)
-            .map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16))
-            .collect(),
-        Dtype::F16 => data
-            .chunks_exact(2)
-            .map(|b| f16_to_f32(u16::from_le_bytes([b[0], b[1]])))
-            .collect(),
-        other => {
-            return Err(format!(
-                "model.safetensors: tensor {name} has unsupported dtype {other:?} (F32, BF16 or F16 expected)"
-            ));
-        }
-    };
-    let expected: usize = shape.iter().product();
-    if out.len() != expected {
-        return Err(format!(
-            "model.safetensors: tensor {name} holds {} values, expected {expected}",
-            out.len()
-        ));
-    }
-    Ok(out)
-}
-
 impl Model {
     /// Load `config.json` and `model.safetensors` from an HF model directory. Errors name the missing file/tensor.
+    ///
+    /// Weight matrices are stored in this build's format (f32 by default; bf16, f16 or int8 with
+    /// the cargo feature of that name) and view the memory-mapped file directly when it already
+    /// holds that format; 1-D tensors are f32.
     pub fn load(dir: &Path) -> Result<Model, String> {
         let cfg_path = dir.join("config.json");
-        let cfg_text = std::fs::read_to_string(&cfg_path)
-            .map_err(|e| format!("cannot read {}: {e}", cfg_path.display()))?;
-        let raw: RawConfig = serde_json::from_str(&cfg_text)
-            .map_err(|e| format!("cannot parse {}: {e}", cfg_path.display()))?;
+        let cfg_text =
+            std::fs::read_to_string(&cfg_path).map_err(|e| format!("cannot read {}: {e}", cfg_path.display()))?;
+        let raw: RawConfig =
+            serde_json::from_str(&cfg_text).map_err(|e| format!("cannot parse {}: {e}", cfg_path.display()))?;
         let cfg = Config::from_raw(raw)?;
 
         let st_path = dir.join("model.safetensors");
-        let bytes = std::fs::read(&st_path)
-            .map_err(|e| format!("cannot read {}: {e}", st_path.display()))?;
-        let st = SafeTensors::deserialize(&bytes)
-            .map_err(|e| format!("cannot parse {}: {e}", st_path.display()))?;
+        let file = std::fs::File::open(&st_path).map_err(|e| format!("cannot read {}: {e}", st_path.display()))?;
+        // SAFETY: the checkpoint is opened read-only and is not expected to change while the
+        // model is alive; the mapping is kept alive by every tensor that views it.
+        let map = unsafe { Mmap::map(&file) }.map_err(|e| format!("cannot map {}: {e}", st_path.display()))?;
+        let map = Arc::new(map);
+        let st = SafeTensors::deserialize(&map[..]).map_err(|e| format!("cannot parse {}: {e}", st_path.display()))?;
 
         let (d, qd, kvd, ff) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate);
-        let embed = load_tensor(&st, "model.embed_tokens.weight", &[cfg.vocab, d])?;
-        let final_norm = load_tensor(&st, "model.norm.weight", &[d])?;
+        let matrix = |name: &str, rows: usize, cols: usize| Matrix::load(&map, &st, name, rows, cols);
+        let embed = matrix("model.embed_tokens.weight", cfg.vocab, d)?;
+        let final_norm = weights::vector(&st, "model.norm.weight", d)?;
         let has_head = st.names().contains(&"lm_head.weight");
-        let lm_head = if !cfg.tie_embeddings && has_head {
-            Some(load_tensor(&st, "lm_head.weight", &[cfg.vocab, d])?)
-        } else {
-            None
-        };
+        let lm_head =
+            if !cfg.tie_embeddings && has_head { Some(matrix("lm_head.weight", cfg.vocab, d)?) } else { None };
 
         let cache_len = cfg.max_seq * kvd;
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for i in 0..cfg.n_layers {
             let p = format!("model.layers.{i}");
             layers.push(Layer {
-                attn_norm: load_tensor(&st, &format!("{p}.input_layernorm.weight"), &[d])?,
-                wq: load_tensor(&st, &format!("{p}.self_attn.q_proj.weight"), &[qd, d])?,
-                wk: load_tensor(&st, &format!("{p}.self_attn.k_proj.weight"), &[kvd, d])?,
-                wv: load_tensor(&st, &format!("{p}.self_attn.v_proj.weight"), &[kvd, d])?,
-                wo: load_tensor(&st, &format!("{p}.self_attn.o_proj.weight"), &[d, qd])?,
-                ffn_norm: load_tensor(&st, &format!("{p}.post_attention_layernorm.weight"), &[d])?,
-                w_gate: load_tensor(&st, &format!("{p}.mlp.gate_proj.weight"), &[ff, d])?,
-                w_up: load_tensor(&st, &format!("{p}.mlp.up_proj.weight"), &[ff, d])?,
-                w_down: load_tensor(&st, &format!("{p}.mlp.down_proj.weight"), &[d, ff])?,
+                attn_norm: weights::vector(&st, &format!("{p}.input_layernorm.weight"), d)?,
+                wq: matrix(&format!("{p}.self_attn.q_proj.weight"), qd, d)?,
+                wk: matrix(&format!("{p}.self_attn.k_proj.weight"), kvd, d)?,
+                wv: matrix(&format!("{p}.self_attn.v_proj.weight"), kvd, d)?,
+                wo: matrix(&format!("{p}.self_attn.o_proj.weight"), d, qd)?,
+                ffn_norm: weights::vector(&st, &format!("{p}.post_attention_layernorm.weight"), d)?,
+                w_gate: matrix(&format!("{p}.mlp.gate_proj.weight"), ff, d)?,
+                w_up: matrix(&format!("{p}.mlp.up_proj.weight"), ff, d)?,
+                w_down: matrix(&format!("{p}.mlp.down_proj.weight"), d, ff)?,
                 // Zeroed allocations are lazily backed by the OS, so a long context costs
                 // memory only for the positions actually used.
                 k_cache: vec![0.0; cache_len],
                 v_cache: vec![0.0; cache_len],
             });
         }
+        drop(st);
 
+        let half = cfg.head_dim / 2;
+        let rope_freq = (0..half).map(|j| kernels::rope_freq(cfg.theta as f64, j, cfg.head_dim)).collect();
+        let rows = PREFILL_CHUNK;
         let scratch = Scratch {
-            x: vec![0.0; d],
-            h: vec![0.0; d],
-            q: vec![0.0; qd],
-            att: vec![0.0; qd],
+            x: vec![0.0; rows * d],
+            h: vec![0.0; rows * d],
+            q: vec![0.0; rows * qd],
+            att: vec![0.0; rows * qd],
             scores: vec![0.0; cfg.max_seq],
-            proj: vec![0.0; d],
-            gate: vec![0.0; ff],
-            up: vec![0.0; ff],
-            act: vec![0.0; ff],
+            proj: vec![0.0; rows * d],
+            gate: vec![0.0; rows * ff],
+            up: vec![0.0; rows * ff],
+            act: vec![0.0; rows * ff],
+            cos: vec![0.0; rows * half],
+            sin: vec![0.0; rows * half],
             logits: vec![0.0; cfg.vocab],
         };
-        Ok(Model {
-            cfg,
-            embed,
-            final_norm,
-            lm_head,
-            layers,
-            scratch,
-            cache_filled: 0,
-        })
+        Ok(Model { cfg, _map: map, embed, final_norm, lm_head, layers, rope_freq, scratch, cache_filled: 0 })
     }
 
     /// Vocabulary size (length of the logits vector).
@@ -328,85 +275,124 @@ impl Model {
     /// Run tokens at positions start_pos..start_pos+tokens.len(), writing their K/V into the cache;
     /// return the logits [vocab] of the last token.
     ///
-    /// Tokens are run one at a time, so the result is bit-identical to calling [`Model::forward`]
-    /// for each token; only the last token's output projection is computed. With an empty `tokens`
-    /// the cache is untouched and the logits buffer is returned as it stands.
+    /// Tokens are run in chunks of up to 32, each weight matrix applied to a whole chunk at once;
+    /// every value is computed exactly as [`Model::forward`] would compute it for that token, so
+    /// the result is bit-identical to calling it for each token. Only the last token's output
+    /// projection is computed. With an empty `tokens` the cache is untouched and the logits buffer
+    /// is returned as it stands.
     pub fn prefill(&mut self, tokens: &[u32], start_pos: usize) -> &[f32] {
         let n = tokens.len();
-        for (i, &tok) in tokens.iter().enumerate() {
-            self.step(tok, start_pos + i, i + 1 == n);
+        let mut done = 0;
+        while done < n {
+            let take = (n - done).min(PREFILL_CHUNK);
+            let last = done + take == n;
+            self.run(&tokens[done..done + take], start_pos + done, last);
+            done += take;
         }
         &self.scratch.logits
     }
 
     /// Run one token at position `pos` (cache holds 0..pos), write its K/V at `pos`; return logits [vocab].
     pub fn forward(&mut self, token: u32, pos: usize) -> &[f32] {
-        self.step(token, pos, true);
+        self.run(&[token], pos, true);
         &self.scratch.logits
     }
 
-    /// One decoder pass for `token` at `pos`; computes logits only when `want_logits`.
-    fn step(&mut self, token: u32, pos: usize, want_logits: bool) {
+    /// One decoder pass over `tokens` (at most `PREFILL_CHUNK`) at positions start..; computes the
+    /// last token's logits only when `want_logits`. With more than one thread in the rayon pool the
+    /// pass runs on a pool thread, so that its parallel products start without a cross-pool wake-up.
+    fn run(&mut self, tokens: &[u32], start: usize, want_logits: bool) {
+        if rayon::current_num_threads() > 1 {
+            rayon::scope(|_| self.step(tokens, start, want_logits));
+        } else {
+            self.step(tokens, start, want_logits);
+        }
+    }
+
+    fn step(&mut self, tokens: &[u32], start: usize, want_logits: bool) {
         let cfg = &self.cfg;
+        let rows = tokens.len();
+        assert!(rows <= PREFILL_CHUNK, "at most {PREFILL_CHUNK} tokens per step");
         assert!(
-            pos < cfg.max_seq,
-            "position {pos} is outside the KV cache (max_seq_len {})",
+            start + rows <= cfg.max_seq,
+            "position {} is outside the KV cache (max_seq_len {})",
+            start + rows - 1,
             cfg.max_seq
         );
-        assert!(
-            (token as usize) < cfg.vocab,
-            "token id {token} is outside the vocabulary ({})",
-            cfg.vocab
-        );
+        for &token in tokens {
+            assert!((token as usize) < cfg.vocab, "token id {token} is outside the vocabulary ({})", cfg.vocab);
+        }
         let (d, qd, kvd, ff) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate);
+        let (hd, half) = (cfg.head_dim, cfg.head_dim / 2);
         let s = &mut self.scratch;
-        let positions = [pos];
+        let x = &mut s.x[..rows * d];
+        let h = &mut s.h[..rows * d];
+        let q = &mut s.q[..rows * qd];
+        let att = &mut s.att[..rows * qd];
+        let proj = &mut s.proj[..rows * d];
+        let gate = &mut s.gate[..rows * ff];
+        let up = &mut s.up[..rows * ff];
+        let act = &mut s.act[..rows * ff];
+        let cos = &mut s.cos[..rows * half];
+        let sin = &mut s.sin[..rows * half];
 
-        kernels::embedding(&self.embed, d, &[token], &mut s.x);
+        for (i, &token) in tokens.iter().enumerate() {
+            self.embed.row_into(token as usize, &mut x[i * d..(i + 1) * d]);
+            let (c, sn) = (&mut cos[i * half..(i + 1) * half], &mut sin[i * half..(i + 1) * half]);
+            for ((c, sn), &f) in c.iter_mut().zip(sn.iter_mut()).zip(&self.rope_freq) {
+                (*c, *sn) = kernels::rope_cos_sin(start + i, f);
+            }
+        }
+        let kv_len = start + rows;
         for layer in &mut self.layers {
             // Attention block.
-            kernels::rms_norm(&s.x, &layer.attn_norm, cfg.eps, &mut s.h);
-            kernels::linear(&s.h, &layer.wq, 1, d, qd, &mut s.q);
-            let k_row = &mut layer.k_cache[pos * kvd..(pos + 1) * kvd];
-            kernels::linear(&s.h, &layer.wk, 1, d, kvd, k_row);
-            kernels::rope(k_row, &positions, cfg.n_kv_heads, cfg.head_dim, cfg.theta);
-            let v_row = &mut layer.v_cache[pos * kvd..(pos + 1) * kvd];
-            kernels::linear(&s.h, &layer.wv, 1, d, kvd, v_row);
-            kernels::rope(&mut s.q, &positions, cfg.n_heads, cfg.head_dim, cfg.theta);
-            let kv_len = pos + 1;
+            kernels::rms_norm(x, &layer.attn_norm, cfg.eps, h);
+            layer.wq.linear(h, rows, q);
+            let k_rows = &mut layer.k_cache[start * kvd..kv_len * kvd];
+            layer.wk.linear(h, rows, k_rows);
+            let v_rows = &mut layer.v_cache[start * kvd..kv_len * kvd];
+            layer.wv.linear(h, rows, v_rows);
+            for i in 0..rows {
+                let (c, sn) = (&cos[i * half..(i + 1) * half], &sin[i * half..(i + 1) * half]);
+                kernels::rope_apply(&mut q[i * qd..(i + 1) * qd], hd, c, sn);
+                let k_tok = &mut layer.k_cache[(start + i) * kvd..(start + i + 1) * kvd];
+                kernels::rope_apply(k_tok, hd, c, sn);
+            }
             kernels::attention_with_scratch(
-                &s.q,
+                q,
                 &layer.k_cache[..kv_len * kvd],
                 &layer.v_cache[..kv_len * kvd],
-                1,
+                rows,
                 kv_len,
                 cfg.n_heads,
                 cfg.n_kv_heads,
-                cfg.head_dim,
-                &mut s.att,
+                hd,
+                att,
                 &mut s.scores,
             );
-            kernels::linear(&s.att, &layer.wo, 1, qd, d, &mut s.proj);
-            for (x, &p) in s.x.iter_mut().zip(&s.proj) {
+            layer.wo.linear(att, rows, proj);
+            for (x, &p) in x.iter_mut().zip(proj.iter()) {
                 *x += p;
             }
 
             // MLP block.
-            kernels::rms_norm(&s.x, &layer.ffn_norm, cfg.eps, &mut s.h);
-            kernels::linear(&s.h, &layer.w_gate, 1, d, ff, &mut s.gate);
-            kernels::linear(&s.h, &layer.w_up, 1, d, ff, &mut s.up);
-            kernels::silu_and_mul(&s.gate, &s.up, &mut s.act);
-            kernels::linear(&s.act, &layer.w_down, 1, ff, d, &mut s.proj);
-            for (x, &p) in s.x.iter_mut().zip(&s.proj) {
+            kernels::rms_norm(x, &layer.ffn_norm, cfg.eps, h);
+            layer.w_gate.linear(h, rows, gate);
+            layer.w_up.linear(h, rows, up);
+            kernels::silu_and_mul(gate, up, act);
+            layer.w_down.linear(act, rows, proj);
+            for (x, &p) in x.iter_mut().zip(proj.iter()) {
                 *x += p;
             }
         }
-        self.cache_filled = self.cache_filled.max(pos + 1);
+        self.cache_filled = self.cache_filled.max(kv_len);
 
         if want_logits {
-            kernels::rms_norm(&s.x, &self.final_norm, cfg.eps, &mut s.h);
-            let head = self.lm_head.as_deref().unwrap_or(&self.embed);
-            kernels::linear(&s.h, head, 1, d, cfg.vocab, &mut s.logits);
+            let last = &x[(rows - 1) * d..rows * d];
+            let h = &mut h[..d];
+            kernels::rms_norm(last, &self.final_norm, cfg.eps, h);
+            let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+            head.linear(h, 1, &mut s.logits);
         }
     }
 }

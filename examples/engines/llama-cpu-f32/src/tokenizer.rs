@@ -41,29 +41,15 @@ enum PrependScheme {
 }
 
 enum PreTokenizer {
-    Metaspace {
-        replacement: char,
-        scheme: PrependScheme,
-        split: bool,
-    },
+    Metaspace { replacement: char, scheme: PrependScheme, split: bool },
 }
 
 enum Decoder {
-    Replace {
-        from: String,
-        to: String,
-    },
+    Replace { from: String, to: String },
     ByteFallback,
     Fuse,
-    Strip {
-        content: char,
-        start: usize,
-        stop: usize,
-    },
-    Metaspace {
-        replacement: char,
-        scheme: PrependScheme,
-    },
+    Strip { content: char, start: usize, stop: usize },
+    Metaspace { replacement: char, scheme: PrependScheme },
 }
 
 /// One piece of the `single` post-processing template.
@@ -95,14 +81,11 @@ pub struct Tokenizer {
 // Loading
 
 fn field<'a>(v: &'a Value, key: &str, ctx: &str) -> Result<&'a Value, String> {
-    v.get(key)
-        .ok_or_else(|| format!("tokenizer.json: {ctx} lacks field {key:?}"))
+    v.get(key).ok_or_else(|| format!("tokenizer.json: {ctx} lacks field {key:?}"))
 }
 
 fn str_field<'a>(v: &'a Value, key: &str, ctx: &str) -> Result<&'a str, String> {
-    field(v, key, ctx)?
-        .as_str()
-        .ok_or_else(|| format!("tokenizer.json: {ctx} field {key:?} is not a string"))
+    field(v, key, ctx)?.as_str().ok_or_else(|| format!("tokenizer.json: {ctx} field {key:?} is not a string"))
 }
 
 fn bool_or(v: &Value, key: &str, default: bool) -> bool {
@@ -117,9 +100,7 @@ fn single_char(s: &str, ctx: &str) -> Result<char, String> {
     let mut it = s.chars();
     match (it.next(), it.next()) {
         (Some(c), None) => Ok(c),
-        _ => Err(format!(
-            "tokenizer.json: {ctx} expects a single character, got {s:?}"
-        )),
+        _ => Err(format!("tokenizer.json: {ctx} expects a single character, got {s:?}")),
     }
 }
 
@@ -129,9 +110,7 @@ fn string_pattern(v: &Value, ctx: &str) -> Result<(String, String), String> {
     let from = match pattern.get("String").and_then(Value::as_str) {
         Some(s) => s.to_string(),
         None => {
-            return Err(format!(
-                "tokenizer.json: unsupported {ctx} pattern {pattern} (only String patterns)"
-            ));
+            return Err(format!("tokenizer.json: unsupported {ctx} pattern {pattern} (only String patterns)"));
         }
     };
     if from.is_empty() {
@@ -147,17 +126,11 @@ fn prepend_scheme(v: &Value, ctx: &str) -> Result<PrependScheme, String> {
             "always" => Ok(PrependScheme::Always),
             "first" => Ok(PrependScheme::First),
             "never" => Ok(PrependScheme::Never),
-            other => Err(format!(
-                "tokenizer.json: {ctx} has unknown prepend_scheme {other:?}"
-            )),
+            other => Err(format!("tokenizer.json: {ctx} has unknown prepend_scheme {other:?}")),
         };
     }
     // Older files use a boolean instead.
-    Ok(if bool_or(v, "add_prefix_space", true) {
-        PrependScheme::Always
-    } else {
-        PrependScheme::Never
-    })
+    Ok(if bool_or(v, "add_prefix_space", true) { PrependScheme::Always } else { PrependScheme::Never })
 }
 
 fn parse_normalizer(v: &Value, out: &mut Vec<Normalizer>) -> Result<(), String> {
@@ -173,18 +146,14 @@ fn parse_normalizer(v: &Value, out: &mut Vec<Normalizer>) -> Result<(), String> 
                 parse_normalizer(n, out)?;
             }
         }
-        "Prepend" => out.push(Normalizer::Prepend(
-            str_field(v, "prepend", "Prepend normalizer")?.to_string(),
-        )),
+        "Prepend" => out.push(Normalizer::Prepend(str_field(v, "prepend", "Prepend normalizer")?.to_string())),
         "Replace" => {
             let (from, to) = string_pattern(v, "Replace normalizer")?;
             out.push(Normalizer::Replace { from, to });
         }
         "Lowercase" => out.push(Normalizer::Lowercase),
         other => {
-            return Err(format!(
-                "tokenizer.json: unsupported normalizer type {other:?}"
-            ));
+            return Err(format!("tokenizer.json: unsupported normalizer type {other:?}"));
         }
     }
     Ok(())
@@ -198,9 +167,7 @@ fn parse_pre_tokenizer(v: &Value, out: &mut Vec<PreTokenizer>) -> Result<(), Str
         "Sequence" => {
             let list = field(v, "pretokenizers", "Sequence pre_tokenizer")?
                 .as_array()
-                .ok_or(
-                    "tokenizer.json: Sequence pre_tokenizer field \"pretokenizers\" is not a list",
-                )?;
+                .ok_or("tokenizer.json: Sequence pre_tokenizer field \"pretokenizers\" is not a list")?;
             for p in list {
                 parse_pre_tokenizer(p, out)?;
             }
@@ -214,9 +181,7 @@ fn parse_pre_tokenizer(v: &Value, out: &mut Vec<PreTokenizer>) -> Result<(), Str
             });
         }
         other => {
-            return Err(format!(
-                "tokenizer.json: unsupported pre_tokenizer type {other:?}"
-            ));
+            return Err(format!("tokenizer.json: unsupported pre_tokenizer type {other:?}"));
         }
     }
     Ok(())
@@ -263,9 +228,7 @@ fn parse_decoder(v: &Value, out: &mut Vec<Decoder>) -> Result<(), String> {
             });
         }
         other => {
-            return Err(format!(
-                "tokenizer.json: unsupported decoder type {other:?}"
-            ));
+            return Err(format!("tokenizer.json: unsupported decoder type {other:?}"));
         }
     }
     Ok(())
@@ -277,9 +240,7 @@ fn parse_template(v: &Value) -> Result<Vec<TemplatePiece>, String> {
     }
     let kind = type_of(v, "post_processor")?;
     if kind != "TemplateProcessing" {
-        return Err(format!(
-            "tokenizer.json: unsupported post_processor type {kind:?}"
-        ));
+        return Err(format!("tokenizer.json: unsupported post_processor type {kind:?}"));
     }
     let ctx = "TemplateProcessing post_processor";
     let single = field(v, "single", ctx)?
@@ -291,52 +252,42 @@ fn parse_template(v: &Value) -> Result<Vec<TemplatePiece>, String> {
         if let Some(seq) = item.get("Sequence") {
             let id = str_field(seq, "id", ctx)?;
             if id != "A" {
-                return Err(format!(
-                    "tokenizer.json: TemplateProcessing single template refers to sequence {id:?}"
-                ));
+                return Err(format!("tokenizer.json: TemplateProcessing single template refers to sequence {id:?}"));
             }
             pieces.push(TemplatePiece::Sequence);
         } else if let Some(sp) = item.get("SpecialToken") {
             let name = str_field(sp, "id", ctx)?;
-            let entry = specials.and_then(|s| s.get(name)).ok_or_else(|| {
-                format!("tokenizer.json: TemplateProcessing special token {name:?} is not defined")
-            })?;
+            let entry = specials
+                .and_then(|s| s.get(name))
+                .ok_or_else(|| format!("tokenizer.json: TemplateProcessing special token {name:?} is not defined"))?;
             let ids = field(entry, "ids", ctx)?
                 .as_array()
                 .ok_or("tokenizer.json: TemplateProcessing special token ids is not a list")?
                 .iter()
                 .map(|i| {
                     i.as_u64().map(|n| n as u32).ok_or_else(|| {
-                        format!(
-                            "tokenizer.json: TemplateProcessing special token {name:?} has a bad id"
-                        )
+                        format!("tokenizer.json: TemplateProcessing special token {name:?} has a bad id")
                     })
                 })
                 .collect::<Result<Vec<u32>, String>>()?;
             pieces.push(TemplatePiece::Special(ids));
         } else {
-            return Err(format!(
-                "tokenizer.json: unsupported TemplateProcessing piece {item}"
-            ));
+            return Err(format!("tokenizer.json: unsupported TemplateProcessing piece {item}"));
         }
     }
     Ok(pieces)
 }
 
 fn as_id(v: &Value, ctx: &str) -> Result<u32, String> {
-    v.as_u64()
-        .and_then(|n| u32::try_from(n).ok())
-        .ok_or_else(|| format!("tokenizer.json: {ctx} has a bad id {v}"))
+    v.as_u64().and_then(|n| u32::try_from(n).ok()).ok_or_else(|| format!("tokenizer.json: {ctx} has a bad id {v}"))
 }
 
 impl Tokenizer {
     /// Load `tokenizer.json` from the model directory.
     pub fn load(dir: &Path) -> Result<Tokenizer, String> {
         let path = dir.join("tokenizer.json");
-        let text = std::fs::read_to_string(&path)
-            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-        let root: Value = serde_json::from_str(&text)
-            .map_err(|e| format!("cannot parse {}: {e}", path.display()))?;
+        let text = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let root: Value = serde_json::from_str(&text).map_err(|e| format!("cannot parse {}: {e}", path.display()))?;
         Self::from_json(&root)
     }
 
@@ -351,28 +302,18 @@ impl Tokenizer {
         let model = field(root, "model", "tokenizer.json")?;
         let kind = model.get("type").and_then(Value::as_str).unwrap_or("BPE");
         if kind != "BPE" {
-            return Err(format!(
-                "tokenizer.json: unsupported model type {kind:?} (only BPE)"
-            ));
+            return Err(format!("tokenizer.json: unsupported model type {kind:?} (only BPE)"));
         }
         for key in ["continuing_subword_prefix", "end_of_word_suffix"] {
-            if model
-                .get(key)
-                .is_some_and(|v| !v.is_null() && v.as_str() != Some(""))
-            {
+            if model.get(key).is_some_and(|v| !v.is_null() && v.as_str() != Some("")) {
                 return Err(format!("tokenizer.json: unsupported BPE option {key}"));
             }
         }
-        if model
-            .get("dropout")
-            .and_then(Value::as_f64)
-            .is_some_and(|p| p > 0.0)
-        {
+        if model.get("dropout").and_then(Value::as_f64).is_some_and(|p| p > 0.0) {
             return Err("tokenizer.json: unsupported BPE option dropout".into());
         }
-        let vocab_json = field(model, "vocab", "BPE model")?
-            .as_object()
-            .ok_or("tokenizer.json: BPE vocab is not an object")?;
+        let vocab_json =
+            field(model, "vocab", "BPE model")?.as_object().ok_or("tokenizer.json: BPE vocab is not an object")?;
         let mut vocab = HashMap::with_capacity(vocab_json.len());
         for (tok, id) in vocab_json {
             vocab.insert(tok.clone(), as_id(id, "BPE vocab")?);
@@ -398,12 +339,7 @@ impl Tokenizer {
             }
         }
 
-        let max_id = vocab
-            .values()
-            .chain(added.iter().map(|a| &a.id))
-            .copied()
-            .max()
-            .map_or(0, |m| m as usize + 1);
+        let max_id = vocab.values().chain(added.iter().map(|a| &a.id)).copied().max().map_or(0, |m| m as usize + 1);
         let mut id_to_token = vec![None; max_id];
         for (tok, &id) in &vocab {
             id_to_token[id as usize] = Some(tok.clone());
@@ -414,11 +350,7 @@ impl Tokenizer {
             is_special[a.id as usize] = a.special;
         }
 
-        let merges_json = model
-            .get("merges")
-            .and_then(Value::as_array)
-            .map(Vec::as_slice)
-            .unwrap_or(&[]);
+        let merges_json = model.get("merges").and_then(Value::as_array).map(Vec::as_slice).unwrap_or(&[]);
         let mut merges = HashMap::with_capacity(merges_json.len());
         for (rank, m) in merges_json.iter().enumerate() {
             let (a, b) = match m {
@@ -429,17 +361,17 @@ impl Tokenizer {
                         _ => return Err(format!("tokenizer.json: malformed merge {s:?}")),
                     }
                 }
-                Value::Array(pair) if pair.len() == 2 => match (pair[0].as_str(), pair[1].as_str())
-                {
+                Value::Array(pair) if pair.len() == 2 => match (pair[0].as_str(), pair[1].as_str()) {
                     (Some(a), Some(b)) => (a.to_string(), b.to_string()),
                     _ => return Err(format!("tokenizer.json: malformed merge {m}")),
                 },
                 _ => return Err(format!("tokenizer.json: malformed merge {m}")),
             };
             let lookup = |t: &str| {
-                vocab.get(t).copied().ok_or_else(|| {
-                    format!("tokenizer.json: merge {a:?} {b:?} uses unknown token {t:?}")
-                })
+                vocab
+                    .get(t)
+                    .copied()
+                    .ok_or_else(|| format!("tokenizer.json: merge {a:?} {b:?} uses unknown token {t:?}"))
             };
             let left = lookup(&a)?;
             let right = lookup(&b)?;
@@ -449,22 +381,16 @@ impl Tokenizer {
         }
 
         let unk_id = match model.get("unk_token").and_then(Value::as_str) {
-            Some(u) => Some(*vocab.get(u).ok_or_else(|| {
-                format!("tokenizer.json: unk_token {u:?} is not in the vocabulary")
-            })?),
+            Some(u) => {
+                Some(*vocab.get(u).ok_or_else(|| format!("tokenizer.json: unk_token {u:?} is not in the vocabulary"))?)
+            }
             None => None,
         };
 
         let mut normalizers = Vec::new();
-        parse_normalizer(
-            root.get("normalizer").unwrap_or(&Value::Null),
-            &mut normalizers,
-        )?;
+        parse_normalizer(root.get("normalizer").unwrap_or(&Value::Null), &mut normalizers)?;
         let mut pre_tokenizers = Vec::new();
-        parse_pre_tokenizer(
-            root.get("pre_tokenizer").unwrap_or(&Value::Null),
-            &mut pre_tokenizers,
-        )?;
+        parse_pre_tokenizer(root.get("pre_tokenizer").unwrap_or(&Value::Null), &mut pre_tokenizers)?;
         let template = parse_template(root.get("post_processor").unwrap_or(&Value::Null))?;
         let mut decoders = Vec::new();
         parse_decoder(root.get("decoder").unwrap_or(&Value::Null), &mut decoders)?;
@@ -572,11 +498,7 @@ impl Tokenizer {
 
         let mut words = vec![s];
         for p in &self.pre_tokenizers {
-            let PreTokenizer::Metaspace {
-                replacement,
-                scheme,
-                split,
-            } = p;
+            let PreTokenizer::Metaspace { replacement, scheme, split } = p;
             let mut next = Vec::new();
             for (wi, w) in words.into_iter().enumerate() {
                 let mut w = w.replace(' ', &replacement.to_string());
@@ -636,10 +558,8 @@ impl Tokenizer {
                 continue;
             }
             if self.byte_fallback {
-                let bytes: Option<Vec<u32>> = cs
-                    .bytes()
-                    .map(|b| self.vocab.get(&format!("<0x{b:02X}>")).copied())
-                    .collect();
+                let bytes: Option<Vec<u32>> =
+                    cs.bytes().map(|b| self.vocab.get(&format!("<0x{b:02X}>")).copied()).collect();
                 if let Some(bytes) = bytes {
                     pending_unk = false;
                     ids.extend(bytes);
@@ -709,24 +629,13 @@ impl Tokenizer {
 
         for d in &self.decoders {
             tokens = match d {
-                Decoder::Replace { from, to } => tokens
-                    .into_iter()
-                    .map(|t| t.replace(from.as_str(), to))
-                    .collect(),
+                Decoder::Replace { from, to } => tokens.into_iter().map(|t| t.replace(from.as_str(), to)).collect(),
                 Decoder::ByteFallback => byte_fallback(tokens),
                 Decoder::Fuse => vec![tokens.concat()],
-                Decoder::Strip {
-                    content,
-                    start,
-                    stop,
-                } => tokens
-                    .into_iter()
-                    .map(|t| strip(&t, *content, *start, *stop))
-                    .collect(),
-                Decoder::Metaspace {
-                    replacement,
-                    scheme,
-                } => tokens
+                Decoder::Strip { content, start, stop } => {
+                    tokens.into_iter().map(|t| strip(&t, *content, *start, *stop)).collect()
+                }
+                Decoder::Metaspace { replacement, scheme } => tokens
                     .into_iter()
                     .enumerate()
                     .map(|(i, t)| {
@@ -796,16 +705,7 @@ fn byte_fallback(tokens: Vec<String>) -> Vec<String> {
 /// Remove up to `start` leading and `stop` trailing occurrences of `content` from `t`.
 fn strip(t: &str, content: char, start: usize, stop: usize) -> String {
     let chars: Vec<char> = t.chars().collect();
-    let lead = chars
-        .iter()
-        .take(start)
-        .take_while(|&&c| c == content)
-        .count();
-    let trail = chars[lead..]
-        .iter()
-        .rev()
-        .take(stop)
-        .take_while(|&&c| c == content)
-        .count();
+    let lead = chars.iter().take(start).take_while(|&&c| c == content).count();
+    let trail = chars[lead..].iter().rev().take(stop).take_while(|&&c| c == content).count();
     chars[lead..chars.len() - trail].iter().collect()
 }

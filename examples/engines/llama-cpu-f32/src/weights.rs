@@ -1,0 +1,202 @@
+//! Checkpoint tensors as the kernels read them: 2-D weight matrices in the build's weight format
+//! (f32 by default; bf16, f16 or int8 with the cargo feature of that name), memory-mapped when the
+//! checkpoint already holds that format suitably aligned, converted once otherwise; 1-D tensors
+//! as f32.
+
+use std::ops::Deref;
+use std::sync::Arc;
+
+use memmap2::Mmap;
+use safetensors::tensor::TensorView;
+use safetensors::{Dtype, SafeTensors};
+
+use crate::quant;
+
+/// Element types that may be viewed directly in a little-endian checkpoint file.
+pub(crate) trait Plain: Copy + Send + Sync + 'static {}
+impl Plain for f32 {}
+impl Plain for u16 {}
+impl Plain for i8 {}
+
+/// A flat tensor: either a view into the memory-mapped checkpoint or an owned buffer.
+pub(crate) enum Data<T: Plain> {
+    /// `len` elements at byte `offset` of the mapped file (aligned for T).
+    Mapped { map: Arc<Mmap>, offset: usize, len: usize },
+    /// Converted at load.
+    Owned(Vec<T>),
+}
+
+impl<T: Plain> Deref for Data<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        match self {
+            // SAFETY: `map` outlives the returned slice (borrowed from self); offset and len were
+            // checked against the mapping and T's alignment when the view was made, and T is plain
+            // data valid for every bit pattern.
+            Data::Mapped { map, offset, len } => unsafe {
+                std::slice::from_raw_parts(map.as_ptr().add(*offset).cast::<T>(), *len)
+            },
+            Data::Owned(v) => v,
+        }
+    }
+}
+
+/// View `view`'s bytes as `[T]` inside `map` when they are aligned for T and the host is
+/// little-endian.
+#[cfg_attr(feature = "int8", allow(dead_code))]
+fn mapped<T: Plain>(map: &Arc<Mmap>, view: &TensorView) -> Option<Data<T>> {
+    let bytes = view.data();
+    let base = map.as_ptr() as usize;
+    let at = bytes.as_ptr() as usize;
+    let size = std::mem::size_of::<T>();
+    if cfg!(target_endian = "big")
+        || at < base
+        || at + bytes.len() > base + map.len()
+        || !at.is_multiple_of(std::mem::align_of::<T>())
+        || !bytes.len().is_multiple_of(size)
+    {
+        return None;
+    }
+    Some(Data::Mapped { map: Arc::clone(map), offset: at - base, len: bytes.len() / size })
+}
+
+/// The tensor `name`, checked to have `shape`.
+pub(crate) fn tensor<'a>(st: &'a SafeTensors<'a>, name: &str, shape: &[usize]) -> Result<TensorView<'a>, String> {
+    let view = st.tensor(name).map_err(|_| format!("model.safetensors: missing tensor {name}"))?;
+    if view.shape() != shape {
+        return Err(format!("model.safetensors: tensor {name} has shape {:?}, expected {:?}", view.shape(), shape));
+    }
+    match view.dtype() {
+        Dtype::F32 | Dtype::BF16 | Dtype::F16 => Ok(view),
+        other => {
+            Err(format!("model.safetensors: tensor {name} has unsupported dtype {other:?} (F32, BF16 or F16 expected)"))
+        }
+    }
+}
+
+/// Raw 16-bit values of a BF16 or F16 tensor.
+fn u16s(view: &TensorView) -> impl Iterator<Item = u16> {
+    view.data().chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]]))
+}
+
+/// Every value of a F32, BF16 or F16 tensor widened to f32.
+pub(crate) fn to_f32(view: &TensorView) -> Vec<f32> {
+    match view.dtype() {
+        Dtype::F32 => view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+        Dtype::BF16 => u16s(view).map(quant::bf16_to_f32).collect(),
+        _ => u16s(view).map(quant::f16_to_f32).collect(),
+    }
+}
+
+/// The f32 vector `name` of length `len`.
+pub(crate) fn vector(st: &SafeTensors, name: &str, len: usize) -> Result<Vec<f32>, String> {
+    Ok(to_f32(&tensor(st, name, &[len])?))
+}
+
+/// Stored element of a weight matrix in this build.
+#[cfg(not(any(feature = "bf16", feature = "f16", feature = "int8")))]
+pub(crate) type Elem = f32;
+/// Stored element of a weight matrix in this build (bf16 bit patterns).
+#[cfg(feature = "bf16")]
+pub(crate) type Elem = u16;
+/// Stored element of a weight matrix in this build (IEEE binary16 bit patterns).
+#[cfg(feature = "f16")]
+pub(crate) type Elem = u16;
+/// Stored element of a weight matrix in this build (symmetric int8, one scale per row).
+#[cfg(feature = "int8")]
+pub(crate) type Elem = i8;
+
+/// A weight matrix [rows, cols] (PyTorch nn.Linear layout [out_features, in_features]).
+pub(crate) struct Matrix {
+    rows: usize,
+    cols: usize,
+    data: Data<Elem>,
+    /// Per-row dequantisation scales [rows] (int8 builds only; empty otherwise).
+    #[cfg_attr(not(feature = "int8"), allow(dead_code))]
+    scales: Vec<f32>,
+}
+
+impl Matrix {
+    /// Load the 2-D tensor `name` of shape [rows, cols] in this build's format, viewing it in
+    /// `map` when the checkpoint already holds that format.
+    pub(crate) fn load(
+        map: &Arc<Mmap>,
+        st: &SafeTensors,
+        name: &str,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Matrix, String> {
+        let view = tensor(st, name, &[rows, cols])?;
+        let (data, scales) = convert(map, &view, cols);
+        Ok(Matrix { rows, cols, data, scales })
+    }
+
+    /// out = x W^T. `x`: [m, cols]; `out`: [m, rows].
+    pub(crate) fn linear(&self, x: &[f32], m: usize, out: &mut [f32]) {
+        let (k, n) = (self.cols, self.rows);
+        #[cfg(not(any(feature = "bf16", feature = "f16", feature = "int8")))]
+        crate::kernels::linear(x, &self.data, m, k, n, out);
+        #[cfg(feature = "bf16")]
+        crate::kernels::linear_bf16(x, &self.data, m, k, n, out);
+        #[cfg(feature = "f16")]
+        crate::kernels::linear_f16(x, &self.data, m, k, n, out);
+        #[cfg(feature = "int8")]
+        crate::kernels::linear_int8(x, &self.data, &self.scales, m, k, n, out);
+    }
+
+    /// Row `r` widened (and dequantised) to f32. `out`: [cols].
+    pub(crate) fn row_into(&self, r: usize, out: &mut [f32]) {
+        assert!(r < self.rows, "row {r} out of range ({} rows)", self.rows);
+        let row = &self.data[r * self.cols..(r + 1) * self.cols];
+        #[cfg(not(any(feature = "bf16", feature = "f16", feature = "int8")))]
+        out.copy_from_slice(row);
+        #[cfg(feature = "bf16")]
+        for (o, &b) in out.iter_mut().zip(row) {
+            *o = quant::bf16_to_f32(b);
+        }
+        #[cfg(feature = "f16")]
+        for (o, &b) in out.iter_mut().zip(row) {
+            *o = quant::f16_to_f32(b);
+        }
+        #[cfg(feature = "int8")]
+        {
+            let scale = self.scales[r];
+            for (o, &q) in out.iter_mut().zip(row) {
+                *o = q as f32 * scale;
+            }
+        }
+    }
+}
+
+#[cfg(not(any(feature = "bf16", feature = "f16", feature = "int8")))]
+fn convert(map: &Arc<Mmap>, view: &TensorView, _cols: usize) -> (Data<f32>, Vec<f32>) {
+    let data = match view.dtype() {
+        Dtype::F32 => mapped(map, view),
+        _ => None,
+    };
+    (data.unwrap_or_else(|| Data::Owned(to_f32(view))), Vec::new())
+}
+
+#[cfg(feature = "bf16")]
+fn convert(map: &Arc<Mmap>, view: &TensorView, _cols: usize) -> (Data<u16>, Vec<f32>) {
+    let data = match view.dtype() {
+        Dtype::BF16 => mapped(map, view).unwrap_or_else(|| Data::Owned(u16s(view).collect())),
+        _ => Data::Owned(to_f32(view).into_iter().map(quant::f32_to_bf16).collect()),
+    };
+    (data, Vec::new())
+}
+
+#[cfg(feature = "f16")]
+fn convert(map: &Arc<Mmap>, view: &TensorView, _cols: usize) -> (Data<u16>, Vec<f32>) {
+    let data = match view.dtype() {
+        Dtype::F16 => mapped(map, view).unwrap_or_else(|| Data::Owned(u16s(view).collect())),
+        _ => Data::Owned(to_f32(view).into_iter().map(quant::f32_to_f16).collect()),
+    };
+    (data, Vec::new())
+}
+
+#[cfg(feature = "int8")]
+fn convert(_map: &Arc<Mmap>, view: &TensorView, cols: usize) -> (Data<i8>, Vec<f32>) {
+    let (q, scales) = quant::quantize_int8(&to_f32(view), cols);
+    (Data::Owned(q), scales)
+}
