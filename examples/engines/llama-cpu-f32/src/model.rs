@@ -396,3 +396,197 @@ impl Model {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::path::PathBuf;
+
+    use safetensors::Dtype;
+    use safetensors::tensor::TensorView;
+
+    use super::*;
+
+    const D: usize = 32;
+    const HEADS: usize = 4;
+    const KV_HEADS: usize = 2;
+    const HD: usize = 8;
+    const FF: usize = 40;
+    const VOCAB: usize = 50;
+    const LAYERS: usize = 2;
+    const MAX_SEQ: usize = 64;
+
+    /// Random weights by name, with their shapes, as the checkpoint holds them (f32).
+    fn random_weights() -> Vec<(String, Vec<usize>, Vec<f32>)> {
+        let mut state = 0x1234_5678_9ABC_DEF0u64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.4
+        };
+        let mut out = Vec::new();
+        let mut add = |name: String, shape: Vec<usize>, norm: bool| {
+            let len = shape.iter().product();
+            let data = (0..len).map(|_| if norm { 1.0 + next() } else { next() }).collect();
+            out.push((name, shape, data));
+        };
+        add("model.embed_tokens.weight".into(), vec![VOCAB, D], false);
+        add("model.norm.weight".into(), vec![D], true);
+        add("lm_head.weight".into(), vec![VOCAB, D], false);
+        for l in 0..LAYERS {
+            let p = format!("model.layers.{l}");
+            add(format!("{p}.input_layernorm.weight"), vec![D], true);
+            add(format!("{p}.post_attention_layernorm.weight"), vec![D], true);
+            add(format!("{p}.self_attn.q_proj.weight"), vec![HEADS * HD, D], false);
+            add(format!("{p}.self_attn.k_proj.weight"), vec![KV_HEADS * HD, D], false);
+            add(format!("{p}.self_attn.v_proj.weight"), vec![KV_HEADS * HD, D], false);
+            add(format!("{p}.self_attn.o_proj.weight"), vec![D, HEADS * HD], false);
+            add(format!("{p}.mlp.gate_proj.weight"), vec![FF, D], false);
+            add(format!("{p}.mlp.up_proj.weight"), vec![FF, D], false);
+            add(format!("{p}.mlp.down_proj.weight"), vec![D, FF], false);
+        }
+        out
+    }
+
+    fn write_model(tag: &str) -> (PathBuf, Vec<(String, Vec<usize>, Vec<f32>)>) {
+        let dir = std::env::temp_dir().join(format!("llama-cpu-f32-test-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = serde_json::json!({
+            "hidden_size": D, "intermediate_size": FF, "num_hidden_layers": LAYERS,
+            "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "vocab_size": VOCAB,
+            "max_position_embeddings": MAX_SEQ, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+            "tie_word_embeddings": false, "hidden_act": "silu"
+        });
+        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+        let weights = random_weights();
+        let bytes: Vec<Vec<u8>> =
+            weights.iter().map(|(_, _, d)| d.iter().flat_map(|v| v.to_le_bytes()).collect()).collect();
+        let views: Vec<(String, TensorView)> = weights
+            .iter()
+            .zip(&bytes)
+            .map(|((n, s, _), b)| (n.clone(), TensorView::new(Dtype::F32, s.clone(), b).unwrap()))
+            .collect();
+        safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+        (dir, weights)
+    }
+
+    /// A weight matrix as this build stores it, widened back to f32.
+    fn as_stored(w: &[f32], cols: usize) -> Vec<f32> {
+        if cfg!(feature = "bf16") {
+            w.iter().map(|&v| crate::quant::bf16_to_f32(crate::quant::f32_to_bf16(v))).collect()
+        } else if cfg!(feature = "f16") {
+            w.iter().map(|&v| crate::quant::f16_to_f32(crate::quant::f32_to_f16(v))).collect()
+        } else if cfg!(feature = "int8") {
+            let (q, scales) = crate::quant::quantize_int8(w, cols);
+            q.iter().enumerate().map(|(i, &q)| q as f32 * scales[i / cols]).collect()
+        } else {
+            w.to_vec()
+        }
+    }
+
+    /// Plain f64 forward pass over `tokens`; returns the logits of the last token.
+    fn reference_logits(weights: &[(String, Vec<usize>, Vec<f32>)], tokens: &[u32]) -> Vec<f64> {
+        let w: HashMap<&str, Vec<f64>> = weights
+            .iter()
+            .map(|(n, s, d)| {
+                let stored = if s.len() == 2 { as_stored(d, s[1]) } else { d.clone() };
+                (n.as_str(), stored.iter().map(|&v| v as f64).collect())
+            })
+            .collect();
+        let lin = |name: &str, x: &[f64], n: usize| -> Vec<f64> {
+            let m = &w[name];
+            let k = x.len();
+            (0..n).map(|o| (0..k).map(|c| m[o * k + c] * x[c]).sum()).collect()
+        };
+        let norm = |name: &str, x: &[f64]| -> Vec<f64> {
+            let ms = x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64;
+            let inv = 1.0 / (ms + 1e-5).sqrt();
+            x.iter().zip(&w[name]).map(|(v, g)| v * inv * g).collect()
+        };
+        let rope = |v: &mut [f64], pos: usize| {
+            for head in v.chunks_mut(HD) {
+                for j in 0..HD / 2 {
+                    let angle = pos as f64 * 10000f64.powf(-((2 * j) as f64) / HD as f64);
+                    let (s, c) = angle.sin_cos();
+                    let (a, b) = (head[j], head[j + HD / 2]);
+                    head[j] = a * c - b * s;
+                    head[j + HD / 2] = a * s + b * c;
+                }
+            }
+        };
+        let mut keys = vec![Vec::new(); LAYERS];
+        let mut values = vec![Vec::new(); LAYERS];
+        let mut x = Vec::new();
+        for (pos, &tok) in tokens.iter().enumerate() {
+            let emb = &w["model.embed_tokens.weight"];
+            x = emb[tok as usize * D..(tok as usize + 1) * D].to_vec();
+            for l in 0..LAYERS {
+                let p = format!("model.layers.{l}");
+                let h = norm(&format!("{p}.input_layernorm.weight"), &x);
+                let mut q = lin(&format!("{p}.self_attn.q_proj.weight"), &h, HEADS * HD);
+                let mut k = lin(&format!("{p}.self_attn.k_proj.weight"), &h, KV_HEADS * HD);
+                let v = lin(&format!("{p}.self_attn.v_proj.weight"), &h, KV_HEADS * HD);
+                rope(&mut q, pos);
+                rope(&mut k, pos);
+                keys[l].push(k);
+                values[l].push(v);
+                let mut att = vec![0.0; HEADS * HD];
+                for hh in 0..HEADS {
+                    let kvh = hh / (HEADS / KV_HEADS);
+                    let qh = &q[hh * HD..(hh + 1) * HD];
+                    let scores: Vec<f64> = keys[l]
+                        .iter()
+                        .map(|k| {
+                            let kh = &k[kvh * HD..(kvh + 1) * HD];
+                            qh.iter().zip(kh).map(|(a, b)| a * b).sum::<f64>() / (HD as f64).sqrt()
+                        })
+                        .collect();
+                    let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                    let total: f64 = e.iter().sum();
+                    for (t, v) in values[l].iter().enumerate() {
+                        for c in 0..HD {
+                            att[hh * HD + c] += e[t] / total * v[kvh * HD + c];
+                        }
+                    }
+                }
+                let o = lin(&format!("{p}.self_attn.o_proj.weight"), &att, D);
+                x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+                let h = norm(&format!("{p}.post_attention_layernorm.weight"), &x);
+                let g = lin(&format!("{p}.mlp.gate_proj.weight"), &h, FF);
+                let u = lin(&format!("{p}.mlp.up_proj.weight"), &h, FF);
+                let a: Vec<f64> = g.iter().zip(&u).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
+                let dn = lin(&format!("{p}.mlp.down_proj.weight"), &a, D);
+                x.iter_mut().zip(&dn).for_each(|(a, b)| *a += b);
+            }
+        }
+        let h = norm("model.norm.weight", &x);
+        lin("lm_head.weight", &h, VOCAB)
+    }
+
+    #[test]
+    fn forward_matches_f64_reference_and_prefill_matches_forward() {
+        let (dir, weights) = write_model("model");
+        let mut model = Model::load(&dir).unwrap();
+        let tokens: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % VOCAB as u32).collect();
+
+        let mut stepped = Vec::new();
+        for (pos, &t) in tokens.iter().enumerate() {
+            stepped = model.forward(t, pos).to_vec();
+        }
+        let want = reference_logits(&weights, &tokens);
+        for (o, (&g, &w)) in stepped.iter().zip(&want).enumerate() {
+            assert!((g as f64 - w).abs() <= 1e-4 + 1e-4 * w.abs(), "logit {o}: got {g}, want {w}");
+        }
+        let next_stepped = model.forward(5, tokens.len()).to_vec();
+
+        model.reset();
+        let prefilled = model.prefill(&tokens, 0).to_vec();
+        let next_prefilled = model.forward(5, tokens.len()).to_vec();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&prefilled), bits(&stepped));
+        assert_eq!(bits(&next_prefilled), bits(&next_stepped));
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
