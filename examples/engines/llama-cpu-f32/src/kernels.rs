@@ -365,23 +365,48 @@ pub(crate) fn attention_with_scratch(
 }
 
 /// Index of the largest element; the first one on ties. `x`: [n], n >= 1.
+/// NaN never wins unless every element is NaN (then 0).
 pub fn argmax(x: &[f32]) -> usize {
     assert!(!x.is_empty(), "argmax: empty input");
-    let mut best = 0;
-    let mut best_v = x[0];
-    for (i, &v) in x.iter().enumerate().skip(1) {
-        // NaN never wins unless everything before it was NaN.
-        if v > best_v || (best_v.is_nan() && !v.is_nan()) {
-            best = i;
-            best_v = v;
-        }
-    }
-    best
+    matmul::vectorized(
+        #[inline(always)]
+        || {
+            let m = max(x);
+            const L: usize = 16;
+            let chunks = x.chunks_exact(L);
+            let tail = chunks.remainder();
+            for (b, c) in chunks.enumerate() {
+                if c.iter().fold(false, |hit, &v| hit | (v == m)) {
+                    return b * L + c.iter().position(|&v| v == m).unwrap_or(0);
+                }
+            }
+            let base = x.len() - tail.len();
+            tail.iter().position(|&v| v == m).map_or(0, |i| base + i)
+        },
+    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn argmax_first_of_ties_and_nan() {
+        let nan = f32::NAN;
+        assert_eq!(argmax(&[1.0]), 0);
+        assert_eq!(argmax(&[nan, 1.0, 1.0]), 1);
+        assert_eq!(argmax(&[2.0, nan, 3.0]), 2);
+        assert_eq!(argmax(&[nan, nan]), 0);
+        assert_eq!(argmax(&[f32::NEG_INFINITY, nan, f32::NEG_INFINITY]), 0);
+        assert_eq!(argmax(&[nan, f32::NEG_INFINITY]), 1);
+        assert_eq!(argmax(&[-0.0, 0.0]), 0);
+        let mut long: Vec<f32> = (0..100).map(|i| (i % 37) as f32).collect();
+        assert_eq!(argmax(&long), 36);
+        long[99] = 50.0;
+        assert_eq!(argmax(&long), 99);
+        long[20] = 50.0;
+        assert_eq!(argmax(&long), 20);
+    }
 
     #[test]
     fn exp_is_within_two_ulp() {

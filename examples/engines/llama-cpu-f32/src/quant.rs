@@ -41,9 +41,14 @@ pub fn quantize_int8_row(row: &[f32], q: &mut [i8]) -> f32 {
         return 0.0;
     }
     let scale = absmax / 127.0;
-    for (d, &v) in q.iter_mut().zip(row) {
-        *d = (v / scale).round().clamp(-127.0, 127.0) as i8;
-    }
+    crate::matmul::vectorized(
+        #[inline(always)]
+        || {
+            for (d, &v) in q.iter_mut().zip(row) {
+                *d = (v / scale).round().clamp(-127.0, 127.0) as i8;
+            }
+        },
+    );
     scale
 }
 
