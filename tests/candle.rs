@@ -1,6 +1,6 @@
 //! Independent cross-check of the f64 reference forward (src/oracle/llama.rs) against candle-transformers'
 //! own model implementations, in f32: BabyLlama and synthetic Llama (plain and with Llama 3.1 RoPE
-//! scaling), Mistral, Qwen2 and Qwen3 checkpoints. Candle is a test-only oracle: this file is compiled
+//! scaling), Mistral, Qwen2, Qwen3 and Gemma checkpoints. Candle is a test-only oracle: this file is compiled
 //! only with `--features candle-oracle` and nothing in the library uses candle.
 //!
 //! Tokens are fed one at a time (sequence length 1 at each position), so candle applies no attention
@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use candle_transformers::models::{llama, mistral, qwen2, qwen3};
+use candle_transformers::models::{gemma, llama, mistral, qwen2, qwen3};
 use metainfer::ckb::Ckb;
 use metainfer::model;
 use metainfer::ops::synth::{SynthRequest, synth_config, write_checkpoint};
@@ -77,6 +77,18 @@ fn candle_logits(dir: &Path, tokens: &[u32]) -> Vec<Vec<f32>> {
             c["max_window_layers"] = c["num_hidden_layers"].clone();
             let cfg: qwen3::Config = serde_json::from_value(c).unwrap();
             let mut m = qwen3::ModelForCausalLM::new(&cfg, weights(dir)).unwrap();
+            tokens.iter().enumerate().map(|(p, &t)| row(m.forward(&input(t), p).unwrap())).collect()
+        }
+        "gemma" => {
+            // candle's Gemma config wants exactly one of hidden_act / hidden_activation, and
+            // attention_bias and head_dim stated.
+            let o = c.as_object_mut().unwrap();
+            o.remove("hidden_activation");
+            o.entry("attention_bias").or_insert(json!(false));
+            let hd = o["hidden_size"].as_u64().unwrap() / o["num_attention_heads"].as_u64().unwrap();
+            o.entry("head_dim").or_insert(json!(hd));
+            let cfg: gemma::Config = serde_json::from_value(c).unwrap();
+            let mut m = gemma::Model::new(false, &cfg, weights(dir)).unwrap();
             tokens.iter().enumerate().map(|(p, &t)| row(m.forward(&input(t), p).unwrap())).collect()
         }
         other => panic!("no candle model for {other}"),
@@ -148,4 +160,10 @@ fn synthetic_qwen2_agrees_with_candle() {
 fn synthetic_qwen3_agrees_with_candle() {
     let t = tempfile::tempdir().unwrap();
     agree("qwen3", &synth(t.path(), "qwen3", "qwen3", |c| c["head_dim"] = json!(24)));
+}
+
+#[test]
+fn synthetic_gemma_agrees_with_candle() {
+    let t = tempfile::tempdir().unwrap();
+    agree("gemma", &synth(t.path(), "gemma", "gemma", |_| {}));
 }
