@@ -69,7 +69,9 @@ pub struct Row {
     pub decode_tok_s: Spread,
     /// Bytes of weights read per token.
     pub bytes_per_token: f64,
-    /// Measured bandwidth (probe, DRAM, these threads) / bytes per token, tokens/s.
+    /// Read bandwidth measured at this model's bytes per token as working set, these threads, GB/s.
+    pub bandwidth_gbs: Spread,
+    /// `bandwidth_gbs` median / bytes per token, tokens/s.
     pub roofline_tok_s: f64,
 }
 
@@ -91,8 +93,8 @@ pub struct AgentLoop {
 pub struct BenchReport {
     /// Machine fingerprint.
     pub machine: String,
-    /// DRAM read bandwidth medians by thread count, GB/s (machine probe).
-    pub dram_gbs: Vec<(usize, f64)>,
+    /// Thread counts measured.
+    pub threads: Vec<usize>,
     /// Decode rows.
     pub rows: Vec<Row>,
     /// Agent loop, when timed.
@@ -212,9 +214,6 @@ pub fn run(ctx: &Ctx, o: &BenchOptions, work: &Path) -> Result<BenchReport> {
     }
     let models: Vec<(String, PathBuf)> =
         vec![("babyllama-105".into(), crate::model::default_model_dir()), ("stories15M shape".into(), s15)];
-    eprintln!("bench: probing the machine's bandwidth");
-    let probe = crate::probe::run(3, 0.1);
-    let dram = |t: usize| probe.median("read DRAM", t).unwrap_or(0.0);
     let engine = ctx.workshop.engine(&engine_dir)?;
     let table: toml::Table = std::fs::read_to_string(engine_dir.join("metainfer.toml"))
         .ok()
@@ -257,22 +256,34 @@ pub fn run(ctx: &Ctx, o: &BenchOptions, work: &Path) -> Result<BenchReport> {
                 if samples[i].is_empty() {
                     continue;
                 }
-                let bytes = weights * wb + if wb == 1.0 { 4.0 * (cfg.n_layers * 7 + 1) as f64 * cfg.hidden as f64 } else { 0.0 };
+                // int8 also reads one f32 scale per output row.
+                let scales = if wb == 1.0 {
+                    4.0 * (cfg.n_layers * (cfg.head_dim * (cfg.n_heads + 2 * cfg.n_kv_heads) + 2 * cfg.intermediate + cfg.hidden)
+                        + cfg.vocab) as f64
+                } else {
+                    0.0
+                };
+                let bytes = weights * wb + scales;
+                // The roofline: this machine's read bandwidth with exactly this working set.
+                let bw: Vec<f64> =
+                    (0..5).map(|_| crate::probe::read_bandwidth(bytes as usize, t, 0.05)).collect();
+                let bandwidth = spread_of(&bw);
                 rows.push(Row {
                     model: label.clone(),
                     threads: t,
                     runner,
                     decode_tok_s: spread_of(&samples[i]),
                     bytes_per_token: bytes,
-                    roofline_tok_s: dram(t) * 1e9 / bytes,
+                    roofline_tok_s: bandwidth.median * 1e9 / bytes,
+                    bandwidth_gbs: bandwidth,
                 });
             }
         }
     }
     let agent_loop = if o.agent_loop { Some(agent_loop(ctx, &engine_dir, o.reps.max(3), &budget)?) } else { None };
     Ok(BenchReport {
-        machine: probe.fingerprint.clone(),
-        dram_gbs: o.threads.iter().map(|&t| (t, dram(t))).collect(),
+        machine: crate::probe::fingerprint(),
+        threads: o.threads.clone(),
         rows,
         agent_loop,
         candle,
@@ -342,16 +353,16 @@ fn agent_loop(ctx: &Ctx, engine_dir: &Path, reps: usize, budget: &Budget) -> Res
 impl BenchReport {
     /// The table and the goals, as text.
     pub fn text(&self) -> String {
-        let mut s = format!("machine: {}\n", self.machine);
-        for (t, g) in &self.dram_gbs {
-            s += &format!("measured DRAM read bandwidth, {t} thread(s): {g:.1} GB/s (median)\n");
-        }
+        let mut s = format!(
+            "machine: {}\nroofline: read bandwidth measured in this run with the model's bytes per token as the working set\n",
+            self.machine
+        );
         if !self.candle {
             s += "candle: not built in (build with --features candle-oracle to compare)\n";
         }
         s += &format!(
-            "\n{:<18} {:>3}  {:<12} {:>10} {:>10} {:>10}  {:>9} {:>9} {:>9}\n",
-            "model", "thr", "runner", "tok/s med", "min", "max", "roofline", "vs candle", "vs f32"
+            "\n{:<18} {:>3}  {:<12} {:>10} {:>10} {:>10} {:>8} {:>9} {:>9} {:>9}\n",
+            "model", "thr", "runner", "tok/s med", "min", "max", "GB/s", "roofline", "vs candle", "vs f32"
         );
         let find = |m: &str, t: usize, r: &str| {
             self.rows.iter().find(|x| x.model == m && x.threads == t && x.runner == r).map(|x| x.decode_tok_s.median)
@@ -364,13 +375,14 @@ impl BenchReport {
                 _ => "-".into(),
             };
             s += &format!(
-                "{:<18} {:>3}  {:<12} {:>10.0} {:>10.0} {:>10.0}  {:>8.0}% {:>9} {:>9}\n",
+                "{:<18} {:>3}  {:<12} {:>10.0} {:>10.0} {:>10.0} {:>8.1} {:>8.0}% {:>9} {:>9}\n",
                 r.model,
                 r.threads,
                 r.runner,
                 r.decode_tok_s.median,
                 r.decode_tok_s.min,
                 r.decode_tok_s.max,
+                r.bandwidth_gbs.median,
                 100.0 * r.decode_tok_s.median / r.roofline_tok_s.max(1e-9),
                 ratio(candle),
                 if r.runner.starts_with("engine") && r.runner != "engine f32" { ratio(f32e) } else { "-".into() },
@@ -383,7 +395,7 @@ impl BenchReport {
             let frac = r.decode_tok_s.median / r.roofline_tok_s.max(1e-9);
             s += &format!("  f32 decode >= 0.9 of the bandwidth roofline (1 thread): {:.2} ({})\n", frac, goal(frac >= 0.9));
         }
-        for t in self.dram_gbs.iter().map(|x| x.0) {
+        for &t in &self.threads {
             if let (Some(e), Some(c)) = (find(s15, t, "engine f32"), find(s15, t, "candle f32")) {
                 s += &format!("  f32 >= 3x candle ({t} thread(s)): {:.2}x ({})\n", e / c, goal(e / c >= 3.0));
             }

@@ -74,39 +74,57 @@ fn sum_portable(x: &[f32]) -> f32 {
     acc.iter().sum()
 }
 
+// Eight accumulators as separate locals (not an array), so that even an unoptimised or lightly
+// optimised build keeps them in registers and the loop is bound by loads, not by add latency.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn sum_avx512(x: &[f32]) -> f32 {
     use std::arch::x86_64::*;
-    let mut acc = [_mm512_setzero_ps(); 8];
+    let z = _mm512_setzero_ps();
+    let (mut a0, mut a1, mut a2, mut a3, mut a4, mut a5, mut a6, mut a7) = (z, z, z, z, z, z, z, z);
     for c in x.chunks_exact(128) {
-        for (j, a) in acc.iter_mut().enumerate() {
-            // SAFETY: `c` holds 128 f32, so 16 lanes from offset 16 * j (j < 8) are in bounds.
-            *a = _mm512_add_ps(*a, unsafe { _mm512_loadu_ps(c.as_ptr().add(16 * j)) });
+        let p = c.as_ptr();
+        // SAFETY: `c` holds 128 f32; every load reads 16 of them at an offset below 128.
+        unsafe {
+            a0 = _mm512_add_ps(a0, _mm512_loadu_ps(p));
+            a1 = _mm512_add_ps(a1, _mm512_loadu_ps(p.add(16)));
+            a2 = _mm512_add_ps(a2, _mm512_loadu_ps(p.add(32)));
+            a3 = _mm512_add_ps(a3, _mm512_loadu_ps(p.add(48)));
+            a4 = _mm512_add_ps(a4, _mm512_loadu_ps(p.add(64)));
+            a5 = _mm512_add_ps(a5, _mm512_loadu_ps(p.add(80)));
+            a6 = _mm512_add_ps(a6, _mm512_loadu_ps(p.add(96)));
+            a7 = _mm512_add_ps(a7, _mm512_loadu_ps(p.add(112)));
         }
     }
-    acc.iter().map(|v| _mm512_reduce_add_ps(*v)).sum()
+    let s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)), _mm512_add_ps(_mm512_add_ps(a4, a5), _mm512_add_ps(a6, a7)));
+    _mm512_reduce_add_ps(s)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn sum_avx2(x: &[f32]) -> f32 {
     use std::arch::x86_64::*;
-    let mut acc = [_mm256_setzero_ps(); 8];
+    let z = _mm256_setzero_ps();
+    let (mut a0, mut a1, mut a2, mut a3, mut a4, mut a5, mut a6, mut a7) = (z, z, z, z, z, z, z, z);
     for c in x.chunks_exact(64) {
-        for (j, a) in acc.iter_mut().enumerate() {
-            // SAFETY: `c` holds 64 f32, so 8 lanes from offset 8 * j (j < 8) are in bounds.
-            *a = _mm256_add_ps(*a, unsafe { _mm256_loadu_ps(c.as_ptr().add(8 * j)) });
+        let p = c.as_ptr();
+        // SAFETY: `c` holds 64 f32; every load reads 8 of them at an offset below 64.
+        unsafe {
+            a0 = _mm256_add_ps(a0, _mm256_loadu_ps(p));
+            a1 = _mm256_add_ps(a1, _mm256_loadu_ps(p.add(8)));
+            a2 = _mm256_add_ps(a2, _mm256_loadu_ps(p.add(16)));
+            a3 = _mm256_add_ps(a3, _mm256_loadu_ps(p.add(24)));
+            a4 = _mm256_add_ps(a4, _mm256_loadu_ps(p.add(32)));
+            a5 = _mm256_add_ps(a5, _mm256_loadu_ps(p.add(40)));
+            a6 = _mm256_add_ps(a6, _mm256_loadu_ps(p.add(48)));
+            a7 = _mm256_add_ps(a7, _mm256_loadu_ps(p.add(56)));
         }
     }
+    let s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)), _mm256_add_ps(_mm256_add_ps(a4, a5), _mm256_add_ps(a6, a7)));
     let mut out = [0f32; 8];
-    let mut s = 0.0;
-    for v in acc {
-        // SAFETY: `out` holds 8 f32, the width of one store.
-        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), v) };
-        s += out.iter().sum::<f32>();
-    }
-    s
+    // SAFETY: `out` holds 8 f32, the width of one store.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), s) };
+    out.iter().sum()
 }
 
 /// The widest summing kernel this CPU runs.
@@ -126,8 +144,9 @@ fn sum_kernel() -> fn(&[f32]) -> f32 {
 }
 
 /// Read bandwidth in GB/s of `threads` threads each summing its share of `bytes`, repeated until at
-/// least `min_secs` passed.
-fn read_bandwidth(bytes: usize, threads: usize, min_secs: f64) -> f64 {
+/// least `min_secs` passed. Used by the probe at its working sets, and by `bench` at a model's own
+/// bytes per token (the working set a decode step streams).
+pub fn read_bandwidth(bytes: usize, threads: usize, min_secs: f64) -> f64 {
     let per = (bytes / 4 / threads).max(128) / 128 * 128;
     let sum = sum_kernel();
     let bufs: Vec<Vec<f32>> = (0..threads).map(|t| (0..per).map(|i| ((i + t) % 7) as f32).collect()).collect();
@@ -237,16 +256,47 @@ fn peak_gflops(threads: usize, min_secs: f64) -> f64 {
 }
 
 /// Working sets: (label, bytes). L1 and L2 sizes typical of current x86-64 and Arm cores; L3 a few
-/// MiB; DRAM well beyond any last-level cache.
-pub const WORKING_SETS: [(&str, usize); 4] =
-    [("L1 (16 KiB)", 16 << 10), ("L2 (256 KiB)", 256 << 10), ("L3 (4 MiB)", 4 << 20), ("DRAM (256 MiB)", 256 << 20)];
+/// MiB; DRAM at least 256 MiB and at least twice the last-level cache the OS reports (some servers
+/// and VMs report a cache of hundreds of MiB), at most 2 GiB.
+pub fn working_sets() -> Vec<(String, usize)> {
+    let llc = last_level_cache_bytes().unwrap_or(0);
+    let dram = (256usize << 20).max(2 * llc).min(2 << 30);
+    vec![
+        ("L1 (16 KiB)".into(), 16 << 10),
+        ("L2 (256 KiB)".into(), 256 << 10),
+        ("L3 (4 MiB)".into(), 4 << 20),
+        (format!("DRAM ({} MiB)", dram >> 20), dram),
+    ]
+}
+
+/// The largest cache size in /sys/devices/system/cpu/cpu0/cache/index*/size (Linux), in bytes.
+fn last_level_cache_bytes() -> Option<usize> {
+    let mut best = None;
+    for i in 0..8 {
+        let Ok(t) = std::fs::read_to_string(format!("/sys/devices/system/cpu/cpu0/cache/index{i}/size")) else {
+            continue;
+        };
+        let t = t.trim();
+        let (num, mul) = match t.strip_suffix('K') {
+            Some(n) => (n, 1usize << 10),
+            None => match t.strip_suffix('M') {
+                Some(n) => (n, 1 << 20),
+                None => (t, 1),
+            },
+        };
+        if let Ok(n) = num.parse::<usize>() {
+            best = best.max(Some(n * mul));
+        }
+    }
+    best
+}
 
 /// Run the probe: `runs` repetitions of each figure on 1..=cores threads.
 pub fn run(runs: usize, min_secs: f64) -> MachineProbe {
     let runs = runs.max(1);
     let mut figures = Vec::new();
     for threads in 1..=cores() {
-        for (label, bytes) in WORKING_SETS {
+        for (label, bytes) in working_sets() {
             let v: Vec<f64> = (0..runs).map(|_| read_bandwidth(bytes, threads, min_secs)).collect();
             figures.push(Figure {
                 what: format!("read {label}"),

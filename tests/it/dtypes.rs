@@ -136,3 +136,87 @@ fn kernel_guidance_for_a_missing_kernel_is_refused() {
         "{f:?}"
     );
 }
+
+fn s(p: &std::path::Path) -> String {
+    p.display().to_string()
+}
+
+/// The example engine declares bf16, f16 and int8 builds (`[dtype_features]`): at each, the kernel
+/// gate tests that dtype's linear kernel in place of the f32 one, and generation on BabyLlama
+/// matches the reference run on the weights as that dtype stores them.
+#[test]
+fn example_engine_passes_the_gates_at_every_weight_dtype() {
+    use metainfer::ops::Report;
+    use metainfer::ops::kernel_test::{KernelTestRequest, kernel_test};
+    use metainfer::ops::verify::{VerifyRequest, verify};
+    let t = tempfile::tempdir().unwrap();
+    let ctx = super::ctx(t.path());
+    let dir = t.path().join("engine");
+    super::copy_example(&dir);
+    let budget = metainfer::harness::Budget::secs(1200);
+    for dtype in ["bf16", "f16", "int8"] {
+        let req = KernelTestRequest { engine: s(&dir), kernels: vec![], seed: None, dtype: Some(dtype.into()) };
+        let k = kernel_test(&ctx, &req, &budget).unwrap();
+        assert!(k.passed, "{dtype}: {}", k.text());
+        assert_eq!(k.dtype, dtype);
+        let ids: Vec<&str> = k.kernels.iter().map(|k| k.kernel.as_str()).collect();
+        assert!(ids.contains(&format!("kernel.linear_{dtype}").as_str()) && !ids.contains(&"kernel.linear"), "{ids:?}");
+        let v = verify(
+            &ctx,
+            &VerifyRequest {
+                engine: s(&dir),
+                model: s(&super::babyllama()),
+                prompts: vec![],
+                max_new_tokens: Some(24),
+                seed: None,
+                dtype: Some(dtype.into()),
+            },
+            &budget,
+        )
+        .unwrap();
+        assert!(v.passed, "{dtype}: {}", v.text());
+        assert_eq!(v.dtype, dtype);
+    }
+    // A dtype the engine does not declare is refused with what to add.
+    let req = KernelTestRequest { engine: s(&dir), kernels: vec![], seed: None, dtype: Some("fp8".into()) };
+    let e = kernel_test(&ctx, &req, &budget).unwrap_err();
+    assert!(e.message.contains("[dtype_features]") && e.message.contains("fp8"), "{}", e.message);
+}
+
+/// Faults in the low-precision kernels are caught at their dtype and named by their failure mode:
+/// the per-row scale dropped (int8), and bf16 bits decoded as IEEE binary16.
+#[test]
+fn low_precision_kernel_faults_are_caught_and_named() {
+    use metainfer::ops::kernel_test::{KernelTestRequest, kernel_test};
+    let t = tempfile::tempdir().unwrap();
+    let ctx = super::ctx(t.path());
+    let budget = metainfer::harness::Budget::secs(1200);
+    for (name, dtype, from, to, failure) in [
+        (
+            "noscale",
+            "int8",
+            "matmul::linear::<matmul::I8>(matmul::detected(), x, w, scales,",
+            "matmul::linear::<matmul::I8>(matmul::detected(), x, w, &vec![1.0f32; scales.len()],",
+            "failure.int8-scale-missing",
+        ),
+        (
+            "swapped",
+            "bf16",
+            "matmul::linear::<matmul::Bf16>(",
+            "matmul::linear::<matmul::F16>(",
+            "failure.half-format-swapped",
+        ),
+    ] {
+        let dir = t.path().join(name);
+        super::copy_example(&dir);
+        super::inject(&dir, "src/kernels.rs", from, to);
+        let req = KernelTestRequest { engine: s(&dir), kernels: vec![], seed: Some(7), dtype: Some(dtype.into()) };
+        let k = kernel_test(&ctx, &req, &budget).unwrap();
+        let failed: Vec<&str> = k.kernels.iter().filter(|k| !k.passed).map(|k| k.kernel.as_str()).collect();
+        let want = format!("kernel.linear_{dtype}");
+        assert_eq!(failed, [want.as_str()], "{}", metainfer::ops::Report::text(&k));
+        let bad = k.kernels.iter().find(|k| !k.passed).unwrap();
+        let named: Vec<&str> = bad.diagnosis.iter().map(|d| d.failure.as_str()).collect();
+        assert_eq!(named, [failure], "{}", metainfer::ops::Report::text(&k));
+    }
+}

@@ -190,7 +190,7 @@ fn report_computes_pass_rates_attempts_and_failure_modes() {
 fn machine_probe_is_complete_and_cached() {
     let p = metainfer::probe::run(1, 0.002);
     let cores = metainfer::probe::cores();
-    assert_eq!(p.figures.len(), cores * (metainfer::probe::WORKING_SETS.len() + 1));
+    assert_eq!(p.figures.len(), cores * (metainfer::probe::working_sets().len() + 1));
     for f in &p.figures {
         assert!(f.spread.median.is_finite() && f.spread.median > 0.0, "{f:?}");
         assert!(f.spread.min <= f.spread.median && f.spread.median <= f.spread.max, "{f:?}");
