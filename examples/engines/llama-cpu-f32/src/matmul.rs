@@ -237,32 +237,72 @@ pub(crate) fn linear<K: Kind>(
     n: usize,
     out: &mut [f32],
 ) {
-    assert_eq!(x.len(), m * k, "linear: x must be [m, k]");
     assert_eq!(w.len(), n * k, "linear: w must be [n, k]");
     assert_eq!(out.len(), m * n, "linear: out must be [m, n]");
-    if K::SCALED {
-        assert_eq!(scales.len(), n, "linear: scales must be [n]");
-    }
-    if m == 0 || n == 0 {
+    linear_group::<K>(isa, x, m, k, &mut [Part { w, scales, out }]);
+}
+
+/// One product of a [`linear_group`]: W [n, k] in format K, its scales [n] when `K::SCALED`, and
+/// its output [m, n].
+pub(crate) struct Part<'a, K: Kind> {
+    pub w: &'a [K::Elem],
+    pub scales: &'a [f32],
+    pub out: &'a mut [f32],
+}
+
+/// Most parts in one [`linear_group`].
+const MAX_PARTS: usize = 4;
+
+/// out_j = x W_j^T for every part j, with the best kernels of `isa`. `x`: [m, k]; part j has
+/// W_j [n_j, k] and out_j [m, n_j]. The rows of all parts together are split into one contiguous
+/// block per thread of the rayon pool when they hold enough weights, so that products reading
+/// the same input share one parallel pass.
+pub(crate) fn linear_group<K: Kind>(isa: Isa, x: &[f32], m: usize, k: usize, parts: &mut [Part<K>]) {
+    assert_eq!(x.len(), m * k, "linear: x must be [m, k]");
+    assert!(parts.len() <= MAX_PARTS, "linear_group: at most {MAX_PARTS} parts");
+    if m == 0 {
         return;
     }
-    if k == 0 {
-        out.fill(0.0);
+    // (w, scales, n, out) of every part, and the total number of weight rows.
+    type Raw<'a, E> = (&'a [E], &'a [f32], usize, OutPtr);
+    let mut raw: [Raw<K::Elem>; MAX_PARTS] = [(&[], &[], 0, OutPtr(std::ptr::null_mut())); MAX_PARTS];
+    let mut total = 0;
+    for (r, p) in raw.iter_mut().zip(parts.iter_mut()) {
+        assert_eq!(p.out.len() % m, 0, "linear: out must be [m, n]");
+        let n = p.out.len() / m;
+        assert_eq!(p.w.len(), n * k, "linear: w must be [n, k]");
+        if K::SCALED {
+            assert_eq!(p.scales.len(), n, "linear: scales must be [n]");
+        }
+        if k == 0 {
+            p.out.fill(0.0);
+        }
+        *r = (p.w, p.scales, n, OutPtr(p.out.as_mut_ptr()));
+        total += n;
+    }
+    if k == 0 || total == 0 {
         return;
     }
+    let raw = &raw[..parts.len()];
+    // SAFETY (both calls): the row ranges handed out are disjoint, so every output element is
+    // written by exactly one thread, into buffers exclusively borrowed for the whole call.
+    let run = |rows: Range<usize>| {
+        let mut start = 0;
+        for &(w, scales, n, out) in raw {
+            let (lo, hi) = (rows.start.max(start), rows.end.min(start + n));
+            if lo < hi {
+                unsafe { run_rows::<K>(isa, x, w, scales, m, k, n, out.get(), lo - start..hi - start) };
+            }
+            start += n;
+        }
+    };
     let threads = rayon::current_num_threads();
-    let ptr = OutPtr(out.as_mut_ptr());
-    if threads > 1 && n * k >= PAR_MIN_WEIGHTS && n >= 2 * ROW_TILE {
-        let per = n.div_ceil(threads).next_multiple_of(ROW_TILE);
-        let blocks = n.div_ceil(per);
-        (0..blocks).into_par_iter().for_each(|b| {
-            let rows = b * per..((b + 1) * per).min(n);
-            // SAFETY: blocks cover disjoint output columns of an [m, n] buffer that outlives the call.
-            unsafe { run_rows::<K>(isa, x, w, scales, m, k, n, ptr.get(), rows) };
-        });
+    if threads > 1 && total * k >= PAR_MIN_WEIGHTS && total >= 2 * ROW_TILE {
+        let per = total.div_ceil(threads).next_multiple_of(ROW_TILE);
+        let blocks = total.div_ceil(per);
+        (0..blocks).into_par_iter().for_each(|b| run(b * per..((b + 1) * per).min(total)));
     } else {
-        // SAFETY: `out` is [m, n] and exclusively borrowed.
-        unsafe { run_rows::<K>(isa, x, w, scales, m, k, n, ptr.get(), 0..n) };
+        run(0..total);
     }
 }
 

@@ -347,11 +347,9 @@ impl Model {
         for layer in &mut self.layers {
             // Attention block.
             kernels::rms_norm(x, &layer.attn_norm, cfg.eps, h);
-            layer.wq.linear(h, rows, q);
             let k_rows = &mut layer.k_cache[start * kvd..kv_len * kvd];
-            layer.wk.linear(h, rows, k_rows);
             let v_rows = &mut layer.v_cache[start * kvd..kv_len * kvd];
-            layer.wv.linear(h, rows, v_rows);
+            Matrix::linear_many(h, rows, [&layer.wq, &layer.wk, &layer.wv], [&mut *q, k_rows, v_rows]);
             for i in 0..rows {
                 let (c, sn) = (&cos[i * half..(i + 1) * half], &sin[i * half..(i + 1) * half]);
                 kernels::rope_apply(&mut q[i * qd..(i + 1) * qd], hd, c, sn);
@@ -377,8 +375,7 @@ impl Model {
 
             // MLP block.
             kernels::rms_norm(x, &layer.ffn_norm, cfg.eps, h);
-            layer.w_gate.linear(h, rows, gate);
-            layer.w_up.linear(h, rows, up);
+            Matrix::linear_many(h, rows, [&layer.w_gate, &layer.w_up], [&mut *gate, &mut *up]);
             kernels::silu_and_mul(gate, up, act);
             layer.w_down.linear(act, rows, proj);
             for (x, &p) in x.iter_mut().zip(proj.iter()) {
@@ -416,8 +413,11 @@ mod tests {
     const LAYERS: usize = 2;
     const MAX_SEQ: usize = 64;
 
+    /// (name, shape, values) of every checkpoint tensor.
+    type Weights = Vec<(String, Vec<usize>, Vec<f32>)>;
+
     /// Random weights by name, with their shapes, as the checkpoint holds them (f32).
-    fn random_weights() -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    fn random_weights() -> Weights {
         let mut state = 0x1234_5678_9ABC_DEF0u64;
         let mut next = move || {
             state ^= state << 13;
@@ -449,7 +449,7 @@ mod tests {
         out
     }
 
-    fn write_model(tag: &str) -> (PathBuf, Vec<(String, Vec<usize>, Vec<f32>)>) {
+    fn write_model(tag: &str) -> (PathBuf, Weights) {
         let dir = std::env::temp_dir().join(format!("llama-cpu-f32-test-{tag}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let config = serde_json::json!({
@@ -486,7 +486,7 @@ mod tests {
     }
 
     /// Plain f64 forward pass over `tokens`; returns the logits of the last token.
-    fn reference_logits(weights: &[(String, Vec<usize>, Vec<f32>)], tokens: &[u32]) -> Vec<f64> {
+    fn reference_logits(weights: &Weights, tokens: &[u32]) -> Vec<f64> {
         let w: HashMap<&str, Vec<f64>> = weights
             .iter()
             .map(|(n, s, d)| {

@@ -10,7 +10,7 @@ use memmap2::Mmap;
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 
-use crate::quant;
+use crate::{matmul, quant};
 
 /// Element types that may be viewed directly in a little-endian checkpoint file.
 pub(crate) trait Plain: Copy + Send + Sync + 'static {}
@@ -106,13 +106,25 @@ pub(crate) type Elem = u16;
 #[cfg(feature = "int8")]
 pub(crate) type Elem = i8;
 
+/// The kernel format of [`Elem`].
+#[cfg(not(any(feature = "bf16", feature = "f16", feature = "int8")))]
+type Format = matmul::F32;
+/// The kernel format of [`Elem`].
+#[cfg(feature = "bf16")]
+type Format = matmul::Bf16;
+/// The kernel format of [`Elem`].
+#[cfg(feature = "f16")]
+type Format = matmul::F16;
+/// The kernel format of [`Elem`].
+#[cfg(feature = "int8")]
+type Format = matmul::I8;
+
 /// A weight matrix [rows, cols] (PyTorch nn.Linear layout [out_features, in_features]).
 pub(crate) struct Matrix {
     rows: usize,
     cols: usize,
     data: Data<Elem>,
     /// Per-row dequantisation scales [rows] (int8 builds only; empty otherwise).
-    #[cfg_attr(not(feature = "int8"), allow(dead_code))]
     scales: Vec<f32>,
 }
 
@@ -133,15 +145,22 @@ impl Matrix {
 
     /// out = x W^T. `x`: [m, cols]; `out`: [m, rows].
     pub(crate) fn linear(&self, x: &[f32], m: usize, out: &mut [f32]) {
-        let (k, n) = (self.cols, self.rows);
-        #[cfg(not(any(feature = "bf16", feature = "f16", feature = "int8")))]
-        crate::kernels::linear(x, &self.data, m, k, n, out);
-        #[cfg(feature = "bf16")]
-        crate::kernels::linear_bf16(x, &self.data, m, k, n, out);
-        #[cfg(feature = "f16")]
-        crate::kernels::linear_f16(x, &self.data, m, k, n, out);
-        #[cfg(feature = "int8")]
-        crate::kernels::linear_int8(x, &self.data, &self.scales, m, k, n, out);
+        Matrix::linear_many(x, m, [self], [out]);
+    }
+
+    /// out_j = x W_j^T for matrices with the same number of columns, in one parallel pass.
+    /// `x`: [m, cols]; `outs[j]`: [m, mats[j].rows].
+    pub(crate) fn linear_many<const N: usize>(x: &[f32], m: usize, mats: [&Matrix; N], outs: [&mut [f32]; N]) {
+        let k = mats.first().map_or(0, |w| w.cols);
+        let mut outs = outs.into_iter();
+        let mut parts: [matmul::Part<Format>; N] = std::array::from_fn(|j| {
+            let w = mats[j];
+            assert_eq!(w.cols, k, "linear_many: matrices differ in columns");
+            let out = outs.next().expect("one output per matrix");
+            assert_eq!(out.len(), m * w.rows, "linear: out must be [m, rows]");
+            matmul::Part { w: &w.data, scales: &w.scales, out }
+        });
+        matmul::linear_group(matmul::detected(), x, m, k, &mut parts);
     }
 
     /// Row `r` widened (and dequantised) to f32. `out`: [cols].
