@@ -426,6 +426,21 @@ mod tests {
     }
 
     #[test]
+    fn silu_and_mul_is_within_contract_tolerance_with_margin() {
+        let gate: Vec<f32> = (0..48_000).map(|i| (i as f32 - 24_000.0) * 0.005).collect();
+        let up: Vec<f32> = gate.iter().enumerate().map(|(i, _)| [1.0, -3.7, 40.0][i % 3]).collect();
+        let mut out = vec![f32::NAN; gate.len()];
+        silu_and_mul(&gate, &up, &mut out);
+        let mut worst = 0.0f64;
+        for ((&o, &g), &u) in out.iter().zip(&gate).zip(&up) {
+            let (g, u) = (g as f64, u as f64);
+            let want = g / (1.0 + (-g).exp()) * u;
+            worst = worst.max((o as f64 - want).abs() / (1e-6 + 1e-5 * want.abs()));
+        }
+        assert!(worst < 0.1, "largest error is {worst} of the tolerance");
+    }
+
+    #[test]
     fn softmax_and_attention_rows_agree_with_f64() {
         let row: Vec<f32> = (0..37).map(|i| ((i * 17 % 11) as f32 - 5.0) * 0.7).collect();
         let mut got = row.clone();

@@ -28,10 +28,7 @@ pub(crate) enum Isa {
 /// The best instruction set of this CPU, detected once.
 pub(crate) fn detected() -> Isa {
     static ISA: OnceLock<Isa> = OnceLock::new();
-    *ISA.get_or_init(|| {
-        let all = available();
-        all[0]
-    })
+    *ISA.get_or_init(|| available()[0])
 }
 
 /// Every instruction set this CPU can run, best first.
@@ -204,8 +201,8 @@ impl Kind for I8 {
     }
 }
 
-/// Smallest weight matrix (n * k elements) whose rows are split across threads.
-const PAR_MIN_WEIGHTS: usize = 32 * 1024;
+/// Smallest group of weight matrices (in bytes) whose rows are split across threads.
+const PAR_MIN_BYTES: usize = 64 * 1024;
 /// Output rows per tile of the SIMD kernels; thread blocks are multiples of it.
 const ROW_TILE: usize = 8;
 
@@ -297,7 +294,8 @@ pub(crate) fn linear_group<K: Kind>(isa: Isa, x: &[f32], m: usize, k: usize, par
         }
     };
     let threads = rayon::current_num_threads();
-    if threads > 1 && total * k >= PAR_MIN_WEIGHTS && total >= 2 * ROW_TILE {
+    let bytes = total * k * std::mem::size_of::<K::Elem>();
+    if threads > 1 && bytes >= PAR_MIN_BYTES && total >= 2 * ROW_TILE {
         let per = total.div_ceil(threads).next_multiple_of(ROW_TILE);
         let blocks = total.div_ceil(per);
         (0..blocks).into_par_iter().for_each(|b| run(b * per..((b + 1) * per).min(total)));
