@@ -573,7 +573,14 @@ fn run(cli: Cli) -> Result<ExitCode> {
             Ok(emit(&ops::verify::verify(&ctx(g, None, vec![])?, &req, &budget())?, json))
         }
         Command::Profile { engine, model, runs, prompt_len, new_tokens, dtype, json } => {
-            let req = ops::profile::ProfileRequest { engine: s(&engine), model: s(&model), prompt_len, new_tokens, runs, dtype };
+            let req = ops::profile::ProfileRequest {
+                engine: s(&engine),
+                model: s(&model),
+                prompt_len,
+                new_tokens,
+                runs,
+                dtype,
+            };
             Ok(emit(&ops::profile::profile(&ctx(g, None, vec![])?, &req, &budget())?, json))
         }
         Command::Ledger { action: Some(action), .. } => {

@@ -236,11 +236,9 @@ impl Ckb {
                         ),
                     );
                 }
-                if self
-                    .contracts
-                    .values()
-                    .any(|o| o.id < c.id && o.variant.as_ref().is_some_and(|w| w.of == v.of && w.weight_dtype == v.weight_dtype))
-                {
+                if self.contracts.values().any(|o| {
+                    o.id < c.id && o.variant.as_ref().is_some_and(|w| w.of == v.of && w.weight_dtype == v.weight_dtype)
+                }) {
                     bad("/variant", format!("another kernel is already the {} variant of {}", v.weight_dtype, v.of));
                 }
             }

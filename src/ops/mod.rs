@@ -84,8 +84,9 @@ impl Ctx {
     pub fn target(&self, engine: &crate::harness::Engine, dtype: Option<&str>) -> Result<Target> {
         let path = engine.dir.join("metainfer.toml");
         let table: toml::Table = match std::fs::read_to_string(&path) {
-            Ok(t) => toml::from_str(&t)
-                .map_err(|e| Error::usage(format!("{}: not valid TOML ({e}); fix or re-scaffold it", path.display())))?,
+            Ok(t) => toml::from_str(&t).map_err(|e| {
+                Error::usage(format!("{}: not valid TOML ({e}); fix or re-scaffold it", path.display()))
+            })?,
             Err(_) => toml::Table::new(),
         };
         let text = |key: &str, default: &str| table.get(key).and_then(|v| v.as_str()).unwrap_or(default).to_string();

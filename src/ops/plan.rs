@@ -129,7 +129,11 @@ pub fn plan(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
 /// # Errors
 /// The reason, in words, when `dtype` is not a weight dtype or no kernel of the family has a
 /// variant for it (nothing would read weights in that dtype).
-pub fn kernels_for(ckb: &crate::ckb::Ckb, family: &crate::ckb::Contract, dtype: &str) -> std::result::Result<Vec<String>, String> {
+pub fn kernels_for(
+    ckb: &crate::ckb::Ckb,
+    family: &crate::ckb::Contract,
+    dtype: &str,
+) -> std::result::Result<Vec<String>, String> {
     if !crate::ckb::WEIGHT_DTYPES.contains(&dtype) {
         return Err(format!("`{dtype}` is not a weight dtype; use one of {}", crate::ckb::WEIGHT_DTYPES.join(", ")));
     }

@@ -210,7 +210,14 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     report.rules = rules.findings.clone();
     if !rules.passed {
         report.error = super::rules::blocked_text(&rules);
-        ctx.record("profile_engine", Some(&engine), vec![], &report, serde_json::json!({"blocked": true, "dtype": target.dtype}), started);
+        ctx.record(
+            "profile_engine",
+            Some(&engine),
+            vec![],
+            &report,
+            serde_json::json!({"blocked": true, "dtype": target.dtype}),
+            started,
+        );
         return Ok(report);
     }
     let build = ctx.workshop.build_harness(&engine, &target.spec, budget)?;
@@ -219,7 +226,14 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
             "the engine does not build with the harness:\n{}",
             super::Report::text(&super::compile::report_of(ctx, &engine, build, 0))
         );
-        ctx.record("profile_engine", Some(&engine), vec![], &report, serde_json::json!({"dtype": target.dtype}), started);
+        ctx.record(
+            "profile_engine",
+            Some(&engine),
+            vec![],
+            &report,
+            serde_json::json!({"dtype": target.dtype}),
+            started,
+        );
         return Ok(report);
     };
     let run = harness::run(
@@ -237,7 +251,14 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     )?;
     if !run.ok() {
         report.error = format!("the engine's profile process {}", run.failure_text(2000));
-        ctx.record("profile_engine", Some(&engine), vec![], &report, serde_json::json!({"dtype": target.dtype}), started);
+        ctx.record(
+            "profile_engine",
+            Some(&engine),
+            vec![],
+            &report,
+            serde_json::json!({"dtype": target.dtype}),
+            started,
+        );
         return Ok(report);
     }
     let v: serde_json::Value = serde_json::from_str(run.stdout.lines().last().unwrap_or_default())

@@ -263,7 +263,14 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         let compile = super::compile::report_of(ctx, &engine, build, 0);
         let report =
             fail(format!("the engine does not build with the harness:\n{}", super::Report::text(&compile)), vec![]);
-        ctx.record("verify_generation", Some(&engine), versioned, &report, serde_json::json!({"seed": seed, "dtype": target.dtype}), started);
+        ctx.record(
+            "verify_generation",
+            Some(&engine),
+            versioned,
+            &report,
+            serde_json::json!({"seed": seed, "dtype": target.dtype}),
+            started,
+        );
         return Ok(report);
     };
 
@@ -283,7 +290,14 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     )?;
     if !run.ok() {
         let report = fail(format!("the engine's generation process {}", run.failure_text(2000)), vec![]);
-        ctx.record("verify_generation", Some(&engine), versioned, &report, serde_json::json!({"seed": seed, "dtype": target.dtype}), started);
+        ctx.record(
+            "verify_generation",
+            Some(&engine),
+            versioned,
+            &report,
+            serde_json::json!({"seed": seed, "dtype": target.dtype}),
+            started,
+        );
         return Ok(report);
     }
     let (meta, mut tensors_out) = harness::read_tensor_words(&out)?;

@@ -152,8 +152,12 @@ fn each_rule_catches_its_fixture() {
 
     // A blocking finding stops a gate, and the outcome is recorded.
     let d = t.path().join("sig");
-    let k = kernel_test(&ctx, &KernelTestRequest { engine: s(&d), kernels: vec![], seed: None, dtype: None }, &Budget::secs(600))
-        .unwrap();
+    let k = kernel_test(
+        &ctx,
+        &KernelTestRequest { engine: s(&d), kernels: vec![], seed: None, dtype: None },
+        &Budget::secs(600),
+    )
+    .unwrap();
     assert!(!k.passed && k.build_error.contains("signature-changed") && k.kernels.is_empty(), "{k:?}");
     let ledger = metainfer::ledger::Ledger::open(&ctx.ledger).unwrap();
     let last = &ledger.list(0, 1).unwrap()[0];
@@ -178,8 +182,12 @@ fn verify_passes_only_after_kernel_tests_passed_on_the_same_sources() {
     let v = verify(&ctx, &req, &Budget::secs(600)).unwrap();
     assert!(!v.passed && v.error.contains("phase order"), "{}", v.error);
     assert!(v.prompts.iter().all(|p| p.error.is_empty()), "generation itself matched");
-    let k = kernel_test(&ctx, &KernelTestRequest { engine: s(&d), kernels: vec![], seed: None, dtype: None }, &Budget::secs(600))
-        .unwrap();
+    let k = kernel_test(
+        &ctx,
+        &KernelTestRequest { engine: s(&d), kernels: vec![], seed: None, dtype: None },
+        &Budget::secs(600),
+    )
+    .unwrap();
     assert!(k.passed);
     assert!(verify(&ctx, &req, &Budget::secs(600)).unwrap().passed);
     // Any change to the sources needs the kernel tests again.
@@ -270,8 +278,12 @@ fn every_gate_fails_on_empty_bare_and_constant_engines() {
     assert!(c.passed, "the constant engine must build, so that the gates judge its outputs: {c:?}");
 
     for engine in [&empty, &bare, &constant] {
-        let k =
-            kernel_test(&ctx, &KernelTestRequest { engine: s(engine), kernels: vec![], seed: None, dtype: None }, &budget).unwrap();
+        let k = kernel_test(
+            &ctx,
+            &KernelTestRequest { engine: s(engine), kernels: vec![], seed: None, dtype: None },
+            &budget,
+        )
+        .unwrap();
         assert!(!k.passed, "run_kernel_test passed on {}", engine.display());
         if engine == &constant {
             assert!(
