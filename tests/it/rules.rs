@@ -348,3 +348,27 @@ fn odd_engine_trees_finish_and_report_what_was_skipped() {
     let loops: Vec<_> = r.findings.iter().filter(|f| f.rule == "symlink-outside").map(|f| f.file.clone()).collect();
     assert_eq!(loops, ["loop-a", "loop-b"], "{}", metainfer::ops::Report::text(&r));
 }
+
+#[test]
+fn signatures_are_required_only_of_the_kernels_an_engine_implements() {
+    // The example engine stores f32 weights: the bf16/f16/int8 linear variants and Gemma's GeGLU are
+    // not its kernels, so their signatures are not required of it...
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let d = t.path().join("f32");
+    crate::copy_example(&d);
+    let found = rules_of(&ctx, &d);
+    assert!(found.iter().all(|(r, _)| r != "signature-changed"), "{found:?}");
+    // ...until it declares that it builds for bf16 too: then kernel.linear_bf16 is one of them.
+    if std::fs::read_to_string(d.join("metainfer.toml")).unwrap().contains("[dtype_features]") {
+        return; // the engine declares its dtypes itself
+    }
+    append(&d, "metainfer.toml", "\n[dtype_features]\nbf16 = [\"bf16\"]\n");
+    let r = check_rules(&ctx, &RulesRequest { engine: s(&d) }, &Budget::secs(600)).unwrap();
+    let sigs: Vec<&str> =
+        r.findings.iter().filter(|f| f.rule == "signature-changed").map(|f| f.message.as_str()).collect();
+    if !std::fs::read_to_string(d.join("src/kernels.rs")).unwrap().contains("pub fn linear_bf16(") {
+        assert!(sigs.iter().any(|m| m.contains("kernel.linear_bf16")), "{sigs:?}");
+    }
+    assert!(sigs.iter().all(|m| !m.contains("kernel.linear_int8") && !m.contains("gelu")), "{sigs:?}");
+}
