@@ -70,7 +70,8 @@ enum Command {
     },
     /// Write a small random-weight HF checkpoint of a covered family (config.json, model.safetensors, tokenizer.json).
     Synth {
-        /// Family: llama, mistral, qwen2, qwen3 or gemma.
+        /// Family: llama, mistral, qwen2, qwen3, gemma, or any other model family of the CKB, written
+        /// from its contract (a staged candidate counts).
         #[arg(long)]
         family: String,
         /// Directory to create (must not exist, or be empty).
@@ -518,7 +519,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 max_seq,
                 sliding_window,
             };
-            Ok(emit(&ops::synth::synth(&req)?, json))
+            let c = ctx(g, None, vec![])?;
+            Ok(emit(&ops::synth::synth_in(&c.live().ckb, &req)?, json))
         }
         Command::Contract { action } => {
             let c = ctx(g, None, vec![])?;

@@ -400,6 +400,8 @@ pub fn compare(got: &[f32], want: &[f64], tol: &Tolerance) -> (f64, f64, usize, 
 /// # Errors
 /// Not a crate, unknown kernel id, outside the workspace, or the harness cannot be started.
 pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Result<KernelTestReport> {
+    let live = ctx.live();
+    let ctx = &*live;
     let started = Instant::now();
     let dir = ctx.confine(Path::new(&req.engine), true)?;
     let engine = ctx.workshop.engine(&dir)?;

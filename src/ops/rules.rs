@@ -141,6 +141,8 @@ pub fn precheck(ctx: &Ctx, engine: &Engine, budget: &Budget) -> Result<RulesRepo
 /// # Errors
 /// Not a crate, outside the workspace, or cargo cannot resolve the dependency graph.
 pub fn check_rules(ctx: &Ctx, req: &RulesRequest, budget: &Budget) -> Result<RulesReport> {
+    let live = ctx.live();
+    let ctx = &*live;
     let started = Instant::now();
     let dir = ctx.confine(Path::new(&req.engine), true)?;
     let engine = ctx.workshop.engine(&dir)?;
