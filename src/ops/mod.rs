@@ -72,7 +72,18 @@ impl Ctx {
     pub fn live(&self) -> std::borrow::Cow<'_, Ctx> {
         use std::borrow::Cow;
         let dir = self.candidates_dir();
-        let candidates = if dir.is_dir() { crate::ckb::read_dir_files(&dir).unwrap_or_default() } else { vec![] };
+        // Only model and platform candidates route; evolution's failure-mode candidates wait.
+        let routes = |text: &str| {
+            toml::from_str::<toml::Table>(text)
+                .ok()
+                .and_then(|t| t.get("kind").and_then(|k| k.as_str()).map(|k| k == "model" || k == "platform"))
+                .unwrap_or(false)
+        };
+        let candidates: Vec<(String, String)> = if dir.is_dir() {
+            crate::ckb::read_dir_files(&dir).unwrap_or_default().into_iter().filter(|(_, t)| routes(t)).collect()
+        } else {
+            vec![]
+        };
         let files = match &self.ckb_dir {
             Some(d) => match crate::ckb::read_dir_files(d) {
                 Ok(f) => f,
