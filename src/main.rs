@@ -75,7 +75,8 @@ enum Command {
     },
     /// Write a random-weight HF checkpoint of a covered family (config.json, model.safetensors, tokenizer.json).
     Synth {
-        /// Family: llama, mistral, qwen2, qwen3 or gemma (llama with --preset).
+        /// Family: llama, mistral, qwen2, qwen3, gemma (llama with --preset), or any other model family
+        /// of the CKB, written from its contract (a staged candidate counts).
         #[arg(long)]
         family: Option<String>,
         /// A real model's shape: stories15m, stories42m or stories110m (the llama2.c TinyStories models);
@@ -585,7 +586,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 max_seq,
                 sliding_window,
             };
-            Ok(emit(&ops::synth::synth(&req)?, json))
+            let c = ctx(g, None, vec![])?;
+            Ok(emit(&ops::synth::synth_in(&c.live().ckb, &req)?, json))
         }
         Command::Contract { action } => {
             let c = ctx(g, None, vec![])?;

@@ -61,6 +61,24 @@ pub struct Ckb {
     /// Where it was loaded from: `embedded` or a directory.
     pub origin: String,
     skipped: Vec<SkippedFile>,
+    /// Ids of staged candidates loaded beside the CKB for routing (see [`Ckb::with_candidates`]).
+    provisional: BTreeSet<String>,
+    /// FNV-1a hash of the source files (paths and texts, in path order): tells whether the files
+    /// on disk still are the ones loaded.
+    fingerprint: u64,
+}
+
+/// FNV-1a 64-bit hash of a set of (path, text) files, in path order.
+pub fn fingerprint(files: &[(String, String)]) -> u64 {
+    let mut sorted: Vec<&(String, String)> = files.iter().collect();
+    sorted.sort();
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for (p, t) in sorted {
+        for b in p.bytes().chain([0u8]).chain(t.bytes()).chain([0u8]) {
+            h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
 }
 
 impl Ckb {
@@ -173,6 +191,7 @@ impl Ckb {
 
     /// Like [`Ckb::from_sources`] but returns all findings instead of failing: `ckb check` uses it.
     pub fn check_sources(files: Vec<(String, String)>, origin: String) -> (Option<Ckb>, Vec<Finding>) {
+        let fingerprint = fingerprint(&files);
         let schema = contract_schema();
         let validator = jsonschema::validator_for(&schema).expect("the generated contract schema is valid");
         let mut findings = Vec::new();
@@ -194,11 +213,12 @@ impl Ckb {
             let errors: Vec<_> = validator.iter_errors(&json).collect();
             if !errors.is_empty() {
                 for e in errors {
-                    findings.push(Finding {
-                        file: file.clone(),
-                        field: e.instance_path().to_string(),
-                        message: e.to_string(),
-                    });
+                    // A missing property is named by its own path, not its parent's.
+                    let mut field = e.instance_path().to_string();
+                    if let jsonschema::error::ValidationErrorKind::Required { property } = e.kind() {
+                        field = format!("{field}/{}", property.as_str().unwrap_or_default());
+                    }
+                    findings.push(Finding { file: file.clone(), field, message: e.to_string() });
                 }
                 continue;
             }
@@ -218,7 +238,7 @@ impl Ckb {
                 Err(e) => findings.push(Finding { file: file.clone(), field: String::new(), message: e.to_string() }),
             }
         }
-        let ckb = Ckb { contracts, files: file_of, origin, skipped: Vec::new() };
+        let ckb = Ckb { contracts, files: file_of, origin, skipped: Vec::new(), provisional: BTreeSet::new(), fingerprint };
         findings.extend(ckb.lint());
         (Some(ckb), findings)
     }
@@ -253,6 +273,17 @@ impl Ckb {
                 for k in &m.components {
                     if !k.starts_with("component.") {
                         bad("/model/components", format!("`{k}` is not a component id"));
+                    }
+                }
+                for (i, f) in m.features.iter().enumerate() {
+                    if !types::FAMILY_FEATURES.iter().any(|(known, _)| known == f) {
+                        bad(
+                            &format!("/model/features/{i}"),
+                            format!(
+                                "unknown feature `{f}`: the reference forward pass implements only {}; describe a new difference in the forward pass with these, or add the feature to the server (oracle::llama and model::resolve) first",
+                                types::FAMILY_FEATURES.iter().map(|(k, _)| *k).collect::<Vec<_>>().join(", ")
+                            ),
+                        );
                     }
                 }
             }
@@ -332,11 +363,9 @@ impl Ckb {
                         ),
                     );
                 }
-                if self
-                    .contracts
-                    .values()
-                    .any(|o| o.id < c.id && o.variant.as_ref().is_some_and(|w| w.of == v.of && w.weight_dtype == v.weight_dtype))
-                {
+                if self.contracts.values().any(|o| {
+                    o.id < c.id && o.variant.as_ref().is_some_and(|w| w.of == v.of && w.weight_dtype == v.weight_dtype)
+                }) {
                     bad("/variant", format!("another kernel is already the {} variant of {}", v.weight_dtype, v.of));
                 }
             }
@@ -526,18 +555,104 @@ impl Ckb {
         hits.into_iter().map(|(_, c)| c).collect()
     }
 
-    /// The model-family contract routed from config.json's `architectures` or `model_type`.
+    /// The model-family contract routed from config.json's `architectures` or `model_type`. An
+    /// established contract is preferred to a provisional one that claims the same architecture.
     pub fn family_for(&self, architectures: &[String], model_type: Option<&str>) -> Option<&Contract> {
-        self.of_kind(Kind::Model).find(|c| {
+        let routes = |c: &&Contract| {
             let m = c.model.as_ref().expect("lint: model kind has a model section");
             architectures.iter().any(|a| m.architectures.contains(a))
                 || model_type.is_some_and(|t| m.model_types.iter().any(|x| x == t))
-        })
+        };
+        let mut hits = self.of_kind(Kind::Model).filter(routes);
+        let first = hits.next()?;
+        if self.is_provisional(&first.id) {
+            hits.find(|c| !self.is_provisional(&c.id)).or(Some(first))
+        } else {
+            Some(first)
+        }
     }
 
-    /// The platform contract for a `--target` name.
+    /// The platform contract for a `--target` name (an established one before a provisional one).
     pub fn platform_for(&self, target: &str) -> Option<&Contract> {
-        self.of_kind(Kind::Platform).find(|c| c.platform.as_ref().is_some_and(|p| p.target == target))
+        let mut hits = self.of_kind(Kind::Platform).filter(|c| c.platform.as_ref().is_some_and(|p| p.target == target));
+        let first = hits.next()?;
+        if self.is_provisional(&first.id) {
+            hits.find(|c| !self.is_provisional(&c.id)).or(Some(first))
+        } else {
+            Some(first)
+        }
+    }
+
+    /// Whether `id` is a staged candidate loaded for routing only (not yet promoted into the CKB).
+    pub fn is_provisional(&self, id: &str) -> bool {
+        self.provisional.contains(id)
+    }
+
+    /// Ids of the provisional contracts, ordered.
+    pub fn provisional(&self) -> impl Iterator<Item = &str> {
+        self.provisional.iter().map(String::as_str)
+    }
+
+    /// FNV-1a hash of the files this CKB was loaded from (see [`fingerprint`]).
+    pub fn fingerprint(&self) -> u64 {
+        self.fingerprint
+    }
+
+    /// The CKB of `files` plus those staged `candidates` that may route engines before promotion:
+    /// new ids (not amendments) of kind model or platform, each valid (schema and lint) together
+    /// with `files`. They are marked provisional: established contracts route first, outcomes
+    /// record them as `id@version` like any contract, and promotion (on a passing gate's evidence)
+    /// makes them part of the CKB. Candidates of other kinds or amendments wait for promotion.
+    ///
+    /// Returns the CKB and, per candidate left out for being invalid, its findings (file paths
+    /// prefixed `candidates/`).
+    ///
+    /// # Errors
+    /// When `files` themselves are not a valid CKB.
+    pub fn with_candidates(
+        files: Vec<(String, String)>,
+        candidates: Vec<(String, String)>,
+        origin: String,
+    ) -> Result<(Ckb, Vec<Finding>)> {
+        let base = Ckb::from_sources(files.clone(), origin.clone())?;
+        let fingerprint = base.fingerprint;
+        let mut accepted: Vec<(String, String)> = Vec::new();
+        let mut ids = BTreeSet::new();
+        let mut left_out = Vec::new();
+        for (rel, text) in candidates {
+            let Ok(c) = toml::from_str::<Contract>(&text) else { continue };
+            if !matches!(c.kind, Kind::Model | Kind::Platform)
+                || base.contracts.contains_key(&c.id)
+                || ids.contains(&c.id)
+            {
+                continue;
+            }
+            let path = format!("candidates/{rel}");
+            let mut trial = files.clone();
+            trial.push((path.clone(), text.clone()));
+            let (_, findings) = Ckb::check_sources(trial, origin.clone());
+            if findings.is_empty() {
+                ids.insert(c.id);
+                accepted.push((path, text));
+            } else {
+                left_out.extend(findings);
+            }
+        }
+        if accepted.is_empty() {
+            return Ok((base, left_out));
+        }
+        let mut all = files;
+        all.extend(accepted);
+        let (ckb, findings) = Ckb::check_sources(all, origin);
+        let mut ckb = ckb.expect("check_sources always returns a CKB");
+        if !findings.is_empty() {
+            // Candidates valid one by one but not together (e.g. two with one id): none routes.
+            left_out.extend(findings);
+            return Ok((base, left_out));
+        }
+        ckb.provisional = ids;
+        ckb.fingerprint = fingerprint;
+        Ok((ckb, left_out))
     }
 }
 

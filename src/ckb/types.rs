@@ -222,9 +222,9 @@ pub struct ModelFamily {
     /// config.json keys whose presence (non-null, non-false) means a feature this contract does not cover.
     #[serde(default)]
     pub unsupported_keys: Vec<String>,
-    /// Forward-pass features beyond the Llama baseline that the family always has (`qkv_bias`, `qk_norm`,
-    /// `sliding_window`, `gelu_tanh_mlp`, `rmsnorm_one_plus_w`, `embed_scale_sqrt_hidden`); the resolved
-    /// config carries them to the oracle and the engine. Empty: plain Llama.
+    /// Forward-pass features beyond the Llama baseline that the family always has, each one of
+    /// [`FAMILY_FEATURES`] (lint refuses any other: the reference forward pass would ignore it); the
+    /// resolved config carries them to the oracle and the engine. Empty: plain Llama.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub features: Vec<String>,
     /// Weight tensors.
@@ -255,6 +255,12 @@ pub struct Platform {
     pub peak_gflops_f32: BTreeMap<String, f64>,
     /// SIMD width in bits of the widest vector unit assumed.
     pub simd_bits: u32,
+    /// CPU architecture as Rust's `std::env::consts::ARCH` names it (`x86_64`, `aarch64`), when the
+    /// platform is one architecture. The gates run an engine on the server's own host: on a host of
+    /// another architecture they exercise the engine's portable code path, and profile_engine takes
+    /// its roofline figures from the host instead of this contract. Empty: the host's architecture.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub arch: String,
     /// Optimisation guidance, most effective first.
     pub guidance: Vec<String>,
     /// Guidance per kernel contract id (a dtype variant falls back to the kernel it replaces), with
@@ -383,6 +389,26 @@ pub struct Contract {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub variant: Option<KernelVariant>,
 }
+
+/// Forward-pass features a model-family contract may list in `[model] features`, with what each one
+/// changes against plain Llama. The reference forward pass (`oracle::llama`) and `model::resolve`
+/// implement exactly these; a contract naming any other is refused by lint.
+pub const FAMILY_FEATURES: &[(&str, &str)] = &[
+    ("qkv_bias", "q, k and v projections add a bias (`self_attn.{q,k,v}_proj.bias`)"),
+    ("qk_norm", "every query and key head is RMS-normalised before RoPE (`self_attn.{q,k}_norm.weight`, [head_dim])"),
+    ("sliding_window", "attention sees only the last `sliding_window` positions (config.json; null: full attention)"),
+    ("gelu_tanh_mlp", "the MLP gate uses tanh-approximated GELU instead of SiLU (GeGLU)"),
+    ("rmsnorm_one_plus_w", "RMSNorm multiplies by (1 + w) instead of w"),
+    ("embed_scale_sqrt_hidden", "the embedding row is multiplied by sqrt(hidden), rounded to f32"),
+    (
+        "fused_qkv",
+        "q, k and v weights are one tensor `self_attn.qkv_proj.weight` of shape [(n_heads + 2 n_kv_heads) head_dim, hidden]: the q rows, then the k rows, then the v rows (with qkv_bias, `self_attn.qkv_proj.bias` in the same order)",
+    ),
+    (
+        "fused_gate_up",
+        "gate and up weights are one tensor `mlp.gate_up_proj.weight` of shape [2 intermediate, hidden]: the gate rows, then the up rows",
+    ),
+];
 
 /// Weight dtypes an engine may store its 2-D weights in; activations and accumulation stay f32.
 /// `int8` is weight-only symmetric quantisation with one f32 scale per output row.

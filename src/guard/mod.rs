@@ -201,8 +201,10 @@ pub struct Inputs<'a> {
     pub references: &'a [provenance::Reference],
     /// Reference level of the engine: at `code`, provenance matches are warnings.
     pub level: ReferenceLevel,
-    /// Contract ids whose Rust signatures the engine must keep (its plan); None: every contract.
-    pub contracts: Option<&'a [String]>,
+    /// Contract ids whose signatures the engine must keep: the ones it implements (its family, the
+    /// family's components and its kernels at the dtypes it is built for). None: every contract with
+    /// a Rust skeleton.
+    pub implements: Option<&'a std::collections::BTreeSet<String>>,
 }
 
 /// Run every rule on an engine directory.
@@ -211,7 +213,7 @@ pub fn check(dir: &Path, inputs: &Inputs) -> (Vec<Finding>, Vec<String>) {
     let mut findings = Vec::new();
     findings.extend(dependencies::check(inputs.ckb, inputs.target, inputs.packages));
     findings.extend(containment::check(dir, &tree));
-    findings.extend(signatures::check(inputs.ckb, inputs.contracts, &tree));
+    findings.extend(signatures::check(inputs.ckb, &tree, inputs.implements));
     findings.extend(hardcoded::check(&tree));
     findings.extend(provenance::check(&tree, inputs.references, inputs.level));
     (findings, tree.skipped)

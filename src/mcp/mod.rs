@@ -268,7 +268,9 @@ impl Server {
 
     /// Propose a new or amended contract (a model family, kernel, component, platform or failure mode) as TOML.
     /// It is validated (schema and lint, against the knowledge base) and staged; an amendment must bump the
-    /// version. It is promoted once the ledger holds evidence, or by a person.
+    /// version. A new model family or platform routes provisionally at once: plan, scaffold and the gates use it,
+    /// and a passing verify_generation (or verified profile_engine) under it promotes it into the CKB working copy
+    /// (--ckb DIR). Other proposals are promoted once the ledger holds evidence, or by a person.
     #[tool(
         name = "propose_contract",
         input_schema = input::<ProposeRequest>(),
@@ -337,12 +339,13 @@ impl Server {
 
     /// Verify end-to-end generation on a real checkpoint: the engine's tokenizer against HF tokenizers, greedy
     /// tokens exactly and per-step logits within tolerance against the reference forward pass. Some prompts are
-    /// drawn at random on every run.
+    /// drawn at random on every run. A pass under a staged model-family or platform proposal promotes it into the
+    /// CKB working copy.
     #[tool(
         name = "verify_generation",
         input_schema = input::<VerifyRequest>(),
         output_schema = output::<VerifyReport>(),
-        annotations(read_only_hint = true, destructive_hint = false, idempotent_hint = false, open_world_hint = false)
+        annotations(read_only_hint = false, destructive_hint = false, idempotent_hint = false, open_world_hint = false)
     )]
     async fn verify_generation(
         &self,
@@ -372,12 +375,13 @@ impl Server {
     }
 
     /// Measure prefill and decode tokens/s (median, min, max over several runs), time to first token and load
-    /// time, against the platform's bandwidth roofline.
+    /// time, against the platform's bandwidth roofline. A verified pass under a staged model-family or platform
+    /// proposal promotes it into the CKB working copy.
     #[tool(
         name = "profile_engine",
         input_schema = input::<ProfileRequest>(),
         output_schema = output::<ProfileReport>(),
-        annotations(read_only_hint = true, destructive_hint = false, idempotent_hint = false, open_world_hint = false)
+        annotations(read_only_hint = false, destructive_hint = false, idempotent_hint = false, open_world_hint = false)
     )]
     async fn profile_engine(
         &self,

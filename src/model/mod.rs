@@ -53,7 +53,8 @@ pub struct ResolvedConfig {
 }
 
 impl ResolvedConfig {
-    /// Whether the forward pass has this feature (e.g. `qkv_bias`, `qk_norm`, `gelu_tanh_mlp`).
+    /// Whether the forward pass has this feature (one of [`crate::ckb::FAMILY_FEATURES`], e.g.
+    /// `qkv_bias`, `qk_norm`, `gelu_tanh_mlp`, `fused_qkv`).
     pub fn has(&self, feature: &str) -> bool {
         self.features.iter().any(|f| f == feature)
     }
@@ -212,6 +213,18 @@ pub fn resolve(
         features: family.features.clone(),
     };
     let mut cfg = cfg;
+    for f in &family.features {
+        // Lint refuses such a contract; a CKB built without lint must not reach the oracle with it.
+        if !crate::ckb::FAMILY_FEATURES.iter().any(|(known, _)| known == f) {
+            gaps.push(Gap {
+                field: "features".into(),
+                reason: format!(
+                    "{} lists feature `{f}`, which the reference forward pass does not implement",
+                    contract.id
+                ),
+            });
+        }
+    }
     scaling::resolve_extras(contract, config, &roles, &mut cfg, &mut gaps);
     if gaps.is_empty() {
         if !cfg.n_heads.is_multiple_of(cfg.n_kv_heads) {

@@ -110,6 +110,8 @@ fn hint(ctx: &Ctx, d: &mut Diagnostic) {
 /// # Errors
 /// Not a crate, outside the workspace, or cargo cannot be started.
 pub fn compile(ctx: &Ctx, req: &CompileRequest, budget: &Budget) -> Result<CompileReport> {
+    let live = ctx.live();
+    let ctx = &*live;
     let started = Instant::now();
     let dir = ctx.confine(Path::new(&req.engine), true)?;
     let engine = ctx.workshop.engine(&dir)?;

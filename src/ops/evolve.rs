@@ -301,7 +301,7 @@ fn files_with(ctx: &Ctx, extra: (String, String), replace_id: Option<&str>) -> R
         None => crate::ckb::embedded_files(),
     };
     if let Some(id) = replace_id
-        && let Some(f) = ctx.ckb.file_of(id)
+        && let Some(f) = ctx.ckb.file_of(id).filter(|_| !ctx.ckb.is_provisional(id))
     {
         files.retain(|(p, _)| p != f);
     }
@@ -365,18 +365,36 @@ pub fn propose(ctx: &Ctx, req: &ProposeRequest) -> Result<ProposeReport> {
     Ok(ProposeReport { staged: true, id, version, amendment: existing.is_some(), file, findings: vec![] })
 }
 
+/// The gates whose passing outcome is evidence for a contract of `kind`: a model family or a
+/// platform is exercised only by verify_generation (real weights through the whole forward pass) and
+/// by a verified profile_engine; kernels and the rest by any gate that ran the engine.
+pub fn evidence_gates(kind: Kind) -> &'static [&'static str] {
+    match kind {
+        Kind::Model | Kind::Platform => &["verify_generation", "profile_engine"],
+        _ => &["compile_engine", "run_kernel_test", "verify_generation", "profile_engine"],
+    }
+}
+
+/// Whether outcome `o` is evidence for the contract `tag` (`id@version`) of `kind`.
+fn is_evidence(o: &Outcome, tag: &str, kind: Kind) -> bool {
+    o.passed
+        && o.contracts.iter().any(|c| c == tag)
+        && evidence_gates(kind).contains(&o.tool.as_str())
+        && (o.tool != "profile_engine" || o.figures.get("verified") != Some(&serde_json::Value::Bool(false)))
+}
+
 /// Promote a staged contract into the CKB working copy.
 ///
-/// Evidence: a passing gate outcome in the ledger that ran under exactly `id@version`. Without
-/// evidence only `force` (a person's decision) promotes.
+/// Evidence: a passing outcome in the ledger of a gate in [`evidence_gates`] for the contract's kind
+/// that ran under exactly `id@version` (a model family: a passing verify_generation on a checkpoint it
+/// routed). Without evidence only `force` (a person's decision) promotes. The contract is written into
+/// the working copy (beside the contract it amends, or under its kind's folder) and its candidate
+/// file is removed.
 ///
 /// # Errors
 /// No working copy (`--ckb DIR`), no such candidate, no evidence without force, or the promoted CKB
 /// would be invalid.
 pub fn promote(ctx: &Ctx, id: &str, force: bool) -> Result<String> {
-    let ckb_dir = ctx.ckb_dir.as_ref().ok_or_else(|| {
-        Error::usage("promotion writes into a CKB working copy: pass --ckb DIR (a checkout of contracts/)")
-    })?;
     let staged = crate::ckb::read_dir_files(&ctx.candidates_dir()).unwrap_or_default();
     let (rel, text) = staged
         .into_iter()
@@ -385,13 +403,21 @@ pub fn promote(ctx: &Ctx, id: &str, force: bool) -> Result<String> {
     let contract: Contract = toml::from_str(&text).map_err(|e| Error::input(format!("candidate {rel}: {e}")))?;
     let tag = format!("{}@{}", contract.id, contract.version);
     let ledger = Ledger::open(&ctx.ledger)?;
-    let evidence = ledger
-        .list(0, ledger.count()?)?
-        .into_iter()
-        .find(|o| o.passed && o.contracts.contains(&tag) && o.tool != "lookup_contract" && o.tool != "plan_engine");
+    let evidence = ledger.list(0, ledger.count()?)?.into_iter().find(|o| is_evidence(o, &tag, contract.kind));
+    let Some(ckb_dir) = ctx.ckb_dir.as_ref() else {
+        let has = match &evidence {
+            Some(o) => format!("the ledger holds evidence for {tag} (outcome {} of {}), but ", o.id, o.tool),
+            None => String::new(),
+        };
+        return Err(Error::usage(format!(
+            "{has}the built-in CKB cannot be written: promotion writes into a CKB working copy. Pass --ckb DIR (a checkout of contracts/), stage the proposal there (`metainfer --ckb DIR ckb propose {}`) and run `metainfer --ckb DIR ckb promote {id}`",
+            ctx.candidates_dir().join(&rel).display()
+        )));
+    };
     if evidence.is_none() && !force {
         return Err(Error::usage(format!(
-            "no evidence for {tag}: no passing gate outcome ran under it; build an engine that passes the gates using it, or promote by hand with --force"
+            "no evidence for {tag}: no passing {} outcome ran under it; build an engine that passes the gates using it, or promote by hand with --force",
+            evidence_gates(contract.kind).join(" or ")
         )));
     }
     let files = files_with(ctx, (rel.clone(), text.clone()), Some(id))?;
@@ -402,7 +428,7 @@ pub fn promote(ctx: &Ctx, id: &str, force: bool) -> Result<String> {
             findings.iter().map(|f| format!("  {f}")).collect::<Vec<_>>().join("\n")
         )));
     }
-    let target = match ctx.ckb.file_of(id) {
+    let target = match ctx.ckb.file_of(id).filter(|_| !ctx.ckb.is_provisional(id)) {
         Some(f) => ckb_dir.join(f),
         None => ckb_dir.join(&rel),
     };
@@ -417,4 +443,36 @@ pub fn promote(ctx: &Ctx, id: &str, force: bool) -> Result<String> {
             None => "forced by hand".into(),
         }
     ))
+}
+
+/// What a gate did about a provisional contract it ran under.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct Promotion {
+    /// The staged candidate, `id@version`.
+    pub contract: String,
+    /// Whether it was promoted into the CKB working copy.
+    pub promoted: bool,
+    /// What happened, or why it was not promoted and what to do (e.g. the built-in CKB cannot be
+    /// written: pass --ckb DIR).
+    pub message: String,
+}
+
+/// After a gate passed and recorded its outcome under `contracts` (`id@version`), promote each of
+/// them that is a provisional candidate whose kind this gate is evidence for ([`evidence_gates`]).
+/// Never fails: a promotion that cannot happen is reported in its [`Promotion::message`].
+pub fn promote_on_evidence(ctx: &Ctx, gate: &str, contracts: &[String]) -> Vec<Promotion> {
+    let mut out = Vec::new();
+    for tag in contracts {
+        let id = tag.split('@').next().unwrap_or(tag);
+        let Ok(c) = ctx.ckb.get(id) else { continue };
+        if !ctx.ckb.is_provisional(id) || !evidence_gates(c.kind).contains(&gate) {
+            continue;
+        }
+        let (promoted, message) = match promote(ctx, id, false) {
+            Ok(m) => (true, m),
+            Err(e) => (false, e.message),
+        };
+        out.push(Promotion { contract: tag.clone(), promoted, message });
+    }
+    out
 }

@@ -351,11 +351,8 @@ fn write_inputs(path: &Path, d: &Drawn) -> Result<()> {
             safetensors::tensor::TensorView::new(safetensors::Dtype::U32, vec![b.len() / 4], b).expect("view"),
         ));
     }
-    let h: Vec<(String, Vec<u8>, bool)> = d
-        .halves
-        .iter()
-        .map(|(n, v, bf)| (n.clone(), v.iter().flat_map(|x| x.to_le_bytes()).collect(), *bf))
-        .collect();
+    let h: Vec<(String, Vec<u8>, bool)> =
+        d.halves.iter().map(|(n, v, bf)| (n.clone(), v.iter().flat_map(|x| x.to_le_bytes()).collect(), *bf)).collect();
     for (n, b, bf) in &h {
         let dtype = if *bf { safetensors::Dtype::BF16 } else { safetensors::Dtype::F16 };
         views.push((n.clone(), safetensors::tensor::TensorView::new(dtype, vec![b.len() / 2], b).expect("view")));
@@ -403,6 +400,8 @@ pub fn compare(got: &[f32], want: &[f64], tol: &Tolerance) -> (f64, f64, usize, 
 /// # Errors
 /// Not a crate, unknown kernel id, outside the workspace, or the harness cannot be started.
 pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Result<KernelTestReport> {
+    let live = ctx.live();
+    let ctx = &*live;
     let started = Instant::now();
     let dir = ctx.confine(Path::new(&req.engine), true)?;
     let engine = ctx.workshop.engine(&dir)?;

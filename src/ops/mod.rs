@@ -60,6 +60,58 @@ impl Ctx {
             None => self.ledger.parent().map(Path::to_path_buf).unwrap_or_default().join("candidates"),
         }
     }
+
+    /// This context with the knowledge base the gates route by: the CKB as it is now (a working copy
+    /// is re-read when its files changed, so a promotion made by this process counts at once) plus
+    /// the staged candidates that may route before promotion, provisionally: new model and platform
+    /// contracts ([`Ckb::with_candidates`]). Plans, scaffolds, gates and synth use it, so an agent can
+    /// build and test an engine under its own proposal; outcomes record the candidate as
+    /// `id@version`, which is the evidence that promotes it.
+    ///
+    /// Borrows `self` when nothing changed and nothing is staged. A working copy that became invalid
+    /// on disk, or a candidate that does not validate, is left out with a warning on stderr.
+    pub fn live(&self) -> std::borrow::Cow<'_, Ctx> {
+        use std::borrow::Cow;
+        let dir = self.candidates_dir();
+        // Only model and platform candidates route; evolution's failure-mode candidates wait.
+        let routes = |text: &str| {
+            toml::from_str::<toml::Table>(text)
+                .ok()
+                .and_then(|t| t.get("kind").and_then(|k| k.as_str()).map(|k| k == "model" || k == "platform"))
+                .unwrap_or(false)
+        };
+        let candidates: Vec<(String, String)> = if dir.is_dir() {
+            crate::ckb::read_dir_files(&dir).unwrap_or_default().into_iter().filter(|(_, t)| routes(t)).collect()
+        } else {
+            vec![]
+        };
+        let files = match &self.ckb_dir {
+            Some(d) => match crate::ckb::read_dir_files(d) {
+                Ok(f) => f,
+                Err(e) => {
+                    tracing::warn!("CKB working copy not re-read: {e}");
+                    return Cow::Borrowed(self);
+                }
+            },
+            None if candidates.is_empty() => return Cow::Borrowed(self),
+            None => crate::ckb::embedded_files(),
+        };
+        if candidates.is_empty() && crate::ckb::fingerprint(&files) == self.ckb.fingerprint() {
+            return Cow::Borrowed(self);
+        }
+        match Ckb::with_candidates(files, candidates, self.ckb.origin.clone()) {
+            Ok((ckb, left_out)) => {
+                for f in left_out {
+                    tracing::warn!("staged candidate not used for routing: {f}");
+                }
+                Cow::Owned(Ctx { ckb, ..self.clone() })
+            }
+            Err(e) => {
+                tracing::warn!("CKB on disk is invalid, using the one loaded at start: {e}");
+                Cow::Borrowed(self)
+            }
+        }
+    }
 }
 
 /// What one gate call builds and checks, from the engine's `metainfer.toml` (written by scaffold)
@@ -71,6 +123,10 @@ pub struct Target {
     pub family: String,
     /// Weight dtype (`dtype`, default `f32`; a request may pick another one the engine declares).
     pub dtype: String,
+    /// Target platform name (`target`, default `cpu`).
+    pub target: String,
+    /// Platform contract id for `target`, when the knowledge base (or a provisional candidate) has one.
+    pub platform: Option<String>,
     /// Harness arms and engine features.
     pub spec: crate::harness::HarnessSpec,
 }
@@ -98,8 +154,9 @@ impl Ctx {
     pub fn target(&self, engine: &crate::harness::Engine, dtype: Option<&str>) -> Result<Target> {
         let path = engine.dir.join("metainfer.toml");
         let table: toml::Table = match std::fs::read_to_string(&path) {
-            Ok(t) => toml::from_str(&t)
-                .map_err(|e| Error::usage(format!("{}: not valid TOML ({e}); fix or re-scaffold it", path.display())))?,
+            Ok(t) => toml::from_str(&t).map_err(|e| {
+                Error::usage(format!("{}: not valid TOML ({e}); fix or re-scaffold it", path.display()))
+            })?,
             Err(_) => toml::Table::new(),
         };
         let text = |key: &str, default: &str| table.get(key).and_then(|v| v.as_str()).unwrap_or(default).to_string();
@@ -132,7 +189,9 @@ impl Ctx {
             Error::usage(format!("{}: family `{family}` is not in the knowledge base ({e})", path.display()))
         })?;
         let kernels = plan::kernels_for(&self.ckb, fam, &dtype).map_err(Error::usage)?;
-        Ok(Target { family, dtype, spec: crate::harness::HarnessSpec { kernels, features: feats } })
+        let target = text("target", "cpu");
+        let platform = self.ckb.platform_for(&target).map(|p| p.id.clone());
+        Ok(Target { family, dtype, target, platform, spec: crate::harness::HarnessSpec { kernels, features: feats } })
     }
 }
 

@@ -47,7 +47,8 @@ pub struct PhasePlan {
 /// The plan.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 pub struct PlanReport {
-    /// Whether the knowledge base covers these constraints.
+    /// Whether the knowledge base covers these constraints: no gaps, and no contract the plan needs is
+    /// only a staged candidate (see `provisional`).
     pub covered: bool,
     /// Model-family contract id, "" when not routed.
     pub family: String,
@@ -60,6 +61,10 @@ pub struct PlanReport {
     pub config: Option<ResolvedConfig>,
     /// Why the constraints are not covered: config.json fields, target or dtype.
     pub gaps: Vec<Gap>,
+    /// Staged candidates (`id@version`) the plan routes through because no promoted contract covers
+    /// the constraints: the engine can be scaffolded and gated under them, and a passing
+    /// verify_generation (or verified profile_engine) promotes them. Empty when covered.
+    pub provisional: Vec<String>,
     /// Phases in build order.
     pub phases: Vec<PhasePlan>,
     /// Contract files left out of the knowledge base as invalid (`--skip-invalid`), each with its
@@ -75,6 +80,14 @@ impl Report for PlanReport {
     fn text(&self) -> String {
         let mut s = if self.covered {
             format!("covered: {} on {} in {}\n", self.family, self.platform, self.dtype)
+        } else if self.gaps.is_empty() {
+            format!(
+                "covered provisionally: {} on {} in {}, through staged candidate(s) {}; a passing verify_generation under them promotes them\n",
+                self.family,
+                self.platform,
+                self.dtype,
+                self.provisional.join(", ")
+            )
         } else {
             format!("not covered ({} gap(s))\n", self.gaps.len())
         };
@@ -121,6 +134,8 @@ impl Report for PlanReport {
 /// report with gaps, not an error.
 pub fn plan(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
     let started = std::time::Instant::now();
+    let live = ctx.live();
+    let ctx = &*live;
     let report = plan_only(ctx, req)?;
     let ids: Vec<&str> = report.phases.iter().flat_map(|p| p.contracts.iter().map(String::as_str)).collect();
     let figures =
@@ -136,7 +151,11 @@ pub fn plan(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
 /// # Errors
 /// The reason, in words, when `dtype` is not a weight dtype or no kernel of the family has a
 /// variant for it (nothing would read weights in that dtype).
-pub fn kernels_for(ckb: &crate::ckb::Ckb, family: &crate::ckb::Contract, dtype: &str) -> std::result::Result<Vec<String>, String> {
+pub fn kernels_for(
+    ckb: &crate::ckb::Ckb,
+    family: &crate::ckb::Contract,
+    dtype: &str,
+) -> std::result::Result<Vec<String>, String> {
     if !crate::ckb::WEIGHT_DTYPES.contains(&dtype) {
         return Err(format!("`{dtype}` is not a weight dtype; use one of {}", crate::ckb::WEIGHT_DTYPES.join(", ")));
     }
@@ -167,7 +186,8 @@ pub fn kernels_for(ckb: &crate::ckb::Ckb, family: &crate::ckb::Contract, dtype: 
     Ok(kernels)
 }
 
-/// [`plan`] without recording an outcome (used inside scaffold).
+/// [`plan`] without recording an outcome (used inside scaffold). Routes with `ctx` as given: pass
+/// [`Ctx::live`] to include staged candidates.
 ///
 /// # Errors
 /// As [`plan`].
@@ -267,8 +287,15 @@ pub fn plan_only(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
             });
         }
     }
+    let provisional: Vec<String> = family
+        .into_iter()
+        .chain(platform)
+        .filter(|c| ctx.ckb.is_provisional(&c.id))
+        .map(|c| format!("{}@{}", c.id, c.version))
+        .collect();
     Ok(PlanReport {
-        covered: gaps.is_empty(),
+        covered: gaps.is_empty() && provisional.is_empty(),
+        provisional,
         family: family.map(|f| f.id.clone()).unwrap_or_default(),
         platform: platform.map(|p| p.id.clone()).unwrap_or_default(),
         dtype: req.dtype.clone(),

@@ -121,6 +121,12 @@ pub struct ProfileReport {
     pub rules: Vec<crate::guard::Finding>,
     /// Harness failure text, when it failed.
     pub error: String,
+    /// Where the roofline figures come from and, when the engine's target platform is another
+    /// architecture than this host's, that the timings are of the engine's portable path here.
+    pub figures_from: String,
+    /// When it passed: each staged candidate it ran under (family, target platform) and whether this
+    /// evidence promoted it (see `ops::evolve::promote_on_evidence`). Empty otherwise.
+    pub promotions: Vec<super::evolve::Promotion>,
 }
 
 /// The comparison with the previous profile.
@@ -171,7 +177,15 @@ impl Report for ProfileReport {
             self.load_ms,
             self.roofline_decode_tok_s,
             100.0 * self.decode_tok_s.median / self.roofline_decode_tok_s
-        ) + &self.kernels_text()
+        ) + &format!("figures from {}\n", self.figures_from)
+            + &self
+                .promotions
+                .iter()
+                .map(|p| {
+                    format!("{} {}: {}\n", if p.promoted { "promoted" } else { "not promoted" }, p.contract, p.message)
+                })
+                .collect::<String>()
+            + &self.kernels_text()
     }
 }
 
@@ -232,6 +246,8 @@ impl ProfileReport {
 /// Not a crate, unreadable or uncovered model, outside the workspace, or the harness cannot start.
 pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<ProfileReport> {
     let started = Instant::now();
+    let live = ctx.live();
+    let ctx = &*live;
     let dir = ctx.confine(Path::new(&req.engine), true)?;
     let model_dir = ctx.confine(Path::new(&req.model), true)?;
     let engine = ctx.workshop.engine(&dir)?;
@@ -257,6 +273,19 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
         "int8" => streamed * (1.0 + 4.0 / cfg.hidden as f64),
         _ => 4.0 * streamed,
     };
+    // The engine's target platform gives the figures when it describes this host's architecture;
+    // otherwise (an engine for another architecture, run here on its portable path) the host's
+    // platform contract (`cpu`) does.
+    let host = std::env::consts::ARCH;
+    let target_platform = target.platform.as_deref().and_then(|id| ctx.ckb.get(id).ok());
+    let other_arch = target_platform
+        .and_then(|p| p.platform.as_ref())
+        .filter(|p| !p.arch.is_empty() && p.arch != host)
+        .map(|p| p.arch.clone());
+    let figures_platform = match &other_arch {
+        None => target_platform.or_else(|| ctx.ckb.platform_for("cpu")),
+        Some(_) => ctx.ckb.platform_for("cpu"),
+    };
     // This machine's own figures when `metainfer machine` probed it, else the platform contract's.
     let probe: Option<crate::probe::MachineProbe> = crate::ledger::Ledger::open(&ctx.ledger)
         .ok()
@@ -266,7 +295,7 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     if threads == 0 || threads > 1024 {
         return Err(Error::usage(format!("threads must be 1..=1024, got {threads}")));
     }
-    let platform = ctx.ckb.platform_for("cpu").and_then(|p| p.platform.as_ref());
+    let platform = figures_platform.and_then(|p| p.platform.as_ref());
     let contract_bw = |n: usize| platform.and_then(|p| p.bandwidth_gbs.get(&n.to_string()).copied());
     let bandwidth = probe
         .as_ref()
@@ -276,9 +305,7 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
         .unwrap_or(15.0);
     let roofline = bandwidth * 1e9 / bytes_per_token;
     // The compute bound must never understate: take the larger of the probe and the contract.
-    let contract_peak = ctx
-        .ckb
-        .platform_for("cpu")
+    let contract_peak = figures_platform
         .and_then(|p| p.platform.as_ref().and_then(|p| p.peak_gflops_f32.values().copied().reduce(f64::max)))
         .unwrap_or(128.0);
     let probe_peak = probe
@@ -286,6 +313,20 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
         .map(|p| p.figures.iter().filter(|f| f.what.starts_with("peak")).map(|f| f.spread.max).fold(0.0, f64::max))
         .unwrap_or(0.0);
     let peak = contract_peak.max(probe_peak);
+    let mut figures_from = match (&probe, figures_platform) {
+        (Some(_), Some(p)) => format!("this machine's probe (metainfer machine), peak at least {}", p.id),
+        (Some(_), None) => "this machine's probe (metainfer machine)".to_string(),
+        (None, Some(p)) => p.id.clone(),
+        (None, None) => "defaults (no platform contract for `cpu`)".to_string(),
+    };
+    if let (Some(arch), Some(id)) = (&other_arch, &target.platform) {
+        figures_from += &format!(
+            "; the engine targets {id} ({arch}) and ran on this {host} host: the gates exercised its portable code path, and these timings are not {arch} figures"
+        );
+    }
+    let mut contract_ids: Vec<&str> = vec![cfg.family.as_str()];
+    contract_ids.extend(target.platform.as_deref());
+    let versioned = ctx.versioned(&contract_ids);
     let compute_bound = peak * 1e9 / (2.0 * weights as f64);
     let mut report = ProfileReport {
         passed: false,
@@ -312,12 +353,21 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
         outputs_ok: false,
         rules: vec![],
         error: String::new(),
+        figures_from,
+        promotions: vec![],
     };
     let rules = super::rules::precheck(ctx, &engine, budget)?;
     report.rules = rules.findings.clone();
     if !rules.passed {
         report.error = super::rules::blocked_text(&rules);
-        ctx.record("profile_engine", Some(&engine), vec![], &report, serde_json::json!({"blocked": true, "dtype": target.dtype}), started);
+        ctx.record(
+            "profile_engine",
+            Some(&engine),
+            versioned.clone(),
+            &report,
+            serde_json::json!({"blocked": true, "dtype": target.dtype}),
+            started,
+        );
         return Ok(report);
     }
     let build = ctx.workshop.build_harness(&engine, &target.spec, budget)?;
@@ -326,7 +376,14 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
             "the engine does not build with the harness:\n{}",
             super::Report::text(&super::compile::report_of(ctx, &engine, build, 0))
         );
-        ctx.record("profile_engine", Some(&engine), vec![], &report, serde_json::json!({"dtype": target.dtype}), started);
+        ctx.record(
+            "profile_engine",
+            Some(&engine),
+            versioned.clone(),
+            &report,
+            serde_json::json!({"dtype": target.dtype}),
+            started,
+        );
         return Ok(report);
     };
     let run = harness::run(
@@ -345,7 +402,14 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     )?;
     if !run.ok() {
         report.error = format!("the engine's profile process {}", run.failure_text(2000));
-        ctx.record("profile_engine", Some(&engine), vec![], &report, serde_json::json!({"dtype": target.dtype}), started);
+        ctx.record(
+            "profile_engine",
+            Some(&engine),
+            versioned.clone(),
+            &report,
+            serde_json::json!({"dtype": target.dtype}),
+            started,
+        );
         return Ok(report);
     }
     let v: serde_json::Value = serde_json::from_str(run.stdout.lines().last().unwrap_or_default())
@@ -481,7 +545,10 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
         "outputs_ok": report.outputs_ok,
         "verified": verified,
     });
-    ctx.record("profile_engine", Some(&engine), vec![], &report, figures, started);
+    ctx.record("profile_engine", Some(&engine), versioned.clone(), &report, figures, started);
+    if report.passed && verified {
+        report.promotions = super::evolve::promote_on_evidence(ctx, "profile_engine", &versioned);
+    }
     Ok(report)
 }
 

@@ -60,6 +60,29 @@ impl Report for RulesReport {
     }
 }
 
+/// The contract ids an engine implements, from its metainfer.toml: its family, the family's
+/// components, and the family's kernels at its own dtype and at every dtype of `[dtype_features]`.
+/// None when metainfer.toml names no family of the knowledge base (every signature is then checked).
+fn implemented(ctx: &Ctx, engine: &Engine) -> Option<std::collections::BTreeSet<String>> {
+    let table: toml::Table = std::fs::read_to_string(engine.dir.join("metainfer.toml"))
+        .ok()
+        .and_then(|t| toml::from_str(&t).ok())
+        .unwrap_or_default();
+    let mut dtypes: Vec<Option<String>> = vec![None];
+    if let Some(extra) = table.get("dtype_features").and_then(|v| v.as_table()) {
+        dtypes.extend(extra.keys().map(|d| Some(d.clone())));
+    }
+    let mut ids = std::collections::BTreeSet::new();
+    for d in dtypes {
+        let target = ctx.target(engine, d.as_deref()).ok()?;
+        let family = ctx.ckb.get(&target.family).ok()?;
+        ids.insert(family.id.clone());
+        ids.extend(family.model.iter().flat_map(|m| m.components.iter().cloned()));
+        ids.extend(target.spec.kernels);
+    }
+    Some(ids)
+}
+
 /// Run the rules on an engine already inspected (no ledger record).
 ///
 /// # Errors
@@ -84,25 +107,14 @@ pub fn precheck(ctx: &Ctx, engine: &Engine, budget: &Budget) -> Result<RulesRepo
         .and_then(|t| toml::from_str::<toml::Table>(&t).ok())
         .and_then(|t| t.get("target").and_then(|v| v.as_str()).map(str::to_owned))
         .unwrap_or_else(|| "cpu".into());
-    // The contracts whose signatures this engine must keep: its plan's (family, its kernels at its
-    // dtype, its components); an unreadable metainfer.toml falls back to the Llama f32 plan.
-    let plan = ctx.target(engine, None).or_else(|_| {
-        let fam = ctx.ckb.get("model.llama")?;
-        let kernels = super::plan::kernels_for(&ctx.ckb, fam, "f32").map_err(crate::error::Error::usage)?;
-        Ok::<_, crate::error::Error>(super::Target {
-            family: fam.id.clone(),
-            dtype: "f32".into(),
-            spec: crate::harness::HarnessSpec { kernels, features: vec![] },
-        })
-    });
-    let scope: Option<Vec<String>> = plan.ok().map(|t| t.contract_ids(&ctx.ckb));
+    let implements = implemented(ctx, engine);
     let inputs = guard::Inputs {
         ckb: &ctx.ckb,
         target: &target,
         packages: &packages,
         references: &references,
         level,
-        contracts: scope.as_deref(),
+        implements: implements.as_ref(),
     };
     let (mut findings, skipped) = guard::check(&engine.dir, &inputs);
     if let Some(why) = unresolved {
@@ -129,6 +141,8 @@ pub fn precheck(ctx: &Ctx, engine: &Engine, budget: &Budget) -> Result<RulesRepo
 /// # Errors
 /// Not a crate, outside the workspace, or cargo cannot resolve the dependency graph.
 pub fn check_rules(ctx: &Ctx, req: &RulesRequest, budget: &Budget) -> Result<RulesReport> {
+    let live = ctx.live();
+    let ctx = &*live;
     let started = Instant::now();
     let dir = ctx.confine(Path::new(&req.engine), true)?;
     let engine = ctx.workshop.engine(&dir)?;

@@ -82,7 +82,8 @@ pub type Files = Vec<(String, String)>;
 pub fn render(ctx: &Ctx, req: &ScaffoldRequest) -> Result<(Files, Vec<String>)> {
     let preq = PlanRequest { model: req.model.clone(), target: req.target.clone(), dtype: req.dtype.clone() };
     let report = plan_only(ctx, &preq)?;
-    if !report.covered {
+    // Staged candidates (report.provisional) may be scaffolded under: that is how they earn evidence.
+    if !report.gaps.is_empty() {
         return Err(Error::usage(format!(
             "cannot scaffold: the constraints are not covered:\n{}",
             report.gaps.iter().map(|g| format!("  {}: {}", g.field, g.reason)).collect::<Vec<_>>().join("\n")
@@ -173,6 +174,8 @@ fn contracts_in(ctx: &Ctx, module: &str, ids: &[String]) -> Vec<String> {
 /// Uncovered constraints; a non-empty `out` without `force`; a path outside the workspace.
 pub fn scaffold(ctx: &Ctx, req: &ScaffoldRequest) -> Result<ScaffoldReport> {
     let started = std::time::Instant::now();
+    let live = ctx.live();
+    let ctx = &*live;
     let report = scaffold_only(ctx, req)?;
     let ids: Vec<&str> = report.contracts.iter().map(String::as_str).collect();
     let engine = ctx.workshop.engine(std::path::Path::new(&report.dir)).ok();

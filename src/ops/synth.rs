@@ -4,6 +4,11 @@
 //! checkpoints are large; or in a real model's shape ([`PRESETS`]), for speed work. Sizes are checked
 //! before anything is written; the checkpoint goes into a temporary directory beside `out` and is
 //! renamed into place.
+//!
+//! The five built-in families (`FAMILIES`) have hand-written configs. Any other family is written from
+//! its model contract (an established one or a staged candidate, see [`synth_in`]): config.json from
+//! the contract's `architectures`, `model_types` and `config` keys, tensors from its `features`
+//! (e.g. `fused_qkv` writes one `qkv_proj` tensor in place of q/k/v).
 
 use std::path::{Path, PathBuf};
 
@@ -335,14 +340,34 @@ fn normal(rng: &mut rand_chacha::ChaCha8Rng, n: usize, mean: f32, std: f32) -> V
         .collect()
 }
 
-/// The tensors of a synthetic checkpoint for `config` (as [`synth_config`] writes it): name, shape, values.
-/// Projections are N(0, 1/fan_in) so activations keep their scale through the layers; the embedding is
-/// N(0, 0.2^2), so that logits spread over a few units; norm weights are near one (near zero for
-/// Gemma's `1 + w`); biases are N(0, 0.25).
+/// The tensors of a synthetic checkpoint for `config` (as [`synth_config`] writes it) of a built-in
+/// family: [`synth_tensors_with`] with the features of its model_type ([`builtin_features`]).
 ///
 /// # Panics
 /// When `config` lacks a size key (it comes from [`synth_config`]).
 pub fn synth_tensors(config: &serde_json::Value, seed: u64) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let features = builtin_features(config["model_type"].as_str().unwrap_or("llama"));
+    synth_tensors_with(config, &features, seed)
+}
+
+/// The tensors of a synthetic checkpoint for `config` and the family's `features`: name, shape, values.
+/// Projections are N(0, 1/fan_in) so activations keep their scale through the layers; the embedding is
+/// N(0, 0.2^2), so that logits spread over a few units; norm weights are near one (near zero with
+/// `rmsnorm_one_plus_w`, Gemma's `1 + w`); biases (`qkv_bias`) are N(0, 0.25); `qk_norm` adds the
+/// per-head norm weights. `fused_qkv` writes q, k and v (drawn as without it) as the row blocks of one
+/// `self_attn.qkv_proj.weight` [(n_heads + 2 n_kv_heads) head_dim, hidden] (and biases as one
+/// `qkv_proj.bias`); `fused_gate_up` writes gate and up as one `mlp.gate_up_proj.weight`
+/// [2 intermediate, hidden]. So a fused checkpoint holds the same numbers as the unfused one of the
+/// same seed.
+///
+/// # Panics
+/// When `config` lacks a size key (it comes from [`synth_config`] or [`synth_config_for`]).
+pub fn synth_tensors_with(
+    config: &serde_json::Value,
+    features: &[String],
+    seed: u64,
+) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let has = |f: &str| features.iter().any(|x| x == f);
     let u = |k: &str| config[k].as_u64().unwrap_or_else(|| panic!("config has {k}")) as usize;
     let (h, ff, nl, nh, nkv, hd, vocab) = (
         u("hidden_size"),
@@ -353,41 +378,59 @@ pub fn synth_tensors(config: &serde_json::Value, seed: u64) -> Vec<(String, Vec<
         config["head_dim"].as_u64().map_or(u("hidden_size") / u("num_attention_heads"), |v| v as usize),
         u("vocab_size"),
     );
-    let family = config["model_type"].as_str().unwrap_or("llama");
     let tied = config["tie_word_embeddings"].as_bool().unwrap_or(false);
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-    let norm_mean = if family == "gemma" { 0.0 } else { 1.0 };
+    let norm_mean = if has("rmsnorm_one_plus_w") { 0.0 } else { 1.0 };
     let mut out = Vec::new();
-    let mut push = |rng: &mut rand_chacha::ChaCha8Rng, name: String, shape: Vec<usize>, mean: f32, std: f32| {
-        let n = shape.iter().product();
-        out.push((name, shape, normal(rng, n, mean, std)));
+    type Out = Vec<(String, Vec<usize>, Vec<f32>)>;
+    let push =
+        |out: &mut Out, rng: &mut rand_chacha::ChaCha8Rng, name: String, shape: Vec<usize>, mean: f32, std: f32| {
+            let n = shape.iter().product();
+            out.push((name, shape, normal(rng, n, mean, std)));
+        };
+    // Replace the last `n` tensors by one with their rows stacked in order.
+    let fuse = |out: &mut Out, n: usize, name: String| {
+        let parts = out.split_off(out.len() - n);
+        let cols: usize = parts[0].1[1..].iter().product();
+        let rows: usize = parts.iter().map(|p| p.1[0]).sum();
+        let shape = if parts[0].1.len() == 1 { vec![rows] } else { vec![rows, cols] };
+        out.push((name, shape, parts.into_iter().flat_map(|p| p.2).collect()));
     };
     let proj = |fan_in: usize| 1.0 / (fan_in as f32).sqrt();
-    push(&mut rng, "model.embed_tokens.weight".into(), vec![vocab, h], 0.0, 0.2);
+    push(&mut out, &mut rng, "model.embed_tokens.weight".into(), vec![vocab, h], 0.0, 0.2);
     for i in 0..nl {
         let p = format!("model.layers.{i}.");
-        push(&mut rng, format!("{p}input_layernorm.weight"), vec![h], norm_mean, 0.1);
-        push(&mut rng, format!("{p}self_attn.q_proj.weight"), vec![nh * hd, h], 0.0, proj(h));
-        push(&mut rng, format!("{p}self_attn.k_proj.weight"), vec![nkv * hd, h], 0.0, proj(h));
-        push(&mut rng, format!("{p}self_attn.v_proj.weight"), vec![nkv * hd, h], 0.0, proj(h));
-        if family == "qwen2" {
-            push(&mut rng, format!("{p}self_attn.q_proj.bias"), vec![nh * hd], 0.0, 0.5);
-            push(&mut rng, format!("{p}self_attn.k_proj.bias"), vec![nkv * hd], 0.0, 0.5);
-            push(&mut rng, format!("{p}self_attn.v_proj.bias"), vec![nkv * hd], 0.0, 0.5);
+        push(&mut out, &mut rng, format!("{p}input_layernorm.weight"), vec![h], norm_mean, 0.1);
+        push(&mut out, &mut rng, format!("{p}self_attn.q_proj.weight"), vec![nh * hd, h], 0.0, proj(h));
+        push(&mut out, &mut rng, format!("{p}self_attn.k_proj.weight"), vec![nkv * hd, h], 0.0, proj(h));
+        push(&mut out, &mut rng, format!("{p}self_attn.v_proj.weight"), vec![nkv * hd, h], 0.0, proj(h));
+        if has("fused_qkv") {
+            fuse(&mut out, 3, format!("{p}self_attn.qkv_proj.weight"));
         }
-        if family == "qwen3" {
-            push(&mut rng, format!("{p}self_attn.q_norm.weight"), vec![hd], 1.0, 0.3);
-            push(&mut rng, format!("{p}self_attn.k_norm.weight"), vec![hd], 1.0, 0.3);
+        if has("qkv_bias") {
+            push(&mut out, &mut rng, format!("{p}self_attn.q_proj.bias"), vec![nh * hd], 0.0, 0.5);
+            push(&mut out, &mut rng, format!("{p}self_attn.k_proj.bias"), vec![nkv * hd], 0.0, 0.5);
+            push(&mut out, &mut rng, format!("{p}self_attn.v_proj.bias"), vec![nkv * hd], 0.0, 0.5);
+            if has("fused_qkv") {
+                fuse(&mut out, 3, format!("{p}self_attn.qkv_proj.bias"));
+            }
         }
-        push(&mut rng, format!("{p}self_attn.o_proj.weight"), vec![h, nh * hd], 0.0, proj(nh * hd));
-        push(&mut rng, format!("{p}post_attention_layernorm.weight"), vec![h], norm_mean, 0.1);
-        push(&mut rng, format!("{p}mlp.gate_proj.weight"), vec![ff, h], 0.0, proj(h));
-        push(&mut rng, format!("{p}mlp.up_proj.weight"), vec![ff, h], 0.0, proj(h));
-        push(&mut rng, format!("{p}mlp.down_proj.weight"), vec![h, ff], 0.0, proj(ff));
+        if has("qk_norm") {
+            push(&mut out, &mut rng, format!("{p}self_attn.q_norm.weight"), vec![hd], 1.0, 0.3);
+            push(&mut out, &mut rng, format!("{p}self_attn.k_norm.weight"), vec![hd], 1.0, 0.3);
+        }
+        push(&mut out, &mut rng, format!("{p}self_attn.o_proj.weight"), vec![h, nh * hd], 0.0, proj(nh * hd));
+        push(&mut out, &mut rng, format!("{p}post_attention_layernorm.weight"), vec![h], norm_mean, 0.1);
+        push(&mut out, &mut rng, format!("{p}mlp.gate_proj.weight"), vec![ff, h], 0.0, proj(h));
+        push(&mut out, &mut rng, format!("{p}mlp.up_proj.weight"), vec![ff, h], 0.0, proj(h));
+        if has("fused_gate_up") {
+            fuse(&mut out, 2, format!("{p}mlp.gate_up_proj.weight"));
+        }
+        push(&mut out, &mut rng, format!("{p}mlp.down_proj.weight"), vec![h, ff], 0.0, proj(ff));
     }
-    push(&mut rng, "model.norm.weight".into(), vec![h], norm_mean, 0.1);
+    push(&mut out, &mut rng, "model.norm.weight".into(), vec![h], norm_mean, 0.1);
     if !tied {
-        push(&mut rng, "lm_head.weight".into(), vec![vocab, h], 0.0, 0.2);
+        push(&mut out, &mut rng, "lm_head.weight".into(), vec![vocab, h], 0.0, 0.2);
     }
     out
 }
@@ -463,6 +506,20 @@ pub fn synth_tokenizer(vocab: usize) -> serde_json::Value {
 /// # Errors
 /// When `out` exists and is not an empty directory, or a file cannot be written.
 pub fn write_checkpoint(out: &Path, config: &serde_json::Value, seed: u64) -> Result<SynthReport> {
+    let features = builtin_features(config["model_type"].as_str().unwrap_or("llama"));
+    write_checkpoint_with(out, config, &features, seed)
+}
+
+/// As [`write_checkpoint`], with the tensors of a family with these `features` ([`synth_tensors_with`]).
+///
+/// # Errors
+/// As [`write_checkpoint`].
+pub fn write_checkpoint_with(
+    out: &Path,
+    config: &serde_json::Value,
+    features: &[String],
+    seed: u64,
+) -> Result<SynthReport> {
     if out.exists() {
         let empty = out.is_dir() && std::fs::read_dir(out).map(|mut d| d.next().is_none()).unwrap_or(false);
         if !empty {
@@ -484,7 +541,7 @@ pub fn write_checkpoint(out: &Path, config: &serde_json::Value, seed: u64) -> Re
     let vocab = config["vocab_size"].as_u64().unwrap_or(0) as usize;
     let tok = serde_json::to_string_pretty(&synth_tokenizer(vocab)).expect("json serialises");
     std::fs::write(tmp.path().join("tokenizer.json"), tok).map_err(|e| io(out, e))?;
-    let tensors = synth_tensors(config, seed);
+    let tensors = synth_tensors_with(config, features, seed);
     let (count, parameters) = (tensors.len(), tensors.iter().map(|t| t.2.len()).sum());
     // Converted tensor by tensor, so that only one tensor is held twice.
     let bytes: Vec<(String, Vec<usize>, Vec<u8>)> =
@@ -518,11 +575,184 @@ pub fn write_checkpoint(out: &Path, config: &serde_json::Value, seed: u64) -> Re
     })
 }
 
-/// Write a synthetic checkpoint for `req`.
+/// Write a synthetic checkpoint of a built-in family ([`FAMILIES`]) for `req`.
 ///
 /// # Errors
 /// As [`synth_config`] and [`write_checkpoint`].
 pub fn synth(req: &SynthRequest) -> Result<SynthReport> {
     let config = synth_config(req)?;
     write_checkpoint(&req.out, &config, req.seed)
+}
+
+/// Checked sizes of a synthetic checkpoint.
+struct Sizes {
+    hidden: usize,
+    layers: usize,
+    heads: usize,
+    kv: usize,
+    head_dim: usize,
+    vocab: usize,
+    inter: usize,
+    max_seq: usize,
+}
+
+/// The request's sizes with defaults applied, checked for values that make no sense and for at
+/// most [`MAX_PARAMETERS`] parameters (`tied`: lm_head shares the embedding).
+fn sizes(req: &SynthRequest, tied: bool) -> Result<Sizes> {
+    let hidden = req.hidden.unwrap_or(64);
+    let layers = req.layers.unwrap_or(2);
+    let heads = req.heads.unwrap_or(4);
+    let kv = req.kv_heads.unwrap_or(2.min(heads));
+    let vocab = req.vocab.unwrap_or(128);
+    let inter = req.intermediate.unwrap_or(2 * hidden + 32);
+    let max_seq = req.max_seq.unwrap_or(64);
+    let check = |ok: bool, msg: String| if ok { Ok(()) } else { Err(Error::usage(msg)) };
+    check((1..=8192).contains(&hidden), format!("--hidden {hidden} must be in 1..=8192"))?;
+    check((1..=64).contains(&layers), format!("--layers {layers} must be in 1..=64"))?;
+    check((1..=128).contains(&heads), format!("--heads {heads} must be in 1..=128"))?;
+    check(
+        kv >= 1 && heads.is_multiple_of(kv),
+        format!("--kv-heads {kv} must be at least 1 and divide --heads {heads}"),
+    )?;
+    check((8..=262_144).contains(&vocab), format!("--vocab {vocab} must be in 8..=262144"))?;
+    check((1..=65_536).contains(&inter), format!("--intermediate {inter} must be in 1..=65536"))?;
+    check((1..=1_048_576).contains(&max_seq), format!("--max-seq {max_seq} must be in 1..=1048576"))?;
+    let head_dim = match req.head_dim {
+        Some(d) => d,
+        None => {
+            check(
+                hidden.is_multiple_of(heads),
+                format!("--hidden {hidden} is not a multiple of --heads {heads}; pass --head-dim"),
+            )?;
+            hidden / heads
+        }
+    };
+    check(
+        head_dim >= 2 && head_dim % 2 == 0 && head_dim <= 1024,
+        format!("head_dim {head_dim} must be even, in 2..=1024 (RoPE pairs)"),
+    )?;
+    let per_layer = hidden * heads * head_dim * 2 + hidden * kv * head_dim * 2 + 3 * hidden * inter + 2 * hidden;
+    let params = layers * per_layer + vocab * hidden * if tied { 1 } else { 2 } + hidden;
+    check(
+        params <= MAX_PARAMETERS,
+        format!("{params} parameters is more than synth writes ({MAX_PARAMETERS}); choose smaller sizes"),
+    )?;
+    Ok(Sizes { hidden, layers, heads, kv, head_dim, vocab, inter, max_seq })
+}
+
+/// The config.json of a synthetic checkpoint of the family `contract` describes: its first
+/// architecture and model_type, and every `config` key with a role synth knows (sizes from the
+/// request; epsilon, RoPE base, tying and activation from the contract's defaults and supported
+/// values; `sliding_window` and `rope_scaling` null unless asked for). `head_dim` is written only
+/// when the contract's default would not give the requested one.
+///
+/// # Errors
+/// [`crate::error::ErrorKind::Usage`] for absurd sizes (naming the flag), or when the config written
+/// does not resolve against the contract (the gaps are listed).
+pub fn synth_config_for(contract: &crate::ckb::Contract, req: &SynthRequest) -> Result<serde_json::Value> {
+    let m = contract
+        .model
+        .as_ref()
+        .ok_or_else(|| Error::usage(format!("{} is not a model-family contract", contract.id)))?;
+    let literal = |d: Option<&str>| -> Option<serde_json::Value> {
+        let d = d?.trim();
+        d.parse::<f64>().ok().map(|x| json!(x)).or_else(|| d.parse::<bool>().ok().map(serde_json::Value::Bool))
+    };
+    let tied_default = m.config.iter().find(|f| f.role == "tied").and_then(|f| literal(f.default.as_deref()));
+    let tied = tied_default.and_then(|v| v.as_bool()).unwrap_or(false);
+    let z = sizes(req, tied)?;
+    let mut c = serde_json::Map::new();
+    c.insert("architectures".into(), json!([m.architectures.first().cloned().unwrap_or_default()]));
+    c.insert("model_type".into(), json!(m.model_types.first().cloned().unwrap_or_default()));
+    for f in &m.config {
+        let v = match f.role.as_str() {
+            "hidden" => json!(z.hidden),
+            "intermediate" => json!(z.inter),
+            "n_layers" => json!(z.layers),
+            "n_heads" => json!(z.heads),
+            "n_kv_heads" => json!(z.kv),
+            "vocab" => json!(z.vocab),
+            "max_seq" => json!(z.max_seq),
+            "head_dim" => continue,
+            "tied" => json!(tied),
+            "activation" => json!(f.supported.first().cloned().or(f.default.clone()).unwrap_or_else(|| "silu".into())),
+            "sliding_window" => req.sliding_window.map_or(serde_json::Value::Null, |w| json!(w)),
+            "rope_scaling" => serde_json::Value::Null,
+            "rms_norm_eps" => literal(f.default.as_deref()).unwrap_or(json!(1e-6)),
+            "rope_theta" => literal(f.default.as_deref()).unwrap_or(json!(10_000.0)),
+            _ => match (f.supported.first(), literal(f.default.as_deref())) {
+                (Some(s), _) => s.parse::<f64>().map_or_else(|_| json!(s), |x| json!(x)),
+                (None, Some(v)) => v,
+                (None, None) => continue,
+            },
+        };
+        c.insert(f.key.clone(), v);
+    }
+    c.insert("bos_token_id".into(), json!(1));
+    c.insert("eos_token_id".into(), json!(2));
+    c.insert("torch_dtype".into(), json!("float32"));
+    let resolved = |c: &serde_json::Map<String, serde_json::Value>| crate::model::resolve(contract, c);
+    if resolved(&c).map(|r| r.head_dim).ok() != Some(z.head_dim)
+        && let Some(f) = m.config.iter().find(|f| f.role == "head_dim")
+    {
+        c.insert(f.key.clone(), json!(z.head_dim));
+    }
+    match resolved(&c) {
+        Ok(r) if r.head_dim == z.head_dim => Ok(serde_json::Value::Object(c)),
+        Ok(r) => Err(Error::usage(format!(
+            "{} gives head_dim {} and has no head_dim key to set {}; pass sizes with hidden = heads * head_dim",
+            contract.id, r.head_dim, z.head_dim
+        ))),
+        Err(gaps) => Err(Error::usage(format!(
+            "the config synth wrote for {} does not resolve against it:\n{}",
+            contract.id,
+            gaps.iter().map(|g| format!("  {}: {}", g.field, g.reason)).collect::<Vec<_>>().join("\n")
+        ))),
+    }
+}
+
+/// The forward-pass features of a built-in family by its model_type, as its contract lists them
+/// (what [`synth_tensors`] writes tensors for).
+pub fn builtin_features(model_type: &str) -> Vec<String> {
+    let f: &[&str] = match model_type {
+        "mistral" => &["sliding_window"],
+        "qwen2" => &["qkv_bias"],
+        "qwen3" => &["qk_norm"],
+        "gemma" => &["gelu_tanh_mlp", "rmsnorm_one_plus_w", "embed_scale_sqrt_hidden"],
+        _ => &[],
+    };
+    f.iter().map(|s| s.to_string()).collect()
+}
+
+/// Write a synthetic checkpoint for `req`: a built-in family as [`synth`] does, any other family
+/// from its model contract in `ckb` (`model.<family>`, or the family whose model_types contain it;
+/// a provisional candidate counts) with [`synth_config_for`] and the contract's features.
+///
+/// # Errors
+/// A family neither built in nor in `ckb` (the message lists both), and as [`synth_config_for`] and
+/// [`write_checkpoint`].
+pub fn synth_in(ckb: &crate::ckb::Ckb, req: &SynthRequest) -> Result<SynthReport> {
+    let family = req.family.strip_prefix("model.").unwrap_or(&req.family);
+    if family.is_empty() || FAMILIES.contains(&family) || req.preset.is_some() {
+        return synth(req);
+    }
+    let contract = ckb.get(&format!("model.{family}")).ok().or_else(|| ckb.family_for(&[], Some(family)));
+    let Some(contract) = contract else {
+        let known: Vec<String> = ckb
+            .of_kind(crate::ckb::Kind::Model)
+            .map(|c| c.id.trim_start_matches("model.").to_string())
+            .filter(|f| !FAMILIES.contains(&f.as_str()))
+            .collect();
+        return Err(Error::usage(format!(
+            "unknown family `{}`; synth writes: {}{}",
+            req.family,
+            FAMILIES.join(", "),
+            if known.is_empty() { String::new() } else { format!(", and from their contracts: {}", known.join(", ")) }
+        )));
+    };
+    let config = synth_config_for(contract, req)?;
+    let features = &contract.model.as_ref().expect("model contract").features;
+    let mut report = write_checkpoint_with(&req.out, &config, features, req.seed)?;
+    report.family = family.to_string();
+    Ok(report)
 }

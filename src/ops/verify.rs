@@ -97,6 +97,10 @@ pub struct VerifyReport {
     pub diagnosis: Vec<super::diagnose::Diagnosis>,
     /// Rule findings (check_rules); a blocking one stops verification.
     pub rules: Vec<crate::guard::Finding>,
+    /// When it passed: each staged candidate it ran under (the model family, the engine's target
+    /// platform) and whether this evidence promoted it into the CKB working copy (see
+    /// `ops::evolve::promote_on_evidence`). Empty otherwise.
+    pub promotions: Vec<super::evolve::Promotion>,
 }
 
 impl Report for VerifyReport {
@@ -137,6 +141,9 @@ impl Report for VerifyReport {
         }
         for d in &self.diagnosis {
             s += &format!("{}\n", d.line());
+        }
+        for p in &self.promotions {
+            s += &format!("{} {}: {}\n", if p.promoted { "promoted" } else { "not promoted" }, p.contract, p.message);
         }
         s
     }
@@ -183,6 +190,8 @@ pub fn random_prompts(seed: u64, n: usize) -> Vec<String> {
 /// started. An engine that fails to build or produces wrong output is a report, not an error.
 pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyReport> {
     let started = Instant::now();
+    let live = ctx.live();
+    let ctx = &*live;
     let dir = ctx.confine(Path::new(&req.engine), true)?;
     let model_dir = ctx.confine(Path::new(&req.model), true)?;
     let engine = ctx.workshop.engine(&dir)?;
@@ -230,6 +239,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     let mut contract_ids: Vec<&str> = vec![family.id.as_str()];
     let m = family.model.as_ref().expect("model contract");
     contract_ids.extend(target.spec.kernels.iter().chain(&m.components).map(String::as_str));
+    contract_ids.extend(target.platform.as_deref());
     let versioned = ctx.versioned(&contract_ids);
 
     let fail = |error: String, prompts: Vec<PromptResult>| VerifyReport {
@@ -243,6 +253,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         error,
         diagnosis: vec![],
         rules: vec![],
+        promotions: vec![],
     };
     let rules = super::rules::precheck(ctx, &engine, budget)?;
     if !rules.passed {
@@ -263,7 +274,14 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         let compile = super::compile::report_of(ctx, &engine, build, 0);
         let report =
             fail(format!("the engine does not build with the harness:\n{}", super::Report::text(&compile)), vec![]);
-        ctx.record("verify_generation", Some(&engine), versioned, &report, serde_json::json!({"seed": seed, "dtype": target.dtype}), started);
+        ctx.record(
+            "verify_generation",
+            Some(&engine),
+            versioned,
+            &report,
+            serde_json::json!({"seed": seed, "dtype": target.dtype}),
+            started,
+        );
         return Ok(report);
     };
 
@@ -283,7 +301,14 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     )?;
     if !run.ok() {
         let report = fail(format!("the engine's generation process {}", run.failure_text(2000)), vec![]);
-        ctx.record("verify_generation", Some(&engine), versioned, &report, serde_json::json!({"seed": seed, "dtype": target.dtype}), started);
+        ctx.record(
+            "verify_generation",
+            Some(&engine),
+            versioned,
+            &report,
+            serde_json::json!({"seed": seed, "dtype": target.dtype}),
+            started,
+        );
         return Ok(report);
     }
     let (meta, mut tensors_out) = harness::read_tensor_words(&out)?;
@@ -394,7 +419,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         Some((ids, tokens, logits)) => super::diagnose::generation(&ctx.ckb, &mut reference, ids, tokens, logits, &tol),
         None => vec![],
     };
-    let report = VerifyReport {
+    let mut report = VerifyReport {
         passed,
         seed,
         family: family.id.clone(),
@@ -405,6 +430,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         error,
         diagnosis,
         rules: rules.findings,
+        promotions: vec![],
     };
     let figures = serde_json::json!({
         "seed": seed,
@@ -413,6 +439,9 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         "prompts": report.prompts.len(),
         "diagnosis": report.diagnosis.iter().map(|d| d.failure.as_str()).collect::<Vec<_>>(),
     });
-    ctx.record("verify_generation", Some(&engine), versioned, &report, figures, started);
+    ctx.record("verify_generation", Some(&engine), versioned.clone(), &report, figures, started);
+    if report.passed {
+        report.promotions = super::evolve::promote_on_evidence(ctx, "verify_generation", &versioned);
+    }
     Ok(report)
 }

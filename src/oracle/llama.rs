@@ -2,7 +2,8 @@
 //! kernels. Used by verify_generation as the expected logits and tokens. The same pass covers the other
 //! dense decoder families (Mistral, Qwen2, Qwen3, Gemma) through the resolved config's `features`:
 //! q/k/v biases, per-head q/k RMSNorm, sliding-window attention, GeGLU, `(1 + w)` RMSNorm, the
-//! `sqrt(hidden)` embedding scale and RoPE scaling. Without features the numbers are plain Llama's.
+//! `sqrt(hidden)` embedding scale, RoPE scaling, and fused q/k/v and gate/up weight tensors (Phi-3's
+//! layout, split into their row blocks at load). Without features the numbers are plain Llama's.
 
 use super::families::{add_bias, gelu_tanh_and_mul, rope_inv_freq, rope_with_freqs};
 use super::mutants::{self, AttnFaults, Mutation, Mutations};
@@ -83,17 +84,50 @@ impl Reference {
             let w = get(name, &[n])?;
             Ok(if one_plus { w.iter().map(|x| 1.0 + x).collect() } else { w })
         };
+        // Row blocks of a fused tensor: q | k | v for `fused_qkv` (Phi-3's qkv_proj), gate | up for
+        // `fused_gate_up` (Phi-3's gate_up_proj). Rows are contiguous in a row-major [rows, cols]
+        // tensor, so splitting is slicing; int8's per-row scales are unaffected.
+        let split = |v: Vec<f64>, cols: usize, rows: &[usize]| -> Vec<Vec<f64>> {
+            let mut at = 0;
+            rows.iter()
+                .map(|r| {
+                    let part = v[at * cols..(at + r) * cols].to_vec();
+                    at += r;
+                    part
+                })
+                .collect()
+        };
+        let (qd, kvd) = (nh * hd, nkv * hd);
         let mut layers = Vec::new();
         for i in 0..cfg.n_layers {
             let p = format!("model.layers.{i}.");
-            let bias = if cfg.has("qkv_bias") {
-                Some([
-                    get(&format!("{p}self_attn.q_proj.bias"), &[nh * hd])?,
-                    get(&format!("{p}self_attn.k_proj.bias"), &[nkv * hd])?,
-                    get(&format!("{p}self_attn.v_proj.bias"), &[nkv * hd])?,
-                ])
+            let [wq, wk, wv]: [Vec<f64>; 3] = if cfg.has("fused_qkv") {
+                let w = get(&format!("{p}self_attn.qkv_proj.weight"), &[qd + 2 * kvd, h])?;
+                split(w, h, &[qd, kvd, kvd]).try_into().expect("three parts")
             } else {
-                None
+                [
+                    get(&format!("{p}self_attn.q_proj.weight"), &[qd, h])?,
+                    get(&format!("{p}self_attn.k_proj.weight"), &[kvd, h])?,
+                    get(&format!("{p}self_attn.v_proj.weight"), &[kvd, h])?,
+                ]
+            };
+            let [w_gate, w_up]: [Vec<f64>; 2] = if cfg.has("fused_gate_up") {
+                let w = get(&format!("{p}mlp.gate_up_proj.weight"), &[2 * ff, h])?;
+                split(w, h, &[ff, ff]).try_into().expect("two parts")
+            } else {
+                [get(&format!("{p}mlp.gate_proj.weight"), &[ff, h])?, get(&format!("{p}mlp.up_proj.weight"), &[ff, h])?]
+            };
+            let bias = match (cfg.has("qkv_bias"), cfg.has("fused_qkv")) {
+                (false, _) => None,
+                (true, true) => {
+                    let b = get(&format!("{p}self_attn.qkv_proj.bias"), &[qd + 2 * kvd])?;
+                    Some(split(b, 1, &[qd, kvd, kvd]).try_into().expect("three parts"))
+                }
+                (true, false) => Some([
+                    get(&format!("{p}self_attn.q_proj.bias"), &[qd])?,
+                    get(&format!("{p}self_attn.k_proj.bias"), &[kvd])?,
+                    get(&format!("{p}self_attn.v_proj.bias"), &[kvd])?,
+                ]),
             };
             let qk_norm = if cfg.has("qk_norm") {
                 Some([
@@ -107,13 +141,13 @@ impl Reference {
                 bias,
                 qk_norm,
                 attn_norm: norm_w(&format!("{p}input_layernorm.weight"), h)?,
-                wq: get(&format!("{p}self_attn.q_proj.weight"), &[nh * hd, h])?,
-                wk: get(&format!("{p}self_attn.k_proj.weight"), &[nkv * hd, h])?,
-                wv: get(&format!("{p}self_attn.v_proj.weight"), &[nkv * hd, h])?,
-                wo: get(&format!("{p}self_attn.o_proj.weight"), &[h, nh * hd])?,
+                wq,
+                wk,
+                wv,
+                wo: get(&format!("{p}self_attn.o_proj.weight"), &[h, qd])?,
                 ffn_norm: norm_w(&format!("{p}post_attention_layernorm.weight"), h)?,
-                w_gate: get(&format!("{p}mlp.gate_proj.weight"), &[ff, h])?,
-                w_up: get(&format!("{p}mlp.up_proj.weight"), &[ff, h])?,
+                w_gate,
+                w_up,
                 w_down: get(&format!("{p}mlp.down_proj.weight"), &[h, ff])?,
             });
         }

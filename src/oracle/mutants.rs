@@ -66,7 +66,8 @@ pub fn int8_scale_missing(x: &[f64], q: &[i8], m: usize, k: usize, n: usize) -> 
 /// the exact GELU from its tanh approximation (they differ by up to about 4e-4).
 pub fn erf(x: f64) -> f64 {
     let t = 1.0 / (1.0 + 0.327_591_1 * x.abs());
-    let poly = t * (0.254_829_592 + t * (-0.284_496_736 + t * (1.421_413_741 + t * (-1.453_152_027 + t * 1.061_405_429))));
+    let poly =
+        t * (0.254_829_592 + t * (-0.284_496_736 + t * (1.421_413_741 + t * (-1.453_152_027 + t * 1.061_405_429))));
     let y = 1.0 - poly * (-x * x).exp();
     if x < 0.0 { -y } else { y }
 }
@@ -489,7 +490,9 @@ mod tests {
     #[test]
     fn erf_matches_published_values() {
         // Abramowitz & Stegun table 7.1: erf(0.5) = 0.5204998778, erf(1) = 0.8427007929, erf(2) = 0.9953222650.
-        for (x, want) in [(0.5, 0.520_499_877_8), (1.0, 0.842_700_792_9), (2.0, 0.995_322_265_0), (-1.0, -0.842_700_792_9)] {
+        for (x, want) in
+            [(0.5, 0.520_499_877_8), (1.0, 0.842_700_792_9), (2.0, 0.995_322_265_0), (-1.0, -0.842_700_792_9)]
+        {
             assert!((erf(x) - want).abs() < 2e-7, "erf({x}) = {}", erf(x));
         }
     }
@@ -510,4 +513,3 @@ mod tests {
         assert_eq!(int8_scale_missing(&[1.0, 2.0], &[3, 4, -1, 0], 1, 2, 2), vec![11.0, -1.0]);
     }
 }
-

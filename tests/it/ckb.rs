@@ -243,3 +243,24 @@ fn skip_invalid_leaves_out_a_broken_file_and_the_files_that_reference_it() {
     // A shipped CKB skips nothing.
     assert_eq!(Ckb::from_sources_skip_invalid(shipped(), "test".into()).unwrap().skipped(), &[]);
 }
+
+#[test]
+fn unknown_family_feature_is_refused_and_every_shipped_one_is_known() {
+    // The reference forward pass would silently ignore a feature it does not implement.
+    let f = findings_after("models/qwen3.toml", |s| {
+        s.replacen("features = [\"qk_norm\"]", "features = [\"qk_norm\", \"qk_layernorm\"]", 1)
+    });
+    assert!(
+        f.iter().any(|f| f.file == "models/qwen3.toml"
+            && f.field == "/model/features/1"
+            && f.message.contains("unknown feature `qk_layernorm`")
+            && f.message.contains("fused_qkv")),
+        "{f:?}"
+    );
+    let c = Ckb::embedded().unwrap();
+    for m in c.of_kind(ckb::Kind::Model) {
+        for feature in &m.model.as_ref().unwrap().features {
+            assert!(ckb::FAMILY_FEATURES.iter().any(|(k, _)| k == feature), "{}: {feature}", m.id);
+        }
+    }
+}

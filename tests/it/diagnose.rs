@@ -258,9 +258,12 @@ fn injected_faults_are_caught_and_named() {
     // The clean engine passes and gets no diagnosis.
     let good = t.path().join("good");
     crate::copy_example(&good);
-    let k =
-        kernel_test(&ctx, &KernelTestRequest { engine: s(&good), kernels: vec![], seed: Some(KERNEL_SEED), dtype: None }, &budget())
-            .unwrap();
+    let k = kernel_test(
+        &ctx,
+        &KernelTestRequest { engine: s(&good), kernels: vec![], seed: Some(KERNEL_SEED), dtype: None },
+        &budget(),
+    )
+    .unwrap();
     assert!(k.passed, "{}", k.text());
     assert!(k.kernels.iter().all(|k| k.diagnosis.is_empty()), "{}", k.text());
     let v = verify(&ctx, &verify_req(&good), &budget()).unwrap();

@@ -4,8 +4,8 @@
 
 use metainfer::ckb::{self, Ckb};
 use metainfer::model;
-use metainfer::oracle::{self, dtypes, llama::Reference};
 use metainfer::ops::plan::kernels_for;
+use metainfer::oracle::{self, dtypes, llama::Reference};
 
 fn lint_after(file: &str, edit: impl Fn(&str) -> String) -> Vec<ckb::Finding> {
     let mut files = ckb::embedded_files();
@@ -48,7 +48,9 @@ fn plan_picks_the_kernel_variant_of_the_dtype() {
     let llama = ckb.get("model.llama").unwrap();
     let f32s = kernels_for(&ckb, llama, "f32").unwrap();
     assert!(f32s.contains(&"kernel.linear".to_string()) && !f32s.iter().any(|k| k.starts_with("kernel.linear_")));
-    for (dtype, kernel) in [("bf16", "kernel.linear_bf16"), ("f16", "kernel.linear_f16"), ("int8", "kernel.linear_int8")] {
+    for (dtype, kernel) in
+        [("bf16", "kernel.linear_bf16"), ("f16", "kernel.linear_f16"), ("int8", "kernel.linear_int8")]
+    {
         let ks = kernels_for(&ckb, llama, dtype).unwrap();
         assert!(ks.contains(&kernel.to_string()), "{dtype}: {ks:?}");
         assert!(!ks.contains(&"kernel.linear".to_string()), "{dtype}: {ks:?}");

@@ -99,7 +99,8 @@ guidance = ["stream each weight once per token with four independent NEON accumu
     )
 }
 
-fn working_copy(dir: &Path) {
+/// Write the shipped CKB's files into `dir`: a working copy for `--ckb DIR`.
+pub fn working_copy(dir: &Path) {
     for (p, s) in metainfer::ckb::embedded_files() {
         let path = dir.join(&p);
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();

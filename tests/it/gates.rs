@@ -60,8 +60,12 @@ fn bare_scaffold_compiles_and_fails_every_other_gate() {
     assert!(c.passed, "the bare scaffold must compile: {c:?}");
     crate::assert_conforms(&c);
 
-    let k = kernel_test(&ctx, &KernelTestRequest { engine: s(&engine), kernels: vec![], seed: Some(1), dtype: None }, &budget())
-        .unwrap();
+    let k = kernel_test(
+        &ctx,
+        &KernelTestRequest { engine: s(&engine), kernels: vec![], seed: Some(1), dtype: None },
+        &budget(),
+    )
+    .unwrap();
     assert!(!k.passed);
     assert_eq!(k.kernels.len(), 8);
     assert!(k.kernels.iter().all(|k| !k.passed && k.error.contains("not yet implemented")), "{k:?}");
@@ -140,7 +144,9 @@ fn example_engine_passes_and_broken_engines_fail_at_the_right_gate() {
 
     let good = t.path().join("good");
     crate::copy_example(&good);
-    let k = kernel_test(&ctx, &KernelTestRequest { engine: s(&good), kernels: vec![], seed: None, dtype: None }, &budget()).unwrap();
+    let k =
+        kernel_test(&ctx, &KernelTestRequest { engine: s(&good), kernels: vec![], seed: None, dtype: None }, &budget())
+            .unwrap();
     assert!(k.passed, "{}", metainfer::ops::Report::text(&k));
     crate::assert_conforms(&k);
     let v = verify(&ctx, &verify_req(&good), &budget()).unwrap();
@@ -181,7 +187,9 @@ fn example_engine_passes_and_broken_engines_fail_at_the_right_gate() {
     let rope = t.path().join("rope");
     crate::copy_example(&rope);
     crate::inject(&rope, "src/kernels.rs", "let half = head_dim / 2;", "let half = 1;");
-    let k = kernel_test(&ctx, &KernelTestRequest { engine: s(&rope), kernels: vec![], seed: None, dtype: None }, &budget()).unwrap();
+    let k =
+        kernel_test(&ctx, &KernelTestRequest { engine: s(&rope), kernels: vec![], seed: None, dtype: None }, &budget())
+            .unwrap();
     let failed: Vec<&str> = k.kernels.iter().filter(|k| !k.passed).map(|k| k.kernel.as_str()).collect();
     assert_eq!(failed, ["kernel.rope"], "{}", metainfer::ops::Report::text(&k));
 
@@ -198,7 +206,9 @@ fn example_engine_passes_and_broken_engines_fail_at_the_right_gate() {
         "kernels::silu_and_mul(&s.gate, &s.up,",
         "kernels::silu_and_mul(&s.up, &s.gate,",
     );
-    let k = kernel_test(&ctx, &KernelTestRequest { engine: s(&mlp), kernels: vec![], seed: None, dtype: None }, &budget()).unwrap();
+    let k =
+        kernel_test(&ctx, &KernelTestRequest { engine: s(&mlp), kernels: vec![], seed: None, dtype: None }, &budget())
+            .unwrap();
     assert!(k.passed);
     let v = verify(&ctx, &verify_req(&mlp), &budget()).unwrap();
     assert!(!v.passed && v.prompts.iter().all(|p| !p.logits_ok), "{}", metainfer::ops::Report::text(&v));

@@ -5,6 +5,7 @@ mod ckb;
 mod client;
 mod diagnose;
 mod dtypes;
+mod evolution;
 mod evolve;
 mod families;
 mod gates;

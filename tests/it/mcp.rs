@@ -65,7 +65,11 @@ async fn tools_list_is_portable_annotated_and_matches_snapshot() {
         let output = Value::Object((*t.output_schema.clone().expect("every tool has an output schema")).clone());
         assert_eq!(portability_problems(&output), Vec::<String>::new(), "{} output", t.name);
         let a = t.annotations.clone().expect("annotated");
-        let read_only = !matches!(t.name.as_ref(), "scaffold_engine" | "evolve_knowledge" | "propose_contract");
+        // verify_generation and profile_engine may promote a staged proposal into the CKB working copy.
+        let read_only = !matches!(
+            t.name.as_ref(),
+            "scaffold_engine" | "evolve_knowledge" | "propose_contract" | "verify_generation" | "profile_engine"
+        );
         assert_eq!(a.read_only_hint, Some(read_only), "{}", t.name);
         assert_eq!(a.destructive_hint, Some(false), "{}", t.name);
     }

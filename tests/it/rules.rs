@@ -152,8 +152,12 @@ fn each_rule_catches_its_fixture() {
 
     // A blocking finding stops a gate, and the outcome is recorded.
     let d = t.path().join("sig");
-    let k = kernel_test(&ctx, &KernelTestRequest { engine: s(&d), kernels: vec![], seed: None, dtype: None }, &Budget::secs(600))
-        .unwrap();
+    let k = kernel_test(
+        &ctx,
+        &KernelTestRequest { engine: s(&d), kernels: vec![], seed: None, dtype: None },
+        &Budget::secs(600),
+    )
+    .unwrap();
     assert!(!k.passed && k.build_error.contains("signature-changed") && k.kernels.is_empty(), "{k:?}");
     let ledger = metainfer::ledger::Ledger::open(&ctx.ledger).unwrap();
     let last = &ledger.list(0, 1).unwrap()[0];
@@ -178,8 +182,12 @@ fn verify_passes_only_after_kernel_tests_passed_on_the_same_sources() {
     let v = verify(&ctx, &req, &Budget::secs(600)).unwrap();
     assert!(!v.passed && v.error.contains("phase order"), "{}", v.error);
     assert!(v.prompts.iter().all(|p| p.error.is_empty()), "generation itself matched");
-    let k = kernel_test(&ctx, &KernelTestRequest { engine: s(&d), kernels: vec![], seed: None, dtype: None }, &Budget::secs(600))
-        .unwrap();
+    let k = kernel_test(
+        &ctx,
+        &KernelTestRequest { engine: s(&d), kernels: vec![], seed: None, dtype: None },
+        &Budget::secs(600),
+    )
+    .unwrap();
     assert!(k.passed);
     assert!(verify(&ctx, &req, &Budget::secs(600)).unwrap().passed);
     // Any change to the sources needs the kernel tests again.
@@ -270,8 +278,12 @@ fn every_gate_fails_on_empty_bare_and_constant_engines() {
     assert!(c.passed, "the constant engine must build, so that the gates judge its outputs: {c:?}");
 
     for engine in [&empty, &bare, &constant] {
-        let k =
-            kernel_test(&ctx, &KernelTestRequest { engine: s(engine), kernels: vec![], seed: None, dtype: None }, &budget).unwrap();
+        let k = kernel_test(
+            &ctx,
+            &KernelTestRequest { engine: s(engine), kernels: vec![], seed: None, dtype: None },
+            &budget,
+        )
+        .unwrap();
         assert!(!k.passed, "run_kernel_test passed on {}", engine.display());
         if engine == &constant {
             assert!(
@@ -336,4 +348,28 @@ fn odd_engine_trees_finish_and_report_what_was_skipped() {
     // The loop's links point inside the engine but resolve nowhere: reported, never followed.
     let loops: Vec<_> = r.findings.iter().filter(|f| f.rule == "symlink-outside").map(|f| f.file.clone()).collect();
     assert_eq!(loops, ["loop-a", "loop-b"], "{}", metainfer::ops::Report::text(&r));
+}
+
+#[test]
+fn signatures_are_required_only_of_the_kernels_an_engine_implements() {
+    // The example engine stores f32 weights: the bf16/f16/int8 linear variants and Gemma's GeGLU are
+    // not its kernels, so their signatures are not required of it...
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let d = t.path().join("f32");
+    crate::copy_example(&d);
+    let found = rules_of(&ctx, &d);
+    assert!(found.iter().all(|(r, _)| r != "signature-changed"), "{found:?}");
+    // ...until it declares that it builds for bf16 too: then kernel.linear_bf16 is one of them.
+    if std::fs::read_to_string(d.join("metainfer.toml")).unwrap().contains("[dtype_features]") {
+        return; // the engine declares its dtypes itself
+    }
+    append(&d, "metainfer.toml", "\n[dtype_features]\nbf16 = [\"bf16\"]\n");
+    let r = check_rules(&ctx, &RulesRequest { engine: s(&d) }, &Budget::secs(600)).unwrap();
+    let sigs: Vec<&str> =
+        r.findings.iter().filter(|f| f.rule == "signature-changed").map(|f| f.message.as_str()).collect();
+    if !std::fs::read_to_string(d.join("src/kernels.rs")).unwrap().contains("pub fn linear_bf16(") {
+        assert!(sigs.iter().any(|m| m.contains("kernel.linear_bf16")), "{sigs:?}");
+    }
+    assert!(sigs.iter().all(|m| !m.contains("kernel.linear_int8") && !m.contains("gelu")), "{sigs:?}");
 }

@@ -1,0 +1,441 @@
+//! Knowledge-base evolution end to end, on two scenarios the shipped CKB does not cover:
+//!
+//! - a new model family whose difference is its weight layout: Phi-3 stores q/k/v as one fused
+//!   `qkv_proj` and gate/up as one fused `gate_up_proj` (fixture `tests/fixtures/evolution/model.phi3.toml`);
+//! - a new platform: an AArch64 CPU with NEON (fixture `platform.cpu-aarch64.toml`).
+//!
+//! Each goes: plan reports the gap -> an agent's proposal is staged (a broken one is refused, nothing
+//! staged) -> the gates run an engine under the staged contract, which routes provisionally and is
+//! recorded as `id@version` -> the passing gate promotes it into the CKB working copy (a temporary copy
+//! of contracts/) -> plan covers the target. Engine variants are derived from the example engine at
+//! test time: its weight loading is changed to split the fused tensors, or its metainfer.toml names
+//! the new target.
+//!
+//! The gates run an engine where the server runs, on this host: the aarch64 engine is checked here
+//! through its portable code path (the example engine has no architecture-specific code).
+
+use std::path::{Path, PathBuf};
+
+use metainfer::ckb::Ckb;
+use metainfer::harness::Budget;
+use metainfer::ledger::Ledger;
+use metainfer::model;
+use metainfer::ops::Ctx;
+use metainfer::ops::evolve::{ProposeRequest, promote, propose};
+use metainfer::ops::kernel_test::{KernelTestRequest, kernel_test};
+use metainfer::ops::plan::{PlanRequest, plan};
+use metainfer::ops::profile::{ProfileRequest, profile};
+use metainfer::ops::synth::{SynthRequest, synth_config, synth_config_for, write_checkpoint, write_checkpoint_with};
+use metainfer::ops::verify::{VerifyRequest, verify};
+use metainfer::oracle::llama::Reference;
+
+fn fixture(name: &str) -> String {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/evolution").join(name);
+    std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+fn s(p: &Path) -> String {
+    p.display().to_string()
+}
+
+/// A context over a fresh working copy `dir/ckb` of the shipped CKB, ledger in `dir`.
+fn working_copy_ctx(dir: &Path) -> (Ctx, PathBuf) {
+    let wc = dir.join("ckb");
+    crate::evolve::working_copy(&wc);
+    let mut ctx = crate::ctx(dir);
+    ctx.ckb = Ckb::from_dir(&wc).unwrap();
+    ctx.ckb_dir = Some(wc.clone());
+    (ctx, wc)
+}
+
+fn plan_req(model: &Path, target: &str) -> PlanRequest {
+    PlanRequest { model: s(model), target: target.into(), dtype: "f32".into() }
+}
+
+fn verify_req(engine: &Path, model: &Path) -> VerifyRequest {
+    VerifyRequest {
+        engine: s(engine),
+        model: s(model),
+        prompts: vec![],
+        max_new_tokens: Some(8),
+        seed: Some(5),
+        dtype: None,
+    }
+}
+
+fn kernels_req(engine: &Path) -> KernelTestRequest {
+    KernelTestRequest { engine: s(engine), kernels: vec![], dtype: None, seed: Some(5) }
+}
+
+fn budget() -> Budget {
+    Budget::secs(900)
+}
+
+/// The example engine with a metainfer.toml for `family` on `target`.
+fn engine_for(dir: &Path, family: &str, target: &str) {
+    crate::copy_example(dir);
+    std::fs::write(
+        dir.join("metainfer.toml"),
+        format!("family = {family:?}\ntarget = {target:?}\ndtype = \"f32\"\nreference_level = \"zero\"\n"),
+    )
+    .unwrap();
+}
+
+/// The change an agent makes to the example engine's weight loading for Phi-3: a tensor that is not
+/// in the checkpoint is read as its row block of the fused tensor that holds it.
+const SPLIT_FUSED: &str = r#"/// Read tensor `name`, or, when the checkpoint fuses it (Phi-3), its rows of the fused tensor:
+/// `self_attn.qkv_proj.weight` holds the q rows, then the k rows, then the v rows;
+/// `mlp.gate_up_proj.weight` holds the gate rows, then the up rows.
+fn load_tensor(st: &SafeTensors, name: &str, shape: &[usize]) -> Result<Vec<f32>, String> {
+    const PARTS: [(&str, &str, usize); 5] = [
+        ("self_attn.q_proj.weight", "self_attn.qkv_proj.weight", 0),
+        ("self_attn.k_proj.weight", "self_attn.qkv_proj.weight", 1),
+        ("self_attn.v_proj.weight", "self_attn.qkv_proj.weight", 2),
+        ("mlp.gate_proj.weight", "mlp.gate_up_proj.weight", 0),
+        ("mlp.up_proj.weight", "mlp.gate_up_proj.weight", 1),
+    ];
+    let part = PARTS.iter().find_map(|(one, fused, i)| name.strip_suffix(one).map(|p| (format!("{p}{fused}"), *i)));
+    let Some((fused, i)) = part.filter(|_| st.tensor(name).is_err()) else {
+        return load_unfused(st, name, shape);
+    };
+    let view = st.tensor(&fused).map_err(|_| format!("model.safetensors: missing tensor {name} (nor a fused {fused})"))?;
+    let fshape = view.shape().to_vec();
+    let (n, cols) = (shape[0], shape[1]);
+    let rows = fshape[0];
+    let start = match (fused.ends_with("qkv_proj.weight"), i) {
+        (true, 0) => 0,
+        (true, 1) => rows.saturating_sub(2 * n),
+        (true, _) => rows.saturating_sub(n),
+        (false, i) => i * n,
+    };
+    if fshape.len() != 2 || fshape[1] != cols || start + n > rows {
+        return Err(format!("model.safetensors: fused tensor {fused} has shape {fshape:?}, which holds no {shape:?} for {name}"));
+    }
+    let all = load_unfused(st, &fused, &fshape)?;
+    Ok(all[start * cols..(start + n) * cols].to_vec())
+}
+
+fn load_unfused(st: &SafeTensors, name: &str, shape: &[usize]) -> Result<Vec<f32>, String> {"#;
+
+const LOAD_TENSOR: &str = "fn load_tensor(st: &SafeTensors, name: &str, shape: &[usize]) -> Result<Vec<f32>, String> {";
+
+fn last_outcome(ctx: &Ctx, tool: &str) -> metainfer::ledger::Outcome {
+    let l = Ledger::open(&ctx.ledger).unwrap();
+    l.list(0, l.count().unwrap()).unwrap().into_iter().find(|o| o.tool == tool).unwrap()
+}
+
+#[test]
+fn phi3_fused_layout_family_is_proposed_gated_and_promoted() {
+    let t = tempfile::tempdir().unwrap();
+    let (ctx, wc) = working_copy_ctx(t.path());
+    let ledger = ctx.ledger.clone();
+
+    // 1. A Phi-3 config.json routes to no family: plan reports the gap (routing reads config.json only).
+    let raw = t.path().join("phi3-config-only");
+    let mut config = synth_config(&SynthRequest { family: "llama".into(), ..Default::default() }).unwrap();
+    config["architectures"] = serde_json::json!(["Phi3ForCausalLM"]);
+    config["model_type"] = serde_json::json!("phi3");
+    std::fs::create_dir_all(&raw).unwrap();
+    std::fs::write(raw.join("config.json"), config.to_string()).unwrap();
+    let r = plan(&ctx, &plan_req(&raw, "cpu")).unwrap();
+    assert!(!r.covered && r.family.is_empty(), "{r:?}");
+    assert!(r.gaps.iter().any(|g| g.field == "architectures" && g.reason.contains("Phi3ForCausalLM")), "{:?}", r.gaps);
+    // Nor can synth write it yet.
+    let synth_phi3 = |out: &Path| {
+        std::process::Command::new(crate::bin())
+            .arg("--ckb")
+            .arg(&wc)
+            .arg("--ledger")
+            .arg(&ledger)
+            .args(["synth", "--family", "phi3", "--seed", "11", "--out"])
+            .arg(out)
+            .output()
+            .unwrap()
+    };
+    let out = synth_phi3(&t.path().join("too-early"));
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stdout));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown family `phi3`"));
+
+    // 2. Broken proposals are refused with field-level reasons, and nothing is staged.
+    let proposal = fixture("model.phi3.toml");
+    let dangling = proposal.replace("    \"kernel.linear\",\n", "    \"kernel.linear_fused\",\n");
+    let r = propose(&ctx, &ProposeRequest { toml: dangling }).unwrap();
+    assert!(!r.staged, "{r:?}");
+    assert!(
+        r.findings
+            .iter()
+            .any(|f| f.field == "/model/kernels" && f.message.contains("`kernel.linear_fused` does not resolve")),
+        "{:?}",
+        r.findings
+    );
+    let unknown = proposal.replace("features = [\"fused_qkv\",", "features = [\"fused_qkvo\",");
+    let r = propose(&ctx, &ProposeRequest { toml: unknown }).unwrap();
+    assert!(!r.staged, "{r:?}");
+    assert!(
+        r.findings.iter().any(|f| f.field == "/model/features/0" && f.message.contains("unknown feature `fused_qkvo`")),
+        "{:?}",
+        r.findings
+    );
+    assert!(!ctx.candidates_dir().exists(), "nothing may be staged for a refused proposal");
+
+    // The valid proposal is staged in the working copy's candidates, not in the CKB.
+    let r = propose(&ctx, &ProposeRequest { toml: proposal.clone() }).unwrap();
+    assert!(r.staged && !r.amendment && r.findings.is_empty(), "{r:?}");
+    assert!(ctx.candidates_dir().join("models/phi3.toml").is_file());
+    assert!(!wc.join("models/phi3.toml").exists());
+    // Staged, it routes provisionally: not covered yet, but plannable (and scaffoldable).
+    let r = plan(&ctx, &plan_req(&raw, "cpu")).unwrap();
+    assert_eq!(
+        (r.covered, r.family.as_str(), r.provisional.clone()),
+        (false, "model.phi3", vec!["model.phi3@1".into()])
+    );
+    assert!(r.gaps.is_empty(), "{:?}", r.gaps);
+    let cfg = r.config.unwrap();
+    assert_eq!(cfg.features, ["fused_qkv", "fused_gate_up"], "a null sliding_window drops that feature");
+    // No evidence yet: no promotion without --force.
+    let e = promote(&ctx, "model.phi3", false).unwrap_err();
+    assert!(e.message.contains("no evidence for model.phi3@1"), "{}", e.message);
+    assert!(ctx.candidates_dir().join("models/phi3.toml").is_file());
+
+    // 3. synth writes the family from its (staged) contract: fused tensors, no separate ones.
+    let ckpt = t.path().join("phi3");
+    let out = synth_phi3(&ckpt);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let written: serde_json::Value = serde_json::from_slice(&std::fs::read(ckpt.join("config.json")).unwrap()).unwrap();
+    assert_eq!(
+        (written["architectures"][0].as_str(), written["model_type"].as_str()),
+        (Some("Phi3ForCausalLM"), Some("phi3"))
+    );
+    let tensors = model::read_safetensors(&ckpt).unwrap();
+    assert_eq!(tensors["model.layers.0.self_attn.qkv_proj.weight"].0, vec![(4 + 2 * 2) * 16, 64]);
+    assert_eq!(tensors["model.layers.1.mlp.gate_up_proj.weight"].0, vec![2 * 160, 64]);
+    assert!(tensors.keys().all(|k| !k.contains("q_proj") && !k.contains("gate_proj.")), "{:?}", tensors.keys());
+
+    // 4. The example engine cannot load it; with its weight loading split, it passes the gates.
+    let plain = t.path().join("plain");
+    engine_for(&plain, "model.phi3", "cpu");
+    let v = verify(&ctx, &verify_req(&plain, &ckpt), &budget()).unwrap();
+    assert!(!v.passed && v.error.contains("missing tensor model.layers.0.self_attn.q_proj.weight"), "{}", v.error);
+    assert!(v.promotions.is_empty());
+    let engine = t.path().join("engine");
+    engine_for(&engine, "model.phi3", "cpu");
+    crate::inject(&engine, "src/model.rs", LOAD_TENSOR, SPLIT_FUSED);
+    let k = kernel_test(&ctx, &kernels_req(&engine), &budget()).unwrap();
+    assert!(k.passed, "{k:?}");
+    let v = verify(&ctx, &verify_req(&engine, &ckpt), &budget()).unwrap();
+    assert!(v.passed, "{}", metainfer::ops::Report::text(&v));
+    assert_eq!(v.family, "model.phi3");
+    let o = last_outcome(&ctx, "verify_generation");
+    assert!(o.passed && o.contracts.contains(&"model.phi3@1".to_string()), "{:?}", o.contracts);
+
+    // 5. The passing verify is the evidence: it promoted the candidate into the working copy.
+    assert_eq!(v.promotions.len(), 1, "{:?}", v.promotions);
+    let p = &v.promotions[0];
+    assert!(p.promoted && p.contract == "model.phi3@1", "{p:?}");
+    assert!(p.message.contains(&format!("evidence: outcome {} of verify_generation", o.id)), "{}", p.message);
+    assert!(wc.join("models/phi3.toml").is_file());
+    assert!(!ctx.candidates_dir().join("models/phi3.toml").exists());
+    let promoted = Ckb::from_dir(&wc).unwrap();
+    assert!(promoted.get("model.phi3").is_ok() && !promoted.is_provisional("model.phi3"));
+
+    // 6. plan covers Phi-3 now, in this process (the working copy is re-read) and in a new one.
+    let r = plan(&ctx, &plan_req(&ckpt, "cpu")).unwrap();
+    assert!(r.covered && r.family == "model.phi3" && r.provisional.is_empty(), "{r:?}");
+    let out = std::process::Command::new(crate::bin())
+        .arg("--ckb")
+        .arg(&wc)
+        .arg("--ledger")
+        .arg(&ledger)
+        .args(["plan", "--model"])
+        .arg(&ckpt)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{text}");
+    assert!(text.starts_with("covered: model.phi3 on platform.cpu-x86_64"), "{text}");
+
+    // The same evidence promotes by hand (`ckb promote` without --force) in another working copy...
+    let wc2 = t.path().join("other").join("ckb");
+    crate::evolve::working_copy(&wc2);
+    let cli = |args: &[&str]| {
+        std::process::Command::new(crate::bin())
+            .arg("--ckb")
+            .arg(&wc2)
+            .arg("--ledger")
+            .arg(&ledger)
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let fixture_path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/evolution/model.phi3.toml");
+    assert!(cli(&["ckb", "propose", &s(&fixture_path)]).status.success());
+    let out = cli(&["ckb", "promote", "model.phi3"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("evidence: outcome") && text.contains("verify_generation"), "{text}");
+    assert!(wc2.join("models/phi3.toml").is_file());
+
+    // ...while with the built-in CKB a passing gate says the promotion cannot be written, and passes.
+    // (Same ledger, so the kernel-test pass of the engine counts; candidates are staged beside it.)
+    let builtin = crate::ctx(t.path());
+    assert!(builtin.ckb_dir.is_none() && builtin.ledger == ledger);
+    assert!(propose(&builtin, &ProposeRequest { toml: proposal }).unwrap().staged);
+    let v = verify(&builtin, &verify_req(&engine, &ckpt), &budget()).unwrap();
+    assert!(v.passed, "{}", metainfer::ops::Report::text(&v));
+    assert_eq!(v.promotions.len(), 1, "{:?}", v.promotions);
+    assert!(!v.promotions[0].promoted);
+    assert!(
+        v.promotions[0].message.contains("built-in CKB cannot be written")
+            && v.promotions[0].message.contains("--ckb DIR"),
+        "{}",
+        v.promotions[0].message
+    );
+    assert!(builtin.candidates_dir().join("models/phi3.toml").is_file(), "still staged");
+}
+
+#[test]
+fn aarch64_platform_is_proposed_gated_and_promoted() {
+    let t = tempfile::tempdir().unwrap();
+    let (ctx, wc) = working_copy_ctx(t.path());
+    let ckpt = t.path().join("llama");
+    write_checkpoint(&ckpt, &synth_config(&SynthRequest { family: "llama".into(), ..Default::default() }).unwrap(), 3)
+        .unwrap();
+
+    // 1. No platform contract for the target.
+    let r = plan(&ctx, &plan_req(&ckpt, "cpu-aarch64")).unwrap();
+    assert!(!r.covered && r.platform.is_empty(), "{r:?}");
+    assert!(r.gaps.iter().any(|g| g.field == "target" && g.reason.contains("cpu-aarch64")), "{:?}", r.gaps);
+
+    // 2. The proposal: NEON, 128-bit, figures with a source each; staged, it routes provisionally.
+    let proposal = fixture("platform.cpu-aarch64.toml");
+    let no_sources = proposal.split("[[sources]]").next().unwrap().to_string();
+    let r = propose(&ctx, &ProposeRequest { toml: no_sources }).unwrap();
+    assert!(!r.staged && r.findings.iter().any(|f| f.field == "/sources"), "{r:?}");
+    let r = propose(&ctx, &ProposeRequest { toml: proposal }).unwrap();
+    assert!(r.staged, "{r:?}");
+    let r = plan(&ctx, &plan_req(&ckpt, "cpu-aarch64")).unwrap();
+    assert_eq!(
+        (r.covered, r.platform.as_str(), r.provisional.clone()),
+        (false, "platform.cpu-aarch64", vec!["platform.cpu-aarch64@1".into()])
+    );
+    assert!(r.gaps.is_empty(), "{:?}", r.gaps);
+
+    // 3. An engine whose metainfer.toml targets the platform passes the gates on this host.
+    let engine = t.path().join("engine");
+    engine_for(&engine, "model.llama", "cpu-aarch64");
+    let k = kernel_test(&ctx, &kernels_req(&engine), &budget()).unwrap();
+    assert!(k.passed, "{k:?}");
+    let v = verify(&ctx, &verify_req(&engine, &ckpt), &budget()).unwrap();
+    assert!(v.passed, "{}", metainfer::ops::Report::text(&v));
+    let o = last_outcome(&ctx, "verify_generation");
+    assert!(o.contracts.contains(&"platform.cpu-aarch64@1".to_string()), "{:?}", o.contracts);
+    assert_eq!(o.constraints["target"], "cpu-aarch64");
+
+    // 4. That evidence promoted the platform; plan covers the target.
+    assert_eq!(v.promotions.len(), 1, "{:?}", v.promotions);
+    assert!(v.promotions[0].promoted && v.promotions[0].contract == "platform.cpu-aarch64@1", "{:?}", v.promotions);
+    assert!(wc.join("platforms/cpu-aarch64.toml").is_file());
+    let r = plan(&ctx, &plan_req(&ckpt, "cpu-aarch64")).unwrap();
+    assert!(r.covered && r.platform == "platform.cpu-aarch64" && r.provisional.is_empty(), "{r:?}");
+
+    // profile_engine records the platform too, and says where its figures come from: on a host of
+    // another architecture, from the host, with the engine's portable path timed.
+    let p = profile(
+        &ctx,
+        &ProfileRequest {
+            engine: s(&engine),
+            model: s(&ckpt),
+            prompt_len: Some(8),
+            new_tokens: Some(8),
+            dtype: None,
+            threads: None,
+            runs: Some(2),
+        },
+        &budget(),
+    )
+    .unwrap();
+    assert!(p.passed, "{}", metainfer::ops::Report::text(&p));
+    assert!(p.promotions.is_empty(), "already promoted: {:?}", p.promotions);
+    assert!(last_outcome(&ctx, "profile_engine").contracts.contains(&"platform.cpu-aarch64@1".to_string()));
+    if std::env::consts::ARCH != "aarch64" {
+        assert!(
+            p.figures_from.contains("portable code path") && p.figures_from.contains("aarch64"),
+            "{}",
+            p.figures_from
+        );
+    }
+}
+
+#[test]
+fn fused_checkpoint_has_the_reference_logits_of_its_unfused_twin() {
+    // synth draws the fused tensors as the unfused ones of the same seed, so the reference forward
+    // must give the same logits on both: the split at load is exactly Phi-3's row order.
+    let t = tempfile::tempdir().unwrap();
+    let phi3: metainfer::ckb::Contract = toml::from_str(&fixture("model.phi3.toml")).unwrap();
+    let req = SynthRequest { family: "phi3".into(), out: t.path().join("phi3"), seed: 9, ..Default::default() };
+    let config = synth_config_for(&phi3, &req).unwrap();
+    let features = &phi3.model.as_ref().unwrap().features;
+    write_checkpoint_with(&req.out, &config, features, req.seed).unwrap();
+    let mut twin = synth_config(&SynthRequest { family: "llama".into(), ..Default::default() }).unwrap();
+    twin["rms_norm_eps"] = config["rms_norm_eps"].clone();
+    write_checkpoint(&t.path().join("llama"), &twin, req.seed).unwrap();
+
+    let raw = model::read_config(&req.out).unwrap();
+    let cfg = model::resolve(&phi3, &raw).unwrap();
+    let llama_cfg = model::load_config(&Ckb::embedded().unwrap(), &t.path().join("llama")).unwrap();
+    assert_eq!((cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rms_norm_eps), (64, 4, 2, 16, 1e-5));
+    let mut a = Reference::new(&cfg, &model::read_safetensors(&req.out).unwrap()).unwrap();
+    let mut b = Reference::new(&llama_cfg, &model::read_safetensors(&t.path().join("llama")).unwrap()).unwrap();
+    for i in 0..10u32 {
+        let (x, y) = (a.step(i * 5 % 128).unwrap(), b.step(i * 5 % 128).unwrap());
+        let d = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0.0, f64::max);
+        assert!(d < 1e-12, "position {i}: {d}");
+    }
+    // Swapping the row blocks (k rows read as q rows; up as gate) changes them.
+    let mut tensors = model::read_safetensors(&req.out).unwrap();
+    let (shape, w) = tensors.get_mut("model.layers.0.mlp.gate_up_proj.weight").unwrap();
+    let half = shape[0] / 2 * shape[1];
+    w.rotate_left(half);
+    let mut c = Reference::new(&cfg, &tensors).unwrap();
+    a.reset();
+    let d = (0..4u32).map(|i| {
+        let (x, y) = (a.step(i).unwrap(), c.step(i).unwrap());
+        x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0.0, f64::max)
+    });
+    assert!(d.fold(0.0, f64::max) > 1e-3, "gate and up swapped must change the logits");
+    // A fused tensor of the wrong height is refused, naming it.
+    let mut bad = model::read_safetensors(&req.out).unwrap();
+    bad.get_mut("model.layers.1.self_attn.qkv_proj.weight").unwrap().0[0] -= 16;
+    let e = Reference::new(&cfg, &bad).err().unwrap();
+    assert!(e.message.contains("qkv_proj"), "{}", e.message);
+}
+
+/// FNV-1a 64-bit over bytes.
+fn fnv(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ *b as u64).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+#[test]
+fn synth_output_of_the_builtin_families_is_unchanged() {
+    // FNV-1a of model.safetensors and config.json as `metainfer synth --family F --seed 7` wrote them
+    // before synth learned to write families from their contracts.
+    let t = tempfile::tempdir().unwrap();
+    let want: [(&str, u64, u64); 5] = [
+        ("llama", 0x045c_38c0_1c0d_5f99, 0x28b6_6b1a_4b8e_acc4),
+        ("mistral", 0x045c_38c0_1c0d_5f99, 0x7004_1ea9_ecfb_65d5),
+        ("qwen2", 0xc446_4a09_5b8d_d558, 0xdbc9_fa2c_b8e1_7e7c),
+        ("qwen3", 0xe7bb_1abe_ded7_5b7f, 0x1b48_c1b5_b3fb_6fec),
+        ("gemma", 0x3a94_0fd7_9ec6_4d2e, 0x1cac_2b11_8662_77e8),
+    ];
+    let ckb = Ckb::embedded().unwrap();
+    for (family, tensors, config) in want {
+        let out = t.path().join(family);
+        let req = SynthRequest { family: family.into(), out: out.clone(), seed: 7, ..Default::default() };
+        metainfer::ops::synth::synth_in(&ckb, &req).unwrap();
+        let got = (
+            fnv(&std::fs::read(out.join("model.safetensors")).unwrap()),
+            fnv(&std::fs::read(out.join("config.json")).unwrap()),
+        );
+        assert_eq!(got, (tensors, config), "{family}");
+    }
+}
