@@ -108,6 +108,14 @@ fn stdout_carries_only_json_rpc_and_server_exits_on_eof() {
         .spawn()
         .unwrap();
     let mut stdin = child.stdin.take().unwrap();
+    // Drain stderr while the server runs: debug logs of a large response fill a pipe buffer (64 KiB),
+    // and a server blocked on stderr would never answer.
+    let mut stderr = child.stderr.take().unwrap();
+    let logs = std::thread::spawn(move || {
+        let mut err = String::new();
+        std::io::Read::read_to_string(&mut stderr, &mut err).unwrap();
+        err
+    });
     let msgs = [
         r#"{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-06-18","capabilities":{},"clientInfo":{"name":"raw","version":"0"}}}"#,
         r#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#,
@@ -150,8 +158,7 @@ fn stdout_carries_only_json_rpc_and_server_exits_on_eof() {
         assert!(eof.elapsed() < Duration::from_secs(1), "server did not exit within 1 s of stdin EOF");
         std::thread::sleep(Duration::from_millis(10));
     }
-    let mut err = String::new();
-    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    let err = logs.join().unwrap();
     assert!(!err.is_empty(), "debug logs go to stderr");
 }
 
