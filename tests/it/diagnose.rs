@@ -55,6 +55,12 @@ const FAULTS: &[Fault] = &[
             (KERNELS, "let b = head[j + half];", "let b = head[2 * j + 1];"),
             (KERNELS, "head[j] = a * cos - b * sin;", "head[2 * j] = a * cos - b * sin;"),
             (KERNELS, "head[j + half] = a * sin + b * cos;", "head[2 * j + 1] = a * sin + b * cos;"),
+            // The model rotates with precomputed angles: the same pairing mistake there.
+            (
+                KERNELS,
+                "let (lo, hi) = head.split_at_mut(half);\n        for (((a, b), &c), &s) in lo.iter_mut().zip(hi.iter_mut()).zip(cos).zip(sin) {\n            let (va, vb) = (*a, *b);\n            *a = va * c - vb * s;\n            *b = va * s + vb * c;\n        }",
+                "let _ = half;\n        for (j, (&c, &s)) in cos.iter().zip(sin).enumerate() {\n            let (va, vb) = (head[2 * j], head[2 * j + 1]);\n            head[2 * j] = va * c - vb * s;\n            head[2 * j + 1] = va * s + vb * c;\n        }",
+            ),
         ],
         kernel: Some("kernel.rope"),
         generation: Gen::Fails,
@@ -75,8 +81,8 @@ const FAULTS: &[Fault] = &[
         name: "rmsnorm eps outside the root",
         edits: &[(
             KERNELS,
-            "let inv = 1.0 / (sum_sq / dim as f64 + eps as f64).sqrt();",
-            "let inv = 1.0 / ((sum_sq / dim as f64).sqrt() + eps as f64);",
+            "let inv = (1.0 / (sum_squares(xr) / dim as f64 + eps as f64).sqrt()) as f32;",
+            "let inv = (1.0 / ((sum_squares(xr) / dim as f64).sqrt() + eps as f64)) as f32;",
         )],
         kernel: Some("kernel.rms_norm"),
         generation: Gen::Either,
@@ -94,24 +100,23 @@ const FAULTS: &[Fault] = &[
         diagnosed_by_generation: true,
     },
     Fault {
+        // The model runs its projections through fused q/k/v and gate/up passes, not through
+        // kernels::linear, so only the kernel gate sees this one.
         name: "linear reads W as [k, n]",
-        edits: &[
-            (
-                KERNELS,
-                "for (y, wr) in yr.iter_mut().zip(w.chunks_exact(k)) {",
-                "for (j, y) in yr.iter_mut().enumerate() {",
-            ),
-            (KERNELS, "*y = dot(xr, wr);", "*y = (0..k).map(|p| xr[p] * w[p * n + j]).sum::<f32>();"),
-        ],
+        edits: &[(
+            KERNELS,
+            "matmul::linear::<matmul::F32>(matmul::detected(), x, w, &[], m, k, n, out);",
+            "for i in 0..m {\n        for j in 0..n {\n            out[i * n + j] = (0..k).map(|p| x[i * k + p] * w[p * n + j]).sum::<f32>();\n        }\n    }",
+        )],
         kernel: Some("kernel.linear"),
-        generation: Gen::Fails,
+        generation: Gen::Either,
         failure: Some("failure.linear-transposed"),
         diagnosed_by_kernel: true,
-        diagnosed_by_generation: true,
+        diagnosed_by_generation: false,
     },
     Fault {
         name: "silu on up in the kernel",
-        edits: &[(KERNELS, "*o = g / (1.0 + (-g).exp()) * u;", "*o = u / (1.0 + (-u).exp()) * g;")],
+        edits: &[(KERNELS, "*o = g / (1.0 + exp(-g)) * u;", "*o = u / (1.0 + exp(-u)) * g;")],
         kernel: Some("kernel.silu_and_mul"),
         generation: Gen::Fails,
         failure: Some("failure.silu-gate-up-swapped"),
@@ -120,7 +125,7 @@ const FAULTS: &[Fault] = &[
     },
     Fault {
         name: "gate and up swapped at the call site",
-        edits: &[(MODEL, "kernels::silu_and_mul(&s.gate, &s.up,", "kernels::silu_and_mul(&s.up, &s.gate,")],
+        edits: &[(MODEL, "kernels::silu_and_mul(gate, up, act)", "kernels::silu_and_mul(up, gate, act)")],
         kernel: None,
         generation: Gen::Fails,
         failure: Some("failure.silu-gate-up-swapped"),
@@ -129,7 +134,8 @@ const FAULTS: &[Fault] = &[
     },
     Fault {
         name: "softmax without max subtraction",
-        edits: &[(KERNELS, "*v = (*v - max).exp();", "*v = v.exp();")],
+        // The plain exponential, which overflows (the engine's own exp saturates instead).
+        edits: &[(KERNELS, "*v = exp(*v - max);", "*v = v.exp();")],
         kernel: Some("kernel.softmax"),
         generation: Gen::Either,
         failure: Some("failure.softmax-no-max-subtraction"),
@@ -156,7 +162,7 @@ const FAULTS: &[Fault] = &[
     },
     Fault {
         name: "attention without causal mask",
-        edits: &[(KERNELS, "let span = p + 1;", "let span = kv_len;")],
+        edits: &[(KERNELS, "let span = kv_len - n_q + i + 1;", "let span = kv_len;")],
         kernel: Some("kernel.attention"),
         generation: Gen::Either,
         failure: Some("failure.attention-missing-causal-mask"),
@@ -165,7 +171,11 @@ const FAULTS: &[Fault] = &[
     },
     Fault {
         name: "argmax keeps the last maximum",
-        edits: &[(KERNELS, "if v > best_v ||", "if v >= best_v ||")],
+        edits: &[(
+            KERNELS,
+            "let m = max(x);",
+            "let m = max(x);\n            if let Some(i) = x.iter().rposition(|&v| v == m) {\n                return i;\n            }",
+        )],
         kernel: Some("kernel.argmax"),
         generation: Gen::Either,
         failure: Some("failure.argmax-last-on-ties"),
@@ -191,14 +201,23 @@ const FAULTS: &[Fault] = &[
         edits: &[
             (
                 MODEL,
-                "layer.k_cache[pos * kvd..(pos + 1) * kvd]",
-                "layer.k_cache[pos.saturating_sub(1) * kvd..pos.max(1) * kvd]",
+                "layer.k_cache[start * kvd..kv_len * kvd]",
+                "layer.k_cache[start.saturating_sub(1) * kvd..(kv_len - 1).max(rows) * kvd]",
             ),
             (
                 MODEL,
-                "layer.v_cache[pos * kvd..(pos + 1) * kvd]",
-                "layer.v_cache[pos.saturating_sub(1) * kvd..pos.max(1) * kvd]",
+                "layer.v_cache[start * kvd..kv_len * kvd]",
+                "layer.v_cache[start.saturating_sub(1) * kvd..(kv_len - 1).max(rows) * kvd]",
             ),
+            // RoPE is applied to the key where it was written.
+            (
+                MODEL,
+                "let k_tok = &mut layer.k_cache[(start + i) * kvd..(start + i + 1) * kvd];",
+                "let k_tok = &mut layer.k_cache[(start + i).saturating_sub(1) * kvd..(start + i).max(1) * kvd];",
+            ),
+            // Prefill token by token, so that every token's K/V lands one row early (a batched
+            // prefill would write the prompt's rows in place and shift only the decoded ones).
+            (MODEL, "let take = (n - done).min(PREFILL_CHUNK);", "let take = 1;"),
         ],
         kernel: None,
         generation: Gen::Fails,

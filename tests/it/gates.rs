@@ -187,6 +187,8 @@ fn example_engine_passes_and_broken_engines_fail_at_the_right_gate() {
     let rope = t.path().join("rope");
     crate::copy_example(&rope);
     crate::inject(&rope, "src/kernels.rs", "let half = head_dim / 2;", "let half = 1;");
+    // The same mistake where the model rotates with precomputed angles.
+    crate::inject(&rope, "src/kernels.rs", "head.split_at_mut(half)", "head.split_at_mut(1)");
     let k =
         kernel_test(&ctx, &KernelTestRequest { engine: s(&rope), kernels: vec![], seed: None, dtype: None }, &budget())
             .unwrap();
@@ -203,8 +205,8 @@ fn example_engine_passes_and_broken_engines_fail_at_the_right_gate() {
     crate::inject(
         &mlp,
         "src/model.rs",
-        "kernels::silu_and_mul(&s.gate, &s.up,",
-        "kernels::silu_and_mul(&s.up, &s.gate,",
+        "kernels::silu_and_mul(gate, up, act)",
+        "kernels::silu_and_mul(up, gate, act)",
     );
     let k =
         kernel_test(&ctx, &KernelTestRequest { engine: s(&mlp), kernels: vec![], seed: None, dtype: None }, &budget())
