@@ -176,12 +176,14 @@ pub(crate) fn exp(x: f32) -> f32 {
     // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer.
     const ROUND: f32 = 12_582_912.0;
     let x = x.clamp(-87.33, 88.0);
-    let n = (x * std::f32::consts::LOG2_E + ROUND) - ROUND;
+    // t = ROUND + n with n = round(x / ln2) in [-126, 127]; its bits are 0x4B40_0000 + n.
+    let t = x * std::f32::consts::LOG2_E + ROUND;
+    let n = t - ROUND;
     let r = (x - n * LN2_HI) - n * LN2_LO;
     let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r + 0.166_666_65) * r
         + 0.5;
     let y = p * (r * r) + r + 1.0;
-    y * f32::from_bits(((n as i32 + 127) as u32) << 23)
+    y * f32::from_bits(t.to_bits().wrapping_sub(0x4B40_0000 - 127) << 23)
 }
 
 /// Numerically stable softmax over each row, in place. `x`: [rows, n].
@@ -244,10 +246,10 @@ fn weighted_rows<O: AsMut<[f32]> + ?Sized>(weights: &[f32], rows: &[f32], stride
     }
 }
 
-/// Largest element (NaN is skipped; -inf for an empty or all-NaN row), with 16 independent lanes.
+/// Largest element (NaN is skipped; -inf for an empty or all-NaN row), with 64 independent lanes.
 #[inline(always)]
 fn max(x: &[f32]) -> f32 {
-    const L: usize = 16;
+    const L: usize = 64;
     let mut acc = [f32::NEG_INFINITY; L];
     let chunks = x.chunks_exact(L);
     let tail = chunks.remainder();

@@ -45,7 +45,7 @@ pub fn quantize_int8_row(row: &[f32], q: &mut [i8]) -> f32 {
         #[inline(always)]
         || {
             for (d, &v) in q.iter_mut().zip(row) {
-                *d = (v / scale).round().clamp(-127.0, 127.0) as i8;
+                *d = (v / scale).round().clamp(-127.0, 127.0) as i32 as i8;
             }
         },
     );
