@@ -194,7 +194,8 @@ pub fn candle_decode(model: &Path, prompt_len: usize, new_tokens: usize) -> Resu
 }
 
 fn weights_streamed(cfg: &crate::model::ResolvedConfig) -> f64 {
-    let per_layer = cfg.hidden * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * cfg.hidden * cfg.intermediate;
+    let per_layer =
+        cfg.hidden * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * cfg.hidden * cfg.intermediate;
     (cfg.n_layers * per_layer + cfg.vocab * cfg.hidden) as f64
 }
 
@@ -258,15 +259,15 @@ pub fn run(ctx: &Ctx, o: &BenchOptions, work: &Path) -> Result<BenchReport> {
                 }
                 // int8 also reads one f32 scale per output row.
                 let scales = if wb == 1.0 {
-                    4.0 * (cfg.n_layers * (cfg.head_dim * (cfg.n_heads + 2 * cfg.n_kv_heads) + 2 * cfg.intermediate + cfg.hidden)
+                    4.0 * (cfg.n_layers
+                        * (cfg.head_dim * (cfg.n_heads + 2 * cfg.n_kv_heads) + 2 * cfg.intermediate + cfg.hidden)
                         + cfg.vocab) as f64
                 } else {
                     0.0
                 };
                 let bytes = weights * wb + scales;
                 // The roofline: this machine's read bandwidth with exactly this working set.
-                let bw: Vec<f64> =
-                    (0..5).map(|_| crate::probe::read_bandwidth(bytes as usize, t, 0.05)).collect();
+                let bw: Vec<f64> = (0..5).map(|_| crate::probe::read_bandwidth(bytes as usize, t, 0.05)).collect();
                 let bandwidth = spread_of(&bw);
                 rows.push(Row {
                     model: label.clone(),
@@ -281,13 +282,7 @@ pub fn run(ctx: &Ctx, o: &BenchOptions, work: &Path) -> Result<BenchReport> {
         }
     }
     let agent_loop = if o.agent_loop { Some(agent_loop(ctx, &engine_dir, o.reps.max(3), &budget)?) } else { None };
-    Ok(BenchReport {
-        machine: crate::probe::fingerprint(),
-        threads: o.threads.clone(),
-        rows,
-        agent_loop,
-        candle,
-    })
+    Ok(BenchReport { machine: crate::probe::fingerprint(), threads: o.threads.clone(), rows, agent_loop, candle })
 }
 
 /// Append a comment line to the engine's kernels.rs: a one-line edit that forces a rebuild.
@@ -302,7 +297,8 @@ fn agent_loop(ctx: &Ctx, engine_dir: &Path, reps: usize, budget: &Budget) -> Res
     let e = engine_dir.display().to_string();
     let model = crate::model::default_model_dir().display().to_string();
     let compile_req = ops::compile::CompileRequest { engine: e.clone(), cursor: None };
-    let kernels_req = ops::kernel_test::KernelTestRequest { engine: e.clone(), kernels: vec![], seed: None, dtype: None };
+    let kernels_req =
+        ops::kernel_test::KernelTestRequest { engine: e.clone(), kernels: vec![], seed: None, dtype: None };
     let verify_req = ops::verify::VerifyRequest {
         engine: e.clone(),
         model,
@@ -393,7 +389,11 @@ impl BenchReport {
         let s15 = "stories15M shape";
         if let Some(r) = self.rows.iter().find(|r| r.model == s15 && r.threads == 1 && r.runner == "engine f32") {
             let frac = r.decode_tok_s.median / r.roofline_tok_s.max(1e-9);
-            s += &format!("  f32 decode >= 0.9 of the bandwidth roofline (1 thread): {:.2} ({})\n", frac, goal(frac >= 0.9));
+            s += &format!(
+                "  f32 decode >= 0.9 of the bandwidth roofline (1 thread): {:.2} ({})\n",
+                frac,
+                goal(frac >= 0.9)
+            );
         }
         for &t in &self.threads {
             if let (Some(e), Some(c)) = (find(s15, t, "engine f32"), find(s15, t, "candle f32")) {

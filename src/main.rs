@@ -345,11 +345,7 @@ enum Command {
     },
     /// One candle decode run for `bench` (prints seconds per token); needs feature candle-oracle.
     #[command(hide = true)]
-    BenchPeer {
-        model: PathBuf,
-        prompt_len: usize,
-        new_tokens: usize,
-    },
+    BenchPeer { model: PathBuf, prompt_len: usize, new_tokens: usize },
 }
 
 #[derive(Subcommand)]
@@ -799,12 +795,13 @@ fn run(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Bench { reps, threads, prompt_len, new_tokens, no_agent_loop, json } => {
-            if reps == 0 || threads.iter().any(|&t| t == 0) || new_tokens == 0 {
+            if reps == 0 || threads.contains(&0) || new_tokens == 0 {
                 return Err(Error::usage("--reps, --threads and --new-tokens must be positive"));
             }
             let c = ctx(g, None, vec![])?;
             let work = c.workshop.scratch()?;
-            let o = metainfer::bench::BenchOptions { reps, threads, prompt_len, new_tokens, agent_loop: !no_agent_loop };
+            let o =
+                metainfer::bench::BenchOptions { reps, threads, prompt_len, new_tokens, agent_loop: !no_agent_loop };
             let r = metainfer::bench::run(&c, &o, work.path())?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&r).expect("report serialises"));

@@ -96,7 +96,10 @@ unsafe fn sum_avx512(x: &[f32]) -> f32 {
             a7 = _mm512_add_ps(a7, _mm512_loadu_ps(p.add(112)));
         }
     }
-    let s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)), _mm512_add_ps(_mm512_add_ps(a4, a5), _mm512_add_ps(a6, a7)));
+    let s = _mm512_add_ps(
+        _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)),
+        _mm512_add_ps(_mm512_add_ps(a4, a5), _mm512_add_ps(a6, a7)),
+    );
     _mm512_reduce_add_ps(s)
 }
 
@@ -120,7 +123,10 @@ unsafe fn sum_avx2(x: &[f32]) -> f32 {
             a7 = _mm256_add_ps(a7, _mm256_loadu_ps(p.add(56)));
         }
     }
-    let s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)), _mm256_add_ps(_mm256_add_ps(a4, a5), _mm256_add_ps(a6, a7)));
+    let s = _mm256_add_ps(
+        _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)),
+        _mm256_add_ps(_mm256_add_ps(a4, a5), _mm256_add_ps(a6, a7)),
+    );
     let mut out = [0f32; 8];
     // SAFETY: `out` holds 8 f32, the width of one store.
     unsafe { _mm256_storeu_ps(out.as_mut_ptr(), s) };

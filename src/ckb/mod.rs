@@ -238,7 +238,8 @@ impl Ckb {
                 Err(e) => findings.push(Finding { file: file.clone(), field: String::new(), message: e.to_string() }),
             }
         }
-        let ckb = Ckb { contracts, files: file_of, origin, skipped: Vec::new(), provisional: BTreeSet::new(), fingerprint };
+        let ckb =
+            Ckb { contracts, files: file_of, origin, skipped: Vec::new(), provisional: BTreeSet::new(), fingerprint };
         findings.extend(ckb.lint());
         (Some(ckb), findings)
     }
@@ -246,7 +247,6 @@ impl Ckb {
     /// Consistency rules the schema cannot express. Each finding names file and field.
     pub fn lint(&self) -> Vec<Finding> {
         let mut out = Vec::new();
-        let mut out_cross = Vec::new();
         let ids: BTreeSet<&str> = self.contracts.keys().map(String::as_str).collect();
         for c in self.contracts.values() {
             let file = self.files.get(&c.id).cloned().unwrap_or_default();
@@ -432,7 +432,6 @@ impl Ckb {
                         );
                     }
                 }
-                out_cross.extend(self.kernel_default_conflicts(c, m, &file));
             }
             for (i, case) in c.test_cases.iter().enumerate() {
                 for (dim, [lo, hi]) in &case.dims {
@@ -441,38 +440,6 @@ impl Ckb {
                             &format!("/test_cases/{i}/dims/{dim}"),
                             format!("range [{lo}, {hi}] must satisfy 1 <= lo <= hi"),
                         );
-                    }
-                }
-            }
-        }
-        out.extend(out_cross);
-        out
-    }
-
-    /// Where a model family's config default contradicts the default of a kernel parameter it feeds:
-    /// for every kernel the family names, every parameter with a `config_key` and a default, against the
-    /// family's `config` entry for that key when it states a default.
-    fn kernel_default_conflicts(&self, c: &Contract, m: &ModelFamily, file: &str) -> Vec<Finding> {
-        let mut out = Vec::new();
-        for k in m.kernels.iter().filter_map(|k| self.contracts.get(k)) {
-            let kfile = self.files.get(&k.id).map(String::as_str).unwrap_or_default();
-            for (pi, p) in k.parameters.iter().enumerate() {
-                let (Some(pd), Some(key)) = (&p.default, &p.config_key) else { continue };
-                for (fi, f) in m.config.iter().enumerate() {
-                    if &f.key != key {
-                        continue;
-                    }
-                    if let Some(fd) = &f.default
-                        && !same_value(fd, pd)
-                    {
-                        out.push(Finding {
-                            file: file.into(),
-                            field: format!("/model/config/{fi}/default"),
-                            message: format!(
-                                "config key `{key}` has default {fd:?} in {}, but {} ({kfile}) states {pd:?} as the default of its parameter `{}` (/parameters/{pi}/default), which it reads from `{key}`; make the two agree",
-                                c.id, k.id, p.name
-                            ),
-                        });
                     }
                 }
             }

@@ -485,7 +485,10 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
             .map(|a| {
                 a.iter()
                     .map(|i| {
-                        i["seconds_per_call"].as_array().map(|x| x.iter().filter_map(|y| y.as_f64()).collect()).unwrap_or_default()
+                        i["seconds_per_call"]
+                            .as_array()
+                            .map(|x| x.iter().filter_map(|y| y.as_f64()).collect())
+                            .unwrap_or_default()
                     })
                     .collect()
             })
@@ -507,7 +510,8 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
             };
             let bw_kernels = probe.as_ref().and_then(|p| p.median(level, threads)).unwrap_or(bandwidth);
             report.kernels = super::roofline::analyse(&calls, &seconds, bw_kernels, peak_t);
-            let per_token: f64 = calls.iter().zip(&seconds).map(|(c, s)| Spread::of(s).median * c.per_token as f64).sum();
+            let per_token: f64 =
+                calls.iter().zip(&seconds).map(|(c, s)| Spread::of(s).median * c.per_token as f64).sum();
             if report.decode_tok_s.median > 0.0 {
                 report.kernel_time_fraction = per_token * report.decode_tok_s.median;
             }
@@ -574,8 +578,7 @@ fn previous_profile(
             && f["new_tokens"].as_u64() == Some(now.new_tokens as u64)
     })?;
     let before: Spread = serde_json::from_value(old.figures["decode"].clone()).ok()?;
-    let change_pct =
-        if before.median > 0.0 { 100.0 * (now.decode_tok_s.median / before.median - 1.0) } else { 0.0 };
+    let change_pct = if before.median > 0.0 { 100.0 * (now.decode_tok_s.median / before.median - 1.0) } else { 0.0 };
     Some(PreviousProfile {
         outcome: old.id,
         time: old.time,

@@ -49,7 +49,13 @@ pub fn weight_bytes(dtype: &str) -> f64 {
 /// (the plan's kernel set: its linear and activation kernels are the dtype's and family's).
 /// `model_bytes`: bytes of weights streamed per token, which sets how many copies of each weight
 /// matrix the harness cycles through (at most 256, and at most 1 GiB per shape).
-pub fn decode_calls(cfg: &ResolvedConfig, kernels: &[String], dtype: &str, kv_len: usize, model_bytes: f64) -> Vec<Call> {
+pub fn decode_calls(
+    cfg: &ResolvedConfig,
+    kernels: &[String],
+    dtype: &str,
+    kv_len: usize,
+    model_bytes: f64,
+) -> Vec<Call> {
     let has = |k: &str| kernels.iter().any(|x| x == k);
     let (h, hd, nh, nkv, ff, l, vocab) =
         (cfg.hidden, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.intermediate, cfg.n_layers, cfg.vocab);
@@ -271,11 +277,8 @@ mod tests {
         let c = cfg();
         let ks: Vec<String> = ["kernel.linear", "kernel.attention"].iter().map(|s| s.to_string()).collect();
         let calls = decode_calls(&c, &ks, "f32", 10, 6e7);
-        let weights: f64 = calls
-            .iter()
-            .filter(|c| c.kernel == "kernel.linear")
-            .map(|c| c.flops / 2.0 * c.per_token as f64)
-            .sum();
+        let weights: f64 =
+            calls.iter().filter(|c| c.kernel == "kernel.linear").map(|c| c.flops / 2.0 * c.per_token as f64).sum();
         // 6 layers x (4 x 288^2 + 3 x 288 x 768) + 32000 x 288 = 15,187,968 weights (stories15M
         // without the embedding lookup and norms).
         assert_eq!(weights, 15_187_968.0);
@@ -288,9 +291,33 @@ mod tests {
     #[test]
     fn verdict_sums_shapes_of_one_kernel() {
         let calls = vec![
-            Call { kernel: "a".into(), label: "1".into(), dims: serde_json::json!({}), per_token: 1, bytes: 1.0, flops: 0.0, copies: 1 },
-            Call { kernel: "b".into(), label: "2".into(), dims: serde_json::json!({}), per_token: 1, bytes: 1.0, flops: 0.0, copies: 1 },
-            Call { kernel: "b".into(), label: "3".into(), dims: serde_json::json!({}), per_token: 2, bytes: 1.0, flops: 0.0, copies: 1 },
+            Call {
+                kernel: "a".into(),
+                label: "1".into(),
+                dims: serde_json::json!({}),
+                per_token: 1,
+                bytes: 1.0,
+                flops: 0.0,
+                copies: 1,
+            },
+            Call {
+                kernel: "b".into(),
+                label: "2".into(),
+                dims: serde_json::json!({}),
+                per_token: 1,
+                bytes: 1.0,
+                flops: 0.0,
+                copies: 1,
+            },
+            Call {
+                kernel: "b".into(),
+                label: "3".into(),
+                dims: serde_json::json!({}),
+                per_token: 2,
+                bytes: 1.0,
+                flops: 0.0,
+                copies: 1,
+            },
         ];
         // a: 3 s; b: 2 s + 2 x 1 s = 4 s.
         let p = analyse(&calls, &[vec![3.0], vec![2.0], vec![1.0]], 10.0, 10.0);

@@ -171,39 +171,6 @@ fn model_config_default_outside_its_supported_values_is_refused() {
 }
 
 #[test]
-fn model_default_contradicting_a_kernel_parameter_default_is_refused() {
-    let f = findings_after("models/llama.toml", |s| {
-        s.replacen(
-            "key = \"rms_norm_eps\"\nrole = \"rms_norm_eps\"\nrequired = false\ndefault = \"1e-6\"",
-            "key = \"rms_norm_eps\"\nrole = \"rms_norm_eps\"\nrequired = false\ndefault = \"1e-5\"",
-            1,
-        )
-    });
-    assert_eq!(
-        finding_at(&f, "models/llama.toml", "/model/config/7/default"),
-        "config key `rms_norm_eps` has default \"1e-5\" in model.llama, but kernel.rms_norm (kernels/rms_norm.toml) states \"1e-6\" as the default of its parameter `eps` (/parameters/0/default), which it reads from `rms_norm_eps`; make the two agree"
-    );
-    assert_eq!(f.len(), 1, "{f:?}");
-    // A changed kernel default contradicts every family that names the kernel, each in its own file.
-    let f = findings_after("kernels/rope.toml", |s| s.replacen("default = \"10000\"", "default = \"500000\"", 1));
-    let files: Vec<&str> = f.iter().map(|f| f.file.as_str()).collect();
-    assert_eq!(
-        files,
-        ["models/gemma.toml", "models/llama.toml", "models/mistral.toml", "models/qwen2.toml", "models/qwen3.toml"]
-    );
-    assert!(f.iter().all(|f| f.message.contains("\"10000.0\"") && f.message.contains("\"500000\"")), "{f:?}");
-    // Only where both state a default: a family without one is not compared.
-    let f = findings_after("models/llama.toml", |s| {
-        s.replacen(
-            "key = \"rope_theta\"\nrole = \"rope_theta\"\nrequired = false\ndefault = \"10000.0\"\n",
-            "key = \"rope_theta\"\nrole = \"rope_theta\"\nrequired = false\n",
-            1,
-        )
-    });
-    assert_eq!(f, vec![]);
-}
-
-#[test]
 fn skip_invalid_leaves_out_a_broken_file_and_the_files_that_reference_it() {
     let mut files = shipped();
     let rope = files.iter_mut().find(|(p, _)| p == "kernels/rope.toml").unwrap();

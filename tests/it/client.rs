@@ -44,7 +44,10 @@ async fn resources_prompts_and_skills_are_served() {
     let rope = text(c.read_resource(ReadResourceRequestParams::new("ckb://contract/kernel.rope")).await.unwrap());
     assert!(rope.contains("id = \"kernel.rope\""), "{rope}");
     let cov = text(c.read_resource(ReadResourceRequestParams::new("ckb://coverage")).await.unwrap());
-    assert!(cov.contains("| model.llama | LlamaForCausalLM | platform.cpu-x86_64 | cpu | f32 |"), "{cov}");
+    assert!(
+        cov.contains("| model.llama | LlamaForCausalLM | platform.cpu-x86_64 | cpu | f32, bf16, f16, int8 |"),
+        "{cov}"
+    );
     let skill = text(c.read_resource(ReadResourceRequestParams::new("skill://engine-verifier")).await.unwrap());
     assert!(skill.starts_with("---\nname: engine-verifier\n"));
     assert!(c.read_resource(ReadResourceRequestParams::new("ckb://contract/kernel.nope")).await.is_err());

@@ -133,10 +133,7 @@ fn reference_runs_on_the_weights_of_each_dtype() {
 #[test]
 fn kernel_guidance_for_a_missing_kernel_is_refused() {
     let f = lint_after("platforms/cpu-x86_64.toml", |s| s.replace("\"kernel.argmax\" = [", "\"kernel.argmin\" = ["));
-    assert!(
-        f.iter().any(|f| f.field == "/platform/kernel_guidance" && f.message.contains("kernel.argmin")),
-        "{f:?}"
-    );
+    assert!(f.iter().any(|f| f.field == "/platform/kernel_guidance" && f.message.contains("kernel.argmin")), "{f:?}");
 }
 
 fn s(p: &std::path::Path) -> String {

@@ -82,42 +82,46 @@ fn engine_for(dir: &Path, family: &str, target: &str) {
 }
 
 /// The change an agent makes to the example engine's weight loading for Phi-3: a tensor that is not
-/// in the checkpoint is read as its row block of the fused tensor that holds it.
-const SPLIT_FUSED: &str = r#"/// Read tensor `name`, or, when the checkpoint fuses it (Phi-3), its rows of the fused tensor:
+/// in the checkpoint is read as its row block of the fused tensor that holds it (a view of the same
+/// bytes, so memory mapping still applies).
+const SPLIT_FUSED: &str = r#"/// Rows of a fused tensor (Phi-3) for a tensor the checkpoint does not hold:
 /// `self_attn.qkv_proj.weight` holds the q rows, then the k rows, then the v rows;
 /// `mlp.gate_up_proj.weight` holds the gate rows, then the up rows.
-fn load_tensor(st: &SafeTensors, name: &str, shape: &[usize]) -> Result<Vec<f32>, String> {
+fn fused_part<'a>(st: &'a SafeTensors<'a>, name: &str, shape: &[usize]) -> Result<TensorView<'a>, String> {
+    // (tensor, fused tensor, blocks of this tensor's size counted back from the fused tensor's end; 0: at the start)
     const PARTS: [(&str, &str, usize); 5] = [
         ("self_attn.q_proj.weight", "self_attn.qkv_proj.weight", 0),
-        ("self_attn.k_proj.weight", "self_attn.qkv_proj.weight", 1),
-        ("self_attn.v_proj.weight", "self_attn.qkv_proj.weight", 2),
+        ("self_attn.k_proj.weight", "self_attn.qkv_proj.weight", 2),
+        ("self_attn.v_proj.weight", "self_attn.qkv_proj.weight", 1),
         ("mlp.gate_proj.weight", "mlp.gate_up_proj.weight", 0),
         ("mlp.up_proj.weight", "mlp.gate_up_proj.weight", 1),
     ];
-    let part = PARTS.iter().find_map(|(one, fused, i)| name.strip_suffix(one).map(|p| (format!("{p}{fused}"), *i)));
-    let Some((fused, i)) = part.filter(|_| st.tensor(name).is_err()) else {
-        return load_unfused(st, name, shape);
-    };
-    let view = st.tensor(&fused).map_err(|_| format!("model.safetensors: missing tensor {name} (nor a fused {fused})"))?;
-    let fshape = view.shape().to_vec();
+    let missing = || format!("model.safetensors: missing tensor {name}");
+    let (fused, back) = PARTS
+        .iter()
+        .find_map(|(one, fused, back)| name.strip_suffix(one).map(|p| (format!("{p}{fused}"), *back)))
+        .ok_or_else(missing)?;
+    let view = st.tensor(&fused).map_err(|_| missing())?;
     let (n, cols) = (shape[0], shape[1]);
-    let rows = fshape[0];
-    let start = match (fused.ends_with("qkv_proj.weight"), i) {
-        (true, 0) => 0,
-        (true, 1) => rows.saturating_sub(2 * n),
-        (true, _) => rows.saturating_sub(n),
-        (false, i) => i * n,
-    };
-    if fshape.len() != 2 || fshape[1] != cols || start + n > rows {
-        return Err(format!("model.safetensors: fused tensor {fused} has shape {fshape:?}, which holds no {shape:?} for {name}"));
+    let rows = view.shape()[0];
+    let start = if back == 0 { 0 } else { rows.saturating_sub(back * n) };
+    if view.shape().len() != 2 || view.shape()[1] != cols || start + n > rows {
+        return Err(format!("model.safetensors: fused tensor {fused} has shape {:?}, which holds no {shape:?} for {name}", view.shape()));
     }
-    let all = load_unfused(st, &fused, &fshape)?;
-    Ok(all[start * cols..(start + n) * cols].to_vec())
+    let width = cols * view.dtype().bitsize() / 8;
+    let bytes = &view.data()[start * width..(start + n) * width];
+    TensorView::new(view.dtype(), vec![n, cols], bytes).map_err(|e| format!("{fused}: {e}"))
 }
 
-fn load_unfused(st: &SafeTensors, name: &str, shape: &[usize]) -> Result<Vec<f32>, String> {"#;
+/// The tensor `name`, checked to have `shape`."#;
 
-const LOAD_TENSOR: &str = "fn load_tensor(st: &SafeTensors, name: &str, shape: &[usize]) -> Result<Vec<f32>, String> {";
+/// Where the engine looks a tensor up: extended to fall back to the fused tensor.
+const LOOKUP: (&str, &str) = (
+    "let view = st.tensor(name).map_err(|_| format!(\"model.safetensors: missing tensor {name}\"))?;",
+    "let view = match st.tensor(name) {\n        Ok(v) => v,\n        Err(_) => fused_part(st, name, shape)?,\n    };",
+);
+
+const TENSOR_DOC: &str = "/// The tensor `name`, checked to have `shape`.";
 
 fn last_outcome(ctx: &Ctx, tool: &str) -> metainfer::ledger::Outcome {
     let l = Ledger::open(&ctx.ledger).unwrap();
@@ -219,7 +223,8 @@ fn phi3_fused_layout_family_is_proposed_gated_and_promoted() {
     assert!(v.promotions.is_empty());
     let engine = t.path().join("engine");
     engine_for(&engine, "model.phi3", "cpu");
-    crate::inject(&engine, "src/model.rs", LOAD_TENSOR, SPLIT_FUSED);
+    crate::inject(&engine, "src/weights.rs", TENSOR_DOC, SPLIT_FUSED);
+    crate::inject(&engine, "src/weights.rs", LOOKUP.0, LOOKUP.1);
     let k = kernel_test(&ctx, &kernels_req(&engine), &budget()).unwrap();
     assert!(k.passed, "{k:?}");
     let v = verify(&ctx, &verify_req(&engine, &ckpt), &budget()).unwrap();

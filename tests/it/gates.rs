@@ -202,12 +202,7 @@ fn example_engine_passes_and_broken_engines_fail_at_the_right_gate() {
     // passes, verify_generation fails on logits and tokens.
     let mlp = t.path().join("mlp");
     crate::copy_example(&mlp);
-    crate::inject(
-        &mlp,
-        "src/model.rs",
-        "kernels::silu_and_mul(gate, up, act)",
-        "kernels::silu_and_mul(up, gate, act)",
-    );
+    crate::inject(&mlp, "src/model.rs", "kernels::silu_and_mul(gate, up, act)", "kernels::silu_and_mul(up, gate, act)");
     let k =
         kernel_test(&ctx, &KernelTestRequest { engine: s(&mlp), kernels: vec![], seed: None, dtype: None }, &budget())
             .unwrap();

@@ -181,7 +181,9 @@ fn report_computes_pass_rates_attempts_and_failure_modes() {
     // Every family x platform x dtype the CKB covers is listed; none has a passing verify here.
     let cells: Vec<(&str, &str)> = r.coverage.iter().map(|c| (c.family.as_str(), c.status.as_str())).collect();
     assert!(cells.contains(&("model.llama", "covered")), "{cells:?}");
-    assert_eq!(cells.len(), ctx.ckb.of_kind(metainfer::ckb::Kind::Model).count());
+    let dtypes: usize =
+        ctx.ckb.of_kind(metainfer::ckb::Kind::Platform).map(|p| p.platform.as_ref().unwrap().dtypes.len()).sum();
+    assert_eq!(cells.len(), ctx.ckb.of_kind(metainfer::ckb::Kind::Model).count() * dtypes);
     assert!(cells.iter().all(|c| c.1 == "covered"), "{cells:?}");
 }
 
