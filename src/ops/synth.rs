@@ -207,49 +207,9 @@ pub fn synth_config(req: &SynthRequest) -> Result<serde_json::Value> {
     if !FAMILIES.contains(&family) {
         return Err(Error::usage(format!("unknown family `{}`; synth writes: {}", req.family, FAMILIES.join(", "))));
     }
-    let hidden = req.hidden.or(preset.map(|p| p.hidden)).unwrap_or(64);
-    let layers = req.layers.or(preset.map(|p| p.layers)).unwrap_or(2);
-    let heads = req.heads.or(preset.map(|p| p.heads)).unwrap_or(4);
-    let kv = req.kv_heads.or(preset.map(|p| p.kv_heads)).unwrap_or(2.min(heads));
-    let vocab = req.vocab.or(preset.map(|p| p.vocab)).unwrap_or(128);
-    let inter = req.intermediate.or(preset.map(|p| p.intermediate)).unwrap_or(2 * hidden + 32);
-    let max_seq = req.max_seq.or(preset.map(|p| p.max_seq)).unwrap_or(64);
-    let check = |ok: bool, msg: String| if ok { Ok(()) } else { Err(Error::usage(msg)) };
-    check((1..=8192).contains(&hidden), format!("--hidden {hidden} must be in 1..=8192"))?;
-    check((1..=64).contains(&layers), format!("--layers {layers} must be in 1..=64"))?;
-    check((1..=128).contains(&heads), format!("--heads {heads} must be in 1..=128"))?;
-    check(
-        kv >= 1 && heads.is_multiple_of(kv),
-        format!("--kv-heads {kv} must be at least 1 and divide --heads {heads}"),
-    )?;
-    check((8..=262_144).contains(&vocab), format!("--vocab {vocab} must be in 8..=262144"))?;
-    check((1..=65_536).contains(&inter), format!("--intermediate {inter} must be in 1..=65536"))?;
-    check((1..=1_048_576).contains(&max_seq), format!("--max-seq {max_seq} must be in 1..=1048576"))?;
-    let head_dim = match req.head_dim {
-        Some(d) => d,
-        None => {
-            check(
-                hidden.is_multiple_of(heads),
-                format!("--hidden {hidden} is not a multiple of --heads {heads}; pass --head-dim"),
-            )?;
-            hidden / heads
-        }
-    };
-    check(
-        head_dim >= 2 && head_dim % 2 == 0 && head_dim <= 1024,
-        format!("head_dim {head_dim} must be even, in 2..=1024 (RoPE pairs)"),
-    )?;
     let tied = preset.is_some() || matches!(family, "qwen2" | "qwen3" | "gemma");
-    let params = parameter_count(hidden, layers, heads, kv, head_dim, inter, vocab, tied, family);
-    check(
-        params <= MAX_PARAMETERS,
-        format!(
-            "the checkpoint would hold {params} parameters, {:.2} GB of f32 weights, more than synth writes ({} GB); \
-             choose smaller --hidden, --layers, --intermediate or --vocab",
-            (params * 4) as f64 / 1e9,
-            MAX_BYTES / 1_000_000_000
-        ),
-    )?;
+    let Sizes { hidden, layers, heads, kv, head_dim, vocab, inter, max_seq } = sizes(req, preset, tied, family)?;
+    let check = |ok: bool, msg: String| if ok { Ok(()) } else { Err(Error::usage(msg)) };
     let (arch, theta) = match family {
         "llama" => ("LlamaForCausalLM", 10_000.0),
         "mistral" => ("MistralForCausalLM", 10_000.0),
@@ -596,16 +556,17 @@ struct Sizes {
     max_seq: usize,
 }
 
-/// The request's sizes with defaults applied, checked for values that make no sense and for at
-/// most [`MAX_PARAMETERS`] parameters (`tied`: lm_head shares the embedding).
-fn sizes(req: &SynthRequest, tied: bool) -> Result<Sizes> {
-    let hidden = req.hidden.unwrap_or(64);
-    let layers = req.layers.unwrap_or(2);
-    let heads = req.heads.unwrap_or(4);
-    let kv = req.kv_heads.unwrap_or(2.min(heads));
-    let vocab = req.vocab.unwrap_or(128);
-    let inter = req.intermediate.unwrap_or(2 * hidden + 32);
-    let max_seq = req.max_seq.unwrap_or(64);
+/// The request's sizes, unset ones from the preset or small defaults, checked for values that make
+/// no sense and for at most [`MAX_PARAMETERS`] parameters (`tied`: lm_head shares the embedding;
+/// `family`: a built-in family's extra tensors, see [`parameter_count`]).
+fn sizes(req: &SynthRequest, preset: Option<&Preset>, tied: bool, family: &str) -> Result<Sizes> {
+    let hidden = req.hidden.or(preset.map(|p| p.hidden)).unwrap_or(64);
+    let layers = req.layers.or(preset.map(|p| p.layers)).unwrap_or(2);
+    let heads = req.heads.or(preset.map(|p| p.heads)).unwrap_or(4);
+    let kv = req.kv_heads.or(preset.map(|p| p.kv_heads)).unwrap_or(2.min(heads));
+    let vocab = req.vocab.or(preset.map(|p| p.vocab)).unwrap_or(128);
+    let inter = req.intermediate.or(preset.map(|p| p.intermediate)).unwrap_or(2 * hidden + 32);
+    let max_seq = req.max_seq.or(preset.map(|p| p.max_seq)).unwrap_or(64);
     let check = |ok: bool, msg: String| if ok { Ok(()) } else { Err(Error::usage(msg)) };
     check((1..=8192).contains(&hidden), format!("--hidden {hidden} must be in 1..=8192"))?;
     check((1..=64).contains(&layers), format!("--layers {layers} must be in 1..=64"))?;
@@ -631,11 +592,15 @@ fn sizes(req: &SynthRequest, tied: bool) -> Result<Sizes> {
         head_dim >= 2 && head_dim % 2 == 0 && head_dim <= 1024,
         format!("head_dim {head_dim} must be even, in 2..=1024 (RoPE pairs)"),
     )?;
-    let per_layer = hidden * heads * head_dim * 2 + hidden * kv * head_dim * 2 + 3 * hidden * inter + 2 * hidden;
-    let params = layers * per_layer + vocab * hidden * if tied { 1 } else { 2 } + hidden;
+    let params = parameter_count(hidden, layers, heads, kv, head_dim, inter, vocab, tied, family);
     check(
         params <= MAX_PARAMETERS,
-        format!("{params} parameters is more than synth writes ({MAX_PARAMETERS}); choose smaller sizes"),
+        format!(
+            "the checkpoint would hold {params} parameters, {:.2} GB of f32 weights, more than synth writes ({} GB); \
+             choose smaller --hidden, --layers, --intermediate or --vocab",
+            (params * 4) as f64 / 1e9,
+            MAX_BYTES / 1_000_000_000
+        ),
     )?;
     Ok(Sizes { hidden, layers, heads, kv, head_dim, vocab, inter, max_seq })
 }
@@ -660,7 +625,7 @@ pub fn synth_config_for(contract: &crate::ckb::Contract, req: &SynthRequest) -> 
     };
     let tied_default = m.config.iter().find(|f| f.role == "tied").and_then(|f| literal(f.default.as_deref()));
     let tied = tied_default.and_then(|v| v.as_bool()).unwrap_or(false);
-    let z = sizes(req, tied)?;
+    let z = sizes(req, None, tied, "")?;
     let mut c = serde_json::Map::new();
     c.insert("architectures".into(), json!([m.architectures.first().cloned().unwrap_or_default()]));
     c.insert("model_type".into(), json!(m.model_types.first().cloned().unwrap_or_default()));
