@@ -84,6 +84,10 @@ pub struct ProfileReport {
     pub decode_tok_s: Spread,
     /// Time to first token (prefill of the prompt), ms.
     pub first_token_ms: Spread,
+    /// Prefill tokens/s at a quarter, half and all of the prompt length.
+    pub prefill_by_len: Vec<PrefillAt>,
+    /// Peak resident set size of the engine's process over the profile, MB (Linux; 0 elsewhere).
+    pub peak_rss_mb: f64,
     /// Model load time, ms.
     pub load_ms: f64,
     /// Bytes of weights read per decoded token at the engine's weight dtype (4 per f32 weight, 2 per
@@ -127,6 +131,15 @@ pub struct ProfileReport {
     /// When it passed: each staged candidate it ran under (family, target platform) and whether this
     /// evidence promoted it (see `ops::evolve::promote_on_evidence`). Empty otherwise.
     pub promotions: Vec<super::evolve::Promotion>,
+}
+
+/// Prefill speed at one prompt length.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct PrefillAt {
+    /// Prompt tokens.
+    pub prompt_len: usize,
+    /// Tokens/s over the runs.
+    pub tok_s: Spread,
 }
 
 /// The comparison with the previous profile.
@@ -177,6 +190,14 @@ impl Report for ProfileReport {
             self.load_ms,
             self.roofline_decode_tok_s,
             100.0 * self.decode_tok_s.median / self.roofline_decode_tok_s
+        ) + &format!(
+            "prefill by prompt length: {}; peak RSS {:.1} MB\n",
+            self.prefill_by_len
+                .iter()
+                .map(|p| format!("{} tokens {:.0} tok/s", p.prompt_len, p.tok_s.median))
+                .collect::<Vec<_>>()
+                .join(", "),
+            self.peak_rss_mb
         ) + &format!("figures from {}\n", self.figures_from)
             + &self
                 .promotions
@@ -346,6 +367,8 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
         prefill_tok_s: Spread::of(&[]),
         decode_tok_s: Spread::of(&[]),
         first_token_ms: Spread::of(&[]),
+        prefill_by_len: vec![],
+        peak_rss_mb: 0.0,
         load_ms: 0.0,
         roofline_decode_tok_s: roofline,
         compute_bound_tok_s: compute_bound,
@@ -424,6 +447,20 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     report.decode_tok_s = Spread::of(&decode);
     report.first_token_ms = Spread::of(&first);
     report.load_ms = v["load_s"].as_f64().unwrap_or(0.0) * 1e3;
+    report.peak_rss_mb = v["peak_rss_kb"].as_f64().unwrap_or(0.0) / 1024.0;
+    report.prefill_by_len = v["prefill_by_len"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|e| {
+                    let len = e["len"].as_u64()? as usize;
+                    let tok_s: Vec<f64> =
+                        e["seconds"].as_array()?.iter().filter_map(|x| x.as_f64()).map(|s| len as f64 / s).collect();
+                    Some(PrefillAt { prompt_len: len, tok_s: Spread::of(&tok_s) })
+                })
+                .collect()
+        })
+        .unwrap_or_default();
     // The timed runs' outputs: the first two are replayed through the reference forward pass.
     let tensors = crate::model::read_safetensors(&model_dir)?;
     let mut reference = crate::oracle::llama::Reference::with_weight_dtype(&cfg, &tensors, &target.dtype)?;

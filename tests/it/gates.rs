@@ -177,6 +177,11 @@ fn example_engine_passes_and_broken_engines_fail_at_the_right_gate() {
     assert!((share - 1.0).abs() < 1e-9, "{share}");
     assert!(p.kernels.iter().all(|k| k.time_us.median > 0.0 && k.gb_s > 0.0), "{:?}", p.kernels);
     assert!(p.previous.is_none());
+    // Prefill at 8 / 4, 8 / 2 and 8 prompt tokens; the harness process's peak RSS (Linux).
+    let lens: Vec<usize> = p.prefill_by_len.iter().map(|x| x.prompt_len).collect();
+    assert_eq!(lens, [2, 4, 8]);
+    assert!(p.prefill_by_len.iter().all(|x| x.tok_s.min > 0.0), "{:?}", p.prefill_by_len);
+    assert!(p.peak_rss_mb > 1.0, "{}", p.peak_rss_mb);
     // A second profile compares itself with the first.
     let again = profile(&ctx, &preq, &budget()).unwrap();
     let prev = again.previous.as_ref().expect("the first profile is in the ledger");

@@ -330,9 +330,32 @@ fn profile_cmd(dir: &Path, prompt_len: usize, new_tokens: usize, runs: usize) {
         // The timed runs' outputs are checked by the server too.
         checks.push(serde_json::json!({"prompt": prompt, "tokens": generated}));
     }
+    // Prefill at a quarter, half and all of the prompt length, each `runs` times.
+    let mut by_len = Vec::new();
+    for len in [prompt_len / 4, prompt_len / 2, prompt_len] {
+        if len == 0 || by_len.iter().any(|v: &serde_json::Value| v["len"] == len) {
+            continue;
+        }
+        let mut secs = Vec::new();
+        for run in 0..runs {
+            let prompt: Vec<u32> = (0..len).map(|i| ((i * 11 + run * 17 + 5) as u32) % vocab).collect();
+            model.reset();
+            let t = Instant::now();
+            std::hint::black_box(engine::generate::sample_greedy(model.prefill(&prompt, 0)));
+            secs.push(t.elapsed().as_secs_f64());
+        }
+        by_len.push(serde_json::json!({"len": len, "seconds": secs}));
+    }
+    // Peak resident set size of this process (Linux: VmHWM in /proc/self/status), kB; 0 elsewhere.
+    let peak_rss_kb = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()))
+        .unwrap_or(0);
     println!(
         "{}",
         serde_json::json!({
+            "prefill_by_len": by_len,
+            "peak_rss_kb": peak_rss_kb,
             "load_s": load_s,
             "prefill_s": prefill,
             "decode_s_per_token": decode,
