@@ -1,4 +1,6 @@
-//! Phase 1: kernels. Every tensor is a flat row-major `f32` slice; shapes are given in the docs.
+//! Phase 1: kernels. Every tensor is a flat row-major slice: activations are `f32`; weights of the
+//! linear layers are `f32`, bf16 or IEEE binary16 bit patterns (`u16`), or `i8` with one `f32` scale
+//! per output row. Shapes are given in the docs; arithmetic and accumulation are `f32`.
 //! The server's harness fills every output buffer with NaN before a call, so every element must be written.
 
 use crate::matmul;
