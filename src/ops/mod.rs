@@ -131,19 +131,6 @@ pub struct Target {
     pub spec: crate::harness::HarnessSpec,
 }
 
-impl Target {
-    /// Every contract id of this target's plan: the family, its kernels at this dtype, and its
-    /// components.
-    pub fn contract_ids(&self, ckb: &Ckb) -> Vec<String> {
-        let mut ids = vec![self.family.clone()];
-        ids.extend(self.spec.kernels.iter().cloned());
-        if let Some(m) = ckb.get(&self.family).ok().and_then(|c| c.model.as_ref()) {
-            ids.extend(m.components.iter().cloned());
-        }
-        ids
-    }
-}
-
 impl Ctx {
     /// Resolve the target of a gate call on `engine`. `dtype`: the request's, or None for the
     /// engine's own.
