@@ -7,7 +7,7 @@ fn shipped() -> Vec<(String, String)> {
     ckb::embedded_files()
 }
 
-fn findings_after(file: &str, edit: impl Fn(&str) -> String) -> Vec<Finding> {
+pub(crate) fn findings_after(file: &str, edit: impl Fn(&str) -> String) -> Vec<Finding> {
     let mut files = shipped();
     let f = files.iter_mut().find(|(p, _)| p == file).unwrap_or_else(|| panic!("{file} not shipped"));
     let new = edit(&f.1);
