@@ -11,7 +11,7 @@ fn main() {
         ("CONTRACTS", "contracts", &["toml"][..]),
         ("SKILLS", "skills", &["md"][..]),
         ("PROMPTS", "prompts", &["toml"][..]),
-        ("EXAMPLE_ENGINE", "examples/engines/llama-cpu-f32", &["toml", "rs"][..]),
+        ("EXAMPLE_ENGINE", "examples/engines/llama-cpu-simd", &["toml", "rs"][..]),
     ] {
         let dir = Path::new(&root).join(folder);
         println!("cargo:rerun-if-changed={}", dir.display());

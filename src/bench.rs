@@ -15,8 +15,8 @@ use serde::Serialize;
 
 use crate::error::{Error, Result};
 use crate::harness::{self, Budget};
-use crate::ops::profile::Spread;
 use crate::ops::{self, Ctx, Report};
+use crate::stats::Spread;
 
 /// The stories15M shape (Karpathy, llama2.c README model table: dim 288, 6 layers, 6 heads,
 /// vocab 32000, hidden_dim 768, max_seq_len 256) as a Hugging Face Llama config.

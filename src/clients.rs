@@ -111,9 +111,7 @@ pub fn register(client: Client, project: &Path, name: &str, e: &Entry) -> Result
         client.merge(&existing, name, e).map_err(|err| Error::input(format!("{}: {}", path.display(), err.message)))?;
     let dir = path.parent().expect("config paths have a parent");
     std::fs::create_dir_all(dir).map_err(|err| Error::usage(format!("{}: {err}", dir.display())))?;
-    let tmp = tempfile::NamedTempFile::new_in(dir).map_err(|err| Error::usage(format!("{}: {err}", dir.display())))?;
-    std::fs::write(tmp.path(), text).map_err(|err| Error::usage(format!("{}: {err}", tmp.path().display())))?;
-    tmp.persist(&path).map_err(|err| Error::usage(format!("{}: {err}", path.display())))?;
+    crate::util::write_atomic(&path, text.as_bytes())?;
     Ok(path)
 }
 

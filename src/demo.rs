@@ -154,7 +154,7 @@ pub async fn run(opts: DemoOptions) -> Result<bool> {
     for (tool, args) in calls {
         if tool == "compile_engine" {
             write_example_engine(&engine)?;
-            println!("  (agent) wrote the engine code: examples/engines/llama-cpu-f32 over the scaffold");
+            println!("  (agent) wrote the engine code: examples/engines/llama-cpu-simd over the scaffold");
         }
         let t = Instant::now();
         let params = CallToolRequestParams::new(tool).with_arguments(args.as_object().cloned().unwrap_or_default());

@@ -74,9 +74,7 @@ pub fn install_skills(dir: &Path) -> Result<Vec<PathBuf>> {
         std::fs::create_dir_all(&folder)
             .map_err(|e| Error::usage(format!("cannot create {}: {e}", folder.display())))?;
         let path = folder.join("SKILL.md");
-        let tmp = folder.join(".SKILL.md.tmp");
-        std::fs::write(&tmp, &s.text).map_err(|e| Error::usage(format!("cannot write {}: {e}", tmp.display())))?;
-        std::fs::rename(&tmp, &path).map_err(|e| Error::usage(format!("cannot write {}: {e}", path.display())))?;
+        crate::util::write_atomic(&path, s.text.as_bytes())?;
         written.push(path);
     }
     Ok(written)

@@ -19,3 +19,5 @@ pub mod model;
 pub mod ops;
 pub mod oracle;
 pub mod probe;
+pub mod stats;
+pub mod util;

@@ -656,11 +656,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 LedgerCmd::Export { out: None } => print!("{}", l.export_jsonl()?),
                 LedgerCmd::Export { out: Some(path) } => {
                     let text = l.export_jsonl()?;
-                    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
-                    let tmp = tempfile::NamedTempFile::new_in(dir)
-                        .map_err(|e| Error::usage(format!("{}: {e}", dir.display())))?;
-                    std::fs::write(tmp.path(), &text).map_err(|e| Error::usage(format!("{}: {e}", path.display())))?;
-                    tmp.persist(&path).map_err(|e| Error::usage(format!("{}: {e}", path.display())))?;
+                    metainfer::util::write_atomic(&path, text.as_bytes())?;
                     eprintln!("exported {} outcomes to {}", text.lines().count(), path.display());
                 }
                 LedgerCmd::Import { file } => {

@@ -185,7 +185,7 @@ pub fn evolve(ctx: &Ctx, req: &EvolveRequest) -> Result<EvolveReport> {
         if ids.len() < min {
             continue;
         }
-        let tag = format!("{:016x}", crate::ops::verify::fnv1a(&format!("{tool}|{contract}|{shape}")));
+        let tag = format!("{:016x}", crate::util::fnv1a(&format!("{tool}|{contract}|{shape}")));
         let id = format!("failure.candidate-{}", &tag[..10]);
         let applies: Vec<String> =
             if contract.is_empty() || ctx.ckb.get(&contract).is_err() { vec![] } else { vec![contract.clone()] };
@@ -228,10 +228,7 @@ fn write_candidate(dir: &Path, rel: &str, c: &Contract) -> Result<PathBuf> {
     let parent = path.parent().expect("candidate files have a parent");
     std::fs::create_dir_all(parent).map_err(|e| Error::usage(format!("cannot create {}: {e}", parent.display())))?;
     let text = toml::to_string_pretty(c).map_err(|e| Error::internal(format!("cannot render {}: {e}", c.id)))?;
-    let tmp =
-        tempfile::NamedTempFile::new_in(parent).map_err(|e| Error::usage(format!("{}: {e}", parent.display())))?;
-    std::fs::write(tmp.path(), text).map_err(|e| Error::usage(format!("{}: {e}", path.display())))?;
-    tmp.persist(&path).map_err(|e| Error::usage(format!("{}: {e}", path.display())))?;
+    crate::util::write_atomic(&path, text.as_bytes())?;
     Ok(path)
 }
 

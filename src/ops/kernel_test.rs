@@ -478,7 +478,7 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
     let mut drawn = Vec::new();
     for c in &contracts {
         for (ci, case) in c.test_cases.iter().enumerate() {
-            let mut rng = ChaCha8Rng::seed_from_u64(seed ^ crate::ops::verify::fnv1a(&c.id) ^ (ci as u64) << 48);
+            let mut rng = ChaCha8Rng::seed_from_u64(seed ^ crate::util::fnv1a(&c.id) ^ (ci as u64) << 48);
             let d = draw(c, case, &mut rng)?;
             let n = drawn.len();
             let input = scratch.path().join(format!("case{n}.in.safetensors"));

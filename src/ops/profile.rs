@@ -38,29 +38,7 @@ pub struct ProfileRequest {
     pub runs: Option<usize>,
 }
 
-/// Median, min and max of one figure over the runs.
-#[derive(Debug, Clone, Copy, Serialize, Deserialize, JsonSchema, PartialEq)]
-pub struct Spread {
-    /// Median.
-    pub median: f64,
-    /// Smallest.
-    pub min: f64,
-    /// Largest.
-    pub max: f64,
-}
-
-impl Spread {
-    /// Spread of a sample; all zeros for an empty one (nothing was measured).
-    pub fn of(v: &[f64]) -> Spread {
-        let mut s = v.to_vec();
-        s.sort_by(|a, b| a.total_cmp(b));
-        if s.is_empty() {
-            return Spread { median: 0.0, min: 0.0, max: 0.0 };
-        }
-        let median = if s.len() % 2 == 1 { s[s.len() / 2] } else { (s[s.len() / 2 - 1] + s[s.len() / 2]) / 2.0 };
-        Spread { median, min: s[0], max: s[s.len() - 1] }
-    }
-}
+pub use crate::stats::Spread;
 
 /// Profile result.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]

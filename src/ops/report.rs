@@ -120,15 +120,6 @@ fn secs(time: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    v.sort_by(|a, b| a.total_cmp(b));
-    let n = v.len();
-    if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 }
-}
-
 /// Statistics of attempt sequences: per engine, (time, passed) in order.
 fn stats(seqs: &BTreeMap<String, Vec<(f64, bool)>>) -> Stats {
     let mut first_try = 0;
@@ -151,8 +142,8 @@ fn stats(seqs: &BTreeMap<String, Vec<(f64, bool)>>) -> Stats {
         attempts: seqs.values().map(Vec::len).sum(),
         engines: seqs.len(),
         first_try_pass_rate: if seqs.is_empty() { 0.0 } else { first_try as f64 / seqs.len() as f64 },
-        median_attempts_to_green: median(to_green),
-        median_seconds_to_green: median(time_to_green),
+        median_attempts_to_green: crate::stats::median(&to_green),
+        median_seconds_to_green: crate::stats::median(&time_to_green),
         never_green: never,
     }
 }

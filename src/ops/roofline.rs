@@ -14,8 +14,8 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::profile::Spread;
 use crate::model::ResolvedConfig;
+use crate::stats::Spread;
 
 /// One kernel call shape of a decode step.
 #[derive(Debug, Clone)]

@@ -153,11 +153,6 @@ fn mark(b: bool) -> &'static str {
     if b { "ok" } else { "FAIL" }
 }
 
-/// FNV-1a 64-bit hash of a string (Fowler, Noll, Vo), used to derive per-item seeds.
-pub fn fnv1a(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
-}
-
 /// Most tokens generated for the long random prompt.
 pub const LONG_RUN: usize = 512;
 

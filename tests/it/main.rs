@@ -64,7 +64,7 @@ pub fn ctx(dir: &Path) -> Ctx {
 
 /// The example engine's directory in this repository.
 pub fn example_engine() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/engines/llama-cpu-f32")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/engines/llama-cpu-simd")
 }
 
 /// Copy the example engine (Cargo.toml and src/) to `dir`, for fault injection.

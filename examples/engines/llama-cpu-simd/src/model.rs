@@ -468,7 +468,7 @@ mod tests {
     }
 
     fn write_model(tag: &str) -> (PathBuf, Weights) {
-        let dir = std::env::temp_dir().join(format!("llama-cpu-f32-test-{tag}-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("llama-cpu-simd-test-{tag}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let config = serde_json::json!({
             "hidden_size": D, "intermediate_size": FF, "num_hidden_layers": LAYERS,
