@@ -134,6 +134,8 @@ pub fn check_rules(ctx: &Ctx, req: &RulesRequest, budget: &Budget) -> Result<Rul
     let started = Instant::now();
     let dir = ctx.confine(Path::new(&req.engine), true)?;
     let engine = ctx.workshop.engine(&dir)?;
+    // The manifest names a family of the knowledge base (a gate checks the same in Gate::open).
+    ctx.target(&engine, None)?;
     let report = precheck(ctx, &engine, budget)?;
     let figures = crate::ledger::figures::Figures::Rules(crate::ledger::figures::RulesFigures {
         findings: report.findings.iter().map(|f| f.rule.clone()).collect(),
