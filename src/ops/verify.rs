@@ -5,17 +5,19 @@
 //! Some prompts are drawn at random on every run (seed reported), so no hard-coded output can pass.
 
 use std::path::Path;
-use std::time::Instant;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use super::gate::{Gate, Tool};
 use super::{Ctx, Report};
 use crate::ckb::Tolerance;
 use crate::error::{Error, Result};
-use crate::harness::{self, Budget};
+use crate::harness::Budget;
+use crate::harness::protocol::{Command, Prompt, Reply};
+use crate::ledger::figures::{Figures, VerifyFigures};
 use crate::model;
 use crate::oracle::llama::Reference;
 
@@ -92,15 +94,15 @@ pub struct VerifyReport {
     /// Harness build or run failure, when there was one.
     pub error: String,
     /// Known failure modes whose mutated reference forward pass reproduces the engine's logits on the
-    /// first prompt whose logits failed (see `diagnose::generation` for the rule); empty when the
+    /// first prompt whose logits failed (see `oracle::diagnose::generation` for the rule); empty when the
     /// logits passed or nothing explains them.
-    pub diagnosis: Vec<super::diagnose::Diagnosis>,
+    pub diagnosis: Vec<crate::oracle::diagnose::Diagnosis>,
     /// Rule findings (check_rules); a blocking one stops verification.
     pub rules: Vec<crate::guard::Finding>,
     /// When it passed: each staged candidate it ran under (the model family, the engine's target
     /// platform) and whether this evidence promoted it into the CKB working copy (see
     /// `ops::evolve::promote_on_evidence`). Empty otherwise.
-    pub promotions: Vec<super::evolve::Promotion>,
+    pub promotions: Vec<super::gate::Promotion>,
 }
 
 impl Report for VerifyReport {
@@ -184,13 +186,11 @@ pub fn random_prompts(seed: u64, n: usize) -> Vec<String> {
 /// Not a crate, unreadable model, uncovered config, outside the workspace, or the harness cannot be
 /// started. An engine that fails to build or produces wrong output is a report, not an error.
 pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyReport> {
-    let started = Instant::now();
     let live = ctx.live();
     let ctx = &*live;
-    let dir = ctx.confine(Path::new(&req.engine), true)?;
+    let mut gate = Gate::open(ctx, Tool::Verify, &req.engine, req.dtype.as_deref(), budget)?;
     let model_dir = ctx.confine(Path::new(&req.model), true)?;
-    let engine = ctx.workshop.engine(&dir)?;
-    let target = ctx.target(&engine, req.dtype.as_deref())?;
+    let target = gate.target.clone();
     let cfg = model::load_config(&ctx.ckb, &model_dir)?;
     let family = ctx.ckb.get(&cfg.family)?;
     let logits_tol = &family.model.as_ref().expect("model contract").logits_tolerance;
@@ -207,6 +207,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         return Err(Error::usage(format!("max_new_tokens must be 1..=4096, got {max_new}")));
     }
     let seed = req.seed.unwrap_or_else(|| rand::rng().random());
+    gate.seed = Some(seed);
     let mut prompts: Vec<(String, bool)> = req.prompts.iter().map(|p| (p.clone(), false)).collect();
     if prompts.is_empty() {
         prompts.push(("Once upon a time".into(), false));
@@ -235,9 +236,9 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     let m = family.model.as_ref().expect("model contract");
     contract_ids.extend(target.spec.kernels.iter().chain(&m.components).map(String::as_str));
     contract_ids.extend(target.platform.as_deref());
-    let versioned = ctx.versioned(&contract_ids);
+    gate.contracts(&contract_ids);
 
-    let fail = |error: String, prompts: Vec<PromptResult>| VerifyReport {
+    let fail = |error: String, prompts: Vec<PromptResult>, rules: Vec<crate::guard::Finding>| VerifyReport {
         passed: false,
         seed,
         family: family.id.clone(),
@@ -247,71 +248,36 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         prompts,
         error,
         diagnosis: vec![],
-        rules: vec![],
+        rules,
         promotions: vec![],
     };
-    let rules = super::rules::precheck(ctx, &engine, budget)?;
-    if !rules.passed {
-        let mut report = fail(super::rules::blocked_text(&rules), vec![]);
-        report.rules = rules.findings;
-        ctx.record(
-            "verify_generation",
-            Some(&engine),
-            versioned,
-            &report,
-            serde_json::json!({"blocked": true, "dtype": target.dtype}),
-            started,
-        );
-        return Ok(report);
-    }
-    let build = ctx.workshop.build_harness(&engine, &target.spec, budget)?;
-    let Some(exe) = build.executable.clone().filter(|_| build.ok) else {
-        let compile = super::compile::report_of(ctx, &engine, build, 0);
-        let report =
-            fail(format!("the engine does not build with the harness:\n{}", super::Report::text(&compile)), vec![]);
-        ctx.record(
-            "verify_generation",
-            Some(&engine),
-            versioned,
-            &report,
-            serde_json::json!({"seed": seed, "dtype": target.dtype}),
-            started,
-        );
-        return Ok(report);
+    let h = match gate.prepare()? {
+        Ok(h) => h,
+        Err(stop) => return Ok(gate.stopped(&stop, fail(stop.text.clone(), vec![], gate.findings.clone()))),
     };
-
-    let scratch = ctx.workshop.scratch()?;
-    let request = scratch.path().join("generate.json");
-    let out = scratch.path().join("generate.safetensors");
-    let items: Vec<serde_json::Value> =
-        prompts.iter().zip(&budgets).map(|((p, _), n)| serde_json::json!({"text": p, "max_new_tokens": n})).collect();
-    std::fs::write(&request, serde_json::json!({"prompts": items}).to_string())
-        .map_err(|e| Error::internal(format!("{}: {e}", request.display())))?;
-    let run = harness::run(
-        duct::cmd(
-            &exe,
-            [std::ffi::OsStr::new("generate"), model_dir.as_os_str(), request.as_os_str(), out.as_os_str()],
-        ),
-        budget,
+    let tensors_path = h.path("generate.safetensors");
+    let items: Vec<Prompt> =
+        prompts.iter().zip(&budgets).map(|((p, _), n)| Prompt { text: p.clone(), max_new_tokens: *n }).collect();
+    let called = gate.call(
+        &h,
+        Command::Generate { model: model_dir.clone(), prompts: items, tensors: tensors_path.clone() },
+        &[],
     )?;
-    if !run.ok() {
-        let report = fail(format!("the engine's generation process {}", run.failure_text(2000)), vec![]);
-        ctx.record(
-            "verify_generation",
-            Some(&engine),
-            versioned,
-            &report,
-            serde_json::json!({"seed": seed, "dtype": target.dtype}),
-            started,
-        );
-        return Ok(report);
-    }
-    let (meta, mut tensors_out) = harness::read_tensor_words(&out)?;
-    for (k, v) in tensors_out.clone() {
-        if let Some(i) = k.strip_prefix("logits.") {
-            tensors_out.insert(format!("logits_f.{i}"), v);
+    let texts = match called.ok("engine's generation", 2000) {
+        Ok(Reply::Generate { prompts: g, .. }) if g.len() == prompts.len() => g,
+        Ok(other) => {
+            let why = format!("the harness answered generation with an unexpected reply: {other:?}");
+            let report = fail(why, vec![], gate.findings.clone());
+            gate.record(&report, Figures::Verify(VerifyFigures { gate: gate.common(), ..Default::default() }));
+            return Ok(report);
         }
-    }
+        Err(why) => {
+            let report = fail(why, vec![], gate.findings.clone());
+            gate.record(&report, Figures::Verify(VerifyFigures { gate: gate.common(), ..Default::default() }));
+            return Ok(report);
+        }
+    };
+    let (_, tensors_out) = crate::harness::read_tensor_words(&tensors_path)?;
 
     let mut results = Vec::new();
     // The engine's ids, tokens and logits for the first prompt whose logits failed, for the diagnosis.
@@ -327,7 +293,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
             first_mismatch: -1,
             tie_at: -1,
             max_abs_err: 0.0,
-            text: meta.get(&format!("text.{i}")).cloned().unwrap_or_default(),
+            text: texts[i].text.clone(),
             reference_text: String::new(),
             error: String::new(),
         };
@@ -336,7 +302,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         r.tokenizer_ok = got_ids == want_ids;
         let (rows, want_tokens) = reference.greedy(&want_ids, budgets[i])?;
         let got_tokens = tensors_out.get(&format!("tokens.{i}")).cloned().unwrap_or_default();
-        let got_logits = tensors_out.get(&format!("logits_f.{i}")).cloned().unwrap_or_default();
+        let got_logits = tensors_out.get(&format!("logits.{i}")).cloned().unwrap_or_default();
         let got_logits: Vec<f32> = got_logits.iter().map(|&b| f32::from_bits(b)).collect();
         let vocab = cfg.vocab;
         let mut logits_ok = got_logits.len() >= vocab * want_tokens.len().min(got_tokens.len()).max(1);
@@ -346,8 +312,9 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
                 break;
             };
             r.steps = step + 1;
-            let (abs, _, _, ok) = super::kernel_test::compare(got_row, want_row, &tol);
-            r.max_abs_err = r.max_abs_err.max(abs);
+            let v = crate::oracle::compare(got_row, want_row, &tol);
+            let ok = v.ok;
+            r.max_abs_err = r.max_abs_err.max(v.max_abs_err);
             logits_ok &= ok;
             let (Some(&g), Some(&w)) = (got_tokens.get(step), want_tokens.get(step)) else {
                 break;
@@ -403,7 +370,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     let mut passed = results.iter().all(|r| r.error.is_empty());
     let mut error = String::new();
     let kernels_passed = crate::ledger::Ledger::open(&ctx.ledger)
-        .and_then(|l| l.passed_on("run_kernel_test", &engine.hash, &target.dtype))
+        .and_then(|l| l.passed_on("run_kernel_test", &gate.engine.hash, &target.dtype))
         .unwrap_or(false);
     if passed && !kernels_passed {
         // Phase order: generation passes only on sources whose kernels passed.
@@ -411,7 +378,9 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         error = "phase order: generation matches the reference, but run_kernel_test has not passed on these exact sources; run it, then verify again".into();
     }
     let diagnosis = match &first_fail {
-        Some((ids, tokens, logits)) => super::diagnose::generation(&ctx.ckb, &mut reference, ids, tokens, logits, &tol),
+        Some((ids, tokens, logits)) => {
+            crate::oracle::diagnose::generation(&ctx.ckb, &mut reference, ids, tokens, logits, &tol)
+        }
         None => vec![],
     };
     let mut report = VerifyReport {
@@ -424,19 +393,18 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         prompts: results,
         error,
         diagnosis,
-        rules: rules.findings,
+        rules: gate.findings.clone(),
         promotions: vec![],
     };
-    let figures = serde_json::json!({
-        "seed": seed,
-        "dtype": report.dtype,
-        "max_abs_err": report.prompts.iter().map(|p| p.max_abs_err).fold(0.0, f64::max),
-        "prompts": report.prompts.len(),
-        "diagnosis": report.diagnosis.iter().map(|d| d.failure.as_str()).collect::<Vec<_>>(),
-    });
-    ctx.record("verify_generation", Some(&engine), versioned.clone(), &report, figures, started);
+    let figures = VerifyFigures {
+        gate: gate.common(),
+        max_abs_err: report.prompts.iter().map(|p| p.max_abs_err).fold(0.0, f64::max),
+        prompts: report.prompts.len(),
+        diagnosis: report.diagnosis.iter().map(|d| d.failure.clone()).collect(),
+    };
+    gate.record(&report, Figures::Verify(figures));
     if report.passed {
-        report.promotions = super::evolve::promote_on_evidence(ctx, "verify_generation", &versioned);
+        report.promotions = gate.promote();
     }
     Ok(report)
 }

@@ -14,6 +14,7 @@ mod mcp;
 mod model;
 mod oracle;
 mod rules;
+mod tidy;
 
 use std::path::{Path, PathBuf};
 
