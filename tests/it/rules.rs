@@ -27,14 +27,16 @@ fn append(dir: &Path, rel: &str, text: &str) {
     std::fs::write(p, s).unwrap();
 }
 
-#[test]
-fn example_engine_has_no_finding() {
+/// Each example engine, as it is in this repository, has no finding.
+fn example_engine_has_no_finding(engine: crate::Engine) {
     let t = tempfile::tempdir().unwrap();
     let ctx = crate::ctx(t.path());
-    let r = check_rules(&ctx, &RulesRequest { engine: s(&crate::example_engine()) }, &Budget::secs(600)).unwrap();
+    let r = check_rules(&ctx, &RulesRequest { engine: s(&engine.dir()) }, &Budget::secs(600)).unwrap();
     assert!(r.passed && r.findings.is_empty(), "{}", metainfer::ops::Report::text(&r));
     assert!(r.packages > 0, "the dependency graph was resolved");
 }
+
+crate::engine_tests!(example_engine_has_no_finding);
 
 #[test]
 fn each_rule_catches_its_fixture() {
