@@ -17,6 +17,7 @@ pub mod ledger;
 pub mod mcp;
 pub mod model;
 pub mod ops;
+pub mod options;
 pub mod oracle;
 pub mod probe;
 pub mod stats;

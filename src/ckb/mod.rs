@@ -504,7 +504,10 @@ impl Ckb {
                 .to_lowercase();
                 let mut score = 0;
                 for w in &words {
-                    let s = if id.contains(w.as_str()) {
+                    // A word that is the id's last part (`rope` for kernel.rope) ranks above one inside it.
+                    let s = if id == *w || id.rsplit('.').next() == Some(w.as_str()) {
+                        8
+                    } else if id.contains(w.as_str()) {
                         4
                     } else if summary.contains(w.as_str()) {
                         2

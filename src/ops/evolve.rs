@@ -161,7 +161,11 @@ pub fn evolve(ctx: &Ctx, req: &EvolveRequest) -> Result<EvolveReport> {
     all.reverse();
     let failures: Vec<&Outcome> = all
         .iter()
-        .filter(|o| !o.passed && matches!(o.tool.as_str(), "compile_engine" | "run_kernel_test" | "verify_generation"))
+        .filter(|o| {
+            !o.passed
+                && !o.cancelled()
+                && matches!(o.tool.as_str(), "compile_engine" | "run_kernel_test" | "verify_generation")
+        })
         .filter(|o| o.figures.get("blocked").is_none())
         .collect();
     let mut explained = 0;

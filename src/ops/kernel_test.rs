@@ -33,8 +33,9 @@ pub struct KernelTestRequest {
     /// (metainfer.toml `dtype`). Another dtype needs a `[dtype_features]` entry in metainfer.toml.
     #[serde(default)]
     pub dtype: Option<String>,
-    /// Seed to replay a run; absent: a fresh one, reported in the result.
-    #[serde(default)]
+    /// Seed to replay a run (below 2^53; a decimal string is accepted too); absent: a fresh one,
+    /// reported in the result.
+    #[serde(default, deserialize_with = "crate::util::de_seed")]
     pub seed: Option<u64>,
 }
 
@@ -106,8 +107,8 @@ impl Report for KernelTestReport {
                 if k.passed { "ok  " } else { "FAIL" },
                 k.kernel,
                 k.cases,
-                super::sci(k.max_abs_err),
-                super::sci(k.max_rel_err),
+                crate::harness::figure(k.max_abs_err, &k.error),
+                crate::harness::figure(k.max_rel_err, &k.error),
                 k.worst_index,
                 k.worst_case,
                 if k.error.is_empty() { String::new() } else { format!("\n     {}", k.error) }
@@ -427,7 +428,7 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
             })
             .collect::<Result<_>>()?
     };
-    let seed = req.seed.unwrap_or_else(|| rand::rng().random());
+    let seed = req.seed.unwrap_or_else(crate::util::fresh_seed);
     let ids: Vec<&str> = contracts.iter().map(|c| c.id.as_str()).collect();
     let versioned = ctx.versioned(&ids);
 
@@ -498,7 +499,7 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
     )?;
     let results: serde_json::Value =
         std::fs::read(&result).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or(serde_json::Value::Null);
-    let process_error = if run.ok() { String::new() } else { run.failure_text(1500) };
+    let process_error = if run.ok() { String::new() } else { harness::explain(&run.failure_text(1500), &engine) };
 
     let mut kernels: Vec<KernelResult> = Vec::new();
     for c in &contracts {

@@ -3,14 +3,18 @@
 //!
 //! Depends on ckb, model, oracle, harness and ledger; knows nothing of MCP.
 
+pub mod ckb_check;
 pub mod compile;
 pub mod diagnose;
 pub mod evolve;
 pub mod kernel_test;
 pub mod lookup;
+pub mod machine;
 pub mod outcomes;
+pub mod page;
 pub mod plan;
 pub mod profile;
+pub mod reference;
 pub mod report;
 pub mod roofline;
 pub mod rules;
@@ -251,11 +255,7 @@ impl Ctx {
         if roots.iter().any(|r| resolved.starts_with(r)) {
             Ok(resolved)
         } else {
-            Err(Error::usage(format!(
-                "{} is outside the workspace; allowed roots: {}",
-                resolved.display(),
-                roots.iter().map(|r| r.display().to_string()).collect::<Vec<_>>().join(", ")
-            )))
+            Err(Error::usage(crate::harness::outside_workspace(&resolved, &roots)))
         }
     }
 
@@ -284,6 +284,7 @@ impl Ctx {
             reference_level: engine.map(|e| ReferenceLevel::of_engine(&e.dir)).unwrap_or_default().name().into(),
             duration_ms: started.elapsed().as_millis() as u64,
             client: self.client.read().map(|c| c.clone()).unwrap_or_default(),
+            status: if crate::harness::call_cancelled() { crate::ledger::CANCELLED.into() } else { String::new() },
             constraints: engine
                 .and_then(|e| std::fs::read_to_string(e.dir.join("metainfer.toml")).ok())
                 .and_then(|t| toml::from_str::<toml::Table>(&t).ok())
