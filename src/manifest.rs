@@ -36,6 +36,20 @@ pub enum ReferenceLevel {
 }
 
 impl ReferenceLevel {
+    /// Every level, from the strictest.
+    pub const ALL: [ReferenceLevel; 3] = [ReferenceLevel::Zero, ReferenceLevel::Docs, ReferenceLevel::Code];
+
+    /// Parse a level by name.
+    ///
+    /// # Errors
+    /// A message naming the valid levels.
+    pub fn parse(s: &str) -> Result<ReferenceLevel, String> {
+        ReferenceLevel::ALL
+            .into_iter()
+            .find(|l| l.name() == s)
+            .ok_or_else(|| format!("unknown reference level `{s}`; levels: zero, docs, code"))
+    }
+
     /// Name as recorded in the ledger.
     pub fn name(self) -> &'static str {
         match self {

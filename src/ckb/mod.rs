@@ -504,7 +504,10 @@ impl Ckb {
                 .to_lowercase();
                 let mut score = 0;
                 for w in &words {
-                    let s = if id.contains(w.as_str()) {
+                    // A word that is the id's last part (`rope` for kernel.rope) ranks above one inside it.
+                    let s = if id == *w || id.rsplit('.').next() == Some(w.as_str()) {
+                        8
+                    } else if id.contains(w.as_str()) {
                         4
                     } else if summary.contains(w.as_str()) {
                         2
@@ -548,6 +551,44 @@ impl Ckb {
         } else {
             Some(first)
         }
+    }
+
+    /// The kernel contracts an engine of `family` with weights stored in `dtype` implements: the
+    /// family's kernels, each replaced by its weight-dtype variant (`[variant]` of a kernel contract,
+    /// e.g. `kernel.linear_int8` for `kernel.linear` at `int8`) where one exists.
+    ///
+    /// # Errors
+    /// The reason, in words, when `dtype` is not a weight dtype or no kernel of the family has a
+    /// variant for it (nothing would read weights in that dtype).
+    pub fn kernels_for(&self, family: &Contract, dtype: &str) -> std::result::Result<Vec<String>, String> {
+        if !WEIGHT_DTYPES.contains(&dtype) {
+            return Err(format!("`{dtype}` is not a weight dtype; use one of {}", WEIGHT_DTYPES.join(", ")));
+        }
+        let m = family.model.as_ref().ok_or_else(|| format!("{} is not a model-family contract", family.id))?;
+        let mut replaced = false;
+        let kernels = m
+            .kernels
+            .iter()
+            .map(|k| {
+                let variant = self
+                    .of_kind(Kind::Kernel)
+                    .find(|c| c.variant.as_ref().is_some_and(|v| &v.of == k && v.weight_dtype == dtype));
+                match variant {
+                    Some(v) => {
+                        replaced = true;
+                        v.id.clone()
+                    }
+                    None => k.clone(),
+                }
+            })
+            .collect();
+        if dtype != "f32" && !replaced {
+            return Err(format!(
+                "no kernel contract of {} has a variant for {dtype} weights (a kernel contract with [variant] of = one of its kernels, weight_dtype = \"{dtype}\")",
+                family.id
+            ));
+        }
+        Ok(kernels)
     }
 
     /// Whether `id` is a staged candidate loaded for routing only (not yet promoted into the CKB).

@@ -4,6 +4,7 @@
 //! Invariant: every child is either waited for or killed and reaped before a function returns.
 
 pub mod diagnostics;
+pub mod explain;
 pub mod protocol;
 
 use std::collections::HashMap;
@@ -17,12 +18,22 @@ use sha2::{Digest, Sha256};
 use crate::error::{Error, Result};
 
 pub use diagnostics::{Diagnostic, parse_messages};
+pub use explain::{explain, figure, outside_workspace, prompts_passed};
 
 /// The harness source, rewritten before every build so that it cannot drift from the server's copy.
 pub const HARNESS_MAIN: &str = include_str!("template/main.rs");
 
 /// The protocol module, compiled into the harness crate verbatim (see [`protocol`]).
 pub const HARNESS_PROTOCOL: &str = include_str!("protocol.rs");
+/// Whether the call running on this thread was cancelled by its client (set by
+/// [`Budget::scope`]); outcomes recorded then carry the status `cancelled`.
+pub fn call_cancelled() -> bool {
+    CALL_CANCEL.with(|c| c.borrow().as_ref().is_some_and(|f| f.load(Ordering::Relaxed)))
+}
+
+thread_local! {
+    static CALL_CANCEL: std::cell::RefCell<Option<Arc<AtomicBool>>> = const { std::cell::RefCell::new(None) };
+}
 
 /// Limits of one long operation: a deadline and a cancellation flag shared with the caller.
 #[derive(Debug, Clone)]
@@ -37,6 +48,15 @@ impl Budget {
     /// A budget of `secs` seconds from now, not cancelled.
     pub fn secs(secs: u64) -> Budget {
         Budget { deadline: Instant::now() + Duration::from_secs(secs), cancel: Arc::new(AtomicBool::new(false)) }
+    }
+
+    /// Run `f` on this thread as the call this budget limits, so that [`call_cancelled`] reports
+    /// its cancellation (e.g. to the ledger) while it runs.
+    pub fn scope<R>(&self, f: impl FnOnce() -> R) -> R {
+        CALL_CANCEL.with(|c| *c.borrow_mut() = Some(self.cancel.clone()));
+        let r = f();
+        CALL_CANCEL.with(|c| *c.borrow_mut() = None);
+        r
     }
 }
 

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 
 /// Schema version this build writes.
-pub const SCHEMA_VERSION: i64 = 4;
+pub const SCHEMA_VERSION: i64 = 5;
 
 /// One recorded result of a tool call.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -47,6 +47,45 @@ pub struct Outcome {
     /// The engine's constraints (its metainfer.toml as JSON), `{}` when none.
     #[serde(default)]
     pub constraints: serde_json::Value,
+    /// `passed`, `failed`, or `cancelled` (the client cancelled the call; neither a pass nor a
+    /// failure, and left out of pass rates). Empty in exports of older ledgers: then it follows
+    /// `passed`.
+    #[serde(default)]
+    pub status: String,
+}
+
+/// Outcome status of a call the client cancelled.
+pub const CANCELLED: &str = "cancelled";
+
+impl Outcome {
+    /// The status, derived from `passed` when none was recorded.
+    pub fn status(&self) -> &str {
+        match self.status.as_str() {
+            "" if self.passed => "passed",
+            "" => "failed",
+            s => s,
+        }
+    }
+
+    /// Whether the client cancelled the call.
+    pub fn cancelled(&self) -> bool {
+        self.status == CANCELLED
+    }
+}
+
+/// Which outcomes to list: every given condition must hold.
+#[derive(Debug, Clone, Default)]
+pub struct OutcomeFilter {
+    /// Tool name, exactly.
+    pub tool: Option<String>,
+    /// Text the engine directory contains (e.g. its folder name).
+    pub engine: Option<String>,
+    /// Contract id or id prefix (e.g. `kernel.rope`, `kernel.`).
+    pub contract: Option<String>,
+    /// Only outcomes at or after this RFC 3339 UTC time (e.g. `2026-12-01T00:00:00Z`).
+    pub since: Option<String>,
+    /// Keyset cursor: only outcomes recorded before the one with this row id.
+    pub before: Option<i64>,
 }
 
 /// An open ledger.
@@ -147,6 +186,17 @@ impl Ledger {
                     probe TEXT NOT NULL
                  );
                  PRAGMA user_version = 4;
+                 COMMIT;",
+            )
+            .map_err(fail)?;
+        }
+        if version < 5 {
+            // Outcome status, so that a cancelled call is neither a pass nor a failure.
+            conn.execute_batch(
+                "BEGIN;
+                 ALTER TABLE outcomes ADD COLUMN status TEXT NOT NULL DEFAULT '';
+                 UPDATE outcomes SET status = CASE passed WHEN 1 THEN 'passed' ELSE 'failed' END;
+                 PRAGMA user_version = 5;
                  COMMIT;",
             )
             .map_err(fail)?;
@@ -263,30 +313,50 @@ impl Ledger {
         let mut stmt = self
             .conn
             .prepare(
-                "SELECT id, time, tool, engine, engine_hash, contracts, passed, summary, figures, reference_level, duration_ms, client, constraints
+                "SELECT id, time, tool, engine, engine_hash, contracts, passed, summary, figures, reference_level, duration_ms, client, constraints, status
                  FROM outcomes WHERE (?3 IS NULL OR tool = ?3) ORDER BY rowid DESC LIMIT ?1 OFFSET ?2",
             )
             .map_err(fail)?;
+        let rows = stmt.query_map(params![limit as i64, offset as i64, tool], row).map_err(fail)?;
+        rows.collect::<rusqlite::Result<Vec<_>>>().map_err(fail)
+    }
+
+    /// One page of outcomes matching `f`, newest first, each with its row id (the keyset cursor:
+    /// pass the last one as `f.before` for the next page, which stays stable while new outcomes
+    /// are recorded).
+    ///
+    /// # Errors
+    /// When SQLite fails.
+    pub fn page(&self, f: &OutcomeFilter, limit: usize) -> Result<Vec<(i64, Outcome)>> {
+        let fail = |e: rusqlite::Error| Error::internal(format!("ledger {}: {e}", self.path.display()));
+        let mut stmt = self
+            .conn
+            .prepare(&format!(
+                "SELECT id, time, tool, engine, engine_hash, contracts, passed, summary, figures, reference_level, duration_ms, client, constraints, status, rowid
+                 FROM outcomes WHERE {FILTER} AND (?5 IS NULL OR rowid < ?5) ORDER BY rowid DESC LIMIT ?6"
+            ))
+            .map_err(fail)?;
         let rows = stmt
-            .query_map(params![limit as i64, offset as i64, tool], |r| {
-                Ok(Outcome {
-                    id: r.get(0)?,
-                    time: r.get(1)?,
-                    tool: r.get(2)?,
-                    engine: r.get(3)?,
-                    engine_hash: r.get(4)?,
-                    contracts: serde_json::from_str(&r.get::<_, String>(5)?).unwrap_or_default(),
-                    passed: r.get(6)?,
-                    summary: r.get(7)?,
-                    figures: serde_json::from_str(&r.get::<_, String>(8)?).unwrap_or_default(),
-                    reference_level: r.get(9)?,
-                    duration_ms: r.get::<_, i64>(10)? as u64,
-                    client: r.get(11)?,
-                    constraints: serde_json::from_str(&r.get::<_, String>(12)?).unwrap_or_default(),
-                })
+            .query_map(params![f.tool, f.engine, f.contract, f.since, f.before, limit as i64], |r| {
+                Ok((r.get::<_, i64>(14)?, row(r)?))
             })
             .map_err(fail)?;
         rows.collect::<rusqlite::Result<Vec<_>>>().map_err(fail)
+    }
+
+    /// Number of outcomes matching `f` (its `before` ignored).
+    ///
+    /// # Errors
+    /// When SQLite fails.
+    pub fn count_matching(&self, f: &OutcomeFilter) -> Result<usize> {
+        self.conn
+            .query_row(
+                &format!("SELECT COUNT(*) FROM outcomes WHERE {FILTER}"),
+                params![f.tool, f.engine, f.contract, f.since],
+                |r| r.get::<_, i64>(0),
+            )
+            .map(|n| n as usize)
+            .map_err(|e| Error::internal(format!("ledger {}: {e}", self.path.display())))
     }
 
     /// Number of outcomes recorded.
@@ -319,6 +389,31 @@ impl Ledger {
     }
 }
 
+/// The filter of [`Ledger::page`] as SQL over parameters ?1 tool, ?2 engine text, ?3 contract id
+/// prefix (matched at the start of a quoted id in the contracts JSON), ?4 since.
+const FILTER: &str = "(?1 IS NULL OR tool = ?1) AND (?2 IS NULL OR instr(engine, ?2) > 0) \
+     AND (?3 IS NULL OR instr(contracts, '\"' || ?3) > 0) AND (?4 IS NULL OR time >= ?4)";
+
+/// One outcome from a row of the standard column list.
+fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Outcome> {
+    Ok(Outcome {
+        id: r.get(0)?,
+        time: r.get(1)?,
+        tool: r.get(2)?,
+        engine: r.get(3)?,
+        engine_hash: r.get(4)?,
+        contracts: serde_json::from_str(&r.get::<_, String>(5)?).unwrap_or_default(),
+        passed: r.get(6)?,
+        summary: r.get(7)?,
+        figures: serde_json::from_str(&r.get::<_, String>(8)?).unwrap_or_default(),
+        reference_level: r.get(9)?,
+        duration_ms: r.get::<_, i64>(10)? as u64,
+        client: r.get(11)?,
+        constraints: serde_json::from_str(&r.get::<_, String>(12)?).unwrap_or_default(),
+        status: r.get(13)?,
+    })
+}
+
 /// A fresh random outcome id (128 bits, hex).
 pub fn new_id() -> String {
     use rand::Rng;
@@ -341,6 +436,25 @@ impl Ledger {
         let mut rows = self.list(0, total)?;
         rows.reverse();
         Ok(rows.iter().map(|o| serde_json::to_string(o).expect("outcomes serialise") + "\n").collect())
+    }
+
+    /// Write every outcome as JSONL to `path` atomically; returns how many.
+    ///
+    /// # Errors
+    /// When SQLite fails or `path` cannot be written.
+    pub fn export_file(&self, path: &Path) -> Result<usize> {
+        let text = self.export_jsonl()?;
+        crate::util::write_atomic(path, text.as_bytes())?;
+        Ok(text.lines().count())
+    }
+
+    /// Merge outcomes from the JSONL file `path` (see [`Ledger::import_jsonl`]).
+    ///
+    /// # Errors
+    /// An unreadable file (Usage), a malformed line (Input, naming the file and line).
+    pub fn import_file(&mut self, path: &Path) -> Result<(usize, usize)> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::usage(format!("{}: {e}", path.display())))?;
+        self.import_jsonl(&text).map_err(|e| Error::input(format!("{}: {}", path.display(), e.message)))
     }
 
     /// Merge outcomes from JSONL: each is inserted unless an outcome with its id exists (so importing
@@ -370,8 +484,8 @@ impl Ledger {
 /// Insert one outcome; with `or_ignore`, an outcome whose id exists is skipped. Returns rows inserted.
 fn insert(conn: &Connection, o: &Outcome, or_ignore: bool) -> rusqlite::Result<usize> {
     let sql = format!(
-        "INSERT {}INTO outcomes (id, time, tool, engine, engine_hash, contracts, passed, summary, figures, reference_level, duration_ms, client, constraints)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
+        "INSERT {}INTO outcomes (id, time, tool, engine, engine_hash, contracts, passed, summary, figures, reference_level, duration_ms, client, constraints, status)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
         if or_ignore { "OR IGNORE " } else { "" }
     );
     conn.execute(
@@ -389,7 +503,8 @@ fn insert(conn: &Connection, o: &Outcome, or_ignore: bool) -> rusqlite::Result<u
             o.reference_level,
             o.duration_ms as i64,
             o.client,
-            o.constraints.to_string()
+            o.constraints.to_string(),
+            o.status()
         ],
     )
 }

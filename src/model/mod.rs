@@ -77,9 +77,25 @@ pub struct Gap {
 /// [`crate::error::ErrorKind::Input`] when the directory or file is missing or not a JSON object.
 pub fn read_config(dir: &Path) -> Result<serde_json::Map<String, Value>> {
     let path = dir.join("config.json");
+    if dir.is_file() {
+        return Err(Error::input(format!(
+            "{} is a file; pass the Hugging Face model directory that holds config.json, model.safetensors and tokenizer.json",
+            dir.display()
+        )));
+    }
     if !dir.is_dir() {
         return Err(Error::input(format!(
             "model directory {} does not exist; pass a Hugging Face model directory (config.json, model.safetensors, tokenizer.json)",
+            dir.display()
+        )));
+    }
+    let llama2c = || {
+        std::fs::read_dir(dir).into_iter().flatten().flatten().any(|e| e.path().extension().is_some_and(|x| x == "bin"))
+    };
+    if !path.exists() && llama2c() {
+        return Err(Error::input(format!(
+            "{} holds a llama2.c checkpoint (.bin) and no config.json: the llama2.c layout is not supported; \
+             pass a Hugging Face directory (config.json, model.safetensors, tokenizer.json)",
             dir.display()
         )));
     }

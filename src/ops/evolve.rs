@@ -145,7 +145,11 @@ pub fn evolve(ctx: &Ctx, req: &EvolveRequest) -> Result<EvolveReport> {
     all.reverse();
     let failures: Vec<&Outcome> = all
         .iter()
-        .filter(|o| !o.passed && matches!(o.tool.as_str(), "compile_engine" | "run_kernel_test" | "verify_generation"))
+        .filter(|o| {
+            !o.passed
+                && !o.cancelled()
+                && matches!(o.tool.as_str(), "compile_engine" | "run_kernel_test" | "verify_generation")
+        })
         .filter(|o| !Figures::read(&o.tool, &o.figures).blocked())
         .collect();
     let mut explained = 0;

@@ -7,7 +7,7 @@
 
 use std::path::Path;
 
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -35,8 +35,9 @@ pub struct KernelTestRequest {
     /// (metainfer.toml `dtype`). Another dtype needs a `[dtype_features]` entry in metainfer.toml.
     #[serde(default)]
     pub dtype: Option<String>,
-    /// Seed to replay a run; absent: a fresh one, reported in the result.
-    #[serde(default)]
+    /// Seed to replay a run (below 2^53; a decimal string is accepted too); absent: a fresh one,
+    /// reported in the result.
+    #[serde(default, deserialize_with = "crate::util::de_seed")]
     pub seed: Option<u64>,
 }
 
@@ -108,8 +109,8 @@ impl Report for KernelTestReport {
                 if k.passed { "ok  " } else { "FAIL" },
                 k.kernel,
                 k.cases,
-                super::sci(k.max_abs_err),
-                super::sci(k.max_rel_err),
+                crate::harness::figure(k.max_abs_err, &k.error),
+                crate::harness::figure(k.max_rel_err, &k.error),
                 k.worst_index,
                 k.worst_case,
                 if k.error.is_empty() { String::new() } else { format!("\n     {}", k.error) }
@@ -264,7 +265,7 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
             })
             .collect::<Result<_>>()?
     };
-    let seed = req.seed.unwrap_or_else(|| rand::rng().random());
+    let seed = req.seed.unwrap_or_else(crate::util::fresh_seed);
     gate.seed = Some(seed);
     gate.contracts(&contracts.iter().map(|c| c.id.as_str()).collect::<Vec<_>>());
     let dtype = gate.target.dtype.clone();
@@ -302,8 +303,11 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
         }
     }
     let called = gate.call(&h, Command::Kernel { cases: cases.clone() }, &[])?;
-    let process_error =
-        if called.run.ok() { String::new() } else { format!("the harness process {}", called.run.failure_text(1500)) };
+    let process_error = if called.run.ok() {
+        String::new()
+    } else {
+        crate::harness::explain(&format!("the harness process {}", called.run.failure_text(1500)), &gate.engine)
+    };
     let results = match called.reply {
         Ok(Reply::Kernel { results }) if results.len() == cases.len() => results.into_iter().map(Some).collect(),
         _ => vec![None; cases.len()],

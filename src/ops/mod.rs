@@ -3,14 +3,18 @@
 //!
 //! Depends on ckb, model, oracle, harness and ledger; knows nothing of MCP.
 
+pub mod ckb_check;
 pub mod compile;
 pub mod evolve;
 pub mod gate;
 pub mod kernel_test;
 pub mod lookup;
+pub mod machine;
 pub mod outcomes;
+pub mod page;
 pub mod plan;
 pub mod profile;
+pub mod reference;
 pub mod report;
 pub mod rules;
 pub mod scaffold;
@@ -169,7 +173,7 @@ impl Ctx {
                 m.family
             ))
         })?;
-        let kernels = plan::kernels_for(&self.ckb, fam, &dtype).map_err(Error::usage)?;
+        let kernels = self.ckb.kernels_for(fam, &dtype).map_err(Error::usage)?;
         let arms = kernels.iter().map(|k| arm(k)).collect::<Result<Vec<_>>>()?;
         let platform = self.ckb.platform_for(&m.target).map(|p| p.id.clone());
         Ok(Target {
@@ -260,11 +264,7 @@ impl Ctx {
         if roots.iter().any(|r| resolved.starts_with(r)) {
             Ok(resolved)
         } else {
-            Err(Error::usage(format!(
-                "{} is outside the workspace; allowed roots: {}",
-                resolved.display(),
-                roots.iter().map(|r| r.display().to_string()).collect::<Vec<_>>().join(", ")
-            )))
+            Err(Error::usage(crate::harness::outside_workspace(&resolved, &roots)))
         }
     }
 
@@ -304,6 +304,7 @@ impl Ctx {
             reference_level: engine.map(|e| e.manifest.reference_level).unwrap_or_default().name().into(),
             duration_ms: started.elapsed().as_millis() as u64,
             client: self.client.read().map(|c| c.clone()).unwrap_or_default(),
+            status: if crate::harness::call_cancelled() { crate::ledger::CANCELLED.into() } else { String::new() },
             constraints,
         };
         match Ledger::open(&self.ledger).and_then(|l| l.record(&outcome)) {

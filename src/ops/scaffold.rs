@@ -151,8 +151,10 @@ pub fn render(ctx: &Ctx, req: &ScaffoldRequest) -> Result<(Files, Vec<String>)> 
         text += "\n";
         files.push((format!("src/{m}.rs"), text));
     }
+    // The model as an absolute path: a path relative to the caller's directory means nothing later.
+    let model = ctx.confine(std::path::Path::new(&req.model), true)?.display().to_string();
     let constraints = constraints_toml(
-        &PlanRequest { model: req.model.clone(), target: req.target.clone(), dtype: req.dtype.clone() },
+        &PlanRequest { model, target: req.target.clone(), dtype: req.dtype.clone() },
         &report,
         req.reference_level,
     )?;

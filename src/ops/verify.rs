@@ -35,8 +35,8 @@ pub struct VerifyRequest {
     /// Tokens to generate per prompt (default 32).
     #[serde(default)]
     pub max_new_tokens: Option<usize>,
-    /// Seed for the random prompts, to replay a run.
-    #[serde(default)]
+    /// Seed for the random prompts, to replay a run (below 2^53; a decimal string is accepted too).
+    #[serde(default, deserialize_with = "crate::util::de_seed")]
     pub seed: Option<u64>,
     /// Weight dtype to build the engine for (f32, bf16, f16, int8); absent: the engine's own
     /// (metainfer.toml `dtype`). The reference then runs on the weights as that dtype stores them.
@@ -112,9 +112,9 @@ impl Report for VerifyReport {
     fn text(&self) -> String {
         let ok = self.prompts.iter().filter(|p| p.error.is_empty()).count();
         let mut s = format!(
-            "verify {}: {ok}/{} prompts passed (seed {}, {} with {} weights, logits atol {} rtol {})\n",
+            "verify {}: {} (seed {}, {} with {} weights, logits atol {} rtol {})\n",
             if self.passed { "PASSED" } else { "FAILED" },
-            self.prompts.len(),
+            crate::harness::prompts_passed(ok, self.prompts.len()),
             self.seed,
             self.family,
             self.dtype,
@@ -206,7 +206,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     if max_new == 0 || max_new > 4096 {
         return Err(Error::usage(format!("max_new_tokens must be 1..=4096, got {max_new}")));
     }
-    let seed = req.seed.unwrap_or_else(|| rand::rng().random());
+    let seed = req.seed.unwrap_or_else(crate::util::fresh_seed);
     gate.seed = Some(seed);
     let mut prompts: Vec<(String, bool)> = req.prompts.iter().map(|p| (p.clone(), false)).collect();
     if prompts.is_empty() {
@@ -272,7 +272,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
             return Ok(report);
         }
         Err(why) => {
-            let report = fail(why, vec![], gate.findings.clone());
+            let report = fail(crate::harness::explain(&why, &gate.engine), vec![], gate.findings.clone());
             gate.record(&report, Figures::Verify(VerifyFigures { gate: gate.common(), ..Default::default() }));
             return Ok(report);
         }

@@ -23,6 +23,7 @@ fn failed(i: usize, tool: &str, contracts: &[&str], summary: &str, figures: serd
         duration_ms: 1,
         client: String::new(),
         constraints: serde_json::json!({}),
+        status: String::new(),
     }
 }
 

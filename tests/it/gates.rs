@@ -72,10 +72,20 @@ fn bare_scaffold_compiles_and_fails_every_other_gate() {
     assert_eq!(k.kernels.len(), 8);
     assert!(k.kernels.iter().all(|k| !k.passed && k.error.contains("not yet implemented")), "{k:?}");
     crate::assert_conforms(&k);
+    // A panicked kernel reads "panicked", not the sentinel 1.80e308.
+    let text = metainfer::ops::Report::text(&k);
+    assert!(text.contains("max abs  panicked") && !text.contains("e308"), "{text}");
 
     let v = verify(&ctx, &verify_req(&engine), &budget()).unwrap();
     assert!(!v.passed && v.error.contains("not yet implemented"), "{}", v.error);
     crate::assert_conforms(&v);
+    // The failure names the user's file and the unimplemented function, not the server's snapshot,
+    // and the header says the engine crashed instead of "0/0 prompts passed".
+    let dir = engine.canonicalize().unwrap().display().to_string();
+    assert!(v.error.contains("todo!() in ") && v.error.contains(&format!("{dir}/src/")), "{}", v.error);
+    assert!(!v.error.contains("/snapshots/"), "{}", v.error);
+    let text = metainfer::ops::Report::text(&v);
+    assert!(text.contains("crashed before the first prompt") && !text.contains("0/0"), "{text}");
 
     let p = profile(
         &ctx,

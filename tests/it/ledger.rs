@@ -18,6 +18,7 @@ fn outcome(i: usize, tool: &str) -> Outcome {
         duration_ms: i as u64 * 11,
         client: "test/1".into(),
         constraints: serde_json::json!({"family": "model.llama", "dtype": "f32"}),
+        status: String::new(),
     }
 }
 
@@ -156,6 +157,7 @@ fn report_computes_pass_rates_attempts_and_failure_modes() {
         duration_ms: 1,
         client: String::new(),
         constraints: serde_json::json!({}),
+        status: String::new(),
     };
     let outcomes = vec![
         kt("/a", "2026-11-30T10:00:00Z", false, "zero"),
@@ -205,4 +207,98 @@ fn machine_probe_is_complete_and_cached() {
     let back: metainfer::probe::MachineProbe =
         serde_json::from_value(l.probe(&p.fingerprint).unwrap().unwrap()).unwrap();
     assert_eq!(back, p);
+}
+
+/// A ledger of 2,000 engines: ckb_report and list_outcomes stay under the output bound in their
+/// structured content and their text, and paging through the engines visits each exactly once.
+#[test]
+fn report_over_two_thousand_engines_is_bounded_and_pages_through_every_engine() {
+    use metainfer::ops::Report;
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let bound = ctx.max_output;
+    let mut lines = String::new();
+    for e in 0..2000 {
+        for (k, tool) in ["compile_engine", "run_kernel_test", "verify_generation"].iter().enumerate() {
+            let mut o = outcome(e * 3 + k, tool);
+            o.engine = format!("/work/engines/engine-{e:04}");
+            o.time = format!("2026-11-30T{:02}:{:02}:{:02}Z", e / 100 % 24, e % 60, k);
+            lines += &(serde_json::to_string(&o).unwrap() + "\n");
+        }
+    }
+    let mut l = Ledger::open(&ctx.ledger).unwrap();
+    assert_eq!(l.import_jsonl(&lines).unwrap().0, 6000);
+    let size = |v: &serde_json::Value| serde_json::to_string(v).unwrap().chars().count();
+
+    let r = metainfer::ops::report::report(&ctx, &Default::default()).unwrap();
+    let v = serde_json::to_value(&r).unwrap();
+    assert!(size(&v) <= bound, "structured report of {} characters", size(&v));
+    assert!(r.text().chars().count() <= bound, "text of {} characters", r.text().chars().count());
+    assert_eq!(r.totals.engines, 2000);
+    crate::assert_conforms(&r);
+
+    let mut seen = std::collections::BTreeSet::new();
+    let mut cursor: Option<String> = None;
+    let mut pages = 0;
+    loop {
+        let req = metainfer::ops::report::ReportRequest {
+            section: Some("engines".into()),
+            cursor: cursor.clone(),
+            ..Default::default()
+        };
+        let r = metainfer::ops::report::report(&ctx, &req).unwrap();
+        assert!(size(&serde_json::to_value(&r).unwrap()) <= bound);
+        for e in &r.engines {
+            assert!(seen.insert(e.engine.clone()), "{} twice", e.engine);
+        }
+        pages += 1;
+        match r.engines_next {
+            Some(c) => cursor = Some(c),
+            None => break,
+        }
+        assert!(pages < 1000, "paging does not end");
+    }
+    assert_eq!(seen.len(), 2000);
+
+    let page = metainfer::ops::outcomes::list(
+        &ctx,
+        &metainfer::ops::outcomes::OutcomesRequest {
+            limit: Some(100),
+            engine: Some("engine-0042".into()),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(page.total, 3);
+    assert!(page.outcomes.iter().all(|o| o.engine.ends_with("engine-0042")));
+    let all = metainfer::ops::outcomes::list(
+        &ctx,
+        &metainfer::ops::outcomes::OutcomesRequest { limit: Some(100), ..Default::default() },
+    )
+    .unwrap();
+    assert!(size(&serde_json::to_value(&all).unwrap()) <= bound);
+    assert!(all.next_cursor.is_some());
+}
+
+/// A cancelled call is neither a pass nor a failure: it counts in no pass rate.
+#[test]
+fn cancelled_outcomes_are_left_out_of_pass_rates() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let mut cancelled = outcome(1, "compile_engine");
+    cancelled.passed = false;
+    cancelled.status = "cancelled".into();
+    let mut passed = outcome(2, "compile_engine");
+    passed.passed = true;
+    let r = metainfer::ops::report::build(&ctx, &[cancelled.clone(), passed], &Default::default());
+    let rope = r.contracts.iter().find(|c| c.id == "kernel.rope").unwrap();
+    assert_eq!((rope.stats.attempts, rope.stats.first_try_pass_rate), (1, 1.0));
+    // The status survives the ledger, and older exports without one derive it from `passed`.
+    let l = Ledger::open(&t.path().join("s.sqlite")).unwrap();
+    l.record(&cancelled).unwrap();
+    assert_eq!(l.list(0, 1).unwrap()[0].status, "cancelled");
+    let old: Outcome =
+        serde_json::from_str(&serde_json::to_string(&outcome(4, "x")).unwrap().replace(",\"status\":\"\"", ""))
+            .unwrap();
+    assert_eq!(old.status(), "passed");
 }

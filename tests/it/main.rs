@@ -2,6 +2,7 @@
 //! golden output); builds share one cache under cargo's test tmp dir so dependencies compile once.
 
 mod ckb;
+mod cli;
 mod client;
 mod diagnose;
 mod dtypes;
@@ -190,4 +191,6 @@ pub fn assert_conforms<T: schemars::JsonSchema + serde::Serialize>(report: &T) {
     let v = jsonschema::validator_for(&schema).unwrap();
     let errors: Vec<String> = v.iter_errors(&value).map(|e| format!("{}: {e}", e.instance_path())).collect();
     assert!(errors.is_empty(), "structured content does not match outputSchema: {errors:?}\n{value}");
+    // Every number (seeds, counts, ids) must survive a JavaScript client's number conversion.
+    assert_eq!(metainfer::util::js_unsafe_numbers(&value), Vec::<String>::new(), "{value}");
 }
