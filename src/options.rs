@@ -102,15 +102,17 @@ impl Default for ServerOptions {
 /// # Errors
 /// An unreadable directory, or (without `skip_invalid`) any invalid contract file.
 pub fn load_ckb(dir: Option<&Path>, skip_invalid: bool) -> Result<Ckb> {
+    // A kernel contract without an oracle, or a failure contract naming an unknown mutant, is invalid.
+    let known = crate::oracle::implemented();
     if !skip_invalid {
         return match dir {
-            Some(d) => Ckb::from_dir(d),
-            None => Ckb::embedded(),
+            Some(d) => Ckb::from_sources_checked(ckb::read_dir_files(d)?, d.display().to_string(), Some(&known)),
+            None => Ckb::from_sources_checked(ckb::embedded_files(), "embedded".into(), Some(&known)),
         };
     }
     let ckb = match dir {
-        Some(d) => Ckb::from_sources_skip_invalid(ckb::read_dir_files(d)?, d.display().to_string())?,
-        None => Ckb::from_sources_skip_invalid(ckb::embedded_files(), "embedded".into())?,
+        Some(d) => Ckb::from_sources_skip_invalid(ckb::read_dir_files(d)?, d.display().to_string(), Some(&known))?,
+        None => Ckb::from_sources_skip_invalid(ckb::embedded_files(), "embedded".into(), Some(&known))?,
     };
     for f in ckb.skipped() {
         tracing::warn!("--skip-invalid: left out contract file {}: {}", f.file, f.reason);

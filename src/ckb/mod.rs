@@ -16,6 +16,18 @@ pub mod embedded {
     include!(concat!(env!("OUT_DIR"), "/embedded.rs"));
 }
 
+/// What the server implements that contracts name: kernel contract ids with an f64 oracle, and
+/// mutant names. Supplied by the caller (the kernel registry, `oracle::implemented`), since ckb knows
+/// nothing of the oracle; with it, a kernel contract without an oracle or a failure contract naming an
+/// unknown mutant is a finding like any other, at load, at propose and at `ckb check` alike.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Implemented {
+    /// Kernel contract ids with an oracle.
+    pub kernels: BTreeSet<String>,
+    /// Mutant names (kernel and model-level).
+    pub mutants: BTreeSet<String>,
+}
+
 /// One problem in one contract file.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
 pub struct Finding {
@@ -103,7 +115,20 @@ impl Ckb {
     /// # Errors
     /// [`crate::error::ErrorKind::Input`] listing every finding, one per line.
     pub fn from_sources(files: Vec<(String, String)>, origin: String) -> Result<Ckb> {
-        let (ckb, findings) = Ckb::check_sources(files, origin);
+        Ckb::from_sources_checked(files, origin, None)
+    }
+
+    /// As [`Ckb::from_sources`], and with `known` a kernel contract without an oracle or an unknown
+    /// mutant name is a finding too (the server's own load: see [`Implemented`]).
+    ///
+    /// # Errors
+    /// As [`Ckb::from_sources`].
+    pub fn from_sources_checked(
+        files: Vec<(String, String)>,
+        origin: String,
+        known: Option<&Implemented>,
+    ) -> Result<Ckb> {
+        let (ckb, findings) = Ckb::check_sources(files, origin, known);
         match ckb {
             Some(ckb) if findings.is_empty() => Ok(ckb),
             _ => Err(Error::input(format!(
@@ -114,6 +139,37 @@ impl Ckb {
         }
     }
 
+    /// Contracts the server cannot check: kernel contracts without an oracle, failure contracts
+    /// naming a mutant that does not exist.
+    pub fn unimplemented(&self, known: &Implemented) -> Vec<Finding> {
+        let mut out = Vec::new();
+        for c in self.contracts.values() {
+            let file = self.files.get(&c.id).cloned().unwrap_or_default();
+            if c.kind == Kind::Kernel && !known.kernels.contains(&c.id) {
+                out.push(Finding {
+                    file: file.clone(),
+                    field: "/id".into(),
+                    message: format!(
+                        "no oracle implements `{}`: a kernel contract needs a kernel registry module (src/oracle/kernels/)",
+                        c.id
+                    ),
+                });
+            }
+            if let Some(m) = c.failure.as_ref().and_then(|f| f.mutant.as_deref())
+                && !known.mutants.contains(m)
+            {
+                out.push(Finding {
+                    file,
+                    field: "/failure/mutant".into(),
+                    message: format!(
+                        "no oracle mutant named `{m}`: add it to its kernel's registry module (src/oracle/kernels/) or remove the field"
+                    ),
+                });
+            }
+        }
+        out
+    }
+
     /// Like [`Ckb::from_sources`], but an invalid file (not TOML, schema error, lint finding in that
     /// file, dangling reference) is left out instead of failing the load, and so, in further rounds,
     /// is every file whose contract then references a contract that was left out. The files left out
@@ -122,14 +178,19 @@ impl Ckb {
     /// # Errors
     /// [`crate::error::ErrorKind::Input`] when no valid contract remains, or a finding names no file
     /// of the set (it cannot be attributed, so nothing can be skipped for it).
-    pub fn from_sources_skip_invalid(files: Vec<(String, String)>, origin: String) -> Result<Ckb> {
+    /// With `known`, a contract the server cannot check (see [`Implemented`]) is invalid too.
+    pub fn from_sources_skip_invalid(
+        files: Vec<(String, String)>,
+        origin: String,
+        known: Option<&Implemented>,
+    ) -> Result<Ckb> {
         let mut remaining = files;
         let mut skipped: Vec<SkippedFile> = Vec::new();
         // Contract id -> file, for the files left out (read leniently: a schema-invalid file may still
         // name its id).
         let mut skipped_ids: BTreeMap<String, String> = BTreeMap::new();
         loop {
-            let (ckb, findings) = Ckb::check_sources(remaining.clone(), origin.clone());
+            let (ckb, findings) = Ckb::check_sources(remaining.clone(), origin.clone(), known);
             let ckb = ckb.expect("check_sources always returns a knowledge base");
             if findings.is_empty() {
                 if ckb.contracts.is_empty() {
@@ -190,7 +251,12 @@ impl Ckb {
     }
 
     /// Like [`Ckb::from_sources`] but returns all findings instead of failing: `ckb check` uses it.
-    pub fn check_sources(files: Vec<(String, String)>, origin: String) -> (Option<Ckb>, Vec<Finding>) {
+    /// With `known`, also every kernel contract without an oracle and every unknown mutant name.
+    pub fn check_sources(
+        files: Vec<(String, String)>,
+        origin: String,
+        known: Option<&Implemented>,
+    ) -> (Option<Ckb>, Vec<Finding>) {
         let fingerprint = fingerprint(&files);
         let schema = contract_schema();
         let validator = jsonschema::validator_for(&schema).expect("the generated contract schema is valid");
@@ -241,6 +307,9 @@ impl Ckb {
         let ckb =
             Ckb { contracts, files: file_of, origin, skipped: Vec::new(), provisional: BTreeSet::new(), fingerprint };
         findings.extend(ckb.lint());
+        if let Some(k) = known {
+            findings.extend(ckb.unimplemented(k));
+        }
         (Some(ckb), findings)
     }
 
@@ -621,8 +690,9 @@ impl Ckb {
         files: Vec<(String, String)>,
         candidates: Vec<(String, String)>,
         origin: String,
+        known: Option<&Implemented>,
     ) -> Result<(Ckb, Vec<Finding>)> {
-        let base = Ckb::from_sources(files.clone(), origin.clone())?;
+        let base = Ckb::from_sources_checked(files.clone(), origin.clone(), known)?;
         let fingerprint = base.fingerprint;
         let mut accepted: Vec<(String, String)> = Vec::new();
         let mut ids = BTreeSet::new();
@@ -638,7 +708,7 @@ impl Ckb {
             let path = format!("candidates/{rel}");
             let mut trial = files.clone();
             trial.push((path.clone(), text.clone()));
-            let (_, findings) = Ckb::check_sources(trial, origin.clone());
+            let (_, findings) = Ckb::check_sources(trial, origin.clone(), known);
             if findings.is_empty() {
                 ids.insert(c.id);
                 accepted.push((path, text));
@@ -651,7 +721,7 @@ impl Ckb {
         }
         let mut all = files;
         all.extend(accepted);
-        let (ckb, findings) = Ckb::check_sources(all, origin);
+        let (ckb, findings) = Ckb::check_sources(all, origin, known);
         let mut ckb = ckb.expect("check_sources always returns a CKB");
         if !findings.is_empty() {
             // Candidates valid one by one but not together (e.g. two with one id): none routes.

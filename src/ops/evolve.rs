@@ -324,7 +324,7 @@ pub fn propose(ctx: &Ctx, req: &ProposeRequest) -> Result<ProposeReport> {
     let kind = value.get("kind").and_then(|v| v.as_str()).unwrap_or("");
     let rel = format!("{}s/proposal.toml", kind.trim_end_matches('s'));
     let files = files_with(ctx, (rel.clone(), req.toml.clone()), existing.map(|c| c.id.as_str()))?;
-    let (_, mut findings) = Ckb::check_sources(files, "proposal".into());
+    let (_, mut findings) = Ckb::check_sources(files, "proposal".into(), Some(&crate::oracle::implemented()));
     findings.retain(|f| f.file == rel || f.message.contains(&id));
     for f in &mut findings {
         if f.file == rel {
@@ -409,7 +409,7 @@ pub fn promote(ctx: &Ctx, id: &str, force: bool) -> Result<String> {
         )));
     }
     let files = files_with(ctx, (rel.clone(), text.clone()), Some(id))?;
-    let (_, findings) = Ckb::check_sources(files, "promotion".into());
+    let (_, findings) = Ckb::check_sources(files, "promotion".into(), Some(&crate::oracle::implemented()));
     if !findings.is_empty() {
         return Err(Error::input(format!(
             "promoting {id} would make the CKB invalid:\n{}",

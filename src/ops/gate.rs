@@ -123,6 +123,24 @@ impl<'a> Gate<'a> {
         Ok(Gate { ctx, tool, engine, target, budget, seed: None, contracts: vec![], findings: vec![], started })
     }
 
+    /// Check that a model routes to the family the engine declares: an engine is checked on
+    /// checkpoints of its own family only (its kernel tests cover that family's kernels).
+    ///
+    /// # Errors
+    /// [`crate::error::ErrorKind::Usage`] naming both families and what to change.
+    pub fn same_family(&self, model_dir: &Path, model_family: &str) -> Result<()> {
+        if model_family == self.target.family {
+            return Ok(());
+        }
+        Err(crate::error::Error::usage(format!(
+            "{} routes to {model_family}, but the engine declares family = {:?} in {}; an engine is checked on checkpoints of its own family: use a {} checkpoint, or scaffold an engine for {model_family}",
+            model_dir.display(),
+            self.target.family,
+            self.engine.dir.join(crate::manifest::FILE).display(),
+            self.target.family
+        )))
+    }
+
     /// Record the outcome under these contract ids (at their CKB versions).
     pub fn contracts(&mut self, ids: &[&str]) {
         self.contracts = self.ctx.versioned(ids);

@@ -102,7 +102,7 @@ impl Ctx {
         if candidates.is_empty() && crate::ckb::fingerprint(&files) == self.ckb.fingerprint() {
             return Cow::Borrowed(self);
         }
-        match Ckb::with_candidates(files, candidates, self.ckb.origin.clone()) {
+        match Ckb::with_candidates(files, candidates, self.ckb.origin.clone(), Some(&crate::oracle::implemented())) {
             Ok((ckb, left_out)) => {
                 for f in left_out {
                     tracing::warn!("staged candidate not used for routing: {f}");

@@ -192,6 +192,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     let model_dir = ctx.confine(Path::new(&req.model), true)?;
     let target = gate.target.clone();
     let cfg = model::load_config(&ctx.ckb, &model_dir)?;
+    gate.same_family(&model_dir, &cfg.family)?;
     let family = ctx.ckb.get(&cfg.family)?;
     let logits_tol = &family.model.as_ref().expect("model contract").logits_tolerance;
     let tol = logits_tol.get(&target.dtype).or_else(|| logits_tol.get("f32")).cloned().unwrap_or(Tolerance {

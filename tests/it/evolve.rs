@@ -75,7 +75,7 @@ fn recurring_unexplained_failures_become_valid_candidates() {
         assert!(text.contains("o0") || text.contains("o20") || text.contains("o30"), "evidence links outcomes: {text}");
         files.push((format!("candidates-check/{}", c.file), text));
     }
-    let (_, findings) = Ckb::check_sources(files, "test".into());
+    let (_, findings) = Ckb::check_sources(files, "test".into(), None);
     assert_eq!(findings, vec![]);
     // Nothing entered the CKB: the built-in one has no candidate.
     assert!(ctx.ckb.all().all(|c| !c.id.starts_with("failure.candidate-")));

@@ -254,6 +254,7 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     let model_dir = ctx.confine(Path::new(&req.model), true)?;
     let target = gate.target.clone();
     let cfg = crate::model::load_config(&ctx.ckb, &model_dir)?;
+    gate.same_family(&model_dir, &cfg.family)?;
     let prompt_len = req.prompt_len.unwrap_or(32).clamp(1, cfg.max_seq.saturating_sub(1).max(1));
     let new_tokens = req.new_tokens.unwrap_or(64).clamp(1, cfg.max_seq - prompt_len);
     let runs = req.runs.unwrap_or(5).clamp(1, 100);
