@@ -45,6 +45,10 @@ struct Global {
     /// Largest text content of one MCP tool result, in characters (longer text is cut and marked).
     #[arg(long, global = true, default_value_t = metainfer::ops::MAX_TEXT, value_name = "CHARS")]
     max_output: usize,
+    /// Refuse to build or run an engine when this kernel cannot sandbox it (Linux Landlock ABI >= 6
+    /// and seccomp); without it such gates run unconfined and report `sandboxed: false`.
+    #[arg(long, global = true)]
+    require_sandbox: bool,
 }
 
 #[derive(Subcommand)]
@@ -459,13 +463,20 @@ fn load_ckb(dir: Option<&PathBuf>, skip_invalid: bool) -> Result<Ckb> {
 }
 
 fn ctx(g: &Global, workspace: Option<PathBuf>, models: Vec<PathBuf>) -> Result<Ctx> {
+    let mut c = ctx_unprotected(g, workspace, models)?;
+    c.workshop.protected = c.protected_paths();
+    c.workshop.require_sandbox = g.require_sandbox;
+    Ok(c)
+}
+
+fn ctx_unprotected(g: &Global, workspace: Option<PathBuf>, models: Vec<PathBuf>) -> Result<Ctx> {
     Ok(Ctx {
         ckb: load_ckb(g.ckb.as_ref(), g.skip_invalid)?,
         // Absolute: the harness manifest refers to the engine snapshot inside the cache by path.
         workshop: g
             .cache
             .clone()
-            .map(|root| Workshop { root: std::path::absolute(&root).unwrap_or(root) })
+            .map(|root| Workshop::new(std::path::absolute(&root).unwrap_or(root)))
             .unwrap_or_else(Workshop::default_location),
         ledger: g.ledger.clone().unwrap_or_else(metainfer::ledger::default_path),
         workspace,
@@ -539,6 +550,14 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 .map(|w| w.canonicalize().map_err(|e| Error::usage(format!("--workspace {}: {e}", w.display()))))
                 .transpose()?;
             let ctx = ctx(g, workspace, model_dirs)?;
+            let sandbox = metainfer::harness::sandbox::status();
+            if sandbox.enforced {
+                tracing::info!("{}", sandbox.summary);
+            } else if g.require_sandbox {
+                return Err(Error::usage(format!("--require-sandbox: {}", sandbox.summary)));
+            } else {
+                tracing::warn!("{}", sandbox.summary);
+            }
             let rt = tokio::runtime::Runtime::new().map_err(|e| Error::internal(format!("tokio runtime: {e}")))?;
             let served = rt.block_on(metainfer::mcp::serve_stdio(ctx));
             // Calls in flight were cancelled; give their blocking threads a moment to reap children.
@@ -660,8 +679,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     eprintln!("exported {} outcomes to {}", text.lines().count(), path.display());
                 }
                 LedgerCmd::Import { file } => {
-                    let text =
-                        std::fs::read_to_string(&file).map_err(|e| Error::usage(format!("{}: {e}", file.display())))?;
+                    let text = metainfer::util::read_regular_text(&file, &metainfer::util::LEDGER_EXPORT)?;
                     let (new, known) = l
                         .import_jsonl(&text)
                         .map_err(|e| Error::input(format!("{}: {}", file.display(), e.message)))?;
@@ -735,8 +753,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Ckb { action: CkbCmd::Propose { file, json } } => {
-            let toml = std::fs::read_to_string(&file).map_err(|e| Error::usage(format!("{}: {e}", file.display())))?;
-            Ok(emit(&ops::evolve::propose(&ctx(g, None, vec![])?, &ops::evolve::ProposeRequest { toml })?, json))
+            let c = ctx(g, None, vec![])?;
+            let file = c.confine(&file, true)?;
+            let toml = metainfer::util::read_regular_text(&file, &metainfer::util::CONTRACT_FILE)?;
+            Ok(emit(&ops::evolve::propose(&c, &ops::evolve::ProposeRequest { toml })?, json))
         }
         Command::Ckb { action: CkbCmd::Promote { id, force } } => {
             println!("{}", ops::evolve::promote(&ctx(g, None, vec![])?, &id, force)?);
@@ -837,6 +857,11 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .init();
+    // SIGTERM, SIGINT and SIGHUP kill every child process group before the process exits.
+    if let Err(e) = metainfer::harness::exit_on_signals() {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
     match run(Cli::parse()) {
         Ok(code) => code,
         Err(e) => {

@@ -492,8 +492,9 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
     let result = scratch.path().join("result.json");
     std::fs::write(&request, serde_json::json!({ "cases": cases }).to_string())
         .map_err(|e| Error::internal(format!("{}: {e}", request.display())))?;
-    let run = harness::run(
+    let run = ctx.workshop.run_sandboxed(
         duct::cmd(&exe, [std::ffi::OsStr::new("kernel"), request.as_os_str(), result.as_os_str()]),
+        &harness::Grants::harness(&exe, scratch.path()),
         budget,
     )?;
     let results: serde_json::Value =

@@ -52,6 +52,17 @@ pub struct Ctx {
 }
 
 impl Ctx {
+    /// What no sandboxed process may reach ([`crate::harness::Workshop::protected`]): the ledger, its
+    /// HMAC key, the ledger's directory (the data directory), the CKB working copy and the
+    /// candidates directory.
+    pub fn protected_paths(&self) -> Vec<PathBuf> {
+        let mut out = vec![self.ledger.clone(), crate::ledger::key_path(&self.ledger)];
+        out.extend(self.ledger.parent().filter(|p| !p.as_os_str().is_empty()).map(Path::to_path_buf));
+        out.extend(self.ckb_dir.clone());
+        out.push(self.candidates_dir());
+        out
+    }
+
     /// Where candidate contracts are staged: `<ckb>/candidates` for a working copy, else beside the
     /// ledger (`candidates/`). Candidates are never part of the CKB until promoted.
     pub fn candidates_dir(&self) -> PathBuf {
@@ -140,10 +151,13 @@ impl Ctx {
     /// family, or the engine does not declare the requested dtype; the message says what to add.
     pub fn target(&self, engine: &crate::harness::Engine, dtype: Option<&str>) -> Result<Target> {
         let path = engine.dir.join("metainfer.toml");
-        let table: toml::Table = match std::fs::read_to_string(&path) {
-            Ok(t) => toml::from_str(&t).map_err(|e| {
-                Error::usage(format!("{}: not valid TOML ({e}); fix or re-scaffold it", path.display()))
-            })?,
+        let table: toml::Table = match std::fs::symlink_metadata(&path) {
+            Ok(_) => {
+                let t = crate::util::read_regular_text(&path, &crate::util::METAINFER_TOML)?;
+                toml::from_str(&t).map_err(|e| {
+                    Error::usage(format!("{}: not valid TOML ({e}); fix or re-scaffold it", path.display()))
+                })?
+            }
             Err(_) => toml::Table::new(),
         };
         let text = |key: &str, default: &str| table.get(key).and_then(|v| v.as_str()).unwrap_or(default).to_string();
@@ -285,7 +299,9 @@ impl Ctx {
             duration_ms: started.elapsed().as_millis() as u64,
             client: self.client.read().map(|c| c.clone()).unwrap_or_default(),
             constraints: engine
-                .and_then(|e| std::fs::read_to_string(e.dir.join("metainfer.toml")).ok())
+                .and_then(|e| {
+                    crate::util::read_regular_text(&e.dir.join("metainfer.toml"), &crate::util::METAINFER_TOML).ok()
+                })
                 .and_then(|t| toml::from_str::<toml::Table>(&t).ok())
                 .and_then(|t| serde_json::to_value(t).ok())
                 .map(|mut c| {
@@ -296,6 +312,8 @@ impl Ctx {
                     c
                 })
                 .unwrap_or_else(|| serde_json::json!({})),
+            imported: false,
+            authenticated: false,
         };
         match Ledger::open(&self.ledger).and_then(|l| l.record(&outcome)) {
             Ok(()) => {}

@@ -44,6 +44,11 @@ pub struct OutcomeView {
     pub duration_ms: u64,
     /// Figures as a JSON text.
     pub figures_json: String,
+    /// Imported from another ledger (`ledger import`): shown, never evidence.
+    pub imported: bool,
+    /// Recorded by this server from its own run and unchanged since (its HMAC verifies): only such
+    /// outcomes are evidence for phase order and promotion.
+    pub authenticated: bool,
 }
 
 /// A page of outcomes.
@@ -66,12 +71,19 @@ impl Report for OutcomesReport {
         let mut s = format!("{} outcomes in the ledger; showing {}\n", self.total, self.outcomes.len());
         for o in &self.outcomes {
             s += &format!(
-                "{} {:<18} {:<4} {:>7} ms {:<12} {}\n",
+                "{} {:<18} {:<4} {:>7} ms {:<12} {}{}\n",
                 o.time,
                 o.tool,
                 if o.passed { "pass" } else { "FAIL" },
                 o.duration_ms,
                 if o.engine_hash.is_empty() { "-" } else { &o.engine_hash },
+                if o.imported {
+                    "[imported] "
+                } else if !o.authenticated {
+                    "[unauthenticated] "
+                } else {
+                    ""
+                },
                 o.summary
             );
         }
@@ -112,6 +124,8 @@ pub fn list(ctx: &Ctx, req: &OutcomesRequest) -> Result<OutcomesReport> {
                 reference_level: o.reference_level,
                 duration_ms: o.duration_ms,
                 figures_json: o.figures.to_string(),
+                imported: o.imported,
+                authenticated: o.authenticated,
             })
             .collect(),
         next_cursor: more.then_some(start + limit),

@@ -387,7 +387,8 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
         );
         return Ok(report);
     };
-    let run = harness::run(
+    let work = ctx.workshop.scratch()?;
+    let run = ctx.workshop.run_sandboxed(
         duct::cmd(
             &exe,
             [
@@ -399,6 +400,7 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
             ] as [std::ffi::OsString; 5],
         )
         .env("RAYON_NUM_THREADS", threads.to_string()),
+        &harness::Grants::harness(&exe, work.path()).read(&model_dir),
         budget,
     )?;
     if !run.ok() {
@@ -487,9 +489,10 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
         .collect();
     std::fs::write(&time_req, serde_json::json!({"reps": runs.max(3), "items": items}).to_string())
         .map_err(|e| Error::internal(format!("{}: {e}", time_req.display())))?;
-    let timed = harness::run(
+    let timed = ctx.workshop.run_sandboxed(
         duct::cmd(&exe, [std::ffi::OsStr::new("time"), time_req.as_os_str()])
             .env("RAYON_NUM_THREADS", threads.to_string()),
+        &harness::Grants::harness(&exe, scratch.path()),
         budget,
     )?;
     if timed.ok() {

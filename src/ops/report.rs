@@ -79,6 +79,8 @@ pub struct EngineTimeline {
     pub level: String,
     /// Gates in build order.
     pub steps: Vec<PhaseStep>,
+    /// Outcomes of this engine imported from another ledger (counted in the steps, never evidence).
+    pub imported: usize,
 }
 
 /// One cell of the coverage matrix.
@@ -99,6 +101,8 @@ pub struct CoverageCell {
 pub struct CkbReport {
     /// Outcomes read.
     pub outcomes: usize,
+    /// Of those, imported from another ledger (`ledger import`): counted here, never evidence.
+    pub imported: usize,
     /// Per contract.
     pub contracts: Vec<ContractRow>,
     /// Per reference level.
@@ -233,9 +237,10 @@ pub fn build(ctx: &Ctx, outcomes: &[Outcome], req: &ReportRequest) -> CkbReport 
         .collect();
     // engine -> (reference level, gate -> (attempts, time of first pass))
     type Steps<'a> = BTreeMap<&'a str, (usize, String)>;
-    let mut per_engine: BTreeMap<String, (String, Steps)> = BTreeMap::new();
+    let mut per_engine: BTreeMap<String, (String, Steps, usize)> = BTreeMap::new();
     for o in &gates {
-        let e = per_engine.entry(o.engine.clone()).or_insert_with(|| (o.reference_level.clone(), BTreeMap::new()));
+        let e = per_engine.entry(o.engine.clone()).or_insert_with(|| (o.reference_level.clone(), BTreeMap::new(), 0));
+        e.2 += o.imported as usize;
         let step = e.1.entry(GATES.iter().find(|g| **g == o.tool).copied().unwrap_or("")).or_default();
         step.0 += 1;
         if o.passed && step.1.is_empty() {
@@ -244,9 +249,10 @@ pub fn build(ctx: &Ctx, outcomes: &[Outcome], req: &ReportRequest) -> CkbReport 
     }
     let engines = per_engine
         .into_iter()
-        .map(|(engine, (level, steps))| EngineTimeline {
+        .map(|(engine, (level, steps, imported))| EngineTimeline {
             engine,
             level,
+            imported,
             steps: GATES
                 .iter()
                 .filter_map(|g| {
@@ -276,7 +282,14 @@ pub fn build(ctx: &Ctx, outcomes: &[Outcome], req: &ReportRequest) -> CkbReport 
             }
         }
     }
-    CkbReport { outcomes: outcomes.len(), contracts, levels, engines, coverage }
+    CkbReport {
+        outcomes: outcomes.len(),
+        imported: outcomes.iter().filter(|o| o.imported).count(),
+        contracts,
+        levels,
+        engines,
+        coverage,
+    }
 }
 
 /// Report from the context's ledger.
@@ -299,7 +312,11 @@ impl Report for CkbReport {
         true
     }
     fn text(&self) -> String {
-        let mut s = format!("# CKB report ({} outcomes)\n\n## Per contract\n\n", self.outcomes);
+        let mut s = format!(
+            "# CKB report ({} outcomes{})\n\n## Per contract\n\n",
+            self.outcomes,
+            if self.imported > 0 { format!(", {} imported", self.imported) } else { String::new() }
+        );
         s += "| contract | attempts | engines | first-try pass | median attempts to green | median s to green | never green | failure modes |\n|---|---|---|---|---|---|---|---|\n";
         for c in &self.contracts {
             let st = &c.stats;
@@ -330,7 +347,12 @@ impl Report for CkbReport {
         }
         s += "\n## Engines\n\n";
         for e in &self.engines {
-            s += &format!("- {} ({}): ", e.engine, e.level);
+            s += &format!(
+                "- {} ({}{}): ",
+                e.engine,
+                e.level,
+                if e.imported > 0 { format!("; {} imported", e.imported) } else { String::new() }
+            );
             let steps: Vec<String> = e
                 .steps
                 .iter()

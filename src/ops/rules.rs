@@ -64,10 +64,11 @@ impl Report for RulesReport {
 /// components, and the family's kernels at its own dtype and at every dtype of `[dtype_features]`.
 /// None when metainfer.toml names no family of the knowledge base (every signature is then checked).
 fn implemented(ctx: &Ctx, engine: &Engine) -> Option<std::collections::BTreeSet<String>> {
-    let table: toml::Table = std::fs::read_to_string(engine.dir.join("metainfer.toml"))
-        .ok()
-        .and_then(|t| toml::from_str(&t).ok())
-        .unwrap_or_default();
+    let table: toml::Table =
+        crate::util::read_regular_text(&engine.dir.join("metainfer.toml"), &crate::util::METAINFER_TOML)
+            .ok()
+            .and_then(|t| toml::from_str(&t).ok())
+            .unwrap_or_default();
     let mut dtypes: Vec<Option<String>> = vec![None];
     if let Some(extra) = table.get("dtype_features").and_then(|v| v.as_table()) {
         dtypes.extend(extra.keys().map(|d| Some(d.clone())));
@@ -88,7 +89,7 @@ fn implemented(ctx: &Ctx, engine: &Engine) -> Option<std::collections::BTreeSet<
 /// # Errors
 /// When cargo cannot resolve the dependency graph or the ledger's references cannot be read.
 pub fn precheck(ctx: &Ctx, engine: &Engine, budget: &Budget) -> Result<RulesReport> {
-    let (packages, unresolved) = match harness::dependency_graph(engine, budget) {
+    let (packages, unresolved) = match harness::dependency_graph(&ctx.workshop, engine, budget) {
         Ok(p) => (p, None),
         Err(e) => (Vec::new(), Some(e.message)),
     };
@@ -102,7 +103,7 @@ pub fn precheck(ctx: &Ctx, engine: &Engine, budget: &Budget) -> Result<RulesRepo
         })
         .collect();
     let level = ReferenceLevel::of_engine(&engine.dir);
-    let target = std::fs::read_to_string(engine.dir.join("metainfer.toml"))
+    let target = crate::util::read_regular_text(&engine.dir.join("metainfer.toml"), &crate::util::METAINFER_TOML)
         .ok()
         .and_then(|t| toml::from_str::<toml::Table>(&t).ok())
         .and_then(|t| t.get("target").and_then(|v| v.as_str()).map(str::to_owned))

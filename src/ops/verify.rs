@@ -287,11 +287,12 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         prompts.iter().zip(&budgets).map(|((p, _), n)| serde_json::json!({"text": p, "max_new_tokens": n})).collect();
     std::fs::write(&request, serde_json::json!({"prompts": items}).to_string())
         .map_err(|e| Error::internal(format!("{}: {e}", request.display())))?;
-    let run = harness::run(
+    let run = ctx.workshop.run_sandboxed(
         duct::cmd(
             &exe,
             [std::ffi::OsStr::new("generate"), model_dir.as_os_str(), request.as_os_str(), out.as_os_str()],
         ),
+        &harness::Grants::harness(&exe, scratch.path()).read(&model_dir),
         budget,
     )?;
     if !run.ok() {
