@@ -82,6 +82,10 @@ pub struct KernelTestReport {
     pub build_error: String,
     /// Rule findings (check_rules); a blocking one stops the test.
     pub rules: Vec<crate::guard::Finding>,
+    /// Whether the engine's code (its build scripts and proc macros, the harness process) ran in
+    /// the enforced sandbox; false where the kernel offers no Landlock ABI >= 6 or seccomp (the
+    /// server logs why at start; `--require-sandbox` refuses to run instead).
+    pub sandboxed: bool,
 }
 
 impl Report for KernelTestReport {
@@ -440,6 +444,7 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
             kernels: vec![],
             build_error: super::rules::blocked_text(&rules),
             rules: rules.findings,
+            sandboxed: ctx.workshop.sandboxed(),
         };
         ctx.record("run_kernel_test", Some(&engine), versioned, &report, serde_json::json!({"blocked": true}), started);
         return Ok(report);
@@ -460,6 +465,7 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
             kernels: vec![],
             build_error: super::Report::text(&compile),
             rules: vec![],
+            sandboxed: ctx.workshop.sandboxed(),
         };
         ctx.record(
             "run_kernel_test",
@@ -622,6 +628,7 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
         kernels,
         build_error: String::new(),
         rules: rules.findings,
+        sandboxed: ctx.workshop.sandboxed(),
     };
     let figures = serde_json::json!({
         "seed": seed,

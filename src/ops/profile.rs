@@ -109,6 +109,10 @@ pub struct ProfileReport {
     /// When it passed: each staged candidate it ran under (family, target platform) and whether this
     /// evidence promoted it (see `ops::evolve::promote_on_evidence`). Empty otherwise.
     pub promotions: Vec<super::evolve::Promotion>,
+    /// Whether the engine's code (its build scripts and proc macros, the harness process) ran in
+    /// the enforced sandbox; false where the kernel offers no Landlock ABI >= 6 or seccomp (the
+    /// server logs why at start; `--require-sandbox` refuses to run instead).
+    pub sandboxed: bool,
 }
 
 /// Prefill speed at one prompt length.
@@ -352,6 +356,7 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
         compute_bound_tok_s: compute_bound,
         runs_checked: 0,
         outputs_ok: false,
+        sandboxed: ctx.workshop.sandboxed(),
         rules: vec![],
         error: String::new(),
         figures_from,

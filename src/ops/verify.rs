@@ -101,6 +101,10 @@ pub struct VerifyReport {
     /// platform) and whether this evidence promoted it into the CKB working copy (see
     /// `ops::evolve::promote_on_evidence`). Empty otherwise.
     pub promotions: Vec<super::evolve::Promotion>,
+    /// Whether the engine's code (its build scripts and proc macros, the harness process) ran in
+    /// the enforced sandbox; false where the kernel offers no Landlock ABI >= 6 or seccomp (the
+    /// server logs why at start; `--require-sandbox` refuses to run instead).
+    pub sandboxed: bool,
 }
 
 impl Report for VerifyReport {
@@ -249,6 +253,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         diagnosis: vec![],
         rules: vec![],
         promotions: vec![],
+        sandboxed: ctx.workshop.sandboxed(),
     };
     let rules = super::rules::precheck(ctx, &engine, budget)?;
     if !rules.passed {
@@ -427,6 +432,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         diagnosis,
         rules: rules.findings,
         promotions: vec![],
+        sandboxed: ctx.workshop.sandboxed(),
     };
     let figures = serde_json::json!({
         "seed": seed,
