@@ -15,6 +15,7 @@ mod model;
 mod oracle;
 mod rules;
 mod sandbox;
+mod signals;
 
 use std::path::{Path, PathBuf};
 
