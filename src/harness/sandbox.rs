@@ -21,6 +21,12 @@
 //! (no allocation, no lock), so it is async-signal-safe. The one thing prepared per process that
 //! the child changes is its own ruleset (the `/proc/self` rule), which no other process uses.
 //!
+//! What cargo itself needs was found by trying (cargo 1.95): a build or `cargo metadata` with
+//! `--offline` and its dependencies already fetched reads only the toolchain, the registry and the
+//! crates, writes only its target directory and `TMPDIR`, and needs neither `/proc`, `/etc` nor a
+//! socket; it takes the registry's package-cache lock when it may (so the two lock files are
+//! writable), which keeps it from reading crates another cargo is still unpacking.
+//!
 //! Where the kernel offers no Landlock, or one older than ABI 6, or no seccomp filters, processes
 //! run without the sandbox, [`status`] says so (logged at start) and every gate report says
 //! `sandboxed: false`; a workshop with `require_sandbox` refuses to run them instead.

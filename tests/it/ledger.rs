@@ -317,3 +317,21 @@ fn a_version_4_ledger_migrates_and_its_rows_are_not_evidence() {
     l.record(&o).unwrap();
     assert!(l.passed_on("run_kernel_test", "H", "f32").unwrap());
 }
+
+#[test]
+fn imported_outcomes_are_marked_in_list_outcomes_and_ckb_report() {
+    use metainfer::ops::Report;
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let mut l = Ledger::open(&ctx.ledger).unwrap();
+    l.record(&outcome(1, "run_kernel_test")).unwrap();
+    l.import_jsonl(&serde_json::to_string(&outcome(2, "run_kernel_test")).unwrap()).unwrap();
+    let page = metainfer::ops::outcomes::list(&ctx, &Default::default()).unwrap();
+    let marks: Vec<(bool, bool)> = page.outcomes.iter().map(|o| (o.imported, o.authenticated)).collect();
+    assert_eq!(marks, [(true, false), (false, true)], "newest first: the imported one, then this server's");
+    assert_eq!(page.text().matches("[imported]").count(), 1, "{}", page.text());
+    let r = metainfer::ops::report::report(&ctx, &metainfer::ops::report::ReportRequest { prefix: None }).unwrap();
+    assert_eq!((r.outcomes, r.imported), (2, 1));
+    assert_eq!(r.engines.iter().map(|e| e.imported).sum::<usize>(), 1);
+    assert!(r.text().contains("2 outcomes, 1 imported"), "{}", r.text());
+}
