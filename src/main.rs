@@ -28,6 +28,11 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .init();
+    // SIGTERM, SIGINT and SIGHUP kill every child process group before the process exits.
+    if let Err(e) = metainfer::harness::exit_on_signals() {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
     match cli::run(args) {
         Ok(code) => code,
         Err(e) => {

@@ -80,6 +80,60 @@ pub struct Ckb {
     fingerprint: u64,
 }
 
+/// Longest name part of a contract id (the name is the file name a contract is staged and
+/// promoted under).
+pub const MAX_ID_NAME: usize = 64;
+
+/// The grammar of contract ids, as messages state it.
+pub const ID_GRAMMAR: &str = "contract ids are `<kind>.<name>`: kind one of kernel, component, model, platform, failure, policy; name of 1 to 64 lowercase letters, digits, `_` and `-`, starting with a letter or digit (e.g. `kernel.rms_norm`, `platform.cpu-x86_64`)";
+
+/// Split a contract id into its kind and name, checking the grammar ([`ID_GRAMMAR`]). Ids are names,
+/// never paths: a valid name contains no `/`, `.` or other separator, so the file name derived from
+/// it (`<kind dir>/<name>.toml`) stays inside its directory.
+///
+/// # Errors
+/// The grammar and what is wrong with `id`.
+pub fn parse_id(id: &str) -> std::result::Result<(Kind, &str), String> {
+    let bad = |why: &str| format!("`{}` is not a contract id ({why}); {ID_GRAMMAR}", id.escape_debug());
+    let (kind, name) = id.split_once('.').ok_or_else(|| bad("no `.` after the kind"))?;
+    let kind = [Kind::Kernel, Kind::Component, Kind::Model, Kind::Platform, Kind::Failure, Kind::Policy]
+        .into_iter()
+        .find(|k| k.prefix() == kind)
+        .ok_or_else(|| bad("unknown kind"))?;
+    if name.is_empty() || name.len() > MAX_ID_NAME {
+        return Err(bad("the name must have 1 to 64 characters"));
+    }
+    if !name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-') {
+        return Err(bad("the name may hold only lowercase letters, digits, `_` and `-`"));
+    }
+    if !name.as_bytes()[0].is_ascii_alphanumeric() {
+        return Err(bad("the name must start with a letter or digit"));
+    }
+    Ok((kind, name))
+}
+
+/// The folder of a kind's contract files, e.g. `kernels`.
+pub fn kind_dir(kind: Kind) -> &'static str {
+    match kind {
+        Kind::Kernel => "kernels",
+        Kind::Component => "components",
+        Kind::Model => "models",
+        Kind::Platform => "platforms",
+        Kind::Failure => "failures",
+        Kind::Policy => "policies",
+    }
+}
+
+/// The file (relative to a CKB or candidates root) of a new contract, derived only from its validated
+/// id: `<kind dir>/<name>.toml`.
+///
+/// # Errors
+/// An id outside the grammar.
+pub fn file_for_id(id: &str) -> std::result::Result<String, String> {
+    let (kind, name) = parse_id(id)?;
+    Ok(format!("{}/{name}.toml", kind_dir(kind)))
+}
+
 /// FNV-1a 64-bit hash of a set of (path, text) files, in path order.
 pub fn fingerprint(files: &[(String, String)]) -> u64 {
     let mut sorted: Vec<&(String, String)> = files.iter().collect();
@@ -322,8 +376,12 @@ impl Ckb {
             let mut bad =
                 |field: &str, message: String| out.push(Finding { file: file.clone(), field: field.into(), message });
             let prefix = c.kind.prefix();
-            if !c.id.starts_with(&format!("{prefix}.")) || c.id.len() <= prefix.len() + 1 {
-                bad("/id", format!("id `{}` must be `{prefix}.<name>` for kind {prefix}", c.id));
+            match parse_id(&c.id) {
+                Err(e) => bad("/id", e),
+                Ok((kind, _)) if kind != c.kind => {
+                    bad("/id", format!("id `{}` must be `{prefix}.<name>` for kind {prefix}", c.id))
+                }
+                Ok(_) => {}
             }
             if c.sources.is_empty() {
                 bad("/sources", "at least one source is required: say where the knowledge comes from".into());
@@ -764,8 +822,7 @@ pub fn read_dir_files(dir: &Path) -> Result<Vec<(String, String)>> {
         {
             continue;
         }
-        let text =
-            std::fs::read_to_string(path).map_err(|e| Error::input(format!("{}: cannot read: {e}", path.display())))?;
+        let text = crate::util::read_regular_text(path, &crate::util::CONTRACT_FILE)?;
         files.push((rel.to_string_lossy().replace('\\', "/"), text));
     }
     Ok(files)

@@ -202,12 +202,18 @@ impl<'a> Gate<'a> {
         self.build(&[])
     }
 
-    /// Run one harness command with `env` added to the child's environment, within the budget.
+    /// Run one harness command with `env` added to the child's (reduced) environment, within the
+    /// budget, sandboxed: it may run the harness, write its scratch, and read `reads` (e.g. the
+    /// model directory).
     ///
     /// # Errors
-    /// When the request cannot be written or the process cannot be started.
-    pub fn call(&self, h: &Harness, command: Command, env: &[(&str, String)]) -> Result<Called> {
-        harness::call(&h.exe, h.scratch.path(), command, env, self.budget)
+    /// When the request cannot be written, the process cannot be started, or the sandbox refuses.
+    pub fn call(&self, h: &Harness, command: Command, env: &[(&str, String)], reads: &[&Path]) -> Result<Called> {
+        let mut grants = harness::Grants::harness(&h.exe, h.scratch.path());
+        for r in reads {
+            grants = grants.read(*r);
+        }
+        self.ctx.workshop.call(&h.exe, h.scratch.path(), command, env, &grants, self.budget)
     }
 
     /// Record `report` and return it, for a gate stopped before the engine ran.
