@@ -33,7 +33,10 @@ fn main() -> ExitCode {
         eprintln!("error: {e}");
         return ExitCode::from(2);
     }
-    match cli::run(args) {
+    let result = cli::run(args);
+    // A signal killed the children this command waited for: its exit belongs to the signal thread.
+    metainfer::harness::wait_if_terminating();
+    match result {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e}");

@@ -309,6 +309,7 @@ pub fn exit_on_signals() -> Result<()> {
         .name("signals".into())
         .spawn(move || {
             if let Some(sig) = signals.forever().next() {
+                TERMINATING.store(sig, Ordering::SeqCst);
                 let n = shutdown(Duration::from_secs(5));
                 tracing::warn!("signal {sig}: killed {n} child process group(s); exiting");
                 std::process::exit(128 + sig);
@@ -316,6 +317,20 @@ pub fn exit_on_signals() -> Result<()> {
         })
         .map_err(|e| Error::internal(format!("cannot start the signal thread: {e}")))?;
     Ok(())
+}
+
+/// The signal being handled by [`exit_on_signals`], 0 when none.
+static TERMINATING: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+/// When a termination signal arrived, wait here for the signal thread to finish killing the
+/// children and exit the process with 128 + the signal: a caller whose child was just killed must
+/// not exit first with the failed child's status. Returns at once when no signal arrived.
+pub fn wait_if_terminating() {
+    if TERMINATING.load(Ordering::SeqCst) != 0 {
+        loop {
+            std::thread::sleep(Duration::from_secs(1));
+        }
+    }
 }
 
 /// SIGKILL the child's whole process group, then reap the child.
