@@ -281,7 +281,7 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
         kernels: vec![],
         build_error: text,
         rules,
-        sandboxed: sandboxed,
+        sandboxed,
     };
     if let Err(stop) = gate.rules()? {
         return Ok(gate.stopped(&stop, failed(stop.text.clone(), stop.findings.clone())));
