@@ -157,9 +157,11 @@ fn skills_install_into_each_clients_folder_and_edited_ones_are_kept_without_forc
 
 #[test]
 fn demo_without_a_model_says_where_it_looked() {
+    // Two levels down, so that neither `shared/` nor `../shared/` from the working directory can exist.
     let t = tempfile::tempdir().unwrap();
-    let out =
-        Command::new(crate::bin()).arg("demo").env_remove("METAINFER_MODEL").current_dir(t.path()).output().unwrap();
+    let cwd = t.path().join("a/b");
+    std::fs::create_dir_all(&cwd).unwrap();
+    let out = Command::new(crate::bin()).arg("demo").env_remove("METAINFER_MODEL").current_dir(&cwd).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
     let err = text(&out.stderr);
     assert!(

@@ -15,9 +15,11 @@ fn s(p: &Path) -> String {
     p.display().to_string()
 }
 
-fn rules_of(ctx: &metainfer::ops::Ctx, engine: &Path) -> Vec<(String, Severity)> {
+/// The findings' (rule, severity) pairs, and the report's text for failure messages.
+fn rules_of(ctx: &metainfer::ops::Ctx, engine: &Path) -> (Vec<(String, Severity)>, String) {
     let r = check_rules(ctx, &RulesRequest { engine: s(engine) }, &Budget::secs(600)).unwrap();
-    r.findings.into_iter().map(|f| (f.rule, f.severity)).collect()
+    let text = metainfer::ops::Report::text(&r);
+    (r.findings.into_iter().map(|f| (f.rule, f.severity)).collect(), text)
 }
 
 fn append(dir: &Path, rel: &str, text: &str) {
@@ -49,8 +51,8 @@ fn each_rule_catches_its_fixture() {
     };
     let mut caught = Vec::new();
     let mut expect = |engine: &Path, rule: &str| {
-        let found = rules_of(&ctx, engine);
-        assert!(found.iter().any(|(r, sev)| r == rule && *sev == Severity::Blocking), "{rule} not caught: {found:?}");
+        let (found, text) = rules_of(&ctx, engine);
+        assert!(found.iter().any(|(r, sev)| r == rule && *sev == Severity::Blocking), "{rule} not caught:\n{text}");
         caught.push(rule.to_string());
     };
 
@@ -147,7 +149,7 @@ fn each_rule_catches_its_fixture() {
     expect(&d, "provenance-match");
     // At reference level `code` the same match is a warning, not a block.
     crate::inject(&d, "metainfer.toml", "reference_level = \"zero\"", "reference_level = \"code\"");
-    let found = rules_of(&ctx, &d);
+    let (found, _) = rules_of(&ctx, &d);
     assert!(found.contains(&("provenance-match".to_string(), Severity::Warning)), "{found:?}");
 
     println!("rules caught: {} fixtures: {}", caught.len(), caught.join(", "));
@@ -386,7 +388,7 @@ fn signatures_are_required_only_of_the_kernels_an_engine_implements() {
     let ctx = crate::ctx(t.path());
     let d = t.path().join("f32");
     crate::copy_example(&d);
-    let found = rules_of(&ctx, &d);
+    let (found, _) = rules_of(&ctx, &d);
     assert!(found.iter().all(|(r, _)| r != "signature-changed"), "{found:?}");
     // ...until it declares that it builds for bf16 too: then kernel.linear_bf16 is one of them.
     if std::fs::read_to_string(d.join("metainfer.toml")).unwrap().contains("[dtype_features]") {

@@ -5,7 +5,8 @@
 //! modules import each other only through the gate skeleton, the shared types of `ops/mod.rs`, and
 //! the edges listed in [`OPS_EDGES`]; the top-level modules form no cycle; every module is named in
 //! ARCHITECTURE.md; every dependency in Cargo.toml is used; every kernel contract has a registry
-//! entry and the harness template takes its kernel arms from the registry only.
+//! entry and the harness template takes its kernel arms from the registry only; the fast tier's skip
+//! list (`.ci/engine-tests`) names existing tests.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -266,6 +267,30 @@ fn registry_agreement(kernel_contracts: &BTreeSet<String>, registry: &BTreeSet<S
     out
 }
 
+/// Rule: every test-name prefix in `.ci/engine-tests` (the fast tier's skip list, `module::fn_prefix`)
+/// names a function of that `tests/it` module, so a renamed test cannot silently drop out of the list.
+fn fast_tier_skips(list: &str, tests: &Files) -> Vec<String> {
+    let mut out = Vec::new();
+    for name in list.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')) {
+        let Some((module, prefix)) = name.split_once("::") else {
+            out.push(format!(".ci/engine-tests: `{name}` is not `module::test_name_prefix`"));
+            continue;
+        };
+        let file = format!("tests/it/{module}.rs");
+        let found = tests.iter().filter(|(p, _)| *p == file).any(|(_, text)| {
+            text.lines().any(|l| {
+                let l = l.trim_start();
+                let l = l.strip_prefix("async ").unwrap_or(l);
+                l.strip_prefix("fn ").is_some_and(|f| f.starts_with(prefix))
+            })
+        });
+        if !found {
+            out.push(format!(".ci/engine-tests: `{name}` matches no function in {file}"));
+        }
+    }
+    out
+}
+
 fn all_files() -> Files {
     let mut f = rust_files("src");
     f.extend(rust_files("tests"));
@@ -289,6 +314,8 @@ fn the_sources_keep_the_architecture() {
     problems.extend(architecture_names(&src, &architecture));
     problems.extend(unused_dependencies(&manifest, &all_files()));
     problems.extend(registry_agreement(&contracts, &registry, metainfer::harness::HARNESS_MAIN));
+    let skips = std::fs::read_to_string(root().join(".ci/engine-tests")).unwrap();
+    problems.extend(fast_tier_skips(&skips, &rust_files("tests")));
     assert!(problems.is_empty(), "tidy:\n{}", problems.join("\n"));
 }
 
@@ -325,6 +352,11 @@ fn each_rule_catches_a_planted_violation() {
     let manifest = "[dependencies]\nserde = \"1\"\nleft-pad = \"1\"\n";
     let used = f("src/x.rs", "//! d\nuse serde::Serialize;");
     assert_eq!(unused_dependencies(manifest, &used), vec!["Cargo.toml: dependency `left-pad` is not used"]);
+
+    let it = f("tests/it/gates.rs", "#[test]\nfn example_engine_passes() {}");
+    assert!(fast_tier_skips("# c\ngates::example_engine\n", &it).is_empty());
+    assert_eq!(fast_tier_skips("gates::renamed_test\n", &it).len(), 1);
+    assert_eq!(fast_tier_skips("example_engine\n", &it).len(), 1);
 
     let set = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<BTreeSet<_>>();
     let t = "match k {\n    // @arms test\n}\nmatch k {\n    // @arms timed\n}\n";
