@@ -615,6 +615,24 @@ impl Workshop {
         Ok(self.root.clone())
     }
 
+    /// `grants` plus read access to the cargo configuration files cargo itself looks for in the
+    /// ancestors of its working directory (`<dir>/.cargo/config.toml` and `<dir>/.cargo/config`, from
+    /// the cache root up; cargo's "hierarchical structure" of configuration). They are the server's
+    /// user's own files (the engine's own `.cargo/` is never among them: cargo runs from the cache
+    /// root, not from the engine); without them a cache placed below such a file fails every build
+    /// with "Permission denied".
+    fn with_cargo_config(&self, mut grants: Grants) -> Grants {
+        for dir in self.root.ancestors() {
+            for name in ["config.toml", "config"] {
+                let p = dir.join(".cargo").join(name);
+                if p.is_file() {
+                    grants.read.push(p);
+                }
+            }
+        }
+        grants
+    }
+
     /// `cargo fetch` of a manifest, outside the sandbox: resolves the dependency graph (writing
     /// Cargo.lock beside the manifest) and downloads crates into the registry. It builds nothing
     /// and runs no code of the engine (no build script, no proc macro), so the builds that follow
@@ -665,6 +683,7 @@ impl Workshop {
             "--target-dir".into(),
             target.into_os_string(),
         ];
+        let grants = self.with_cargo_config(grants);
         let run = self.run_sandboxed(cargo(&self.cargo_cwd()?, args), &grants, budget)?;
         let (diagnostics, executable) = parse_messages(&run.stdout);
         Ok(Build { ok: run.ok(), diagnostics, executable, run })
@@ -803,8 +822,9 @@ pub fn dependency_graph(workshop: &Workshop, engine: &Engine, budget: &Budget) -
         )));
     }
     let scratch = workshop.scratch()?;
-    let grants =
-        Grants { tmp: Some(scratch.path().into()), ..Grants::default() }.read(&engine.build_dir).write(scratch.path());
+    let grants = workshop.with_cargo_config(
+        Grants { tmp: Some(scratch.path().into()), ..Grants::default() }.read(&engine.build_dir).write(scratch.path()),
+    );
     let args = vec![
         "metadata".into(),
         "--offline".into(),

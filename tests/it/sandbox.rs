@@ -179,3 +179,21 @@ fn the_start_log_says_whether_the_sandbox_is_enforced() {
         assert_eq!(status.code(), Some(2));
     }
 }
+
+/// cargo reads the `.cargo/config.toml` files above its working directory (the cache root), as it
+/// does outside the sandbox: a cache placed below one still resolves an engine's dependency graph
+/// (before the sandbox granted them, every such call failed with "Permission denied").
+#[test]
+fn a_cache_below_a_cargo_config_file_still_resolves_dependencies() {
+    use metainfer::ops::rules::{RulesRequest, check_rules};
+    let t = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(t.path().join(".cargo")).unwrap();
+    std::fs::write(t.path().join(".cargo/config.toml"), "[term]\nquiet = false\n").unwrap();
+    let mut ctx = crate::ctx(t.path());
+    ctx.workshop = metainfer::harness::Workshop::new(t.path().join("cache"));
+    ctx.workshop.protected = ctx.protected_paths();
+    let engine = t.path().join("engine");
+    crate::copy_example(&engine);
+    let r = check_rules(&ctx, &RulesRequest { engine: engine.display().to_string() }, &budget()).unwrap();
+    assert!(r.passed && r.packages > 0, "{}", metainfer::ops::Report::text(&r));
+}
