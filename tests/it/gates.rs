@@ -171,10 +171,10 @@ fn example_engine_passes_every_gate(engine: Engine) {
     assert!(c.passed);
     assert_eq!((k.sandboxed, v.sandboxed, c.sandboxed), (enforced, enforced, enforced));
 
-    // Profile: every kernel of a decode step timed on BabyLlama's shapes. The projections hold
-    // 5 x (2 x 128^2 + 2 x 64 x 128 + 3 x 128 x 352) = 921,600 weights, and lm_head 105 x 128 more:
-    // every weight read per token goes through kernel.linear, so it must be what bounds decode; the
-    // guidance is the platform's for it.
+    // Profile: every kernel of a decode step timed on BabyLlama's shapes. Which kernel bounds decode
+    // is a measurement (on an idle machine kernel.linear, which reads all 921,600 projection weights;
+    // under load another kernel can win), so the test holds the report to its own table: the bounding
+    // kernel is the one with the largest summed share, and the guidance is the platform's for it.
     let preq = ProfileRequest {
         engine: s(&good),
         model: s(&crate::babyllama()),
@@ -187,8 +187,26 @@ fn example_engine_passes_every_gate(engine: Engine) {
     let p = profile(&ctx, &preq, &budget()).unwrap();
     assert!(p.passed, "{}", metainfer::ops::Report::text(&p));
     assert_eq!(p.sandboxed, enforced);
-    assert_eq!(p.bounding_kernel, "kernel.linear", "{}", metainfer::ops::Report::text(&p));
-    assert!(p.guidance.iter().any(|g| g.contains("matrix-vector")), "{:?}", p.guidance);
+    let mut summed = std::collections::BTreeMap::<&str, f64>::new();
+    for k in &p.kernels {
+        *summed.entry(k.kernel.as_str()).or_default() += k.share_of_decode;
+    }
+    let largest = summed.iter().max_by(|a, b| a.1.total_cmp(b.1)).map(|(k, _)| *k);
+    assert_eq!(Some(p.bounding_kernel.as_str()), largest, "{}", metainfer::ops::Report::text(&p));
+    // The guidance, read from the platform contract's file itself.
+    let platform: toml::Value = toml::from_str(
+        &std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("contracts/platforms/cpu-x86_64.toml"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let expected: Vec<String> = platform["platform"]["kernel_guidance"]
+        .get(&p.bounding_kernel)
+        .and_then(|g| g.as_array())
+        .map(|g| g.iter().map(|s| s.as_str().unwrap().to_string()).collect())
+        .unwrap_or_default();
+    assert_eq!(p.guidance, expected);
     let kernels: std::collections::BTreeSet<&str> = p.kernels.iter().map(|k| k.kernel.as_str()).collect();
     // Every kernel of the plan a decode step calls on its own (softmax runs inside attention).
     assert_eq!(kernels.len(), 7, "{kernels:?}");
