@@ -73,14 +73,15 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Write a random-weight HF checkpoint of a covered family (config.json, model.safetensors, tokenizer.json).
+    /// Write a random-weight HF checkpoint of a covered family (config.json, generation_config.json,
+    /// weights in one file or shards, tokenizer.json).
     Synth {
         /// Family: llama, mistral, qwen2, qwen3, gemma (llama with --preset), or any other model family
         /// of the CKB, written from its contract (a staged candidate counts).
         #[arg(long)]
         family: Option<String>,
-        /// A real model's shape: stories15m, stories42m or stories110m (the llama2.c TinyStories models);
-        /// the size options below override its values.
+        /// A real model's shape: stories15m, stories42m or stories110m (the llama2.c TinyStories models),
+        /// llama3.2-1b or qwen3-0.6b (bf16, byte-level tokenizer); the options below override its values.
         #[arg(long, value_name = "NAME")]
         preset: Option<String>,
         /// Directory to create (must not exist, or be empty).
@@ -116,6 +117,15 @@ enum Command {
         /// sliding_window (mistral).
         #[arg(long = "sliding-window")]
         sliding_window: Option<usize>,
+        /// Stored weight dtype: f32, bf16 or f16 (default the preset's, else f32).
+        #[arg(long)]
+        dtype: Option<String>,
+        /// Weight files: N > 1 writes N shards and model.safetensors.index.json.
+        #[arg(long)]
+        shards: Option<usize>,
+        /// Tokenizer: spm (SentencePiece-style) or bytelevel (a trained byte-level BPE with special tokens).
+        #[arg(long)]
+        tokenizer: Option<String>,
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
@@ -346,6 +356,22 @@ enum Command {
     /// One candle decode run for `bench` (prints seconds per token); needs feature candle-oracle.
     #[command(hide = true)]
     BenchPeer { model: PathBuf, prompt_len: usize, new_tokens: usize },
+    /// Benchmark the f64 reference forward pass that verify_generation runs: peak memory and seconds
+    /// per token on a checkpoint (e.g. `synth --preset llama3.2-1b`), in this process alone.
+    BenchReference {
+        /// Hugging Face model directory (single or sharded weights).
+        #[arg(long, value_name = "DIR")]
+        model: PathBuf,
+        /// Weight dtype the reference rounds to, as verify at that dtype.
+        #[arg(long, default_value = "f32")]
+        dtype: String,
+        /// Tokens to step.
+        #[arg(long, default_value_t = 4)]
+        tokens: usize,
+        /// Print the measurements as JSON.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Subcommand)]
@@ -565,6 +591,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
             intermediate,
             max_seq,
             sliding_window,
+            dtype,
+            shards,
+            tokenizer,
             json,
         } => {
             let req = ops::synth::SynthRequest {
@@ -581,6 +610,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 intermediate,
                 max_seq,
                 sliding_window,
+                dtype,
+                shards,
+                tokenizer,
             };
             let c = ctx(g, None, vec![])?;
             Ok(emit(&ops::synth::synth_in(&c.live().ckb, &req)?, json))
@@ -799,6 +831,16 @@ fn run(cli: Cli) -> Result<ExitCode> {
             let o =
                 metainfer::bench::BenchOptions { reps, threads, prompt_len, new_tokens, agent_loop: !no_agent_loop };
             let r = metainfer::bench::run(&c, &o, work.path())?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&r).expect("report serialises"));
+            } else {
+                print!("{}", r.text());
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::BenchReference { model, dtype, tokens, json } => {
+            let c = ctx(g, None, vec![])?;
+            let r = metainfer::bench::reference(&c.ckb, &model, &dtype, tokens)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&r).expect("report serialises"));
             } else {

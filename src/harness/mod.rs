@@ -216,17 +216,30 @@ pub struct HarnessSpec {
     pub kernels: Vec<String>,
     /// Cargo features of the engine crate to enable (its weight-dtype variant).
     pub features: Vec<String>,
+    /// Optional engine items the harness calls (a contract's `rust.optional` names the engine
+    /// defines, e.g. `stop_tokens`); the others' harness blocks are left out.
+    pub items: Vec<String>,
 }
 
 /// The harness source with only the kernel arms of `kernels`: the template marks each arm with
 /// `// @kernel <id>` ... `// @end`, so an engine need not export kernels its plan does not use.
 pub fn harness_source(kernels: &[String]) -> String {
+    harness_source_with(kernels, &[])
+}
+
+/// As [`harness_source`], also keeping the blocks `// @item <name>` ... `// @end` of the optional
+/// engine items in `items`.
+pub fn harness_source_with(kernels: &[String], items: &[String]) -> String {
     let mut out = String::with_capacity(HARNESS_MAIN.len());
     let mut keep = true;
     for line in HARNESS_MAIN.lines() {
         let t = line.trim();
         if let Some(id) = t.strip_prefix("// @kernel ") {
             keep = kernels.iter().any(|k| k == id.trim());
+            continue;
+        }
+        if let Some(name) = t.strip_prefix("// @item ") {
+            keep = items.iter().any(|k| k == name.trim());
             continue;
         }
         if t == "// @end" {
@@ -451,7 +464,7 @@ impl Workshop {
             std::fs::write(&p, s).map_err(|e| Error::internal(format!("cannot write {}: {e}", p.display())))
         };
         write(dir.join("Cargo.toml"), &manifest)?;
-        write(dir.join("src/main.rs"), &harness_source(&spec.kernels))?;
+        write(dir.join("src/main.rs"), &harness_source_with(&spec.kernels, &spec.items))?;
         Ok(dir.join("Cargo.toml"))
     }
 

@@ -151,10 +151,12 @@ impl Reference {
                 w_down: get(&format!("{p}mlp.down_proj.weight"), &[h, ff])?,
             });
         }
-        let lm_head = if tensors.contains_key("lm_head.weight") {
-            Some(get("lm_head.weight", &[cfg.vocab, h])?)
-        } else if cfg.tied {
+        // HF's tie rule: tied means the embedding is the output matrix, and a stored lm_head.weight is
+        // ignored (model::tied_head_warning says when it differs).
+        let lm_head = if cfg.tied {
             None
+        } else if tensors.contains_key("lm_head.weight") {
+            Some(get("lm_head.weight", &[cfg.vocab, h])?)
         } else {
             return Err(Error::input(
                 "model.safetensors has no `lm_head.weight` and config.json does not set tie_word_embeddings",
@@ -287,6 +289,15 @@ impl Reference {
     /// # Errors
     /// As [`Reference::step`]; an empty prompt.
     pub fn greedy(&mut self, prompt: &[u32], max_new: usize) -> Result<(Vec<Vec<f64>>, Vec<u32>)> {
+        self.greedy_until(prompt, max_new, &[])
+    }
+
+    /// As [`Reference::greedy`], ending after the first generated token in `stop` (kept, as HF
+    /// generate keeps the EOS token; contract component.sampler).
+    ///
+    /// # Errors
+    /// As [`Reference::greedy`].
+    pub fn greedy_until(&mut self, prompt: &[u32], max_new: usize, stop: &[u32]) -> Result<(Vec<Vec<f64>>, Vec<u32>)> {
         if prompt.is_empty() {
             return Err(Error::usage("the prompt encodes to no tokens"));
         }
@@ -301,7 +312,7 @@ impl Reference {
             let next = argmax(&logits) as u32;
             rows.push(logits);
             tokens.push(next);
-            if i + 1 == max_new || self.len >= self.cfg.max_seq {
+            if stop.contains(&next) || i + 1 == max_new || self.len >= self.cfg.max_seq {
                 break;
             }
             logits = self.step(next)?;
