@@ -432,9 +432,10 @@ impl BenchReport {
 }
 
 /// The f64 reference forward pass (what verify_generation computes its expected logits with) on one
-/// checkpoint: memory and speed. The reference widens every weight to f64 (8 bytes per parameter)
-/// after reading it as f32 (4 more bytes per parameter until the f64 copy is built), so its peak is
-/// about 12 bytes per parameter; decode reads all of them once per token.
+/// checkpoint: memory and speed. The reference holds every weight as f64 (8 bytes per parameter);
+/// it is built from the f32 tensors read from the files, each freed once widened, so the peak is
+/// about 8 bytes per parameter plus the f32 copy not yet widened; decode reads all of them once per
+/// token.
 #[derive(Debug, Clone, Serialize)]
 pub struct ReferenceBench {
     /// Model directory.
@@ -455,7 +456,7 @@ pub struct ReferenceBench {
     pub rss_after_read_mb: f64,
     /// Peak resident memory of the process (VmHWM), MB.
     pub peak_rss_mb: f64,
-    /// Resident memory once the f32 copy is dropped (what stays during generation), MB.
+    /// Resident memory once the reference is built (what stays during generation), MB.
     pub rss_reference_mb: f64,
     /// Tokens stepped (prompt and generated, one at a time as verify does).
     pub tokens: usize,
@@ -497,7 +498,8 @@ fn status_mb(key: &str) -> f64 {
 }
 
 /// Measure the reference on `model` as verify_generation builds it: read the weights (single or
-/// sharded), build the f64 reference at `weight_dtype`, drop the f32 copy, step `tokens` tokens.
+/// sharded), build the f64 reference at `weight_dtype` from them (consuming them), step `tokens`
+/// tokens.
 /// Run it in a process of its own (`metainfer bench-reference`): the peak is the process's.
 ///
 /// # Errors
@@ -516,9 +518,8 @@ pub fn reference(ckb: &crate::ckb::Ckb, model: &Path, weight_dtype: &str, tokens
     let rss_after_read_mb = status_mb("VmRSS:");
     let parameters = tensors.values().map(|(_, v)| v.len()).sum();
     let t = Instant::now();
-    let mut r = crate::oracle::llama::Reference::with_weight_dtype(&cfg, &tensors, weight_dtype)?;
+    let mut r = crate::oracle::llama::Reference::from_tensors(&cfg, tensors, weight_dtype)?;
     let build_s = t.elapsed().as_secs_f64();
-    drop(tensors);
     let rss_reference_mb = status_mb("VmRSS:");
     let mut steps = Vec::new();
     let mut token = 1u32.min(cfg.vocab as u32 - 1);

@@ -434,12 +434,10 @@ impl Goals {
                 .map(|(k, d)| format!("{k}: {d}"))
                 .unwrap_or_default()
         };
-        let activation = m
-            .config
-            .iter()
-            .find(|c| c.role == "activation")
-            .and_then(|c| c.supported.first().cloned().or(c.default.clone()))
-            .unwrap_or_else(|| "silu".into());
+        let act_field = m.config.iter().find(|c| c.role == "activation");
+        let act_key = act_field.map_or("hidden_act", |c| c.key.as_str());
+        let activation =
+            act_field.and_then(|c| c.supported.first().cloned().or(c.default.clone())).unwrap_or_else(|| "silu".into());
         let norm = if has("rmsnorm_one_plus_w") { "RMSNorm with (1 + w) gains" } else { "RMSNorm" };
         let mut attn = vec![format!("pre-norm ({norm}) attention")];
         attn.push(if has("fused_qkv") {
@@ -470,7 +468,7 @@ impl Goals {
             None => "causal GQA over a KV cache".into(),
         });
         let mlp = format!(
-            "pre-norm {}-gated MLP (hidden_act {activation}{})",
+            "pre-norm {}-gated MLP ({act_key} {activation}{})",
             if has("gelu_tanh_mlp") { "tanh-GELU" } else { "SiLU" },
             if has("fused_gate_up") { ", gate and up from one fused gate_up_proj" } else { "" }
         );

@@ -62,6 +62,26 @@ impl Reference {
     /// # Errors
     /// As [`Reference::new`]; Usage for a dtype outside [`crate::ckb::WEIGHT_DTYPES`].
     pub fn with_weight_dtype(cfg: &ResolvedConfig, tensors: &Tensors, weight_dtype: &str) -> Result<Reference> {
+        Reference::build(cfg, weight_dtype, &|name| tensors.get(name).cloned())
+    }
+
+    /// As [`Reference::with_weight_dtype`], consuming the tensors: each f32 tensor is freed as soon
+    /// as it is widened, so building holds the f64 copy plus one tensor (8 bytes per parameter at
+    /// the peak instead of 12: for a 1.24B-parameter model about 9.9 GB instead of 14.8 GB).
+    ///
+    /// # Errors
+    /// As [`Reference::with_weight_dtype`].
+    pub fn from_tensors(cfg: &ResolvedConfig, tensors: Tensors, weight_dtype: &str) -> Result<Reference> {
+        let cell = std::cell::RefCell::new(tensors);
+        Reference::build(cfg, weight_dtype, &|name| cell.borrow_mut().remove(name))
+    }
+
+    /// Build from tensors handed out by name by `take` (each asked for at most once).
+    fn build(
+        cfg: &ResolvedConfig,
+        weight_dtype: &str,
+        take: &dyn Fn(&str) -> Option<(Vec<usize>, Vec<f32>)>,
+    ) -> Result<Reference> {
         if !crate::ckb::WEIGHT_DTYPES.contains(&weight_dtype) {
             return Err(Error::usage(format!(
                 "weight dtype `{weight_dtype}` unknown; use one of {}",
@@ -69,13 +89,13 @@ impl Reference {
             )));
         }
         let get = |name: &str, shape: &[usize]| -> Result<Vec<f64>> {
-            let (s, v) = tensors.get(name).ok_or_else(|| {
-                Error::input(format!("model.safetensors has no tensor `{name}` (required by {})", cfg.family))
+            let (s, v) = take(name).ok_or_else(|| {
+                Error::input(format!("the checkpoint has no tensor `{name}` (required by {})", cfg.family))
             })?;
             if s != shape {
                 return Err(Error::input(format!("tensor `{name}` has shape {s:?}, config.json implies {shape:?}")));
             }
-            Ok(if shape.len() == 2 { super::dtypes::as_stored(v, shape[1], weight_dtype) } else { widen(v) })
+            Ok(if shape.len() == 2 { super::dtypes::as_stored(&v, shape[1], weight_dtype) } else { widen(&v) })
         };
         let (h, hd, nh, nkv, ff) = (cfg.hidden, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.intermediate);
         // Gemma's RMSNorm multiplies by (1 + w): fold the 1 into the stored weight once.
@@ -155,12 +175,21 @@ impl Reference {
         // ignored (model::tied_head_warning says when it differs).
         let lm_head = if cfg.tied {
             None
-        } else if tensors.contains_key("lm_head.weight") {
-            Some(get("lm_head.weight", &[cfg.vocab, h])?)
         } else {
-            return Err(Error::input(
-                "model.safetensors has no `lm_head.weight` and config.json does not set tie_word_embeddings",
-            ));
+            match take("lm_head.weight") {
+                Some((s, v)) if s == [cfg.vocab, h] => Some(super::dtypes::as_stored(&v, h, weight_dtype)),
+                Some((s, _)) => {
+                    return Err(Error::input(format!(
+                        "tensor `lm_head.weight` has shape {s:?}, config.json implies {:?}",
+                        [cfg.vocab, h]
+                    )));
+                }
+                None => {
+                    return Err(Error::input(
+                        "the checkpoint has no `lm_head.weight` and config.json does not set tie_word_embeddings",
+                    ));
+                }
+            }
         };
         Ok(Reference {
             embed: get("model.embed_tokens.weight", &[cfg.vocab, h])?,
