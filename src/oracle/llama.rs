@@ -27,6 +27,9 @@ struct Layer {
     qk_norm: Option<[Vec<f64>; 2]>,
 }
 
+/// Hands out a checkpoint tensor (shape, values) by name.
+type TakeTensor<'a> = dyn Fn(&str) -> Option<(Vec<usize>, Vec<f32>)> + 'a;
+
 /// The reference model with its f64 KV cache.
 pub struct Reference {
     cfg: ResolvedConfig,
@@ -77,11 +80,7 @@ impl Reference {
     }
 
     /// Build from tensors handed out by name by `take` (each asked for at most once).
-    fn build(
-        cfg: &ResolvedConfig,
-        weight_dtype: &str,
-        take: &dyn Fn(&str) -> Option<(Vec<usize>, Vec<f32>)>,
-    ) -> Result<Reference> {
+    fn build(cfg: &ResolvedConfig, weight_dtype: &str, take: &TakeTensor<'_>) -> Result<Reference> {
         if !crate::ckb::WEIGHT_DTYPES.contains(&weight_dtype) {
             return Err(Error::usage(format!(
                 "weight dtype `{weight_dtype}` unknown; use one of {}",
