@@ -59,6 +59,58 @@ pub fn read_tokenizer_json(dir: &Path) -> Result<Value> {
     }
 }
 
+/// The parts of `dir/tokenizer.json` routing reads (model type and options, normalizer,
+/// pre-tokenizer, decoder, post-processor), skipping the vocabulary and merges without building them
+/// (a Llama 3 tokenizer.json is 10 MB, nearly all of it vocabulary and merges).
+///
+/// # Errors
+/// As [`read_tokenizer_json`].
+pub fn read_tokenizer_head(dir: &Path) -> Result<Value> {
+    #[derive(Deserialize)]
+    struct ModelHead {
+        #[serde(rename = "type", default)]
+        ty: Value,
+        #[serde(default)]
+        byte_fallback: Value,
+        #[serde(default)]
+        fuse_unk: Value,
+        #[serde(default)]
+        ignore_merges: Value,
+        #[serde(default)]
+        continuing_subword_prefix: Value,
+        #[serde(default)]
+        end_of_word_suffix: Value,
+        #[serde(default)]
+        dropout: Value,
+    }
+    #[derive(Deserialize)]
+    struct Head {
+        model: ModelHead,
+        #[serde(default)]
+        normalizer: Value,
+        #[serde(default)]
+        pre_tokenizer: Value,
+        #[serde(default)]
+        decoder: Value,
+        #[serde(default)]
+        post_processor: Value,
+    }
+    let path = dir.join("tokenizer.json");
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| Error::input(format!("{}: cannot read ({e}); the engine's tokenizer needs it", path.display())))?;
+    let h: Head = serde_json::from_str(&text)
+        .map_err(|e| Error::input(format!("{}: not a tokenizer.json ({e})", path.display())))?;
+    let m = h.model;
+    Ok(serde_json::json!({
+        "model": {"type": m.ty, "byte_fallback": m.byte_fallback, "fuse_unk": m.fuse_unk, "ignore_merges": m.ignore_merges,
+                  "continuing_subword_prefix": m.continuing_subword_prefix, "end_of_word_suffix": m.end_of_word_suffix, "dropout": m.dropout},
+        "normalizer": h.normalizer,
+        "pre_tokenizer": h.pre_tokenizer,
+        "decoder": h.decoder,
+        "post_processor": h.post_processor,
+    }))
+}
+
 fn type_of(v: &Value) -> &str {
     v.get("type").and_then(Value::as_str).unwrap_or("?")
 }
@@ -353,7 +405,7 @@ pub fn read_vector_set(ckb: &Ckb, dir: &Path) -> Result<VectorSet> {
     }
     let cases: Vec<Case> = serde_json::from_str(&text)
         .map_err(|e| Error::input(format!("{}: must be a list of {{\"text\", \"ids\"}} ({e})", path.display())))?;
-    let json = read_tokenizer_json(dir)?;
+    let json = read_tokenizer_head(dir)?;
     let (contract, _) = route_tokenizer(ckb, &json).map_err(|g| {
         Error::input(format!(
             "{}/tokenizer.json routes to no tokenizer contract: {}",
