@@ -14,6 +14,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use crate::error::{Error, Result};
+use crate::harness::protocol::{Command, Reply};
 use crate::harness::{self, Budget};
 use crate::ops::{self, Ctx, Report};
 use crate::stats::Spread;
@@ -107,46 +108,30 @@ fn spread_of(v: &[f64]) -> Spread {
     Spread::of(v)
 }
 
-/// The harness's decode seconds per token for one run (RAYON_NUM_THREADS = `threads`).
+/// The harness's decode seconds per token for one run (RAYON_NUM_THREADS = `threads`), median over
+/// the run's tokens.
 fn engine_run(exe: &Path, model: &Path, o: &BenchOptions, threads: usize, budget: &Budget) -> Result<f64> {
-    let run = harness::run(
-        duct::cmd(
-            exe,
-            [
-                "profile".into(),
-                model.as_os_str().to_owned(),
-                o.prompt_len.to_string().into(),
-                o.new_tokens.to_string().into(),
-                "1".into(),
-            ] as [std::ffi::OsString; 5],
-        )
-        .env("RAYON_NUM_THREADS", threads.to_string()),
-        budget,
-    )?;
-    if !run.ok() {
-        return Err(Error::internal(format!("engine run {}", run.failure_text(1500))));
+    let scratch = tempfile::tempdir().map_err(|e| Error::internal(format!("scratch: {e}")))?;
+    let command =
+        Command::Profile { model: model.to_path_buf(), prompt_len: o.prompt_len, new_tokens: o.new_tokens, runs: 1 };
+    let env = [("RAYON_NUM_THREADS", threads.to_string())];
+    match harness::call(exe, scratch.path(), command, &env, budget)?.ok("engine run", 1500) {
+        Ok(Reply::Profile(t)) if !t.decode_s_per_token.is_empty() => Ok(crate::stats::median(&t.decode_s_per_token)),
+        Ok(other) => Err(Error::internal(format!("engine run replied {other:?}"))),
+        Err(why) => Err(Error::internal(why)),
     }
-    let v: serde_json::Value = serde_json::from_str(run.stdout.lines().last().unwrap_or_default())
-        .map_err(|e| Error::internal(format!("harness output is not JSON: {e}")))?;
-    v["decode_median_s_per_token"].as_f64().ok_or_else(|| Error::internal("harness printed no decode time"))
 }
 
 /// Candle's decode seconds per token for one run, in a child process of this binary.
 fn candle_run(model: &Path, o: &BenchOptions, threads: usize, budget: &Budget) -> Result<f64> {
     let exe = std::env::current_exe().map_err(|e| Error::internal(format!("own executable: {e}")))?;
-    let run = harness::run(
-        duct::cmd(
-            exe,
-            [
-                "bench-peer".into(),
-                model.as_os_str().to_owned(),
-                o.prompt_len.to_string().into(),
-                o.new_tokens.to_string().into(),
-            ] as [std::ffi::OsString; 4],
-        )
-        .env("RAYON_NUM_THREADS", threads.to_string()),
-        budget,
-    )?;
+    let args: [std::ffi::OsString; 4] = [
+        "bench-peer".into(),
+        model.as_os_str().to_owned(),
+        o.prompt_len.to_string().into(),
+        o.new_tokens.to_string().into(),
+    ];
+    let run = harness::run_program(&exe, &args, &[("RAYON_NUM_THREADS", threads.to_string())], budget)?;
     if !run.ok() {
         return Err(Error::internal(format!("candle run {}", run.failure_text(1500))));
     }
@@ -251,7 +236,7 @@ pub fn run(ctx: &Ctx, o: &BenchOptions, work: &Path) -> Result<BenchReport> {
                 }
             }
             let mut runners: Vec<(String, f64)> =
-                exes.iter().map(|(d, _)| (format!("engine {d}"), ops::roofline::weight_bytes(d))).collect();
+                exes.iter().map(|(d, _)| (format!("engine {d}"), ops::profile::roofline::weight_bytes(d))).collect();
             runners.push(("candle f32".into(), 4.0));
             for (i, (runner, wb)) in runners.into_iter().enumerate() {
                 if samples[i].is_empty() {

@@ -118,7 +118,7 @@ pub async fn run(opts: DemoOptions) -> Result<bool> {
     let exe = std::env::current_exe().map_err(|e| Error::internal(format!("cannot find own executable: {e}")))?;
     println!("metainfer demo: serving {} over MCP stdio, workspace {}", exe.display(), workspace.display());
     let (ws, md) = (workspace.clone(), model.clone());
-    let transport = TokioChildProcess::new(tokio::process::Command::new(&exe).configure(|cmd| {
+    let transport = TokioChildProcess::new(crate::harness::server_command(&exe).configure(|cmd| {
         cmd.arg("serve").arg("--workspace").arg(&ws).arg("--model-dir").arg(&md);
     }))
     .map_err(|e| Error::internal(format!("cannot start `metainfer serve`: {e}")))?;

@@ -14,6 +14,7 @@ pub mod guard;
 pub mod guide;
 pub mod harness;
 pub mod ledger;
+pub mod manifest;
 pub mod mcp;
 pub mod model;
 pub mod ops;

@@ -161,8 +161,8 @@ enum Command {
         #[arg(long)]
         force: bool,
         /// Reference level: zero (CKB only), docs, or code.
-        #[arg(long, value_enum, default_value = "zero")]
-        reference_level: metainfer::ops::ReferenceLevel,
+        #[arg(long, default_value = "zero", value_parser = ["zero", "docs", "code"])]
+        reference_level: String,
         /// Print exactly the tool's structured output as JSON.
         #[arg(long)]
         json: bool,
@@ -642,7 +642,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 dtype,
                 name,
                 force,
-                reference_level,
+                reference_level: serde_json::from_value(serde_json::Value::String(reference_level))
+                    .expect("clap checked the value"),
             };
             Ok(emit(&ops::scaffold::scaffold(&ctx(g, None, vec![])?, &req)?, json))
         }

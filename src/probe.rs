@@ -12,7 +12,7 @@ use std::time::Instant;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::ops::profile::Spread;
+use crate::stats::Spread;
 
 /// One measured figure.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema, PartialEq)]
@@ -322,11 +322,9 @@ pub fn run(runs: usize, min_secs: f64) -> MachineProbe {
     MachineProbe { fingerprint: fingerprint(), simd: fma_kernel().0.into(), figures }
 }
 
-impl crate::ops::Report for MachineProbe {
-    fn passed(&self) -> bool {
-        true
-    }
-    fn text(&self) -> String {
+impl MachineProbe {
+    /// The figures as a Markdown table, one row per figure.
+    pub fn table(&self) -> String {
         let mut s = format!(
             "machine {} (vector unit {})\n| figure | threads | median | min | max | unit |\n|---|---|---|---|---|---|\n",
             self.fingerprint, self.simd

@@ -18,42 +18,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::ckb::Ckb;
 
-/// The reference level an engine is built under: what the agent was allowed to read.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema, clap::ValueEnum)]
-#[serde(rename_all = "snake_case")]
-pub enum ReferenceLevel {
-    /// Knowledge from the CKB only.
-    #[default]
-    Zero,
-    /// Public documentation too.
-    Docs,
-    /// Other implementations' code too.
-    Code,
-}
-
-impl ReferenceLevel {
-    /// Name as recorded in the ledger.
-    pub fn name(self) -> &'static str {
-        match self {
-            ReferenceLevel::Zero => "zero",
-            ReferenceLevel::Docs => "docs",
-            ReferenceLevel::Code => "code",
-        }
-    }
-}
-
-impl ReferenceLevel {
-    /// Read `reference_level` from an engine's `metainfer.toml` (written by scaffold); `zero` when
-    /// absent or unreadable.
-    pub fn of_engine(dir: &Path) -> ReferenceLevel {
-        std::fs::read_to_string(dir.join("metainfer.toml"))
-            .ok()
-            .and_then(|t| toml::from_str::<toml::Table>(&t).ok())
-            .and_then(|t| t.get("reference_level").and_then(|v| v.as_str()).map(str::to_owned))
-            .and_then(|l| serde_json::from_value(serde_json::Value::String(l)).ok())
-            .unwrap_or_default()
-    }
-}
+pub use crate::manifest::ReferenceLevel;
 
 /// How bad a finding is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]

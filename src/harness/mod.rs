@@ -4,6 +4,7 @@
 //! Invariant: every child is either waited for or killed and reaped before a function returns.
 
 pub mod diagnostics;
+pub mod protocol;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -19,6 +20,9 @@ pub use diagnostics::{Diagnostic, parse_messages};
 
 /// The harness source, rewritten before every build so that it cannot drift from the server's copy.
 pub const HARNESS_MAIN: &str = include_str!("template/main.rs");
+
+/// The protocol module, compiled into the harness crate verbatim (see [`protocol`]).
+pub const HARNESS_PROTOCOL: &str = include_str!("protocol.rs");
 
 /// Limits of one long operation: a deadline and a cancellation flag shared with the caller.
 #[derive(Debug, Clone)]
@@ -155,6 +159,86 @@ pub fn run(expr: duct::Expression, budget: &Budget) -> Result<Run> {
     })
 }
 
+/// One harness call: the process, and its reply or why there is none.
+#[derive(Debug)]
+pub struct Called {
+    /// How the process ended, its output tails and wall time.
+    pub run: Run,
+    /// The parsed reply; Err with the reason when the process wrote none or an unreadable one.
+    pub reply: std::result::Result<protocol::Reply, String>,
+}
+
+impl Called {
+    /// The reply when the process exited cleanly and replied; otherwise the failure in words
+    /// (`the <what> process exited with status 101; stderr (tail): ...`).
+    pub fn ok(self, what: &str, max: usize) -> std::result::Result<protocol::Reply, String> {
+        if !self.run.ok() {
+            return Err(format!("the {what} process {}", self.run.failure_text(max)));
+        }
+        self.reply.map_err(|e| format!("the {what} process exited cleanly but its reply is unusable: {e}"))
+    }
+}
+
+/// Run a harness executable on one command (see [`protocol`]): the request is written as
+/// `request.json` in `dir`, the harness runs with `env` added to its environment within `budget`,
+/// and its reply (`reply.json` in `dir`) is read back and parsed.
+///
+/// # Errors
+/// [`crate::error::ErrorKind::Internal`] when the request cannot be written or the process cannot be
+/// started. A process that fails or replies badly is a [`Called`], not an error.
+pub fn call(
+    exe: &Path,
+    dir: &Path,
+    command: protocol::Command,
+    env: &[(&str, String)],
+    budget: &Budget,
+) -> Result<Called> {
+    let request = dir.join("request.json");
+    let reply_path = dir.join("reply.json");
+    let _ = std::fs::remove_file(&reply_path);
+    let req = protocol::Request { version: protocol::VERSION, reply: reply_path.clone(), command };
+    let text = serde_json::to_vec(&req).map_err(|e| Error::internal(format!("harness request: {e}")))?;
+    std::fs::write(&request, text).map_err(|e| Error::internal(format!("{}: {e}", request.display())))?;
+    let mut cmd = duct::cmd(exe, [request.as_os_str()]);
+    for (k, v) in env {
+        cmd = cmd.env(k, v);
+    }
+    let run = run(cmd, budget)?;
+    let reply = match std::fs::read(&reply_path) {
+        Ok(bytes) => {
+            serde_json::from_slice::<protocol::Reply>(&bytes).map_err(|e| format!("reply does not parse: {e}"))
+        }
+        Err(_) => Err("it wrote no reply".to_string()),
+    };
+    Ok(Called { run, reply })
+}
+
+/// Run `program` with `args` (and `env` added) to completion within `budget`, as [`run`] does.
+///
+/// # Errors
+/// As [`run`].
+pub fn run_program(
+    program: &Path,
+    args: &[std::ffi::OsString],
+    env: &[(&str, String)],
+    budget: &Budget,
+) -> Result<Run> {
+    let mut cmd = duct::cmd(program, args);
+    for (k, v) in env {
+        cmd = cmd.env(k, v);
+    }
+    run(cmd, budget)
+}
+
+/// A command that starts `program` as an MCP server child of this process (stdin and stdout are
+/// the transport): for the demo's client, which hands it to rmcp's child-process transport. The
+/// child leads its own process group, and gets no pointer to the server's state.
+pub fn server_command(program: &Path) -> tokio::process::Command {
+    let mut cmd = tokio::process::Command::new(program);
+    cmd.process_group(0).env_remove("METAINFER_LEDGER").env_remove("METAINFER_CACHE").kill_on_drop(true);
+    cmd
+}
+
 /// Read at most `max` bytes of a file (lossy UTF-8); "" when it is missing.
 fn read_bounded(path: &Path, max: u64) -> String {
     use std::io::Read;
@@ -207,13 +291,17 @@ pub struct Engine {
     /// sha256 over every file of the engine (paths and contents, in path order; `target/` and
     /// `.git/` excluded).
     pub hash: String,
+    /// Its `metainfer.toml`, parsed and checked.
+    pub manifest: crate::manifest::EngineManifest,
 }
 
 /// What the harness of one engine calls and how it builds the engine.
 #[derive(Debug, Clone, Default)]
 pub struct HarnessSpec {
-    /// Kernel contract ids whose harness arm is compiled in (the engine must export each one).
+    /// Kernel contract ids whose harness arms are compiled in (the engine must export each one).
     pub kernels: Vec<String>,
+    /// Their arms, in the same order.
+    pub arms: Vec<Arm>,
     /// Cargo features of the engine crate to enable (its weight-dtype variant).
     pub features: Vec<String>,
     /// Optional engine items the harness calls (a contract's `rust.optional` names the engine
@@ -221,21 +309,43 @@ pub struct HarnessSpec {
     pub items: Vec<String>,
 }
 
-/// The harness source with only the kernel arms of `kernels`: the template marks each arm with
-/// `// @kernel <id>` ... `// @end`, so an engine need not export kernels its plan does not use.
-pub fn harness_source(kernels: &[String]) -> String {
-    harness_source_with(kernels, &[])
+/// One kernel's harness code (from the kernel registry, `oracle::kernels`): the block run for a test
+/// case and the block that prepares a timed call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Arm {
+    /// Kernel contract id, the arm's match pattern.
+    pub kernel: String,
+    /// Block evaluating to the case's outputs (see the template's `run_kernel`).
+    pub test: String,
+    /// Block evaluating to a `Timed` (see the template's `timed_kernel`).
+    pub timed: String,
 }
 
-/// As [`harness_source`], also keeping the blocks `// @item <name>` ... `// @end` of the optional
-/// engine items in `items`.
-pub fn harness_source_with(kernels: &[String], items: &[String]) -> String {
-    let mut out = String::with_capacity(HARNESS_MAIN.len());
+/// Marker lines of the template where the arms go.
+pub const TEST_ARMS: &str = "// @arms test";
+/// See [`TEST_ARMS`].
+pub const TIMED_ARMS: &str = "// @arms timed";
+
+/// The harness source with exactly the given kernel arms, so an engine need not export kernels its
+/// plan does not use: each arm is inserted at the template's [`TEST_ARMS`] / [`TIMED_ARMS`] line.
+pub fn harness_source(arms: &[Arm]) -> String {
+    harness_source_with(arms, &[])
+}
+
+/// As [`harness_source`], also keeping the template's blocks `// @item <name>` ... `// @end` of the
+/// optional engine items in `items` (a contract's `rust.optional` the engine defines) and leaving
+/// out the others.
+pub fn harness_source_with(arms: &[Arm], items: &[String]) -> String {
+    let mut out = String::with_capacity(HARNESS_MAIN.len() + arms.len() * 1024);
     let mut keep = true;
     for line in HARNESS_MAIN.lines() {
         let t = line.trim();
-        if let Some(id) = t.strip_prefix("// @kernel ") {
-            keep = kernels.iter().any(|k| k == id.trim());
+        let indent = &line[..line.len() - line.trim_start().len()];
+        if t == TEST_ARMS || t == TIMED_ARMS {
+            for a in arms {
+                let body = if t == TEST_ARMS { &a.test } else { &a.timed };
+                out.push_str(&format!("{indent}{:?} => {},\n", a.kernel, body.trim()));
+            }
             continue;
         }
         if let Some(name) = t.strip_prefix("// @item ") {
@@ -407,6 +517,7 @@ impl Workshop {
             ))
         })?;
         let package = package_of(&dir)?;
+        let manifest = crate::manifest::EngineManifest::read(&dir)?;
         let files = engine_files(&dir)?;
         let hash = hash_files(&files);
         let mut h = Sha256::new();
@@ -430,7 +541,7 @@ impl Workshop {
                 let _ = std::fs::remove_file(p);
             }
         }
-        Ok(Engine { dir, build_dir, package, hash })
+        Ok(Engine { dir, build_dir, package, hash, manifest })
     }
 
     /// Write the harness crate for an engine (outside the engine's sources) and return its manifest.
@@ -454,7 +565,7 @@ impl Workshop {
             // A name per engine and feature set: builds share one target directory, and the
             // uplifted binary `target/release/<name>` of one engine must never be run for another.
             "[package]\nname = \"metainfer-harness-{}\"\nversion = \"0.0.0\"\nedition = \"2021\"\npublish = false\n\n\
-             [dependencies]\nengine = {{ path = {:?}, package = {:?}, features = {:?} }}\nsafetensors = \"0.8\"\nserde_json = \"1\"\n\n[workspace]\n",
+             [dependencies]\nengine = {{ path = {:?}, package = {:?}, features = {:?} }}\nsafetensors = \"0.8\"\nserde = {{ version = \"1\", features = [\"derive\"] }}\nserde_json = \"1\"\n\n[workspace]\n",
             &key[..16],
             engine.build_dir.to_string_lossy(),
             engine.package,
@@ -464,7 +575,8 @@ impl Workshop {
             std::fs::write(&p, s).map_err(|e| Error::internal(format!("cannot write {}: {e}", p.display())))
         };
         write(dir.join("Cargo.toml"), &manifest)?;
-        write(dir.join("src/main.rs"), &harness_source_with(&spec.kernels, &spec.items))?;
+        write(dir.join("src/main.rs"), &harness_source_with(&spec.arms, &spec.items))?;
+        write(dir.join("src/protocol.rs"), HARNESS_PROTOCOL)?;
         Ok(dir.join("Cargo.toml"))
     }
 

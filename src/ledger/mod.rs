@@ -3,6 +3,8 @@
 //! Knows nothing of MCP or processes. Schema versions are tracked with `PRAGMA user_version`; a
 //! database written by a newer metainfer is refused rather than guessed at.
 
+pub mod figures;
+
 use std::path::{Path, PathBuf};
 
 use rusqlite::{Connection, OptionalExtension, params};

@@ -539,15 +539,18 @@ impl ServerHandler for Server {
 ///
 /// # Errors
 /// When the transport fails to start.
-pub async fn serve_stdio(ctx: Ctx) -> anyhow::Result<()> {
+pub async fn serve_stdio(ctx: Ctx) -> crate::error::Result<()> {
     let server = Server::new(ctx);
     let running = server.running.clone();
-    let service = server.serve(rmcp::transport::stdio()).await?;
+    let service = server
+        .serve(rmcp::transport::stdio())
+        .await
+        .map_err(|e| crate::error::Error::internal(format!("MCP stdio transport: {e}")))?;
     let result = service.waiting().await;
     // The client is gone: stop every call still in flight (their children are killed and reaped).
     for c in running.lock().expect("not poisoned").iter() {
         c.store(true, std::sync::atomic::Ordering::Relaxed);
     }
-    result?;
+    result.map_err(|e| crate::error::Error::internal(format!("MCP session ended with an error: {e}")))?;
     Ok(())
 }

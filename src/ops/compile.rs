@@ -1,15 +1,14 @@
 //! compile_engine: build the engine crate with cargo's JSON diagnostics; structured errors with a
 //! contract hint where a fixed signature is involved.
 
-use std::path::Path;
-use std::time::Instant;
-
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use super::gate::{Gate, Tool};
 use super::{Ctx, Report};
 use crate::error::Result;
 use crate::harness::{self, Budget, Diagnostic, Exit};
+use crate::ledger::figures::{CompileFigures, Figures};
 
 /// Which engine to build.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
@@ -108,47 +107,38 @@ fn hint(ctx: &Ctx, d: &mut Diagnostic) {
 /// Build an engine.
 ///
 /// # Errors
-/// Not a crate, outside the workspace, or cargo cannot be started.
+/// Not a crate, outside the workspace, a malformed manifest, or cargo cannot be started.
 pub fn compile(ctx: &Ctx, req: &CompileRequest, budget: &Budget) -> Result<CompileReport> {
     let live = ctx.live();
     let ctx = &*live;
-    let started = Instant::now();
-    let dir = ctx.confine(Path::new(&req.engine), true)?;
-    let engine = ctx.workshop.engine(&dir)?;
-    let rules = super::rules::precheck(ctx, &engine, budget)?;
-    if !rules.passed {
+    let mut gate = Gate::open(ctx, Tool::Compile, &req.engine, None, budget)?;
+    if let Err(stop) = gate.rules()? {
         let report = CompileReport {
             passed: false,
-            engine_hash: engine.hash.clone(),
+            engine_hash: gate.engine.hash.clone(),
             errors: 0,
             warnings: 0,
             diagnostics: vec![],
             truncated: 0,
             next_cursor: None,
             seconds: 0.0,
-            cargo_output: super::rules::blocked_text(&rules),
-            rules: rules.findings,
+            cargo_output: stop.text.clone(),
+            rules: stop.findings.clone(),
         };
-        ctx.record("compile_engine", Some(&engine), vec![], &report, serde_json::json!({"blocked": true}), started);
-        return Ok(report);
+        return Ok(gate.stopped(&stop, report));
     }
-    let build = ctx.workshop.cargo_build(&engine.build_dir.join("Cargo.toml"), budget)?;
-    let mut report = report_of(ctx, &engine, build, req.cursor.unwrap_or(0));
-    report.rules = rules.findings;
-    ctx.record(
-        "compile_engine",
-        Some(&engine),
-        vec![],
-        &report,
-        serde_json::json!({
-            "errors": report.errors,
-            "warnings": report.warnings,
-            "seconds": report.seconds,
-            "codes": report.diagnostics.iter().filter(|d| d.level == "error").map(|d| d.code.as_str()).collect::<Vec<_>>(),
-            "hinted": report.diagnostics.iter().filter(|d| !d.contract.is_empty()).map(|d| d.contract.as_str()).collect::<Vec<_>>(),
-        }),
-        started,
-    );
+    let build = ctx.workshop.cargo_build(&gate.engine.build_dir.join("Cargo.toml"), budget)?;
+    let mut report = report_of(ctx, &gate.engine, build, req.cursor.unwrap_or(0));
+    report.rules = gate.findings.clone();
+    let figures = CompileFigures {
+        gate: gate.common(),
+        errors: report.errors,
+        warnings: report.warnings,
+        seconds: report.seconds,
+        codes: report.diagnostics.iter().filter(|d| d.level == "error").map(|d| d.code.clone()).collect(),
+        hinted: report.diagnostics.iter().filter(|d| !d.contract.is_empty()).map(|d| d.contract.clone()).collect(),
+    };
+    gate.record(&report, Figures::Compile(figures));
     Ok(report)
 }
 

@@ -19,6 +19,7 @@ use serde::{Deserialize, Serialize};
 use super::{Ctx, Report};
 use crate::ckb::{Ckb, Contract, Kind};
 use crate::error::{Error, Result};
+use crate::ledger::figures::Figures;
 use crate::ledger::{Ledger, Outcome};
 
 /// Fewest outcomes in a cluster before it becomes a candidate.
@@ -108,40 +109,23 @@ fn shape_of(text: &str) -> String {
     out.chars().take(120).collect()
 }
 
-fn has_diagnosis(v: &serde_json::Value) -> bool {
-    match v {
-        serde_json::Value::Object(o) => o.iter().any(|(k, x)| {
-            (k == "diagnosis" && (x.as_array().is_some_and(|a| !a.is_empty()) || x.is_string())) || has_diagnosis(x)
-        }),
-        serde_json::Value::Array(a) => a.iter().any(has_diagnosis),
-        _ => false,
-    }
-}
-
 /// The (contract, shape) keys of one failed outcome that no diagnosis explains.
 fn keys(o: &Outcome) -> Vec<(String, String)> {
-    match o.tool.as_str() {
-        "compile_engine" => {
-            let codes: Vec<&str> = o.figures["codes"]
-                .as_array()
-                .map(|a| a.iter().filter_map(|c| c.as_str()).collect())
-                .unwrap_or_default();
-            let hinted: Vec<&str> = o.figures["hinted"]
-                .as_array()
-                .map(|a| a.iter().filter_map(|c| c.as_str()).collect())
-                .unwrap_or_default();
-            let contract = hinted.first().copied().unwrap_or("").to_string();
-            codes.iter().filter(|c| !c.is_empty()).map(|c| (contract.clone(), format!("compiler error {c}"))).collect()
+    match Figures::read(&o.tool, &o.figures) {
+        Figures::Compile(f) => {
+            let contract = f.hinted.first().cloned().unwrap_or_default();
+            f.codes
+                .iter()
+                .filter(|c| !c.is_empty())
+                .map(|c| (contract.clone(), format!("compiler error {c}")))
+                .collect()
         }
-        "run_kernel_test" => o.figures["kernels"]
-            .as_array()
-            .map(|ks| {
-                ks.iter()
-                    .filter(|k| k["passed"] == false && k["diagnosis"].as_array().is_none_or(|d| d.is_empty()))
-                    .filter_map(|k| Some((k["id"].as_str()?.to_string(), "kernel outside tolerance".to_string())))
-                    .collect()
-            })
-            .unwrap_or_default(),
+        Figures::KernelTest(f) => f
+            .kernels
+            .iter()
+            .filter(|k| !k.passed && k.diagnosis.is_empty())
+            .map(|k| (k.id.clone(), "kernel outside tolerance".to_string()))
+            .collect(),
         _ => {
             let contract = o.contracts.iter().find(|c| c.starts_with("model.")).or(o.contracts.first());
             let contract = contract.map(|c| c.split('@').next().unwrap_or(c).to_string()).unwrap_or_default();
@@ -162,12 +146,12 @@ pub fn evolve(ctx: &Ctx, req: &EvolveRequest) -> Result<EvolveReport> {
     let failures: Vec<&Outcome> = all
         .iter()
         .filter(|o| !o.passed && matches!(o.tool.as_str(), "compile_engine" | "run_kernel_test" | "verify_generation"))
-        .filter(|o| o.figures.get("blocked").is_none())
+        .filter(|o| !Figures::read(&o.tool, &o.figures).blocked())
         .collect();
     let mut explained = 0;
     let mut clusters: BTreeMap<(String, String, String), Vec<String>> = BTreeMap::new();
     for o in &failures {
-        if o.tool != "run_kernel_test" && has_diagnosis(&o.figures) {
+        if o.tool != "run_kernel_test" && !Figures::read(&o.tool, &o.figures).diagnoses().is_empty() {
             explained += 1;
             continue;
         }
@@ -377,7 +361,10 @@ fn is_evidence(o: &Outcome, tag: &str, kind: Kind) -> bool {
     o.passed
         && o.contracts.iter().any(|c| c == tag)
         && evidence_gates(kind).contains(&o.tool.as_str())
-        && (o.tool != "profile_engine" || o.figures.get("verified") != Some(&serde_json::Value::Bool(false)))
+        && match Figures::read(&o.tool, &o.figures) {
+            Figures::Profile(f) => f.verified,
+            _ => true,
+        }
 }
 
 /// Promote a staged contract into the CKB working copy.

@@ -84,7 +84,7 @@ pub fn lookup(ctx: &Ctx, req: &LookupRequest) -> Result<LookupReport> {
         None,
         ctx.versioned(&ids),
         &report,
-        serde_json::json!({"matches": report.matches.len()}),
+        crate::ledger::figures::Figures::Other(serde_json::json!({"matches": report.matches.len()})),
         started,
     );
     Ok(report)

@@ -4,15 +4,14 @@
 //! Depends on ckb, model, oracle, harness and ledger; knows nothing of MCP.
 
 pub mod compile;
-pub mod diagnose;
 pub mod evolve;
+pub mod gate;
 pub mod kernel_test;
 pub mod lookup;
 pub mod outcomes;
 pub mod plan;
 pub mod profile;
 pub mod report;
-pub mod roofline;
 pub mod rules;
 pub mod scaffold;
 pub mod synth;
@@ -131,60 +130,55 @@ pub struct Target {
     pub spec: crate::harness::HarnessSpec,
 }
 
+/// The harness arm of a kernel contract, from the kernel registry.
+///
+/// # Errors
+/// [`crate::error::ErrorKind::Usage`] when no oracle implements the kernel.
+pub fn arm(kernel: &str) -> Result<crate::harness::Arm> {
+    let k = crate::oracle::kernels::get(kernel).ok_or_else(|| {
+        Error::usage(format!(
+            "no oracle implements `{kernel}`, so the harness cannot test it; kernels with an oracle: {}",
+            crate::oracle::kernels::ids().collect::<Vec<_>>().join(", ")
+        ))
+    })?;
+    Ok(crate::harness::Arm { kernel: k.id.to_string(), test: k.test_arm.to_string(), timed: k.timed_arm.to_string() })
+}
+
 impl Ctx {
-    /// Resolve the target of a gate call on `engine`. `dtype`: the request's, or None for the
-    /// engine's own.
+    /// Resolve the target of a gate call on `engine` from its manifest. `dtype`: the request's, or
+    /// None for the engine's own.
     ///
     /// # Errors
-    /// [`crate::error::ErrorKind::Usage`] when metainfer.toml is not valid TOML, names an unknown
-    /// family, or the engine does not declare the requested dtype; the message says what to add.
+    /// [`crate::error::ErrorKind::Usage`] when the manifest names a family the knowledge base does not
+    /// have, or the engine does not declare the requested dtype; the message says what to add.
     pub fn target(&self, engine: &crate::harness::Engine, dtype: Option<&str>) -> Result<Target> {
-        let path = engine.dir.join("metainfer.toml");
-        let table: toml::Table = match std::fs::read_to_string(&path) {
-            Ok(t) => toml::from_str(&t).map_err(|e| {
-                Error::usage(format!("{}: not valid TOML ({e}); fix or re-scaffold it", path.display()))
-            })?,
-            Err(_) => toml::Table::new(),
-        };
-        let text = |key: &str, default: &str| table.get(key).and_then(|v| v.as_str()).unwrap_or(default).to_string();
-        let family = text("family", "model.llama");
-        let base = text("dtype", "f32");
-        let features: std::collections::BTreeMap<String, Vec<String>> = match table.get("dtype_features") {
-            Some(v) => v.clone().try_into().map_err(|e| {
-                Error::usage(format!(
-                    "{}: [dtype_features] must map a dtype to a list of Cargo features, e.g. bf16 = [\"bf16\"] ({e})",
-                    path.display()
-                ))
-            })?,
-            None => Default::default(),
-        };
-        let dtype = dtype.unwrap_or(&base).to_string();
-        let feats = match features.get(&dtype) {
-            Some(f) => f.clone(),
-            None if dtype == base => vec![],
-            None => {
-                let mut have: Vec<&str> = vec![base.as_str()];
-                have.extend(features.keys().map(String::as_str).filter(|d| *d != base));
-                return Err(Error::usage(format!(
-                    "engine {} is built for dtype {} (metainfer.toml); to test it at `{dtype}`, add `{dtype} = [\"<cargo feature>\"]` under [dtype_features] in its metainfer.toml",
-                    engine.dir.display(),
-                    have.join(", ")
-                )));
-            }
-        };
-        let fam = self.ckb.get(&family).map_err(|e| {
-            Error::usage(format!("{}: family `{family}` is not in the knowledge base ({e})", path.display()))
+        let m = &engine.manifest;
+        let path = engine.dir.join(crate::manifest::FILE);
+        let dtype = dtype.unwrap_or(&m.dtype).to_string();
+        let features = m.features_for(&dtype).ok_or_else(|| {
+            Error::usage(format!(
+                "engine {} is built for dtype {} (metainfer.toml); to test it at `{dtype}`, add `{dtype} = [\"<cargo feature>\"]` under [dtype_features] in its metainfer.toml",
+                engine.dir.display(),
+                m.dtypes().join(", ")
+            ))
+        })?;
+        let fam = self.ckb.get(&m.family).map_err(|e| {
+            Error::usage(format!(
+                "{}: key `family` = {:?} is not in the knowledge base ({e}); run plan_engine for the model's family",
+                path.display(),
+                m.family
+            ))
         })?;
         let kernels = plan::kernels_for(&self.ckb, fam, &dtype).map_err(Error::usage)?;
-        let target = text("target", "cpu");
-        let platform = self.ckb.platform_for(&target).map(|p| p.id.clone());
+        let arms = kernels.iter().map(|k| arm(k)).collect::<Result<Vec<_>>>()?;
+        let platform = self.ckb.platform_for(&m.target).map(|p| p.id.clone());
         let items = optional_items(&self.ckb, fam, &engine.build_dir);
         Ok(Target {
-            family,
+            family: m.family.clone(),
             dtype,
-            target,
+            target: m.target.clone(),
             platform,
-            spec: crate::harness::HarnessSpec { kernels, features: feats, items },
+            spec: crate::harness::HarnessSpec { kernels, arms, features, items },
         })
     }
 }
@@ -219,7 +213,16 @@ pub trait Report: Serialize {
     fn text(&self) -> String;
 }
 
-pub use crate::guard::ReferenceLevel;
+pub use crate::manifest::ReferenceLevel;
+
+impl Report for crate::probe::MachineProbe {
+    fn passed(&self) -> bool {
+        true
+    }
+    fn text(&self) -> String {
+        self.table()
+    }
+}
 
 impl Ctx {
     /// Resolve a path argument (symlinks and `..` included) and, when a workspace is configured,
@@ -289,17 +292,28 @@ impl Ctx {
     }
 
     /// Record an outcome in the ledger. A ledger failure is logged, not fatal: the caller's report
-    /// still reaches the agent.
+    /// still reaches the agent. The engine's manifest is recorded as the constraints, with the dtype
+    /// the gate ran at when it ran at another one.
     pub fn record(
         &self,
         tool: &str,
         engine: Option<&crate::harness::Engine>,
         contracts: Vec<String>,
         report: &impl Report,
-        figures: serde_json::Value,
+        figures: crate::ledger::figures::Figures,
         started: Instant,
     ) {
         let summary = report.text().lines().next().unwrap_or_default().to_string();
+        let constraints = match engine {
+            Some(e) => {
+                let mut m = e.manifest.clone();
+                if let Some(d) = figures.dtype() {
+                    m.dtype = d.to_string();
+                }
+                m.to_json()
+            }
+            None => serde_json::json!({}),
+        };
         let outcome = Outcome {
             id: crate::ledger::new_id(),
             time: crate::ledger::now_rfc3339(),
@@ -309,22 +323,11 @@ impl Ctx {
             contracts,
             passed: report.passed(),
             summary,
-            figures: figures.clone(),
-            reference_level: engine.map(|e| ReferenceLevel::of_engine(&e.dir)).unwrap_or_default().name().into(),
+            figures: figures.to_json(),
+            reference_level: engine.map(|e| e.manifest.reference_level).unwrap_or_default().name().into(),
             duration_ms: started.elapsed().as_millis() as u64,
             client: self.client.read().map(|c| c.clone()).unwrap_or_default(),
-            constraints: engine
-                .and_then(|e| std::fs::read_to_string(e.dir.join("metainfer.toml")).ok())
-                .and_then(|t| toml::from_str::<toml::Table>(&t).ok())
-                .and_then(|t| serde_json::to_value(t).ok())
-                .map(|mut c| {
-                    // A gate run at another dtype than the engine's own records the one it ran at.
-                    if let (Some(d), Some(o)) = (figures.get("dtype"), c.as_object_mut()) {
-                        o.insert("dtype".into(), d.clone());
-                    }
-                    c
-                })
-                .unwrap_or_else(|| serde_json::json!({})),
+            constraints,
         };
         match Ledger::open(&self.ledger).and_then(|l| l.record(&outcome)) {
             Ok(()) => {}

@@ -190,8 +190,10 @@ pub fn plan(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
     let ctx = &*live;
     let report = plan_only(ctx, req)?;
     let ids: Vec<&str> = report.phases.iter().flat_map(|p| p.contracts.iter().map(String::as_str)).collect();
-    let figures =
-        serde_json::json!({"family": report.family, "gaps": report.gaps.iter().map(|g| &g.field).collect::<Vec<_>>()});
+    let figures = crate::ledger::figures::Figures::Plan(crate::ledger::figures::PlanFigures {
+        family: report.family.clone(),
+        gaps: report.gaps.iter().map(|g| g.field.clone()).collect(),
+    });
     ctx.record("plan_engine", None, ctx.versioned(&ids), &report, figures, started);
     Ok(report)
 }

@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use super::{Ctx, Report};
 use crate::ckb::Kind;
 use crate::error::Result;
+use crate::ledger::figures::Figures;
 use crate::ledger::{Ledger, Outcome};
 
 /// What to report on.
@@ -148,38 +149,12 @@ fn stats(seqs: &BTreeMap<String, Vec<(f64, bool)>>) -> Stats {
     }
 }
 
-/// Every string under a `diagnosis` key of a figures value (failure-mode ids).
-fn diagnoses(v: &serde_json::Value, out: &mut Vec<String>) {
-    match v {
-        serde_json::Value::Object(o) => {
-            for (k, x) in o {
-                if k == "diagnosis" {
-                    match x {
-                        serde_json::Value::String(s) => out.push(s.clone()),
-                        serde_json::Value::Array(a) => {
-                            out.extend(a.iter().filter_map(|s| s.as_str().map(str::to_owned)))
-                        }
-                        _ => {}
-                    }
-                } else {
-                    diagnoses(x, out);
-                }
-            }
-        }
-        serde_json::Value::Array(a) => a.iter().for_each(|x| diagnoses(x, out)),
-        _ => {}
-    }
-}
-
 /// Per-contract verdicts of one outcome: kernel tests carry one verdict per kernel in their figures.
 fn verdicts(o: &Outcome) -> Vec<(String, bool)> {
-    if o.tool == "run_kernel_test"
-        && let Some(ks) = o.figures.get("kernels").and_then(|k| k.as_array())
+    if let Figures::KernelTest(f) = Figures::read(&o.tool, &o.figures)
+        && !f.kernels.is_empty()
     {
-        return ks
-            .iter()
-            .filter_map(|k| Some((k.get("id")?.as_str()?.to_string(), k.get("passed")?.as_bool()?)))
-            .collect();
+        return f.kernels.iter().map(|k| (k.id.clone(), k.passed)).collect();
     }
     o.contracts.iter().map(|c| (c.split('@').next().unwrap_or(c).to_string(), o.passed)).collect()
 }
@@ -193,8 +168,8 @@ pub fn build(ctx: &Ctx, outcomes: &[Outcome], req: &ReportRequest) -> CkbReport 
     let mut per_level: BTreeMap<String, BTreeMap<String, Vec<(f64, bool)>>> = BTreeMap::new();
     for o in &gates {
         let t = secs(&o.time);
-        let mut found = Vec::new();
-        diagnoses(&o.figures, &mut found);
+        let found: Vec<String> =
+            Figures::read(&o.tool, &o.figures).diagnoses().into_iter().map(str::to_owned).collect();
         for (id, passed) in verdicts(o) {
             if req.prefix.as_deref().is_some_and(|p| !id.starts_with(p)) {
                 continue;

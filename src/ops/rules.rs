@@ -60,21 +60,13 @@ impl Report for RulesReport {
     }
 }
 
-/// The contract ids an engine implements, from its metainfer.toml: its family, the family's
-/// components, and the family's kernels at its own dtype and at every dtype of `[dtype_features]`.
-/// None when metainfer.toml names no family of the knowledge base (every signature is then checked).
+/// The contract ids an engine implements, from its manifest: its family, the family's components,
+/// and the family's kernels at its own dtype and at every dtype of `[dtype_features]`. None when the
+/// manifest names no family of the knowledge base (every signature is then checked).
 fn implemented(ctx: &Ctx, engine: &Engine) -> Option<std::collections::BTreeSet<String>> {
-    let table: toml::Table = std::fs::read_to_string(engine.dir.join("metainfer.toml"))
-        .ok()
-        .and_then(|t| toml::from_str(&t).ok())
-        .unwrap_or_default();
-    let mut dtypes: Vec<Option<String>> = vec![None];
-    if let Some(extra) = table.get("dtype_features").and_then(|v| v.as_table()) {
-        dtypes.extend(extra.keys().map(|d| Some(d.clone())));
-    }
     let mut ids = std::collections::BTreeSet::new();
-    for d in dtypes {
-        let target = ctx.target(engine, d.as_deref()).ok()?;
+    for d in engine.manifest.dtypes() {
+        let target = ctx.target(engine, Some(&d)).ok()?;
         let family = ctx.ckb.get(&target.family).ok()?;
         ids.insert(family.id.clone());
         ids.extend(family.model.iter().flat_map(|m| m.components.iter().cloned()));
@@ -101,12 +93,8 @@ pub fn precheck(ctx: &Ctx, engine: &Engine, budget: &Budget) -> Result<RulesRepo
             prints: prints.into_iter().map(|(hash, line)| provenance::Print { hash, line }).collect(),
         })
         .collect();
-    let level = ReferenceLevel::of_engine(&engine.dir);
-    let target = std::fs::read_to_string(engine.dir.join("metainfer.toml"))
-        .ok()
-        .and_then(|t| toml::from_str::<toml::Table>(&t).ok())
-        .and_then(|t| t.get("target").and_then(|v| v.as_str()).map(str::to_owned))
-        .unwrap_or_else(|| "cpu".into());
+    let level = engine.manifest.reference_level;
+    let target = engine.manifest.target.clone();
     let implements = implemented(ctx, engine);
     let inputs = guard::Inputs {
         ckb: &ctx.ckb,
@@ -146,10 +134,12 @@ pub fn check_rules(ctx: &Ctx, req: &RulesRequest, budget: &Budget) -> Result<Rul
     let started = Instant::now();
     let dir = ctx.confine(Path::new(&req.engine), true)?;
     let engine = ctx.workshop.engine(&dir)?;
+    // The manifest names a family of the knowledge base (a gate checks the same in Gate::open).
+    ctx.target(&engine, None)?;
     let report = precheck(ctx, &engine, budget)?;
-    let figures = serde_json::json!({
-        "findings": report.findings.iter().map(|f| &f.rule).collect::<Vec<_>>(),
-        "skipped": report.skipped.len(),
+    let figures = crate::ledger::figures::Figures::Rules(crate::ledger::figures::RulesFigures {
+        findings: report.findings.iter().map(|f| f.rule.clone()).collect(),
+        skipped: report.skipped.len(),
     });
     ctx.record("check_rules", Some(&engine), ctx.versioned(&["policy.zero-reference"]), &report, figures, started);
     Ok(report)

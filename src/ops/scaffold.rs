@@ -184,7 +184,7 @@ pub fn scaffold(ctx: &Ctx, req: &ScaffoldRequest) -> Result<ScaffoldReport> {
         engine.as_ref(),
         ctx.versioned(&ids),
         &report,
-        serde_json::json!({"files": report.files.len()}),
+        crate::ledger::figures::Figures::Other(serde_json::json!({"files": report.files.len()})),
         started,
     );
     Ok(report)

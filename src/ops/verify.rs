@@ -15,17 +15,19 @@
 //! tokenizer with the reference on its prompts, so the vectors extend the same check.
 
 use std::path::Path;
-use std::time::Instant;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use super::gate::{Gate, Tool};
 use super::{Ctx, Report};
 use crate::ckb::Tolerance;
 use crate::error::{Error, Result};
-use crate::harness::{self, Budget};
+use crate::harness::Budget;
+use crate::harness::protocol::{Command, Prompt, Reply, TokenizeSet};
+use crate::ledger::figures::{Figures, VerifyFigures};
 use crate::model;
 use crate::oracle::llama::Reference;
 
@@ -106,15 +108,15 @@ pub struct VerifyReport {
     /// Harness build or run failure, when there was one.
     pub error: String,
     /// Known failure modes whose mutated reference forward pass reproduces the engine's logits on the
-    /// first prompt whose logits failed (see `diagnose::generation` for the rule); empty when the
+    /// first prompt whose logits failed (see `oracle::diagnose::generation` for the rule); empty when the
     /// logits passed or nothing explains them.
-    pub diagnosis: Vec<super::diagnose::Diagnosis>,
+    pub diagnosis: Vec<crate::oracle::diagnose::Diagnosis>,
     /// Rule findings (check_rules); a blocking one stops verification.
     pub rules: Vec<crate::guard::Finding>,
     /// When it passed: each staged candidate it ran under (the model family, the engine's target
     /// platform) and whether this evidence promoted it into the CKB working copy (see
     /// `ops::evolve::promote_on_evidence`). Empty otherwise.
-    pub promotions: Vec<super::evolve::Promotion>,
+    pub promotions: Vec<super::gate::Promotion>,
     /// Token ids that end generation (generation_config.json eos_token_id, else config.json's).
     #[serde(default)]
     pub stop_tokens: Vec<u32>,
@@ -335,13 +337,11 @@ pub fn random_prompts(seed: u64, n: usize) -> Vec<String> {
 /// Not a crate, unreadable model, uncovered config, outside the workspace, or the harness cannot be
 /// started. An engine that fails to build or produces wrong output is a report, not an error.
 pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyReport> {
-    let started = Instant::now();
     let live = ctx.live();
     let ctx = &*live;
-    let dir = ctx.confine(Path::new(&req.engine), true)?;
+    let mut gate = Gate::open(ctx, Tool::Verify, &req.engine, req.dtype.as_deref(), budget)?;
     let model_dir = ctx.confine(Path::new(&req.model), true)?;
-    let engine = ctx.workshop.engine(&dir)?;
-    let target = ctx.target(&engine, req.dtype.as_deref())?;
+    let target = gate.target.clone();
     let cfg = model::load_config(&ctx.ckb, &model_dir)?;
     let family = ctx.ckb.get(&cfg.family)?;
     let logits_tol = &family.model.as_ref().expect("model contract").logits_tolerance;
@@ -364,6 +364,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         return Err(Error::usage(format!("max_new_tokens must be 1..=4096, got {max_new}")));
     }
     let seed = req.seed.unwrap_or_else(|| rand::rng().random());
+    gate.seed = Some(seed);
     let mut prompts: Vec<(String, bool)> = req.prompts.iter().map(|p| (p.clone(), false)).collect();
     if prompts.is_empty() {
         prompts.push(("Once upon a time".into(), false));
@@ -399,9 +400,9 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     });
     contract_ids.extend(target.spec.kernels.iter().map(String::as_str).chain(components));
     contract_ids.extend(target.platform.as_deref());
-    let versioned = ctx.versioned(&contract_ids);
+    gate.contracts(&contract_ids);
 
-    let fail = |error: String, prompts: Vec<PromptResult>| VerifyReport {
+    let fail = |error: String, prompts: Vec<PromptResult>, rules: Vec<crate::guard::Finding>| VerifyReport {
         passed: false,
         seed,
         family: family.id.clone(),
@@ -411,76 +412,48 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         prompts,
         error,
         diagnosis: vec![],
-        rules: vec![],
+        rules,
         promotions: vec![],
         stop_tokens: generation.eos_token_ids.clone(),
         tokenizer: tokenizer_contract.clone(),
         tokenizer_vectors: vec![],
         warnings: warnings.clone(),
     };
-    let rules = super::rules::precheck(ctx, &engine, budget)?;
-    if !rules.passed {
-        let mut report = fail(super::rules::blocked_text(&rules), vec![]);
-        report.rules = rules.findings;
-        ctx.record(
-            "verify_generation",
-            Some(&engine),
-            versioned,
-            &report,
-            serde_json::json!({"blocked": true, "dtype": target.dtype}),
-            started,
-        );
-        return Ok(report);
-    }
-    let build = ctx.workshop.build_harness(&engine, &target.spec, budget)?;
-    let Some(exe) = build.executable.clone().filter(|_| build.ok) else {
-        let compile = super::compile::report_of(ctx, &engine, build, 0);
-        let report =
-            fail(format!("the engine does not build with the harness:\n{}", super::Report::text(&compile)), vec![]);
-        ctx.record(
-            "verify_generation",
-            Some(&engine),
-            versioned,
-            &report,
-            serde_json::json!({"seed": seed, "dtype": target.dtype}),
-            started,
-        );
-        return Ok(report);
+    let h = match gate.prepare()? {
+        Ok(h) => h,
+        Err(stop) => return Ok(gate.stopped(&stop, fail(stop.text.clone(), vec![], gate.findings.clone()))),
     };
-
-    let scratch = ctx.workshop.scratch()?;
-    let request = scratch.path().join("generate.json");
-    let out = scratch.path().join("generate.safetensors");
-    let items: Vec<serde_json::Value> =
-        prompts.iter().zip(&budgets).map(|((p, _), n)| serde_json::json!({"text": p, "max_new_tokens": n})).collect();
-    std::fs::write(
-        &request,
-        serde_json::json!({"prompts": items, "stop_tokens": generation.eos_token_ids}).to_string(),
-    )
-    .map_err(|e| Error::internal(format!("{}: {e}", request.display())))?;
-    let run = harness::run(
-        duct::cmd(
-            &exe,
-            [std::ffi::OsStr::new("generate"), model_dir.as_os_str(), request.as_os_str(), out.as_os_str()],
-        ),
-        budget,
+    let tensors_path = h.path("generate.safetensors");
+    let items: Vec<Prompt> =
+        prompts.iter().zip(&budgets).map(|((p, _), n)| Prompt { text: p.clone(), max_new_tokens: *n }).collect();
+    let called = gate.call(
+        &h,
+        Command::Generate {
+            model: model_dir.clone(),
+            prompts: items,
+            tensors: tensors_path.clone(),
+            stop_tokens: generation.eos_token_ids.clone(),
+        },
+        &[],
     )?;
-    if !run.ok() {
-        let report = fail(format!("the engine's generation process {}", run.failure_text(2000)), vec![]);
-        ctx.record(
-            "verify_generation",
-            Some(&engine),
-            versioned,
-            &report,
-            serde_json::json!({"seed": seed, "dtype": target.dtype}),
-            started,
-        );
-        return Ok(report);
-    }
-    let (meta, mut tensors_out) = harness::read_tensor_words(&out)?;
+    let (texts, engine_stops) = match called.ok("engine's generation", 2000) {
+        Ok(Reply::Generate { prompts: g, stop_tokens, .. }) if g.len() == prompts.len() => (g, stop_tokens),
+        Ok(other) => {
+            let why = format!("the harness answered generation with an unexpected reply: {other:?}");
+            let report = fail(why, vec![], gate.findings.clone());
+            gate.record(&report, Figures::Verify(VerifyFigures { gate: gate.common(), ..Default::default() }));
+            return Ok(report);
+        }
+        Err(why) => {
+            let report = fail(why, vec![], gate.findings.clone());
+            gate.record(&report, Figures::Verify(VerifyFigures { gate: gate.common(), ..Default::default() }));
+            return Ok(report);
+        }
+    };
+    let (_, tensors_out) = crate::harness::read_tensor_words(&tensors_path)?;
     // The engine's own stop tokens (component.sampler `stop_tokens`), when it has the function.
     let mut stop_error = String::new();
-    match tensors_out.get("stop_tokens") {
+    match &engine_stops {
         Some(engine_stops) => {
             let (mut a, mut b) = (engine_stops.clone(), generation.eos_token_ids.clone());
             a.sort_unstable();
@@ -490,7 +463,11 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
             if a != b {
                 stop_error = format!(
                     "stop tokens: the engine's generate::stop_tokens gives {engine_stops:?}, {} says {:?} (component.sampler: generation_config.json eos_token_id, an int or a list, else config.json's)",
-                    if generation.source.is_empty() { "neither generation_config.json nor config.json names one; it" } else { &generation.source },
+                    if generation.source.is_empty() {
+                        "neither generation_config.json nor config.json names one; it"
+                    } else {
+                        &generation.source
+                    },
                     generation.eos_token_ids
                 );
             }
@@ -499,11 +476,6 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
             "the engine has no generate::stop_tokens (component.sampler v2); generation stopped at the server's stop tokens {:?}",
             generation.eos_token_ids
         )),
-    }
-    for (k, v) in tensors_out.clone() {
-        if let Some(i) = k.strip_prefix("logits.") {
-            tensors_out.insert(format!("logits_f.{i}"), v);
-        }
     }
 
     let mut results = Vec::new();
@@ -520,7 +492,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
             first_mismatch: -1,
             tie_at: -1,
             max_abs_err: 0.0,
-            text: meta.get(&format!("text.{i}")).cloned().unwrap_or_default(),
+            text: texts[i].text.clone(),
             reference_text: String::new(),
             stopped_at_eos: false,
             error: String::new(),
@@ -532,7 +504,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         r.stopped_at_eos =
             want_tokens.len() < budgets[i] && want_tokens.last().is_some_and(|t| generation.eos_token_ids.contains(t));
         let got_tokens = tensors_out.get(&format!("tokens.{i}")).cloned().unwrap_or_default();
-        let got_logits = tensors_out.get(&format!("logits_f.{i}")).cloned().unwrap_or_default();
+        let got_logits = tensors_out.get(&format!("logits.{i}")).cloned().unwrap_or_default();
         let got_logits: Vec<f32> = got_logits.iter().map(|&b| f32::from_bits(b)).collect();
         let vocab = cfg.vocab;
         let mut logits_ok = got_logits.len() >= vocab * want_tokens.len().min(got_tokens.len()).max(1);
@@ -542,8 +514,9 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
                 break;
             };
             r.steps = step + 1;
-            let (abs, _, _, ok) = super::kernel_test::compare(got_row, want_row, &tol);
-            r.max_abs_err = r.max_abs_err.max(abs);
+            let v = crate::oracle::compare(got_row, want_row, &tol);
+            let ok = v.ok;
+            r.max_abs_err = r.max_abs_err.max(v.max_abs_err);
             logits_ok &= ok;
             let (Some(&g), Some(&w)) = (got_tokens.get(step), want_tokens.get(step)) else {
                 break;
@@ -596,13 +569,13 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         r.error = why.join("; ");
         results.push(r);
     }
-    let vectors = tokenizer_vectors(ctx, &exe, &tokenizer_contract, scratch.path(), budget)?;
+    let vectors = tokenizer_vectors(ctx, &gate, &h, &tokenizer_contract)?;
     let mut passed = results.iter().all(|r| r.error.is_empty())
         && stop_error.is_empty()
         && vectors.iter().all(|v| v.error.is_empty());
     let mut error = stop_error;
     let kernels_passed = crate::ledger::Ledger::open(&ctx.ledger)
-        .and_then(|l| l.passed_on("run_kernel_test", &engine.hash, &target.dtype))
+        .and_then(|l| l.passed_on("run_kernel_test", &gate.engine.hash, &target.dtype))
         .unwrap_or(false);
     if passed && !kernels_passed {
         // Phase order: generation passes only on sources whose kernels passed.
@@ -610,7 +583,9 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         error = "phase order: generation matches the reference, but run_kernel_test has not passed on these exact sources; run it, then verify again".into();
     }
     let diagnosis = match &first_fail {
-        Some((ids, tokens, logits)) => super::diagnose::generation(&ctx.ckb, &mut reference, ids, tokens, logits, &tol),
+        Some((ids, tokens, logits)) => {
+            crate::oracle::diagnose::generation(&ctx.ckb, &mut reference, ids, tokens, logits, &tol)
+        }
         None => vec![],
     };
     let mut report = VerifyReport {
@@ -623,29 +598,28 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         prompts: results,
         error,
         diagnosis,
-        rules: rules.findings,
+        rules: gate.findings.clone(),
         promotions: vec![],
         stop_tokens: generation.eos_token_ids.clone(),
         tokenizer: tokenizer_contract.clone(),
         tokenizer_vectors: vectors,
         warnings,
     };
-    let figures = serde_json::json!({
-        "seed": seed,
-        "dtype": report.dtype,
-        "max_abs_err": report.prompts.iter().map(|p| p.max_abs_err).fold(0.0, f64::max),
-        "prompts": report.prompts.len(),
-        "diagnosis": report.diagnosis.iter().map(|d| d.failure.as_str()).collect::<Vec<_>>(),
-    });
-    ctx.record("verify_generation", Some(&engine), versioned.clone(), &report, figures, started);
+    let figures = VerifyFigures {
+        gate: gate.common(),
+        max_abs_err: report.prompts.iter().map(|p| p.max_abs_err).fold(0.0, f64::max),
+        prompts: report.prompts.len(),
+        diagnosis: report.diagnosis.iter().map(|d| d.failure.clone()).collect(),
+    };
+    gate.record(&report, Figures::Verify(figures));
     if report.passed {
-        report.promotions = super::evolve::promote_on_evidence(ctx, "verify_generation", &versioned);
+        report.promotions = gate.promote();
     }
     Ok(report)
 }
 
-/// Run the engine's tokenizer (harness `tokenize`) on every real vocabulary of `contract` (see
-/// `model::tokenizer::vector_sets`): encode each test text and compare with HF's ids with
+/// Run the engine's tokenizer (harness command `tokenize`) on every real vocabulary of `contract`
+/// (see `model::tokenizer::vector_sets`): encode each test text and compare with HF's ids with
 /// add_special_tokens = true, which are the vector's ids wrapped in the template's special tokens
 /// (checked here, so the reference itself is held to the vectors); decode each vector's ids and
 /// compare with HF's decoding with skip_special_tokens = true.
@@ -654,10 +628,9 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
 /// When the harness cannot be started or a vocabulary's tokenizer.json cannot be loaded by HF.
 fn tokenizer_vectors(
     ctx: &Ctx,
-    exe: &Path,
+    gate: &Gate<'_>,
+    h: &super::gate::Harness,
     contract: &str,
-    scratch: &Path,
-    budget: &Budget,
 ) -> Result<Vec<VectorResult>> {
     let sets: Vec<model::tokenizer::VectorSet> =
         model::tokenizer::vector_sets(&ctx.ckb, &model::tokenizer::vectors_dir())
@@ -667,26 +640,16 @@ fn tokenizer_vectors(
     if sets.is_empty() {
         return Ok(vec![]);
     }
-    let request = scratch.join("tokenize.json");
-    let out = scratch.join("tokenize.safetensors");
-    let body: Vec<serde_json::Value> = sets
+    let request: Vec<TokenizeSet> = sets
         .iter()
-        .map(|s| {
-            serde_json::json!({
-                "dir": s.dir,
-                "texts": s.cases.iter().map(|c| &c.0).collect::<Vec<_>>(),
-                "decode": s.cases.iter().map(|c| &c.1).collect::<Vec<_>>(),
-            })
+        .map(|s| TokenizeSet {
+            dir: s.dir.clone(),
+            texts: s.cases.iter().map(|c| c.0.clone()).collect(),
+            decode: s.cases.iter().map(|c| c.1.clone()).collect(),
         })
         .collect();
-    std::fs::write(&request, serde_json::json!({ "sets": body }).to_string())
-        .map_err(|e| Error::internal(format!("{}: {e}", request.display())))?;
-    let run =
-        harness::run(duct::cmd(exe, [std::ffi::OsStr::new("tokenize"), request.as_os_str(), out.as_os_str()]), budget)?;
-    if !run.ok() {
-        let why = format!("the engine's tokenizer process {}", run.failure_text(1000));
-        return Ok(sets
-            .iter()
+    let failed = |why: String| -> Vec<VectorResult> {
+        sets.iter()
             .map(|s| VectorResult {
                 vocabulary: s.name.clone(),
                 texts: s.cases.len(),
@@ -694,11 +657,15 @@ fn tokenizer_vectors(
                 decode_ok: 0,
                 error: why.clone(),
             })
-            .collect());
-    }
-    let (meta, ids) = harness::read_tensor_words(&out)?;
+            .collect()
+    };
+    let replies = match gate.call(h, Command::Tokenize { sets: request }, &[])?.ok("engine's tokenizer", 1000) {
+        Ok(Reply::Tokenize { sets: r }) if r.len() == sets.len() => r,
+        Ok(other) => return Ok(failed(format!("the harness answered tokenize with an unexpected reply: {other:?}"))),
+        Err(why) => return Ok(failed(why)),
+    };
     let mut results = Vec::new();
-    for (si, set) in sets.iter().enumerate() {
+    for (set, reply) in sets.iter().zip(replies) {
         let tok = model::hf_tokenizer(&set.dir)?;
         let mut r = VectorResult {
             vocabulary: set.name.clone(),
@@ -707,7 +674,7 @@ fn tokenizer_vectors(
             decode_ok: 0,
             error: String::new(),
         };
-        if let Some(e) = meta.get(&format!("error.{si}")) {
+        if let Some(e) = reply.error {
             r.error = format!("Tokenizer::load on {}: {e}", set.dir.display());
             results.push(r);
             continue;
@@ -720,18 +687,22 @@ fn tokenizer_vectors(
                 continue;
             }
             let want = model::hf_encode(&tok, text)?;
-            match (ids.get(&format!("ids.{si}.{i}")), meta.get(&format!("encode_error.{si}.{i}"))) {
-                (Some(got), _) if got == &want => r.encode_ok += 1,
-                (Some(got), _) => first.push(format!("encode {text:?}: engine {got:?}, reference {want:?}")),
-                (None, Some(p)) => first.push(format!("encode {text:?} panicked: {p}")),
-                (None, None) => first.push(format!("encode {text:?}: no output")),
+            match reply.encoded.get(i) {
+                Some(e) if e.panic.is_none() && e.ids == want => r.encode_ok += 1,
+                Some(e) if e.panic.is_none() => {
+                    first.push(format!("encode {text:?}: engine {:?}, reference {want:?}", e.ids))
+                }
+                Some(e) => first.push(format!("encode {text:?} panicked: {}", e.panic.clone().unwrap_or_default())),
+                None => first.push(format!("encode {text:?}: no output")),
             }
             let want_text = model::hf_decode(&tok, vector)?;
-            match (meta.get(&format!("text.{si}.{i}")), meta.get(&format!("decode_error.{si}.{i}"))) {
-                (Some(got), _) if got == &want_text => r.decode_ok += 1,
-                (Some(got), _) => first.push(format!("decode {vector:?}: engine {got:?}, reference {want_text:?}")),
-                (None, Some(p)) => first.push(format!("decode {vector:?} panicked: {p}")),
-                (None, None) => first.push(format!("decode {vector:?}: no output")),
+            match reply.decoded.get(i) {
+                Some(d) if d.panic.is_none() && d.text == want_text => r.decode_ok += 1,
+                Some(d) if d.panic.is_none() => {
+                    first.push(format!("decode {vector:?}: engine {:?}, reference {want_text:?}", d.text))
+                }
+                Some(d) => first.push(format!("decode {vector:?} panicked: {}", d.panic.clone().unwrap_or_default())),
+                None => first.push(format!("decode {vector:?}: no output")),
             }
         }
         if let Some(f) = first.first() {

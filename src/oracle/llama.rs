@@ -6,8 +6,9 @@
 //! layout, split into their row blocks at load). Without features the numbers are plain Llama's.
 
 use super::families::{add_bias, gelu_tanh_and_mul, rope_inv_freq, rope_with_freqs};
-use super::mutants::{self, AttnFaults, Mutation, Mutations};
-use super::{AttnShape, argmax, attention, embedding, linear, rms_norm, rope, silu_and_mul, widen};
+use super::kernels::{attention, embedding, linear, rms_norm, rope, silu_and_mul};
+use super::mutants::{Mutation, Mutations};
+use super::{AttnShape, argmax, widen};
 use crate::error::{Error, Result};
 use crate::model::{ResolvedConfig, Tensors};
 
@@ -245,11 +246,12 @@ impl Reference {
         // Every kernel call goes through the dispatchers below, which run the true kernel unless a
         // mutation of it is in force (see `set_mutations`).
         let m = self.mutations;
-        let mut x = if m.has(Mutation::EmbeddingOffByOne) {
-            mutants::embedding_off_by_one(&self.embed, h, &[token])
-        } else {
-            embedding(&self.embed, h, &[token])
-        };
+        let mut x = embedding::core(
+            &self.embed,
+            h,
+            &[token],
+            embedding::Faults { off_by_one: m.has(Mutation::EmbeddingOffByOne) },
+        );
         if self.embed_scale != 1.0 {
             x.iter_mut().for_each(|v| *v *= self.embed_scale);
         }
@@ -297,10 +299,8 @@ impl Reference {
             let u = lin(m, &xn, &w.w_up, 1, h, c.intermediate);
             let act = if c.has("gelu_tanh_mlp") {
                 gelu_tanh_and_mul(&g, &u)
-            } else if m.has(Mutation::SiluSwapped) {
-                mutants::silu_swapped(&g, &u)
             } else {
-                silu_and_mul(&g, &u)
+                silu_and_mul::core(&g, &u, silu_and_mul::Faults { swapped: m.has(Mutation::SiluSwapped) })
             };
             let d = lin(m, &act, &w.w_down, 1, c.intermediate, h);
             x.iter_mut().zip(&d).for_each(|(xi, di)| *xi += di);
@@ -349,38 +349,33 @@ impl Reference {
     }
 }
 
-/// RMSNorm, or its mutant when one is in force.
+/// RMSNorm, with the mutations of it in force.
 fn norm(m: Mutations, x: &[f64], weight: &[f64], eps: f64) -> Vec<f64> {
-    if m.has(Mutation::RmsNormNoWeight) {
-        mutants::rms_norm_no_weight(x, weight, eps)
-    } else if m.has(Mutation::RmsNormEpsOutside) {
-        mutants::rms_norm_eps_outside(x, weight, eps)
-    } else {
-        rms_norm(x, weight, eps)
-    }
+    let f = rms_norm::Faults {
+        eps_outside: m.has(Mutation::RmsNormEpsOutside),
+        no_weight: m.has(Mutation::RmsNormNoWeight),
+    };
+    rms_norm::core(x, weight, eps, f)
 }
 
 /// `x W^T`, or `x W` under [`Mutation::LinearXw`].
 fn lin(m: Mutations, x: &[f64], w: &[f64], rows: usize, k: usize, n: usize) -> Vec<f64> {
-    if m.has(Mutation::LinearXw) { mutants::linear_xw(x, w, rows, k, n) } else { linear(x, w, rows, k, n) }
+    linear::core(x, w, rows, k, n, linear::Faults { xw: m.has(Mutation::LinearXw) })
 }
 
-/// RoPE of one token at `pos`, or its mutants.
+/// RoPE of one token at `pos`, with the mutations of it in force.
 fn rot(m: Mutations, x: &mut [f64], pos: usize, heads: usize, head_dim: usize, theta: f64) {
-    let theta = if m.has(Mutation::RopeThetaDefault) { mutants::DEFAULT_THETA } else { theta };
-    if m.has(Mutation::RopeAdjacent) {
-        mutants::rope_adjacent(x, &[pos], heads, head_dim, theta);
-    } else {
-        rope(x, &[pos], heads, head_dim, theta);
-    }
+    let f = rope::Faults { adjacent: m.has(Mutation::RopeAdjacent), theta_default: m.has(Mutation::RopeThetaDefault) };
+    rope::core(x, &[pos], heads, head_dim, theta, f);
 }
 
-/// Attention, or its mutants (the missing mask has no effect on one query at the last position).
+/// Attention, with the mutations of it in force (a missing mask has no effect on one query at the
+/// last position, so it is not a model-level mutation).
 fn attend(m: Mutations, q: &[f64], k: &[f64], v: &[f64], s: AttnShape) -> Vec<f64> {
-    let faults = AttnFaults {
+    let f = attention::Faults {
         gqa_modulo: m.has(Mutation::GqaModulo),
         no_mask: false,
         no_scale: m.has(Mutation::AttentionNoScale),
     };
-    if faults == AttnFaults::default() { attention(q, k, v, s) } else { mutants::attention_with(q, k, v, s, faults) }
+    attention::core(q, k, v, s, f)
 }

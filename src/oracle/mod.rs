@@ -2,34 +2,26 @@
 //! covered model family. Written from the contracts, independently of any engine; plain loops, no
 //! tricks, so that they are easy to check by eye.
 //!
-//! Depends on `model` (resolved config and tensors) only.
+//! The kernel registry ([`kernels`]) holds each kernel's drawing, faulted core, cost and harness
+//! arms; the plain functions below are what the reference forward pass reads like.
+//!
+//! Depends on `model` (resolved config and tensors) and `ckb` (test case types) only.
 
+pub mod compare;
+pub mod diagnose;
 pub mod dtypes;
 pub mod families;
+pub mod kernels;
 pub mod llama;
 pub mod mutants;
 
-/// Kernel contract ids that have an oracle here. `ckb check` refuses a kernel contract without one.
-pub const KERNELS: &[&str] = &[
-    "kernel.embedding",
-    "kernel.rms_norm",
-    "kernel.rope",
-    "kernel.linear",
-    "kernel.linear_bf16",
-    "kernel.linear_f16",
-    "kernel.linear_int8",
-    "kernel.silu_and_mul",
-    "kernel.gelu_tanh_and_mul",
-    "kernel.softmax",
-    "kernel.attention",
-    "kernel.argmax",
-];
-
+pub use compare::{UNWRITTEN, Verdict, compare, judge};
 pub use families::gelu_tanh_and_mul;
 
-/// Whether an oracle implements this kernel contract.
+/// Whether an oracle implements this kernel contract (it has an entry in [`kernels::REGISTRY`]).
+/// `ckb check` refuses a kernel contract without one.
 pub fn kernel_oracle_exists(id: &str) -> bool {
-    KERNELS.contains(&id)
+    kernels::get(id).is_some()
 }
 
 /// Embedding lookup. `table`: [vocab, dim]; `ids`: [n]; returns [n, dim]. (contract kernel.embedding)

@@ -177,33 +177,30 @@ fn example_engine_passes_the_gates_at_every_weight_dtype() {
     assert!(e.message.contains("[dtype_features]") && e.message.contains("fp8"), "{}", e.message);
 }
 
-/// Faults in the low-precision kernels are caught at their dtype and named by their failure mode:
-/// the per-row scale dropped (int8), and bf16 bits decoded as IEEE binary16.
+/// Faults in the low-precision kernels of the SIMD engine are caught at their dtype and named by
+/// their failure mode: the per-row scale dropped (int8), and bf16 bits decoded as IEEE binary16.
+/// Each replaces the whole body of the kernel, whose signature the contract fixes.
 #[test]
 fn low_precision_kernel_faults_are_caught_and_named() {
     use metainfer::ops::kernel_test::{KernelTestRequest, kernel_test};
     let t = tempfile::tempdir().unwrap();
     let ctx = super::ctx(t.path());
     let budget = metainfer::harness::Budget::secs(1200);
-    for (name, dtype, from, to, failure) in [
+    for (name, dtype, declaration, body, failure) in [
         (
             "noscale",
             "int8",
-            "matmul::linear::<matmul::I8>(matmul::detected(), x, w, scales,",
-            "matmul::linear::<matmul::I8>(matmul::detected(), x, w, &vec![1.0f32; scales.len()],",
+            "pub fn linear_int8(",
+            // Accumulated in f64: a sequential f32 sum of k products up to 127 in size drifts past
+            // the contract's tolerance, and the fault would be the rounding, not the scale.
+            "for i in 0..m { for j in 0..n { out[i * n + j] = (0..k).map(|p| x[i * k + p] as f64 * w[j * k + p] as f64).sum::<f64>() as f32; } }",
             "failure.int8-scale-missing",
         ),
-        (
-            "swapped",
-            "bf16",
-            "matmul::linear::<matmul::Bf16>(",
-            "matmul::linear::<matmul::F16>(",
-            "failure.half-format-swapped",
-        ),
+        ("swapped", "bf16", "pub fn linear_bf16(", "linear_f16(x, w, m, k, n, out)", "failure.half-format-swapped"),
     ] {
         let dir = t.path().join(name);
         super::copy_example(&dir);
-        super::inject(&dir, "src/kernels.rs", from, to);
+        super::replace_body(&dir, "src/kernels.rs", declaration, body);
         let req = KernelTestRequest { engine: s(&dir), kernels: vec![], seed: Some(7), dtype: Some(dtype.into()) };
         let k = kernel_test(&ctx, &req, &budget).unwrap();
         let failed: Vec<&str> = k.kernels.iter().filter(|k| !k.passed).map(|k| k.kernel.as_str()).collect();

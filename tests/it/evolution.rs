@@ -7,12 +7,12 @@
 //! Each goes: plan reports the gap -> an agent's proposal is staged (a broken one is refused, nothing
 //! staged) -> the gates run an engine under the staged contract, which routes provisionally and is
 //! recorded as `id@version` -> the passing gate promotes it into the CKB working copy (a temporary copy
-//! of contracts/) -> plan covers the target. Engine variants are derived from the example engine at
-//! test time: its weight loading is changed to split the fused tensors, or its metainfer.toml names
-//! the new target.
+//! of contracts/) -> plan covers the target. The engine is the plain example engine, which reads
+//! fused layouts (`fused_qkv`, `fused_gate_up`), with a metainfer.toml naming the new family or
+//! target.
 //!
 //! The gates run an engine where the server runs, on this host: the aarch64 engine is checked here
-//! through its portable code path (the example engine has no architecture-specific code).
+//! through its portable code path (the plain engine has no architecture-specific code).
 
 use std::path::{Path, PathBuf};
 
@@ -28,6 +28,8 @@ use metainfer::ops::profile::{ProfileRequest, profile};
 use metainfer::ops::synth::{SynthRequest, synth_config, synth_config_for, write_checkpoint, write_checkpoint_with};
 use metainfer::ops::verify::{VerifyRequest, verify};
 use metainfer::oracle::llama::Reference;
+
+use crate::Engine;
 
 fn fixture(name: &str) -> String {
     let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/evolution").join(name);
@@ -71,57 +73,15 @@ fn budget() -> Budget {
     Budget::secs(900)
 }
 
-/// The example engine with a metainfer.toml for `family` on `target`.
-fn engine_for(dir: &Path, family: &str, target: &str) {
-    crate::copy_example(dir);
+/// A copy of an example engine with a metainfer.toml for `family` on `target`.
+fn engine_for(engine: Engine, dir: &Path, family: &str, target: &str) {
+    engine.copy_to(dir);
     std::fs::write(
         dir.join("metainfer.toml"),
         format!("family = {family:?}\ntarget = {target:?}\ndtype = \"f32\"\nreference_level = \"zero\"\n"),
     )
     .unwrap();
 }
-
-/// The change an agent makes to the example engine's weight loading for Phi-3: a tensor that is not
-/// in the checkpoint is read as its row block of the fused tensor that holds it (a view of the same
-/// bytes, so memory mapping still applies).
-const SPLIT_FUSED: &str = r#"/// Rows of a fused tensor (Phi-3) for a tensor the checkpoint does not hold:
-/// `self_attn.qkv_proj.weight` holds the q rows, then the k rows, then the v rows;
-/// `mlp.gate_up_proj.weight` holds the gate rows, then the up rows.
-fn fused_part<'a>(st: &'a SafeTensors<'a>, name: &str, shape: &[usize]) -> Result<TensorView<'a>, String> {
-    // (tensor, fused tensor, blocks of this tensor's size counted back from the fused tensor's end; 0: at the start)
-    const PARTS: [(&str, &str, usize); 5] = [
-        ("self_attn.q_proj.weight", "self_attn.qkv_proj.weight", 0),
-        ("self_attn.k_proj.weight", "self_attn.qkv_proj.weight", 2),
-        ("self_attn.v_proj.weight", "self_attn.qkv_proj.weight", 1),
-        ("mlp.gate_proj.weight", "mlp.gate_up_proj.weight", 0),
-        ("mlp.up_proj.weight", "mlp.gate_up_proj.weight", 1),
-    ];
-    let missing = || format!("model.safetensors: missing tensor {name}");
-    let (fused, back) = PARTS
-        .iter()
-        .find_map(|(one, fused, back)| name.strip_suffix(one).map(|p| (format!("{p}{fused}"), *back)))
-        .ok_or_else(missing)?;
-    let view = st.tensor(&fused).map_err(|_| missing())?;
-    let (n, cols) = (shape[0], shape[1]);
-    let rows = view.shape()[0];
-    let start = if back == 0 { 0 } else { rows.saturating_sub(back * n) };
-    if view.shape().len() != 2 || view.shape()[1] != cols || start + n > rows {
-        return Err(format!("model.safetensors: fused tensor {fused} has shape {:?}, which holds no {shape:?} for {name}", view.shape()));
-    }
-    let width = cols * view.dtype().bitsize() / 8;
-    let bytes = &view.data()[start * width..(start + n) * width];
-    TensorView::new(view.dtype(), vec![n, cols], bytes).map_err(|e| format!("{fused}: {e}"))
-}
-
-/// The tensor `name`, checked to have `shape`."#;
-
-/// Where the engine looks a tensor up: extended to fall back to the fused tensor.
-const LOOKUP: (&str, &str) = (
-    "let view = st.tensor(name).map_err(|_| format!(\"model.safetensors: missing tensor {name}\"))?;",
-    "let view = match st.tensor(name) {\n        Ok(v) => v,\n        Err(_) => fused_part(st, name, shape)?,\n    };",
-);
-
-const TENSOR_DOC: &str = "/// The tensor `name`, checked to have `shape`.";
 
 fn last_outcome(ctx: &Ctx, tool: &str) -> metainfer::ledger::Outcome {
     let l = Ledger::open(&ctx.ledger).unwrap();
@@ -215,16 +175,15 @@ fn phi3_fused_layout_family_is_proposed_gated_and_promoted() {
     assert_eq!(tensors["model.layers.1.mlp.gate_up_proj.weight"].0, vec![2 * 160, 64]);
     assert!(tensors.keys().all(|k| !k.contains("q_proj") && !k.contains("gate_proj.")), "{:?}", tensors.keys());
 
-    // 4. The example engine cannot load it; with its weight loading split, it passes the gates.
-    let plain = t.path().join("plain");
-    engine_for(&plain, "model.phi3", "cpu");
-    let v = verify(&ctx, &verify_req(&plain, &ckpt), &budget()).unwrap();
+    // 4. An engine that reads separate q/k/v and gate/up tensors only (the SIMD example) cannot load
+    // it; the plain example engine, which splits fused tensors by rows as the contract says, passes.
+    let simd = t.path().join("simd");
+    engine_for(Engine::Simd, &simd, "model.phi3", "cpu");
+    let v = verify(&ctx, &verify_req(&simd, &ckpt), &budget()).unwrap();
     assert!(!v.passed && v.error.contains("missing tensor model.layers.0.self_attn.q_proj.weight"), "{}", v.error);
     assert!(v.promotions.is_empty());
     let engine = t.path().join("engine");
-    engine_for(&engine, "model.phi3", "cpu");
-    crate::inject(&engine, "src/weights.rs", TENSOR_DOC, SPLIT_FUSED);
-    crate::inject(&engine, "src/weights.rs", LOOKUP.0, LOOKUP.1);
+    engine_for(Engine::Plain, &engine, "model.phi3", "cpu");
     let k = kernel_test(&ctx, &kernels_req(&engine), &budget()).unwrap();
     assert!(k.passed, "{k:?}");
     let v = verify(&ctx, &verify_req(&engine, &ckpt), &budget()).unwrap();
@@ -327,7 +286,7 @@ fn aarch64_platform_is_proposed_gated_and_promoted() {
 
     // 3. An engine whose metainfer.toml targets the platform passes the gates on this host.
     let engine = t.path().join("engine");
-    engine_for(&engine, "model.llama", "cpu-aarch64");
+    engine_for(Engine::Plain, &engine, "model.llama", "cpu-aarch64");
     let k = kernel_test(&ctx, &kernels_req(&engine), &budget()).unwrap();
     assert!(k.passed, "{k:?}");
     let v = verify(&ctx, &verify_req(&engine, &ckpt), &budget()).unwrap();

@@ -139,7 +139,9 @@ fn proposals_are_validated_staged_and_promoted_on_evidence() {
     std::fs::write(ctx.candidates_dir().join("platforms/cpu-aarch64.toml"), staged).unwrap();
     let e = promote(&ctx, "platform.cpu-aarch64", false).unwrap_err();
     assert!(e.message.contains("no evidence"), "{}", e.message);
-    let mut ok = failed(99, "profile_engine", &["platform.cpu-aarch64@1"], "profile", serde_json::json!({}));
+    // A verified profile, as profile_engine records it (an unverified one is no evidence).
+    let mut ok =
+        failed(99, "profile_engine", &["platform.cpu-aarch64@1"], "profile", serde_json::json!({"verified": true}));
     ok.passed = true;
     Ledger::open(&ctx.ledger).unwrap().record(&ok).unwrap();
     let msg = promote(&ctx, "platform.cpu-aarch64", false).unwrap();

@@ -468,3 +468,49 @@ fn synth_refuses_unknown_presets_conflicting_families_and_absurd_shapes_and_crea
         assert!(left.is_empty(), "{args:?} left {left:?}");
     }
 }
+
+/// The plain example engine passes the kernel tests of each family's plan and verify_generation on a
+/// synthetic checkpoint of every case above, and of Llama with linear RoPE scaling. (The SIMD engine
+/// covers plain Llama; its gates run on BabyLlama.) The engine's metainfer.toml names the family, as
+/// a scaffold for that family would.
+#[test]
+fn plain_engine_passes_the_gates_on_every_family() {
+    use metainfer::ops::Report;
+    use metainfer::ops::kernel_test::{KernelTestRequest, kernel_test};
+    use metainfer::ops::verify::{VerifyRequest, verify};
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let budget = metainfer::harness::Budget::secs(900);
+    let engine = t.path().join("engine");
+    crate::Engine::Plain.copy_to(&engine);
+    let manifest = std::fs::read_to_string(engine.join("metainfer.toml")).unwrap();
+    let linear: Case =
+        ("llama-linear", "llama", |c| c["rope_scaling"] = json!({"type": "linear", "factor": 4.0}), "model.llama", &[]);
+    let mut tested = "";
+    // Gemma, the one family with another kernel (GeGLU), comes last: its harness is written once.
+    for (name, family, edit, id, _) in std::iter::once(&linear).chain(CASES) {
+        let model = synth(t.path(), name, family, edit);
+        if tested != *id {
+            std::fs::write(
+                engine.join("metainfer.toml"),
+                manifest.replace("family = \"model.llama\"", &format!("family = {id:?}")),
+            )
+            .unwrap();
+            let req =
+                KernelTestRequest { engine: engine.display().to_string(), kernels: vec![], seed: Some(5), dtype: None };
+            let k = kernel_test(&ctx, &req, &budget).unwrap();
+            assert!(k.passed, "{name}: {}", k.text());
+            tested = id;
+        }
+        let req = VerifyRequest {
+            engine: engine.display().to_string(),
+            model: model.display().to_string(),
+            prompts: vec![],
+            max_new_tokens: Some(8),
+            seed: Some(5),
+            dtype: None,
+        };
+        let v = verify(&ctx, &req, &budget).unwrap();
+        assert!(v.passed && v.family == *id, "{name}: {}", v.text());
+    }
+}

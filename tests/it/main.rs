@@ -9,12 +9,14 @@ mod dtypes;
 mod evolution;
 mod evolve;
 mod families;
+mod faults;
 mod gates;
 mod ledger;
 mod mcp;
 mod model;
 mod oracle;
 mod rules;
+mod tidy;
 
 use std::path::{Path, PathBuf};
 
@@ -63,14 +65,66 @@ pub fn ctx(dir: &Path) -> Ctx {
     }
 }
 
-/// The example engine's directory in this repository.
+/// The SIMD example engine's directory in this repository (the demo's engine).
 pub fn example_engine() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/engines/llama-cpu-simd")
+    Engine::Simd.dir()
 }
 
-/// Copy the example engine (Cargo.toml and src/) to `dir`, for fault injection.
+/// Copy the SIMD example engine (as the demo embeds it) to `dir`.
 pub fn copy_example(dir: &Path) {
     metainfer::demo::write_example_engine(dir).unwrap();
+}
+
+/// The example engines under examples/engines/, on which the gate tests run one test body each
+/// (see [`engine_tests`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Engine {
+    /// llama-cpu-plain: portable, short, f32; every family. The shape a generated engine should have.
+    Plain,
+    /// llama-cpu-simd: AVX-512/AVX2 kernels, threads, memory-mapped weights, bf16/f16/int8 builds.
+    Simd,
+}
+
+impl Engine {
+    /// The engine's directory in this repository.
+    pub fn dir(self) -> PathBuf {
+        let name = match self {
+            Engine::Plain => "llama-cpu-plain",
+            Engine::Simd => "llama-cpu-simd",
+        };
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/engines").join(name)
+    }
+
+    /// Copy the engine's sources (Cargo.toml, metainfer.toml, src/; no build output) to `to`.
+    pub fn copy_to(self, to: &Path) {
+        let from = self.dir();
+        for e in walkdir::WalkDir::new(&from).into_iter().filter_entry(|e| e.file_name() != "target") {
+            let e = e.unwrap();
+            let rel = e.path().strip_prefix(&from).unwrap();
+            if e.file_type().is_file() && rel != Path::new("Cargo.lock") {
+                std::fs::create_dir_all(to.join(rel).parent().unwrap()).unwrap();
+                std::fs::copy(e.path(), to.join(rel)).unwrap();
+            }
+        }
+    }
+}
+
+/// One test body run on every example engine, as `name::plain` and `name::simd`: `engine_tests!(f)`
+/// for a `fn f(engine: Engine)` in scope.
+#[macro_export]
+macro_rules! engine_tests {
+    ($body:ident) => {
+        mod $body {
+            #[test]
+            fn plain() {
+                super::$body($crate::Engine::Plain)
+            }
+            #[test]
+            fn simd() {
+                super::$body($crate::Engine::Simd)
+            }
+        }
+    };
 }
 
 /// Replace `from` by `to` in `dir/rel`, asserting the pattern exists (so a fault is really injected).
@@ -79,6 +133,54 @@ pub fn inject(dir: &Path, rel: &str, from: &str, to: &str) {
     let s = std::fs::read_to_string(&p).unwrap();
     assert!(s.contains(from), "fault pattern {from:?} not found in {rel}");
     std::fs::write(&p, s.replacen(from, to, 1)).unwrap();
+}
+
+/// Replace the body of the one function in `dir/rel` whose declaration starts with `signature`
+/// (e.g. `pub fn rms_norm(`) by `body`, the code between its braces: a fault injected by structure,
+/// whatever the function's code was. The body's end is found by matching braces, skipping string
+/// and char literals and line comments (not raw strings or block comments).
+pub fn replace_body(dir: &Path, rel: &str, signature: &str, body: &str) {
+    let p = dir.join(rel);
+    let s = std::fs::read_to_string(&p).unwrap();
+    assert_eq!(s.matches(signature).count(), 1, "{signature:?} must occur once in {rel}");
+    let start = s.find(signature).unwrap();
+    let open = start + s[start..].find('{').unwrap_or_else(|| panic!("{signature:?} has no body in {rel}"));
+    let close = matching_brace(&s, open).unwrap_or_else(|| panic!("unbalanced braces after {signature:?} in {rel}"));
+    std::fs::write(&p, format!("{}{{\n{body}\n}}{}", &s[..open], &s[close + 1..])).unwrap();
+}
+
+/// The index of the `}` that closes the `{` at `open`.
+fn matching_brace(s: &str, open: usize) -> Option<usize> {
+    let (b, mut depth, mut i) = (s.as_bytes(), 0usize, open);
+    while i < b.len() {
+        match b[i] {
+            b'{' => depth += 1,
+            b'}' => {
+                depth -= 1;
+                if depth == 0 {
+                    return Some(i);
+                }
+            }
+            b'"' => {
+                i += 1;
+                while i < b.len() && b[i] != b'"' {
+                    i += if b[i] == b'\\' { 2 } else { 1 };
+                }
+            }
+            // A char literal ('{', '\'', '▁'), not a lifetime ('a).
+            b'\'' if b.get(i + 1) == Some(&b'\\') => i += 3 + s[i + 3..].find('\'')?,
+            b'\'' => {
+                let len = s[i + 1..].chars().next().map_or(1, char::len_utf8);
+                if b.get(i + 1 + len) == Some(&b'\'') {
+                    i += 1 + len;
+                }
+            }
+            b'/' if b.get(i + 1) == Some(&b'/') => i += s[i..].find('\n').unwrap_or(s.len() - i),
+            _ => {}
+        }
+        i += 1;
+    }
+    None
 }
 
 /// A report's JSON (its structuredContent) must validate against the tool's outputSchema; clients

@@ -3,15 +3,19 @@
 //! model's shapes (see [`super::roofline`]), the kernel that bounds decode with the platform
 //! contract's guidance for it, and the change against the previous profile of the same engine.
 
+pub mod roofline;
+
 use std::path::Path;
-use std::time::Instant;
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use super::gate::{Gate, Tool};
 use super::{Ctx, Report};
 use crate::error::{Error, Result};
-use crate::harness::{self, Budget};
+use crate::harness::Budget;
+use crate::harness::protocol::{Command, Reply, TimeItem};
+use crate::ledger::figures::{Figures, ProfileFigures};
 
 /// What to profile.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
@@ -85,7 +89,7 @@ pub struct ProfileReport {
     /// Threads the engine ran with (RAYON_NUM_THREADS).
     pub threads: usize,
     /// Every kernel shape of one decode step, timed alone on the model's shapes; largest share first.
-    pub kernels: Vec<super::roofline::KernelProfile>,
+    pub kernels: Vec<roofline::KernelProfile>,
     /// The kernel contract with the largest share of decode time.
     pub bounding_kernel: String,
     /// Its share of the summed kernel time of one token.
@@ -108,7 +112,7 @@ pub struct ProfileReport {
     pub figures_from: String,
     /// When it passed: each staged candidate it ran under (family, target platform) and whether this
     /// evidence promoted it (see `ops::evolve::promote_on_evidence`). Empty otherwise.
-    pub promotions: Vec<super::evolve::Promotion>,
+    pub promotions: Vec<super::gate::Promotion>,
 }
 
 /// Prefill speed at one prompt length.
@@ -244,19 +248,17 @@ impl ProfileReport {
 /// # Errors
 /// Not a crate, unreadable or uncovered model, outside the workspace, or the harness cannot start.
 pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<ProfileReport> {
-    let started = Instant::now();
     let live = ctx.live();
     let ctx = &*live;
-    let dir = ctx.confine(Path::new(&req.engine), true)?;
+    let mut gate = Gate::open(ctx, Tool::Profile, &req.engine, req.dtype.as_deref(), budget)?;
     let model_dir = ctx.confine(Path::new(&req.model), true)?;
-    let engine = ctx.workshop.engine(&dir)?;
-    let target = ctx.target(&engine, req.dtype.as_deref())?;
+    let target = gate.target.clone();
     let cfg = crate::model::load_config(&ctx.ckb, &model_dir)?;
     let prompt_len = req.prompt_len.unwrap_or(32).clamp(1, cfg.max_seq.saturating_sub(1).max(1));
     let new_tokens = req.new_tokens.unwrap_or(64).clamp(1, cfg.max_seq - prompt_len);
     let runs = req.runs.unwrap_or(5).clamp(1, 100);
     let verified = crate::ledger::Ledger::open(&ctx.ledger)
-        .and_then(|l| l.passed_on("verify_generation", &engine.hash, &target.dtype))
+        .and_then(|l| l.passed_on("verify_generation", &gate.engine.hash, &target.dtype))
         .unwrap_or(false);
     let weights = (cfg.vocab * cfg.hidden * if cfg.tied { 1 } else { 2 })
         + cfg.n_layers
@@ -325,7 +327,7 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     }
     let mut contract_ids: Vec<&str> = vec![cfg.family.as_str()];
     contract_ids.extend(target.platform.as_deref());
-    let versioned = ctx.versioned(&contract_ids);
+    gate.contracts(&contract_ids);
     let compute_bound = peak * 1e9 / (2.0 * weights as f64);
     let mut report = ProfileReport {
         passed: false,
@@ -357,99 +359,52 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
         figures_from,
         promotions: vec![],
     };
-    let rules = super::rules::precheck(ctx, &engine, budget)?;
-    report.rules = rules.findings.clone();
-    if !rules.passed {
-        report.error = super::rules::blocked_text(&rules);
-        ctx.record(
-            "profile_engine",
-            Some(&engine),
-            versioned.clone(),
-            &report,
-            serde_json::json!({"blocked": true, "dtype": target.dtype}),
-            started,
-        );
-        return Ok(report);
-    }
-    let build = ctx.workshop.build_harness(&engine, &target.spec, budget)?;
-    let Some(exe) = build.executable.clone().filter(|_| build.ok) else {
-        report.error = format!(
-            "the engine does not build with the harness:\n{}",
-            super::Report::text(&super::compile::report_of(ctx, &engine, build, 0))
-        );
-        ctx.record(
-            "profile_engine",
-            Some(&engine),
-            versioned.clone(),
-            &report,
-            serde_json::json!({"dtype": target.dtype}),
-            started,
-        );
-        return Ok(report);
+    let h = match gate.prepare()? {
+        Ok(h) => h,
+        Err(stop) => {
+            report.error = stop.text.clone();
+            report.rules = gate.findings.clone();
+            return Ok(gate.stopped(&stop, report));
+        }
     };
-    let run = harness::run(
-        duct::cmd(
-            &exe,
-            [
-                "profile".into(),
-                model_dir.clone().into_os_string(),
-                prompt_len.to_string().into(),
-                new_tokens.to_string().into(),
-                runs.to_string().into(),
-            ] as [std::ffi::OsString; 5],
-        )
-        .env("RAYON_NUM_THREADS", threads.to_string()),
-        budget,
-    )?;
-    if !run.ok() {
-        report.error = format!("the engine's profile process {}", run.failure_text(2000));
-        ctx.record(
-            "profile_engine",
-            Some(&engine),
-            versioned.clone(),
-            &report,
-            serde_json::json!({"dtype": target.dtype}),
-            started,
-        );
-        return Ok(report);
-    }
-    let v: serde_json::Value = serde_json::from_str(run.stdout.lines().last().unwrap_or_default())
-        .map_err(|e| Error::internal(format!("harness profile output is not JSON: {e}")))?;
-    let nums = |k: &str| -> Vec<f64> {
-        v[k].as_array().map(|a| a.iter().filter_map(|x| x.as_f64()).collect()).unwrap_or_default()
+    report.rules = gate.findings.clone();
+    let threads_env = [("RAYON_NUM_THREADS", threads.to_string())];
+    let command = Command::Profile { model: model_dir.clone(), prompt_len, new_tokens, runs };
+    let t = match gate.call(&h, command, &threads_env)?.ok("engine's profile", 2000) {
+        Ok(Reply::Profile(t)) => t,
+        other => {
+            report.error = match other {
+                Err(why) => why,
+                Ok(r) => format!("the harness answered the profile with an unexpected reply: {r:?}"),
+            };
+            gate.record(&report, Figures::Profile(ProfileFigures { gate: gate.common(), ..Default::default() }));
+            return Ok(report);
+        }
     };
-    let prefill: Vec<f64> = nums("prefill_s").iter().map(|s| prompt_len as f64 / s).collect();
-    let decode: Vec<f64> = nums("decode_s_per_token").iter().map(|s| 1.0 / s).collect();
-    let first: Vec<f64> = nums("first_token_s").iter().map(|s| s * 1e3).collect();
+    let prefill: Vec<f64> = t.prefill_s.iter().map(|s| prompt_len as f64 / s).collect();
+    let decode: Vec<f64> = t.decode_s_per_token.iter().map(|s| 1.0 / s).collect();
+    let first: Vec<f64> = t.first_token_s.iter().map(|s| s * 1e3).collect();
     report.prefill_tok_s = Spread::of(&prefill);
     report.decode_tok_s = Spread::of(&decode);
     report.first_token_ms = Spread::of(&first);
-    report.load_ms = v["load_s"].as_f64().unwrap_or(0.0) * 1e3;
-    report.peak_rss_mb = v["peak_rss_kb"].as_f64().unwrap_or(0.0) / 1024.0;
-    report.prefill_by_len = v["prefill_by_len"]
-        .as_array()
-        .map(|a| {
-            a.iter()
-                .filter_map(|e| {
-                    let len = e["len"].as_u64()? as usize;
-                    let tok_s: Vec<f64> =
-                        e["seconds"].as_array()?.iter().filter_map(|x| x.as_f64()).map(|s| len as f64 / s).collect();
-                    Some(PrefillAt { prompt_len: len, tok_s: Spread::of(&tok_s) })
-                })
-                .collect()
+    report.load_ms = t.load_s * 1e3;
+    report.peak_rss_mb = t.peak_rss_kb as f64 / 1024.0;
+    report.prefill_by_len = t
+        .prefill_by_len
+        .iter()
+        .map(|p| PrefillAt {
+            prompt_len: p.len,
+            tok_s: Spread::of(&p.seconds.iter().map(|s| p.len as f64 / s).collect::<Vec<_>>()),
         })
-        .unwrap_or_default();
+        .collect();
     // The timed runs' outputs: the first two are replayed through the reference forward pass.
     let tensors = crate::model::read_safetensors(&model_dir)?;
     let mut reference = crate::oracle::llama::Reference::with_weight_dtype(&cfg, &tensors, &target.dtype)?;
     let mut problems = Vec::new();
     report.outputs_ok = true;
-    for r in v["runs"].as_array().map(Vec::as_slice).unwrap_or_default().iter().take(2) {
-        let ids = |k: &str| -> Vec<u32> {
-            r[k].as_array().map(|a| a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect()).unwrap_or_default()
-        };
-        let (prompt, got) = (ids("prompt"), ids("tokens"));
-        let (rows, want) = reference.greedy(&prompt, got.len().max(1))?;
+    for r in t.runs.iter().take(2) {
+        let (prompt, got) = (&r.prompt, &r.tokens);
+        let (rows, want) = reference.greedy(prompt, got.len().max(1))?;
         let agree = got.iter().zip(&want).zip(&rows).take_while(|((g, w), row)| {
             // A near-tie in the reference may go either way.
             g == w || row[**w as usize] - row.get(**g as usize).copied().unwrap_or(f64::NEG_INFINITY) <= 1e-3
@@ -476,97 +431,79 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     // Every kernel of one decode step, timed alone on this model's shapes, at the middle of the
     // decoded span.
     let kv_len = prompt_len + new_tokens / 2;
-    let calls = super::roofline::decode_calls(&cfg, &target.spec.kernels, &target.dtype, kv_len, bytes_per_token);
-    let scratch = ctx.workshop.scratch()?;
-    let time_req = scratch.path().join("time.json");
-    let items: Vec<serde_json::Value> = calls
+    let calls = roofline::decode_calls(&cfg, &target.spec.kernels, &target.dtype, kv_len, bytes_per_token);
+    let items: Vec<TimeItem> = calls
         .iter()
-        .map(|c| {
-            serde_json::json!({"kernel": c.kernel, "dims": c.dims, "copies": c.copies, "iters": super::roofline::iters_for(c)})
+        .map(|c| TimeItem {
+            kernel: c.kernel.clone(),
+            dims: c.dims.clone(),
+            copies: c.copies,
+            iters: roofline::iters_for(c),
         })
         .collect();
-    std::fs::write(&time_req, serde_json::json!({"reps": runs.max(3), "items": items}).to_string())
-        .map_err(|e| Error::internal(format!("{}: {e}", time_req.display())))?;
-    let timed = harness::run(
-        duct::cmd(&exe, [std::ffi::OsStr::new("time"), time_req.as_os_str()])
-            .env("RAYON_NUM_THREADS", threads.to_string()),
-        budget,
-    )?;
-    if timed.ok() {
-        let v: serde_json::Value =
-            serde_json::from_str(timed.stdout.lines().last().unwrap_or_default()).unwrap_or_default();
-        let seconds: Vec<Vec<f64>> = v["items"]
-            .as_array()
-            .map(|a| {
-                a.iter()
-                    .map(|i| {
-                        i["seconds_per_call"]
-                            .as_array()
-                            .map(|x| x.iter().filter_map(|y| y.as_f64()).collect())
-                            .unwrap_or_default()
-                    })
-                    .collect()
-            })
-            .unwrap_or_default();
-        if seconds.len() == calls.len() {
-            let peak_t = probe
-                .as_ref()
-                .and_then(|p| p.median("peak", threads))
-                .or_else(|| platform.and_then(|p| p.peak_gflops_f32.get(&threads.to_string()).copied()))
-                .unwrap_or(peak);
-            // Kernels read from the level the whole model's weights fit in (the probe's working
-            // sets: 256 KiB, 4 MiB, else DRAM); without a probe, the DRAM figure.
-            let level = if bytes_per_token <= (256 << 10) as f64 {
-                "read L2"
-            } else if bytes_per_token <= (4 << 20) as f64 {
-                "read L3"
-            } else {
-                "read DRAM"
-            };
-            let bw_kernels = probe.as_ref().and_then(|p| p.median(level, threads)).unwrap_or(bandwidth);
-            report.kernels = super::roofline::analyse(&calls, &seconds, bw_kernels, peak_t);
-            let per_token: f64 =
-                calls.iter().zip(&seconds).map(|(c, s)| Spread::of(s).median * c.per_token as f64).sum();
-            if report.decode_tok_s.median > 0.0 {
-                report.kernel_time_fraction = per_token * report.decode_tok_s.median;
-            }
-            if let Some((k, share)) = super::roofline::bounding_kernel(&report.kernels) {
-                let guidance = platform.map(|p| &p.kernel_guidance);
-                let of = ctx.ckb.get(&k).ok().and_then(|c| c.variant.as_ref()).map(|v| v.of.clone());
-                report.guidance = guidance
-                    .and_then(|g| g.get(&k).or_else(|| of.as_ref().and_then(|o| g.get(o))))
-                    .cloned()
-                    .unwrap_or_default();
-                report.bounding_kernel = k;
-                report.bounding_share = share;
+    match gate.call(&h, Command::Time { reps: runs.max(3), items }, &threads_env)?.ok("per-kernel timing", 1000) {
+        Ok(Reply::Time { items }) => {
+            let seconds: Vec<Vec<f64>> = items.into_iter().map(|i| i.seconds_per_call).collect();
+            if seconds.len() == calls.len() {
+                let peak_t = probe
+                    .as_ref()
+                    .and_then(|p| p.median("peak", threads))
+                    .or_else(|| platform.and_then(|p| p.peak_gflops_f32.get(&threads.to_string()).copied()))
+                    .unwrap_or(peak);
+                // Kernels read from the level the whole model's weights fit in (the probe's working
+                // sets: 256 KiB, 4 MiB, else DRAM); without a probe, the DRAM figure.
+                let level = if bytes_per_token <= (256 << 10) as f64 {
+                    "read L2"
+                } else if bytes_per_token <= (4 << 20) as f64 {
+                    "read L3"
+                } else {
+                    "read DRAM"
+                };
+                let bw_kernels = probe.as_ref().and_then(|p| p.median(level, threads)).unwrap_or(bandwidth);
+                report.kernels = roofline::analyse(&calls, &seconds, bw_kernels, peak_t);
+                let per_token: f64 =
+                    calls.iter().zip(&seconds).map(|(c, s)| Spread::of(s).median * c.per_token as f64).sum();
+                if report.decode_tok_s.median > 0.0 {
+                    report.kernel_time_fraction = per_token * report.decode_tok_s.median;
+                }
+                if let Some((k, share)) = roofline::bounding_kernel(&report.kernels) {
+                    let guidance = platform.map(|p| &p.kernel_guidance);
+                    let of = ctx.ckb.get(&k).ok().and_then(|c| c.variant.as_ref()).map(|v| v.of.clone());
+                    report.guidance = guidance
+                        .and_then(|g| g.get(&k).or_else(|| of.as_ref().and_then(|o| g.get(o))))
+                        .cloned()
+                        .unwrap_or_default();
+                    report.bounding_kernel = k;
+                    report.bounding_share = share;
+                }
             }
         }
-    } else {
-        problems.push(format!("the per-kernel timing process {}", timed.failure_text(1000)));
+        Ok(other) => problems.push(format!("the per-kernel timing answered with an unexpected reply: {other:?}")),
+        Err(why) => problems.push(why),
     }
-    report.previous = previous_profile(ctx, &engine, &model_dir, &report);
+    report.previous = previous_profile(ctx, &gate.engine, &model_dir, &report);
     report.error = problems.join("; ");
     report.passed = !decode.is_empty() && problems.is_empty();
-    let figures = serde_json::json!({
-        "dtype": target.dtype,
-        "model": model_dir.display().to_string(),
-        "threads": threads,
-        "prompt_len": prompt_len,
-        "new_tokens": new_tokens,
-        "bytes_per_token": bytes_per_token,
-        "decode": report.decode_tok_s,
-        "bounding_kernel": report.bounding_kernel,
-        "regression": report.previous.as_ref().is_some_and(|p| p.regression),
-        "decode_tok_s": report.decode_tok_s.median,
-        "prefill_tok_s": report.prefill_tok_s.median,
-        "roofline_decode_tok_s": roofline,
-        "compute_bound_tok_s": compute_bound,
-        "outputs_ok": report.outputs_ok,
-        "verified": verified,
-    });
-    ctx.record("profile_engine", Some(&engine), versioned.clone(), &report, figures, started);
+    let figures = ProfileFigures {
+        gate: gate.common(),
+        model: model_dir.display().to_string(),
+        threads,
+        prompt_len,
+        new_tokens,
+        bytes_per_token,
+        decode: report.decode_tok_s,
+        decode_tok_s: report.decode_tok_s.median,
+        prefill_tok_s: report.prefill_tok_s.median,
+        roofline_decode_tok_s: roofline,
+        compute_bound_tok_s: compute_bound,
+        bounding_kernel: report.bounding_kernel.clone(),
+        regression: report.previous.as_ref().is_some_and(|p| p.regression),
+        outputs_ok: report.outputs_ok,
+        verified,
+    };
+    gate.record(&report, Figures::Profile(figures));
     if report.passed && verified {
-        report.promotions = super::evolve::promote_on_evidence(ctx, "profile_engine", &versioned);
+        report.promotions = gate.promote();
     }
     Ok(report)
 }
@@ -582,17 +519,18 @@ fn previous_profile(
     let ledger = crate::ledger::Ledger::open(&ctx.ledger).ok()?;
     let dir = engine.dir.display().to_string();
     let model = model_dir.display().to_string();
-    let old = ledger.list_filtered(0, 500, Some("profile_engine")).ok()?.into_iter().find(|o| {
-        let f = &o.figures;
-        o.passed
+    let old = ledger.list_filtered(0, 500, Some("profile_engine")).ok()?.into_iter().find_map(|o| {
+        let Figures::Profile(f) = Figures::read(&o.tool, &o.figures) else { return None };
+        (o.passed
             && o.engine == dir
-            && f["model"].as_str() == Some(model.as_str())
-            && f["dtype"].as_str() == Some(now.dtype.as_str())
-            && f["threads"].as_u64() == Some(now.threads as u64)
-            && f["prompt_len"].as_u64() == Some(now.prompt_len as u64)
-            && f["new_tokens"].as_u64() == Some(now.new_tokens as u64)
+            && f.model == model
+            && f.gate.dtype == now.dtype
+            && f.threads == now.threads
+            && f.prompt_len == now.prompt_len
+            && f.new_tokens == now.new_tokens)
+            .then_some((o, f.decode))
     })?;
-    let before: Spread = serde_json::from_value(old.figures["decode"].clone()).ok()?;
+    let (old, before) = old;
     let change_pct = if before.median > 0.0 { 100.0 * (now.decode_tok_s.median / before.median - 1.0) } else { 0.0 };
     Some(PreviousProfile {
         outcome: old.id,

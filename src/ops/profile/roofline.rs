@@ -1,12 +1,8 @@
 //! Per-kernel decode profile: which kernels one decoded token calls on the model's real shapes, the
 //! bytes and FLOPs of each call, and the verdict (the kernel that bounds decode).
 //!
-//! Bytes and FLOPs per call (f32 activations, `wb` bytes per stored weight: 4 f32, 2 bf16/f16,
-//! 1 int8 plus a 4-byte scale per row):
-//! - linear `[n, k]`: `n k wb + 4 k + 4 n` bytes, `2 n k` FLOPs (one multiply-add per weight);
-//! - attention at `kv_len`: K and V rows `2 kv_len n_kv_heads head_dim 4` bytes plus q and out,
-//!   `4 n_heads kv_len head_dim` FLOPs (scores and weighted sum);
-//! - elementwise kernels (RMSNorm, RoPE, activations): their vectors read and written once.
+//! Bytes and FLOPs per call come from each kernel's `cost` in the kernel registry
+//! (`oracle::kernels`); this module knows which calls one decoded token makes.
 //!
 //! Roofline (Williams, Waterman & Patterson 2009, CACM 52(4)): a call takes at least
 //! `max(bytes / bandwidth, flops / peak)`; the fraction reported is that bound over the measured time.
@@ -15,6 +11,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::model::ResolvedConfig;
+use crate::oracle::kernels::{self, Dims};
 use crate::stats::Spread;
 
 /// One kernel call shape of a decode step.
@@ -25,12 +22,12 @@ pub struct Call {
     /// Where it is used, e.g. `q_proj, o_proj [288 x 288]`.
     pub label: String,
     /// Dimensions passed to the harness `time` command.
-    pub dims: serde_json::Value,
+    pub dims: Dims,
     /// Calls per decoded token.
     pub per_token: usize,
-    /// Bytes read and written per call.
+    /// Bytes read and written per call (the kernel registry's cost).
     pub bytes: f64,
-    /// FLOPs per call.
+    /// FLOPs per call (the kernel registry's cost).
     pub flops: f64,
     /// Distinct buffers the harness cycles through, so the working set is the model's.
     pub copies: usize,
@@ -43,6 +40,13 @@ pub fn weight_bytes(dtype: &str) -> f64 {
         "int8" => 1.0,
         _ => 4.0,
     }
+}
+
+/// A call of `kernel` on `dims`, its cost from the kernel registry.
+fn call(kernel: &str, label: String, dims: &[(&str, usize)], per_token: usize, copies: usize) -> Option<Call> {
+    let dims: Dims = dims.iter().map(|(k, v)| (k.to_string(), *v)).collect();
+    let cost = (kernels::get(kernel)?.cost)(&dims);
+    Some(Call { kernel: kernel.to_string(), label, dims, per_token, bytes: cost.bytes, flops: cost.flops, copies })
 }
 
 /// The calls of one decode step at context length `kv_len`, for an engine implementing `kernels`
@@ -59,57 +63,39 @@ pub fn decode_calls(
     let has = |k: &str| kernels.iter().any(|x| x == k);
     let (h, hd, nh, nkv, ff, l, vocab) =
         (cfg.hidden, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.intermediate, cfg.n_layers, cfg.vocab);
-    let f = |x: usize| x as f64;
     let copies_for = |bytes: f64| {
         let by_model = (model_bytes / bytes.max(1.0)).ceil() as usize;
         let by_memory = ((1u64 << 30) as f64 / bytes.max(1.0)) as usize;
         by_model.clamp(1, 256).min(by_memory.max(1))
     };
     let mut calls = Vec::new();
+    let wb = weight_bytes(dtype) as usize;
     if has("kernel.embedding") {
-        calls.push(Call {
-            kernel: "kernel.embedding".into(),
-            label: format!("embed_tokens row [{h}]"),
-            dims: serde_json::json!({"vocab": vocab, "dim": h}),
-            per_token: 1,
-            bytes: f(h) * (weight_bytes(dtype) + 4.0),
-            flops: 0.0,
-            copies: 1,
-        });
+        let dims = [("vocab", vocab), ("dim", h), ("weight_bytes", wb)];
+        calls.extend(call("kernel.embedding", format!("embed_tokens row [{h}]"), &dims, 1, 1));
     }
     if has("kernel.rms_norm") {
-        calls.push(Call {
-            kernel: "kernel.rms_norm".into(),
-            label: format!("input/post-attention/final norm [{h}]"),
-            dims: serde_json::json!({"dim": h}),
-            per_token: 2 * l + 1,
-            bytes: 12.0 * f(h),
-            flops: 4.0 * f(h),
-            copies: 1,
-        });
+        calls.extend(call(
+            "kernel.rms_norm",
+            format!("input/post-attention/final norm [{h}]"),
+            &[("dim", h)],
+            2 * l + 1,
+            1,
+        ));
         if cfg.has("qk_norm") {
-            calls.push(Call {
-                kernel: "kernel.rms_norm".into(),
-                label: format!("q/k per-head norm [{hd}]"),
-                dims: serde_json::json!({"dim": hd}),
-                per_token: l * (nh + nkv),
-                bytes: 12.0 * f(hd),
-                flops: 4.0 * f(hd),
-                copies: 1,
-            });
+            calls.extend(call(
+                "kernel.rms_norm",
+                format!("q/k per-head norm [{hd}]"),
+                &[("dim", hd)],
+                l * (nh + nkv),
+                1,
+            ));
         }
     }
     if has("kernel.rope") {
         for (who, heads) in [("q", nh), ("k", nkv)] {
-            calls.push(Call {
-                kernel: "kernel.rope".into(),
-                label: format!("{who} [{heads} x {hd}]"),
-                dims: serde_json::json!({"n_heads": heads, "head_dim": hd}),
-                per_token: l,
-                bytes: 8.0 * f(heads * hd),
-                flops: 6.0 * f(heads * hd),
-                copies: 1,
-            });
+            let dims = [("n_heads", heads), ("head_dim", hd)];
+            calls.extend(call("kernel.rope", format!("{who} [{heads} x {hd}]"), &dims, l, 1));
         }
     }
     if let Some(linear) = kernels.iter().find(|k| *k == "kernel.linear" || k.starts_with("kernel.linear_")) {
@@ -134,55 +120,27 @@ pub fn decode_calls(
                 None => shapes.push((vec![role], n, k, per)),
             }
         }
-        let scale_bytes = if dtype == "int8" { 4.0 } else { 0.0 };
         for (roles, n, k, per) in shapes {
-            let weights = f(n * k) * weight_bytes(dtype) + f(n) * scale_bytes;
-            calls.push(Call {
-                kernel: linear.clone(),
-                label: format!("{} [{n} x {k}]", roles.join(", ")),
-                dims: serde_json::json!({"m": 1, "k": k, "n": n}),
-                per_token: per,
-                bytes: weights + 4.0 * f(k + n),
-                flops: 2.0 * f(n * k),
-                copies: copies_for(weights),
-            });
+            let dims = [("m", 1), ("k", k), ("n", n)];
+            let Some(mut c) = call(linear, format!("{} [{n} x {k}]", roles.join(", ")), &dims, per, 1) else {
+                continue;
+            };
+            // The weights are what streams: every byte but x and y.
+            c.copies = copies_for(c.bytes - 4.0 * (k + n) as f64);
+            calls.push(c);
         }
     }
     for act in ["kernel.silu_and_mul", "kernel.gelu_tanh_and_mul"] {
         if has(act) {
-            calls.push(Call {
-                kernel: act.into(),
-                label: format!("mlp activation [{ff}]"),
-                dims: serde_json::json!({"len": ff}),
-                per_token: l,
-                bytes: 12.0 * f(ff),
-                flops: 8.0 * f(ff),
-                copies: 1,
-            });
+            calls.extend(call(act, format!("mlp activation [{ff}]"), &[("len", ff)], l, 1));
         }
     }
     if has("kernel.attention") {
-        let kv = 8.0 * f(kv_len * nkv * hd);
-        calls.push(Call {
-            kernel: "kernel.attention".into(),
-            label: format!("kv_len {kv_len}, {nh}/{nkv} heads x {hd}"),
-            dims: serde_json::json!({"kv_len": kv_len, "n_heads": nh, "n_kv_heads": nkv, "head_dim": hd}),
-            per_token: l,
-            bytes: kv + 8.0 * f(nh * hd),
-            flops: 4.0 * f(nh * kv_len * hd),
-            copies: l.max(1),
-        });
+        let dims = [("kv_len", kv_len), ("n_heads", nh), ("n_kv_heads", nkv), ("head_dim", hd)];
+        calls.extend(call("kernel.attention", format!("kv_len {kv_len}, {nh}/{nkv} heads x {hd}"), &dims, l, l.max(1)));
     }
     if has("kernel.argmax") {
-        calls.push(Call {
-            kernel: "kernel.argmax".into(),
-            label: format!("logits [{vocab}]"),
-            dims: serde_json::json!({"n": vocab}),
-            per_token: 1,
-            bytes: 4.0 * f(vocab),
-            flops: f(vocab),
-            copies: 1,
-        });
+        calls.extend(call("kernel.argmax", format!("logits [{vocab}]"), &[("n", vocab)], 1, 1));
     }
     calls
 }
@@ -294,7 +252,7 @@ mod tests {
             Call {
                 kernel: "a".into(),
                 label: "1".into(),
-                dims: serde_json::json!({}),
+                dims: Dims::new(),
                 per_token: 1,
                 bytes: 1.0,
                 flops: 0.0,
@@ -303,7 +261,7 @@ mod tests {
             Call {
                 kernel: "b".into(),
                 label: "2".into(),
-                dims: serde_json::json!({}),
+                dims: Dims::new(),
                 per_token: 1,
                 bytes: 1.0,
                 flops: 0.0,
@@ -312,7 +270,7 @@ mod tests {
             Call {
                 kernel: "b".into(),
                 label: "3".into(),
-                dims: serde_json::json!({}),
+                dims: Dims::new(),
                 per_token: 2,
                 bytes: 1.0,
                 flops: 0.0,

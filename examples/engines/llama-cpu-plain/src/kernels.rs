@@ -1,0 +1,196 @@
+//! Phase 1, kernels: one public function per kernel contract (`metainfer contract show kernel.NAME`).
+//! The signatures are the contracts' `[rust] skeleton`s, which the gates call; each body follows its
+//! contract's pseudocode in sequential f32 Rust and asserts the contract's shape preconditions, so a
+//! wrong call panics with the kernel's name instead of reading the wrong elements.
+
+/// Contract `kernel.embedding`. Embedding lookup. `table`: [vocab, dim]; `ids`: [n]; `out`: [n, dim];
+/// out[i, :] = table[ids[i], :]. An id outside the table panics.
+pub fn embedding(table: &[f32], dim: usize, ids: &[u32], out: &mut [f32]) {
+    assert_eq!(out.len(), ids.len() * dim, "embedding: out must be [n, dim]");
+    for (i, &id) in ids.iter().enumerate() {
+        let id = id as usize;
+        out[i * dim..(i + 1) * dim].copy_from_slice(&table[id * dim..(id + 1) * dim]);
+    }
+}
+
+/// Contract `kernel.rms_norm`. RMSNorm over the last axis. `x`: [rows, dim] with dim = weight.len();
+/// `weight`: [dim]; `out`: [rows, dim].
+/// out[r, i] = x[r, i] / sqrt(mean_j(x[r, j]^2) + eps) * weight[i]   (eps inside the square root).
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let dim = weight.len();
+    assert!(dim > 0 && x.len().is_multiple_of(dim) && out.len() == x.len(), "rms_norm: x and out must be [rows, dim]");
+    for r in 0..x.len() / dim {
+        let row = &x[r * dim..(r + 1) * dim];
+        let mean_square = row.iter().map(|v| v * v).sum::<f32>() / dim as f32;
+        let inv = 1.0 / (mean_square + eps).sqrt();
+        for i in 0..dim {
+            out[r * dim + i] = row[i] * inv * weight[i];
+        }
+    }
+}
+
+/// Contract `kernel.rope`. Rotary position embedding, rotate-half pairing (HF Llama), in place.
+/// `x`: [n_tokens, n_heads, head_dim]; `positions`: [n_tokens]; head_dim even; half = head_dim / 2.
+/// For j in 0..half: freq = theta^(-2j / head_dim); angle = positions[t] * freq;
+/// (a, b) = (x[j], x[j + half]); x[j] = a cos - b sin; x[j + half] = a sin + b cos.
+pub fn rope(x: &mut [f32], positions: &[usize], n_heads: usize, head_dim: usize, theta: f32) {
+    assert!(head_dim.is_multiple_of(2), "rope: head_dim must be even");
+    rope_with_freqs(x, positions, n_heads, &rope_freqs(theta as f64, head_dim));
+}
+
+/// RoPE frequencies f_j = theta^(-2j / head_dim) for j in 0..head_dim / 2 (contract `kernel.rope`),
+/// in f64. A model with RoPE scaling rescales them (see `config::Config::rope_freqs`).
+pub fn rope_freqs(theta: f64, head_dim: usize) -> Vec<f64> {
+    (0..head_dim / 2).map(|j| theta.powf(-((2 * j) as f64) / head_dim as f64)).collect()
+}
+
+/// The rotation of contract `kernel.rope` with given frequencies, in place: `x`: [n_tokens, n_heads,
+/// head_dim] with head_dim = 2 * freqs.len(); `positions`: [n_tokens]. Element j of a head is paired
+/// with element j + head_dim / 2. The angle is formed in f64 (exact enough at any position), then
+/// cos and sin are rounded to f32.
+pub fn rope_with_freqs(x: &mut [f32], positions: &[usize], n_heads: usize, freqs: &[f64]) {
+    let half = freqs.len();
+    let head_dim = 2 * half;
+    assert_eq!(x.len(), positions.len() * n_heads * head_dim, "rope: x must be [n_tokens, n_heads, head_dim]");
+    for (t, &pos) in positions.iter().enumerate() {
+        for (j, &freq) in freqs.iter().enumerate() {
+            let (sin, cos) = (pos as f64 * freq).sin_cos();
+            let (sin, cos) = (sin as f32, cos as f32);
+            for h in 0..n_heads {
+                let base = (t * n_heads + h) * head_dim;
+                let (a, b) = (x[base + j], x[base + j + half]);
+                x[base + j] = a * cos - b * sin;
+                x[base + j + half] = a * sin + b * cos;
+            }
+        }
+    }
+}
+
+/// Contract `kernel.linear`. Linear layer without bias: y = x W^T. `x`: [m, k]; `w`: [n, k] (PyTorch
+/// nn.Linear layout); `out`: [m, n].
+pub fn linear(x: &[f32], w: &[f32], m: usize, k: usize, n: usize, out: &mut [f32]) {
+    assert!(x.len() == m * k && w.len() == n * k && out.len() == m * n, "linear: x [m, k], w [n, k], out [m, n]");
+    for i in 0..m {
+        for o in 0..n {
+            out[i * n + o] = dot(&x[i * k..(i + 1) * k], &w[o * k..(o + 1) * k]);
+        }
+    }
+}
+
+/// Dot product of two equally long rows with eight independent partial sums (contract
+/// `kernel.linear`, pseudocode step 4), which the compiler vectorises without intrinsics.
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let (chunks_a, chunks_b) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = chunks_a.remainder().iter().zip(chunks_b.remainder()).map(|(x, y)| x * y).sum();
+    for (ca, cb) in chunks_a.zip(chunks_b) {
+        for l in 0..8 {
+            acc[l] += ca[l] * cb[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// Contract `kernel.silu_and_mul`. SwiGLU activation: out[i] = silu(gate[i]) * up[i],
+/// silu(g) = g / (1 + exp(-g)). All: [len].
+pub fn silu_and_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    assert!(gate.len() == up.len() && up.len() == out.len(), "silu_and_mul: gate, up and out must have one length");
+    for i in 0..out.len() {
+        let g = gate[i];
+        out[i] = g / (1.0 + (-g).exp()) * up[i];
+    }
+}
+
+/// Contract `kernel.gelu_tanh_and_mul`. GeGLU activation: out[i] = gelu_tanh(gate[i]) * up[i],
+/// gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))). All: [len].
+pub fn gelu_tanh_and_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    assert!(
+        gate.len() == up.len() && up.len() == out.len(),
+        "gelu_tanh_and_mul: gate, up and out must have one length"
+    );
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    for i in 0..out.len() {
+        let g = gate[i];
+        out[i] = 0.5 * g * (1.0 + (SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)).tanh()) * up[i];
+    }
+}
+
+/// Contract `kernel.softmax`. Numerically stable softmax over each row, in place. `x`: [rows, n].
+pub fn softmax(x: &mut [f32], n: usize) {
+    assert!(n > 0 && x.len().is_multiple_of(n), "softmax: x must be [rows, n]");
+    for row in x.chunks_exact_mut(n) {
+        let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        let mut sum = 0.0;
+        for v in row.iter_mut() {
+            *v = (*v - max).exp();
+            sum += *v;
+        }
+        for v in row.iter_mut() {
+            *v /= sum;
+        }
+    }
+}
+
+/// Contract `kernel.attention`. Causal grouped-query attention of `n_q` new query tokens over a KV
+/// cache of `kv_len` positions.
+/// `q`: [n_q, n_heads, head_dim]; `k_cache`, `v_cache`: [kv_len, n_kv_heads, head_dim]; `out`: [n_q, n_heads, head_dim].
+/// Query token i sits at position p = kv_len - n_q + i and attends to cache positions 0..=p.
+/// Query head h reads KV head h / (n_heads / n_kv_heads). Scores are scaled by 1 / sqrt(head_dim).
+#[allow(clippy::too_many_arguments)] // the contract's signature
+pub fn attention(
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    n_q: usize,
+    kv_len: usize,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    out: &mut [f32],
+) {
+    assert!(
+        n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads),
+        "attention: n_heads must be a multiple of n_kv_heads"
+    );
+    assert!(1 <= n_q && n_q <= kv_len, "attention: need 1 <= n_q <= kv_len");
+    let kv_size = kv_len * n_kv_heads * head_dim;
+    assert!(k_cache.len() >= kv_size && v_cache.len() >= kv_size, "attention: caches must hold kv_len rows");
+    assert!(
+        q.len() == n_q * n_heads * head_dim && out.len() == q.len(),
+        "attention: q and out must be [n_q, n_heads, head_dim]"
+    );
+    let group = n_heads / n_kv_heads;
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    let mut scores = vec![0.0f32; kv_len];
+    for i in 0..n_q {
+        let p = kv_len - n_q + i;
+        for h in 0..n_heads {
+            let g = h / group;
+            let qh = &q[(i * n_heads + h) * head_dim..][..head_dim];
+            let weights = &mut scores[..=p];
+            for (t, s) in weights.iter_mut().enumerate() {
+                *s = scale * dot(qh, &k_cache[(t * n_kv_heads + g) * head_dim..][..head_dim]);
+            }
+            softmax(weights, p + 1);
+            let oh = &mut out[(i * n_heads + h) * head_dim..][..head_dim];
+            oh.fill(0.0);
+            for (t, &w) in weights.iter().enumerate() {
+                let vt = &v_cache[(t * n_kv_heads + g) * head_dim..][..head_dim];
+                for d in 0..head_dim {
+                    oh[d] += w * vt[d];
+                }
+            }
+        }
+    }
+}
+
+/// Contract `kernel.argmax`. Index of the largest element; the first one on ties. `x`: [n], n >= 1.
+pub fn argmax(x: &[f32]) -> usize {
+    let mut best = 0;
+    for i in 1..x.len() {
+        if x[i] > x[best] {
+            best = i;
+        }
+    }
+    best
+}

@@ -1,0 +1,17 @@
+//! A plain Llama-family inference engine on the CPU, written from metainfer's contracts: the shape a
+//! generated engine should have. Hugging Face checkpoint layout (`config.json`, `model.safetensors`,
+//! `tokenizer.json`); f32 weights, activations and KV cache; greedy decoding. No unsafe code, no SIMD
+//! intrinsics, no threads: every function is the pseudocode of the contract its doc names.
+//!
+//! Modules in the order the phases build them: `kernels` (one function per kernel contract),
+//! `config` and `weights` (loading), `model` (the decoder and its KV cache), `tokenizer` and
+//! `generate`. The gates call the public signatures of `kernels`, `model`, `tokenizer` and `generate`,
+//! which the contracts' skeletons fix.
+#![forbid(unsafe_code)]
+
+mod config;
+pub mod generate;
+pub mod kernels;
+pub mod model;
+pub mod tokenizer;
+mod weights;

@@ -1,0 +1,261 @@
+//! Phases 3 and 4, the decoder (contract `model.llama` and the families that refine it: `model.mistral`,
+//! `model.qwen2`, `model.qwen3`, `model.gemma`, Phi-3) with its KV cache (`component.kv_cache`).
+//! One token at a time: `forward` is the contracts' `math` line by line, calling the kernels;
+//! `prefill` runs `forward` over the prompt. Weights, activations and the cache are f32.
+
+use std::path::Path;
+
+use crate::config::Config;
+use crate::kernels;
+use crate::weights::{self, Tensors};
+
+/// One decoder layer's weights ([out_features, in_features] matrices) and its KV cache.
+struct Layer {
+    attn_norm: Vec<f32>,
+    wq: Vec<f32>,
+    wk: Vec<f32>,
+    wv: Vec<f32>,
+    /// q, k and v projection biases (`qkv_bias`).
+    qkv_bias: Option<[Vec<f32>; 3]>,
+    /// RMSNorm gains of every query and key head (`qk_norm`), [head_dim] each.
+    qk_norm: Option<[Vec<f32>; 2]>,
+    wo: Vec<f32>,
+    ffn_norm: Vec<f32>,
+    w_gate: Vec<f32>,
+    w_up: Vec<f32>,
+    w_down: Vec<f32>,
+    /// Keys after RoPE and values of positions 0..len, [len, n_kv_heads, head_dim] each.
+    k_cache: Vec<f32>,
+    v_cache: Vec<f32>,
+}
+
+/// Activations of the token being run, allocated once at load.
+struct Scratch {
+    x: Vec<f32>,
+    normed: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    heads: Vec<f32>,
+    attn: Vec<f32>,
+    out: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    act: Vec<f32>,
+    logits: Vec<f32>,
+}
+
+/// A loaded Llama-family model with its KV cache.
+pub struct Model {
+    cfg: Config,
+    embed: Vec<f32>,
+    layers: Vec<Layer>,
+    final_norm: Vec<f32>,
+    /// [vocab, hidden]; `None`: the embedding matrix is the output projection (tied).
+    lm_head: Option<Vec<f32>>,
+    /// RoPE frequencies [head_dim / 2], scaled as config.json says.
+    rope_freqs: Vec<f64>,
+    s: Scratch,
+}
+
+impl Model {
+    /// Load `config.json` and `model.safetensors` from an HF model directory. Errors name the missing file/tensor.
+    pub fn load(dir: &Path) -> Result<Model, String> {
+        let cfg = Config::load(dir)?;
+        let mut w = weights::read(dir)?;
+        let (h, v) = (cfg.hidden, cfg.vocab);
+        let layers = (0..cfg.n_layers).map(|i| load_layer(&mut w, &cfg, i)).collect::<Result<Vec<_>, _>>()?;
+        let embed = w.take("model.embed_tokens.weight", &[v, h])?;
+        let final_norm = norm(&mut w, &cfg, "model.norm.weight", h)?;
+        // HF ties when the config says so; an untied checkpoint without lm_head also uses the embedding.
+        let lm_head =
+            if !cfg.tied && w.has("lm_head.weight") { Some(w.take("lm_head.weight", &[v, h])?) } else { None };
+        let (q_dim, kv_dim) = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim);
+        let s = Scratch {
+            x: vec![0.0; h],
+            normed: vec![0.0; h],
+            q: vec![0.0; q_dim],
+            k: vec![0.0; kv_dim],
+            v: vec![0.0; kv_dim],
+            heads: vec![0.0; q_dim],
+            attn: vec![0.0; q_dim],
+            out: vec![0.0; h],
+            gate: vec![0.0; cfg.intermediate],
+            up: vec![0.0; cfg.intermediate],
+            act: vec![0.0; cfg.intermediate],
+            logits: vec![0.0; v],
+        };
+        Ok(Model { rope_freqs: cfg.rope_freqs(), cfg, embed, layers, final_norm, lm_head, s })
+    }
+
+    /// Vocabulary size (length of the logits vector).
+    pub fn vocab_size(&self) -> usize {
+        self.cfg.vocab
+    }
+
+    /// Maximum sequence length the KV cache holds (config max_position_embeddings).
+    pub fn max_seq_len(&self) -> usize {
+        self.cfg.max_seq
+    }
+
+    /// Forget all cached positions.
+    pub fn reset(&mut self) {
+        for l in &mut self.layers {
+            l.k_cache.clear();
+            l.v_cache.clear();
+        }
+    }
+
+    /// Run tokens at positions start_pos..start_pos+tokens.len(), writing their K/V into the cache;
+    /// return the logits [vocab] of the last token.
+    pub fn prefill(&mut self, tokens: &[u32], start_pos: usize) -> &[f32] {
+        assert!(!tokens.is_empty(), "prefill: no tokens");
+        for (i, &token) in tokens.iter().enumerate() {
+            self.forward(token, start_pos + i);
+        }
+        &self.s.logits
+    }
+
+    /// Run one token at position `pos` (cache holds 0..pos), write its K/V at `pos`; return logits [vocab].
+    pub fn forward(&mut self, token: u32, pos: usize) -> &[f32] {
+        let Model { cfg: c, embed, layers, final_norm, lm_head, rope_freqs, s } = self;
+        assert!(pos < c.max_seq, "forward: position {pos} is beyond max_position_embeddings {}", c.max_seq);
+        assert!((token as usize) < c.vocab, "forward: token {token} is outside the vocabulary ({})", c.vocab);
+        let (h, inter, eps) = (c.hidden, c.intermediate, c.rms_norm_eps);
+        let (q_dim, kv_dim) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+        kernels::embedding(embed, h, &[token], &mut s.x);
+        if c.features.embed_scale_sqrt_hidden {
+            let scale = (h as f32).sqrt();
+            s.x.iter_mut().for_each(|x| *x *= scale);
+        }
+        for l in layers.iter_mut() {
+            // Attention block: x += o_proj(attention(rope(q), cache(rope(k), v))).
+            kernels::rms_norm(&s.x, &l.attn_norm, eps, &mut s.normed);
+            kernels::linear(&s.normed, &l.wq, 1, h, q_dim, &mut s.q);
+            kernels::linear(&s.normed, &l.wk, 1, h, kv_dim, &mut s.k);
+            kernels::linear(&s.normed, &l.wv, 1, h, kv_dim, &mut s.v);
+            if let Some([bq, bk, bv]) = &l.qkv_bias {
+                add(&mut s.q, bq);
+                add(&mut s.k, bk);
+                add(&mut s.v, bv);
+            }
+            if let Some([q_norm, k_norm]) = &l.qk_norm {
+                norm_heads(&mut s.q, q_norm, eps, &mut s.heads);
+                norm_heads(&mut s.k, k_norm, eps, &mut s.heads);
+            }
+            kernels::rope_with_freqs(&mut s.q, &[pos], c.n_heads, rope_freqs);
+            kernels::rope_with_freqs(&mut s.k, &[pos], c.n_kv_heads, rope_freqs);
+            store(&mut l.k_cache, pos, &s.k);
+            store(&mut l.v_cache, pos, &s.v);
+            let first = if c.sliding_window > 0 { (pos + 1).saturating_sub(c.sliding_window) } else { 0 };
+            let (keys, values) = (&l.k_cache[first * kv_dim..], &l.v_cache[first * kv_dim..]);
+            let kv_len = pos + 1 - first;
+            kernels::attention(&s.q, keys, values, 1, kv_len, c.n_heads, c.n_kv_heads, c.head_dim, &mut s.attn);
+            kernels::linear(&s.attn, &l.wo, 1, q_dim, h, &mut s.out);
+            add(&mut s.x, &s.out);
+            // MLP block: x += down_proj(act(gate_proj(x)) * up_proj(x)).
+            kernels::rms_norm(&s.x, &l.ffn_norm, eps, &mut s.normed);
+            kernels::linear(&s.normed, &l.w_gate, 1, h, inter, &mut s.gate);
+            kernels::linear(&s.normed, &l.w_up, 1, h, inter, &mut s.up);
+            glu(c.features.gelu_tanh_mlp, &s.gate, &s.up, &mut s.act);
+            kernels::linear(&s.act, &l.w_down, 1, inter, h, &mut s.out);
+            add(&mut s.x, &s.out);
+        }
+        kernels::rms_norm(&s.x, final_norm, eps, &mut s.normed);
+        kernels::linear(&s.normed, lm_head.as_deref().unwrap_or(embed), 1, h, c.vocab, &mut s.logits);
+        &s.logits
+    }
+}
+
+/// Layer `i`'s weights, named and shaped as the family contract's `[[model.weights]]` say.
+fn load_layer(w: &mut Tensors, c: &Config, i: usize) -> Result<Layer, String> {
+    let name = |n: &str| format!("model.layers.{i}.{n}");
+    let (h, inter, hd) = (c.hidden, c.intermediate, c.head_dim);
+    let (q_dim, kv_dim) = (c.n_heads * hd, c.n_kv_heads * hd);
+    let ([wq, wk, wv], [w_gate, w_up]) = if c.features.fused {
+        // Phi-3: the rows of qkv_proj are q, then k, then v; those of gate_up_proj are gate, then up.
+        let qkv = w.take(&name("self_attn.qkv_proj.weight"), &[q_dim + 2 * kv_dim, h])?;
+        let gate_up = w.take(&name("mlp.gate_up_proj.weight"), &[2 * inter, h])?;
+        (split_rows(&qkv, [q_dim, kv_dim, kv_dim], h), split_rows(&gate_up, [inter, inter], h))
+    } else {
+        let wq = w.take(&name("self_attn.q_proj.weight"), &[q_dim, h])?;
+        let wk = w.take(&name("self_attn.k_proj.weight"), &[kv_dim, h])?;
+        let wv = w.take(&name("self_attn.v_proj.weight"), &[kv_dim, h])?;
+        let w_gate = w.take(&name("mlp.gate_proj.weight"), &[inter, h])?;
+        ([wq, wk, wv], [w_gate, w.take(&name("mlp.up_proj.weight"), &[inter, h])?])
+    };
+    let qkv_bias = if c.features.qkv_bias {
+        let bq = w.take(&name("self_attn.q_proj.bias"), &[q_dim])?;
+        let bk = w.take(&name("self_attn.k_proj.bias"), &[kv_dim])?;
+        Some([bq, bk, w.take(&name("self_attn.v_proj.bias"), &[kv_dim])?])
+    } else {
+        None
+    };
+    let qk_norm = if c.features.qk_norm {
+        Some([norm(w, c, &name("self_attn.q_norm.weight"), hd)?, norm(w, c, &name("self_attn.k_norm.weight"), hd)?])
+    } else {
+        None
+    };
+    Ok(Layer {
+        attn_norm: norm(w, c, &name("input_layernorm.weight"), h)?,
+        wq,
+        wk,
+        wv,
+        qkv_bias,
+        qk_norm,
+        wo: w.take(&name("self_attn.o_proj.weight"), &[h, q_dim])?,
+        ffn_norm: norm(w, c, &name("post_attention_layernorm.weight"), h)?,
+        w_gate,
+        w_up,
+        w_down: w.take(&name("mlp.down_proj.weight"), &[h, inter])?,
+        k_cache: Vec::new(),
+        v_cache: Vec::new(),
+    })
+}
+
+/// An RMSNorm gain [dim]; stored as an offset from one in families with `rmsnorm_one_plus_w`
+/// (Gemma), so 1 is added here, once.
+fn norm(w: &mut Tensors, c: &Config, name: &str, dim: usize) -> Result<Vec<f32>, String> {
+    let mut gain = w.take(name, &[dim])?;
+    if c.features.rmsnorm_one_plus_w {
+        gain.iter_mut().for_each(|g| *g += 1.0);
+    }
+    Ok(gain)
+}
+
+/// Consecutive row blocks of a row-major matrix with `cols` columns, `rows[j]` rows each.
+fn split_rows<const N: usize>(m: &[f32], rows: [usize; N], cols: usize) -> [Vec<f32>; N] {
+    let mut start = 0;
+    rows.map(|r| {
+        start += r;
+        m[(start - r) * cols..start * cols].to_vec()
+    })
+}
+
+/// x += y, elementwise (residual connections, biases).
+fn add(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+/// RMSNorm of every head of `x` ([n_heads, head_dim]) with the gain `w` [head_dim], in place
+/// (`qk_norm`); `tmp` holds a copy of x.
+fn norm_heads(x: &mut [f32], w: &[f32], eps: f32, tmp: &mut Vec<f32>) {
+    tmp.clear();
+    tmp.extend_from_slice(x);
+    kernels::rms_norm(tmp, w, eps, x);
+}
+
+/// Write one position's row into a cache holding rows 0..pos (component.kv_cache): rows beyond pos
+/// are dropped, row pos is written.
+fn store(cache: &mut Vec<f32>, pos: usize, row: &[f32]) {
+    cache.resize(pos * row.len(), 0.0);
+    cache.extend_from_slice(row);
+}
+
+/// The gated activation of the MLP, act = f(gate) * up: SwiGLU (kernel.silu_and_mul), or GeGLU
+/// with the tanh GELU (kernel.gelu_tanh_and_mul) in families with `gelu_tanh_mlp`.
+fn glu(gelu: bool, gate: &[f32], up: &[f32], act: &mut [f32]) {
+    if gelu { kernels::gelu_tanh_and_mul(gate, up, act) } else { kernels::silu_and_mul(gate, up, act) }
+}

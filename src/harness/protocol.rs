@@ -1,0 +1,263 @@
+//! The harness protocol: the one request the server hands a harness process and the one reply it
+//! reads back. This file is compiled into the server (`metainfer::harness::protocol`) and, verbatim,
+//! into every generated harness crate (`src/protocol.rs` there), so the two sides cannot drift: a
+//! change to a message is a compile error in the harness or a reported "unreadable reply", never
+//! silently zeros. It depends on `serde` and `std` only.
+//!
+//! The harness is run as `harness <request.json>`; it reads a [`Request`], runs the engine, writes
+//! bulk tensors as safetensors files named in the request, and writes its [`Reply`] as JSON to
+//! `Request::reply` (never stdout, which the engine may print to).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+/// Protocol version, checked by the harness against the request's.
+pub const VERSION: u32 = 1;
+
+/// What the server asks a harness process to do.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Request {
+    /// [`VERSION`] of the server that wrote it.
+    pub version: u32,
+    /// Where the harness writes its [`Reply`] as JSON.
+    pub reply: PathBuf,
+    /// The command.
+    pub command: Command,
+}
+
+/// One harness command.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "command", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Command {
+    /// Run each case through the engine's kernel: inputs and outputs are safetensors files; every
+    /// output buffer starts as NaN.
+    Kernel {
+        /// The cases, in order.
+        cases: Vec<KernelCase>,
+    },
+    /// Greedy generation through the engine's tokenizer, model and sampler, one prompt after the
+    /// other, writing per prompt `prompt_ids.<p>`, `tokens.<p>` and `logits.<p>` ([tokens, vocab]
+    /// f32 rows: the logits that chose each generated token) into `tensors`.
+    Generate {
+        /// Hugging Face model directory.
+        model: PathBuf,
+        /// The prompts.
+        prompts: Vec<Prompt>,
+        /// Output safetensors file.
+        tensors: PathBuf,
+        /// The server's stop tokens (generation_config.json eos_token_id): generation ends after one
+        /// of them unless the engine has its own `generate::stop_tokens`, which then decides.
+        #[serde(default)]
+        stop_tokens: Vec<u32>,
+    },
+    /// The engine's tokenizer on real vocabularies: per set, `Tokenizer::load(dir)`, then encode each
+    /// text and decode each id list.
+    Tokenize {
+        /// The vocabularies.
+        sets: Vec<TokenizeSet>,
+    },
+    /// Timed prefill and decode runs on token ids chosen by the harness (different on every run).
+    Profile {
+        /// Hugging Face model directory.
+        model: PathBuf,
+        /// Prompt tokens per run.
+        prompt_len: usize,
+        /// Tokens decoded per run.
+        new_tokens: usize,
+        /// Runs.
+        runs: usize,
+    },
+    /// Time kernels on given shapes, cycling through `copies` weight buffers.
+    Time {
+        /// Timed repetitions per item.
+        reps: usize,
+        /// The kernel calls.
+        items: Vec<TimeItem>,
+    },
+}
+
+/// One kernel case of [`Command::Kernel`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KernelCase {
+    /// Kernel contract id, e.g. `kernel.rope`.
+    pub kernel: String,
+    /// Inputs (tensors by name; scalar parameters as text in the safetensors metadata).
+    pub input: PathBuf,
+    /// Where the harness writes the output tensor `out`.
+    pub output: PathBuf,
+}
+
+/// One prompt of [`Command::Generate`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Prompt {
+    /// Text, encoded by the engine's tokenizer.
+    pub text: String,
+    /// Tokens to generate at most.
+    pub max_new_tokens: usize,
+}
+
+/// One vocabulary of [`Command::Tokenize`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizeSet {
+    /// Directory holding its tokenizer.json.
+    pub dir: PathBuf,
+    /// Texts to encode.
+    pub texts: Vec<String>,
+    /// Id lists to decode.
+    pub decode: Vec<Vec<u32>>,
+}
+
+/// One timed kernel call of [`Command::Time`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TimeItem {
+    /// Kernel contract id.
+    pub kernel: String,
+    /// Dimensions by name, as the kernel's timed arm reads them.
+    pub dims: BTreeMap<String, usize>,
+    /// Distinct weight buffers cycled through, so the working set is the model's.
+    pub copies: usize,
+    /// Calls per timed repetition.
+    pub iters: usize,
+}
+
+/// What the harness answers, one variant per command.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "reply", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Reply {
+    /// Per kernel case, in request order.
+    Kernel {
+        /// The results.
+        results: Vec<CaseResult>,
+    },
+    /// The generation's texts (the tensors are in the request's file).
+    Generate {
+        /// The engine's `vocab_size()`.
+        vocab: usize,
+        /// Per prompt, in request order.
+        prompts: Vec<Generated>,
+        /// The engine's `generate::stop_tokens(dir)`, when it defines that function.
+        #[serde(default)]
+        stop_tokens: Option<Vec<u32>>,
+    },
+    /// Per vocabulary of [`Command::Tokenize`], in request order.
+    Tokenize {
+        /// The results.
+        sets: Vec<TokenizedSet>,
+    },
+    /// Timings of [`Command::Profile`].
+    Profile(ProfileTimings),
+    /// Timings of [`Command::Time`], per item in request order.
+    Time {
+        /// The items.
+        items: Vec<TimedItem>,
+    },
+}
+
+/// The engine's tokenizer on one vocabulary.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizedSet {
+    /// Why `Tokenizer::load` failed (or its panic); the lists are then empty.
+    pub error: Option<String>,
+    /// Per text, in request order.
+    pub encoded: Vec<Encoded>,
+    /// Per id list, in request order.
+    pub decoded: Vec<Decoded>,
+}
+
+/// One text's encoding.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Encoded {
+    /// The ids.
+    pub ids: Vec<u32>,
+    /// The panic message when encode panicked.
+    pub panic: Option<String>,
+}
+
+/// One id list's decoding.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Decoded {
+    /// The text.
+    pub text: String,
+    /// The panic message when decode panicked.
+    pub panic: Option<String>,
+}
+
+/// One kernel case's result.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CaseResult {
+    /// Seconds the kernel call took.
+    pub seconds: f64,
+    /// The panic message when the engine's kernel panicked (no output was written).
+    pub panic: Option<String>,
+}
+
+/// One prompt's generation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Generated {
+    /// The engine's own decode of prompt ids and generated tokens.
+    pub text: String,
+    /// Tokens generated.
+    pub tokens: usize,
+}
+
+/// Timings of one profile command; seconds throughout.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProfileTimings {
+    /// `Model::load`.
+    pub load_s: f64,
+    /// Prefill of the prompt, per run.
+    pub prefill_s: Vec<f64>,
+    /// Decode time per token, per run.
+    pub decode_s_per_token: Vec<f64>,
+    /// Prefill plus the first greedy choice, per run.
+    pub first_token_s: Vec<f64>,
+    /// Prefill at a quarter, half and all of the prompt length.
+    pub prefill_by_len: Vec<PrefillTimes>,
+    /// Peak resident set size of the process (Linux VmHWM), kB; 0 where unknown.
+    pub peak_rss_kb: u64,
+    /// Each timed run's prompt ids and greedy tokens, for the server to check.
+    pub runs: Vec<TimedRun>,
+}
+
+/// Prefill timings at one prompt length.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PrefillTimes {
+    /// Prompt tokens.
+    pub len: usize,
+    /// Seconds per run.
+    pub seconds: Vec<f64>,
+}
+
+/// One timed run's tokens.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TimedRun {
+    /// Prompt ids.
+    pub prompt: Vec<u32>,
+    /// Greedy tokens generated.
+    pub tokens: Vec<u32>,
+}
+
+/// One timed kernel's figures.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TimedItem {
+    /// Kernel contract id.
+    pub kernel: String,
+    /// Seconds per call, one figure per repetition.
+    pub seconds_per_call: Vec<f64>,
+}

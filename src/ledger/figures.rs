@@ -1,0 +1,270 @@
+//! What each tool records beside its verdict: the ledger's `figures` column, typed per tool.
+//!
+//! Writers build one of these structs; readers parse the stored JSON back with [`Figures::read`],
+//! which tolerates rows written by older versions (every field has a default) and never guesses a
+//! figure that was not recorded. The JSON shape is the struct's fields, without a tag: the tool
+//! name of the outcome says which struct it is.
+
+use serde::{Deserialize, Serialize};
+
+use crate::stats::Spread;
+
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
+/// What every gate records: whether it was stopped before the engine ran, and at which dtype and
+/// seed it ran.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct GateFigures {
+    /// Stopped by a blocking rule finding before anything was built.
+    #[serde(skip_serializing_if = "is_false")]
+    pub blocked: bool,
+    /// Stopped because the engine did not build with the harness.
+    #[serde(skip_serializing_if = "is_false")]
+    pub build_failed: bool,
+    /// Weight dtype the engine was built for.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub dtype: String,
+    /// Seed of the drawn inputs, when the gate draws any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
+}
+
+/// `compile_engine`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct CompileFigures {
+    /// Stopped by rules.
+    #[serde(flatten)]
+    pub gate: GateFigures,
+    /// Compiler errors.
+    pub errors: usize,
+    /// Compiler warnings.
+    pub warnings: usize,
+    /// Build time, seconds.
+    pub seconds: f64,
+    /// Error codes on the returned page (e.g. `E0308`).
+    pub codes: Vec<String>,
+    /// Contracts the diagnostics were tied to.
+    pub hinted: Vec<String>,
+}
+
+/// One kernel's verdict in `run_kernel_test`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct KernelFigure {
+    /// Kernel contract id.
+    pub id: String,
+    /// Whether every case was within tolerance.
+    pub passed: bool,
+    /// Largest absolute error.
+    pub max_abs_err: f64,
+    /// Failure contracts whose mutant explains it.
+    pub diagnosis: Vec<String>,
+}
+
+/// `run_kernel_test`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct KernelTestFigures {
+    /// Common gate figures.
+    #[serde(flatten)]
+    pub gate: GateFigures,
+    /// Per kernel.
+    pub kernels: Vec<KernelFigure>,
+}
+
+/// `verify_generation`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct VerifyFigures {
+    /// Common gate figures.
+    #[serde(flatten)]
+    pub gate: GateFigures,
+    /// Largest logit error over the prompts.
+    pub max_abs_err: f64,
+    /// Prompts checked.
+    pub prompts: usize,
+    /// Failure contracts whose mutated reference explains the logits.
+    pub diagnosis: Vec<String>,
+}
+
+/// `profile_engine`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ProfileFigures {
+    /// Common gate figures.
+    #[serde(flatten)]
+    pub gate: GateFigures,
+    /// Model directory profiled.
+    pub model: String,
+    /// Threads the engine ran with.
+    pub threads: usize,
+    /// Prompt tokens.
+    pub prompt_len: usize,
+    /// Tokens decoded per run.
+    pub new_tokens: usize,
+    /// Weight bytes streamed per decoded token.
+    pub bytes_per_token: f64,
+    /// Decode tokens/s over the runs.
+    pub decode: Spread,
+    /// Decode tokens/s, median.
+    pub decode_tok_s: f64,
+    /// Prefill tokens/s, median.
+    pub prefill_tok_s: f64,
+    /// Bandwidth bound on decode, tokens/s.
+    pub roofline_decode_tok_s: f64,
+    /// Compute bound on decode, tokens/s.
+    pub compute_bound_tok_s: f64,
+    /// The kernel bounding decode.
+    pub bounding_kernel: String,
+    /// Slower than the previous profile beyond the noise.
+    pub regression: bool,
+    /// The timed runs generated the reference's tokens.
+    pub outputs_ok: bool,
+    /// verify_generation had passed on the same sources.
+    pub verified: bool,
+}
+
+/// `check_rules`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RulesFigures {
+    /// Rule ids of the findings.
+    pub findings: Vec<String>,
+    /// Files not examined.
+    pub skipped: usize,
+}
+
+/// `plan_engine`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct PlanFigures {
+    /// Model-family contract routed to ("" when none).
+    pub family: String,
+    /// Config fields not covered.
+    pub gaps: Vec<String>,
+}
+
+/// The figures of one outcome, by tool.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Figures {
+    /// `compile_engine`.
+    Compile(CompileFigures),
+    /// `run_kernel_test`.
+    KernelTest(KernelTestFigures),
+    /// `verify_generation`.
+    Verify(VerifyFigures),
+    /// `profile_engine`.
+    Profile(ProfileFigures),
+    /// `check_rules`.
+    Rules(RulesFigures),
+    /// `plan_engine`.
+    Plan(PlanFigures),
+    /// Any other tool: whatever it stored.
+    Other(serde_json::Value),
+}
+
+impl Figures {
+    /// The JSON stored in the ledger.
+    pub fn to_json(&self) -> serde_json::Value {
+        let v = match self {
+            Figures::Compile(f) => serde_json::to_value(f),
+            Figures::KernelTest(f) => serde_json::to_value(f),
+            Figures::Verify(f) => serde_json::to_value(f),
+            Figures::Profile(f) => serde_json::to_value(f),
+            Figures::Rules(f) => serde_json::to_value(f),
+            Figures::Plan(f) => serde_json::to_value(f),
+            Figures::Other(v) => Ok(v.clone()),
+        };
+        v.unwrap_or_else(|_| serde_json::json!({}))
+    }
+
+    /// Parse the stored JSON of an outcome of `tool`. A row that does not parse as its tool's
+    /// struct (written by something else) becomes [`Figures::Other`].
+    pub fn read(tool: &str, v: &serde_json::Value) -> Figures {
+        fn parse<T: serde::de::DeserializeOwned>(v: &serde_json::Value, f: fn(T) -> Figures) -> Figures {
+            serde_json::from_value(v.clone()).map(f).unwrap_or_else(|_| Figures::Other(v.clone()))
+        }
+        match tool {
+            "compile_engine" => parse(v, Figures::Compile),
+            "run_kernel_test" => parse(v, Figures::KernelTest),
+            "verify_generation" => parse(v, Figures::Verify),
+            "profile_engine" => parse(v, Figures::Profile),
+            "check_rules" => parse(v, Figures::Rules),
+            "plan_engine" => parse(v, Figures::Plan),
+            _ => Figures::Other(v.clone()),
+        }
+    }
+
+    /// The common gate figures, for gates.
+    pub fn gate(&self) -> Option<&GateFigures> {
+        match self {
+            Figures::Compile(f) => Some(&f.gate),
+            Figures::KernelTest(f) => Some(&f.gate),
+            Figures::Verify(f) => Some(&f.gate),
+            Figures::Profile(f) => Some(&f.gate),
+            _ => None,
+        }
+    }
+
+    /// Whether a blocking rule finding stopped the gate.
+    pub fn blocked(&self) -> bool {
+        self.gate().is_some_and(|g| g.blocked)
+    }
+
+    /// The weight dtype the gate ran at, when it says.
+    pub fn dtype(&self) -> Option<&str> {
+        self.gate().map(|g| g.dtype.as_str()).filter(|d| !d.is_empty())
+    }
+
+    /// Every failure contract named by a diagnosis in these figures.
+    pub fn diagnoses(&self) -> Vec<&str> {
+        match self {
+            Figures::KernelTest(f) => f.kernels.iter().flat_map(|k| k.diagnosis.iter().map(String::as_str)).collect(),
+            Figures::Verify(f) => f.diagnosis.iter().map(String::as_str).collect(),
+            _ => vec![],
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_keeps_the_stored_shape() {
+        let f = Figures::KernelTest(KernelTestFigures {
+            gate: GateFigures { dtype: "bf16".into(), seed: Some(7), ..Default::default() },
+            kernels: vec![KernelFigure {
+                id: "kernel.rope".into(),
+                passed: false,
+                max_abs_err: 0.5,
+                diagnosis: vec!["failure.rope-adjacent-pairs".into()],
+            }],
+        });
+        let v = f.to_json();
+        assert_eq!(
+            v,
+            serde_json::json!({"dtype": "bf16", "seed": 7, "kernels": [{"id": "kernel.rope", "passed": false, "max_abs_err": 0.5, "diagnosis": ["failure.rope-adjacent-pairs"]}]})
+        );
+        assert_eq!(Figures::read("run_kernel_test", &v), f);
+        assert_eq!(f.diagnoses(), vec!["failure.rope-adjacent-pairs"]);
+        assert_eq!(f.dtype(), Some("bf16"));
+        assert!(!f.blocked());
+    }
+
+    #[test]
+    fn old_and_foreign_rows_read_safely() {
+        // A blocked row as older versions wrote it.
+        let old = serde_json::json!({"blocked": true, "dtype": "f32"});
+        let f = Figures::read("verify_generation", &old);
+        assert!(f.blocked());
+        // A row whose fields have other types is kept as it is.
+        let odd = serde_json::json!({"kernels": "many"});
+        assert_eq!(Figures::read("run_kernel_test", &odd), Figures::Other(odd.clone()));
+        assert!(Figures::read("nothing_known", &odd).gate().is_none());
+    }
+}

@@ -1,0 +1,217 @@
+//! The engine manifest: an engine crate's `metainfer.toml` (written by scaffold), parsed once, typed,
+//! by the code that resolves an engine (`harness::Workshop::engine`). It states the constraints the
+//! engine was built for: model family, target platform, weight dtype, reference level, and the Cargo
+//! features that build it for other weight dtypes.
+//!
+//! A malformed or ill-typed manifest is an error naming the file, the key and what to write instead;
+//! nothing is silently replaced by a default. An absent manifest means every default (a crate made by
+//! hand can still be checked). Whether the family and platform exist is checked against the CKB by
+//! the caller (`ops::Ctx::target`). Depends on `error` and `ckb` (the weight dtype names) only.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// File name of the manifest in an engine crate.
+pub const FILE: &str = "metainfer.toml";
+
+/// Largest manifest accepted, bytes (a scaffolded one is a few hundred).
+pub const MAX_BYTES: u64 = 64 << 10;
+
+/// The reference level an engine is built under: what the agent was allowed to read.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ReferenceLevel {
+    /// Knowledge from the CKB only.
+    #[default]
+    Zero,
+    /// Public documentation too.
+    Docs,
+    /// Other implementations' code too.
+    Code,
+}
+
+impl ReferenceLevel {
+    /// Name as recorded in the ledger.
+    pub fn name(self) -> &'static str {
+        match self {
+            ReferenceLevel::Zero => "zero",
+            ReferenceLevel::Docs => "docs",
+            ReferenceLevel::Code => "code",
+        }
+    }
+}
+
+/// An engine's `metainfer.toml`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct EngineManifest {
+    /// Model-family contract id, e.g. `model.llama`.
+    pub family: String,
+    /// Target platform name, e.g. `cpu` (a platform contract's `target`).
+    pub target: String,
+    /// Weight dtype the engine stores its weights in by default (one of `ckb::WEIGHT_DTYPES`).
+    pub dtype: String,
+    /// What the agent building the engine could read.
+    pub reference_level: ReferenceLevel,
+    /// Cargo features that build the engine for another weight dtype, e.g. `bf16 = ["bf16"]`.
+    pub dtype_features: BTreeMap<String, Vec<String>>,
+    /// The model directory the engine was scaffolded for, if recorded.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// Every other key as written (e.g. the model's shape), recorded with each outcome.
+    #[serde(flatten)]
+    pub other: toml::Table,
+}
+
+impl Default for EngineManifest {
+    fn default() -> Self {
+        EngineManifest {
+            family: "model.llama".into(),
+            target: "cpu".into(),
+            dtype: "f32".into(),
+            reference_level: ReferenceLevel::Zero,
+            dtype_features: BTreeMap::new(),
+            model: None,
+            other: toml::Table::new(),
+        }
+    }
+}
+
+impl EngineManifest {
+    /// Read the manifest of the engine crate in `dir`; every default when the file is absent.
+    ///
+    /// # Errors
+    /// [`crate::error::ErrorKind::Usage`] naming the file and the key when it is not a regular file,
+    /// too large, not TOML, ill-typed, or names an unknown dtype, a malformed family or target.
+    pub fn read(dir: &Path) -> Result<EngineManifest> {
+        let path = dir.join(FILE);
+        match std::fs::symlink_metadata(&path) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(EngineManifest::default()),
+            Err(e) => return Err(Error::usage(format!("{}: {e}", path.display()))),
+            Ok(m) if !m.is_file() => {
+                return Err(Error::usage(format!(
+                    "{} is not a regular file; write the engine's constraints there (or re-scaffold)",
+                    path.display()
+                )));
+            }
+            Ok(m) if m.len() > MAX_BYTES => {
+                return Err(Error::usage(format!(
+                    "{} is {} bytes; a manifest is at most {MAX_BYTES} (it holds a few keys)",
+                    path.display(),
+                    m.len()
+                )));
+            }
+            Ok(_) => {}
+        }
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::usage(format!("{}: {e}", path.display())))?;
+        EngineManifest::parse(&text).map_err(|e| Error::usage(format!("{}: {}", path.display(), e.message)))
+    }
+
+    /// Parse and check a manifest's text.
+    ///
+    /// # Errors
+    /// As [`EngineManifest::read`], without the file name.
+    pub fn parse(text: &str) -> Result<EngineManifest> {
+        let m: EngineManifest = toml::from_str(text).map_err(|e| {
+            let at = e.to_string().lines().find(|l| l.contains('|') && l.trim_start().chars().next().is_some_and(|c| c.is_ascii_digit())).map(|l| format!(" at `{}`", l.split('|').nth(1).unwrap_or("").trim())).unwrap_or_default();
+            Error::usage(format!(
+                "{}{at}; the keys are family, target, dtype, reference_level, model and [dtype_features] (a table of dtype = [features])",
+                e.message().trim()
+            ))
+        })?;
+        let name_ok = |s: &str| {
+            !s.is_empty() && s.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-')
+        };
+        if !m.family.strip_prefix("model.").is_some_and(name_ok) {
+            return Err(Error::usage(format!(
+                "key `family` = {:?} is not a model-family contract id; write e.g. family = \"model.llama\"",
+                m.family
+            )));
+        }
+        if !name_ok(&m.target) {
+            return Err(Error::usage(format!(
+                "key `target` = {:?} is not a platform name; write e.g. target = \"cpu\"",
+                m.target
+            )));
+        }
+        let known = crate::ckb::WEIGHT_DTYPES;
+        for d in std::iter::once(&m.dtype).chain(m.dtype_features.keys()) {
+            if !known.contains(&d.as_str()) {
+                let key = if *d == m.dtype { "dtype".to_string() } else { format!("dtype_features.{d}") };
+                return Err(Error::usage(format!(
+                    "key `{key}`: weight dtype {d:?} is unknown; use one of {}",
+                    known.join(", ")
+                )));
+            }
+        }
+        Ok(m)
+    }
+
+    /// The Cargo features that build the engine for weight dtype `dtype`: none for its own dtype.
+    /// None when the engine does not declare the dtype.
+    pub fn features_for(&self, dtype: &str) -> Option<Vec<String>> {
+        match self.dtype_features.get(dtype) {
+            Some(f) => Some(f.clone()),
+            None if dtype == self.dtype => Some(vec![]),
+            None => None,
+        }
+    }
+
+    /// Every dtype the engine can be built for: its own, then those of `[dtype_features]`.
+    pub fn dtypes(&self) -> Vec<String> {
+        let mut v = vec![self.dtype.clone()];
+        v.extend(self.dtype_features.keys().filter(|d| **d != self.dtype).cloned());
+        v
+    }
+
+    /// The manifest as JSON (the constraints recorded with an outcome).
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::to_value(self).unwrap_or_else(|_| serde_json::json!({}))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scaffolded_manifest_parses_with_its_extra_keys() {
+        let m = EngineManifest::parse(
+            "family = \"model.qwen3\"\ntarget = \"cpu\"\ndtype = \"bf16\"\nreference_level = \"docs\"\nhidden = 128\n\n[dtype_features]\nint8 = [\"int8\"]\n",
+        )
+        .unwrap();
+        assert_eq!(
+            (m.family.as_str(), m.dtype.as_str(), m.reference_level),
+            ("model.qwen3", "bf16", ReferenceLevel::Docs)
+        );
+        assert_eq!(m.other.get("hidden").and_then(|v| v.as_integer()), Some(128));
+        assert_eq!(m.features_for("int8"), Some(vec!["int8".to_string()]));
+        assert_eq!(m.features_for("bf16"), Some(vec![]));
+        assert_eq!(m.features_for("f16"), None);
+        assert_eq!(m.dtypes(), vec!["bf16", "int8"]);
+        assert_eq!(EngineManifest::parse("").unwrap(), EngineManifest::default());
+    }
+
+    #[test]
+    fn bad_manifests_name_the_key() {
+        for (text, key) in [
+            ("family = 3", "family"),
+            ("family = \"llama\"", "family"),
+            ("dtype = \"fp8\"", "dtype"),
+            ("dtype = [\"f32\"]", "dtype"),
+            ("reference_level = \"all\"", "reference_level"),
+            ("target = \"../x\"", "target"),
+            ("[dtype_features]\nbf16 = \"bf16\"", "dtype_features"),
+            ("[dtype_features]\nfp4 = [\"fp4\"]", "dtype_features.fp4"),
+            ("family = ", ""),
+        ] {
+            let e = EngineManifest::parse(text).unwrap_err();
+            assert!(e.message.contains(key), "{text:?}: {}", e.message);
+        }
+    }
+}

@@ -1,0 +1,210 @@
+//! Diagnosis of a failed gate: which known failure mode explains the engine's output.
+//!
+//! Every failure-mode contract with a `mutant` names a known-wrong variant of the oracle (a kernel's
+//! core with one fault, in the kernel registry `oracle::kernels`, or a model-level mutation,
+//! `oracle::mutants`). When a kernel fails its test, the server recomputes the expected output of
+//! each mutant of that kernel's failure modes on the same drawn inputs; when generation fails, it
+//! reruns the reference forward pass with each model-level mutation on the engine's own tokens. A
+//! mutant that reproduces the engine's output while the true oracle does not is reported as a
+//! [`Diagnosis`]: the failure id and the evidence. No mutant explaining it: no diagnosis.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::ckb::{Ckb, Contract, Kind, Tolerance};
+use crate::oracle::kernels::{self, Case};
+use crate::oracle::llama::Reference;
+use crate::oracle::mutants::{Mutation, Mutations};
+use crate::oracle::{UNWRITTEN, Verdict, compare, judge};
+
+/// A failure mode that explains a failed gate.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Diagnosis {
+    /// Failure-mode contract id, e.g. `failure.rope-adjacent-pairs` (see lookup_contract).
+    pub failure: String,
+    /// The oracle mutant that reproduces the engine's output, e.g. `rope_adjacent`.
+    pub mutant: String,
+    /// Largest |engine - true oracle| over the compared cases or logit rows ([`UNWRITTEN`] for
+    /// NaN/inf/missing output).
+    pub error_vs_oracle: f64,
+    /// Largest |engine - mutant| over the same cases or rows (0 where both are the same NaN/inf).
+    pub error_vs_mutant: f64,
+    /// The failure in one line: what is wrong and how to fix it.
+    pub summary: String,
+}
+
+impl Diagnosis {
+    /// One line for text reports.
+    pub fn line(&self) -> String {
+        format!(
+            "diagnosis: {} (output matches mutant {}: max abs error {:.2e} vs it, {:.2e} vs the oracle). {}",
+            self.failure, self.mutant, self.error_vs_mutant, self.error_vs_oracle, self.summary
+        )
+    }
+}
+
+fn diagnosis(c: &Contract, mutant: &str, error_vs_oracle: f64, error_vs_mutant: f64) -> Diagnosis {
+    let fix = c.failure.as_ref().map(|f| f.fix.as_str()).unwrap_or_default();
+    let summary = format!("{} Fix: {fix}", c.summary).split_whitespace().collect::<Vec<_>>().join(" ");
+    let finite = |x: f64| if x.is_finite() { x.min(UNWRITTEN) } else { UNWRITTEN };
+    Diagnosis {
+        failure: c.id.clone(),
+        mutant: mutant.to_string(),
+        error_vs_oracle: finite(error_vs_oracle),
+        error_vs_mutant: finite(error_vs_mutant),
+        summary,
+    }
+}
+
+/// The failure contract whose `mutant` is `name`, if the CKB has one.
+pub fn failure_of_mutant<'a>(ckb: &'a Ckb, name: &str) -> Option<&'a Contract> {
+    ckb.of_kind(Kind::Failure).find(|c| c.failure.as_ref().and_then(|f| f.mutant.as_deref()) == Some(name))
+}
+
+/// One case of a kernel test as the diagnosis needs it: the drawn inputs, the engine's output and
+/// how it fared against the true oracle.
+pub struct KernelCase<'a> {
+    /// The drawn case.
+    pub case: &'a Case,
+    /// The engine's output tensor `out` as raw words (f32 bits, or the index for argmax).
+    pub out: &'a [u32],
+    /// Its verdict against the true oracle.
+    pub oracle: Verdict,
+}
+
+/// Diagnose a failed kernel. `cases` are the cases where the engine produced an output (cases that
+/// panicked or wrote nothing are left out: they say nothing about which formula the engine computes).
+///
+/// Rule: a failure mode of the kernel contract (its `failure_modes`) explains the failure when its
+/// mutant exists for this kernel in the registry, the engine's output is within the contract's
+/// tolerance of the mutant on every case, and on at least one of them it is outside the tolerance
+/// of the true oracle. Several can be reported (best match first); none when nothing explains the
+/// output.
+pub fn kernel(ckb: &Ckb, contract: &Contract, cases: &[KernelCase], tol: &Tolerance) -> Vec<Diagnosis> {
+    if cases.is_empty() || cases.iter().all(|c| c.oracle.ok) {
+        return vec![];
+    }
+    let mut found = Vec::new();
+    for fid in &contract.failure_modes {
+        let Ok(fc) = ckb.get(fid) else { continue };
+        let Some(name) = fc.failure.as_ref().and_then(|f| f.mutant.as_deref()) else { continue };
+        let Some(mutant) = kernels::mutant(&contract.id, name) else { continue };
+        let (mut err_m, mut err_o, mut all_ok) = (0.0f64, 0.0f64, true);
+        for c in cases {
+            let Some(want) = (mutant.expect)(c.case) else {
+                all_ok = false;
+                break;
+            };
+            let v = judge(c.out, &want, tol);
+            all_ok &= v.ok;
+            err_m = err_m.max(v.max_abs_err);
+            err_o = err_o.max(c.oracle.max_abs_err);
+        }
+        if all_ok {
+            found.push(diagnosis(fc, name, err_o, err_m));
+        }
+    }
+    found.sort_by(|a, b| a.error_vs_mutant.total_cmp(&b.error_vs_mutant));
+    found
+}
+
+/// Logit rows compared when diagnosing generation: enough to see any of the model-level mutants
+/// (they all change the logits within the first few positions), few enough that a large model's f64
+/// reference forward, rerun once per mutation, stays affordable.
+pub const GENERATION_ROWS: usize = 8;
+
+/// Whether a model-level mutation can change this model's logits at all (a mutation that computes
+/// exactly the true forward pass for this config cannot be told apart and is not tried).
+fn distinguishable(m: Mutation, r: &Reference) -> bool {
+    let c = r.config();
+    match m {
+        Mutation::RopeThetaDefault => c.rope_theta != kernels::rope::DEFAULT_THETA,
+        Mutation::GqaModulo => c.n_kv_heads > 1 && c.n_kv_heads < c.n_heads,
+        _ => true,
+    }
+}
+
+/// Run the reference (with mutations `m`) teacher-forced over `ids` then `tokens`, comparing each
+/// logit row with the engine's as it goes: (largest error, every row within tolerance, largest
+/// |logit| of the reference). Stops early, with what it has, once a row is outside tolerance and
+/// the error exceeds `give_up`: such a mutant can no longer explain the engine. `None` when the
+/// reference refuses a token or position.
+fn run_forced(
+    reference: &mut Reference,
+    m: Mutations,
+    ids: &[u32],
+    tokens: &[u32],
+    logits: &[f32],
+    tol: &Tolerance,
+    give_up: f64,
+) -> Option<(f64, bool, f64)> {
+    let vocab = reference.config().vocab;
+    reference.set_mutations(m);
+    let mut row = Vec::new();
+    for &t in ids {
+        row = reference.step(t).ok()?;
+    }
+    let (mut max, mut ok, mut scale) = (0.0f64, true, 0.0f64);
+    for (i, &t) in tokens.iter().enumerate() {
+        let got = logits.get(i * vocab..(i + 1) * vocab)?;
+        let v = compare(got, &row, tol);
+        max = max.max(v.max_abs_err);
+        ok &= v.ok;
+        scale = row.iter().fold(scale, |a, v| a.max(v.abs()));
+        if (!ok && max > give_up) || i + 1 == tokens.len() {
+            break;
+        }
+        row = reference.step(t).ok()?;
+    }
+    Some((max, ok, scale))
+}
+
+/// Diagnose failing logits of one prompt. `ids` are the engine's prompt ids, `tokens` its generated
+/// tokens and `logits` its rows (`vocab` values per generated token). The reference is run
+/// teacher-forced on the engine's own tokens (so a divergence in choices does not matter), first as
+/// it is and then with each model-level mutation, over the first [`GENERATION_ROWS`] rows.
+///
+/// Rule: with e_ref the largest |engine - reference| logit error and e_m the one against mutation m,
+/// m explains the failure when e_ref is outside the family tolerance and either every compared
+/// logit is within the tolerance of the mutant, or e_m <= e_ref / 10 and e_m is within ten times
+/// the tolerance (e_m <= 10 (atol + rtol max|mutant logit|)), which allows for an engine whose
+/// mistake is the mutant's in substance but accumulates differently. Only mutations with a failure
+/// contract in the CKB, and that can change this model's logits, are tried. Best match first; empty
+/// when the reference itself matches the engine on its own tokens (e.g. a tokenizer mistake) or no
+/// mutation explains the logits. The reference is left as it was given (mutations and all).
+pub fn generation(
+    ckb: &Ckb,
+    reference: &mut Reference,
+    ids: &[u32],
+    tokens: &[u32],
+    logits: &[f32],
+    tol: &Tolerance,
+) -> Vec<Diagnosis> {
+    let vocab = reference.config().vocab;
+    let n = tokens.len().min(logits.len() / vocab.max(1)).min(GENERATION_ROWS);
+    if n == 0 || ids.is_empty() || ids.iter().chain(&tokens[..n]).any(|&t| t as usize >= vocab) {
+        return vec![];
+    }
+    let (ids, tokens, logits) = (ids, &tokens[..n], &logits[..n * vocab]);
+    let before = reference.mutations();
+    let mut found = Vec::new();
+    if let Some((e_ref, false, _)) = run_forced(reference, Mutations::NONE, ids, tokens, logits, tol, f64::INFINITY) {
+        for m in Mutation::ALL {
+            let Some(fc) = failure_of_mutant(ckb, m.name()) else { continue };
+            if !distinguishable(m, reference) {
+                continue;
+            }
+            let mutant = Mutations::of(&[m]);
+            let Some((e_m, ok, scale)) = run_forced(reference, mutant, ids, tokens, logits, tol, e_ref / 10.0) else {
+                continue;
+            };
+            let near = e_m * 10.0 <= e_ref && e_m <= 10.0 * (tol.atol + tol.rtol * scale);
+            if ok || near {
+                found.push(diagnosis(fc, m.name(), e_ref, e_m));
+            }
+        }
+    }
+    reference.set_mutations(before);
+    found.sort_by(|a, b| a.error_vs_mutant.total_cmp(&b.error_vs_mutant));
+    found
+}

@@ -1,0 +1,339 @@
+//! Tidy: the architecture's mechanical rules (ARCHITECTURE.md), checked on the sources. Each rule is
+//! a function over (path, text) pairs, so a test can plant a violation of each and see it caught.
+//!
+//! Rules: every src file opens with a `//!` module doc; only `harness` starts processes; `ops`
+//! modules import each other only through the gate skeleton, the shared types of `ops/mod.rs`, and
+//! the edges listed in [`OPS_EDGES`]; the top-level modules form no cycle; every module is named in
+//! ARCHITECTURE.md; every dependency in Cargo.toml is used; every kernel contract has a registry
+//! entry and the harness template takes its kernel arms from the registry only.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+use metainfer::ckb::{Ckb, Kind};
+use metainfer::oracle::kernels;
+
+type Files = Vec<(String, String)>;
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Every `.rs` file under `dir` (relative to the crate root), with its text.
+fn rust_files(dir: &str) -> Files {
+    let mut out = Vec::new();
+    for e in walkdir::WalkDir::new(root().join(dir)).sort_by_file_name().into_iter().filter_map(Result::ok) {
+        if e.file_type().is_file() && e.path().extension().is_some_and(|x| x == "rs") {
+            let rel = e.path().strip_prefix(root()).unwrap().to_string_lossy().replace('\\', "/");
+            out.push((rel, std::fs::read_to_string(e.path()).unwrap()));
+        }
+    }
+    out
+}
+
+/// The code of a line without its `//` comment and string literals (crudely: quotes toggle).
+fn code(line: &str) -> String {
+    let line = line.split("//").next().unwrap_or("");
+    let (mut out, mut quoted) = (String::new(), false);
+    for ch in line.chars() {
+        if ch == '"' {
+            quoted = !quoted;
+        } else if !quoted {
+            out.push(ch);
+        }
+    }
+    out
+}
+
+/// Files other than the generated harness crate's (which is not part of this crate).
+fn own(files: &Files) -> impl Iterator<Item = &(String, String)> {
+    files.iter().filter(|(p, _)| !p.starts_with("src/harness/template/"))
+}
+
+/// Rule: every src file opens with a `//!` module doc.
+fn module_docs(files: &Files) -> Vec<String> {
+    own(files)
+        .filter(|(_, t)| !t.trim_start().starts_with("//!"))
+        .map(|(p, _)| format!("{p}: does not open with a //! module doc"))
+        .collect()
+}
+
+/// Rule: only `harness` starts processes.
+fn processes(files: &Files) -> Vec<String> {
+    const SPAWNERS: &[&str] = &["Command::new", "duct::", "MetadataCommand", "process::Command", "fork("];
+    let mut out = Vec::new();
+    for (p, t) in own(files).filter(|(p, _)| !p.starts_with("src/harness/")) {
+        for (i, line) in t.lines().enumerate() {
+            let c = code(line);
+            if let Some(s) = SPAWNERS.iter().find(|s| c.contains(**s)) {
+                out.push(format!("{p}:{}: `{s}` outside harness: start processes through harness", i + 1));
+            }
+        }
+    }
+    out
+}
+
+/// The ops modules one ops module may name besides `gate` and `mod` (the shared types), with why.
+const OPS_EDGES: &[(&str, &str, &str)] = &[
+    ("scaffold", "plan", "a scaffold is a plan written out"),
+    ("gate", "rules", "the skeleton runs the rules before every gate"),
+    ("gate", "compile", "a harness build failure is reported as compile_engine reports it"),
+    ("gate", "evolve", "a passing gate promotes the candidates it ran under"),
+];
+
+/// The ops module of an ops file (`src/ops/profile/roofline.rs` -> `profile`), None for mod.rs.
+fn ops_module(path: &str) -> Option<&str> {
+    let rest = path.strip_prefix("src/ops/")?;
+    let first = rest.split('/').next()?;
+    let name = first.strip_suffix(".rs").unwrap_or(first);
+    (name != "mod").then_some(name)
+}
+
+/// Rule: ops modules import each other only through the gate skeleton and shared types.
+fn ops_imports(files: &Files) -> Vec<String> {
+    let names: BTreeSet<&str> = files.iter().filter_map(|(p, _)| ops_module(p)).collect();
+    let mut out = Vec::new();
+    for (p, t) in files {
+        let Some(me) = ops_module(p) else { continue };
+        for (i, line) in t.lines().enumerate() {
+            let c = code(line);
+            for other in &names {
+                if *other == me || *other == "gate" {
+                    continue;
+                }
+                let named = [
+                    format!("super::{other}::"),
+                    format!("ops::{other}::"),
+                    format!("super::{other}}}"),
+                    format!("super::{other},"),
+                ]
+                .iter()
+                .any(|pat| c.contains(pat.as_str()))
+                    || c.contains(&format!("super::{{{other}"))
+                    || c.trim_start().starts_with(&format!("use super::{other}"));
+                if named && !OPS_EDGES.iter().any(|(a, b, _)| *a == me && b == other) {
+                    out.push(format!(
+                        "{p}:{}: ops::{me} uses ops::{other}; go through ops::gate or the shared types",
+                        i + 1
+                    ));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The top-level module of a src file (`src/ops/gate.rs` -> `ops`), None for lib.rs and main.rs.
+fn top_module(path: &str) -> Option<&str> {
+    let rest = path.strip_prefix("src/")?;
+    let first = rest.split('/').next()?;
+    let name = first.strip_suffix(".rs").unwrap_or(first);
+    (name != "lib" && name != "main").then_some(name)
+}
+
+/// Edges between top-level modules: a file of `a` naming `crate::b`.
+fn module_graph(files: &Files) -> BTreeMap<String, BTreeSet<String>> {
+    let mods: BTreeSet<&str> = own(files).filter_map(|(p, _)| top_module(p)).collect();
+    let mut g: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for (p, t) in own(files) {
+        let Some(me) = top_module(p) else { continue };
+        let entry = g.entry(me.to_string()).or_default();
+        for line in t.lines() {
+            let c = code(line);
+            for m in &mods {
+                if *m != me
+                    && (c.contains(&format!("crate::{m}::"))
+                        || c.contains(&format!("crate::{m};"))
+                        || c.contains(&format!("crate::{m}}}"))
+                        || c.contains(&format!("crate::{m},"))
+                        || c.contains(&format!("crate::{{{m}")))
+                {
+                    entry.insert(m.to_string());
+                }
+            }
+        }
+    }
+    g
+}
+
+/// Rule: no cycle among the top-level modules. Returns one cycle per strongly connected group found.
+fn cycles(files: &Files) -> Vec<String> {
+    let g = module_graph(files);
+    let mut out = Vec::new();
+    // A module is on a cycle when it reaches itself.
+    for start in g.keys() {
+        let mut stack: Vec<(String, Vec<String>)> = vec![(start.clone(), vec![start.clone()])];
+        let mut seen = BTreeSet::new();
+        while let Some((m, path)) = stack.pop() {
+            for next in g.get(&m).into_iter().flatten() {
+                if next == start {
+                    let mut cyc = path.clone();
+                    cyc.push(start.clone());
+                    out.push(format!("module cycle: {}", cyc.join(" -> ")));
+                    break;
+                }
+                if seen.insert(next.clone()) {
+                    let mut p = path.clone();
+                    p.push(next.clone());
+                    stack.push((next.clone(), p));
+                }
+            }
+        }
+    }
+    out.sort();
+    out.dedup_by(|a, b| {
+        let key = |s: &str| {
+            let mut v: Vec<String> = s.trim_start_matches("module cycle: ").split(" -> ").map(str::to_owned).collect();
+            v.sort();
+            v.dedup();
+            v
+        };
+        key(a) == key(b)
+    });
+    out
+}
+
+/// Rule: every module (src file or folder) is named in ARCHITECTURE.md.
+fn architecture_names(files: &Files, architecture: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for (p, _) in own(files) {
+        let rel = p.trim_start_matches("src/");
+        let name = rel.trim_end_matches(".rs").trim_end_matches("/mod");
+        let leaf = name.rsplit('/').next().unwrap_or(name);
+        if ["lib", "main"].contains(&leaf) {
+            continue;
+        }
+        if !architecture.contains(leaf) {
+            out.push(format!("{p}: module `{leaf}` is not named in ARCHITECTURE.md"));
+        }
+    }
+    out
+}
+
+/// Rule: every dependency in Cargo.toml is used somewhere in src/, tests/ or build.rs.
+fn unused_dependencies(manifest: &str, files: &Files) -> Vec<String> {
+    let doc: toml::Table = toml::from_str(manifest).unwrap();
+    let mut names: Vec<String> = Vec::new();
+    for section in ["dependencies", "build-dependencies", "dev-dependencies"] {
+        if let Some(t) = doc.get(section).and_then(|v| v.as_table()) {
+            names.extend(t.keys().cloned());
+        }
+    }
+    names.sort();
+    names.dedup();
+    names
+        .into_iter()
+        .filter(|n| {
+            let ident = n.replace('-', "_");
+            !files.iter().any(|(_, t)| {
+                t.lines().any(|l| {
+                    let c = code(l);
+                    c.contains(&format!("{ident}::"))
+                        || c.contains(&format!("use {ident}"))
+                        || c.contains(&format!("{ident}!"))
+                })
+            })
+        })
+        .map(|n| format!("Cargo.toml: dependency `{n}` is not used"))
+        .collect()
+}
+
+/// Rule: every kernel contract has a registry entry (and no entry lacks a contract), and the
+/// template takes its kernel arms from the registry only (one marker per match, no own arm).
+fn registry_agreement(kernel_contracts: &BTreeSet<String>, registry: &BTreeSet<String>, template: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for k in kernel_contracts.difference(registry) {
+        out.push(format!("kernel contract {k} has no registry entry (src/oracle/kernels/)"));
+    }
+    for k in registry.difference(kernel_contracts) {
+        out.push(format!("registry entry {k} has no kernel contract"));
+    }
+    for marker in [metainfer::harness::TEST_ARMS, metainfer::harness::TIMED_ARMS] {
+        let n = template.lines().filter(|l| l.trim() == marker).count();
+        if n != 1 {
+            out.push(format!("the harness template has {n} `{marker}` lines (want 1)"));
+        }
+    }
+    for (i, line) in template.lines().enumerate() {
+        if line.trim_start().starts_with("\"kernel.") {
+            out.push(format!("harness template line {}: a kernel arm of its own; arms come from the registry", i + 1));
+        }
+    }
+    out
+}
+
+fn all_files() -> Files {
+    let mut f = rust_files("src");
+    f.extend(rust_files("tests"));
+    f.push(("build.rs".into(), std::fs::read_to_string(root().join("build.rs")).unwrap()));
+    f
+}
+
+#[test]
+fn the_sources_keep_the_architecture() {
+    let src = rust_files("src");
+    let architecture = std::fs::read_to_string(root().join("ARCHITECTURE.md")).unwrap();
+    let manifest = std::fs::read_to_string(root().join("Cargo.toml")).unwrap();
+    let ckb = Ckb::embedded().unwrap();
+    let contracts: BTreeSet<String> = ckb.of_kind(Kind::Kernel).map(|c| c.id.clone()).collect();
+    let registry: BTreeSet<String> = kernels::ids().map(str::to_owned).collect();
+    let mut problems = Vec::new();
+    problems.extend(module_docs(&src));
+    problems.extend(processes(&src));
+    problems.extend(ops_imports(&src));
+    problems.extend(cycles(&src));
+    problems.extend(architecture_names(&src, &architecture));
+    problems.extend(unused_dependencies(&manifest, &all_files()));
+    problems.extend(registry_agreement(&contracts, &registry, metainfer::harness::HARNESS_MAIN));
+    assert!(problems.is_empty(), "tidy:\n{}", problems.join("\n"));
+}
+
+/// Each rule catches a planted violation (and the assembled harness has one arm per kernel).
+#[test]
+fn each_rule_catches_a_planted_violation() {
+    let f = |p: &str, t: &str| vec![(p.to_string(), t.to_string())];
+    assert_eq!(module_docs(&f("src/x.rs", "//! doc\nfn a() {}")).len(), 0);
+    assert_eq!(module_docs(&f("src/x.rs", "// not a module doc\nfn a() {}")).len(), 1);
+
+    assert_eq!(processes(&f("src/ops/x.rs", "//! d\nlet c = std::process::Command::new(\"sh\");")).len(), 1);
+    assert_eq!(processes(&f("src/ops/x.rs", "//! d\nlet p = duct::cmd(\"sh\", [\"-c\"]);")).len(), 1);
+    assert_eq!(processes(&f("src/harness/x.rs", "//! d\nlet p = duct::cmd(\"sh\", [\"-c\"]);")).len(), 0);
+    assert_eq!(processes(&f("src/guard/x.rs", "//! d\nconst P: &str = \"Command::new\"; // Command::new")).len(), 0);
+
+    let mut two = f("src/ops/verify.rs", "//! d\nuse super::kernel_test::KernelResult;");
+    two.push(("src/ops/kernel_test.rs".into(), "//! d\n".into()));
+    assert_eq!(ops_imports(&two).len(), 1);
+    let mut ok = f("src/ops/scaffold.rs", "//! d\nuse super::plan::plan_only;\nuse super::gate::Gate;");
+    ok.push(("src/ops/plan.rs".into(), "//! d\n".into()));
+    ok.push(("src/ops/gate.rs".into(), "//! d\n".into()));
+    assert_eq!(ops_imports(&ok), Vec::<String>::new());
+
+    let mut cyc = f("src/a.rs", "//! d\nuse crate::b::X;");
+    cyc.push(("src/b/mod.rs".into(), "//! d\nfn f() { crate::a::y(); }".into()));
+    assert_eq!(cycles(&cyc).len(), 1, "{:?}", cycles(&cyc));
+    let mut dag = f("src/a.rs", "//! d\nuse crate::b::X;");
+    dag.push(("src/b/mod.rs".into(), "//! d\n".into()));
+    assert!(cycles(&dag).is_empty());
+
+    assert_eq!(architecture_names(&f("src/widget.rs", "//! d"), "    gadget.rs  ...").len(), 1);
+    assert_eq!(architecture_names(&f("src/widget.rs", "//! d"), "    widget.rs  ...").len(), 0);
+
+    let manifest = "[dependencies]\nserde = \"1\"\nleft-pad = \"1\"\n";
+    let used = f("src/x.rs", "//! d\nuse serde::Serialize;");
+    assert_eq!(unused_dependencies(manifest, &used), vec!["Cargo.toml: dependency `left-pad` is not used"]);
+
+    let set = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<BTreeSet<_>>();
+    let t = "match k {\n    // @arms test\n}\nmatch k {\n    // @arms timed\n}\n";
+    assert!(registry_agreement(&set(&["kernel.a"]), &set(&["kernel.a"]), t).is_empty());
+    assert_eq!(registry_agreement(&set(&["kernel.a", "kernel.b"]), &set(&["kernel.a"]), t).len(), 1);
+    let own_arm = format!("{t}match k {{\n    \"kernel.a\" => {{}}\n}}\n");
+    assert_eq!(registry_agreement(&set(&["kernel.a"]), &set(&["kernel.a"]), &own_arm).len(), 1);
+    assert_eq!(registry_agreement(&set(&["kernel.a"]), &set(&["kernel.a"]), "// @arms test\n").len(), 1);
+
+    // The assembled harness of every registry kernel has exactly one arm per kernel in each match.
+    let arms: Vec<metainfer::harness::Arm> = kernels::ids().map(|k| metainfer::ops::arm(k).unwrap()).collect();
+    let src = metainfer::harness::harness_source(&arms);
+    for k in kernels::ids() {
+        assert_eq!(src.matches(&format!("{k:?} =>")).count(), 2, "{k}");
+    }
+}
