@@ -16,12 +16,46 @@ use crate::error::{Error, Result};
 /// Options of the demo.
 #[derive(Debug, Clone)]
 pub struct DemoOptions {
-    /// Model directory.
-    pub model: PathBuf,
+    /// Model directory; None: [`default_model`].
+    pub model: Option<PathBuf>,
     /// Keep the workspace here instead of a temporary directory.
     pub keep: Option<PathBuf>,
     /// Tokens to generate in verification.
     pub max_new_tokens: usize,
+    /// Options of the server the demo starts (every global option of the CLI). Its ledger, when
+    /// None and `$METAINFER_LEDGER` is unset, is the demo's own, in the workspace.
+    pub server: crate::options::ServerOptions,
+    /// Show the elapsed time of each step on stderr while it runs (a terminal).
+    pub progress: bool,
+}
+
+/// Where the demo looks for its model when none is given, in order: `$METAINFER_MODEL`, then
+/// `shared/models/babyllama-105` and `../shared/models/babyllama-105` from the current directory
+/// (the repository's root, or a directory beside `shared/`).
+pub fn model_candidates() -> Vec<PathBuf> {
+    let mut c = Vec::new();
+    if let Some(m) = std::env::var_os("METAINFER_MODEL") {
+        c.push(PathBuf::from(m));
+    }
+    c.push(PathBuf::from("shared/models/babyllama-105"));
+    c.push(PathBuf::from("../shared/models/babyllama-105"));
+    c
+}
+
+/// The demo's default model: the first of [`model_candidates`] with a config.json.
+///
+/// # Errors
+/// None found: the message lists every place it looked.
+pub fn default_model() -> Result<PathBuf> {
+    let candidates = model_candidates();
+    candidates.iter().find(|c| c.join("config.json").is_file()).cloned().ok_or_else(|| {
+        let cwd = std::env::current_dir().map(|d| d.display().to_string()).unwrap_or_default();
+        Error::usage(format!(
+            "no model for the demo: looked for config.json in {} (from {cwd}). Pass --model DIR with a Hugging Face \
+             Llama-family directory (config.json, model.safetensors, tokenizer.json), or set METAINFER_MODEL",
+            candidates.iter().map(|c| c.display().to_string()).collect::<Vec<_>>().join(", ")
+        ))
+    })
 }
 
 /// One row of the demo's table.
@@ -60,7 +94,7 @@ fn summary_line(tool: &str, v: &Value) -> String {
             v["phases"].as_array().map_or(0, Vec::len)
         ),
         "lookup_contract" => {
-            format!("{} v{}", v["matches"][0]["id"].as_str().unwrap_or("?"), v["matches"][0]["version"])
+            format!("{} v{}", v["contracts"][0]["id"].as_str().unwrap_or("?"), v["contracts"][0]["version"])
         }
         "scaffold_engine" => format!("{} files", v["files"].as_array().map_or(0, Vec::len)),
         "compile_engine" => format!("{} errors, {} warnings", v["errors"], v["warnings"]),
@@ -92,14 +126,18 @@ fn summary_line(tool: &str, v: &Value) -> String {
 /// # Errors
 /// Missing model directory, or the server cannot be started.
 pub async fn run(opts: DemoOptions) -> Result<bool> {
-    if !opts.model.join("config.json").is_file() {
+    let model = match &opts.model {
+        Some(m) => m.clone(),
+        None => default_model()?,
+    };
+    if !model.join("config.json").is_file() {
         return Err(Error::usage(format!(
             "model directory {} has no config.json. Pass --model DIR with a Hugging Face Llama-family directory \
              (config.json, model.safetensors, tokenizer.json), e.g. --model ../shared/models/babyllama-105",
-            opts.model.display()
+            model.display()
         )));
     }
-    let model = opts.model.canonicalize().map_err(|e| Error::usage(format!("{}: {e}", opts.model.display())))?;
+    let model = model.canonicalize().map_err(|e| Error::usage(format!("{}: {e}", model.display())))?;
     let temp;
     let workspace = match &opts.keep {
         Some(k) => {
@@ -116,10 +154,27 @@ pub async fn run(opts: DemoOptions) -> Result<bool> {
         return Err(Error::usage(format!("{} already exists; pass an empty --keep directory", engine.display())));
     }
     let exe = std::env::current_exe().map_err(|e| Error::internal(format!("cannot find own executable: {e}")))?;
+    // The demo's own ledger unless one was named, so its engines never enter the user's record.
+    let ledger = opts
+        .server
+        .ledger
+        .clone()
+        .or_else(|| std::env::var_os("METAINFER_LEDGER").map(PathBuf::from))
+        .unwrap_or_else(|| workspace.join("ledger.sqlite"));
+    let ledger = std::path::absolute(&ledger).unwrap_or(ledger);
+    let server = crate::options::ServerOptions {
+        workspace: Some(workspace.clone()),
+        model_dirs: vec![model.clone()],
+        ledger: Some(ledger.clone()),
+        cache: opts.server.cache.as_ref().map(|c| std::path::absolute(c).unwrap_or(c.clone())),
+        ckb: opts.server.ckb.as_ref().map(|c| std::path::absolute(c).unwrap_or(c.clone())),
+        ..opts.server.clone()
+    };
+    let args = server.serve_args();
     println!("metainfer demo: serving {} over MCP stdio, workspace {}", exe.display(), workspace.display());
-    let (ws, md) = (workspace.clone(), model.clone());
+    println!("  server: metainfer {}", args.join(" "));
     let transport = TokioChildProcess::new(crate::harness::server_command(&exe).configure(|cmd| {
-        cmd.arg("serve").arg("--workspace").arg(&ws).arg("--model-dir").arg(&md);
+        cmd.args(&args);
     }))
     .map_err(|e| Error::internal(format!("cannot start `metainfer serve`: {e}")))?;
     let client = ().serve(transport).await.map_err(|e| Error::internal(format!("MCP initialisation failed: {e}")))?;
@@ -158,7 +213,27 @@ pub async fn run(opts: DemoOptions) -> Result<bool> {
         }
         let t = Instant::now();
         let params = CallToolRequestParams::new(tool).with_arguments(args.as_object().cloned().unwrap_or_default());
-        let r = client.call_tool(params).await.map_err(|e| Error::internal(format!("{tool} call failed: {e}")))?;
+        let call = client.call_tool(params);
+        tokio::pin!(call);
+        let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+        let mut shown = false;
+        let r = loop {
+            tokio::select! {
+                r = &mut call => break r,
+                _ = tick.tick() => {
+                    let s = t.elapsed().as_secs();
+                    if opts.progress && s >= 2 {
+                        let note = if tool == "compile_engine" { " (a first build also compiles the engine's dependencies)" } else { "" };
+                        eprint!("\r\x1b[2K  {tool}: {s} s{note}");
+                        shown = true;
+                    }
+                }
+            }
+        };
+        if shown {
+            eprint!("\r\x1b[2K");
+        }
+        let r = r.map_err(|e| Error::internal(format!("{tool} call failed: {e}")))?;
         let seconds = t.elapsed().as_secs_f64();
         let v = r.structured_content.clone().unwrap_or(Value::Null);
         let is_error = r.is_error == Some(true);
@@ -203,7 +278,7 @@ pub async fn run(opts: DemoOptions) -> Result<bool> {
     if !text.is_empty() {
         println!("\nGenerated (greedy, verified token by token against the reference):\n{text}\n");
     }
-    let ledger = crate::ledger::Ledger::open(&crate::ledger::default_path())?;
+    let ledger = crate::ledger::Ledger::open(&ledger)?;
     println!("ledger {}: {} outcomes recorded; newest:", ledger.path.display(), ledger.count()?);
     for o in ledger.list(0, steps.len())? {
         println!("  {} {:<18} {} {}", o.time, o.tool, if o.passed { "pass" } else { "FAIL" }, o.summary);

@@ -62,22 +62,76 @@ pub fn skills() -> Result<Vec<Skill>> {
     embedded::SKILLS.iter().map(|(path, text)| parse_skill(path.trim_end_matches(".md"), text)).collect()
 }
 
-/// Write every skill as `<dir>/<name>/SKILL.md` (Claude Code's layout; other clients read the same).
-/// Existing files of the same skills are replaced; other skills in `dir` are left alone.
+/// The project folder each client reads skills from (`<folder>/<name>/SKILL.md`, the Agent Skills
+/// layout): Claude Code `.claude/skills`, Codex `.agents/skills`, Gemini CLI `.gemini/skills`,
+/// Cursor `.cursor/skills` (each client's skills documentation, checked 2026-12-01). VS Code has
+/// no skills folder of its own; it reads prompts over MCP.
 ///
 /// # Errors
-/// When `dir` cannot be created or written.
-pub fn install_skills(dir: &Path) -> Result<Vec<PathBuf>> {
-    let mut written = Vec::new();
-    for s in skills()? {
-        let folder = dir.join(&s.name);
-        std::fs::create_dir_all(&folder)
-            .map_err(|e| Error::usage(format!("cannot create {}: {e}", folder.display())))?;
-        let path = folder.join("SKILL.md");
-        crate::util::write_atomic(&path, s.text.as_bytes())?;
-        written.push(path);
+/// [`crate::error::ErrorKind::Usage`] for a client without a skills folder.
+pub fn skills_dir(client: crate::clients::Client) -> Result<&'static str> {
+    use crate::clients::Client;
+    match client {
+        Client::Claude => Ok(".claude/skills"),
+        Client::Codex => Ok(".agents/skills"),
+        Client::Gemini => Ok(".gemini/skills"),
+        Client::Cursor => Ok(".cursor/skills"),
+        Client::Vscode => Err(Error::usage(
+            "VS Code has no skills folder; use the MCP prompts (`/mcp.metainfer.generate_engine`) or pass --dir DIR",
+        )),
     }
-    Ok(written)
+}
+
+/// What happened to one skill file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Installed {
+    /// Written (new).
+    Written,
+    /// Already identical to the shipped skill.
+    Unchanged,
+    /// Replaced a different (edited or older) copy, with `force`.
+    Replaced,
+}
+
+/// Write every skill as `<dir>/<name>/SKILL.md`; other skills in `dir` are left alone. A skill
+/// file that exists with other content (edited by the user, or from another version) is replaced
+/// only with `force`; without it nothing at all is written and the error lists those files.
+///
+/// # Errors
+/// Edited skills without `force`, or `dir` not writable.
+pub fn install_skills(dir: &Path, force: bool) -> Result<Vec<(PathBuf, Installed)>> {
+    let skills = skills()?;
+    let mut plan = Vec::new();
+    let mut edited = Vec::new();
+    for s in &skills {
+        let path = dir.join(&s.name).join("SKILL.md");
+        let state = match std::fs::read(&path) {
+            Ok(b) if b == s.text.as_bytes() => Installed::Unchanged,
+            Ok(_) => {
+                edited.push(path.display().to_string());
+                Installed::Replaced
+            }
+            Err(_) => Installed::Written,
+        };
+        plan.push((s, path, state));
+    }
+    if !edited.is_empty() && !force {
+        return Err(Error::usage(format!(
+            "these skill files differ from the shipped ones (edited, or from another metainfer version): {}; nothing was written. Pass --force to overwrite them",
+            edited.join(", ")
+        )));
+    }
+    let mut out = Vec::new();
+    for (s, path, state) in plan {
+        if state != Installed::Unchanged {
+            let folder = path.parent().expect("a skill file has a folder");
+            std::fs::create_dir_all(folder)
+                .map_err(|e| Error::usage(format!("cannot create {}: {e}", folder.display())))?;
+            crate::util::write_atomic(&path, s.text.as_bytes())?;
+        }
+        out.push((path, state));
+    }
+    Ok(out)
 }
 
 /// One argument of a prompt template.

@@ -18,6 +18,7 @@ pub mod manifest;
 pub mod mcp;
 pub mod model;
 pub mod ops;
+pub mod options;
 pub mod oracle;
 pub mod probe;
 pub mod stats;

@@ -1,7 +1,10 @@
 //! Portable JSON Schemas for tool inputs and outputs. Several clients reject `$ref`/`$defs`,
-//! `$schema`, `type: [T, "null"]`, top-level `anyOf` and arrays without `items`; these schemas have
-//! none of them: subschemas are inlined and nullability is expressed by leaving a field out of
-//! `required`.
+//! `$schema`, `type: [T, "null"]`, top-level `anyOf` and arrays without `items`, and warn on
+//! `format` values JSON Schema does not define (schemars writes `uint`, `uint32`, `uint64`, `int64`,
+//! `double`, ...: Gemini CLI printed a warning per field); these schemas have none of them:
+//! subschemas are inlined, nullability is expressed by leaving a field out of `required`, and only
+//! the formats of JSON Schema 2020-12 (section 7.3) remain (an unsigned integer keeps its
+//! `minimum: 0`).
 
 use std::sync::Arc;
 
@@ -9,6 +12,43 @@ use rmcp::model::JsonObject;
 use schemars::JsonSchema;
 use schemars::generate::SchemaSettings;
 use serde_json::Value;
+
+/// The `format` values JSON Schema 2020-12 defines (Validation, section 7.3).
+pub const STANDARD_FORMATS: [&str; 19] = [
+    "date-time",
+    "date",
+    "time",
+    "duration",
+    "email",
+    "idn-email",
+    "hostname",
+    "idn-hostname",
+    "ipv4",
+    "ipv6",
+    "uri",
+    "uri-reference",
+    "iri",
+    "iri-reference",
+    "uuid",
+    "uri-template",
+    "json-pointer",
+    "relative-json-pointer",
+    "regex",
+];
+
+/// Remove every `format` keyword whose value JSON Schema does not define.
+fn strip_formats(v: &mut Value) {
+    match v {
+        Value::Object(o) => {
+            if o.get("format").and_then(Value::as_str).is_some_and(|f| !STANDARD_FORMATS.contains(&f)) {
+                o.remove("format");
+            }
+            o.values_mut().for_each(strip_formats);
+        }
+        Value::Array(a) => a.iter_mut().for_each(strip_formats),
+        _ => {}
+    }
+}
 
 fn generate<T: JsonSchema>(for_output: bool) -> Value {
     let mut settings = SchemaSettings::draft2020_12();
@@ -20,6 +60,7 @@ fn generate<T: JsonSchema>(for_output: bool) -> Value {
     let schema = settings.into_generator().into_root_schema_for::<T>();
     let mut v = serde_json::to_value(schema).expect("schemas serialise");
     crate::ckb::portable(&mut v);
+    strip_formats(&mut v);
     if let Value::Object(o) = &mut v {
         o.remove("title");
         o.remove("description");
@@ -60,6 +101,11 @@ pub fn portability_problems(schema: &Value) -> Vec<String> {
                 {
                     out.push(format!("{path}: null in a type union"));
                 }
+                if let Some(f) = o.get("format").and_then(Value::as_str)
+                    && !STANDARD_FORMATS.contains(&f)
+                {
+                    out.push(format!("{path}: non-standard format `{f}`"));
+                }
                 if o.get("type").and_then(Value::as_str) == Some("array") && !o.contains_key("items") {
                     out.push(format!("{path}: array without items"));
                 }
@@ -96,6 +142,8 @@ mod tests {
     #[allow(dead_code)]
     struct Inner {
         x: Option<u32>,
+        n: u64,
+        f: f64,
     }
     #[derive(schemars::JsonSchema, serde::Serialize)]
     #[allow(dead_code)]
@@ -113,5 +161,9 @@ mod tests {
         assert_eq!(portability_problems(&s), Vec::<String>::new(), "{s}");
         assert_eq!(s["properties"]["maybe"]["type"], "string");
         assert_eq!(s["properties"]["list"]["items"]["properties"]["x"]["type"], "integer");
+        // schemars writes `format: uint32` / `uint64` / `double`; none may remain, the bound stays.
+        assert!(raw.to_string().contains("uint64"), "{raw}");
+        let n = &s["properties"]["inner"]["properties"]["n"];
+        assert!(n.get("format").is_none() && n["minimum"] == 0, "{n}");
     }
 }

@@ -86,15 +86,35 @@ pub struct Gap {
 /// [`crate::error::ErrorKind::Input`] when the directory or file is missing or not a JSON object.
 pub fn read_config(dir: &Path) -> Result<serde_json::Map<String, Value>> {
     let path = dir.join("config.json");
+    if dir.is_file() {
+        return Err(Error::input(format!(
+            "{} is a file; pass the Hugging Face model directory that holds config.json, model.safetensors and tokenizer.json",
+            dir.display()
+        )));
+    }
     if !dir.is_dir() {
         return Err(Error::input(format!(
             "model directory {} does not exist; pass a Hugging Face model directory (config.json, model.safetensors, tokenizer.json)",
             dir.display()
         )));
     }
-    let text = std::fs::read_to_string(&path).map_err(|e| {
-        Error::input(format!("{}: cannot read ({e}); a Hugging Face model directory has a config.json", path.display()))
-    })?;
+    let llama2c = || {
+        std::fs::read_dir(dir).into_iter().flatten().flatten().any(|e| e.path().extension().is_some_and(|x| x == "bin"))
+    };
+    if !path.exists() && llama2c() {
+        return Err(Error::input(format!(
+            "{} holds a llama2.c checkpoint (.bin) and no config.json: the llama2.c layout is not supported; \
+             pass a Hugging Face directory (config.json, model.safetensors, tokenizer.json)",
+            dir.display()
+        )));
+    }
+    if !path.exists() {
+        return Err(Error::input(format!(
+            "{}: does not exist; a Hugging Face model directory has a config.json",
+            path.display()
+        )));
+    }
+    let text = crate::util::read_regular_text(&path, &crate::util::CONFIG_JSON)?;
     match serde_json::from_str::<Value>(&text) {
         Ok(Value::Object(map)) => Ok(map),
         Ok(_) => Err(Error::input(format!("{}: must be a JSON object", path.display()))),
@@ -349,7 +369,7 @@ pub fn read_safetensors(dir: &Path) -> Result<Tensors> {
 /// # Errors
 /// As [`read_safetensors`].
 pub fn read_safetensors_file(path: &Path) -> Result<Tensors> {
-    let bytes = std::fs::read(path).map_err(|e| Error::input(format!("{}: cannot read ({e})", path.display())))?;
+    let bytes = crate::util::read_regular(path, &crate::util::SAFETENSORS_FILE)?;
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| {
         Error::input(format!("{}: not a valid safetensors file ({e}); is it truncated or corrupt?", path.display()))
     })?;
@@ -443,7 +463,8 @@ pub fn tied_head_warning(cfg: &ResolvedConfig, tensors: &Tensors) -> Option<Stri
 /// [`crate::error::ErrorKind::Input`] when the file is missing or malformed.
 pub fn hf_tokenizer(dir: &Path) -> Result<tokenizers::Tokenizer> {
     let path = dir.join("tokenizer.json");
-    tokenizers::Tokenizer::from_file(&path)
+    let bytes = crate::util::read_regular(&path, &crate::util::TOKENIZER_JSON)?;
+    tokenizers::Tokenizer::from_bytes(bytes)
         .map_err(|e| Error::input(format!("{}: cannot load tokenizer ({e})", path.display())))
 }
 

@@ -7,7 +7,7 @@
 
 use std::path::Path;
 
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -35,8 +35,9 @@ pub struct KernelTestRequest {
     /// (metainfer.toml `dtype`). Another dtype needs a `[dtype_features]` entry in metainfer.toml.
     #[serde(default)]
     pub dtype: Option<String>,
-    /// Seed to replay a run; absent: a fresh one, reported in the result.
-    #[serde(default)]
+    /// Seed to replay a run (below 2^53; a decimal string is accepted too); absent: a fresh one,
+    /// reported in the result.
+    #[serde(default, deserialize_with = "crate::util::de_seed")]
     pub seed: Option<u64>,
 }
 
@@ -84,6 +85,10 @@ pub struct KernelTestReport {
     pub build_error: String,
     /// Rule findings (check_rules); a blocking one stops the test.
     pub rules: Vec<crate::guard::Finding>,
+    /// Whether the engine's code (its build scripts and proc macros, the harness process) ran in
+    /// the enforced sandbox; false where the kernel offers no Landlock ABI >= 6 or seccomp (the
+    /// server logs why at start; `--require-sandbox` refuses to run instead).
+    pub sandboxed: bool,
 }
 
 impl Report for KernelTestReport {
@@ -108,8 +113,8 @@ impl Report for KernelTestReport {
                 if k.passed { "ok  " } else { "FAIL" },
                 k.kernel,
                 k.cases,
-                super::sci(k.max_abs_err),
-                super::sci(k.max_rel_err),
+                crate::harness::figure(k.max_abs_err, &k.error),
+                crate::harness::figure(k.max_rel_err, &k.error),
                 k.worst_index,
                 k.worst_case,
                 if k.error.is_empty() { String::new() } else { format!("\n     {}", k.error) }
@@ -264,10 +269,11 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
             })
             .collect::<Result<_>>()?
     };
-    let seed = req.seed.unwrap_or_else(|| rand::rng().random());
+    let seed = req.seed.unwrap_or_else(crate::util::fresh_seed);
     gate.seed = Some(seed);
     gate.contracts(&contracts.iter().map(|c| c.id.as_str()).collect::<Vec<_>>());
     let dtype = gate.target.dtype.clone();
+    let sandboxed = ctx.workshop.sandboxed();
     let failed = |text: String, rules| KernelTestReport {
         passed: false,
         seed,
@@ -275,6 +281,7 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
         kernels: vec![],
         build_error: text,
         rules,
+        sandboxed,
     };
     if let Err(stop) = gate.rules()? {
         return Ok(gate.stopped(&stop, failed(stop.text.clone(), stop.findings.clone())));
@@ -301,9 +308,12 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
             drawn.push(case);
         }
     }
-    let called = gate.call(&h, Command::Kernel { cases: cases.clone() }, &[])?;
-    let process_error =
-        if called.run.ok() { String::new() } else { format!("the harness process {}", called.run.failure_text(1500)) };
+    let called = gate.call(&h, Command::Kernel { cases: cases.clone() }, &[], &[])?;
+    let process_error = if called.run.ok() {
+        String::new()
+    } else {
+        crate::harness::explain(&format!("the harness process {}", called.run.failure_text(1500)), &gate.engine)
+    };
     let results = match called.reply {
         Ok(Reply::Kernel { results }) if results.len() == cases.len() => results.into_iter().map(Some).collect(),
         _ => vec![None; cases.len()],
@@ -337,8 +347,15 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
         })
         .collect();
     let passed = !kernels.is_empty() && kernels.iter().all(|k| k.passed);
-    let report =
-        KernelTestReport { passed, seed, dtype, kernels, build_error: String::new(), rules: gate.findings.clone() };
+    let report = KernelTestReport {
+        passed,
+        seed,
+        dtype,
+        kernels,
+        build_error: String::new(),
+        rules: gate.findings.clone(),
+        sandboxed,
+    };
     let figures = KernelTestFigures {
         gate: gate.common(),
         kernels: report

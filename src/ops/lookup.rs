@@ -1,23 +1,41 @@
-//! lookup_contract: show one contract by id, or search by text.
+//! lookup_contract: contracts by id, by a list of ids, by build phase of a model family (with
+//! their failure modes and what they require, each contract once), or search hits by text. The
+//! structured content carries the contracts whole (TOML, failure modes, requirements); the text is
+//! a short index of them. Pages fit the output bound and continue from a keyset cursor.
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::{Ctx, Report};
+use crate::ckb::{Contract, Phase};
 use crate::error::{Error, Result};
 
-/// Show a contract by id, or search contracts by text.
-#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+/// Which contracts: give one of `id`, `ids`, `phase` or `query`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
 pub struct LookupRequest {
-    /// Exact contract id, e.g. `kernel.rope`. Give this or `query`.
+    /// Exact contract id, e.g. `kernel.rope`.
     #[serde(default)]
     pub id: Option<String>,
+    /// Several contract ids, e.g. from a plan's phase; each is returned once.
+    #[serde(default)]
+    pub ids: Vec<String>,
+    /// A build phase (kernels, weight_loading, decoder_layer, full_forward, generation,
+    /// performance): the contracts of that phase for `family`, with their failure modes and the
+    /// contracts they require, each once.
+    #[serde(default)]
+    pub phase: Option<String>,
+    /// Model-family contract for `phase` (default `model.llama`).
+    #[serde(default)]
+    pub family: Option<String>,
+    /// Weight dtype for `phase` (default f32): picks the linear kernel of that dtype.
+    #[serde(default)]
+    pub dtype: Option<String>,
     /// Words to search for in ids, summaries, math and pseudocode, e.g. `rotary half`.
     #[serde(default)]
     pub query: Option<String>,
-    /// Index of the first search hit to return (pagination); the previous page's `next_cursor`.
+    /// The previous page's `next_cursor`.
     #[serde(default)]
-    pub cursor: Option<usize>,
+    pub cursor: Option<String>,
 }
 
 /// A contract in brief.
@@ -33,80 +51,187 @@ pub struct ContractBrief {
     pub summary: String,
 }
 
+/// A contract whole.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct ContractFull {
+    /// Contract id.
+    pub id: String,
+    /// Kind (kernel, component, model, platform, failure, policy).
+    pub kind: String,
+    /// Version.
+    pub version: u32,
+    /// One-line summary.
+    pub summary: String,
+    /// Failure-mode contract ids that apply to it.
+    pub failure_modes: Vec<String>,
+    /// Contract ids it builds on.
+    pub requires: Vec<String>,
+    /// The whole contract as TOML, exactly as in the knowledge base.
+    pub toml: String,
+}
+
 /// Lookup result.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 pub struct LookupReport {
-    /// Matching contracts (one for an id lookup).
+    /// Search hits in brief (a `query`); empty otherwise.
     pub matches: Vec<ContractBrief>,
-    /// For an id lookup: the whole contract as TOML, exactly as in the knowledge base.
-    pub contract_toml: String,
-    /// Cursor of the next page of search hits, absent on the last page.
+    /// The contracts asked for (`id`, `ids`, `phase`), whole, each once.
+    pub contracts: Vec<ContractFull>,
+    /// Cursor of the next page, absent on the last.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub next_cursor: Option<usize>,
+    pub next_cursor: Option<String>,
 }
 
 impl Report for LookupReport {
     fn passed(&self) -> bool {
-        !self.matches.is_empty()
+        !self.matches.is_empty() || !self.contracts.is_empty()
     }
     fn text(&self) -> String {
-        if !self.contract_toml.is_empty() {
-            return self.contract_toml.clone();
+        let mut s = String::new();
+        if !self.contracts.is_empty() {
+            let ids: Vec<&str> = self.contracts.iter().map(|c| c.id.as_str()).collect();
+            s += &format!(
+                "{} contract(s): {}\neach whole (TOML) in the structured content `contracts[].toml`, or as resource ckb://contract/{{id}}\n",
+                ids.len(),
+                ids.join(", ")
+            );
+            for c in &self.contracts {
+                s += &format!("- {} (v{}, {}): {}\n", c.id, c.version, c.kind, c.summary);
+                if !c.failure_modes.is_empty() {
+                    s += &format!("  failure modes: {}\n", c.failure_modes.join(", "));
+                }
+                if !c.requires.is_empty() {
+                    s += &format!("  requires: {}\n", c.requires.join(", "));
+                }
+            }
+        } else {
+            s += &format!("{} match(es)\n", self.matches.len());
+            for m in &self.matches {
+                s += &format!("{} (v{}, {}): {}\n", m.id, m.version, m.kind, m.summary);
+            }
         }
-        let mut s = format!("{} match(es)\n", self.matches.len());
-        for m in &self.matches {
-            s += &format!("{} (v{}, {}): {}\n", m.id, m.version, m.kind, m.summary);
-        }
-        if let Some(c) = self.next_cursor {
-            s += &format!("more: pass cursor {c}\n");
+        if let Some(c) = &self.next_cursor {
+            s += &format!("more: pass cursor \"{c}\"\n");
         }
         s
     }
 }
 
-/// Search hits per page.
+/// Search hits per page at most.
 pub const PAGE: usize = 25;
 
-fn brief(c: &crate::ckb::Contract) -> ContractBrief {
+fn brief(c: &Contract) -> ContractBrief {
     ContractBrief { id: c.id.clone(), kind: c.kind.prefix().into(), version: c.version, summary: c.summary.clone() }
 }
 
-/// Look up a contract.
+fn full(c: &Contract) -> Result<ContractFull> {
+    Ok(ContractFull {
+        id: c.id.clone(),
+        kind: c.kind.prefix().into(),
+        version: c.version,
+        summary: c.summary.clone(),
+        failure_modes: c.failure_modes.clone(),
+        requires: c.requires.clone(),
+        toml: toml::to_string_pretty(c).map_err(|e| Error::internal(format!("cannot render {}: {e}", c.id)))?,
+    })
+}
+
+/// Look up contracts and record the lookup.
 ///
 /// # Errors
-/// Unknown id, or neither id nor query given.
+/// Unknown id, family or phase, none of id/ids/phase/query given, or a stale cursor.
 pub fn lookup(ctx: &Ctx, req: &LookupRequest) -> Result<LookupReport> {
     let started = std::time::Instant::now();
     let report = lookup_only(ctx, req)?;
-    let ids: Vec<&str> = report.matches.iter().map(|m| m.id.as_str()).collect();
+    let ids: Vec<&str> =
+        report.matches.iter().map(|m| m.id.as_str()).chain(report.contracts.iter().map(|c| c.id.as_str())).collect();
     ctx.record(
         "lookup_contract",
         None,
         ctx.versioned(&ids),
         &report,
-        crate::ledger::figures::Figures::Other(serde_json::json!({"matches": report.matches.len()})),
+        crate::ledger::figures::Figures::Other(serde_json::json!({"matches": ids.len()})),
         started,
     );
     Ok(report)
 }
 
-fn lookup_only(ctx: &Ctx, req: &LookupRequest) -> Result<LookupReport> {
-    match (&req.id, &req.query) {
-        (Some(id), _) => {
-            let c = ctx.ckb.get(id)?;
-            let toml = toml::to_string_pretty(c).map_err(|e| Error::internal(format!("cannot render {id}: {e}")))?;
-            Ok(LookupReport { matches: vec![brief(c)], contract_toml: toml, next_cursor: None })
-        }
-        (None, Some(q)) => {
-            let hits = ctx.ckb.search(q);
-            let start = req.cursor.unwrap_or(0).min(hits.len());
-            let end = (start + PAGE).min(hits.len());
-            Ok(LookupReport {
-                matches: hits[start..end].iter().map(|c| brief(c)).collect(),
-                contract_toml: String::new(),
-                next_cursor: (end < hits.len()).then_some(end),
-            })
-        }
-        (None, None) => Err(Error::usage("give `id` (e.g. kernel.rope) or `query` (e.g. \"rotary\")")),
+/// The contracts of `phase` for a family at a dtype, then their failure modes and requirements
+/// (transitively), each once, in that order.
+fn phase_ids(ctx: &Ctx, phase: &str, family: &str, dtype: &str) -> Result<Vec<String>> {
+    let p = Phase::ALL.into_iter().find(|p| p.name() == phase).ok_or_else(|| {
+        Error::usage(format!(
+            "unknown phase `{phase}`; phases: {}",
+            Phase::ALL.iter().map(|p| p.name()).collect::<Vec<_>>().join(", ")
+        ))
+    })?;
+    let fam = ctx.ckb.get(family)?;
+    let m = fam.model.as_ref().ok_or_else(|| Error::usage(format!("`{family}` is not a model-family contract")))?;
+    let kernels = ctx.ckb.kernels_for(fam, dtype).map_err(Error::usage)?;
+    let mut ids: Vec<String> = kernels
+        .iter()
+        .chain(&m.components)
+        .filter(|id| ctx.ckb.get(id).is_ok_and(|c| c.phase == Some(p)))
+        .cloned()
+        .collect();
+    if matches!(p, Phase::DecoderLayer | Phase::FullForward) || fam.phase == Some(p) {
+        ids.push(fam.id.clone());
     }
+    Ok(ids)
+}
+
+/// `ids`, then every failure mode and requirement reachable from them, each once.
+fn closure(ctx: &Ctx, ids: Vec<String>) -> Result<Vec<String>> {
+    let mut out: Vec<String> = Vec::new();
+    let mut queue = ids;
+    let mut i = 0;
+    while i < queue.len() {
+        let id = queue[i].clone();
+        i += 1;
+        if out.contains(&id) {
+            continue;
+        }
+        let c = ctx.ckb.get(&id)?;
+        out.push(id);
+        queue.extend(c.failure_modes.iter().chain(&c.requires).filter(|x| ctx.ckb.get(x).is_ok()).cloned());
+    }
+    Ok(out)
+}
+
+fn lookup_only(ctx: &Ctx, req: &LookupRequest) -> Result<LookupReport> {
+    let given = [req.id.is_some(), !req.ids.is_empty(), req.phase.is_some(), req.query.is_some()];
+    if given.iter().filter(|g| **g).count() != 1 {
+        return Err(Error::usage(
+            "give exactly one of `id` (e.g. kernel.rope), `ids` (a list), `phase` (e.g. kernels) or `query` (e.g. \"rotary\")",
+        ));
+    }
+    let budget = ctx.max_output.saturating_sub(200);
+    if let Some(q) = &req.query {
+        let hits: Vec<ContractBrief> = ctx.ckb.search(q).into_iter().map(brief).collect();
+        let mut rest = super::page::after(hits, req.cursor.as_deref(), |b| b.id.clone())?;
+        let more = rest.len() > PAGE;
+        rest.truncate(PAGE);
+        let (page, cut) = super::page::fit(rest, budget);
+        let next_cursor = (more || cut).then(|| page.last().map(|b| b.id.clone())).flatten();
+        return Ok(LookupReport { matches: page, contracts: vec![], next_cursor });
+    }
+    let ids = if let Some(id) = &req.id {
+        vec![id.clone()]
+    } else if let Some(phase) = &req.phase {
+        let family = req.family.as_deref().unwrap_or("model.llama");
+        closure(ctx, phase_ids(ctx, phase, family, req.dtype.as_deref().unwrap_or("f32"))?)?
+    } else {
+        let mut seen = Vec::new();
+        for id in &req.ids {
+            if !seen.contains(id) {
+                seen.push(id.clone());
+            }
+        }
+        seen
+    };
+    let contracts = ids.iter().map(|id| ctx.ckb.get(id).and_then(full)).collect::<Result<Vec<_>>>()?;
+    let rest = super::page::after(contracts, req.cursor.as_deref(), |c| c.id.clone())?;
+    let (page, cut) = super::page::fit(rest, budget);
+    let next_cursor = cut.then(|| page.last().map(|c| c.id.clone())).flatten();
+    Ok(LookupReport { matches: vec![], contracts: page, next_cursor })
 }

@@ -3,14 +3,18 @@
 //!
 //! Depends on ckb, model, oracle, harness and ledger; knows nothing of MCP.
 
+pub mod ckb_check;
 pub mod compile;
 pub mod evolve;
 pub mod gate;
 pub mod kernel_test;
 pub mod lookup;
+pub mod machine;
 pub mod outcomes;
+pub mod page;
 pub mod plan;
 pub mod profile;
+pub mod reference;
 pub mod report;
 pub mod rules;
 pub mod scaffold;
@@ -51,6 +55,17 @@ pub struct Ctx {
 }
 
 impl Ctx {
+    /// What no sandboxed process may reach ([`crate::harness::Workshop::protected`]): the ledger, its
+    /// HMAC key, the ledger's directory (the data directory), the CKB working copy and the
+    /// candidates directory.
+    pub fn protected_paths(&self) -> Vec<PathBuf> {
+        let mut out = vec![self.ledger.clone(), crate::ledger::key_path(&self.ledger)];
+        out.extend(self.ledger.parent().filter(|p| !p.as_os_str().is_empty()).map(Path::to_path_buf));
+        out.extend(self.ckb_dir.clone());
+        out.push(self.candidates_dir());
+        out
+    }
+
     /// Where candidate contracts are staged: `<ckb>/candidates` for a working copy, else beside the
     /// ledger (`candidates/`). Candidates are never part of the CKB until promoted.
     pub fn candidates_dir(&self) -> PathBuf {
@@ -98,7 +113,7 @@ impl Ctx {
         if candidates.is_empty() && crate::ckb::fingerprint(&files) == self.ckb.fingerprint() {
             return Cow::Borrowed(self);
         }
-        match Ckb::with_candidates(files, candidates, self.ckb.origin.clone()) {
+        match Ckb::with_candidates(files, candidates, self.ckb.origin.clone(), Some(&crate::oracle::implemented())) {
             Ok((ckb, left_out)) => {
                 for f in left_out {
                     tracing::warn!("staged candidate not used for routing: {f}");
@@ -169,7 +184,7 @@ impl Ctx {
                 m.family
             ))
         })?;
-        let kernels = plan::kernels_for(&self.ckb, fam, &dtype).map_err(Error::usage)?;
+        let kernels = self.ckb.kernels_for(fam, &dtype).map_err(Error::usage)?;
         let arms = kernels.iter().map(|k| arm(k)).collect::<Result<Vec<_>>>()?;
         let platform = self.ckb.platform_for(&m.target).map(|p| p.id.clone());
         let items = optional_items(&self.ckb, fam, &engine.build_dir);
@@ -283,11 +298,7 @@ impl Ctx {
         if roots.iter().any(|r| resolved.starts_with(r)) {
             Ok(resolved)
         } else {
-            Err(Error::usage(format!(
-                "{} is outside the workspace; allowed roots: {}",
-                resolved.display(),
-                roots.iter().map(|r| r.display().to_string()).collect::<Vec<_>>().join(", ")
-            )))
+            Err(Error::usage(crate::harness::outside_workspace(&resolved, &roots)))
         }
     }
 
@@ -327,7 +338,10 @@ impl Ctx {
             reference_level: engine.map(|e| e.manifest.reference_level).unwrap_or_default().name().into(),
             duration_ms: started.elapsed().as_millis() as u64,
             client: self.client.read().map(|c| c.clone()).unwrap_or_default(),
+            status: if crate::harness::call_cancelled() { crate::ledger::CANCELLED.into() } else { String::new() },
             constraints,
+            imported: false,
+            authenticated: false,
         };
         match Ledger::open(&self.ledger).and_then(|l| l.record(&outcome)) {
             Ok(()) => {}

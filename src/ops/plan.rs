@@ -198,48 +198,6 @@ pub fn plan(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
     Ok(report)
 }
 
-/// The kernel contracts an engine of `family` with weights stored in `dtype` implements: the
-/// family's kernels, each replaced by its weight-dtype variant (`[variant]` of a kernel contract,
-/// e.g. `kernel.linear_int8` for `kernel.linear` at `int8`) where one exists.
-///
-/// # Errors
-/// The reason, in words, when `dtype` is not a weight dtype or no kernel of the family has a
-/// variant for it (nothing would read weights in that dtype).
-pub fn kernels_for(
-    ckb: &crate::ckb::Ckb,
-    family: &crate::ckb::Contract,
-    dtype: &str,
-) -> std::result::Result<Vec<String>, String> {
-    if !crate::ckb::WEIGHT_DTYPES.contains(&dtype) {
-        return Err(format!("`{dtype}` is not a weight dtype; use one of {}", crate::ckb::WEIGHT_DTYPES.join(", ")));
-    }
-    let m = family.model.as_ref().ok_or_else(|| format!("{} is not a model-family contract", family.id))?;
-    let mut replaced = false;
-    let kernels = m
-        .kernels
-        .iter()
-        .map(|k| {
-            let variant = ckb
-                .of_kind(Kind::Kernel)
-                .find(|c| c.variant.as_ref().is_some_and(|v| &v.of == k && v.weight_dtype == dtype));
-            match variant {
-                Some(v) => {
-                    replaced = true;
-                    v.id.clone()
-                }
-                None => k.clone(),
-            }
-        })
-        .collect();
-    if dtype != "f32" && !replaced {
-        return Err(format!(
-            "no kernel contract of {} has a variant for {dtype} weights (a kernel contract with [variant] of = one of its kernels, weight_dtype = \"{dtype}\")",
-            family.id
-        ));
-    }
-    Ok(kernels)
-}
-
 /// [`plan`] without recording an outcome (used inside scaffold). Routes with `ctx` as given: pass
 /// [`Ctx::live`] to include staged candidates.
 ///
@@ -335,7 +293,7 @@ pub fn plan_only(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
     let mut phases = Vec::new();
     if let Some(f) = family {
         let m = f.model.as_ref().unwrap();
-        let kernels = match kernels_for(&ctx.ckb, f, &req.dtype) {
+        let kernels = match ctx.ckb.kernels_for(f, &req.dtype) {
             Ok(k) => k,
             Err(reason) => {
                 gaps.push(Gap { field: "dtype".into(), reason });

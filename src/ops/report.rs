@@ -15,12 +15,42 @@ use crate::error::Result;
 use crate::ledger::figures::Figures;
 use crate::ledger::{Ledger, Outcome};
 
-/// What to report on.
+/// What to report on, and which page of which section.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
 pub struct ReportRequest {
     /// Only contracts whose id starts with this, e.g. `kernel.`.
     #[serde(default)]
     pub prefix: Option<String>,
+    /// One section to page through: `contracts`, `engines` or `coverage`; absent: the first page
+    /// of each.
+    #[serde(default)]
+    pub section: Option<String>,
+    /// The section's previous `next_cursor` (with `section`).
+    #[serde(default)]
+    pub cursor: Option<String>,
+    /// Rows per section page, 1..=500 (default 50); fewer when they would not fit the output bound.
+    #[serde(default)]
+    pub limit: Option<usize>,
+    /// Only outcomes of engines whose directory contains this text.
+    #[serde(default)]
+    pub engine: Option<String>,
+    /// Only outcomes under this contract id or id prefix.
+    #[serde(default)]
+    pub contract: Option<String>,
+    /// Only outcomes at or after this UTC time, RFC 3339, e.g. `2026-12-01T00:00:00Z`.
+    #[serde(default)]
+    pub since: Option<String>,
+}
+
+/// Rows of each section in all, before paging.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
+pub struct SectionTotals {
+    /// Contract rows.
+    pub contracts: usize,
+    /// Engine timelines.
+    pub engines: usize,
+    /// Coverage cells.
+    pub coverage: usize,
 }
 
 /// Statistics of a set of attempt sequences (one sequence per engine directory).
@@ -80,6 +110,8 @@ pub struct EngineTimeline {
     pub level: String,
     /// Gates in build order.
     pub steps: Vec<PhaseStep>,
+    /// Outcomes of this engine imported from another ledger (counted in the steps, never evidence).
+    pub imported: usize,
 }
 
 /// One cell of the coverage matrix.
@@ -100,6 +132,8 @@ pub struct CoverageCell {
 pub struct CkbReport {
     /// Outcomes read.
     pub outcomes: usize,
+    /// Of those, imported from another ledger (`ledger import`): counted here, never evidence.
+    pub imported: usize,
     /// Per contract.
     pub contracts: Vec<ContractRow>,
     /// Per reference level.
@@ -108,6 +142,20 @@ pub struct CkbReport {
     pub engines: Vec<EngineTimeline>,
     /// Coverage matrix.
     pub coverage: Vec<CoverageCell>,
+    /// Rows of each section in all (the lists above are one page of them).
+    pub totals: SectionTotals,
+    /// Cursor of the next page of `contracts` (pass with `section: "contracts"`), absent at the end.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub contracts_next: Option<String>,
+    /// Cursor of the next page of `engines`, absent at the end.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engines_next: Option<String>,
+    /// Cursor of the next page of `coverage`, absent at the end.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub coverage_next: Option<String>,
+    /// Whether the text rendering gives counts and the first rows only (the structure is large).
+    #[serde(skip)]
+    pub summary_only: bool,
 }
 
 /// Gates, in build order.
@@ -161,8 +209,11 @@ fn verdicts(o: &Outcome) -> Vec<(String, bool)> {
 
 /// Build the report from outcomes (oldest first) and the CKB.
 pub fn build(ctx: &Ctx, outcomes: &[Outcome], req: &ReportRequest) -> CkbReport {
-    let gates: Vec<&Outcome> =
-        outcomes.iter().filter(|o| GATES.contains(&o.tool.as_str()) && !o.engine.is_empty()).collect();
+    // A cancelled call is neither a pass nor a failure: it counts in no rate.
+    let gates: Vec<&Outcome> = outcomes
+        .iter()
+        .filter(|o| GATES.contains(&o.tool.as_str()) && !o.engine.is_empty() && !o.cancelled())
+        .collect();
     let mut per_contract: BTreeMap<String, BTreeMap<String, Vec<(f64, bool)>>> = BTreeMap::new();
     let mut modes: BTreeMap<String, BTreeMap<String, usize>> = BTreeMap::new();
     let mut per_level: BTreeMap<String, BTreeMap<String, Vec<(f64, bool)>>> = BTreeMap::new();
@@ -190,7 +241,7 @@ pub fn build(ctx: &Ctx, outcomes: &[Outcome], req: &ReportRequest) -> CkbReport 
             }
         }
     }
-    let contracts = per_contract
+    let contracts: Vec<ContractRow> = per_contract
         .iter()
         .map(|(id, seqs)| {
             let mut m: Vec<(&String, &usize)> = modes.get(id).map(|m| m.iter().collect()).unwrap_or_default();
@@ -208,20 +259,22 @@ pub fn build(ctx: &Ctx, outcomes: &[Outcome], req: &ReportRequest) -> CkbReport 
         .collect();
     // engine -> (reference level, gate -> (attempts, time of first pass))
     type Steps<'a> = BTreeMap<&'a str, (usize, String)>;
-    let mut per_engine: BTreeMap<String, (String, Steps)> = BTreeMap::new();
+    let mut per_engine: BTreeMap<String, (String, Steps, usize)> = BTreeMap::new();
     for o in &gates {
-        let e = per_engine.entry(o.engine.clone()).or_insert_with(|| (o.reference_level.clone(), BTreeMap::new()));
+        let e = per_engine.entry(o.engine.clone()).or_insert_with(|| (o.reference_level.clone(), BTreeMap::new(), 0));
+        e.2 += o.imported as usize;
         let step = e.1.entry(GATES.iter().find(|g| **g == o.tool).copied().unwrap_or("")).or_default();
         step.0 += 1;
         if o.passed && step.1.is_empty() {
             step.1 = o.time.clone();
         }
     }
-    let engines = per_engine
+    let engines: Vec<EngineTimeline> = per_engine
         .into_iter()
-        .map(|(engine, (level, steps))| EngineTimeline {
+        .map(|(engine, (level, steps, imported))| EngineTimeline {
             engine,
             level,
+            imported,
             steps: GATES
                 .iter()
                 .filter_map(|g| {
@@ -251,18 +304,153 @@ pub fn build(ctx: &Ctx, outcomes: &[Outcome], req: &ReportRequest) -> CkbReport 
             }
         }
     }
-    CkbReport { outcomes: outcomes.len(), contracts, levels, engines, coverage }
+    CkbReport {
+        outcomes: outcomes.len(),
+        totals: SectionTotals { contracts: contracts.len(), engines: engines.len(), coverage: coverage.len() },
+        imported: outcomes.iter().filter(|o| o.imported).count(),
+        contracts,
+        levels,
+        engines,
+        coverage,
+        contracts_next: None,
+        engines_next: None,
+        coverage_next: None,
+        summary_only: false,
+    }
 }
 
-/// Report from the context's ledger.
+/// One page of a section: the rows after `cursor`, at most `limit`, fitting `budget` characters of
+/// JSON; and the cursor of the next page.
+fn page_of<T: Serialize>(
+    rows: Vec<T>,
+    cursor: Option<&str>,
+    limit: usize,
+    budget: usize,
+    key: impl Fn(&T) -> String,
+) -> Result<(Vec<T>, Option<String>)> {
+    let mut rest = super::page::after(rows, cursor, &key)?;
+    let more = rest.len() > limit;
+    rest.truncate(limit);
+    let (page, cut) = super::page::fit(rest, budget);
+    let next = (more || cut).then(|| page.last().map(&key)).flatten();
+    Ok((page, next))
+}
+
+/// Report from the context's ledger, one page per section, bounded by the context's output bound
+/// in its JSON as in its text.
 ///
 /// # Errors
-/// An unreadable ledger.
+/// An unreadable ledger, an unknown section, a cursor without a section, or a bad limit or time.
 pub fn report(ctx: &Ctx, req: &ReportRequest) -> Result<CkbReport> {
+    let limit = req.limit.unwrap_or(50);
+    if !(1..=500).contains(&limit) {
+        return Err(crate::error::Error::usage(format!("limit must be 1..=500, got {limit}")));
+    }
+    let section = req.section.as_deref();
+    if let Some(s) = section
+        && !matches!(s, "contracts" | "engines" | "coverage")
+    {
+        return Err(crate::error::Error::usage(format!(
+            "unknown section `{s}`; sections: contracts, engines, coverage"
+        )));
+    }
+    if req.cursor.is_some() && section.is_none() {
+        return Err(crate::error::Error::usage(
+            "a cursor belongs to a section: pass `section` with it (e.g. \"engines\")",
+        ));
+    }
+    if let Some(t) = &req.since {
+        humantime::parse_rfc3339_weak(t).map_err(|e| {
+            crate::error::Error::usage(format!("since `{t}` is not an RFC 3339 time such as 2026-12-01T00:00:00Z: {e}"))
+        })?;
+    }
     let ledger = Ledger::open(&ctx.ledger)?;
-    let mut all = ledger.list(0, ledger.count()?)?;
+    let filter = crate::ledger::OutcomeFilter {
+        engine: req.engine.clone(),
+        contract: req.contract.clone(),
+        since: req.since.clone(),
+        ..Default::default()
+    };
+    let mut all: Vec<Outcome> = ledger.page(&filter, i64::MAX as usize)?.into_iter().map(|(_, o)| o).collect();
     all.reverse();
-    Ok(build(ctx, &all, req))
+    let mut r = build(ctx, &all, req);
+    // The levels table is three rows; the rest of the bound is shared by the sections asked for.
+    let room = ctx.max_output.saturating_sub(super::page::json_len(&r.levels) + 600);
+    let share = if section.is_some() { room } else { room / 3 };
+    let wants = |s: &str| section.is_none_or(|x| x == s);
+    let cur = req.cursor.as_deref();
+    (r.contracts, r.contracts_next) = if wants("contracts") {
+        page_of(std::mem::take(&mut r.contracts), cur, limit, share, |c| c.id.clone())?
+    } else {
+        (vec![], None)
+    };
+    (r.engines, r.engines_next) = if wants("engines") {
+        page_of(std::mem::take(&mut r.engines), cur, limit, share, |e| e.engine.clone())?
+    } else {
+        (vec![], None)
+    };
+    (r.coverage, r.coverage_next) = if wants("coverage") {
+        page_of(std::mem::take(&mut r.coverage), cur, limit, share, |c| {
+            format!("{}|{}|{}", c.family, c.target, c.dtype)
+        })?
+    } else {
+        (vec![], None)
+    };
+    r.summary_only = super::page::json_len(&r) > ctx.max_output / 2;
+    Ok(r)
+}
+
+impl CkbReport {
+    /// Where each section stands and how to get its next page.
+    fn paging(&self) -> String {
+        let mut s = format!(
+            "This page: {} of {} contracts, {} of {} engines, {} of {} coverage cells.\n",
+            self.contracts.len(),
+            self.totals.contracts,
+            self.engines.len(),
+            self.totals.engines,
+            self.coverage.len(),
+            self.totals.coverage
+        );
+        for (name, next) in
+            [("contracts", &self.contracts_next), ("engines", &self.engines_next), ("coverage", &self.coverage_next)]
+        {
+            if let Some(c) = next {
+                s += &format!("More {name}: pass section \"{name}\" and cursor \"{c}\".\n");
+            }
+        }
+        s + "\n"
+    }
+
+    /// A short text for a large report: counts, the reference levels, the contracts with the
+    /// lowest first-try pass rates, and how to page (the rows are in the structured content).
+    fn summary(&self) -> String {
+        let mut s =
+            format!("# CKB report ({} outcomes), summary; every row is in the structured content\n\n", self.outcomes);
+        s += &self.paging();
+        for l in &self.levels {
+            s += &format!(
+                "level {}: {} attempts, first-try pass {}, never green {}\n",
+                l.level,
+                l.stats.attempts,
+                pct(l.stats.first_try_pass_rate),
+                l.stats.never_green
+            );
+        }
+        let mut hardest: Vec<&ContractRow> = self.contracts.iter().collect();
+        hardest.sort_by(|a, b| a.stats.first_try_pass_rate.total_cmp(&b.stats.first_try_pass_rate));
+        s += "\nLowest first-try pass rates on this page:\n";
+        for c in hardest.into_iter().take(10) {
+            s += &format!(
+                "- {}: {} over {} engines, modes {}\n",
+                c.id,
+                pct(c.stats.first_try_pass_rate),
+                c.stats.engines,
+                c.failure_modes.join(", ")
+            );
+        }
+        s
+    }
 }
 
 fn pct(x: f64) -> String {
@@ -274,7 +462,15 @@ impl Report for CkbReport {
         true
     }
     fn text(&self) -> String {
-        let mut s = format!("# CKB report ({} outcomes)\n\n## Per contract\n\n", self.outcomes);
+        if self.summary_only {
+            return self.summary();
+        }
+        let mut s = format!(
+            "# CKB report ({} outcomes{})\n\n{}## Per contract\n\n",
+            self.outcomes,
+            if self.imported > 0 { format!(", {} imported", self.imported) } else { String::new() },
+            self.paging()
+        );
         s += "| contract | attempts | engines | first-try pass | median attempts to green | median s to green | never green | failure modes |\n|---|---|---|---|---|---|---|---|\n";
         for c in &self.contracts {
             let st = &c.stats;
@@ -305,7 +501,12 @@ impl Report for CkbReport {
         }
         s += "\n## Engines\n\n";
         for e in &self.engines {
-            s += &format!("- {} ({}): ", e.engine, e.level);
+            s += &format!(
+                "- {} ({}{}): ",
+                e.engine,
+                e.level,
+                if e.imported > 0 { format!("; {} imported", e.imported) } else { String::new() }
+            );
             let steps: Vec<String> = e
                 .steps
                 .iter()

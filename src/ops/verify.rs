@@ -45,8 +45,8 @@ pub struct VerifyRequest {
     /// Tokens to generate per prompt (default 32).
     #[serde(default)]
     pub max_new_tokens: Option<usize>,
-    /// Seed for the random prompts, to replay a run.
-    #[serde(default)]
+    /// Seed for the random prompts, to replay a run (below 2^53; a decimal string is accepted too).
+    #[serde(default, deserialize_with = "crate::util::de_seed")]
     pub seed: Option<u64>,
     /// Weight dtype to build the engine for (f32, bf16, f16, int8); absent: the engine's own
     /// (metainfer.toml `dtype`). The reference then runs on the weights as that dtype stores them.
@@ -130,6 +130,10 @@ pub struct VerifyReport {
     /// Things the engine author should know that did not fail the gate (e.g. an ignored lm_head).
     #[serde(default)]
     pub warnings: Vec<String>,
+    /// Whether the engine's code (its build scripts and proc macros, the harness process) ran in
+    /// the enforced sandbox; false where the kernel offers no Landlock ABI >= 6 or seccomp (the
+    /// server logs why at start; `--require-sandbox` refuses to run instead).
+    pub sandboxed: bool,
 }
 
 /// The engine's tokenizer on one real vocabulary's test vectors.
@@ -155,9 +159,9 @@ impl Report for VerifyReport {
     fn text(&self) -> String {
         let ok = self.prompts.iter().filter(|p| p.error.is_empty()).count();
         let mut s = format!(
-            "verify {}: {ok}/{} prompts passed (seed {}, {} with {} weights, logits atol {} rtol {})\n",
+            "verify {}: {} (seed {}, {} with {} weights, logits atol {} rtol {})\n",
             if self.passed { "PASSED" } else { "FAILED" },
-            self.prompts.len(),
+            crate::harness::prompts_passed(ok, self.prompts.len()),
             self.seed,
             self.family,
             self.dtype,
@@ -343,6 +347,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     let model_dir = ctx.confine(Path::new(&req.model), true)?;
     let target = gate.target.clone();
     let cfg = model::load_config(&ctx.ckb, &model_dir)?;
+    gate.same_family(&model_dir, &cfg.family)?;
     let family = ctx.ckb.get(&cfg.family)?;
     let logits_tol = &family.model.as_ref().expect("model contract").logits_tolerance;
     let tol: Tolerance = logits_tol.get(&target.dtype).cloned().ok_or_else(|| {
@@ -363,7 +368,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     if max_new == 0 || max_new > 4096 {
         return Err(Error::usage(format!("max_new_tokens must be 1..=4096, got {max_new}")));
     }
-    let seed = req.seed.unwrap_or_else(|| rand::rng().random());
+    let seed = req.seed.unwrap_or_else(crate::util::fresh_seed);
     gate.seed = Some(seed);
     let mut prompts: Vec<(String, bool)> = req.prompts.iter().map(|p| (p.clone(), false)).collect();
     if prompts.is_empty() {
@@ -418,6 +423,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         tokenizer: tokenizer_contract.clone(),
         tokenizer_vectors: vec![],
         warnings: warnings.clone(),
+        sandboxed: ctx.workshop.sandboxed(),
     };
     let h = match gate.prepare()? {
         Ok(h) => h,
@@ -435,6 +441,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
             stop_tokens: generation.eos_token_ids.clone(),
         },
         &[],
+        &[model_dir.as_path()],
     )?;
     let (texts, engine_stops) = match called.ok("engine's generation", 2000) {
         Ok(Reply::Generate { prompts: g, stop_tokens, .. }) if g.len() == prompts.len() => (g, stop_tokens),
@@ -445,7 +452,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
             return Ok(report);
         }
         Err(why) => {
-            let report = fail(why, vec![], gate.findings.clone());
+            let report = fail(crate::harness::explain(&why, &gate.engine), vec![], gate.findings.clone());
             gate.record(&report, Figures::Verify(VerifyFigures { gate: gate.common(), ..Default::default() }));
             return Ok(report);
         }
@@ -604,6 +611,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         tokenizer: tokenizer_contract.clone(),
         tokenizer_vectors: vectors,
         warnings,
+        sandboxed: ctx.workshop.sandboxed(),
     };
     let figures = VerifyFigures {
         gate: gate.common(),
@@ -659,7 +667,8 @@ fn tokenizer_vectors(
             })
             .collect()
     };
-    let replies = match gate.call(h, Command::Tokenize { sets: request }, &[])?.ok("engine's tokenizer", 1000) {
+    let reads: Vec<&Path> = sets.iter().map(|s| s.dir.as_path()).collect();
+    let replies = match gate.call(h, Command::Tokenize { sets: request }, &[], &reads)?.ok("engine's tokenizer", 1000) {
         Ok(Reply::Tokenize { sets: r }) if r.len() == sets.len() => r,
         Ok(other) => return Ok(failed(format!("the harness answered tokenize with an unexpected reply: {other:?}"))),
         Err(why) => return Ok(failed(why)),

@@ -60,7 +60,7 @@ async def main(binary, model):
                   all(attr(t, "input_schema", "inputSchema") and attr(t, "output_schema", "outputSchema") for t in tools))
 
             r = await s.call_tool("lookup_contract", {"id": "kernel.rope"})
-            check("lookup_contract", not is_error(r) and structured(r).get("matches", [{}])[0].get("id") == "kernel.rope",
+            check("lookup_contract", not is_error(r) and structured(r).get("contracts", [{}])[0].get("id") == "kernel.rope",
                   str(r.content[:1]))
             r = await s.call_tool("plan_engine", {"model": model})
             check("plan_engine", not is_error(r) and structured(r).get("covered") is True, str(r.content[:1]))

@@ -263,6 +263,12 @@ async fn long_call_sends_progress_and_cancel_leaves_no_process() {
         .unwrap();
     assert_eq!(r.is_error, Some(false));
     c.cancel().await.unwrap();
+    // The cancelled compile is recorded as cancelled: neither a pass nor a failure.
+    let l = metainfer::ledger::Ledger::open(&t.path().join("l.sqlite")).unwrap();
+    let compile = l.list_filtered(0, 10, Some("compile_engine")).unwrap();
+    assert_eq!(compile.len(), 1, "{compile:?}");
+    assert_eq!(compile[0].status, "cancelled", "{:?}", compile[0]);
+    assert!(!compile[0].passed);
 }
 
 /// Tool results are bounded (configurable) and the ledger is listed page by page.
@@ -281,11 +287,11 @@ async fn output_is_bounded_and_outcomes_are_paginated() {
         .await
         .unwrap();
     let text = &r.content[0].as_text().unwrap().text;
-    assert!(text.chars().count() < 500 && text.contains("truncated"), "{text}");
-    assert!(
-        r.structured_content.unwrap()["contract_toml"].as_str().unwrap().len() > 300,
-        "structured content is whole"
-    );
+    assert!(text.chars().count() < 500 && text.contains("kernel.attention"), "{text}");
+    // One contract larger than the bound is still given whole (a page always holds one item).
+    let v = r.structured_content.unwrap();
+    assert!(v["contracts"][0]["toml"].as_str().unwrap().len() > 300, "structured content is whole");
+    assert!(v.get("next_cursor").is_none());
     for _ in 0..3 {
         c.call_tool(
             CallToolRequestParams::new("lookup_contract").with_arguments(args(serde_json::json!({"query": "rope"}))),
@@ -293,20 +299,40 @@ async fn output_is_bounded_and_outcomes_are_paginated() {
         .await
         .unwrap();
     }
-    let page = |cursor: Option<u64>| {
+    let page = |cursor: Option<String>| {
         let mut a = serde_json::json!({"limit": 3});
         if let Some(cur) = cursor {
             a["cursor"] = cur.into();
         }
         CallToolRequestParams::new("list_outcomes").with_arguments(args(a))
     };
+    // With a 300-character bound a page holds one outcome; walking the cursors visits the four
+    // outcomes once each, oldest last, even though a fifth is recorded after the first page
+    // (keyset, not offset).
     let p1 = c.call_tool(page(None)).await.unwrap().structured_content.unwrap();
     assert_eq!(p1["total"], 4);
-    assert_eq!(p1["outcomes"].as_array().unwrap().len(), 3);
-    assert_eq!(p1["next_cursor"], 3);
-    let p2 = c.call_tool(page(Some(3))).await.unwrap().structured_content.unwrap();
-    assert_eq!(p2["outcomes"].as_array().unwrap().len(), 1);
-    assert!(p2.get("next_cursor").is_none());
-    assert!(p2["outcomes"][0]["summary"].as_str().unwrap().contains("kernel.attention"));
+    assert!(serde_json::to_string(&p1["outcomes"]).unwrap().len() < 1000, "{p1}");
+    let mut ids: Vec<String> =
+        p1["outcomes"].as_array().unwrap().iter().map(|o| o["id"].as_str().unwrap().into()).collect();
+    let mut cursor = p1["next_cursor"].as_str().map(str::to_owned);
+    c.call_tool(
+        CallToolRequestParams::new("lookup_contract").with_arguments(args(serde_json::json!({"query": "rms"}))),
+    )
+    .await
+    .unwrap();
+    let mut last = serde_json::Value::Null;
+    while let Some(cur) = cursor {
+        let p = c.call_tool(page(Some(cur))).await.unwrap().structured_content.unwrap();
+        ids.extend(p["outcomes"].as_array().unwrap().iter().map(|o| o["id"].as_str().unwrap().to_string()));
+        cursor = p["next_cursor"].as_str().map(str::to_owned);
+        last = p;
+        assert!(ids.len() <= 4, "pages repeat or include the newer outcome: {ids:?}");
+    }
+    let mut unique = ids.clone();
+    unique.sort();
+    unique.dedup();
+    assert_eq!((ids.len(), unique.len()), (4, 4), "{ids:?}");
+    let outcomes = last["outcomes"].as_array().unwrap();
+    assert!(outcomes.last().unwrap()["summary"].as_str().unwrap().contains("kernel.attention"), "{last}");
     c.cancel().await.unwrap();
 }

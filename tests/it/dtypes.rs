@@ -4,7 +4,6 @@
 
 use metainfer::ckb::{self, Ckb};
 use metainfer::model;
-use metainfer::ops::plan::kernels_for;
 use metainfer::oracle::{self, dtypes, llama::Reference};
 
 fn lint_after(file: &str, edit: impl Fn(&str) -> String) -> Vec<ckb::Finding> {
@@ -41,20 +40,20 @@ fn two_variants_for_one_kernel_and_dtype_are_a_contradiction() {
 fn plan_picks_the_kernel_variant_of_the_dtype() {
     let ckb = Ckb::embedded().unwrap();
     let llama = ckb.get("model.llama").unwrap();
-    let f32s = kernels_for(&ckb, llama, "f32").unwrap();
+    let f32s = ckb.kernels_for(llama, "f32").unwrap();
     assert!(f32s.contains(&"kernel.linear".to_string()) && !f32s.iter().any(|k| k.starts_with("kernel.linear_")));
     for (dtype, kernel) in
         [("bf16", "kernel.linear_bf16"), ("f16", "kernel.linear_f16"), ("int8", "kernel.linear_int8")]
     {
-        let ks = kernels_for(&ckb, llama, dtype).unwrap();
+        let ks = ckb.kernels_for(llama, dtype).unwrap();
         assert!(ks.contains(&kernel.to_string()), "{dtype}: {ks:?}");
         assert!(!ks.contains(&"kernel.linear".to_string()), "{dtype}: {ks:?}");
         assert_eq!(ks.len(), f32s.len(), "{dtype}: one kernel replaced, none added");
     }
-    let err = kernels_for(&ckb, llama, "fp8").unwrap_err();
+    let err = ckb.kernels_for(llama, "fp8").unwrap_err();
     assert!(err.contains("fp8") && err.contains("bf16"), "{err}");
     // Gemma's GeGLU has its own kernel contract; Llama uses SwiGLU.
-    let gemma = kernels_for(&ckb, ckb.get("model.gemma").unwrap(), "f32").unwrap();
+    let gemma = ckb.kernels_for(ckb.get("model.gemma").unwrap(), "f32").unwrap();
     assert!(gemma.contains(&"kernel.gelu_tanh_and_mul".to_string()), "{gemma:?}");
     assert!(!f32s.contains(&"kernel.gelu_tanh_and_mul".to_string()));
 }

@@ -72,10 +72,20 @@ fn bare_scaffold_compiles_and_fails_every_other_gate() {
     assert_eq!(k.kernels.len(), 8);
     assert!(k.kernels.iter().all(|k| !k.passed && k.error.contains("not yet implemented")), "{k:?}");
     crate::assert_conforms(&k);
+    // A panicked kernel reads "panicked", not the sentinel 1.80e308.
+    let text = metainfer::ops::Report::text(&k);
+    assert!(text.contains("max abs  panicked") && !text.contains("e308"), "{text}");
 
     let v = verify(&ctx, &verify_req(&engine), &budget()).unwrap();
     assert!(!v.passed && v.error.contains("not yet implemented"), "{}", v.error);
     crate::assert_conforms(&v);
+    // The failure names the user's file and the unimplemented function, not the server's snapshot,
+    // and the header says the engine crashed instead of "0/0 prompts passed".
+    let dir = engine.canonicalize().unwrap().display().to_string();
+    assert!(v.error.contains("todo!() in ") && v.error.contains(&format!("{dir}/src/")), "{}", v.error);
+    assert!(!v.error.contains("/snapshots/"), "{}", v.error);
+    let text = metainfer::ops::Report::text(&v);
+    assert!(text.contains("crashed before the first prompt") && !text.contains("0/0"), "{text}");
 
     let p = profile(
         &ctx,
@@ -154,6 +164,12 @@ fn example_engine_passes_every_gate(engine: Engine) {
     crate::assert_conforms(&k);
     let v = verify(&ctx, &verify_req(&good), &budget()).unwrap();
     assert!(v.passed, "{}", metainfer::ops::Report::text(&v));
+    // Every gate ran the engine's code in the sandbox (on a kernel that offers it).
+    let enforced = metainfer::harness::sandbox::status().enforced;
+    let c =
+        metainfer::ops::compile::compile(&ctx, &CompileRequest { engine: s(&good), cursor: None }, &budget()).unwrap();
+    assert!(c.passed);
+    assert_eq!((k.sandboxed, v.sandboxed, c.sandboxed), (enforced, enforced, enforced));
 
     // Profile: every kernel of a decode step timed on BabyLlama's shapes. The projections hold
     // 5 x (2 x 128^2 + 2 x 64 x 128 + 3 x 128 x 352) = 921,600 weights, and lm_head 105 x 128 more:
@@ -170,6 +186,7 @@ fn example_engine_passes_every_gate(engine: Engine) {
     };
     let p = profile(&ctx, &preq, &budget()).unwrap();
     assert!(p.passed, "{}", metainfer::ops::Report::text(&p));
+    assert_eq!(p.sandboxed, enforced);
     assert_eq!(p.bounding_kernel, "kernel.linear", "{}", metainfer::ops::Report::text(&p));
     assert!(p.guidance.iter().any(|g| g.contains("matrix-vector")), "{:?}", p.guidance);
     let kernels: std::collections::BTreeSet<&str> = p.kernels.iter().map(|k| k.kernel.as_str()).collect();

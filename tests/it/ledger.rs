@@ -18,6 +18,9 @@ fn outcome(i: usize, tool: &str) -> Outcome {
         duration_ms: i as u64 * 11,
         client: "test/1".into(),
         constraints: serde_json::json!({"family": "model.llama", "dtype": "f32"}),
+        status: String::new(),
+        imported: false,
+        authenticated: false,
     }
 }
 
@@ -32,7 +35,13 @@ fn export_import_round_trips_exactly_and_merges_idempotently() {
     assert_eq!(text.lines().count(), 50);
     let mut b = Ledger::open(&t.path().join("b.sqlite")).unwrap();
     assert_eq!(b.import_jsonl(&text).unwrap(), (50, 0));
-    assert_eq!(b.export_jsonl().unwrap(), text, "round trip must be exact");
+    assert_eq!(
+        b.export_jsonl().unwrap(),
+        text.replace("\"imported\":false", "\"imported\":true"),
+        "round trip must be exact but for the imported mark"
+    );
+    assert!(a.list(0, 50).unwrap().iter().all(|o| o.authenticated && !o.imported));
+    assert!(b.list(0, 50).unwrap().iter().all(|o| !o.authenticated && o.imported));
     assert_eq!(b.import_jsonl(&text).unwrap(), (0, 50), "a second import changes nothing");
     assert_eq!(b.count().unwrap(), 50);
     // A merge of two machines' ledgers keeps both sets once.
@@ -156,6 +165,9 @@ fn report_computes_pass_rates_attempts_and_failure_modes() {
         duration_ms: 1,
         client: String::new(),
         constraints: serde_json::json!({}),
+        status: String::new(),
+        imported: false,
+        authenticated: false,
     };
     let outcomes = vec![
         kt("/a", "2026-11-30T10:00:00Z", false, "zero"),
@@ -205,4 +217,217 @@ fn machine_probe_is_complete_and_cached() {
     let back: metainfer::probe::MachineProbe =
         serde_json::from_value(l.probe(&p.fingerprint).unwrap().unwrap()).unwrap();
     assert_eq!(back, p);
+}
+
+/// A ledger of 2,000 engines: ckb_report and list_outcomes stay under the output bound in their
+/// structured content and their text, and paging through the engines visits each exactly once.
+#[test]
+fn report_over_two_thousand_engines_is_bounded_and_pages_through_every_engine() {
+    use metainfer::ops::Report;
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let bound = ctx.max_output;
+    let mut lines = String::new();
+    for e in 0..2000 {
+        for (k, tool) in ["compile_engine", "run_kernel_test", "verify_generation"].iter().enumerate() {
+            let mut o = outcome(e * 3 + k, tool);
+            o.engine = format!("/work/engines/engine-{e:04}");
+            o.time = format!("2026-11-30T{:02}:{:02}:{:02}Z", e / 100 % 24, e % 60, k);
+            lines += &(serde_json::to_string(&o).unwrap() + "\n");
+        }
+    }
+    let mut l = Ledger::open(&ctx.ledger).unwrap();
+    assert_eq!(l.import_jsonl(&lines).unwrap().0, 6000);
+    let size = |v: &serde_json::Value| serde_json::to_string(v).unwrap().chars().count();
+
+    let r = metainfer::ops::report::report(&ctx, &Default::default()).unwrap();
+    let v = serde_json::to_value(&r).unwrap();
+    assert!(size(&v) <= bound, "structured report of {} characters", size(&v));
+    assert!(r.text().chars().count() <= bound, "text of {} characters", r.text().chars().count());
+    assert_eq!(r.totals.engines, 2000);
+    crate::assert_conforms(&r);
+
+    let mut seen = std::collections::BTreeSet::new();
+    let mut cursor: Option<String> = None;
+    let mut pages = 0;
+    loop {
+        let req = metainfer::ops::report::ReportRequest {
+            section: Some("engines".into()),
+            cursor: cursor.clone(),
+            ..Default::default()
+        };
+        let r = metainfer::ops::report::report(&ctx, &req).unwrap();
+        assert!(size(&serde_json::to_value(&r).unwrap()) <= bound);
+        for e in &r.engines {
+            assert!(seen.insert(e.engine.clone()), "{} twice", e.engine);
+        }
+        pages += 1;
+        match r.engines_next {
+            Some(c) => cursor = Some(c),
+            None => break,
+        }
+        assert!(pages < 1000, "paging does not end");
+    }
+    assert_eq!(seen.len(), 2000);
+
+    let page = metainfer::ops::outcomes::list(
+        &ctx,
+        &metainfer::ops::outcomes::OutcomesRequest {
+            limit: Some(100),
+            engine: Some("engine-0042".into()),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(page.total, 3);
+    assert!(page.outcomes.iter().all(|o| o.engine.ends_with("engine-0042")));
+    let all = metainfer::ops::outcomes::list(
+        &ctx,
+        &metainfer::ops::outcomes::OutcomesRequest { limit: Some(100), ..Default::default() },
+    )
+    .unwrap();
+    assert!(size(&serde_json::to_value(&all).unwrap()) <= bound);
+    assert!(all.next_cursor.is_some());
+}
+
+/// A cancelled call is neither a pass nor a failure: it counts in no pass rate.
+#[test]
+fn cancelled_outcomes_are_left_out_of_pass_rates() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let mut cancelled = outcome(1, "compile_engine");
+    cancelled.passed = false;
+    cancelled.status = "cancelled".into();
+    let mut passed = outcome(2, "compile_engine");
+    passed.passed = true;
+    let r = metainfer::ops::report::build(&ctx, &[cancelled.clone(), passed], &Default::default());
+    let rope = r.contracts.iter().find(|c| c.id == "kernel.rope").unwrap();
+    assert_eq!((rope.stats.attempts, rope.stats.first_try_pass_rate), (1, 1.0));
+    // The status survives the ledger, and older exports without one derive it from `passed`.
+    let l = Ledger::open(&t.path().join("s.sqlite")).unwrap();
+    l.record(&cancelled).unwrap();
+    assert_eq!(l.list(0, 1).unwrap()[0].status, "cancelled");
+    let old: Outcome =
+        serde_json::from_str(&serde_json::to_string(&outcome(4, "x")).unwrap().replace(",\"status\":\"\"", ""))
+            .unwrap();
+    assert_eq!(old.status(), "passed");
+}
+
+/// The columns of the outcomes table at schema version 4 (before HMACs), for rows forged with SQL.
+const V4_INSERT: &str = "INSERT INTO outcomes (id, time, tool, engine, engine_hash, contracts, passed, summary, figures, reference_level, duration_ms, client, constraints)
+     VALUES (?1, '2026-12-01T00:00:00Z', ?2, '/e', ?3, '[]', 1, 'forged', '{}', 'zero', 1, '', '{\"dtype\":\"f32\"}')";
+
+#[test]
+fn only_outcomes_this_server_recorded_are_evidence() {
+    let t = tempfile::tempdir().unwrap();
+    let path = t.path().join("ledger.sqlite");
+    let mut l = Ledger::open(&path).unwrap();
+    // The key: 64 hex digits, beside the ledger, readable by its owner only.
+    let key = metainfer::ledger::key_path(&path);
+    assert_eq!(key, t.path().join("ledger.sqlite.key"));
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(std::fs::metadata(&key).unwrap().permissions().mode() & 0o777, 0o600);
+    assert_eq!(std::fs::read_to_string(&key).unwrap().trim().len(), 64);
+
+    // A row inserted by anything but this server (a build script that found the ledger's path) is
+    // listed, but not evidence.
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    conn.execute(V4_INSERT, rusqlite::params!["forged", "run_kernel_test", "H1"]).unwrap();
+    assert!(!l.passed_on("run_kernel_test", "H1", "f32").unwrap());
+    let row = &l.list(0, 1).unwrap()[0];
+    assert!(row.id == "forged" && row.passed && !row.authenticated && !row.imported);
+
+    // A genuine failing outcome altered to pass is no longer authenticated.
+    let mut o = outcome(1, "run_kernel_test");
+    o.passed = false;
+    o.engine_hash = "H2".into();
+    l.record(&o).unwrap();
+    assert!(l.list(0, 1).unwrap()[0].authenticated);
+    conn.execute("UPDATE outcomes SET passed = 1 WHERE engine_hash = 'H2'", []).unwrap();
+    assert!(!l.list(0, 1).unwrap()[0].authenticated);
+    assert!(!l.passed_on("run_kernel_test", "H2", "f32").unwrap());
+    // Its MAC copied onto another row does not authenticate that row either.
+    conn.execute(
+        "UPDATE outcomes SET mac = (SELECT mac FROM outcomes WHERE engine_hash = 'H2') WHERE id = 'forged'",
+        [],
+    )
+    .unwrap();
+    assert!(!l.passed_on("run_kernel_test", "H1", "f32").unwrap());
+
+    // An imported passing outcome is shown as imported, and is not evidence.
+    let mut imported = outcome(2, "run_kernel_test");
+    imported.passed = true;
+    imported.engine_hash = "H3".into();
+    l.import_jsonl(&serde_json::to_string(&imported).unwrap()).unwrap();
+    let row = l.list(0, 1).unwrap().remove(0);
+    assert!(row.imported && !row.authenticated && row.passed);
+    assert!(!l.passed_on("run_kernel_test", "H3", "f32").unwrap());
+
+    // This server's own passing outcome is.
+    let mut own = outcome(4, "run_kernel_test");
+    own.passed = true;
+    own.engine_hash = "H3".into();
+    l.record(&own).unwrap();
+    assert!(l.passed_on("run_kernel_test", "H3", "f32").unwrap());
+
+    // A ledger whose key file became readable by others is refused with what to do.
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let e = Ledger::open(&path).err().expect("a readable key is refused");
+    assert!(e.message.contains("chmod 600"), "{}", e.message);
+}
+
+#[test]
+fn a_version_4_ledger_migrates_and_its_rows_are_not_evidence() {
+    let t = tempfile::tempdir().unwrap();
+    let path = t.path().join("v4.sqlite");
+    {
+        let conn = rusqlite::Connection::open(&path).unwrap();
+        // The schema metainfer wrote at version 4.
+        conn.execute_batch(
+            "CREATE TABLE outcomes (id TEXT PRIMARY KEY, time TEXT NOT NULL, tool TEXT NOT NULL, engine TEXT NOT NULL,
+             engine_hash TEXT NOT NULL, contracts TEXT NOT NULL, passed INTEGER NOT NULL, summary TEXT NOT NULL,
+             figures TEXT NOT NULL, reference_level TEXT NOT NULL, duration_ms INTEGER NOT NULL,
+             client TEXT NOT NULL DEFAULT '', constraints TEXT NOT NULL DEFAULT '{}');
+             CREATE INDEX outcomes_engine ON outcomes(engine_hash, tool);
+             CREATE TABLE reference_files (id INTEGER PRIMARY KEY, name TEXT NOT NULL, file TEXT NOT NULL, UNIQUE(name, file));
+             CREATE TABLE reference_prints (file_id INTEGER NOT NULL REFERENCES reference_files(id) ON DELETE CASCADE,
+             hash INTEGER NOT NULL, line INTEGER NOT NULL);
+             CREATE TABLE machine_probes (fingerprint TEXT PRIMARY KEY, time TEXT NOT NULL, probe TEXT NOT NULL);
+             PRAGMA user_version = 4;",
+        )
+        .unwrap();
+        conn.execute(V4_INSERT, rusqlite::params!["old", "run_kernel_test", "H"]).unwrap();
+    }
+    let l = Ledger::open(&path).unwrap();
+    let version: i64 =
+        rusqlite::Connection::open(&path).unwrap().pragma_query_value(None, "user_version", |r| r.get(0)).unwrap();
+    assert_eq!(version, metainfer::ledger::SCHEMA_VERSION);
+    assert_eq!(version, 6);
+    let rows = l.list(0, 10).unwrap();
+    assert_eq!(rows.len(), 1);
+    assert!(rows[0].passed && !rows[0].authenticated && !rows[0].imported, "{:?}", rows[0]);
+    assert!(!l.passed_on("run_kernel_test", "H", "f32").unwrap(), "a row from before HMACs is not evidence");
+    let mut o = outcome(3, "run_kernel_test");
+    o.passed = true;
+    o.engine_hash = "H".into();
+    l.record(&o).unwrap();
+    assert!(l.passed_on("run_kernel_test", "H", "f32").unwrap());
+}
+
+#[test]
+fn imported_outcomes_are_marked_in_list_outcomes_and_ckb_report() {
+    use metainfer::ops::Report;
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let mut l = Ledger::open(&ctx.ledger).unwrap();
+    l.record(&outcome(1, "run_kernel_test")).unwrap();
+    l.import_jsonl(&serde_json::to_string(&outcome(2, "run_kernel_test")).unwrap()).unwrap();
+    let page = metainfer::ops::outcomes::list(&ctx, &Default::default()).unwrap();
+    let marks: Vec<(bool, bool)> = page.outcomes.iter().map(|o| (o.imported, o.authenticated)).collect();
+    assert_eq!(marks, [(true, false), (false, true)], "newest first: the imported one, then this server's");
+    assert_eq!(page.text().matches("[imported]").count(), 1, "{}", page.text());
+    let r = metainfer::ops::report::report(&ctx, &metainfer::ops::report::ReportRequest::default()).unwrap();
+    assert_eq!((r.outcomes, r.imported), (2, 1));
+    assert_eq!(r.engines.iter().map(|e| e.imported).sum::<usize>(), 1);
+    assert!(r.text().contains("2 outcomes, 1 imported"), "{}", r.text());
 }

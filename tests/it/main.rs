@@ -3,6 +3,7 @@
 
 mod checkpoints;
 mod ckb;
+mod cli;
 mod client;
 mod diagnose;
 mod dtypes;
@@ -16,6 +17,8 @@ mod mcp;
 mod model;
 mod oracle;
 mod rules;
+mod sandbox;
+mod signals;
 mod tidy;
 
 use std::path::{Path, PathBuf};
@@ -52,9 +55,9 @@ pub fn cache() -> PathBuf {
 
 /// A context over the shipped CKB with the shared cache and a ledger in `dir`.
 pub fn ctx(dir: &Path) -> Ctx {
-    Ctx {
+    let mut c = Ctx {
         ckb: Ckb::embedded().expect("shipped CKB is valid"),
-        workshop: Workshop { root: cache() },
+        workshop: Workshop::new(cache()),
         ledger: dir.join("ledger.sqlite"),
         workspace: None,
         models: vec![],
@@ -62,7 +65,9 @@ pub fn ctx(dir: &Path) -> Ctx {
         max_output: metainfer::ops::MAX_TEXT,
         client: Default::default(),
         ckb_dir: None,
-    }
+    };
+    c.workshop.protected = c.protected_paths();
+    c
 }
 
 /// The SIMD example engine's directory in this repository (the demo's engine).
@@ -191,4 +196,6 @@ pub fn assert_conforms<T: schemars::JsonSchema + serde::Serialize>(report: &T) {
     let v = jsonschema::validator_for(&schema).unwrap();
     let errors: Vec<String> = v.iter_errors(&value).map(|e| format!("{}: {e}", e.instance_path())).collect();
     assert!(errors.is_empty(), "structured content does not match outputSchema: {errors:?}\n{value}");
+    // Every number (seeds, counts, ids) must survive a JavaScript client's number conversion.
+    assert_eq!(metainfer::util::js_unsafe_numbers(&value), Vec::<String>::new(), "{value}");
 }

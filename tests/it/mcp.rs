@@ -30,19 +30,41 @@ async fn call(c: &Client, tool: &str, args: Value) -> rmcp::model::CallToolResul
         .unwrap()
 }
 
-const TOOLS: [&str; 12] = [
+const TOOLS: [&str; 14] = [
     "check_rules",
     "ckb_report",
     "compile_engine",
     "evolve_knowledge",
+    "list_allowed_directories",
     "list_outcomes",
     "lookup_contract",
     "plan_engine",
+    "probe_machine",
     "profile_engine",
     "propose_contract",
     "run_kernel_test",
     "scaffold_engine",
     "verify_generation",
+];
+
+/// What each tool does to its surroundings, as README's table states it: (tool, read-only,
+/// destructive, idempotent, open world). Building and running code is not read-only; cargo may
+/// fetch the engine's dependencies from crates.io (open world); `force` lets scaffold overwrite code.
+const ANNOTATIONS: [(&str, bool, bool, bool, bool); 14] = [
+    ("check_rules", true, false, true, true),
+    ("ckb_report", true, false, true, false),
+    ("compile_engine", false, false, true, true),
+    ("evolve_knowledge", false, false, true, false),
+    ("list_allowed_directories", true, false, true, false),
+    ("list_outcomes", true, false, true, false),
+    ("lookup_contract", true, false, true, false),
+    ("plan_engine", true, false, true, false),
+    ("probe_machine", true, false, true, false),
+    ("profile_engine", false, false, false, true),
+    ("propose_contract", false, false, true, false),
+    ("run_kernel_test", false, false, false, true),
+    ("scaffold_engine", false, true, false, false),
+    ("verify_generation", false, false, false, true),
 ];
 
 #[tokio::test]
@@ -65,13 +87,14 @@ async fn tools_list_is_portable_annotated_and_matches_snapshot() {
         let output = Value::Object((*t.output_schema.clone().expect("every tool has an output schema")).clone());
         assert_eq!(portability_problems(&output), Vec::<String>::new(), "{} output", t.name);
         let a = t.annotations.clone().expect("annotated");
-        // verify_generation and profile_engine may promote a staged proposal into the CKB working copy.
-        let read_only = !matches!(
-            t.name.as_ref(),
-            "scaffold_engine" | "evolve_knowledge" | "propose_contract" | "verify_generation" | "profile_engine"
+        let (_, ro, de, idem, open) = ANNOTATIONS.iter().find(|x| x.0 == t.name).expect("in the table");
+        assert_eq!(
+            (a.read_only_hint, a.destructive_hint, a.idempotent_hint, a.open_world_hint),
+            (Some(*ro), Some(*de), Some(*idem), Some(*open)),
+            "{}",
+            t.name
         );
-        assert_eq!(a.read_only_hint, Some(read_only), "{}", t.name);
-        assert_eq!(a.destructive_hint, Some(false), "{}", t.name);
+        assert!(t.title.as_deref().is_some_and(|x| !x.is_empty()), "{} has no title", t.name);
     }
 
     // Golden snapshot of tools/list; refresh with METAINFER_UPDATE_SNAPSHOTS=1.
@@ -94,12 +117,12 @@ async fn calls_return_text_and_structured_content_and_bad_requests_are_tool_erro
     let r = call(&c, "lookup_contract", json!({"id": "kernel.rope"})).await;
     assert_eq!(r.is_error, Some(false));
     let v = r.structured_content.unwrap();
-    assert_eq!(v["matches"][0]["id"], "kernel.rope");
-    assert!(
-        v["contract_toml"].as_str().unwrap().contains("rotate-half")
-            || v["contract_toml"].as_str().unwrap().contains("rotate_half")
-    );
-    assert!(r.content[0].as_text().unwrap().text.contains("kernel.rope"));
+    assert_eq!(v["contracts"][0]["id"], "kernel.rope");
+    let toml = v["contracts"][0]["toml"].as_str().unwrap();
+    assert!(toml.contains("rotate-half") || toml.contains("rotate_half"));
+    // The text is a short index; the contract is in the structure once.
+    let text = &r.content[0].as_text().unwrap().text;
+    assert!(text.contains("kernel.rope") && !text.contains(toml), "{text}");
 
     let r = call(&c, "plan_engine", json!({"model": crate::babyllama()})).await;
     let v = r.structured_content.unwrap();
@@ -148,18 +171,34 @@ async fn paths_outside_the_workspace_are_refused() {
 #[test]
 fn demo_passes_every_gate_and_prints_the_golden_text() {
     let t = tempfile::tempdir().unwrap();
+    // Global options reach the demo's server; its default model is found from the current directory.
     let out = std::process::Command::new(crate::bin())
         .arg("demo")
-        .env("METAINFER_LEDGER", t.path().join("ledger.sqlite"))
-        .env("METAINFER_CACHE", crate::cache())
+        .arg("--ledger")
+        .arg(t.path().join("ledger.sqlite"))
+        .arg("--cache")
+        .arg(crate::cache())
+        .args(["--time-limit", "1200", "--max-output", "30000"])
+        .env_remove("METAINFER_LEDGER")
+        .env_remove("METAINFER_MODEL")
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(0), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    for tool in TOOLS.iter().filter(|t| {
-        !matches!(**t, "check_rules" | "list_outcomes" | "ckb_report" | "evolve_knowledge" | "propose_contract")
-    }) {
+    let server_line = stdout.lines().find(|l| l.trim_start().starts_with("server: metainfer serve")).unwrap();
+    for want in ["--ledger", "--cache", "--time-limit 1200", "--max-output 30000", "--model-dir"] {
+        assert!(server_line.contains(want), "{want} not passed: {server_line}");
+    }
+    for tool in [
+        "plan_engine",
+        "lookup_contract",
+        "scaffold_engine",
+        "compile_engine",
+        "run_kernel_test",
+        "verify_generation",
+        "profile_engine",
+    ] {
         assert!(stdout.contains(&format!("| {tool} | pass |")), "{tool} did not pass:\n{stdout}");
     }
     let golden = crate::golden();
@@ -227,4 +266,167 @@ async fn serve_skips_an_invalid_contract_file_only_with_skip_invalid_and_every_p
         .expect("the server exits when the client is gone")
         .unwrap();
     assert!(log.contains(&format!("left out contract file {broken}: field `/version`")), "{log}");
+}
+
+async fn connect_with(ledger_dir: &Path, args: &[&str]) -> Client {
+    let (ledger, args) = (ledger_dir.join("ledger.sqlite"), args.iter().map(|a| a.to_string()).collect::<Vec<_>>());
+    let transport = TokioChildProcess::new(tokio::process::Command::new(crate::bin()).configure(|cmd| {
+        cmd.arg("serve").args(&args).env("METAINFER_LEDGER", &ledger).env("METAINFER_CACHE", crate::cache());
+    }))
+    .unwrap();
+    ().serve(transport).await.unwrap()
+}
+
+#[tokio::test]
+async fn read_only_and_toolsets_narrow_the_tools() {
+    let t = tempfile::tempdir().unwrap();
+    let c = connect_with(t.path(), &["--read-only"]).await;
+    let mut names: Vec<String> = c.list_all_tools().await.unwrap().iter().map(|t| t.name.to_string()).collect();
+    names.sort();
+    let want: Vec<&str> = ANNOTATIONS.iter().filter(|a| a.1).map(|a| a.0).collect();
+    assert_eq!(names, want);
+    c.cancel().await.unwrap();
+    let c = connect_with(t.path(), &["--toolsets", "gates"]).await;
+    let mut names: Vec<String> = c.list_all_tools().await.unwrap().iter().map(|t| t.name.to_string()).collect();
+    names.sort();
+    assert_eq!(names, ["profile_engine", "run_kernel_test", "verify_generation"]);
+    // A tool outside the toolsets cannot be called.
+    assert!(c.call_tool(CallToolRequestParams::new("scaffold_engine")).await.is_err());
+    c.cancel().await.unwrap();
+}
+
+#[tokio::test]
+async fn completion_allowed_directories_and_one_call_per_phase() {
+    let t = tempfile::tempdir().unwrap();
+    let ws = t.path().join("ws");
+    std::fs::create_dir_all(ws.join("myengine")).unwrap();
+    std::fs::write(ws.join("myengine/metainfer.toml"), "family = \"model.llama\"\n").unwrap();
+    let c = connect(t.path(), Some(&ws)).await;
+
+    let r = c.complete_resource_simple("ckb://contract/{id}", "id", "kernel.ro").await.unwrap();
+    assert!(r.contains(&"kernel.rope".to_string()), "{r:?}");
+    let r = c.complete_prompt_simple("review_phase", "engine", "my").await.unwrap();
+    assert_eq!(r, ["myengine"]);
+
+    let r = call(&c, "list_allowed_directories", json!({})).await;
+    let v = r.structured_content.unwrap();
+    assert_eq!(v["confined"], true);
+    assert_eq!(v["workspace"], ws.canonicalize().unwrap().display().to_string());
+    assert_eq!(v["others"][0], crate::babyllama().canonicalize().unwrap().display().to_string());
+
+    // One call for the kernels phase (continued by cursor when it does not fit the bound): every
+    // kernel of the phase, its failure modes and requirements, each once.
+    let mut ids: Vec<String> = Vec::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let mut a = json!({"phase": "kernels", "family": "model.llama"});
+        if let Some(c) = &cursor {
+            a["cursor"] = c.clone().into();
+        }
+        let r = call(&c, "lookup_contract", a).await;
+        assert_eq!(r.is_error, Some(false), "{:?}", r.content);
+        let v = r.structured_content.unwrap();
+        assert!(
+            serde_json::to_string(&v).unwrap().len() <= metainfer::ops::MAX_TEXT
+                || v["contracts"].as_array().unwrap().len() == 1
+        );
+        assert_eq!(metainfer::util::js_unsafe_numbers(&v), Vec::<String>::new());
+        let text = &r.content[0].as_text().unwrap().text;
+        assert!(text.len() < 4000, "the text is an index, not the contracts: {} chars", text.len());
+        ids.extend(v["contracts"].as_array().unwrap().iter().map(|c| c["id"].as_str().unwrap().to_string()));
+        match v["next_cursor"].as_str() {
+            Some(n) => cursor = Some(n.to_string()),
+            None => break,
+        }
+        assert!(ids.len() < 200, "paging does not end");
+    }
+    let mut unique = ids.clone();
+    unique.sort();
+    unique.dedup();
+    assert_eq!(unique.len(), ids.len(), "a contract twice: {ids:?}");
+    for want in ["kernel.rms_norm", "kernel.rope", "kernel.embedding", "failure.rope-adjacent-pairs"] {
+        assert!(ids.iter().any(|i| i == want), "{want} missing: {ids:?}");
+    }
+    c.cancel().await.unwrap();
+}
+
+/// A client that skips `initialize` (the 2026 protocol's `server/discover` and per-request
+/// metadata) is still recorded under its own name, not as `cli`.
+#[tokio::test]
+async fn client_identity_comes_from_request_metadata_without_initialize() {
+    use rmcp::{ClientLifecycleMode, ClientServiceExt};
+    let t = tempfile::tempdir().unwrap();
+    let ledger = t.path().join("ledger.sqlite");
+    let transport = TokioChildProcess::new(tokio::process::Command::new(crate::bin()).configure(|cmd| {
+        cmd.arg("serve").env("METAINFER_LEDGER", &ledger).env("METAINFER_CACHE", crate::cache());
+    }))
+    .unwrap();
+    let mode = ClientLifecycleMode::Discover { preferred_versions: vec![rmcp::model::ProtocolVersion::V_2026_07_28] };
+    let c = ().serve_with_lifecycle(transport, mode).await.unwrap();
+    let r = call(&c, "lookup_contract", json!({"id": "kernel.rope"})).await;
+    assert_eq!(r.is_error, Some(false));
+    c.cancel().await.unwrap();
+    let l = metainfer::ledger::Ledger::open(&ledger).unwrap();
+    let o = l.list(0, 1).unwrap();
+    assert!(!o[0].client.is_empty() && o[0].client != "cli", "recorded as {:?}", o[0].client);
+}
+
+/// A client that offers MCP roots.
+#[derive(Clone)]
+struct Rooted(std::path::PathBuf);
+
+#[allow(deprecated, reason = "roots are deprecated by SEP-2577 but clients still send them")]
+impl rmcp::ClientHandler for Rooted {
+    fn get_info(&self) -> rmcp::model::ClientConfig {
+        rmcp::model::ClientConfig::new(
+            rmcp::model::ClientCapabilities::builder().enable_roots().build(),
+            rmcp::model::Implementation::new("rooted", "1"),
+        )
+    }
+    async fn list_roots(
+        &self,
+        _context: rmcp::service::RequestContext<rmcp::RoleClient>,
+    ) -> Result<rmcp::model::ListRootsResult, rmcp::ErrorData> {
+        Ok(rmcp::model::ListRootsResult::new(vec![rmcp::model::Root::new(format!("file://{}", self.0.display()))]))
+    }
+}
+
+/// Without --workspace, the client's roots are the workspace.
+#[tokio::test]
+async fn the_clients_roots_become_the_workspace() {
+    let t = tempfile::tempdir().unwrap();
+    let root = t.path().join("project");
+    std::fs::create_dir_all(&root).unwrap();
+    let ledger = t.path().join("ledger.sqlite");
+    let transport = TokioChildProcess::new(tokio::process::Command::new(crate::bin()).configure(|cmd| {
+        cmd.arg("serve").env("METAINFER_LEDGER", &ledger).env("METAINFER_CACHE", crate::cache());
+    }))
+    .unwrap();
+    let c = Rooted(root.clone()).serve(transport).await.unwrap();
+    let args = |v: Value| v.as_object().unwrap().clone();
+    let mut v = Value::Null;
+    for _ in 0..50 {
+        v = c
+            .call_tool(CallToolRequestParams::new("list_allowed_directories").with_arguments(args(json!({}))))
+            .await
+            .unwrap()
+            .structured_content
+            .unwrap();
+        if v["confined"] == true {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(v["workspace"], root.canonicalize().unwrap().display().to_string(), "{v}");
+    let r = c
+        .call_tool(
+            CallToolRequestParams::new("scaffold_engine")
+                .with_arguments(args(json!({"model": crate::babyllama(), "out": t.path().join("outside")}))),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.is_error, Some(true));
+    let text = &r.content[0].as_text().unwrap().text;
+    assert!(text.contains("outside the workspace") && text.contains("--model-dir"), "{text}");
+    c.cancel().await.unwrap();
 }

@@ -73,7 +73,11 @@ fn processes(files: &Files) -> Vec<String> {
     out
 }
 
-/// The ops modules one ops module may name besides `gate` and `mod` (the shared types), with why.
+/// ops modules every ops module may use: the gate skeleton, and pagination (the shared shape of
+/// every list a tool returns); `mod.rs` holds the shared types.
+const SHARED: &[&str] = &["gate", "page"];
+
+/// The ops modules one ops module may name besides [`SHARED`] and `mod`, with why.
 const OPS_EDGES: &[(&str, &str, &str)] = &[
     ("scaffold", "plan", "a scaffold is a plan written out"),
     ("gate", "rules", "the skeleton runs the rules before every gate"),
@@ -98,7 +102,7 @@ fn ops_imports(files: &Files) -> Vec<String> {
         for (i, line) in t.lines().enumerate() {
             let c = code(line);
             for other in &names {
-                if *other == me || *other == "gate" {
+                if *other == me || SHARED.contains(other) {
                     continue;
                 }
                 let named = [

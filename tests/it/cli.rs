@@ -1,0 +1,236 @@
+//! The command line as a user meets it: help, closed pipes, registration with every server option,
+//! skills for each client, and messages that name the fix.
+
+use std::io::Read;
+use std::process::{Command, Stdio};
+
+fn run(args: &[&str], dir: &std::path::Path) -> std::process::Output {
+    Command::new(crate::bin())
+        .args(args)
+        .env("METAINFER_LEDGER", dir.join("l.sqlite"))
+        .env("CODEX_HOME", dir.join("codex"))
+        .current_dir(dir)
+        .output()
+        .unwrap()
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// `metainfer ckb schema | head -c 10`: the reader goes away; the CLI ends quietly (no panic, no
+/// backtrace, not exit status 101).
+#[test]
+fn a_closed_pipe_ends_the_cli_quietly() {
+    let t = tempfile::tempdir().unwrap();
+    for args in [&["ckb", "schema"][..], &["contract", "show", "model.llama", "model.gemma", "kernel.attention"][..]] {
+        let mut child = Command::new(crate::bin())
+            .args(args)
+            .env("METAINFER_LEDGER", t.path().join("l.sqlite"))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut first = [0u8; 10];
+        child.stdout.as_mut().unwrap().read_exact(&mut first).unwrap();
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        let err = text(&out.stderr);
+        assert!(!err.contains("panicked") && !err.contains("Broken pipe"), "{args:?}: {err}");
+        assert_ne!(out.status.code(), Some(101), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn help_groups_global_options_documents_every_option_and_gives_examples() {
+    let t = tempfile::tempdir().unwrap();
+    let top = text(&run(&["--help"], t.path()).stdout);
+    assert!(top.contains("Global options:") && top.contains("METAINFER_MODEL"), "{top}");
+    for sub in [
+        "serve",
+        "plan",
+        "synth",
+        "contract",
+        "ckb",
+        "scaffold",
+        "compile",
+        "test-kernel",
+        "verify",
+        "check-rules",
+        "reference",
+        "profile",
+        "ledger",
+        "evolve",
+        "machine",
+        "report",
+        "install-skills",
+        "register",
+        "demo",
+        "bench",
+    ] {
+        let h = text(&run(&[sub, "-h"], t.path()).stdout);
+        assert!(h.contains("Example"), "`{sub} -h` has no example:\n{h}");
+        // Every option line has a description after its name (clap prints a bare name otherwise).
+        let lines: Vec<&str> = h.lines().map(str::trim_start).collect();
+        for (i, line) in lines.iter().enumerate().filter(|(_, l)| l.starts_with('-')) {
+            // The description follows on the same line, or (when long) on the next, indented.
+            let next = lines.get(i + 1).copied().unwrap_or("");
+            assert!(
+                line.contains("  ") || (!next.is_empty() && !next.starts_with('-')),
+                "`{sub}`: undocumented option {line:?}"
+            );
+        }
+    }
+    let verify = text(&run(&["verify", "--help"], t.path()).stdout);
+    assert!(verify.contains("Tokens to generate per prompt") && verify.contains("three random prompts"), "{verify}");
+    let plan = text(&run(&["plan", "--help"], t.path()).stdout);
+    assert!(plan.contains("f32, bf16, f16 or int8"), "{plan}");
+}
+
+#[test]
+fn register_writes_every_server_option_and_asks_before_replacing() {
+    let t = tempfile::tempdir().unwrap();
+    let project = t.path().join("proj");
+    let models = t.path().join("models");
+    std::fs::create_dir_all(&project).unwrap();
+    std::fs::create_dir_all(&models).unwrap();
+    let m = models.display().to_string();
+    let out =
+        run(&["register", "--client", "codex", "--dir", "proj", "--model-dir", &m, "--time-limit", "1200"], t.path());
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let cfg: toml::Table =
+        toml::from_str(&std::fs::read_to_string(t.path().join("codex/config.toml")).unwrap()).unwrap();
+    let e = &cfg["mcp_servers"]["metainfer-proj"];
+    let args: Vec<&str> = e["args"].as_array().unwrap().iter().map(|a| a.as_str().unwrap()).collect();
+    let models_abs = models.canonicalize().unwrap().display().to_string();
+    assert!(args.windows(2).any(|w| w == ["--model-dir", models_abs.as_str()] || w[0] == "--model-dir"), "{args:?}");
+    assert!(args.windows(2).any(|w| w == ["--time-limit", "1200"]), "{args:?}");
+    assert_eq!(e["tool_timeout_sec"].as_integer(), Some(1260));
+    assert!(e["env_vars"].as_array().unwrap().iter().any(|v| v.as_str() == Some("RUSTUP_HOME")));
+    assert!(e["env"]["CARGO_HOME"].as_str().is_some());
+    assert!(text(&out.stdout).contains("metainfer-proj"), "{}", text(&out.stdout));
+
+    // Claude Code: the project file is portable (relative workspace); a different re-registration
+    // needs --replace and then keeps the entry's other keys.
+    let out = run(&["register", "--client", "claude", "--dir", "proj", "--model-dir", &m], t.path());
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(project.join(".mcp.json")).unwrap()).unwrap();
+    let args = v["mcpServers"]["metainfer"]["args"].as_array().unwrap().clone();
+    assert_eq!(args[..3], [serde_json::json!("serve"), "--workspace".into(), ".".into()], "{v}");
+    assert!(args.iter().any(|a| a == "--model-dir"), "{v}");
+    let out = run(&["register", "--client", "claude", "--dir", "proj", "--read-only"], t.path());
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("--replace"), "{}", text(&out.stderr));
+    let out = run(&["register", "--client", "claude", "--dir", "proj", "--read-only", "--replace"], t.path());
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(project.join(".mcp.json")).unwrap()).unwrap();
+    assert!(v["mcpServers"]["metainfer"]["args"].as_array().unwrap().iter().any(|a| a == "--read-only"), "{v}");
+}
+
+#[test]
+fn skills_install_into_each_clients_folder_and_edited_ones_are_kept_without_force() {
+    let t = tempfile::tempdir().unwrap();
+    for (client, dir) in [
+        ("claude", ".claude/skills"),
+        ("codex", ".agents/skills"),
+        ("gemini", ".gemini/skills"),
+        ("cursor", ".cursor/skills"),
+    ] {
+        let out = run(&["install-skills", "--client", client], t.path());
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        assert!(t.path().join(dir).join("generate-engine/SKILL.md").is_file(), "{client}");
+    }
+    let skill = t.path().join(".claude/skills/engine-reviewer/SKILL.md");
+    std::fs::write(&skill, "---\nname: engine-reviewer\ndescription: mine\n---\nmy notes\n").unwrap();
+    let out = run(&["install-skills", "--client", "claude"], t.path());
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("--force") && text(&out.stderr).contains("engine-reviewer"),
+        "{}",
+        text(&out.stderr)
+    );
+    assert!(std::fs::read_to_string(&skill).unwrap().contains("my notes"), "an edited skill was overwritten");
+    let out = run(&["install-skills", "--client", "claude", "--force"], t.path());
+    assert!(out.status.success());
+    assert!(!std::fs::read_to_string(&skill).unwrap().contains("my notes"));
+}
+
+#[test]
+fn demo_without_a_model_says_where_it_looked() {
+    let t = tempfile::tempdir().unwrap();
+    let out =
+        Command::new(crate::bin()).arg("demo").env_remove("METAINFER_MODEL").current_dir(t.path()).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("shared/models/babyllama-105")
+            && err.contains("../shared/models/babyllama-105")
+            && err.contains("--model"),
+        "{err}"
+    );
+}
+
+#[test]
+fn small_messages_name_the_fix() {
+    let t = tempfile::tempdir().unwrap();
+    // An empty ledger says so instead of printing a blank line.
+    let out = run(&["ledger"], t.path());
+    assert!(text(&out.stdout).contains("no outcomes recorded"), "{}", text(&out.stdout));
+    // `contract search rope` ranks kernel.rope first.
+    let out = run(&["contract", "search", "rope", "--json"], t.path());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["matches"][0]["id"], "kernel.rope", "{v}");
+    // Proposing a directory says to pass a file.
+    let out = run(&["ckb", "propose", "."], t.path());
+    assert!(text(&out.stderr).contains("is a directory"), "{}", text(&out.stderr));
+}
+
+/// server.json (the MCP Registry entry) names this package at this version, started as `serve`.
+#[test]
+fn registry_entry_matches_the_package() {
+    let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("server.json");
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap();
+    assert!(v["$schema"].as_str().unwrap().ends_with("/server.schema.json"));
+    assert_eq!(v["name"].as_str().unwrap().split('/').count(), 2);
+    assert_eq!(v["version"], env!("CARGO_PKG_VERSION"));
+    let pkg = &v["packages"][0];
+    assert_eq!(
+        (pkg["registryType"].as_str(), pkg["identifier"].as_str()),
+        (Some("cargo"), Some(env!("CARGO_PKG_NAME")))
+    );
+    assert_eq!(pkg["version"], env!("CARGO_PKG_VERSION"));
+    assert_eq!(pkg["transport"]["type"], "stdio");
+    assert_eq!(pkg["packageArguments"][0]["value"], "serve");
+}
+
+#[test]
+fn model_paths_that_are_files_or_llama2c_directories_get_their_own_message() {
+    let t = tempfile::tempdir().unwrap();
+    std::fs::write(t.path().join("config.json"), "{}").unwrap();
+    let out = run(&["plan", "--model", "config.json"], t.path());
+    assert!(text(&out.stderr).contains("is a file"), "{}", text(&out.stderr));
+    std::fs::create_dir_all(t.path().join("l2c")).unwrap();
+    std::fs::write(t.path().join("l2c/stories15M.bin"), [0u8; 16]).unwrap();
+    let out = run(&["plan", "--model", "l2c"], t.path());
+    assert!(text(&out.stderr).contains("llama2.c layout is not supported"), "{}", text(&out.stderr));
+}
+
+#[test]
+fn scaffold_records_the_model_as_an_absolute_path() {
+    let t = tempfile::tempdir().unwrap();
+    let out = Command::new(crate::bin())
+        .args(["scaffold", "--model", "models/babyllama-105", "--out"])
+        .arg(t.path().join("e"))
+        .env("METAINFER_LEDGER", t.path().join("l.sqlite"))
+        .current_dir(crate::shared())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    // The hint names CLI commands, not MCP tools.
+    let next = text(&out.stdout).lines().find(|l| l.starts_with("next:")).unwrap_or_default().to_string();
+    assert!(next.contains("`metainfer compile`") && !next.contains("compile_engine"), "{next}");
+    let toml: toml::Table =
+        toml::from_str(&std::fs::read_to_string(t.path().join("e/metainfer.toml")).unwrap()).unwrap();
+    let model = std::path::PathBuf::from(toml["model"].as_str().unwrap());
+    assert!(model.is_absolute() && model.join("config.json").is_file(), "{model:?}");
+}
