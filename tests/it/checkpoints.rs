@@ -853,9 +853,10 @@ fn verify_on(ctx: &metainfer::ops::Ctx, engine: &Path, model: &Path, prompts: &[
 
 /// BabyLlama with a generation_config.json whose eos_token_id is a token its greedy continuation of
 /// "Once upon a time" reaches at step 5 (",", " ", "t", "h", "e", "r": id 13 is "r", the golden
-/// output's sixth token): generation stops there in the reference and in the harness (the example
-/// engine has no stop_tokens, so the server's are used, and the report says so); the real SentencePiece
-/// vocabularies' test vectors all pass through the engine's tokenizer.
+/// output's sixth token): generation stops there in the reference and in the harness (the engine
+/// here is the example with its stop_tokens removed, as engines scaffolded before component.sampler
+/// v2 are, so the server's are used, and the report says so); the real SentencePiece vocabularies'
+/// test vectors all pass through the engine's tokenizer.
 #[test]
 fn verify_stops_at_eos_and_checks_the_real_vocabularies() {
     let t = tempfile::tempdir().unwrap();
@@ -875,6 +876,10 @@ fn verify_stops_at_eos_and_checks_the_real_vocabularies() {
     let ctx = crate::ctx(t.path());
     let engine = t.path().join("engine");
     crate::copy_example(&engine);
+    let generate = engine.join("src/generate.rs");
+    let text = std::fs::read_to_string(&generate).unwrap();
+    let cut = text.find("\n/// Token ids that end generation").expect("the example engine defines stop_tokens");
+    std::fs::write(&generate, text[..cut].replace("use std::path::Path;\n", "")).unwrap();
     let v = verify_on(&ctx, &engine, &model_dir, &["Once upon a time"]);
     assert!(v.passed, "{}", metainfer::ops::Report::text(&v));
     assert_eq!(v.stop_tokens, [eos as u32]);
@@ -899,9 +904,9 @@ fn verify_stops_at_eos_and_checks_the_real_vocabularies() {
     );
 }
 
-/// An engine that defines generate::stop_tokens (component.sampler v2) is held to it: a wrong set
-/// fails verify naming both sets; the right one (read from generation_config.json) passes with no
-/// warning.
+/// An engine that defines generate::stop_tokens (component.sampler v2; the example engine does) is
+/// held to it: the right set (read from generation_config.json) passes with no warning; a wrong one
+/// fails verify naming both sets.
 #[test]
 fn an_engine_stop_tokens_are_checked_against_generation_config() {
     let t = tempfile::tempdir().unwrap();
@@ -912,37 +917,18 @@ fn an_engine_stop_tokens_are_checked_against_generation_config() {
     let ctx = crate::ctx(t.path());
     let engine = t.path().join("engine");
     crate::copy_example(&engine);
-    let right = r#"
-/// Token ids that end generation (component.sampler).
-pub fn stop_tokens(dir: &std::path::Path) -> Result<Vec<u32>, String> {
-    let read = |f: &str| -> Option<serde_json::Value> {
-        let text = std::fs::read_to_string(dir.join(f)).ok()?;
-        serde_json::from_str(&text).ok()
-    };
-    let v: serde_json::Value = match read("generation_config.json") {
-        Some(g) => g["eos_token_id"].clone(),
-        None => read("config.json").map(|c| c["eos_token_id"].clone()).unwrap_or_default(),
-    };
-    let ids: Vec<u32> = match v {
-        serde_json::Value::Array(a) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
-        x => x.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-    };
-    Ok(ids)
-}
-"#;
-    let path = engine.join("src/generate.rs");
-    let text = std::fs::read_to_string(&path).unwrap();
-    std::fs::write(
-        &path,
-        format!("{text}\nuse std::path::Path;\n{}", right.replace("dir: &std::path::Path", "dir: &Path")),
-    )
-    .unwrap();
     let v = verify_on(&ctx, &engine, &model_dir, &["Once upon a time"]);
     assert!(v.passed, "{}", metainfer::ops::Report::text(&v));
     assert!(v.warnings.is_empty(), "{:?}", v.warnings);
     assert!(v.prompts[0].stopped_at_eos, "{:?}", v.prompts[0]);
 
-    crate::inject(&engine, "src/generate.rs", "    Ok(ids)", "    let _ = ids;\n    Ok(vec![7])");
+    let head = "pub fn stop_tokens(dir: &Path) -> Result<Vec<u32>, String> {";
+    crate::inject(
+        &engine,
+        "src/generate.rs",
+        head,
+        &format!("{head}\n    if dir.exists() {{\n        return Ok(vec![7]);\n    }}"),
+    );
     let v = verify_on(&ctx, &engine, &model_dir, &["Once upon a time"]);
     assert!(!v.passed);
     assert!(
@@ -969,38 +955,25 @@ fn bf16_stored_babyllama_passes_verify() {
     assert!(v.passed, "{}", metainfer::ops::Report::text(&v));
 }
 
-#[test]
-#[ignore = "needs engine support: sharded checkpoints (model.safetensors.index.json)"]
-fn sharded_babyllama_passes_verify() {
+/// BabyLlama re-stored as two shards with model.safetensors.index.json: each example engine reads
+/// them and passes.
+fn sharded_babyllama_passes_verify(engine: crate::Engine) {
     let t = tempfile::tempdir().unwrap();
     let model_dir = t.path().join("model");
     babyllama_without_weights(&model_dir);
     store(&model_dir, &babyllama_tensors(), safetensors::Dtype::F32, 2);
+    assert!(model_dir.join("model.safetensors.index.json").exists() && !model_dir.join("model.safetensors").exists());
     let ctx = crate::ctx(t.path());
-    let engine = t.path().join("engine");
-    crate::copy_example(&engine);
-    let v = verify_on(&ctx, &engine, &model_dir, &[]);
+    let dir = t.path().join("engine");
+    engine.copy_to(&dir);
+    let v = verify_on(&ctx, &dir, &model_dir, &[]);
     assert!(v.passed, "{}", metainfer::ops::Report::text(&v));
 }
+crate::engine_tests!(sharded_babyllama_passes_verify);
 
+/// BabyLlama (tied) with a differing lm_head.weight added: HF, the reference and the example engine
+/// use the embedding as the output matrix; the report warns that lm_head.weight is ignored.
 #[test]
-#[ignore = "needs engine support: byte-level BPE tokenizer (component.tokenizer_bytelevel)"]
-fn bytelevel_synthetic_llama_passes_verify_and_the_real_vectors() {
-    let t = tempfile::tempdir().unwrap();
-    let model_dir = t.path().join("model");
-    let r = synth_cli(&model_dir, &["--family", "llama", "--seed", "2", "--vocab", "600", "--tokenizer", "bytelevel"]);
-    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
-    let ctx = crate::ctx(t.path());
-    let engine = t.path().join("engine");
-    crate::copy_example(&engine);
-    let v = verify_on(&ctx, &engine, &model_dir, &["Hello, world! 42 😀\n\nDON'T stop"]);
-    assert!(v.passed, "{}", metainfer::ops::Report::text(&v));
-    let names: Vec<&str> = v.tokenizer_vectors.iter().map(|x| x.vocabulary.as_str()).collect();
-    assert_eq!(names, ["gpt-2", "llama-bpe", "qwen2"]);
-}
-
-#[test]
-#[ignore = "needs engine support: HF tie rule (a tied checkpoint's lm_head.weight is ignored)"]
 fn tied_babyllama_with_a_differing_lm_head_passes_verify_with_a_warning() {
     let t = tempfile::tempdir().unwrap();
     let model_dir = t.path().join("model");
