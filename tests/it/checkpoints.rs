@@ -971,6 +971,25 @@ fn sharded_babyllama_passes_verify(engine: crate::Engine) {
 }
 crate::engine_tests!(sharded_babyllama_passes_verify);
 
+/// A synthetic Llama with a trained byte-level BPE tokenizer (Llama 3's split pattern and special
+/// tokens): verify on a prompt of digits, punctuation, an emoji and a blank line, and the engine's
+/// tokenizer on the real byte-level vocabularies (GPT-2, Llama 3, Qwen2).
+#[test]
+#[ignore = "needs engine support: byte-level BPE tokenizer (component.tokenizer_bytelevel)"]
+fn bytelevel_synthetic_llama_passes_verify_and_the_real_vectors() {
+    let t = tempfile::tempdir().unwrap();
+    let model_dir = t.path().join("model");
+    let r = synth_cli(&model_dir, &["--family", "llama", "--seed", "2", "--vocab", "600", "--tokenizer", "bytelevel"]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let ctx = crate::ctx(t.path());
+    let engine = t.path().join("engine");
+    crate::copy_example(&engine);
+    let v = verify_on(&ctx, &engine, &model_dir, &["Hello, world! 42 😀\n\nDON'T stop"]);
+    assert!(v.passed, "{}", metainfer::ops::Report::text(&v));
+    let names: Vec<&str> = v.tokenizer_vectors.iter().map(|x| x.vocabulary.as_str()).collect();
+    assert_eq!(names, ["gpt-2", "llama-bpe", "qwen2"]);
+}
+
 /// BabyLlama (tied) with a differing lm_head.weight added: HF, the reference and the example engine
 /// use the embedding as the output matrix; the report warns that lm_head.weight is ignored.
 #[test]
@@ -993,7 +1012,7 @@ fn tied_babyllama_with_a_differing_lm_head_passes_verify_with_a_warning() {
 /// The scale target: a 1B-shape BF16 sharded checkpoint (Llama 3.2 1B preset) through verify. The
 /// reference's memory and speed there are a bench figure (`metainfer bench-reference`), not a test.
 #[test]
-#[ignore = "needs engine support: sharded checkpoints and byte-level BPE; writes 2.5 GB and runs the f64 reference at 1B"]
+#[ignore = "needs engine support: byte-level BPE tokenizer (the preset's); writes 2.5 GB, needs about 15 GB and runs the f64 reference at 1B"]
 fn llama3_1b_bf16_sharded_passes_verify() {
     let t = tempfile::tempdir().unwrap();
     let model_dir = t.path().join("model");
