@@ -416,3 +416,117 @@ impl BenchReport {
         s
     }
 }
+
+/// The f64 reference forward pass (what verify_generation computes its expected logits with) on one
+/// checkpoint: memory and speed. The reference holds every weight as f64 (8 bytes per parameter);
+/// it is built from the f32 tensors read from the files, each freed once widened, so the peak is
+/// about 8 bytes per parameter plus the f32 copy not yet widened; decode reads all of them once per
+/// token.
+#[derive(Debug, Clone, Serialize)]
+pub struct ReferenceBench {
+    /// Model directory.
+    pub model: String,
+    /// Parameters of the checkpoint.
+    pub parameters: usize,
+    /// Weight files (1 unless sharded).
+    pub files: usize,
+    /// Tensors per stored dtype.
+    pub stored: std::collections::BTreeMap<String, usize>,
+    /// Weight dtype the reference rounds to (as verify at that dtype).
+    pub weight_dtype: String,
+    /// Seconds to read and widen the weights to f32.
+    pub read_s: f64,
+    /// Seconds to build the f64 reference from them.
+    pub build_s: f64,
+    /// Resident memory after reading, MB (10^6 bytes).
+    pub rss_after_read_mb: f64,
+    /// Peak resident memory of the process (VmHWM), MB.
+    pub peak_rss_mb: f64,
+    /// Resident memory once the reference is built (what stays during generation), MB.
+    pub rss_reference_mb: f64,
+    /// Tokens stepped (prompt and generated, one at a time as verify does).
+    pub tokens: usize,
+    /// Seconds per token: median, min, max over the steps.
+    pub s_per_token: Spread,
+}
+
+impl ReferenceBench {
+    /// The figures in words.
+    pub fn text(&self) -> String {
+        format!(
+            "reference (f64) on {}: {} parameters in {} file(s), stored {:?}, at weight dtype {}\n  read {:.1} s, build {:.1} s; RSS after read {:.0} MB, peak {:.0} MB, while generating {:.0} MB\n  {:.2} s/token (median of {}; min {:.2}, max {:.2})\n",
+            self.model,
+            self.parameters,
+            self.files,
+            self.stored,
+            self.weight_dtype,
+            self.read_s,
+            self.build_s,
+            self.rss_after_read_mb,
+            self.peak_rss_mb,
+            self.rss_reference_mb,
+            self.s_per_token.median,
+            self.tokens,
+            self.s_per_token.min,
+            self.s_per_token.max
+        )
+    }
+}
+
+/// A line of /proc/self/status in MB (Linux), 0 elsewhere.
+fn status_mb(key: &str) -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines().find(|l| l.starts_with(key)).and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb * 1024.0 / 1e6)
+}
+
+/// Measure the reference on `model` as verify_generation builds it: read the weights (single or
+/// sharded), build the f64 reference at `weight_dtype` from them (consuming them), step `tokens`
+/// tokens.
+/// Run it in a process of its own (`metainfer bench-reference`): the peak is the process's.
+///
+/// # Errors
+/// As verify's loading (config, layout, dtype policy), or `tokens` of 0.
+pub fn reference(ckb: &crate::ckb::Ckb, model: &Path, weight_dtype: &str, tokens: usize) -> Result<ReferenceBench> {
+    if tokens == 0 {
+        return Err(Error::usage("--tokens must be positive"));
+    }
+    let cfg = crate::model::load_config(ckb, model)?;
+    let family = ckb.get(&cfg.family)?;
+    let layout = crate::model::weight_layout(model)?;
+    crate::model::check_dtype_policy(family, &cfg, &crate::model::read_config(model)?, &layout)?;
+    let t = Instant::now();
+    let tensors = crate::model::weights::read_layout(model, &layout)?;
+    let read_s = t.elapsed().as_secs_f64();
+    let rss_after_read_mb = status_mb("VmRSS:");
+    let parameters = tensors.values().map(|(_, v)| v.len()).sum();
+    let t = Instant::now();
+    let mut r = crate::oracle::llama::Reference::from_tensors(&cfg, tensors, weight_dtype)?;
+    let build_s = t.elapsed().as_secs_f64();
+    let rss_reference_mb = status_mb("VmRSS:");
+    let mut steps = Vec::new();
+    let mut token = 1u32.min(cfg.vocab as u32 - 1);
+    for _ in 0..tokens.min(cfg.max_seq) {
+        let t = Instant::now();
+        let logits = r.step(token)?;
+        steps.push(t.elapsed().as_secs_f64());
+        token = crate::oracle::argmax(&logits) as u32;
+    }
+    Ok(ReferenceBench {
+        model: model.display().to_string(),
+        parameters,
+        files: layout.files.len(),
+        stored: layout.dtype_counts(),
+        weight_dtype: weight_dtype.to_string(),
+        read_s,
+        build_s,
+        rss_after_read_mb,
+        peak_rss_mb: status_mb("VmHWM:"),
+        rss_reference_mb,
+        tokens: steps.len(),
+        s_per_token: Spread::of(&steps),
+    })
+}

@@ -170,6 +170,12 @@ pub struct RustApi {
     pub module: String,
     /// The public items with `todo!()` bodies, exactly as the scaffold writes them.
     pub skeleton: String,
+    /// Names of skeleton functions an engine may lack because they were added after it was
+    /// scaffolded (e.g. `stop_tokens`). The signature rule checks such an item only when the engine
+    /// defines a function of that name; the gates call it when present and otherwise use the
+    /// server's own value and say so. Empty: every item is required.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub optional: Vec<String>,
 }
 
 /// A config.json field a model family reads.
@@ -235,8 +241,73 @@ pub struct ModelFamily {
     pub components: Vec<String>,
     /// The forward pass in our own words.
     pub forward: String,
-    /// Tolerance on logits of the end-to-end forward, per dtype.
+    /// Tolerance on logits of the end-to-end forward, per weight dtype (every one of
+    /// [`WEIGHT_DTYPES`]; lint requires each, with its reasoning).
     pub logits_tolerance: BTreeMap<String, Tolerance>,
+    /// Which weights an engine stores at its weight dtype and which stay f32, and what the reference
+    /// rounds (lint requires it of every family).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dtype_policy: Option<DtypePolicy>,
+}
+
+/// How a family's weights are held by an engine whose weight dtype is not f32 (bf16, f16, int8), and
+/// what the reference forward pass rounds so that it runs on the same numbers. Every weight role of
+/// the family is in exactly one list. Checkpoints may store any tensor as F32, BF16 or F16; loading
+/// widens exactly, then the engine rounds (or quantises) only the `at_weight_dtype` roles.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DtypePolicy {
+    /// Weight roles (`[[model.weights]] role`) an engine stores at its weight dtype: the 2-D
+    /// matrices (embedding, projections, lm_head). The reference rounds exactly these (bf16/f16
+    /// to nearest even, int8 per row as kernel.linear_int8 defines).
+    pub at_weight_dtype: Vec<String>,
+    /// Weight roles an engine keeps in f32 at every weight dtype (norm gains, biases): widened
+    /// exactly from storage, never rounded. A checkpoint whose config.json declares float32
+    /// (`torch_dtype` or `dtype`) must store these as F32: a narrower one was rounded on export.
+    pub keep_f32: Vec<String>,
+    /// Why this split, with its numbers (unit roundoff of each dtype against the effect on logits).
+    pub reasoning: String,
+}
+
+/// A regex pre-tokenizer pattern a tokenizer contract covers, as data: tokenizer.json's
+/// `Split` pattern (`{"Regex": ...}`, behavior `Isolated`, invert false) must equal `regex` exactly.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SplitPattern {
+    /// Short name used in plans and messages, e.g. `llama3`.
+    pub name: String,
+    /// The pattern, character for character as tokenizer.json writes it.
+    pub regex: String,
+    /// Which tokenizers use it, and where the pattern is published.
+    pub doc: String,
+}
+
+/// What a tokenizer contract covers of tokenizer.json, component by component (kind = component,
+/// `[tokenizer]`). plan_engine describes a model's tokenizer.json as a list of component names
+/// (`model BPE`, `normalizer NFC`, `pre_tokenizer Split(llama3)`, ...; `Sequence`s flattened) and
+/// routes it to the contract covering every one, or names the ones no contract covers.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizerFamily {
+    /// `model.type` values and BPE options covered: `BPE`, and `byte_fallback`, `fuse_unk`,
+    /// `ignore_merges` when set to true in the file.
+    pub model: Vec<String>,
+    /// Normalizer types covered (none is always covered), e.g. `NFC`, `Prepend`, `Replace`.
+    #[serde(default)]
+    pub normalizers: Vec<String>,
+    /// Pre-tokenizer types covered (none is always covered), e.g. `ByteLevel`, `Metaspace`;
+    /// `Split` is covered through `split_patterns`.
+    #[serde(default)]
+    pub pre_tokenizers: Vec<String>,
+    /// Regex patterns of `Split` covered (and the one `ByteLevel` with `use_regex: true` implies,
+    /// named `gpt2`).
+    #[serde(default)]
+    pub split_patterns: Vec<SplitPattern>,
+    /// Decoder types covered, e.g. `ByteLevel`, `Replace`, `ByteFallback`.
+    pub decoders: Vec<String>,
+    /// Post-processor types covered (none is always covered), e.g. `TemplateProcessing`, `ByteLevel`.
+    #[serde(default)]
+    pub post_processors: Vec<String>,
 }
 
 /// Platform specifics (kind = platform).
@@ -388,6 +459,10 @@ pub struct Contract {
     /// engines whose weights are stored in `weight_dtype`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub variant: Option<KernelVariant>,
+    /// Tokenizer section (components only): which tokenizer.json components this contract covers;
+    /// plan routes a model's tokenizer to the contract covering all of them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<TokenizerFamily>,
 }
 
 /// Forward-pass features a model-family contract may list in `[model] features`, with what each one

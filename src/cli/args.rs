@@ -142,17 +142,18 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Write a random-weight HF checkpoint of a covered family (config.json, model.safetensors, tokenizer.json).
+    /// Write a random-weight HF checkpoint of a covered family (config.json, generation_config.json,
+    /// weights in one file or shards, tokenizer.json).
     #[command(
-        after_help = "Examples:\n  metainfer synth --family qwen2 --out /tmp/tiny-qwen2\n  metainfer synth --preset stories15m --out /tmp/s15m"
+        after_help = "Examples:\n  metainfer synth --family qwen2 --out /tmp/tiny-qwen2\n  metainfer synth --preset stories15m --out /tmp/s15m\n  metainfer synth --family llama --tokenizer bytelevel --vocab 1000 --dtype bf16 --shards 2 --out /tmp/bl\n  metainfer synth --preset llama3.2-1b --shards 2 --out /tmp/llama-1b"
     )]
     Synth {
         /// Family: llama, mistral, qwen2, qwen3, gemma (llama with --preset), or any other model family
         /// of the CKB, written from its contract (a staged candidate counts).
         #[arg(long, value_name = "FAMILY")]
         family: Option<String>,
-        /// A real model's shape: stories15m, stories42m or stories110m (the llama2.c TinyStories models);
-        /// the size options below override its values.
+        /// A real model's shape: stories15m, stories42m or stories110m (the llama2.c TinyStories models),
+        /// llama3.2-1b or qwen3-0.6b (bf16, byte-level tokenizer); the options below override its values.
         #[arg(long, value_name = "NAME")]
         preset: Option<String>,
         /// Directory to create (must not exist, or be empty).
@@ -188,6 +189,15 @@ pub enum Command {
         /// sliding_window (mistral).
         #[arg(long = "sliding-window", value_name = "N")]
         sliding_window: Option<usize>,
+        /// Stored weight dtype: f32, bf16 or f16 (default the preset's, else f32).
+        #[arg(long, value_name = "DTYPE")]
+        dtype: Option<String>,
+        /// Weight files: N > 1 writes N shards and model.safetensors.index.json.
+        #[arg(long, value_name = "N")]
+        shards: Option<usize>,
+        /// Tokenizer: spm (SentencePiece-style) or bytelevel (a trained byte-level BPE with special tokens).
+        #[arg(long, value_name = "KIND")]
+        tokenizer: Option<String>,
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
@@ -503,6 +513,22 @@ pub enum Command {
     /// One candle decode run for `bench` (prints seconds per token); needs feature candle-oracle.
     #[command(hide = true)]
     BenchPeer { model: PathBuf, prompt_len: usize, new_tokens: usize },
+    /// Benchmark the f64 reference forward pass that verify_generation runs: peak memory and seconds
+    /// per token on a checkpoint (e.g. `synth --preset llama3.2-1b`), in this process alone.
+    BenchReference {
+        /// Hugging Face model directory (single or sharded weights).
+        #[arg(long, value_name = "DIR")]
+        model: PathBuf,
+        /// Weight dtype the reference rounds to, as verify at that dtype.
+        #[arg(long, default_value = "f32", value_name = "DTYPE")]
+        dtype: String,
+        /// Tokens to step.
+        #[arg(long, default_value_t = 4, value_name = "N")]
+        tokens: usize,
+        /// Print the measurements as JSON.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Subcommand)]

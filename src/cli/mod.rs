@@ -204,6 +204,9 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
             intermediate,
             max_seq,
             sliding_window,
+            dtype,
+            shards,
+            tokenizer,
             json,
         } => {
             let req = ops::synth::SynthRequest {
@@ -220,6 +223,9 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
                 intermediate,
                 max_seq,
                 sliding_window,
+                dtype,
+                shards,
+                tokenizer,
             };
             let c = ctx(g)?;
             Ok(emit(&progress("synth", "", json, || ops::synth::synth_in(&c.live().ckb, &req))?, json))
@@ -465,6 +471,16 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
             let o =
                 metainfer::bench::BenchOptions { reps, threads, prompt_len, new_tokens, agent_loop: !no_agent_loop };
             let r = metainfer::bench::run(&c, &o, work.path())?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&r).expect("report serialises"));
+            } else {
+                print!("{}", r.text());
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::BenchReference { model, dtype, tokens, json } => {
+            let c = ctx(g)?;
+            let r = metainfer::bench::reference(&c.ckb, &model, &dtype, tokens)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&r).expect("report serialises"));
             } else {

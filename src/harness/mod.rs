@@ -373,6 +373,9 @@ pub struct HarnessSpec {
     pub arms: Vec<Arm>,
     /// Cargo features of the engine crate to enable (its weight-dtype variant).
     pub features: Vec<String>,
+    /// Optional engine items the harness calls (a contract's `rust.optional` names the engine
+    /// defines, e.g. `stop_tokens`); the others' harness blocks are left out.
+    pub items: Vec<String>,
 }
 
 /// One kernel's harness code (from the kernel registry, `oracle::kernels`): the block run for a test
@@ -395,7 +398,15 @@ pub const TIMED_ARMS: &str = "// @arms timed";
 /// The harness source with exactly the given kernel arms, so an engine need not export kernels its
 /// plan does not use: each arm is inserted at the template's [`TEST_ARMS`] / [`TIMED_ARMS`] line.
 pub fn harness_source(arms: &[Arm]) -> String {
+    harness_source_with(arms, &[])
+}
+
+/// As [`harness_source`], also keeping the template's blocks `// @item <name>` ... `// @end` of the
+/// optional engine items in `items` (a contract's `rust.optional` the engine defines) and leaving
+/// out the others.
+pub fn harness_source_with(arms: &[Arm], items: &[String]) -> String {
     let mut out = String::with_capacity(HARNESS_MAIN.len() + arms.len() * 1024);
+    let mut keep = true;
     for line in HARNESS_MAIN.lines() {
         let t = line.trim();
         let indent = &line[..line.len() - line.trim_start().len()];
@@ -406,8 +417,18 @@ pub fn harness_source(arms: &[Arm]) -> String {
             }
             continue;
         }
-        out.push_str(line);
-        out.push('\n');
+        if let Some(name) = t.strip_prefix("// @item ") {
+            keep = items.iter().any(|k| k == name.trim());
+            continue;
+        }
+        if t == "// @end" {
+            keep = true;
+            continue;
+        }
+        if keep {
+            out.push_str(line);
+            out.push('\n');
+        }
     }
     out
 }
@@ -760,7 +781,7 @@ impl Workshop {
             std::fs::write(&p, s).map_err(|e| Error::internal(format!("cannot write {}: {e}", p.display())))
         };
         write(dir.join("Cargo.toml"), &manifest)?;
-        write(dir.join("src/main.rs"), &harness_source(&spec.arms))?;
+        write(dir.join("src/main.rs"), &harness_source_with(&spec.arms, &spec.items))?;
         write(dir.join("src/protocol.rs"), HARNESS_PROTOCOL)?;
         Ok(dir.join("Cargo.toml"))
     }

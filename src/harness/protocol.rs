@@ -48,6 +48,16 @@ pub enum Command {
         prompts: Vec<Prompt>,
         /// Output safetensors file.
         tensors: PathBuf,
+        /// The server's stop tokens (generation_config.json eos_token_id): generation ends after one
+        /// of them unless the engine has its own `generate::stop_tokens`, which then decides.
+        #[serde(default)]
+        stop_tokens: Vec<u32>,
+    },
+    /// The engine's tokenizer on real vocabularies: per set, `Tokenizer::load(dir)`, then encode each
+    /// text and decode each id list.
+    Tokenize {
+        /// The vocabularies.
+        sets: Vec<TokenizeSet>,
     },
     /// Timed prefill and decode runs on token ids chosen by the harness (different on every run).
     Profile {
@@ -91,6 +101,18 @@ pub struct Prompt {
     pub max_new_tokens: usize,
 }
 
+/// One vocabulary of [`Command::Tokenize`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizeSet {
+    /// Directory holding its tokenizer.json.
+    pub dir: PathBuf,
+    /// Texts to encode.
+    pub texts: Vec<String>,
+    /// Id lists to decode.
+    pub decode: Vec<Vec<u32>>,
+}
+
 /// One timed kernel call of [`Command::Time`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -120,6 +142,14 @@ pub enum Reply {
         vocab: usize,
         /// Per prompt, in request order.
         prompts: Vec<Generated>,
+        /// The engine's `generate::stop_tokens(dir)`, when it defines that function.
+        #[serde(default)]
+        stop_tokens: Option<Vec<u32>>,
+    },
+    /// Per vocabulary of [`Command::Tokenize`], in request order.
+    Tokenize {
+        /// The results.
+        sets: Vec<TokenizedSet>,
     },
     /// Timings of [`Command::Profile`].
     Profile(ProfileTimings),
@@ -128,6 +158,38 @@ pub enum Reply {
         /// The items.
         items: Vec<TimedItem>,
     },
+}
+
+/// The engine's tokenizer on one vocabulary.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizedSet {
+    /// Why `Tokenizer::load` failed (or its panic); the lists are then empty.
+    pub error: Option<String>,
+    /// Per text, in request order.
+    pub encoded: Vec<Encoded>,
+    /// Per id list, in request order.
+    pub decoded: Vec<Decoded>,
+}
+
+/// One text's encoding.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Encoded {
+    /// The ids.
+    pub ids: Vec<u32>,
+    /// The panic message when encode panicked.
+    pub panic: Option<String>,
+}
+
+/// One id list's decoding.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Decoded {
+    /// The text.
+    pub text: String,
+    /// The panic message when decode panicked.
+    pub panic: Option<String>,
 }
 
 /// One kernel case's result.

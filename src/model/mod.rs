@@ -1,5 +1,8 @@
-//! Reading model directories: config.json (routed to a model-family contract), model.safetensors and
-//! tokenizer.json. Knows the CKB's types, nothing of MCP or processes.
+//! Reading model directories: config.json (routed to a model-family contract, typed as HF reads it),
+//! generation_config.json, the weights (one model.safetensors or shards through
+//! model.safetensors.index.json, F32/BF16/F16 widened exactly, checked against the family's dtype
+//! policy) and tokenizer.json (routed to a tokenizer contract). Knows the CKB's types, nothing of MCP
+//! or processes.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -11,7 +14,13 @@ use serde_json::Value;
 use crate::ckb::{Ckb, Contract, ModelFamily};
 use crate::error::{Error, Result};
 
+mod generation;
 mod scaling;
+pub mod tokenizer;
+pub mod weights;
+
+pub use generation::{GenerationConfig, read_generation_config};
+pub use weights::{WeightLayout, read_weights, weight_layout};
 
 /// A model configuration resolved against a family contract: every field the engine needs, with the
 /// HF configuration class defaults applied (the contract's `config[].default`).
@@ -135,8 +144,47 @@ pub fn route<'a>(ckb: &'a Ckb, config: &serde_json::Map<String, Value>) -> std::
     })
 }
 
+/// A JSON number as f64. Strings are not numbers: HF reads config.json as typed JSON, so
+/// `"hidden_size": "128"` is refused by [`resolve`] with the key named, never coerced.
 fn number(v: &Value) -> Option<f64> {
-    v.as_f64().or_else(|| v.as_str().and_then(|s| s.parse().ok()))
+    v.as_f64()
+}
+
+/// The JSON type a config role must have in config.json, where the role fixes one.
+fn role_type(role: &str) -> Option<&'static str> {
+    match role {
+        "hidden" | "intermediate" | "n_layers" | "n_heads" | "n_kv_heads" | "head_dim" | "vocab" | "max_seq"
+        | "rms_norm_eps" | "rope_theta" => Some("number"),
+        "sliding_window" => Some("number or null"),
+        "tied" => Some("boolean"),
+        "activation" => Some("string"),
+        "rope_scaling" | "rope_parameters" => Some("object or null"),
+        _ => None,
+    }
+}
+
+/// Whether `v` has the JSON type [`role_type`] names.
+fn has_type(v: &Value, ty: &str) -> bool {
+    match ty {
+        "number" => v.is_number(),
+        "number or null" => v.is_number() || v.is_null(),
+        "boolean" => v.is_boolean(),
+        "string" => v.is_string(),
+        "object or null" => v.is_object() || v.is_null(),
+        _ => true,
+    }
+}
+
+/// The JSON type of a value in words, for messages.
+pub(crate) fn json_type(v: &Value) -> String {
+    match v {
+        Value::Null => "null".into(),
+        Value::Bool(b) => format!("the boolean {b}"),
+        Value::Number(n) => format!("the number {n}"),
+        Value::String(s) => format!("the string {s:?}"),
+        Value::Array(_) => "an array".into(),
+        Value::Object(_) => "an object".into(),
+    }
 }
 
 /// Evaluate a contract default: a number, a boolean, another key, or `a / b` of keys.
@@ -166,6 +214,19 @@ pub fn resolve(
     let mut gaps = Vec::new();
     let mut roles: BTreeMap<&str, Value> = BTreeMap::new();
     for f in &family.config {
+        if let (Some(v), Some(ty)) = (config.get(&f.key), role_type(&f.role))
+            && !has_type(v, ty)
+            && !v.is_null()
+        {
+            gaps.push(Gap {
+                field: f.key.clone(),
+                reason: format!(
+                    "must be a JSON {ty}, got {}; HF reads config.json as typed JSON (write numbers and booleans without quotes)",
+                    json_type(v)
+                ),
+            });
+            continue;
+        }
         let v = match config.get(&f.key).filter(|v| !v.is_null()) {
             Some(v) => Some(v.clone()),
             None => f.default.as_deref().and_then(|d| eval_default(d, config)),
@@ -293,17 +354,17 @@ fn gaps_error(dir: &Path, gaps: &[Gap]) -> Error {
 /// All tensors of a safetensors file, widened to f32: name -> (shape, values).
 pub type Tensors = BTreeMap<String, (Vec<usize>, Vec<f32>)>;
 
-/// Read `dir/model.safetensors` (F32, BF16 or F16), widening every tensor to f32.
+/// Read the weights of `dir` (one `model.safetensors`, or the shards `model.safetensors.index.json`
+/// names), widening every F32, BF16 or F16 tensor exactly to f32, one tensor at a time.
 ///
 /// # Errors
-/// [`crate::error::ErrorKind::Input`] naming the file when it is missing, truncated, or holds an
-/// unsupported dtype.
+/// [`crate::error::ErrorKind::Input`] naming the file (and tensor) when a file is missing, truncated,
+/// holds an unsupported dtype, or the index and the shards disagree (see [`weight_layout`]).
 pub fn read_safetensors(dir: &Path) -> Result<Tensors> {
-    let path = dir.join("model.safetensors");
-    read_safetensors_file(&path)
+    weights::read_weights(dir)
 }
 
-/// Like [`read_safetensors`] for an explicit file path.
+/// Like [`read_safetensors`] for an explicit single file.
 ///
 /// # Errors
 /// As [`read_safetensors`].
@@ -314,27 +375,86 @@ pub fn read_safetensors_file(path: &Path) -> Result<Tensors> {
     })?;
     let mut out = Tensors::new();
     for (name, view) in st.tensors() {
-        let data = view.data();
-        let values: Vec<f32> = match view.dtype() {
-            safetensors::Dtype::F32 => {
-                data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
-            }
-            safetensors::Dtype::BF16 => {
-                data.chunks_exact(2).map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16)).collect()
-            }
-            safetensors::Dtype::F16 => {
-                data.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
-            }
-            other => {
-                return Err(Error::input(format!(
-                    "{}: tensor `{name}` has dtype {other:?}; supported: F32, BF16, F16",
-                    path.display()
-                )));
-            }
-        };
+        let values = weights::widen_bytes(&format!("{:?}", view.dtype()), view.data()).map_err(|other| {
+            Error::input(format!("{}: tensor `{name}` has dtype {other}; supported: F32, BF16, F16", path.display()))
+        })?;
         out.insert(name, (view.shape().to_vec(), values));
     }
     Ok(out)
+}
+
+/// The storage dtype config.json declares (`torch_dtype`, or transformers v5's `dtype`), as a
+/// safetensors dtype name: `F32`, `BF16`, `F16`; None when absent or another value.
+pub fn declared_dtype(config: &serde_json::Map<String, Value>) -> Option<&'static str> {
+    match config.get("dtype").or_else(|| config.get("torch_dtype")).and_then(Value::as_str)? {
+        "float32" | "fp32" => Some("F32"),
+        "bfloat16" | "bf16" => Some("BF16"),
+        "float16" | "fp16" | "half" => Some("F16"),
+        _ => None,
+    }
+}
+
+/// Check the stored dtypes of a checkpoint against its family's dtype policy
+/// (`[model.dtype_policy]`): every tensor is F32, BF16 or F16, and when config.json declares float32,
+/// the tensors the policy keeps in f32 (norm gains, biases) are stored as F32.
+///
+/// # Errors
+/// [`crate::error::ErrorKind::Input`] naming the weight file, the tensor, its dtype and what to change.
+pub fn check_dtype_policy(
+    contract: &Contract,
+    cfg: &ResolvedConfig,
+    config: &serde_json::Map<String, Value>,
+    layout: &WeightLayout,
+) -> Result<()> {
+    for (name, t) in &layout.tensors {
+        if !matches!(t.dtype.as_str(), "F32" | "BF16" | "F16") {
+            return Err(Error::input(format!(
+                "{}: tensor `{name}` is stored as {}; the reference and the engines read F32, BF16 and F16 only (convert the checkpoint)",
+                t.file, t.dtype
+            )));
+        }
+    }
+    let (Some(family), Some("F32")) = (contract.model.as_ref(), declared_dtype(config)) else { return Ok(()) };
+    let Some(policy) = &family.dtype_policy else { return Ok(()) };
+    for w in family.weights.iter().filter(|w| policy.keep_f32.contains(&w.role)) {
+        let names: Vec<String> = if w.name.contains("{i}") {
+            (0..cfg.n_layers).map(|i| w.name.replace("{i}", &i.to_string())).collect()
+        } else {
+            vec![w.name.clone()]
+        };
+        for n in names {
+            if let Some(t) = layout.tensors.get(&n).filter(|t| t.dtype != "F32") {
+                return Err(Error::input(format!(
+                    "{}: tensor `{n}` ({}) is stored as {}, but config.json declares float32 and {} keeps {} weights in f32 (dtype policy): it was rounded on export; re-export the checkpoint with this tensor in F32, or declare the dtype it was saved in (torch_dtype)",
+                    t.file, w.role, t.dtype, contract.id, w.role
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// HF's tie rule: with `tie_word_embeddings` true the embedding matrix is the output matrix and any
+/// `lm_head.weight` in the checkpoint is ignored. A warning when such an ignored lm_head differs from
+/// the embedding (an engine that reads it computes other logits than HF).
+pub fn tied_head_warning(cfg: &ResolvedConfig, tensors: &Tensors) -> Option<String> {
+    let (Some((_, head)), Some((_, embed))) = (tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight"))
+    else {
+        return None;
+    };
+    if !cfg.tied {
+        return None;
+    }
+    let diff = if head.len() == embed.len() {
+        head.iter().zip(embed).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max)
+    } else {
+        f32::INFINITY
+    };
+    (diff > 0.0).then(|| {
+        format!(
+            "config.json sets tie_word_embeddings, so HF uses model.embed_tokens.weight as the output matrix and ignores lm_head.weight, which differs from it (max |difference| {diff:.3e}); the reference does the same, and so must the engine"
+        )
+    })
 }
 
 /// The HF tokenizer of a model directory (`tokenizer.json`), the reference for the engine's.
@@ -354,6 +474,17 @@ pub fn hf_tokenizer(dir: &Path) -> Result<tokenizers::Tokenizer> {
 /// When the tokenizer fails on the text.
 pub fn hf_encode(tok: &tokenizers::Tokenizer, text: &str) -> Result<Vec<u32>> {
     tok.encode(text, true)
+        .map(|e| e.get_ids().to_vec())
+        .map_err(|e| Error::input(format!("tokenizer failed on {text:?}: {e}")))
+}
+
+/// Encode like `tokenizer(text, add_special_tokens=False)`: no template tokens (how the real
+/// vocabularies' test vectors were made).
+///
+/// # Errors
+/// When the tokenizer fails on the text.
+pub fn hf_encode_plain(tok: &tokenizers::Tokenizer, text: &str) -> Result<Vec<u32>> {
+    tok.encode(text, false)
         .map(|e| e.get_ids().to_vec())
         .map_err(|e| Error::input(format!("tokenizer failed on {text:?}: {e}")))
 }

@@ -1,5 +1,6 @@
 //! The parts of a resolved config beyond the flat `config[]` roles: the sliding attention window and
-//! RoPE scaling (`rope_scaling` in config.json), each checked with field and reason.
+//! RoPE (`rope_theta` + `rope_scaling`, or transformers v5's `rope_parameters`), each checked with
+//! field and reason.
 
 use std::collections::BTreeMap;
 
@@ -60,34 +61,155 @@ pub(super) fn resolve_extras(
             cfg.features.retain(|f| f != "sliding_window");
         }
     }
-    if family.unsupported_keys.iter().any(|k| k == "rope_scaling") {
-        return;
+    resolve_rope(contract, config, cfg, gaps);
+}
+
+/// Keys a RoPE description may hold besides its scaling keys: the type (`rope_type`, or legacy `type`)
+/// and, in transformers v5's `rope_parameters`, the base `rope_theta`.
+const ROPE_COMMON_KEYS: &[&str] = &["rope_type", "type", "rope_theta"];
+
+/// The scaling keys of each covered rope_type (transformers' modeling_rope_utils: linear reads
+/// `factor`; llama3 reads `factor`, `low_freq_factor`, `high_freq_factor` and
+/// `original_max_position_embeddings`). Any other key changes RoPE in a way the oracle does not
+/// implement, so it is refused by name rather than ignored.
+fn rope_keys(rope_type: &str) -> Option<&'static [&'static str]> {
+    match rope_type {
+        "default" => Some(&[]),
+        "linear" => Some(&["factor"]),
+        "llama3" => Some(&["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"]),
+        _ => None,
     }
-    let Some(rs) = config.get("rope_scaling").filter(|v| !v.is_null()) else { return };
-    let gap = |reason: String| Gap { field: "rope_scaling".into(), reason };
+}
+
+/// RoPE as HF reads it. transformers v5 writes `rope_parameters` (`{rope_type, rope_theta, ...scaling
+/// keys}`) in place of `rope_theta` + `rope_scaling`, and reads `rope_parameters` first: its
+/// `rope_theta` wins over a top-level one (which only fills it when absent), and `rope_scaling` is an
+/// alias of the same dictionary. Both forms resolve to the same `rope_theta` and `rope_scaling` here.
+/// Refused by name: a rope_type the oracle does not implement, a key the rope_type does not have,
+/// per-layer-type parameters (`{"full_attention": {...}, "sliding_attention": {...}}`), and
+/// `rope_parameters` and `rope_scaling` that disagree.
+fn resolve_rope(
+    contract: &Contract,
+    config: &serde_json::Map<String, Value>,
+    cfg: &mut ResolvedConfig,
+    gaps: &mut Vec<Gap>,
+) {
+    let family = contract.model.as_ref().expect("model contracts have a model section");
+    let params = config.get("rope_parameters").filter(|v| !v.is_null());
+    let legacy = config.get("rope_scaling").filter(|v| !v.is_null());
+    // Legacy `type` means `rope_type`; v5's dictionary also carries the base.
+    let normalised = |v: &Value| -> Value {
+        let mut v = v.clone();
+        if let Some(o) = v.as_object_mut() {
+            if let Some(t) = o.remove("type") {
+                o.entry("rope_type").or_insert(t);
+            }
+            o.remove("rope_theta");
+        }
+        v
+    };
+    let (field, rs) = match (params, legacy) {
+        (None, None) => return,
+        (Some(p), Some(l)) if normalised(p) != normalised(l) => {
+            gaps.push(Gap {
+                field: "rope_parameters".into(),
+                reason: format!(
+                    "rope_parameters {p} and rope_scaling {l} disagree; transformers v5 reads rope_parameters (rope_scaling is its alias): remove rope_scaling or make the two equal"
+                ),
+            });
+            return;
+        }
+        (Some(p), _) => ("rope_parameters", p),
+        // A family that refuses rope_scaling has already named it (model::resolve, unsupported_keys).
+        (None, Some(_)) if family.unsupported_keys.iter().any(|k| k == "rope_scaling") => return,
+        (None, Some(l)) => ("rope_scaling", l),
+    };
+    let gap = |reason: String| Gap { field: field.into(), reason };
     let Some(obj) = rs.as_object() else {
-        gaps.push(gap(format!("must be an object with rope_type and factor, got {rs}")));
+        gaps.push(gap(format!(
+            "must be an object with rope_type (and its scaling keys), got {}",
+            super::json_type(rs)
+        )));
         return;
     };
-    let rope_type = obj.get("rope_type").or_else(|| obj.get("type")).and_then(Value::as_str).unwrap_or("");
+    if obj.values().any(Value::is_object) {
+        let layer_types: Vec<&String> = obj.iter().filter(|(_, v)| v.is_object()).map(|(k, _)| k).collect();
+        gaps.push(gap(format!(
+            "per-layer-type RoPE parameters ({}) are not covered by {}: its layers all rotate with one RoPE",
+            layer_types.iter().map(|k| k.as_str()).collect::<Vec<_>>().join(", "),
+            contract.id
+        )));
+        return;
+    }
+    let rope_type = match obj.get("rope_type").or_else(|| obj.get("type")) {
+        None => "default",
+        Some(Value::String(t)) => t.as_str(),
+        Some(other) => {
+            gaps.push(gap(format!("{field}.rope_type must be a string, got {}", super::json_type(other))));
+            return;
+        }
+    };
+    if field == "rope_parameters"
+        && let Some(t) = obj.get("rope_theta")
+    {
+        match number(t) {
+            Some(x) if x > 0.0 && x.is_finite() => cfg.rope_theta = x,
+            _ => {
+                gaps.push(gap(format!(
+                    "rope_parameters.rope_theta must be a positive number, got {}",
+                    super::json_type(t)
+                )));
+                return;
+            }
+        }
+    }
+    let Some(allowed) = rope_keys(rope_type) else {
+        gaps.push(gap(format!(
+            "rope_type {rope_type:?} is not covered by {}; covered: \"default\", \"linear\", \"llama3\" (dynamic, yarn, longrope and others change RoPE in ways the oracle does not implement)",
+            contract.id
+        )));
+        return;
+    };
+    if rope_type != "default" && family.unsupported_keys.iter().any(|k| k == "rope_scaling") {
+        gaps.push(gap(format!(
+            "rope_type {rope_type:?} scales RoPE, which {} does not cover (it lists rope_scaling as unsupported); only \"default\" is",
+            contract.id
+        )));
+        return;
+    }
+    let mut unknown = false;
+    for (k, v) in obj {
+        let known = ROPE_COMMON_KEYS.contains(&k.as_str()) || allowed.contains(&k.as_str());
+        // v5 moves partial_rotary_factor into rope_parameters; 1.0 rotates every pair, as the oracle does.
+        let full_rotary = k == "partial_rotary_factor" && number(v) == Some(1.0);
+        if !known && !full_rotary {
+            unknown = true;
+            gaps.push(gap(format!(
+                "{field}.{k} is not a key of rope_type {rope_type:?} (its keys: {}); the oracle would ignore it, so it is refused: remove it or use a covered rope_type",
+                if allowed.is_empty() { "none besides rope_type and rope_theta".to_string() } else { allowed.join(", ") }
+            )));
+        }
+    }
+    if unknown {
+        return;
+    }
     let num = |k: &str| obj.get(k).and_then(number);
     let positive = |k: &str, gaps: &mut Vec<Gap>| -> f64 {
-        match num(k) {
-            Some(x) if x > 0.0 && x.is_finite() => x,
-            Some(x) => {
-                gaps.push(gap(format!("rope_scaling.{k} must be a positive number, got {x}")));
+        match (obj.get(k), num(k)) {
+            (_, Some(x)) if x > 0.0 && x.is_finite() => x,
+            (Some(v), _) => {
+                gaps.push(gap(format!("{field}.{k} must be a positive number, got {}", super::json_type(v))));
                 f64::NAN
             }
-            None => {
+            (None, _) => {
                 gaps.push(gap(format!(
-                    "rope_scaling.{k} is required for rope_type {rope_type:?} and missing from config.json"
+                    "{field}.{k} is required for rope_type {rope_type:?} and missing from config.json"
                 )));
                 f64::NAN
             }
         }
     };
     match rope_type {
-        "default" => {}
         "linear" => {
             let factor = positive("factor", gaps);
             cfg.rope_scaling = Some(RopeScaling {
@@ -107,11 +229,11 @@ pub(super) fn resolve_extras(
             if gaps.len() == before {
                 if high <= low {
                     gaps.push(gap(format!(
-                        "rope_scaling.high_freq_factor ({high}) must exceed low_freq_factor ({low}): the smoothing between them divides by their difference"
+                        "{field}.high_freq_factor ({high}) must exceed low_freq_factor ({low}): the smoothing between them divides by their difference"
                     )));
                 }
                 if orig.fract() != 0.0 {
-                    gaps.push(gap(format!("rope_scaling.original_max_position_embeddings must be an integer, got {orig}")));
+                    gaps.push(gap(format!("{field}.original_max_position_embeddings must be an integer, got {orig}")));
                 }
             }
             cfg.rope_scaling = Some(RopeScaling {
@@ -122,9 +244,6 @@ pub(super) fn resolve_extras(
                 original_max_position_embeddings: if orig.is_finite() { orig as usize } else { 0 },
             });
         }
-        other => gaps.push(gap(format!(
-            "rope_type {other:?} is not covered by {}; covered: \"default\", \"linear\", \"llama3\" (dynamic, yarn, longrope and others change RoPE in ways the oracle does not implement)",
-            contract.id
-        ))),
+        _ => {}
     }
 }

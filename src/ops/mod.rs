@@ -187,14 +187,37 @@ impl Ctx {
         let kernels = self.ckb.kernels_for(fam, &dtype).map_err(Error::usage)?;
         let arms = kernels.iter().map(|k| arm(k)).collect::<Result<Vec<_>>>()?;
         let platform = self.ckb.platform_for(&m.target).map(|p| p.id.clone());
+        let items = optional_items(&self.ckb, fam, &engine.build_dir);
         Ok(Target {
             family: m.family.clone(),
             dtype,
             target: m.target.clone(),
             platform,
-            spec: crate::harness::HarnessSpec { kernels, arms, features },
+            spec: crate::harness::HarnessSpec { kernels, arms, features, items },
         })
     }
+}
+
+/// The optional skeleton items (`rust.optional` of the family's contracts and components) the engine
+/// in `dir` defines, so that the harness calls them; an engine scaffolded before an item existed
+/// lacks it and keeps building.
+fn optional_items(ckb: &Ckb, family: &crate::ckb::Contract, dir: &Path) -> Vec<String> {
+    let m = family.model.as_ref();
+    let ids = std::iter::once(&family.id).chain(m.into_iter().flat_map(|m| m.components.iter()));
+    let mut items = Vec::new();
+    for c in ids.filter_map(|id| ckb.get(id).ok()) {
+        let Some(rust) = &c.rust else { continue };
+        if rust.optional.is_empty() {
+            continue;
+        }
+        let text = std::fs::read_to_string(dir.join("src").join(format!("{}.rs", rust.module))).unwrap_or_default();
+        for name in &rust.optional {
+            if crate::guard::signatures::defines_fn(&text, name) && !items.contains(name) {
+                items.push(name.clone());
+            }
+        }
+    }
+    items
 }
 
 /// What every report can say about itself.

@@ -1,5 +1,7 @@
 //! plan_engine: from constraints (model directory, target, dtype) to the phases in build order, each
-//! with its contracts and the gates that check it. Reads config.json only; weights are not needed.
+//! with its contracts and the gates that check it, and goals in the family's own terms. Reads
+//! config.json, generation_config.json, tokenizer.json (routed to a tokenizer contract) and the
+//! weight files' headers when present (layout and stored dtypes, never the values).
 
 use std::path::Path;
 
@@ -9,7 +11,8 @@ use serde::{Deserialize, Serialize};
 use super::{Ctx, Report};
 use crate::ckb::{Kind, Phase, SkippedFile};
 use crate::error::{Error, Result};
-use crate::model::{self, Gap, ResolvedConfig};
+use crate::model::tokenizer::TokenizerRoute;
+use crate::model::{self, Gap, GenerationConfig, ResolvedConfig};
 
 /// Constraints of the engine to build.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
@@ -71,6 +74,31 @@ pub struct PlanReport {
     /// reason; this plan was made without them. Empty when every file loaded.
     #[serde(default)]
     pub skipped_contracts: Vec<SkippedFile>,
+    /// tokenizer.json routed to its tokenizer contract; absent when not covered (see `gaps`) or when
+    /// the directory has no tokenizer.json (then not checked).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<TokenizerRoute>,
+    /// The weight files as their headers describe them; absent when the directory has none yet.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weights: Option<WeightsSummary>,
+    /// Stop tokens and length limit (generation_config.json, else config.json).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<GenerationConfig>,
+}
+
+/// The weight files of a checkpoint, from their headers.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct WeightsSummary {
+    /// Sharded through model.safetensors.index.json.
+    pub sharded: bool,
+    /// Weight files.
+    pub files: Vec<String>,
+    /// Number of tensors.
+    pub tensors: usize,
+    /// Tensors per stored dtype (`F32`, `BF16`, `F16`).
+    pub dtypes: std::collections::BTreeMap<String, usize>,
+    /// Bytes of tensor data.
+    pub bytes: u64,
 }
 
 impl Report for PlanReport {
@@ -108,6 +136,30 @@ impl Report for PlanReport {
                 c.rms_norm_eps,
                 c.rope_theta,
                 c.tied
+            );
+        }
+        match &self.tokenizer {
+            Some(t) => s += &format!("tokenizer: {} ({})\n", t.contract, t.parts.join(", ")),
+            None if self.gaps.iter().all(|g| g.field != "tokenizer") => {
+                s += "tokenizer: no tokenizer.json in the model directory, not checked\n";
+            }
+            None => {}
+        }
+        if let Some(w) = &self.weights {
+            s += &format!(
+                "weights: {} tensors in {} file(s){}, {:.1} MB, stored {:?}\n",
+                w.tensors,
+                w.files.len(),
+                if w.sharded { " (sharded)" } else { "" },
+                w.bytes as f64 / 1e6,
+                w.dtypes
+            );
+        }
+        if let Some(g) = &self.generation {
+            s += &format!(
+                "stop tokens: {:?} ({})\n",
+                g.eos_token_ids,
+                if g.source.is_empty() { "none stated" } else { &g.source }
             );
         }
         for f in &self.skipped_contracts {
@@ -169,6 +221,55 @@ pub fn plan_only(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
             None
         }
     });
+    // tokenizer.json: routed to a tokenizer contract before any code is written; its ids checked
+    // against the vocabulary.
+    // A directory without tokenizer.json (config only) plans without it, as without weights: a
+    // missing file is not a gap in the knowledge base, and verify_generation names it.
+    let tokenizer = if !dir.join("tokenizer.json").exists() {
+        None
+    } else {
+        let json = model::tokenizer::read_tokenizer_json(&dir)?;
+        let checked = match &resolved {
+            Some(cfg) => Some(model::tokenizer::check_ids(&dir.join("tokenizer.json"), &json, cfg.vocab)?),
+            None => None,
+        };
+        match model::tokenizer::route_tokenizer(&ctx.ckb, &json) {
+            Ok((c, parts)) => {
+                let (vocab_entries, special_tokens) = checked.unwrap_or_default();
+                Some(TokenizerRoute {
+                    contract: c.id.clone(),
+                    parts: parts.iter().map(ToString::to_string).collect(),
+                    vocab_entries,
+                    special_tokens,
+                })
+            }
+            Err(g) => {
+                gaps.extend(g);
+                None
+            }
+        }
+    };
+    // Weights: the layout (single or sharded, every shard present and agreeing with the index) and
+    // the stored dtypes against the family's dtype policy, from the headers only.
+    let weights = if model::weights::has_weights(&dir) {
+        let layout = model::weight_layout(&dir)?;
+        if let (Some(f), Some(cfg)) = (family, &resolved) {
+            model::check_dtype_policy(f, cfg, &config, &layout)?;
+        }
+        Some(WeightsSummary {
+            sharded: layout.sharded,
+            files: layout.files.clone(),
+            tensors: layout.tensors.len(),
+            dtypes: layout.dtype_counts(),
+            bytes: layout.data_bytes(),
+        })
+    } else {
+        None
+    };
+    let generation = match &resolved {
+        Some(cfg) => Some(model::read_generation_config(&dir, cfg.vocab)?),
+        None => None,
+    };
     let platform = ctx.ckb.platform_for(&req.target);
     match platform {
         None => gaps.push(Gap {
@@ -199,8 +300,15 @@ pub fn plan_only(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
                 m.kernels.clone()
             }
         };
-        let mut ids: Vec<&str> = kernels.iter().chain(&m.components).map(String::as_str).collect();
+        // The tokenizer component is the contract tokenizer.json routes to.
+        let components = m.components.iter().map(|c| match &tokenizer {
+            Some(t) if ctx.ckb.get(c).is_ok_and(|c| c.tokenizer.is_some()) => t.contract.as_str(),
+            _ => c.as_str(),
+        });
+        let mut ids: Vec<&str> = kernels.iter().map(String::as_str).chain(components).collect();
         ids.push(&f.id);
+        let goals =
+            Goals::of(f, resolved.as_ref(), &req.dtype, tokenizer.as_ref(), weights.as_ref(), generation.as_ref());
         for phase in Phase::ALL {
             let mut contracts: Vec<String> = ids
                 .iter()
@@ -208,30 +316,19 @@ pub fn plan_only(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
                 .filter(|c| c.phase == Some(phase))
                 .map(|c| c.id.clone())
                 .collect();
-            let (gates, goal): (&[&str], &str) = match phase {
+            let (gates, goal): (&[&str], String) = match phase {
                 Phase::Kernels => (
                     &["compile_engine", "run_kernel_test"],
-                    "implement every kernel in src/kernels.rs; each is tested alone against the f64 oracle on fresh random inputs",
+                    "implement every kernel in src/kernels.rs; each is tested alone against the f64 oracle on fresh random inputs".into(),
                 ),
-                Phase::WeightLoading => (
-                    &["compile_engine", "verify_generation"],
-                    "Model::load reads config.json and model.safetensors; shapes checked against the family contract",
+                Phase::WeightLoading => (&["compile_engine", "verify_generation"], goals.weight_loading.clone()),
+                Phase::DecoderLayer => (&["verify_generation"], goals.decoder_layer.clone()),
+                Phase::FullForward => (&["verify_generation"], goals.full_forward.clone()),
+                Phase::Generation => (&["verify_generation"], goals.generation.clone()),
+                Phase::Performance => (
+                    &["profile_engine"],
+                    "prefill and decode tokens/s on the target; keep every earlier gate green".into(),
                 ),
-                Phase::DecoderLayer => (
-                    &["verify_generation"],
-                    "one decoder layer: pre-norm attention with RoPE and KV cache, residual, pre-norm SiLU-gated MLP, residual",
-                ),
-                Phase::FullForward => (
-                    &["verify_generation"],
-                    "all layers, final norm, lm_head (tied or not): Model::forward and Model::prefill give logits within the family's tolerance",
-                ),
-                Phase::Generation => (
-                    &["verify_generation"],
-                    "tokenizer matches HF tokenizers exactly; greedy tokens match the reference exactly",
-                ),
-                Phase::Performance => {
-                    (&["profile_engine"], "prefill and decode tokens/s on the target; keep every earlier gate green")
-                }
             };
             if matches!(phase, Phase::DecoderLayer | Phase::FullForward) {
                 contracts.push(f.id.clone());
@@ -243,7 +340,7 @@ pub fn plan_only(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
                 phase: phase.name().into(),
                 contracts,
                 gates: gates.iter().map(|g| g.to_string()).collect(),
-                goal: goal.into(),
+                goal,
             });
         }
     }
@@ -263,7 +360,138 @@ pub fn plan_only(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
         gaps,
         phases,
         skipped_contracts: ctx.ckb.skipped().to_vec(),
+        tokenizer,
+        weights,
+        generation,
     })
+}
+
+/// The phase goals in the family's own terms: its norm, attention and MLP variants (the contract's
+/// `features`, described by `ckb::FAMILY_FEATURES`, and its activation), its RoPE and tie rule, the
+/// weight layout and dtype policy, the tokenizer contract and the stop tokens.
+struct Goals {
+    weight_loading: String,
+    decoder_layer: String,
+    full_forward: String,
+    generation: String,
+}
+
+impl Goals {
+    fn of(
+        family: &crate::ckb::Contract,
+        cfg: Option<&ResolvedConfig>,
+        dtype: &str,
+        tokenizer: Option<&TokenizerRoute>,
+        weights: Option<&WeightsSummary>,
+        generation: Option<&GenerationConfig>,
+    ) -> Goals {
+        let m = family.model.as_ref().expect("model contract");
+        let has = |f: &str| cfg.map_or(m.features.iter().any(|x| x == f), |c| c.has(f));
+        let feature_text = |f: &str| {
+            crate::ckb::FAMILY_FEATURES
+                .iter()
+                .find(|(k, _)| *k == f)
+                .map(|(k, d)| format!("{k}: {d}"))
+                .unwrap_or_default()
+        };
+        let act_field = m.config.iter().find(|c| c.role == "activation");
+        let act_key = act_field.map_or("hidden_act", |c| c.key.as_str());
+        let activation =
+            act_field.and_then(|c| c.supported.first().cloned().or(c.default.clone())).unwrap_or_else(|| "silu".into());
+        let norm = if has("rmsnorm_one_plus_w") { "RMSNorm with (1 + w) gains" } else { "RMSNorm" };
+        let mut attn = vec![format!("pre-norm ({norm}) attention")];
+        attn.push(if has("fused_qkv") {
+            "q/k/v from one fused qkv_proj (q rows, then k, then v)".into()
+        } else {
+            "q/k/v projections".to_string()
+        });
+        if has("qkv_bias") {
+            attn.push("plus their biases".into());
+        }
+        if has("qk_norm") {
+            attn.push("per-head RMSNorm of q and k before RoPE".into());
+        }
+        let rope = match cfg {
+            Some(c) => format!(
+                "rotate-half RoPE with theta {}{}",
+                c.rope_theta,
+                c.rope_scaling
+                    .as_ref()
+                    .map(|s| format!(" and {} scaling (factor {})", s.rope_type, s.factor))
+                    .unwrap_or_default()
+            ),
+            None => "rotate-half RoPE".into(),
+        };
+        attn.push(rope);
+        attn.push(match cfg.map(|c| c.sliding_window).filter(|w| *w > 0) {
+            Some(w) => format!("causal GQA over a KV cache, each query seeing the last {w} positions"),
+            None => "causal GQA over a KV cache".into(),
+        });
+        let mlp = format!(
+            "pre-norm {}-gated MLP ({act_key} {activation}{})",
+            if has("gelu_tanh_mlp") { "tanh-GELU" } else { "SiLU" },
+            if has("fused_gate_up") { ", gate and up from one fused gate_up_proj" } else { "" }
+        );
+        let listed: Vec<String> = m.features.iter().map(|f| feature_text(f)).filter(|t| !t.is_empty()).collect();
+        let decoder_layer = format!(
+            "one {} decoder layer: {}, residual; {mlp}, residual{}",
+            family.id,
+            attn.join(", "),
+            if listed.is_empty() { String::new() } else { format!(". Family features: {}", listed.join("; ")) }
+        );
+        let tied = cfg.map(|c| c.tied).unwrap_or(false);
+        let full_forward = format!(
+            "all layers of {}: embedding{}, the layers, final {norm}, then {}: Model::forward and Model::prefill give logits within the family's tolerance at {dtype} ({})",
+            family.id,
+            if has("embed_scale_sqrt_hidden") { " scaled by sqrt(hidden) rounded to f32" } else { "" },
+            if tied {
+                "the embedding matrix as the output matrix (tie_word_embeddings: an lm_head.weight in the file is ignored)"
+            } else {
+                "lm_head.weight"
+            },
+            m.logits_tolerance
+                .get(dtype)
+                .map(|t| format!("atol {} rtol {}", t.atol, t.rtol))
+                .unwrap_or_else(|| "no tolerance stated".into())
+        );
+        let layout = match weights {
+            Some(w) if w.sharded => format!("the {} shards model.safetensors.index.json names", w.files.len()),
+            Some(_) => "model.safetensors".into(),
+            None => "model.safetensors (or the shards of model.safetensors.index.json)".into(),
+        };
+        let stored = weights
+            .map(|w| w.dtypes.keys().cloned().collect::<Vec<_>>().join("/"))
+            .unwrap_or_else(|| "F32/BF16/F16".into());
+        let policy = m
+            .dtype_policy
+            .as_ref()
+            .filter(|_| dtype != "f32")
+            .map(|p| {
+                format!(
+                    "; at {dtype} store {} as {dtype} and keep {} in f32 (dtype_policy)",
+                    p.at_weight_dtype.join(", "),
+                    p.keep_f32.join(", ")
+                )
+            })
+            .unwrap_or_default();
+        let weight_loading = format!(
+            "Model::load reads config.json and {layout} (stored {stored}, widened exactly); names and shapes checked against {}{policy}",
+            family.id
+        );
+        let tok = tokenizer
+            .map(|t| format!("{} ({})", t.contract, t.parts.join(", ")))
+            .unwrap_or_else(|| "the routed tokenizer contract".into());
+        let stops = match generation {
+            Some(g) if !g.eos_token_ids.is_empty() => format!(
+                "; generate::stop_tokens reads {:?} from {} and generation stops after one",
+                g.eos_token_ids, g.source
+            ),
+            _ => "; generate::stop_tokens finds no eos_token_id, so generation runs to its length".into(),
+        };
+        let generation =
+            format!("tokenizer matches HF tokenizers exactly: {tok}; greedy tokens match the reference exactly{stops}");
+        Goals { weight_loading, decoder_layer, full_forward, generation }
+    }
 }
 
 /// The constraints as a scaffold records them in the engine's `metainfer.toml`.

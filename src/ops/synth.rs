@@ -1,8 +1,11 @@
 //! synth: a random-weight Hugging Face checkpoint of any covered family (config.json with the family's
-//! real architectures, model_type and feature keys; model.safetensors in F32; a BPE tokenizer.json
-//! covering every token id). Small by default, for testing the oracle and engines of families whose real
-//! checkpoints are large; or in a real model's shape ([`PRESETS`]), for speed work. Sizes are checked
-//! before anything is written; the checkpoint goes into a temporary directory beside `out` and is
+//! real architectures, model_type and feature keys; generation_config.json; the weights in F32, BF16
+//! or F16, in one model.safetensors or N shards with model.safetensors.index.json; a tokenizer.json
+//! covering every token id: SentencePiece-style, or a byte-level BPE trained with HF `tokenizers`'
+//! trainer). Small by default, for testing the oracle and engines of families whose real checkpoints
+//! are large; or in a real model's shape ([`PRESETS`], up to Llama 3.2 1B), for speed and scale work.
+//! Sizes are checked before anything is written; weights are drawn and written tensor by tensor (never
+//! the whole model in memory); the checkpoint goes into a temporary directory beside `out` and is
 //! renamed into place.
 //!
 //! The five built-in families (`FAMILIES`) have hand-written configs. Any other family is written from
@@ -23,12 +26,14 @@ use crate::error::{Error, Result};
 /// Families `synth` can write, by short name.
 pub const FAMILIES: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "gemma"];
 
-/// A named model shape for speed work: the sizes of a real checkpoint, written with random weights
-/// (timing does not depend on the values). All presets are Llama-family shapes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+/// A named model shape for speed and scale work: the sizes and settings of a real checkpoint, written
+/// with random weights (timing does not depend on the values).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, JsonSchema)]
 pub struct Preset {
     /// Name passed as `--preset`.
     pub name: &'static str,
+    /// Family short name (one of [`FAMILIES`]).
+    pub family: &'static str,
     /// hidden_size (llama2.c `dim`).
     pub hidden: usize,
     /// num_hidden_layers.
@@ -37,51 +42,130 @@ pub struct Preset {
     pub heads: usize,
     /// num_key_value_heads.
     pub kv_heads: usize,
+    /// head_dim; 0: hidden / heads.
+    pub head_dim: usize,
     /// intermediate_size (the SwiGLU hidden width).
     pub intermediate: usize,
     /// vocab_size.
     pub vocab: usize,
-    /// max_position_embeddings (llama2.c `max_seq_len`, the context length).
+    /// max_position_embeddings written (the context an engine allocates its KV cache for).
     pub max_seq: usize,
+    /// rope_theta.
+    pub rope_theta: f64,
+    /// rms_norm_eps.
+    pub rms_norm_eps: f64,
+    /// Llama 3.1-style RoPE scaling (factor, low_freq_factor, high_freq_factor,
+    /// original_max_position_embeddings), when the real config has it.
+    pub llama3_scaling: Option<(f64, f64, f64, usize)>,
+    /// Stored weight dtype: `f32`, `bf16` or `f16`.
+    pub dtype: &'static str,
+    /// Tokenizer: `spm` or `bytelevel`.
+    pub tokenizer: &'static str,
 }
 
-/// The llama2.c TinyStories model shapes. Source: the model table of the llama2.c README (Karpathy 2023,
-/// <https://github.com/karpathy/llama2.c>): dim, n_layers, n_heads, n_kv_heads and max context length of
-/// stories15M, stories42M and stories110M, all with the 32000-token Llama 2 vocabulary. The intermediate
-/// sizes follow llama2.c's `model.py` (`hidden_dim = 4 * dim`, times 2/3, rounded up to a multiple of
-/// 32: 768, 1376, 2048). llama2.c shares the embedding with the output projection, so the presets are
-/// written with `tie_word_embeddings = true` and `rms_norm_eps = 1e-5` (`ModelArgs.norm_eps`); tied,
-/// they hold 15.2M, 41.7M and 109.5M parameters, as the names say.
+/// The llama2.c TinyStories model shapes, and two current small models.
+///
+/// stories15m/42m/110m: the model table of the llama2.c README (Karpathy 2023,
+/// <https://github.com/karpathy/llama2.c>): dim, n_layers, n_heads, n_kv_heads and max context length,
+/// all with the 32000-token Llama 2 vocabulary. The intermediate sizes follow llama2.c's `model.py`
+/// (`hidden_dim = 4 * dim`, times 2/3, rounded up to a multiple of 32: 768, 1376, 2048). llama2.c
+/// shares the embedding with the output projection, so they are written tied with
+/// `rms_norm_eps = 1e-5` (`ModelArgs.norm_eps`); tied, they hold 15.2M, 41.7M and 109.5M parameters.
+///
+/// llama3.2-1b: the config.json of meta-llama/Llama-3.2-1B (hidden 2048, 16 layers, 32 query and 8
+/// KV heads of 64, intermediate 8192, vocabulary 128256, rope_theta 500000 with llama3 scaling
+/// factor 32 / low 1 / high 4 / original 8192, rms_norm_eps 1e-5, tied, BF16): 1,235,814,400
+/// parameters. qwen3-0.6b: the config.json of Qwen/Qwen3-0.6B (hidden 1024, 28 layers, 16 query and 8
+/// KV heads of 128, intermediate 3072, vocabulary 151936, rope_theta 1e6, rms_norm_eps 1e-6, tied,
+/// BF16): 596,049,920 parameters. Both are written with a 4096-position context instead of their real
+/// 131072 and 40960: an engine allocates its KV cache for the whole context (at 131072 positions
+/// Llama 3.2 1B's f32 cache alone would be 16 x 2 x 512 x 131072 x 4 B = 8.6 GB); `--max-seq` writes
+/// more.
 pub const PRESETS: &[Preset] = &[
     Preset {
         name: "stories15m",
+        family: "llama",
         hidden: 288,
         layers: 6,
         heads: 6,
         kv_heads: 6,
+        head_dim: 0,
         intermediate: 768,
         vocab: 32000,
         max_seq: 256,
+        rope_theta: 10_000.0,
+        rms_norm_eps: 1e-5,
+        llama3_scaling: None,
+        dtype: "f32",
+        tokenizer: "spm",
     },
     Preset {
         name: "stories42m",
+        family: "llama",
         hidden: 512,
         layers: 8,
         heads: 8,
         kv_heads: 8,
+        head_dim: 0,
         intermediate: 1376,
         vocab: 32000,
         max_seq: 1024,
+        rope_theta: 10_000.0,
+        rms_norm_eps: 1e-5,
+        llama3_scaling: None,
+        dtype: "f32",
+        tokenizer: "spm",
     },
     Preset {
         name: "stories110m",
+        family: "llama",
         hidden: 768,
         layers: 12,
         heads: 12,
         kv_heads: 12,
+        head_dim: 0,
         intermediate: 2048,
         vocab: 32000,
         max_seq: 1024,
+        rope_theta: 10_000.0,
+        rms_norm_eps: 1e-5,
+        llama3_scaling: None,
+        dtype: "f32",
+        tokenizer: "spm",
+    },
+    Preset {
+        name: "llama3.2-1b",
+        family: "llama",
+        hidden: 2048,
+        layers: 16,
+        heads: 32,
+        kv_heads: 8,
+        head_dim: 64,
+        intermediate: 8192,
+        vocab: 128_256,
+        max_seq: 4096,
+        rope_theta: 500_000.0,
+        rms_norm_eps: 1e-5,
+        llama3_scaling: Some((32.0, 1.0, 4.0, 8192)),
+        dtype: "bf16",
+        tokenizer: "bytelevel",
+    },
+    Preset {
+        name: "qwen3-0.6b",
+        family: "qwen3",
+        hidden: 1024,
+        layers: 28,
+        heads: 16,
+        kv_heads: 8,
+        head_dim: 128,
+        intermediate: 3072,
+        vocab: 151_936,
+        max_seq: 4096,
+        rope_theta: 1_000_000.0,
+        rms_norm_eps: 1e-6,
+        llama3_scaling: None,
+        dtype: "bf16",
+        tokenizer: "bytelevel",
     },
 ];
 
@@ -142,6 +226,74 @@ pub struct SynthRequest {
     /// mistral: sliding_window (default 8).
     #[serde(default)]
     pub sliding_window: Option<usize>,
+    /// Stored weight dtype: `f32`, `bf16` or `f16` (default the preset's, else f32). Values are drawn
+    /// in f32 and rounded to nearest even.
+    #[serde(default)]
+    pub dtype: Option<String>,
+    /// Weight files: 1 writes model.safetensors; N > 1 writes model-0000i-of-0000N.safetensors of about
+    /// equal size and model.safetensors.index.json (default 1).
+    #[serde(default)]
+    pub shards: Option<usize>,
+    /// Tokenizer: `spm` (SentencePiece-style, character merges) or `bytelevel` (a byte-level BPE
+    /// trained on generated text, with special tokens; Llama 3's split pattern and template for llama,
+    /// Qwen2's and NFC for qwen families). Default the preset's, else spm.
+    #[serde(default)]
+    pub tokenizer: Option<String>,
+}
+
+/// How a synthetic checkpoint is stored: weight dtype, number of weight files, tokenizer kind.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Storage {
+    /// `f32`, `bf16` or `f16`.
+    pub dtype: String,
+    /// Number of weight files (1: model.safetensors).
+    pub shards: usize,
+    /// `spm` or `bytelevel`.
+    pub tokenizer: String,
+}
+
+impl Default for Storage {
+    fn default() -> Storage {
+        Storage { dtype: "f32".into(), shards: 1, tokenizer: "spm".into() }
+    }
+}
+
+impl Storage {
+    /// The storage a request asks for (its preset's where it says nothing), checked.
+    ///
+    /// # Errors
+    /// [`crate::error::ErrorKind::Usage`] naming the flag: an unknown dtype or tokenizer, zero shards.
+    pub fn of(req: &SynthRequest) -> Result<Storage> {
+        let preset = req.preset.as_deref().map(preset).transpose()?;
+        let dtype = req.dtype.clone().or(preset.map(|p| p.dtype.to_string())).unwrap_or_else(|| "f32".into());
+        if !["f32", "bf16", "f16"].contains(&dtype.as_str()) {
+            return Err(Error::usage(format!("--dtype {dtype}: synth stores f32, bf16 or f16")));
+        }
+        let shards = req.shards.unwrap_or(1);
+        if !(1..=999).contains(&shards) {
+            return Err(Error::usage(format!("--shards {shards} must be in 1..=999")));
+        }
+        let tokenizer =
+            req.tokenizer.clone().or(preset.map(|p| p.tokenizer.to_string())).unwrap_or_else(|| "spm".into());
+        if !["spm", "bytelevel"].contains(&tokenizer.as_str()) {
+            return Err(Error::usage(format!("--tokenizer {tokenizer}: synth writes spm or bytelevel")));
+        }
+        Ok(Storage { dtype, shards, tokenizer })
+    }
+
+    /// Bytes per stored weight.
+    pub fn bytes_per_weight(&self) -> usize {
+        if self.dtype == "f32" { 4 } else { 2 }
+    }
+
+    /// config.json's `torch_dtype` for this storage.
+    pub fn torch_dtype(&self) -> &'static str {
+        match self.dtype.as_str() {
+            "bf16" => "bfloat16",
+            "f16" => "float16",
+            _ => "float32",
+        }
+    }
 }
 
 /// What was written.
@@ -171,11 +323,12 @@ impl Report for SynthReport {
     }
 }
 
-/// Largest checkpoint `synth` writes, in bytes of F32 weights (2 GB, decimal): enough for the presets
-/// (stories110m is about 438 MB), small enough to write in seconds and to hold in memory.
-pub const MAX_BYTES: usize = 2_000_000_000;
+/// Largest checkpoint `synth` writes, in bytes of stored weights (8 GB, decimal): Llama 3.2 1B in
+/// BF16 is 2.5 GB, in F32 4.9 GB; weights are streamed to disk tensor by tensor, so memory holds one
+/// tensor at a time.
+pub const MAX_BYTES: usize = 8_000_000_000;
 
-/// Largest parameter count `synth` writes: [`MAX_BYTES`] of F32 (4 bytes each).
+/// Largest parameter count `synth` writes: [`MAX_BYTES`] of F32 (4 bytes each); at BF16/F16 twice as many.
 pub const MAX_PARAMETERS: usize = MAX_BYTES / 4;
 
 /// The config.json of a synthetic checkpoint, checked for sizes that make no sense.
@@ -188,11 +341,12 @@ pub fn synth_config(req: &SynthRequest) -> Result<serde_json::Value> {
     let preset = req.preset.as_deref().map(preset).transpose()?;
     let family = req.family.strip_prefix("model.").unwrap_or(&req.family);
     let family = match (preset, family) {
-        (Some(_), "" | "llama") => "llama",
+        (Some(p), "") => p.family,
+        (Some(p), f) if f == p.family => p.family,
         (Some(p), other) => {
             return Err(Error::usage(format!(
-                "--preset {} is a llama shape and conflicts with --family {other}; drop --family or pass --family llama",
-                p.name
+                "--preset {} is a {} shape and conflicts with --family {other}; drop --family or pass --family {}",
+                p.name, p.family, p.family
             )));
         }
         (None, "") => {
@@ -207,9 +361,12 @@ pub fn synth_config(req: &SynthRequest) -> Result<serde_json::Value> {
     if !FAMILIES.contains(&family) {
         return Err(Error::usage(format!("unknown family `{}`; synth writes: {}", req.family, FAMILIES.join(", "))));
     }
+    let storage = Storage::of(req)?;
     let tied = preset.is_some() || matches!(family, "qwen2" | "qwen3" | "gemma");
-    let Sizes { hidden, layers, heads, kv, head_dim, vocab, inter, max_seq } = sizes(req, preset, tied, family)?;
+    let Sizes { hidden, layers, heads, kv, head_dim, vocab, inter, max_seq } =
+        sizes(req, preset, tied, family, storage.bytes_per_weight())?;
     let check = |ok: bool, msg: String| if ok { Ok(()) } else { Err(Error::usage(msg)) };
+    let specials = special_ids(&storage.tokenizer, family, vocab)?;
     let (arch, theta) = match family {
         "llama" => ("LlamaForCausalLM", 10_000.0),
         "mistral" => ("MistralForCausalLM", 10_000.0),
@@ -228,15 +385,21 @@ pub fn synth_config(req: &SynthRequest) -> Result<serde_json::Value> {
         "head_dim": head_dim,
         "vocab_size": vocab,
         "max_position_embeddings": max_seq,
-        "rms_norm_eps": if preset.is_some() { 1e-5 } else { 1e-6 },
-        "rope_theta": theta,
+        "rms_norm_eps": preset.map_or(1e-6, |p| p.rms_norm_eps),
+        "rope_theta": preset.map_or(theta, |p| p.rope_theta),
         "hidden_act": "silu",
         "tie_word_embeddings": tied,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "torch_dtype": "float32",
+        "bos_token_id": specials.bos,
+        "eos_token_id": specials.eos,
+        "torch_dtype": storage.torch_dtype(),
     });
     let o = c.as_object_mut().expect("an object");
+    if let Some((factor, low, high, orig)) = preset.and_then(|p| p.llama3_scaling) {
+        o.insert(
+            "rope_scaling".into(),
+            json!({"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high, "original_max_position_embeddings": orig}),
+        );
+    }
     match family {
         "mistral" => {
             let w = req.sliding_window.unwrap_or(8);
@@ -318,7 +481,8 @@ pub fn synth_tensors(config: &serde_json::Value, seed: u64) -> Vec<(String, Vec<
 /// `self_attn.qkv_proj.weight` [(n_heads + 2 n_kv_heads) head_dim, hidden] (and biases as one
 /// `qkv_proj.bias`); `fused_gate_up` writes gate and up as one `mlp.gate_up_proj.weight`
 /// [2 intermediate, hidden]. So a fused checkpoint holds the same numbers as the unfused one of the
-/// same seed.
+/// same seed. Holds every value at once: for large checkpoints [`write_checkpoint_opts`] streams the
+/// same values tensor by tensor.
 ///
 /// # Panics
 /// When `config` lacks a size key (it comes from [`synth_config`] or [`synth_config_for`]).
@@ -327,6 +491,41 @@ pub fn synth_tensors_with(
     features: &[String],
     seed: u64,
 ) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let plan = tensor_plan(config, features);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    plan.into_iter()
+        .map(|t| {
+            let values = t.draw(&mut rng);
+            (t.name, t.shape, values)
+        })
+        .collect()
+}
+
+/// One tensor of a synthetic checkpoint: its name and shape, and the normal draws (count, mean, std)
+/// whose values it holds, in order (a fused tensor holds several).
+#[derive(Debug, Clone)]
+struct PlannedTensor {
+    name: String,
+    shape: Vec<usize>,
+    draws: Vec<(usize, f32, f32)>,
+}
+
+impl PlannedTensor {
+    fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+    /// The values, drawn from `rng` in plan order (so a streamed checkpoint equals the in-memory one).
+    fn draw(&self, rng: &mut rand_chacha::ChaCha8Rng) -> Vec<f32> {
+        let mut v = Vec::with_capacity(self.len());
+        for &(n, mean, std) in &self.draws {
+            v.extend(normal(rng, n, mean, std));
+        }
+        v
+    }
+}
+
+/// The tensors of a checkpoint in draw order, without their values (see [`synth_tensors_with`]).
+fn tensor_plan(config: &serde_json::Value, features: &[String]) -> Vec<PlannedTensor> {
     let has = |f: &str| features.iter().any(|x| x == f);
     let u = |k: &str| config[k].as_u64().unwrap_or_else(|| panic!("config has {k}")) as usize;
     let (h, ff, nl, nh, nkv, hd, vocab) = (
@@ -339,58 +538,55 @@ pub fn synth_tensors_with(
         u("vocab_size"),
     );
     let tied = config["tie_word_embeddings"].as_bool().unwrap_or(false);
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let norm_mean = if has("rmsnorm_one_plus_w") { 0.0 } else { 1.0 };
-    let mut out = Vec::new();
-    type Out = Vec<(String, Vec<usize>, Vec<f32>)>;
-    let push =
-        |out: &mut Out, rng: &mut rand_chacha::ChaCha8Rng, name: String, shape: Vec<usize>, mean: f32, std: f32| {
-            let n = shape.iter().product();
-            out.push((name, shape, normal(rng, n, mean, std)));
-        };
+    let mut out: Vec<PlannedTensor> = Vec::new();
+    let push = |out: &mut Vec<PlannedTensor>, name: String, shape: Vec<usize>, mean: f32, std: f32| {
+        let n = shape.iter().product();
+        out.push(PlannedTensor { name, shape, draws: vec![(n, mean, std)] });
+    };
     // Replace the last `n` tensors by one with their rows stacked in order.
-    let fuse = |out: &mut Out, n: usize, name: String| {
+    let fuse = |out: &mut Vec<PlannedTensor>, n: usize, name: String| {
         let parts = out.split_off(out.len() - n);
-        let cols: usize = parts[0].1[1..].iter().product();
-        let rows: usize = parts.iter().map(|p| p.1[0]).sum();
-        let shape = if parts[0].1.len() == 1 { vec![rows] } else { vec![rows, cols] };
-        out.push((name, shape, parts.into_iter().flat_map(|p| p.2).collect()));
+        let cols: usize = parts[0].shape[1..].iter().product();
+        let rows: usize = parts.iter().map(|p| p.shape[0]).sum();
+        let shape = if parts[0].shape.len() == 1 { vec![rows] } else { vec![rows, cols] };
+        out.push(PlannedTensor { name, shape, draws: parts.into_iter().flat_map(|p| p.draws).collect() });
     };
     let proj = |fan_in: usize| 1.0 / (fan_in as f32).sqrt();
-    push(&mut out, &mut rng, "model.embed_tokens.weight".into(), vec![vocab, h], 0.0, 0.2);
+    push(&mut out, "model.embed_tokens.weight".into(), vec![vocab, h], 0.0, 0.2);
     for i in 0..nl {
         let p = format!("model.layers.{i}.");
-        push(&mut out, &mut rng, format!("{p}input_layernorm.weight"), vec![h], norm_mean, 0.1);
-        push(&mut out, &mut rng, format!("{p}self_attn.q_proj.weight"), vec![nh * hd, h], 0.0, proj(h));
-        push(&mut out, &mut rng, format!("{p}self_attn.k_proj.weight"), vec![nkv * hd, h], 0.0, proj(h));
-        push(&mut out, &mut rng, format!("{p}self_attn.v_proj.weight"), vec![nkv * hd, h], 0.0, proj(h));
+        push(&mut out, format!("{p}input_layernorm.weight"), vec![h], norm_mean, 0.1);
+        push(&mut out, format!("{p}self_attn.q_proj.weight"), vec![nh * hd, h], 0.0, proj(h));
+        push(&mut out, format!("{p}self_attn.k_proj.weight"), vec![nkv * hd, h], 0.0, proj(h));
+        push(&mut out, format!("{p}self_attn.v_proj.weight"), vec![nkv * hd, h], 0.0, proj(h));
         if has("fused_qkv") {
             fuse(&mut out, 3, format!("{p}self_attn.qkv_proj.weight"));
         }
         if has("qkv_bias") {
-            push(&mut out, &mut rng, format!("{p}self_attn.q_proj.bias"), vec![nh * hd], 0.0, 0.5);
-            push(&mut out, &mut rng, format!("{p}self_attn.k_proj.bias"), vec![nkv * hd], 0.0, 0.5);
-            push(&mut out, &mut rng, format!("{p}self_attn.v_proj.bias"), vec![nkv * hd], 0.0, 0.5);
+            push(&mut out, format!("{p}self_attn.q_proj.bias"), vec![nh * hd], 0.0, 0.5);
+            push(&mut out, format!("{p}self_attn.k_proj.bias"), vec![nkv * hd], 0.0, 0.5);
+            push(&mut out, format!("{p}self_attn.v_proj.bias"), vec![nkv * hd], 0.0, 0.5);
             if has("fused_qkv") {
                 fuse(&mut out, 3, format!("{p}self_attn.qkv_proj.bias"));
             }
         }
         if has("qk_norm") {
-            push(&mut out, &mut rng, format!("{p}self_attn.q_norm.weight"), vec![hd], 1.0, 0.3);
-            push(&mut out, &mut rng, format!("{p}self_attn.k_norm.weight"), vec![hd], 1.0, 0.3);
+            push(&mut out, format!("{p}self_attn.q_norm.weight"), vec![hd], 1.0, 0.3);
+            push(&mut out, format!("{p}self_attn.k_norm.weight"), vec![hd], 1.0, 0.3);
         }
-        push(&mut out, &mut rng, format!("{p}self_attn.o_proj.weight"), vec![h, nh * hd], 0.0, proj(nh * hd));
-        push(&mut out, &mut rng, format!("{p}post_attention_layernorm.weight"), vec![h], norm_mean, 0.1);
-        push(&mut out, &mut rng, format!("{p}mlp.gate_proj.weight"), vec![ff, h], 0.0, proj(h));
-        push(&mut out, &mut rng, format!("{p}mlp.up_proj.weight"), vec![ff, h], 0.0, proj(h));
+        push(&mut out, format!("{p}self_attn.o_proj.weight"), vec![h, nh * hd], 0.0, proj(nh * hd));
+        push(&mut out, format!("{p}post_attention_layernorm.weight"), vec![h], norm_mean, 0.1);
+        push(&mut out, format!("{p}mlp.gate_proj.weight"), vec![ff, h], 0.0, proj(h));
+        push(&mut out, format!("{p}mlp.up_proj.weight"), vec![ff, h], 0.0, proj(h));
         if has("fused_gate_up") {
             fuse(&mut out, 2, format!("{p}mlp.gate_up_proj.weight"));
         }
-        push(&mut out, &mut rng, format!("{p}mlp.down_proj.weight"), vec![h, ff], 0.0, proj(ff));
+        push(&mut out, format!("{p}mlp.down_proj.weight"), vec![h, ff], 0.0, proj(ff));
     }
-    push(&mut out, &mut rng, "model.norm.weight".into(), vec![h], norm_mean, 0.1);
+    push(&mut out, "model.norm.weight".into(), vec![h], norm_mean, 0.1);
     if !tied {
-        push(&mut out, &mut rng, "lm_head.weight".into(), vec![vocab, h], 0.0, 0.2);
+        push(&mut out, "lm_head.weight".into(), vec![vocab, h], 0.0, 0.2);
     }
     out
 }
@@ -480,6 +676,23 @@ pub fn write_checkpoint_with(
     features: &[String],
     seed: u64,
 ) -> Result<SynthReport> {
+    write_checkpoint_opts(out, config, features, seed, &Storage::default())
+}
+
+/// As [`write_checkpoint_with`], stored as `storage` says: weights rounded to its dtype (nearest even)
+/// in one file or `shards` files with an index, its tokenizer kind, and generation_config.json (the
+/// config's bos and eos ids; the qwen families stop at `<|im_end|>` and `<|endoftext|>`). Tensors are
+/// drawn and written one at a time, so memory holds one tensor however large the model.
+///
+/// # Errors
+/// As [`write_checkpoint`]; more shards than tensors.
+pub fn write_checkpoint_opts(
+    out: &Path,
+    config: &serde_json::Value,
+    features: &[String],
+    seed: u64,
+    storage: &Storage,
+) -> Result<SynthReport> {
     if out.exists() {
         let empty = out.is_dir() && std::fs::read_dir(out).map(|mut d| d.next().is_none()).unwrap_or(false);
         if !empty {
@@ -489,6 +702,22 @@ pub fn write_checkpoint_with(
             )));
         }
     }
+    let plan = tensor_plan(config, features);
+    if storage.shards > plan.len() {
+        return Err(Error::usage(format!(
+            "--shards {} exceeds the checkpoint's {} tensors; every shard holds at least one",
+            storage.shards,
+            plan.len()
+        )));
+    }
+    let vocab = config["vocab_size"].as_u64().unwrap_or(0) as usize;
+    let model_type = config["model_type"].as_str().unwrap_or("llama");
+    // The tokenizer first: training a large byte-level vocabulary is the other slow part, and a
+    // failure should come before gigabytes are written.
+    let tokenizer = match storage.tokenizer.as_str() {
+        "bytelevel" => synth_bytelevel_tokenizer(vocab, bytelevel_style(model_type), seed)?,
+        _ => synth_tokenizer(vocab),
+    };
     let parent = match out.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
@@ -496,28 +725,26 @@ pub fn write_checkpoint_with(
     std::fs::create_dir_all(&parent).map_err(|e| Error::input(format!("cannot create {}: {e}", parent.display())))?;
     let io = |what: &Path, e: std::io::Error| Error::input(format!("cannot write {}: {e}", what.display()));
     let tmp = tempfile::Builder::new().prefix(".synth-").tempdir_in(&parent).map_err(|e| io(&parent, e))?;
-    let cfg_text = serde_json::to_string_pretty(config).expect("json serialises");
+    let mut config = config.clone();
+    config["torch_dtype"] = json!(storage.torch_dtype());
+    let cfg_text = serde_json::to_string_pretty(&config).expect("json serialises");
     std::fs::write(tmp.path().join("config.json"), cfg_text).map_err(|e| io(out, e))?;
-    let vocab = config["vocab_size"].as_u64().unwrap_or(0) as usize;
-    let tok = serde_json::to_string_pretty(&synth_tokenizer(vocab)).expect("json serialises");
+    let mut generation = serde_json::Map::new();
+    generation.insert("bos_token_id".into(), config["bos_token_id"].clone());
+    let eos = match (model_type, storage.tokenizer.as_str(), config["eos_token_id"].as_u64()) {
+        // Qwen's generation_config.json lists <|im_end|> and <|endoftext|>.
+        ("qwen2" | "qwen3", "bytelevel", Some(e)) => json!([e, e.saturating_sub(2)]),
+        _ => config["eos_token_id"].clone(),
+    };
+    generation.insert("eos_token_id".into(), eos);
+    std::fs::write(
+        tmp.path().join("generation_config.json"),
+        serde_json::to_string_pretty(&generation).expect("json serialises"),
+    )
+    .map_err(|e| io(out, e))?;
+    let tok = serde_json::to_string_pretty(&tokenizer).expect("json serialises");
     std::fs::write(tmp.path().join("tokenizer.json"), tok).map_err(|e| io(out, e))?;
-    let tensors = synth_tensors_with(config, features, seed);
-    let (count, parameters) = (tensors.len(), tensors.iter().map(|t| t.2.len()).sum());
-    // Converted tensor by tensor, so that only one tensor is held twice.
-    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> =
-        tensors.into_iter().map(|(n, s, v)| (n, s, v.into_iter().flat_map(f32::to_le_bytes).collect())).collect();
-    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = bytes
-        .iter()
-        .map(|(n, s, b)| {
-            (
-                n.clone(),
-                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b).expect("consistent view"),
-            )
-        })
-        .collect();
-    let st = tmp.path().join("model.safetensors");
-    safetensors::serialize_to_file(views, None, &st)
-        .map_err(|e| Error::input(format!("cannot write {}: {e}", st.display())))?;
+    let parameters = write_weights(tmp.path(), &plan, seed, storage)?;
     if out.exists() {
         std::fs::remove_dir(out).map_err(|e| io(out, e))?;
     }
@@ -529,19 +756,390 @@ pub fn write_checkpoint_with(
     Ok(SynthReport {
         dir: out.display().to_string(),
         family: config["model_type"].as_str().unwrap_or_default().into(),
-        config: config.clone(),
-        tensors: count,
+        config,
+        tensors: plan.len(),
         parameters,
     })
+}
+
+/// The stored bytes of f32 values at `dtype`: F32 as is, BF16 and F16 rounded to nearest even.
+fn stored_bytes(values: &[f32], dtype: &str) -> Vec<u8> {
+    match dtype {
+        "bf16" => values.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect(),
+        "f16" => values.iter().flat_map(|x| half::f16::from_f32(*x).to_le_bytes()).collect(),
+        _ => values.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    }
+}
+
+/// Write the planned tensors into `dir`: model.safetensors, or `storage.shards` files
+/// `model-0000i-of-0000N.safetensors` of about equal size (tensors in draw order, never split) plus
+/// model.safetensors.index.json. Each file's header is written first (sizes are known from the
+/// plan), then each tensor at its offset as it is drawn. Returns the parameter count.
+fn write_weights(dir: &Path, plan: &[PlannedTensor], seed: u64, storage: &Storage) -> Result<usize> {
+    use std::os::unix::fs::FileExt;
+    let (dtype_name, width) = match storage.dtype.as_str() {
+        "bf16" => ("BF16", 2),
+        "f16" => ("F16", 2),
+        _ => ("F32", 4),
+    };
+    let total: usize = plan.iter().map(|t| t.len() * width).sum();
+    // Shard boundaries: a tensor goes to the shard where its first byte falls, tensors in order,
+    // shards filled one after the other; late tensors move on early enough that no shard stays empty.
+    let n = storage.shards;
+    let mut groups: Vec<Vec<&PlannedTensor>> = vec![Vec::new(); n];
+    let (mut shard, mut start) = (0usize, 0usize);
+    for (i, t) in plan.iter().enumerate() {
+        let must = n.saturating_sub(plan.len() - i);
+        let want = (start * n / total.max(1)).min(n - 1).max(must);
+        if want > shard && !groups[shard].is_empty() {
+            shard += 1;
+        }
+        groups[shard].push(t);
+        start += t.len() * width;
+    }
+    let names: Vec<String> = if n == 1 {
+        vec![crate::model::weights::SINGLE_FILE.to_string()]
+    } else {
+        (1..=n).map(|i| format!("model-{i:05}-of-{n:05}.safetensors")).collect()
+    };
+    let st_dtype = match dtype_name {
+        "BF16" => safetensors::Dtype::BF16,
+        "F16" => safetensors::Dtype::F16,
+        _ => safetensors::Dtype::F32,
+    };
+    // Each file's header is what the safetensors writer makes of the same tensors (sorted by name,
+    // offsets in that order, padded to 8 bytes), so a single F32 file is byte for byte what
+    // `safetensors::serialize_to_file` writes; the data is then written at its offsets as drawn.
+    let mut files = Vec::new();
+    let mut weight_map = serde_json::Map::new();
+    for (name, group) in names.iter().zip(&groups) {
+        let path = dir.join(name);
+        let mut sorted: Vec<&PlannedTensor> = group.clone();
+        sorted.sort_by(|a, b| a.name.cmp(&b.name));
+        let mut offset = 0usize;
+        let mut infos = Vec::new();
+        let mut at: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+        for t in &sorted {
+            let bytes = t.len() * width;
+            infos.push((
+                t.name.clone(),
+                safetensors::tensor::TensorInfo {
+                    dtype: st_dtype,
+                    shape: t.shape.clone(),
+                    data_offsets: (offset, offset + bytes),
+                },
+            ));
+            at.insert(t.name.as_str(), offset);
+            offset += bytes;
+            weight_map.insert(t.name.clone(), json!(name));
+        }
+        let meta = safetensors::tensor::Metadata::new(None, infos)
+            .map_err(|e| Error::internal(format!("{}: header: {e}", path.display())))?;
+        let mut header = serde_json::to_vec(&meta).expect("a safetensors header serialises");
+        header.resize(header.len().next_multiple_of(8), b' ');
+        let io = |e: std::io::Error| Error::input(format!("cannot write {}: {e}", path.display()));
+        let f = std::fs::File::create(&path).map_err(io)?;
+        let data_start = 8 + header.len();
+        f.set_len((data_start + offset) as u64).map_err(io)?;
+        f.write_all_at(&(header.len() as u64).to_le_bytes(), 0).map_err(io)?;
+        f.write_all_at(&header, 8).map_err(io)?;
+        files.push((f, data_start, at));
+    }
+    // Draw in plan order (the order of the random stream), write where the header put each tensor.
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let mut parameters = 0;
+    for (group, (f, data_start, at)) in groups.iter().zip(&files) {
+        for t in group {
+            let values = t.draw(&mut rng);
+            parameters += values.len();
+            let off = (data_start + at[t.name.as_str()]) as u64;
+            f.write_all_at(&stored_bytes(&values, &storage.dtype), off)
+                .map_err(|e| Error::input(format!("cannot write {}: {e}", dir.display())))?;
+        }
+        f.sync_all().map_err(|e| Error::input(format!("cannot write {}: {e}", dir.display())))?;
+    }
+    if n > 1 {
+        let index = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+        let path = dir.join(crate::model::weights::INDEX_FILE);
+        std::fs::write(&path, serde_json::to_string_pretty(&index).expect("json serialises"))
+            .map_err(|e| Error::input(format!("cannot write {}: {e}", path.display())))?;
+    }
+    Ok(parameters)
 }
 
 /// Write a synthetic checkpoint of a built-in family ([`FAMILIES`]) for `req`.
 ///
 /// # Errors
-/// As [`synth_config`] and [`write_checkpoint`].
+/// As [`synth_config`] and [`write_checkpoint_opts`].
 pub fn synth(req: &SynthRequest) -> Result<SynthReport> {
     let config = synth_config(req)?;
-    write_checkpoint(&req.out, &config, req.seed)
+    let features = builtin_features(config["model_type"].as_str().unwrap_or("llama"));
+    write_checkpoint_opts(&req.out, &config, &features, req.seed, &Storage::of(req)?)
+}
+
+/// The bos and eos ids of a synthetic tokenizer.
+struct SpecialIds {
+    bos: usize,
+    eos: usize,
+}
+
+/// Special tokens of synth's byte-level tokenizers, placed at the end of the vocabulary as in the
+/// real ones. llama3 style (Llama 3's names and order; 256 of them from a 4096 vocabulary on, as in
+/// Llama 3's 128000..128256, else the first 10): `<|begin_of_text|>` (BOS), `<|end_of_text|>` (EOS),
+/// reserved tokens, `<|start_header_id|>`, `<|end_header_id|>`, `<|eot_id|>`. qwen2 style (Qwen2's):
+/// `<|endoftext|>`, `<|im_start|>`, `<|im_end|>`.
+fn bytelevel_specials(style: &str, vocab: usize) -> Vec<String> {
+    if style == "qwen2" {
+        return ["<|endoftext|>", "<|im_start|>", "<|im_end|>"].iter().map(|s| s.to_string()).collect();
+    }
+    let n = if vocab >= 4096 { 256 } else { 10 };
+    let mut reserved = 0;
+    (0..n)
+        .map(|i| match i {
+            0 => "<|begin_of_text|>".to_string(),
+            1 => "<|end_of_text|>".to_string(),
+            6 => "<|start_header_id|>".to_string(),
+            7 => "<|end_header_id|>".to_string(),
+            9 => "<|eot_id|>".to_string(),
+            _ => {
+                reserved += 1;
+                format!("<|reserved_special_token_{}|>", reserved - 1)
+            }
+        })
+        .collect()
+}
+
+/// The byte-level style synth writes for a model_type: qwen2 (Qwen2's split pattern, NFC, no BOS)
+/// for the qwen families, llama3 (Llama 3's pattern, ignore_merges, BOS template) otherwise.
+fn bytelevel_style(model_type: &str) -> &'static str {
+    if model_type.starts_with("qwen") { "qwen2" } else { "llama3" }
+}
+
+/// The bos and eos ids a tokenizer kind gives for this family and vocabulary.
+fn special_ids(tokenizer: &str, family: &str, vocab: usize) -> Result<SpecialIds> {
+    if tokenizer != "bytelevel" {
+        return Ok(SpecialIds { bos: 1, eos: 2 });
+    }
+    let style = bytelevel_style(family);
+    let specials = bytelevel_specials(style, vocab);
+    let min = 256 + specials.len() + 1;
+    if vocab < min {
+        return Err(Error::usage(format!(
+            "--vocab {vocab} is too small for --tokenizer bytelevel: 256 byte tokens, {} special tokens and at least one merge need {min}",
+            specials.len()
+        )));
+    }
+    let first = vocab - specials.len();
+    Ok(match style {
+        // <|endoftext|> is Qwen's bos_token_id in config.json; generation ends at <|im_end|>.
+        "qwen2" => SpecialIds { bos: first, eos: first + 2 },
+        _ => SpecialIds { bos: first, eos: first + 1 },
+    })
+}
+
+/// GPT-2's byte-to-character table (contract component.tokenizer_bytelevel): printable bytes map to
+/// themselves, the other 68 to U+0100.. in byte order.
+fn byte_chars() -> [char; 256] {
+    let mut table = ['\0'; 256];
+    let mut next = 0u32;
+    for b in 0..256u32 {
+        let printable = (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+        table[b as usize] = if printable {
+            char::from_u32(b).expect("a Latin-1 code point")
+        } else {
+            next += 1;
+            char::from_u32(0x100 + next - 1).expect("a code point below U+0144")
+        };
+    }
+    table
+}
+
+/// Words of a generated training text for synth's byte-level BPE: pseudo-words from syllables (some
+/// capitalised), numbers, punctuation runs and non-ASCII words (accents, Cyrillic, CJK, emoji), most
+/// with a leading space, as the split patterns cut them. `distinct` words, the k-th used about
+/// 1 + 400 / (k + 1) times (a Zipf-like frequency), so common merges are learned first.
+fn training_words(seed: u64, distinct: usize) -> Vec<(String, u64)> {
+    const ONSETS: &[&str] = &[
+        "", "b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "st", "tr", "ch",
+        "sh", "th", "pl", "gr",
+    ];
+    const VOWELS: &[&str] = &["a", "e", "i", "o", "u", "ea", "ou", "ai", "y"];
+    const CODAS: &[&str] = &["", "", "n", "r", "s", "t", "l", "m", "ng", "ck", "st", "nd"];
+    const OTHER: &[&str] = &["é", "ü", "ñ", "ß", "ç", "при", "вет", "日本", "中文", "語", "😀", "—", "’", "“", "”"];
+    const PUNCT: &[&str] = &[".", ",", "!", "?", ";", ":", "...", "(", ")", "\"", "'", "-", "\n", "\n\n", "  "];
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ 0x70_6b_65_6e);
+    let mut seen = std::collections::HashSet::new();
+    let mut out = Vec::with_capacity(distinct);
+    let mut tries = 0;
+    while out.len() < distinct && tries < distinct * 20 {
+        tries += 1;
+        let kind = rng.random_range(0..20);
+        let mut w = String::new();
+        if kind < 15 {
+            for _ in 0..rng.random_range(1..=4) {
+                w += ONSETS[rng.random_range(0..ONSETS.len())];
+                w += VOWELS[rng.random_range(0..VOWELS.len())];
+                w += CODAS[rng.random_range(0..CODAS.len())];
+            }
+            if rng.random_bool(0.15) {
+                let mut c = w.chars();
+                w = c.next().map(|f| f.to_uppercase().collect::<String>() + c.as_str()).unwrap_or_default();
+            }
+        } else if kind < 17 {
+            w = rng.random_range(0..100_000u32).to_string();
+        } else if kind < 18 {
+            w = PUNCT[rng.random_range(0..PUNCT.len())].to_string();
+        } else {
+            for _ in 0..rng.random_range(1..=3) {
+                w += OTHER[rng.random_range(0..OTHER.len())];
+            }
+        }
+        if rng.random_bool(0.8) {
+            w.insert(0, ' ');
+        }
+        if seen.insert(w.clone()) {
+            let k = out.len() as u64;
+            out.push((w, 1 + 400 / (k + 1)));
+        }
+    }
+    out
+}
+
+/// A byte-level BPE tokenizer.json with exactly `vocab` entries, trained with HF `tokenizers`' BPE
+/// trainer on generated text ([`training_words`]), in the layout of the real ones (contract
+/// component.tokenizer_bytelevel): the 256 byte characters, learned merges (completed, if the text
+/// offers fewer, by merges of a learned token with a byte character), then the special tokens;
+/// `style` llama3 (Llama 3's split pattern from the contract, ignore_merges, a
+/// `<|begin_of_text|>` template) or qwen2 (Qwen2's pattern, NFC, no template). Deterministic in
+/// `seed`.
+///
+/// # Errors
+/// [`crate::error::ErrorKind::Usage`] for a vocabulary too small; Internal when training or the
+/// check that HF loads the result fails.
+pub fn synth_bytelevel_tokenizer(vocab: usize, style: &str, seed: u64) -> Result<serde_json::Value> {
+    use tokenizers::Trainer;
+    let specials = bytelevel_specials(style, vocab);
+    let _ = special_ids("bytelevel", if style == "qwen2" { "qwen2" } else { "llama" }, vocab)?;
+    let target = vocab - specials.len();
+    let table = byte_chars();
+    let map = |w: &str| -> String { w.bytes().map(|b| table[b as usize]).collect() };
+    let words = training_words(seed, (target / 3).max(64));
+    let mut trainer = tokenizers::models::bpe::BpeTrainerBuilder::new()
+        .vocab_size(target)
+        .min_frequency(0)
+        .show_progress(false)
+        .initial_alphabet(table.iter().copied().collect())
+        .limit_alphabet(256)
+        .build();
+    let corpus: Vec<String> = words.iter().map(|(w, _)| map(w)).collect();
+    let counts: std::collections::HashMap<&str, u64> =
+        corpus.iter().map(String::as_str).zip(words.iter().map(|w| w.1)).collect();
+    trainer
+        .feed(corpus.iter(), |w| Ok(std::iter::repeat_n(w.to_string(), counts[w] as usize).collect()))
+        .map_err(|e| Error::internal(format!("byte-level BPE training: {e}")))?;
+    let mut model = tokenizers::models::bpe::BPE::default();
+    trainer.train(&mut model).map_err(|e| Error::internal(format!("byte-level BPE training: {e}")))?;
+    let trained = serde_json::to_value(&model).map_err(|e| Error::internal(format!("trained model: {e}")))?;
+    // Vocabulary in id order, and merges as pairs.
+    let mut entries: Vec<(String, u64)> = trained["vocab"]
+        .as_object()
+        .map(|o| o.iter().map(|(k, v)| (k.clone(), v.as_u64().unwrap_or(0))).collect())
+        .unwrap_or_default();
+    entries.sort_by_key(|e| e.1);
+    let mut tokens: Vec<String> = entries.into_iter().map(|e| e.0).collect();
+    let mut merges: Vec<(String, String)> = trained["merges"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|m| match m {
+                    serde_json::Value::Array(p) => Some((p[0].as_str()?.to_string(), p[1].as_str()?.to_string())),
+                    serde_json::Value::String(s) => s.split_once(' ').map(|(a, b)| (a.to_string(), b.to_string())),
+                    _ => None,
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    // Complete the vocabulary where the text offered fewer merges: learned token + byte character.
+    let mut known: std::collections::HashSet<String> = tokens.iter().cloned().collect();
+    let mut left = 256.min(tokens.len());
+    'fill: while tokens.len() < target {
+        let base = tokens[left % tokens.len()].clone();
+        left += 1;
+        for c in table.iter() {
+            if tokens.len() >= target {
+                break 'fill;
+            }
+            let t = format!("{base}{c}");
+            if known.insert(t.clone()) {
+                merges.push((base.clone(), c.to_string()));
+                tokens.push(t);
+            }
+        }
+    }
+    tokens.truncate(target);
+    let vocab_map: serde_json::Map<String, serde_json::Value> =
+        tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
+    let merges_json: Vec<serde_json::Value> = merges
+        .iter()
+        .filter(|(a, b)| known.contains(&format!("{a}{b}")) && vocab_map.contains_key(&format!("{a}{b}")))
+        .map(|(a, b)| json!([a, b]))
+        .collect();
+    let added: Vec<serde_json::Value> = specials
+        .iter()
+        .enumerate()
+        .map(|(i, c)| json!({"id": target + i, "content": c, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}))
+        .collect();
+    let ckb = crate::ckb::Ckb::embedded().map_err(|e| Error::internal(format!("built-in CKB: {e}")))?;
+    let regex = ckb
+        .all()
+        .filter_map(|c| c.tokenizer.as_ref())
+        .flat_map(|t| t.split_patterns.iter())
+        .find(|p| p.name == style)
+        .map(|p| p.regex.clone())
+        .ok_or_else(|| Error::internal(format!("no tokenizer contract has the split pattern `{style}`")))?;
+    let byte_level = |prefix: bool, regex: bool| json!({"type": "ByteLevel", "add_prefix_space": prefix, "trim_offsets": !regex || prefix, "use_regex": regex});
+    let post = if style == "qwen2" {
+        json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": true})
+    } else {
+        let bos = &specials[0];
+        json!({"type": "Sequence", "processors": [
+            {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true},
+            {"type": "TemplateProcessing",
+             "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+             "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                      {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+             "special_tokens": {bos.as_str(): {"id": bos, "ids": [target], "tokens": [bos]}}}
+        ]})
+    };
+    let json = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": if style == "qwen2" { json!({"type": "NFC"}) } else { serde_json::Value::Null },
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": false},
+            byte_level(false, false)
+        ]},
+        "post_processor": post,
+        "decoder": byte_level(true, true),
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": style != "qwen2",
+            "vocab": vocab_map, "merges": merges_json
+        }
+    });
+    // HF must load it, and it must round-trip text through its own vocabulary.
+    let check: tokenizers::Tokenizer = serde_json::from_value(json.clone()).map_err(|e| {
+        Error::internal(format!("the synthetic byte-level tokenizer does not load in HF tokenizers: {e}"))
+    })?;
+    let probe = "Once upon a time, 42 birds said “привет” 😀.\n";
+    let ids = check.encode(probe, false).map_err(|e| Error::internal(format!("synthetic tokenizer: {e}")))?;
+    let back = check.decode(ids.get_ids(), true).map_err(|e| Error::internal(format!("synthetic tokenizer: {e}")))?;
+    if back != probe {
+        return Err(Error::internal(format!("the synthetic byte-level tokenizer decodes {probe:?} as {back:?}")));
+    }
+    Ok(json)
 }
 
 /// Checked sizes of a synthetic checkpoint.
@@ -559,7 +1157,13 @@ struct Sizes {
 /// The request's sizes, unset ones from the preset or small defaults, checked for values that make
 /// no sense and for at most [`MAX_PARAMETERS`] parameters (`tied`: lm_head shares the embedding;
 /// `family`: a built-in family's extra tensors, see [`parameter_count`]).
-fn sizes(req: &SynthRequest, preset: Option<&Preset>, tied: bool, family: &str) -> Result<Sizes> {
+fn sizes(
+    req: &SynthRequest,
+    preset: Option<&Preset>,
+    tied: bool,
+    family: &str,
+    bytes_per_weight: usize,
+) -> Result<Sizes> {
     let hidden = req.hidden.or(preset.map(|p| p.hidden)).unwrap_or(64);
     let layers = req.layers.or(preset.map(|p| p.layers)).unwrap_or(2);
     let heads = req.heads.or(preset.map(|p| p.heads)).unwrap_or(4);
@@ -578,7 +1182,7 @@ fn sizes(req: &SynthRequest, preset: Option<&Preset>, tied: bool, family: &str) 
     check((8..=262_144).contains(&vocab), format!("--vocab {vocab} must be in 8..=262144"))?;
     check((1..=65_536).contains(&inter), format!("--intermediate {inter} must be in 1..=65536"))?;
     check((1..=1_048_576).contains(&max_seq), format!("--max-seq {max_seq} must be in 1..=1048576"))?;
-    let head_dim = match req.head_dim {
+    let head_dim = match req.head_dim.or(preset.map(|p| p.head_dim).filter(|d| *d > 0)) {
         Some(d) => d,
         None => {
             check(
@@ -594,11 +1198,11 @@ fn sizes(req: &SynthRequest, preset: Option<&Preset>, tied: bool, family: &str) 
     )?;
     let params = parameter_count(hidden, layers, heads, kv, head_dim, inter, vocab, tied, family);
     check(
-        params <= MAX_PARAMETERS,
+        params.saturating_mul(bytes_per_weight) <= MAX_BYTES,
         format!(
-            "the checkpoint would hold {params} parameters, {:.2} GB of f32 weights, more than synth writes ({} GB); \
-             choose smaller --hidden, --layers, --intermediate or --vocab",
-            (params * 4) as f64 / 1e9,
+            "the checkpoint would hold {params} parameters, {:.2} GB of weights at {bytes_per_weight} bytes each, more than synth writes ({} GB); \
+             choose smaller --hidden, --layers, --intermediate or --vocab (or --dtype bf16)",
+            (params * bytes_per_weight) as f64 / 1e9,
             MAX_BYTES / 1_000_000_000
         ),
     )?;
@@ -625,7 +1229,10 @@ pub fn synth_config_for(contract: &crate::ckb::Contract, req: &SynthRequest) -> 
     };
     let tied_default = m.config.iter().find(|f| f.role == "tied").and_then(|f| literal(f.default.as_deref()));
     let tied = tied_default.and_then(|v| v.as_bool()).unwrap_or(false);
-    let z = sizes(req, None, tied, "")?;
+    let storage = Storage::of(req)?;
+    let z = sizes(req, None, tied, "", storage.bytes_per_weight())?;
+    let family_name = m.model_types.first().map(String::as_str).unwrap_or_default();
+    let specials = special_ids(&storage.tokenizer, family_name, z.vocab)?;
     let mut c = serde_json::Map::new();
     c.insert("architectures".into(), json!([m.architectures.first().cloned().unwrap_or_default()]));
     c.insert("model_type".into(), json!(m.model_types.first().cloned().unwrap_or_default()));
@@ -653,9 +1260,9 @@ pub fn synth_config_for(contract: &crate::ckb::Contract, req: &SynthRequest) -> 
         };
         c.insert(f.key.clone(), v);
     }
-    c.insert("bos_token_id".into(), json!(1));
-    c.insert("eos_token_id".into(), json!(2));
-    c.insert("torch_dtype".into(), json!("float32"));
+    c.insert("bos_token_id".into(), json!(specials.bos));
+    c.insert("eos_token_id".into(), json!(specials.eos));
+    c.insert("torch_dtype".into(), json!(storage.torch_dtype()));
     let resolved = |c: &serde_json::Map<String, serde_json::Value>| crate::model::resolve(contract, c);
     if resolved(&c).map(|r| r.head_dim).ok() != Some(z.head_dim)
         && let Some(f) = m.config.iter().find(|f| f.role == "head_dim")

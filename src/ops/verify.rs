@@ -1,8 +1,18 @@
 //! verify_generation: load a real checkpoint through the engine, check its tokenizer against HF
-//! `tokenizers`, run greedy generation, and compare the tokens exactly and the per-step logits within
-//! the family's tolerance against the server's f64 reference forward pass.
+//! `tokenizers` (on the prompts and on the real vocabularies' test vectors of the same tokenizer
+//! contract), run greedy generation to the stop tokens of generation_config.json, and compare the
+//! tokens exactly and the per-step logits within the family's tolerance for the weight dtype against
+//! the server's f64 reference forward pass.
 //!
-//! Some prompts are drawn at random on every run (seed reported), so no hard-coded output can pass.
+//! Some prompts are drawn at random on every run (seed reported), so no hard-coded output can pass;
+//! they include digits, punctuation, non-ASCII text, whitespace runs and special-token text where the
+//! model's tokenizer represents them exactly.
+//!
+//! The tokenizer vectors are part of this gate rather than of run_kernel_test or a tool of their
+//! own: the tokenizer belongs to the generation phase (component contracts, phase `generation`),
+//! which this gate checks and which unlocks only after the kernels passed; loading real vocabularies
+//! (up to 280k merges) would slow the kernel loop; and this gate already compares the engine's
+//! tokenizer with the reference on its prompts, so the vectors extend the same check.
 
 use std::path::Path;
 
@@ -16,7 +26,7 @@ use super::{Ctx, Report};
 use crate::ckb::Tolerance;
 use crate::error::{Error, Result};
 use crate::harness::Budget;
-use crate::harness::protocol::{Command, Prompt, Reply};
+use crate::harness::protocol::{Command, Prompt, Reply, TokenizeSet};
 use crate::ledger::figures::{Figures, VerifyFigures};
 use crate::model;
 use crate::oracle::llama::Reference;
@@ -70,6 +80,10 @@ pub struct PromptResult {
     pub text: String,
     /// Text HF tokenizers decode from the engine's ids; must equal `text`.
     pub reference_text: String,
+    /// Whether the reference's continuation ended at a stop token (generation_config.json
+    /// eos_token_id) before its token budget.
+    #[serde(default)]
+    pub stopped_at_eos: bool,
     /// What failed, in words.
     pub error: String,
 }
@@ -103,10 +117,39 @@ pub struct VerifyReport {
     /// platform) and whether this evidence promoted it into the CKB working copy (see
     /// `ops::evolve::promote_on_evidence`). Empty otherwise.
     pub promotions: Vec<super::gate::Promotion>,
+    /// Token ids that end generation (generation_config.json eos_token_id, else config.json's).
+    #[serde(default)]
+    pub stop_tokens: Vec<u32>,
+    /// Tokenizer contract the model's tokenizer.json routes to.
+    #[serde(default)]
+    pub tokenizer: String,
+    /// The engine's tokenizer on the real vocabularies of the same tokenizer contract (their
+    /// tests.json texts and ids); empty when no vectors are found (see `model::tokenizer::vectors_dir`).
+    #[serde(default)]
+    pub tokenizer_vectors: Vec<VectorResult>,
+    /// Things the engine author should know that did not fail the gate (e.g. an ignored lm_head).
+    #[serde(default)]
+    pub warnings: Vec<String>,
     /// Whether the engine's code (its build scripts and proc macros, the harness process) ran in
     /// the enforced sandbox; false where the kernel offers no Landlock ABI >= 6 or seccomp (the
     /// server logs why at start; `--require-sandbox` refuses to run instead).
     pub sandboxed: bool,
+}
+
+/// The engine's tokenizer on one real vocabulary's test vectors.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct VectorResult {
+    /// Vocabulary (folder name, e.g. `llama-bpe`).
+    pub vocabulary: String,
+    /// Texts checked.
+    pub texts: usize,
+    /// Texts whose engine ids equal HF's with add_special_tokens = true (the test vector wrapped in
+    /// the template's special tokens).
+    pub encode_ok: usize,
+    /// Id lists whose engine decoding equals HF's with skip_special_tokens = true.
+    pub decode_ok: usize,
+    /// The first failure, in words; empty when all passed.
+    pub error: String,
 }
 
 impl Report for VerifyReport {
@@ -127,6 +170,21 @@ impl Report for VerifyReport {
         );
         if !self.error.is_empty() {
             s += &format!("{}\n", self.error);
+        }
+        for w in &self.warnings {
+            s += &format!("warning: {w}\n");
+        }
+        for v in &self.tokenizer_vectors {
+            s += &format!(
+                "{} tokenizer vectors {}: encode {}/{} decode {}/{}{}\n",
+                if v.error.is_empty() { "ok  " } else { "FAIL" },
+                v.vocabulary,
+                v.encode_ok,
+                v.texts,
+                v.decode_ok,
+                v.texts,
+                if v.error.is_empty() { String::new() } else { format!(": {}", v.error) }
+            );
         }
         for p in &self.prompts {
             s += &format!(
@@ -168,6 +226,99 @@ const WORDS: &[&str] = &[
     "friend", "bird", "toy", "played", "saw", "went", "day", "one", "was", "and", "with", "car", "box", "blue", "fish",
 ];
 
+/// Pieces a richer random prompt draws from: digits, punctuation, apostrophes, non-ASCII text (Latin
+/// accents, typographic quotes, Cyrillic, CJK, an emoji, a combining accent) and whitespace runs.
+/// [`rich_alphabet`] keeps those a model's tokenizer represents exactly.
+const RICH: &[&str] = &[
+    "0",
+    "7",
+    "42",
+    "2024",
+    "3.14",
+    "1,000",
+    ".",
+    ",",
+    "!",
+    "?",
+    ";",
+    ":",
+    "-",
+    "(",
+    ")",
+    "\"",
+    "'",
+    "'s",
+    "n't",
+    "’",
+    "“",
+    "”",
+    "…",
+    "—",
+    "é",
+    "ñ",
+    "ü",
+    "ß",
+    "ç",
+    "Ω",
+    "привет",
+    "日本",
+    "中文",
+    "😀",
+    "e\u{301}",
+    "  ",
+    "   ",
+    "\t",
+    "\n",
+    "\n\n",
+    " \n",
+];
+
+/// The pieces of [`RICH`] that `tok` encodes and decodes back unchanged (an unknown token does not
+/// decode to what it replaced), and the special tokens' contents (between two letters, so that no leading-space rule hides a
+/// loss): the alphabet an engine is expected to handle for this tokenizer. BabyLlama's 105
+/// characters keep digits, ASCII punctuation, the typographic quotes and double spaces, but no
+/// newline, CJK or emoji.
+pub fn rich_alphabet(tok: &tokenizers::Tokenizer) -> Vec<String> {
+    let specials: Vec<String> =
+        tok.get_added_tokens_decoder().values().filter(|t| t.special).map(|t| t.content.clone()).collect();
+    let mut out = Vec::new();
+    for piece in RICH.iter().map(|s| s.to_string()) {
+        let probe = format!("a{piece}b");
+        let Ok(enc) = tok.encode(probe.as_str(), false) else { continue };
+        // An unknown token decodes to its own text (e.g. "<unk>"), so the round trip fails too.
+        if tok.decode(enc.get_ids(), false).ok().as_deref() == Some(probe.as_str()) {
+            out.push(piece);
+        }
+    }
+    // Special-token text: matched as one added token; it must not decode away when it is not special.
+    out.extend(specials.into_iter().filter(|s| !s.is_empty()));
+    out
+}
+
+/// Draw `n` prompts of 2-6 words with 1-3 pieces of `alphabet` mixed in (joined to a word or
+/// standing alone), for tokenizer bugs no plain prompt shows.
+pub fn rich_prompts(seed: u64, n: usize, alphabet: &[String]) -> Vec<String> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x0005_eed0_fa1f_abe7);
+    let mut prompts = random_prompts(seed, n);
+    if alphabet.is_empty() {
+        return prompts;
+    }
+    for p in &mut prompts {
+        let mut words: Vec<String> = p.split(' ').map(str::to_string).collect();
+        for _ in 0..rng.random_range(1..=3) {
+            let piece = &alphabet[rng.random_range(0..alphabet.len())];
+            let at = rng.random_range(0..=words.len());
+            if at > 0 && rng.random_bool(0.5) {
+                words[at - 1].push_str(piece);
+            } else {
+                words.insert(at, piece.clone());
+            }
+        }
+        *p = words.join(" ");
+    }
+    prompts
+}
+
 /// Draw `n` prompts of 2-6 words.
 pub fn random_prompts(seed: u64, n: usize) -> Vec<String> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
@@ -199,13 +350,19 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     gate.same_family(&model_dir, &cfg.family)?;
     let family = ctx.ckb.get(&cfg.family)?;
     let logits_tol = &family.model.as_ref().expect("model contract").logits_tolerance;
-    let tol = logits_tol.get(&target.dtype).or_else(|| logits_tol.get("f32")).cloned().unwrap_or(Tolerance {
-        atol: 1e-3,
-        rtol: 1e-3,
-        reasoning: String::new(),
-    });
-    let tensors = model::read_safetensors(&model_dir)?;
-    let mut reference = Reference::with_weight_dtype(&cfg, &tensors, &target.dtype)?;
+    let tol: Tolerance = logits_tol.get(&target.dtype).cloned().ok_or_else(|| {
+        Error::usage(format!(
+            "{} states no logits tolerance for weight dtype {}; add [model.logits_tolerance.{}] with its reasoning",
+            family.id, target.dtype, target.dtype
+        ))
+    })?;
+    let (tokenizer_contract, _) = model::tokenizer::check_model_tokenizer(&ctx.ckb, &model_dir, cfg.vocab)?;
+    let generation = model::read_generation_config(&model_dir, cfg.vocab)?;
+    let layout = model::weight_layout(&model_dir)?;
+    model::check_dtype_policy(family, &cfg, &model::read_config(&model_dir)?, &layout)?;
+    let tensors = model::weights::read_layout(&model_dir, &layout)?;
+    let mut warnings: Vec<String> = model::tied_head_warning(&cfg, &tensors).into_iter().collect();
+    let mut reference = Reference::from_tensors(&cfg, tensors, &target.dtype)?;
     let tok = model::hf_tokenizer(&model_dir)?;
     let max_new = req.max_new_tokens.unwrap_or(32);
     if max_new == 0 || max_new > 4096 {
@@ -217,7 +374,10 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     if prompts.is_empty() {
         prompts.push(("Once upon a time".into(), false));
     }
-    prompts.extend(random_prompts(seed, 3).into_iter().map(|p| (p, true)));
+    // Two random prompts with the richer alphabet the model's tokenizer represents; the long one plain.
+    let mut random = rich_prompts(seed, 2, &rich_alphabet(&tok));
+    random.extend(random_prompts(seed.wrapping_add(1), 1));
+    prompts.extend(random.into_iter().map(|p| (p, true)));
     // Tokens to generate per prompt: the last random prompt runs to the end of the context (at most
     // LONG_RUN tokens), so a KV cache that is wrong only at long positions is caught too.
     let mut budgets = Vec::new();
@@ -239,7 +399,11 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
 
     let mut contract_ids: Vec<&str> = vec![family.id.as_str()];
     let m = family.model.as_ref().expect("model contract");
-    contract_ids.extend(target.spec.kernels.iter().chain(&m.components).map(String::as_str));
+    // The tokenizer component is the one tokenizer.json routes to.
+    let components = m.components.iter().map(|c| {
+        if ctx.ckb.get(c).is_ok_and(|c| c.tokenizer.is_some()) { tokenizer_contract.as_str() } else { c.as_str() }
+    });
+    contract_ids.extend(target.spec.kernels.iter().map(String::as_str).chain(components));
     contract_ids.extend(target.platform.as_deref());
     gate.contracts(&contract_ids);
 
@@ -255,6 +419,10 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         diagnosis: vec![],
         rules,
         promotions: vec![],
+        stop_tokens: generation.eos_token_ids.clone(),
+        tokenizer: tokenizer_contract.clone(),
+        tokenizer_vectors: vec![],
+        warnings: warnings.clone(),
         sandboxed: ctx.workshop.sandboxed(),
     };
     let h = match gate.prepare()? {
@@ -266,12 +434,17 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         prompts.iter().zip(&budgets).map(|((p, _), n)| Prompt { text: p.clone(), max_new_tokens: *n }).collect();
     let called = gate.call(
         &h,
-        Command::Generate { model: model_dir.clone(), prompts: items, tensors: tensors_path.clone() },
+        Command::Generate {
+            model: model_dir.clone(),
+            prompts: items,
+            tensors: tensors_path.clone(),
+            stop_tokens: generation.eos_token_ids.clone(),
+        },
         &[],
         &[model_dir.as_path()],
     )?;
-    let texts = match called.ok("engine's generation", 2000) {
-        Ok(Reply::Generate { prompts: g, .. }) if g.len() == prompts.len() => g,
+    let (texts, engine_stops) = match called.ok("engine's generation", 2000) {
+        Ok(Reply::Generate { prompts: g, stop_tokens, .. }) if g.len() == prompts.len() => (g, stop_tokens),
         Ok(other) => {
             let why = format!("the harness answered generation with an unexpected reply: {other:?}");
             let report = fail(why, vec![], gate.findings.clone());
@@ -285,6 +458,32 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         }
     };
     let (_, tensors_out) = crate::harness::read_tensor_words(&tensors_path)?;
+    // The engine's own stop tokens (component.sampler `stop_tokens`), when it has the function.
+    let mut stop_error = String::new();
+    match &engine_stops {
+        Some(engine_stops) => {
+            let (mut a, mut b) = (engine_stops.clone(), generation.eos_token_ids.clone());
+            a.sort_unstable();
+            a.dedup();
+            b.sort_unstable();
+            b.dedup();
+            if a != b {
+                stop_error = format!(
+                    "stop tokens: the engine's generate::stop_tokens gives {engine_stops:?}, {} says {:?} (component.sampler: generation_config.json eos_token_id, an int or a list, else config.json's)",
+                    if generation.source.is_empty() {
+                        "neither generation_config.json nor config.json names one; it"
+                    } else {
+                        &generation.source
+                    },
+                    generation.eos_token_ids
+                );
+            }
+        }
+        None => warnings.push(format!(
+            "the engine has no generate::stop_tokens (component.sampler v2); generation stopped at the server's stop tokens {:?}",
+            generation.eos_token_ids
+        )),
+    }
 
     let mut results = Vec::new();
     // The engine's ids, tokens and logits for the first prompt whose logits failed, for the diagnosis.
@@ -302,12 +501,15 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
             max_abs_err: 0.0,
             text: texts[i].text.clone(),
             reference_text: String::new(),
+            stopped_at_eos: false,
             error: String::new(),
         };
         let want_ids = model::hf_encode(&tok, prompt)?;
         let got_ids = tensors_out.get(&format!("prompt_ids.{i}")).cloned().unwrap_or_default();
         r.tokenizer_ok = got_ids == want_ids;
-        let (rows, want_tokens) = reference.greedy(&want_ids, budgets[i])?;
+        let (rows, want_tokens) = reference.greedy_until(&want_ids, budgets[i], &generation.eos_token_ids)?;
+        r.stopped_at_eos =
+            want_tokens.len() < budgets[i] && want_tokens.last().is_some_and(|t| generation.eos_token_ids.contains(t));
         let got_tokens = tensors_out.get(&format!("tokens.{i}")).cloned().unwrap_or_default();
         let got_logits = tensors_out.get(&format!("logits.{i}")).cloned().unwrap_or_default();
         let got_logits: Vec<f32> = got_logits.iter().map(|&b| f32::from_bits(b)).collect();
@@ -374,8 +576,11 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         r.error = why.join("; ");
         results.push(r);
     }
-    let mut passed = results.iter().all(|r| r.error.is_empty());
-    let mut error = String::new();
+    let vectors = tokenizer_vectors(ctx, &gate, &h, &tokenizer_contract)?;
+    let mut passed = results.iter().all(|r| r.error.is_empty())
+        && stop_error.is_empty()
+        && vectors.iter().all(|v| v.error.is_empty());
+    let mut error = stop_error;
     let kernels_passed = crate::ledger::Ledger::open(&ctx.ledger)
         .and_then(|l| l.passed_on("run_kernel_test", &gate.engine.hash, &target.dtype))
         .unwrap_or(false);
@@ -402,6 +607,10 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         diagnosis,
         rules: gate.findings.clone(),
         promotions: vec![],
+        stop_tokens: generation.eos_token_ids.clone(),
+        tokenizer: tokenizer_contract.clone(),
+        tokenizer_vectors: vectors,
+        warnings,
         sandboxed: ctx.workshop.sandboxed(),
     };
     let figures = VerifyFigures {
@@ -415,4 +624,103 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         report.promotions = gate.promote();
     }
     Ok(report)
+}
+
+/// Run the engine's tokenizer (harness command `tokenize`) on every real vocabulary of `contract`
+/// (see `model::tokenizer::vector_sets`): encode each test text and compare with HF's ids with
+/// add_special_tokens = true, which are the vector's ids wrapped in the template's special tokens
+/// (checked here, so the reference itself is held to the vectors); decode each vector's ids and
+/// compare with HF's decoding with skip_special_tokens = true.
+///
+/// # Errors
+/// When the harness cannot be started or a vocabulary's tokenizer.json cannot be loaded by HF.
+fn tokenizer_vectors(
+    ctx: &Ctx,
+    gate: &Gate<'_>,
+    h: &super::gate::Harness,
+    contract: &str,
+) -> Result<Vec<VectorResult>> {
+    let sets: Vec<model::tokenizer::VectorSet> =
+        model::tokenizer::vector_sets(&ctx.ckb, &model::tokenizer::vectors_dir())
+            .into_iter()
+            .filter(|s| s.contract == contract)
+            .collect();
+    if sets.is_empty() {
+        return Ok(vec![]);
+    }
+    let request: Vec<TokenizeSet> = sets
+        .iter()
+        .map(|s| TokenizeSet {
+            dir: s.dir.clone(),
+            texts: s.cases.iter().map(|c| c.0.clone()).collect(),
+            decode: s.cases.iter().map(|c| c.1.clone()).collect(),
+        })
+        .collect();
+    let failed = |why: String| -> Vec<VectorResult> {
+        sets.iter()
+            .map(|s| VectorResult {
+                vocabulary: s.name.clone(),
+                texts: s.cases.len(),
+                encode_ok: 0,
+                decode_ok: 0,
+                error: why.clone(),
+            })
+            .collect()
+    };
+    let reads: Vec<&Path> = sets.iter().map(|s| s.dir.as_path()).collect();
+    let replies = match gate.call(h, Command::Tokenize { sets: request }, &[], &reads)?.ok("engine's tokenizer", 1000) {
+        Ok(Reply::Tokenize { sets: r }) if r.len() == sets.len() => r,
+        Ok(other) => return Ok(failed(format!("the harness answered tokenize with an unexpected reply: {other:?}"))),
+        Err(why) => return Ok(failed(why)),
+    };
+    let mut results = Vec::new();
+    for (set, reply) in sets.iter().zip(replies) {
+        let tok = model::hf_tokenizer(&set.dir)?;
+        let mut r = VectorResult {
+            vocabulary: set.name.clone(),
+            texts: set.cases.len(),
+            encode_ok: 0,
+            decode_ok: 0,
+            error: String::new(),
+        };
+        if let Some(e) = reply.error {
+            r.error = format!("Tokenizer::load on {}: {e}", set.dir.display());
+            results.push(r);
+            continue;
+        }
+        let mut first = Vec::new();
+        for (i, (text, vector)) in set.cases.iter().enumerate() {
+            let plain = model::hf_encode_plain(&tok, text)?;
+            if &plain != vector {
+                first.push(format!("the reference gives {plain:?} for {text:?}, the vector {vector:?} (server fault)"));
+                continue;
+            }
+            let want = model::hf_encode(&tok, text)?;
+            match reply.encoded.get(i) {
+                Some(e) if e.panic.is_none() && e.ids == want => r.encode_ok += 1,
+                Some(e) if e.panic.is_none() => {
+                    first.push(format!("encode {text:?}: engine {:?}, reference {want:?}", e.ids))
+                }
+                Some(e) => first.push(format!("encode {text:?} panicked: {}", e.panic.clone().unwrap_or_default())),
+                None => first.push(format!("encode {text:?}: no output")),
+            }
+            let want_text = model::hf_decode(&tok, vector)?;
+            match reply.decoded.get(i) {
+                Some(d) if d.panic.is_none() && d.text == want_text => r.decode_ok += 1,
+                Some(d) if d.panic.is_none() => {
+                    first.push(format!("decode {vector:?}: engine {:?}, reference {want_text:?}", d.text))
+                }
+                Some(d) => first.push(format!("decode {vector:?} panicked: {}", d.panic.clone().unwrap_or_default())),
+                None => first.push(format!("decode {vector:?}: no output")),
+            }
+        }
+        if let Some(f) = first.first() {
+            r.error = format!(
+                "{f}{}",
+                if first.len() > 1 { format!(" (and {} more)", first.len() - 1) } else { String::new() }
+            );
+        }
+        results.push(r);
+    }
+    Ok(results)
 }

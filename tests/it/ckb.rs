@@ -152,8 +152,8 @@ fn model_config_key_stated_twice_with_different_defaults_is_refused() {
         format!("{s}\n[[model.config]]\nkey = \"max_position_embeddings\"\nrole = \"max_seq\"\ndefault = \"4096\"\n")
     });
     assert_eq!(
-        finding_at(&f, "models/llama.toml", "/model/config/13/default"),
-        "config key `max_position_embeddings` is stated twice with different defaults: \"2048\" (/model/config/6) and \"4096\" (/model/config/13); keep one entry with the default of the HF configuration class"
+        finding_at(&f, "models/llama.toml", "/model/config/14/default"),
+        "config key `max_position_embeddings` is stated twice with different defaults: \"2048\" (/model/config/6) and \"4096\" (/model/config/14); keep one entry with the default of the HF configuration class"
     );
     assert_eq!(f.len(), 1, "{f:?}");
 }

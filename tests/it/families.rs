@@ -442,7 +442,7 @@ fn synth_refuses_unknown_presets_conflicting_families_and_absurd_shapes_and_crea
     for (args, want) in [
         (
             &["--preset", "stories1b"][..],
-            "unknown preset `stories1b`; synth knows: stories15m, stories42m, stories110m",
+            "unknown preset `stories1b`; synth knows: stories15m, stories42m, stories110m, llama3.2-1b, qwen3-0.6b",
         ),
         (
             &["--preset", "stories15m", "--family", "qwen2"],
@@ -453,9 +453,12 @@ fn synth_refuses_unknown_presets_conflicting_families_and_absurd_shapes_and_crea
         (&["--preset", "stories15m", "--vocab", "0"], "--vocab 0 must be in 8..=262144"),
         (
             &["--preset", "stories110m", "--hidden", "6144", "--layers", "64"],
-            "the checkpoint would hold 12276996096 parameters, 49.11 GB of f32 weights, more than synth writes (2 GB); choose smaller --hidden, --layers, --intermediate or --vocab",
+            "the checkpoint would hold 12276996096 parameters, 49.11 GB of weights at 4 bytes each, more than synth writes (8 GB); choose smaller --hidden, --layers, --intermediate or --vocab (or --dtype bf16)",
         ),
-        (&[], "pass --family (llama, mistral, qwen2, qwen3, gemma) or --preset (stories15m, stories42m, stories110m)"),
+        (
+            &[],
+            "pass --family (llama, mistral, qwen2, qwen3, gemma) or --preset (stories15m, stories42m, stories110m, llama3.2-1b, qwen3-0.6b)",
+        ),
     ] {
         let r = synth_cli(&out, args);
         let stderr = String::from_utf8_lossy(&r.stderr);

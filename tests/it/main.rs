@@ -1,6 +1,7 @@
 //! Integration tests: one binary, one module per area. Real data comes from ../shared (models and
 //! golden output); builds share one cache under cargo's test tmp dir so dependencies compile once.
 
+mod checkpoints;
 mod ckb;
 mod cli;
 mod client;

@@ -1,6 +1,7 @@
 //! A plain Llama-family inference engine on the CPU, written from metainfer's contracts: the shape a
-//! generated engine should have. Hugging Face checkpoint layout (`config.json`, `model.safetensors`,
-//! `tokenizer.json`); f32 weights, activations and KV cache; greedy decoding. No unsafe code, no SIMD
+//! generated engine should have. Hugging Face checkpoint layout (`config.json`, `model.safetensors`
+//! or its shards with `model.safetensors.index.json`, `tokenizer.json`, the stop tokens of
+//! `generation_config.json`); f32 weights, activations and KV cache; greedy decoding. No unsafe code, no SIMD
 //! intrinsics, no threads: every function is the pseudocode of the contract its doc names.
 //!
 //! Modules in the order the phases build them: `kernels` (one function per kernel contract),

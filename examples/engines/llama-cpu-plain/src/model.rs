@@ -59,7 +59,7 @@ pub struct Model {
 }
 
 impl Model {
-    /// Load `config.json` and `model.safetensors` from an HF model directory. Errors name the missing file/tensor.
+    /// Load `config.json` and the weights (`model.safetensors` or its shards) from an HF model directory. Errors name the missing file/tensor.
     pub fn load(dir: &Path) -> Result<Model, String> {
         let cfg = Config::load(dir)?;
         let mut w = weights::read(dir)?;

@@ -1,10 +1,10 @@
 //! Phase 2, weight loading (contract `component.weight_loading`): every tensor of a checkpoint as a
 //! named f32 array, F32 copied and BF16 and F16 widened exactly. [`read`] is the one function that
-//! knows the checkpoint's file layout (today a single `model.safetensors`); another layout, such as
-//! shards listed by an index, is added there and nothing else changes. The model takes its tensors
-//! by name and shape with [`Tensors::take`].
+//! knows the checkpoint's file layout (a single `model.safetensors`, or the shards listed by
+//! `model.safetensors.index.json`). The model takes its tensors by name and shape with
+//! [`Tensors::take`].
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::fs::File;
 use std::io::Read;
 use std::path::Path;
@@ -29,25 +29,52 @@ impl Tensors {
 
     /// Remove tensor `name` and return its values, checked to have `shape`.
     pub fn take(&mut self, name: &str, shape: &[usize]) -> Result<Vec<f32>, String> {
-        let t = self.0.remove(name).ok_or_else(|| format!("model.safetensors: missing tensor {name}"))?;
+        let t = self.0.remove(name).ok_or_else(|| format!("missing tensor {name} in the checkpoint's weight files"))?;
         if t.shape != shape {
-            return Err(format!(
-                "model.safetensors: tensor {name} has shape {:?}, config.json implies {shape:?}",
-                t.shape
-            ));
+            return Err(format!("tensor {name} has shape {:?}, config.json implies {shape:?}", t.shape));
         }
         Ok(t.data)
     }
 }
 
-/// Read every tensor of `dir/model.safetensors`, one at a time (memory: the f32 tensors plus one
-/// tensor's stored bytes). Layout (component.weight_loading, math): an 8-byte little-endian header
-/// length N, N bytes of JSON header (name -> dtype, shape, data_offsets), then the tensors' bytes
-/// back to back in offset order.
+/// Read every tensor of the checkpoint in `dir`: the shards `model.safetensors.index.json` names
+/// (its `weight_map`: tensor name -> shard file beside the index), else `model.safetensors`; both
+/// at once, a shard path outside the directory or a tensor stored twice is an error.
 pub fn read(dir: &Path) -> Result<Tensors, String> {
-    let path = dir.join("model.safetensors");
+    let index = dir.join("model.safetensors.index.json");
+    let mut tensors = HashMap::new();
+    if !index.exists() {
+        read_file(&dir.join("model.safetensors"), &mut tensors)?;
+        return Ok(Tensors(tensors));
+    }
+    if dir.join("model.safetensors").exists() {
+        return Err(format!("{}: model.safetensors lies beside the index; remove one of them", index.display()));
+    }
+    let text = std::fs::read_to_string(&index).map_err(|e| format!("cannot read {}: {e}", index.display()))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| format!("cannot parse {}: {e}", index.display()))?;
+    let map = v["weight_map"].as_object().ok_or_else(|| format!("{}: no weight_map object", index.display()))?;
+    let mut files = BTreeSet::new();
+    for (tensor, file) in map {
+        let file = file.as_str().unwrap_or_default();
+        if file.is_empty() || file.contains(['/', '\\']) || file.starts_with('.') {
+            return Err(format!("{}: tensor {tensor} maps to {file:?}, not a file beside the index", index.display()));
+        }
+        files.insert(file);
+    }
+    for file in files {
+        read_file(&dir.join(file), &mut tensors)?;
+    }
+    Ok(Tensors(tensors))
+}
+
+/// Add every tensor of the safetensors file `path` to `tensors`, one at a time (memory: the f32
+/// tensors plus one tensor's stored bytes). Layout (component.weight_loading, math): an 8-byte
+/// little-endian header length N, N bytes of JSON header (name -> dtype, shape, data_offsets), then
+/// the tensors' bytes back to back in offset order.
+fn read_file(path: &Path, tensors: &mut HashMap<String, Tensor>) -> Result<(), String> {
     let fail = |what: String| format!("{}: {what}", path.display());
-    let mut file = File::open(&path).map_err(|e| fail(format!("cannot open ({e})")))?;
+    let mut file = File::open(path).map_err(|e| fail(format!("cannot open ({e})")))?;
     let file_len = file.metadata().map_err(|e| fail(e.to_string()))?.len();
     let mut n = [0u8; 8];
     file.read_exact(&mut n).map_err(|_| fail("shorter than its 8-byte header length".into()))?;
@@ -66,8 +93,10 @@ pub fn read(dir: &Path) -> Result<Tensors, String> {
             file_len - 8 - n
         )));
     }
-    let mut tensors = HashMap::new();
     for name in meta.offset_keys() {
+        if tensors.contains_key(&name) {
+            return Err(fail(format!("tensor {name} is stored in another weight file too")));
+        }
         let info = meta.info(&name).expect("offset_keys names tensors of the header");
         let mut bytes = vec![0u8; info.data_offsets.1 - info.data_offsets.0];
         file.read_exact(&mut bytes).map_err(|e| fail(format!("cannot read tensor {name} ({e})")))?;
@@ -75,7 +104,7 @@ pub fn read(dir: &Path) -> Result<Tensors, String> {
             .ok_or_else(|| fail(format!("tensor {name} has dtype {:?}; F32, BF16 or F16 expected", info.dtype)))?;
         tensors.insert(name, Tensor { shape: info.shape.clone(), data });
     }
-    Ok(Tensors(tensors))
+    Ok(())
 }
 
 /// Little-endian stored values as f32: F32 as is, BF16 as the high half of an f32, F16 as IEEE

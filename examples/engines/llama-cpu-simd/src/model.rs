@@ -1,9 +1,6 @@
 //! Phases 2-4: weight loading, one decoder layer, full forward with a KV cache.
 use std::path::Path;
-use std::sync::Arc;
 
-use memmap2::Mmap;
-use safetensors::SafeTensors;
 use serde::Deserialize;
 
 use crate::kernels;
@@ -163,8 +160,8 @@ struct Scratch {
 /// A loaded Llama-family model with its KV cache.
 pub struct Model {
     cfg: Config,
-    /// The checkpoint file, mapped; weight matrices may view into it.
-    _map: Arc<Mmap>,
+    /// The weight files, mapped; weight matrices may view into them.
+    _map: weights::Files,
     /// [vocab, hidden]
     embed: Matrix,
     /// [hidden]
@@ -196,7 +193,8 @@ fn join_global_pool() {
 }
 
 impl Model {
-    /// Load `config.json` and `model.safetensors` from an HF model directory. Errors name the missing file/tensor.
+    /// Load `config.json` and the weights (`model.safetensors`, or the shards
+    /// `model.safetensors.index.json` names) from an HF model directory. Errors name the missing file/tensor.
     ///
     /// Weight matrices are stored in this build's format (f32 by default; bf16, f16 or int8 with
     /// the cargo feature of that name) and view the memory-mapped file directly when it already
@@ -210,19 +208,14 @@ impl Model {
             serde_json::from_str(&cfg_text).map_err(|e| format!("cannot parse {}: {e}", cfg_path.display()))?;
         let cfg = Config::from_raw(raw)?;
 
-        let st_path = dir.join("model.safetensors");
-        let file = std::fs::File::open(&st_path).map_err(|e| format!("cannot read {}: {e}", st_path.display()))?;
-        // SAFETY: the checkpoint is opened read-only and is not expected to change while the
-        // model is alive; the mapping is kept alive by every tensor that views it.
-        let map = unsafe { Mmap::map(&file) }.map_err(|e| format!("cannot map {}: {e}", st_path.display()))?;
-        let map = Arc::new(map);
-        let st = SafeTensors::deserialize(&map[..]).map_err(|e| format!("cannot parse {}: {e}", st_path.display()))?;
+        let files = weights::open(dir)?;
+        let st = weights::Checkpoint::parse(&files)?;
 
         let (d, qd, kvd, ff) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate);
-        let matrix = |name: &str, rows: usize, cols: usize| Matrix::load(&map, &st, name, rows, cols);
+        let matrix = |name: &str, rows: usize, cols: usize| st.matrix(name, rows, cols);
         let embed = matrix("model.embed_tokens.weight", cfg.vocab, d)?;
-        let final_norm = weights::vector(&st, "model.norm.weight", d)?;
-        let has_head = st.names().contains(&"lm_head.weight");
+        let final_norm = st.vector("model.norm.weight", d)?;
+        let has_head = st.has("lm_head.weight");
         let lm_head =
             if !cfg.tie_embeddings && has_head { Some(matrix("lm_head.weight", cfg.vocab, d)?) } else { None };
 
@@ -231,12 +224,12 @@ impl Model {
         for i in 0..cfg.n_layers {
             let p = format!("model.layers.{i}");
             layers.push(Layer {
-                attn_norm: weights::vector(&st, &format!("{p}.input_layernorm.weight"), d)?,
+                attn_norm: st.vector(&format!("{p}.input_layernorm.weight"), d)?,
                 wq: matrix(&format!("{p}.self_attn.q_proj.weight"), qd, d)?,
                 wk: matrix(&format!("{p}.self_attn.k_proj.weight"), kvd, d)?,
                 wv: matrix(&format!("{p}.self_attn.v_proj.weight"), kvd, d)?,
                 wo: matrix(&format!("{p}.self_attn.o_proj.weight"), d, qd)?,
-                ffn_norm: weights::vector(&st, &format!("{p}.post_attention_layernorm.weight"), d)?,
+                ffn_norm: st.vector(&format!("{p}.post_attention_layernorm.weight"), d)?,
                 w_gate: matrix(&format!("{p}.mlp.gate_proj.weight"), ff, d)?,
                 w_up: matrix(&format!("{p}.mlp.up_proj.weight"), ff, d)?,
                 w_down: matrix(&format!("{p}.mlp.down_proj.weight"), d, ff)?,
@@ -265,7 +258,7 @@ impl Model {
             sin: vec![0.0; rows * half],
             logits: vec![0.0; cfg.vocab],
         };
-        Ok(Model { cfg, _map: map, embed, final_norm, lm_head, layers, rope_freq, scratch, cache_filled: 0 })
+        Ok(Model { cfg, _map: files, embed, final_norm, lm_head, layers, rope_freq, scratch, cache_filled: 0 })
     }
 
     /// Vocabulary size (length of the logits vector).

@@ -1,9 +1,12 @@
 //! Checkpoint tensors as the kernels read them: 2-D weight matrices in the build's weight format
 //! (f32 by default; bf16, f16 or int8 with the cargo feature of that name), memory-mapped when the
 //! checkpoint already holds that format suitably aligned, converted once otherwise; 1-D tensors
-//! as f32.
+//! as f32. The weights are one `model.safetensors` or the shards `model.safetensors.index.json`
+//! names ([`open`], component.weight_loading).
 
+use std::collections::{BTreeSet, HashMap};
 use std::ops::Deref;
+use std::path::Path;
 use std::sync::Arc;
 
 use memmap2::Mmap;
@@ -60,17 +63,107 @@ fn mapped<T: Plain>(map: &Arc<Mmap>, view: &TensorView) -> Option<Data<T>> {
     Some(Data::Mapped { map: Arc::clone(map), offset: at - base, len: bytes.len() / size })
 }
 
-/// The tensor `name`, checked to have `shape`.
-pub(crate) fn tensor<'a>(st: &'a SafeTensors<'a>, name: &str, shape: &[usize]) -> Result<TensorView<'a>, String> {
-    let view = st.tensor(name).map_err(|_| format!("model.safetensors: missing tensor {name}"))?;
-    if view.shape() != shape {
-        return Err(format!("model.safetensors: tensor {name} has shape {:?}, expected {:?}", view.shape(), shape));
-    }
-    match view.dtype() {
-        Dtype::F32 | Dtype::BF16 | Dtype::F16 => Ok(view),
-        other => {
-            Err(format!("model.safetensors: tensor {name} has unsupported dtype {other:?} (F32, BF16 or F16 expected)"))
+/// The weight files of a model directory, memory-mapped, by file name.
+pub(crate) type Files = Vec<(String, Arc<Mmap>)>;
+
+/// Map the weight files of `dir`: the shards `model.safetensors.index.json` names (its
+/// `weight_map`: tensor name -> shard file beside the index), else `model.safetensors`. Both at once
+/// is refused (which one is meant is ambiguous). Errors name the file.
+pub(crate) fn open(dir: &Path) -> Result<Files, String> {
+    let index = dir.join("model.safetensors.index.json");
+    let names: Vec<String> = if index.exists() {
+        if dir.join("model.safetensors").exists() {
+            return Err(format!("{}: model.safetensors lies beside the index; remove one of them", index.display()));
         }
+        let text = std::fs::read_to_string(&index).map_err(|e| format!("cannot read {}: {e}", index.display()))?;
+        let v: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| format!("cannot parse {}: {e}", index.display()))?;
+        let map = v["weight_map"].as_object().ok_or_else(|| format!("{}: no weight_map object", index.display()))?;
+        let mut files = BTreeSet::new();
+        for (tensor, file) in map {
+            let file = file.as_str().unwrap_or_default();
+            if file.is_empty() || file.contains(['/', '\\']) || file.starts_with('.') {
+                return Err(format!(
+                    "{}: tensor {tensor} maps to {file:?}, not a file beside the index",
+                    index.display()
+                ));
+            }
+            files.insert(file.to_string());
+        }
+        files.into_iter().collect()
+    } else {
+        vec!["model.safetensors".to_string()]
+    };
+    names
+        .into_iter()
+        .map(|name| {
+            let path = dir.join(&name);
+            let file = std::fs::File::open(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+            // SAFETY: the checkpoint is opened read-only and is not expected to change while the
+            // model is alive; the mapping is kept alive by every tensor that views it.
+            let map = unsafe { Mmap::map(&file) }.map_err(|e| format!("cannot map {}: {e}", path.display()))?;
+            Ok((name, Arc::new(map)))
+        })
+        .collect()
+}
+
+/// The tensors of every weight file, parsed, with the file each lies in. A tensor in two files is
+/// an error.
+pub(crate) struct Checkpoint<'a> {
+    files: Vec<(&'a str, &'a Arc<Mmap>, SafeTensors<'a>)>,
+    /// Tensor name -> index into `files`.
+    at: HashMap<String, usize>,
+}
+
+impl<'a> Checkpoint<'a> {
+    /// Parse the headers of `files` (see [`open`]).
+    pub(crate) fn parse(files: &'a Files) -> Result<Checkpoint<'a>, String> {
+        let mut parsed = Vec::new();
+        let mut at = HashMap::new();
+        for (i, (name, map)) in files.iter().enumerate() {
+            let st = SafeTensors::deserialize(&map[..]).map_err(|e| format!("cannot parse {name}: {e}"))?;
+            for t in st.names() {
+                if let Some(j) = at.insert(t.to_string(), i) {
+                    return Err(format!("tensor {t} is stored in both {} and {name}", files[j].0));
+                }
+            }
+            parsed.push((name.as_str(), map, st));
+        }
+        Ok(Checkpoint { files: parsed, at })
+    }
+
+    /// Whether some file holds `name`.
+    pub(crate) fn has(&self, name: &str) -> bool {
+        self.at.contains_key(name)
+    }
+
+    /// The tensor `name` (checked to have `shape`) and the mapping of its file.
+    fn tensor(&self, name: &str, shape: &[usize]) -> Result<(&'a Arc<Mmap>, TensorView<'_>), String> {
+        let Some(&i) = self.at.get(name) else {
+            let files: Vec<&str> = self.files.iter().map(|f| f.0).collect();
+            return Err(format!("{}: missing tensor {name}", files.join(", ")));
+        };
+        let (file, map, st) = &self.files[i];
+        let view = st.tensor(name).map_err(|e| format!("{file}: tensor {name}: {e}"))?;
+        if view.shape() != shape {
+            return Err(format!("{file}: tensor {name} has shape {:?}, expected {:?}", view.shape(), shape));
+        }
+        match view.dtype() {
+            Dtype::F32 | Dtype::BF16 | Dtype::F16 => Ok((map, view)),
+            other => Err(format!("{file}: tensor {name} has unsupported dtype {other:?} (F32, BF16 or F16 expected)")),
+        }
+    }
+
+    /// The f32 vector `name` of length `len`.
+    pub(crate) fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, String> {
+        Ok(to_f32(&self.tensor(name, &[len])?.1))
+    }
+
+    /// The 2-D tensor `name` of shape [rows, cols] in this build's format (see [`Matrix`]).
+    pub(crate) fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix, String> {
+        let (map, view) = self.tensor(name, &[rows, cols])?;
+        let (data, scales) = convert(map, &view, cols);
+        Ok(Matrix { rows, cols, data, scales })
     }
 }
 
@@ -86,11 +179,6 @@ pub(crate) fn to_f32(view: &TensorView) -> Vec<f32> {
         Dtype::BF16 => u16s(view).map(quant::bf16_to_f32).collect(),
         _ => u16s(view).map(quant::f16_to_f32).collect(),
     }
-}
-
-/// The f32 vector `name` of length `len`.
-pub(crate) fn vector(st: &SafeTensors, name: &str, len: usize) -> Result<Vec<f32>, String> {
-    Ok(to_f32(&tensor(st, name, &[len])?))
 }
 
 /// Stored element of a weight matrix in this build.
@@ -129,20 +217,6 @@ pub(crate) struct Matrix {
 }
 
 impl Matrix {
-    /// Load the 2-D tensor `name` of shape [rows, cols] in this build's format, viewing it in
-    /// `map` when the checkpoint already holds that format.
-    pub(crate) fn load(
-        map: &Arc<Mmap>,
-        st: &SafeTensors,
-        name: &str,
-        rows: usize,
-        cols: usize,
-    ) -> Result<Matrix, String> {
-        let view = tensor(st, name, &[rows, cols])?;
-        let (data, scales) = convert(map, &view, cols);
-        Ok(Matrix { rows, cols, data, scales })
-    }
-
     /// out = x W^T. `x`: [m, cols]; `out`: [m, rows].
     pub(crate) fn linear(&self, x: &[f32], m: usize, out: &mut [f32]) {
         Matrix::linear_many(x, m, [self], [out]);
