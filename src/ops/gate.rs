@@ -156,7 +156,7 @@ impl<'a> Gate<'a> {
         for id in extra {
             if !spec.kernels.contains(id) {
                 spec.kernels.push(id.clone());
-                spec.arms.push(super::arm(id)?);
+                spec.arms.push(super::arm(id, &spec.api)?);
             }
         }
         let build = self.ctx.workshop.build_harness(&self.engine, &spec, self.budget)?;
