@@ -15,7 +15,10 @@ use metainfer::harness::Budget;
 use metainfer::ops::{self, Ctx, Report};
 use metainfer::options::{ServerOptions, Toolset};
 
-use args::{CkbCmd, ClientArg, Command, ContractCmd, Global, LedgerCmd, LevelArg, ReferenceCmd, ServeArgs, ToolsetArg};
+use args::{
+    BundleCmd, CkbCmd, ClientArg, Command, ContractCmd, Global, LedgerCmd, LevelArg, ReferenceCmd, ServeArgs,
+    ToolsetArg,
+};
 
 fn client(c: ClientArg) -> Client {
     match c {
@@ -273,16 +276,23 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
             let r = progress("compile", first_build_note(&c), json, || ops::compile::compile(&c, &req, &budget()))?;
             Ok(emit(&r, json))
         }
-        Command::TestKernel { engine, kernels, seed, dtype, json } => {
+        Command::TestKernel { engine, kernels, seed, dtype, write_bundle, from_bundle, json } => {
             let c = ctx(g)?;
             let kernels = kernels.into_iter().map(kernel_id).collect();
-            let req = ops::kernel_test::KernelTestRequest { engine: s(&engine), kernels, seed, dtype };
+            let req = ops::kernel_test::KernelTestRequest {
+                engine: s(&engine),
+                kernels,
+                seed,
+                dtype,
+                write_bundle: write_bundle.as_deref().map(s),
+                from_bundle: from_bundle.as_deref().map(s),
+            };
             let r = progress("kernel tests (build + run)", first_build_note(&c), json, || {
                 ops::kernel_test::kernel_test(&c, &req, &budget())
             })?;
             Ok(emit(&r, json))
         }
-        Command::Verify { engine, model, prompts, max_new_tokens, seed, dtype, json } => {
+        Command::Verify { engine, model, prompts, max_new_tokens, seed, dtype, write_bundle, from_bundle, json } => {
             let c = ctx(g)?;
             let req = ops::verify::VerifyRequest {
                 engine: s(&engine),
@@ -291,13 +301,26 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
                 max_new_tokens,
                 seed,
                 dtype,
+                write_bundle: write_bundle.as_deref().map(s),
+                from_bundle: from_bundle.as_deref().map(s),
             };
             let r = progress("verify (build + generate + reference)", first_build_note(&c), json, || {
                 ops::verify::verify(&c, &req, &budget())
             })?;
             Ok(emit(&r, json))
         }
-        Command::Profile { engine, model, runs, prompt_len, new_tokens, dtype, threads, json } => {
+        Command::Profile {
+            engine,
+            model,
+            runs,
+            prompt_len,
+            new_tokens,
+            dtype,
+            threads,
+            write_bundle,
+            from_bundle,
+            json,
+        } => {
             let c = ctx(g)?;
             let req = ops::profile::ProfileRequest {
                 engine: s(&engine),
@@ -307,6 +330,8 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
                 runs,
                 dtype,
                 threads,
+                write_bundle: write_bundle.as_deref().map(s),
+                from_bundle: from_bundle.as_deref().map(s),
             };
             let r = progress("profile", first_build_note(&c), json, || ops::profile::profile(&c, &req, &budget()))?;
             Ok(emit(&r, json))
@@ -343,6 +368,11 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
             let c = ctx(g)?;
             let req = ops::rules::RulesRequest { engine: s(&engine) };
             Ok(emit(&progress("check-rules", "", json, || ops::rules::check_rules(&c, &req, &budget()))?, json))
+        }
+        Command::Bundle { action: BundleCmd::Run { dir, model, json } } => {
+            let req = ops::bundle::BundleRunRequest { dir: s(&dir), model: model.as_deref().map(s) };
+            let r = progress("bundle run", "", json, || ops::bundle::run(&req, &budget()))?;
+            Ok(emit(&r, json))
         }
         Command::Reference { action: ReferenceCmd::Add { dir, name } } => {
             let r = ops::reference::add(&ctx(g)?, &dir, name.as_deref())?;

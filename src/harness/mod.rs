@@ -3,6 +3,7 @@
 //!
 //! Invariant: every child is either waited for or killed and reaped before a function returns.
 
+pub mod bundle;
 pub mod diagnostics;
 pub mod explain;
 pub mod protocol;

@@ -62,11 +62,20 @@ fn verify_req(engine: &Path, model: &Path) -> VerifyRequest {
         max_new_tokens: Some(8),
         seed: Some(5),
         dtype: None,
+        write_bundle: None,
+        from_bundle: None,
     }
 }
 
 fn kernels_req(engine: &Path) -> KernelTestRequest {
-    KernelTestRequest { engine: s(engine), kernels: vec![], dtype: None, seed: Some(5) }
+    KernelTestRequest {
+        engine: s(engine),
+        kernels: vec![],
+        dtype: None,
+        seed: Some(5),
+        write_bundle: None,
+        from_bundle: None,
+    }
 }
 
 fn budget() -> Budget {
@@ -314,6 +323,8 @@ fn aarch64_platform_is_proposed_gated_and_promoted() {
             dtype: None,
             threads: None,
             runs: Some(2),
+            write_bundle: None,
+            from_bundle: None,
         },
         &budget(),
     )

@@ -493,8 +493,14 @@ fn plain_engine_passes_the_gates_on_every_family() {
                 manifest.replace("family = \"model.llama\"", &format!("family = {id:?}")),
             )
             .unwrap();
-            let req =
-                KernelTestRequest { engine: engine.display().to_string(), kernels: vec![], seed: Some(5), dtype: None };
+            let req = KernelTestRequest {
+                engine: engine.display().to_string(),
+                kernels: vec![],
+                seed: Some(5),
+                dtype: None,
+                write_bundle: None,
+                from_bundle: None,
+            };
             let k = kernel_test(&ctx, &req, &budget).unwrap();
             assert!(k.passed, "{name}: {}", k.text());
             tested = id;
@@ -506,6 +512,8 @@ fn plain_engine_passes_the_gates_on_every_family() {
             max_new_tokens: Some(8),
             seed: Some(5),
             dtype: None,
+            write_bundle: None,
+            from_bundle: None,
         };
         let v = verify(&ctx, &req, &budget).unwrap();
         assert!(v.passed && v.family == *id, "{name}: {}", v.text());

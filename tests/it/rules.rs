@@ -156,7 +156,14 @@ fn each_rule_catches_its_fixture() {
     let d = t.path().join("sig");
     let k = kernel_test(
         &ctx,
-        &KernelTestRequest { engine: s(&d), kernels: vec![], seed: None, dtype: None },
+        &KernelTestRequest {
+            engine: s(&d),
+            kernels: vec![],
+            seed: None,
+            dtype: None,
+            write_bundle: None,
+            from_bundle: None,
+        },
         &Budget::secs(600),
     )
     .unwrap();
@@ -180,13 +187,22 @@ fn verify_passes_only_after_kernel_tests_passed_on_the_same_sources() {
         max_new_tokens: Some(4),
         seed: None,
         dtype: None,
+        write_bundle: None,
+        from_bundle: None,
     };
     let v = verify(&ctx, &req, &Budget::secs(600)).unwrap();
     assert!(!v.passed && v.error.contains("phase order"), "{}", v.error);
     assert!(v.prompts.iter().all(|p| p.error.is_empty()), "generation itself matched");
     let k = kernel_test(
         &ctx,
-        &KernelTestRequest { engine: s(&d), kernels: vec![], seed: None, dtype: None },
+        &KernelTestRequest {
+            engine: s(&d),
+            kernels: vec![],
+            seed: None,
+            dtype: None,
+            write_bundle: None,
+            from_bundle: None,
+        },
         &Budget::secs(600),
     )
     .unwrap();
@@ -282,7 +298,14 @@ fn every_gate_fails_on_empty_bare_and_constant_engines() {
     for engine in [&empty, &bare, &constant] {
         let k = kernel_test(
             &ctx,
-            &KernelTestRequest { engine: s(engine), kernels: vec![], seed: None, dtype: None },
+            &KernelTestRequest {
+                engine: s(engine),
+                kernels: vec![],
+                seed: None,
+                dtype: None,
+                write_bundle: None,
+                from_bundle: None,
+            },
             &budget,
         )
         .unwrap();
@@ -310,6 +333,8 @@ fn every_gate_fails_on_empty_bare_and_constant_engines() {
                 max_new_tokens: Some(4),
                 seed: None,
                 dtype: None,
+                write_bundle: None,
+                from_bundle: None,
             },
             &budget,
         )
@@ -334,6 +359,8 @@ fn every_gate_fails_on_empty_bare_and_constant_engines() {
                 runs: Some(1),
                 dtype: None,
                 threads: None,
+                write_bundle: None,
+                from_bundle: None,
             },
             &budget,
         )

@@ -98,7 +98,7 @@ impl Model {
         let f = cfg.features;
         if f.qkv_bias || f.qk_norm || f.gelu_tanh_mlp || f.rmsnorm_one_plus_w || f.embed_scale_sqrt_hidden || f.fused {
             return Err(
-                "this engine covers plain Llama (model.llama) only; the checkpoint's family has other features".into(),
+                "this engine covers model.llama only; the checkpoint's family has other features".into(),
             );
         }
         if cfg.sliding_window > 0 {
