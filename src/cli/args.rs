@@ -128,12 +128,15 @@ pub enum Command {
         /// Hugging Face model directory (config.json, model.safetensors, tokenizer.json).
         #[arg(long, value_name = "DIR")]
         model: PathBuf,
-        /// Target platform: a platform contract's target (cpu; cpu-aarch64 once proposed).
+        /// Target platform: a platform contract's target (cpu, cuda; cpu-aarch64 once proposed).
         #[arg(long, default_value = "cpu", value_name = "TARGET")]
         target: String,
-        /// Weight dtype: f32, bf16, f16 or int8.
+        /// Weight dtype: f32, bf16, f16 or int8 (cuda: bf16).
         #[arg(long, default_value = "f32", value_name = "DTYPE")]
         dtype: String,
+        /// Platform contract id where the target has several (cuda: platform.cuda-sm90 or platform.cuda-sm80).
+        #[arg(long, value_name = "ID")]
+        platform: Option<String>,
         /// Print exactly the tool's structured output as JSON.
         #[arg(long)]
         json: bool,
@@ -217,6 +220,9 @@ pub enum Command {
         /// Weight dtype: f32, bf16, f16 or int8.
         #[arg(long, default_value = "f32", value_name = "DTYPE")]
         dtype: String,
+        /// Platform contract id where the target has several (cuda: platform.cuda-sm90 or platform.cuda-sm80).
+        #[arg(long, value_name = "ID")]
+        platform: Option<String>,
         /// Crate name (default: the directory's name).
         #[arg(long, value_name = "NAME")]
         name: Option<String>,

@@ -180,8 +180,8 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
             served.map_err(|e| Error::internal(format!("MCP server: {e}")))?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Plan { model, target, dtype, json } => {
-            let r = ops::plan::plan(&ctx(g)?, &ops::plan::PlanRequest { model: s(&model), target, dtype })?;
+        Command::Plan { model, target, dtype, platform, json } => {
+            let r = ops::plan::plan(&ctx(g)?, &ops::plan::PlanRequest { model: s(&model), target, dtype, platform })?;
             Ok(emit(&r, json))
         }
         Command::Synth {
@@ -258,12 +258,13 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
             );
             Ok(ExitCode::SUCCESS)
         }
-        Command::Scaffold { model, out, target, dtype, name, force, reference_level, json } => {
+        Command::Scaffold { model, out, target, dtype, platform, name, force, reference_level, json } => {
             let req = ops::scaffold::ScaffoldRequest {
                 model: s(&model),
                 out: s(&out),
                 target,
                 dtype,
+                platform,
                 name,
                 force,
                 reference_level: level(reference_level),

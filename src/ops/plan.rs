@@ -22,6 +22,10 @@ pub struct PlanRequest {
     /// Weight and activation dtype, e.g. `f32`.
     #[serde(default = "default_dtype")]
     pub dtype: String,
+    /// Platform contract id, where several share the target (`cuda`: `platform.cuda-sm90` for
+    /// H100/H200, `platform.cuda-sm80` for A100); absent: the target's only platform.
+    #[serde(default)]
+    pub platform: Option<String>,
 }
 
 fn default_target() -> String {
@@ -169,8 +173,19 @@ pub fn plan_only(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
             None
         }
     });
-    let platform = ctx.ckb.platform_for(&req.target);
+    let mut platform_gap = false;
+    let platform = match ctx.ckb.platform_of(&req.target, req.platform.as_deref()) {
+        Ok(p) => p,
+        Err(reason) => {
+            gaps.push(Gap { field: "platform".into(), reason });
+            platform_gap = true;
+            None
+        }
+    };
+    let plat = platform.and_then(|p| p.platform.as_ref());
+    let api = plat.map(|p| p.api.as_str()).unwrap_or(crate::ckb::API_HOST);
     match platform {
+        None if platform_gap => {}
         None => gaps.push(Gap {
             field: "target".into(),
             reason: format!(
@@ -179,6 +194,8 @@ pub fn plan_only(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
                 ctx.ckb
                     .of_kind(Kind::Platform)
                     .map(|c| c.platform.as_ref().unwrap().target.clone())
+                    .collect::<std::collections::BTreeSet<_>>()
+                    .into_iter()
                     .collect::<Vec<_>>()
                     .join(", ")
             ),
@@ -199,7 +216,22 @@ pub fn plan_only(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
                 m.kernels.clone()
             }
         };
+        // A CUDA platform routes every kernel to its CUDA signature: each needs one.
+        if api == crate::ckb::API_CUDA {
+            for k in &kernels {
+                if ctx.ckb.get(k).map(|c| c.cuda.is_none()).unwrap_or(true) {
+                    gaps.push(Gap {
+                        field: "target".into(),
+                        reason: format!(
+                            "{k} has no CUDA signature ([cuda] section), so no CUDA engine can implement it"
+                        ),
+                    });
+                }
+            }
+        }
         let mut ids: Vec<&str> = kernels.iter().chain(&m.components).map(String::as_str).collect();
+        // The platform's own components (the CUDA device handle, on-device decoding).
+        ids.extend(plat.iter().flat_map(|p| p.components.iter().map(String::as_str)));
         ids.push(&f.id);
         for phase in Phase::ALL {
             let mut contracts: Vec<String> = ids
@@ -269,6 +301,12 @@ pub fn plan_only(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
 /// The constraints as a scaffold records them in the engine's `metainfer.toml`.
 pub fn constraints_toml(req: &PlanRequest, report: &PlanReport, level: super::ReferenceLevel) -> Result<String> {
     let cfg = report.config.as_ref().ok_or_else(|| Error::usage("constraints are not covered; run plan first"))?;
+    // The platform id where the target has several (or one was named).
+    let platform = if req.platform.is_some() || req.target == crate::ckb::API_CUDA {
+        format!("platform = {:?}\n", report.platform)
+    } else {
+        String::new()
+    };
     Ok(format!(
         "# Constraints this engine was scaffolded for (written by metainfer scaffold).\nfamily = {:?}\ntarget = {:?}\ndtype = {:?}\nreference_level = {:?}\nmodel = {:?}\nhidden = {}\nn_layers = {}\nvocab = {}\n",
         report.family,
@@ -279,5 +317,15 @@ pub fn constraints_toml(req: &PlanRequest, report: &PlanReport, level: super::Re
         cfg.hidden,
         cfg.n_layers,
         cfg.vocab
-    ))
+    ) + &platform)
+}
+
+/// The platform api (`host` or `cuda`) of a plan's platform.
+pub fn api_of(ctx: &Ctx, report: &PlanReport) -> String {
+    ctx.ckb
+        .get(&report.platform)
+        .ok()
+        .and_then(|p| p.platform.as_ref())
+        .map(|p| p.api.clone())
+        .unwrap_or_else(|| crate::ckb::API_HOST.to_string())
 }

@@ -42,6 +42,7 @@ fn bare_scaffold_compiles_and_fails_every_other_gate() {
         out: s(&engine),
         target: "cpu".into(),
         dtype: "f32".into(),
+        platform: None,
         name: Some("bare".into()),
         force: false,
         reference_level: Default::default(),

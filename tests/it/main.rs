@@ -5,6 +5,7 @@ mod bundles;
 mod ckb;
 mod cli;
 mod client;
+mod cuda;
 mod diagnose;
 mod dtypes;
 mod evolution;
