@@ -326,6 +326,9 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
         return Err(Error::usage(format!("threads must be 1..=1024, got {threads}")));
     }
     let platform = figures_platform.and_then(|p| p.platform.as_ref());
+    // A CUDA engine's device figures (HBM, L2, peaks) are its target platform contract's, whatever
+    // this host is.
+    let gpu = target_platform.and_then(|p| p.platform.as_ref()).and_then(|p| p.gpu.as_ref());
     let contract_bw = |n: usize| platform.and_then(|p| p.bandwidth_gbs.get(&n.to_string()).copied());
     let bandwidth = probe
         .as_ref()
@@ -454,15 +457,16 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     report.load_ms = t.load_s * 1e3;
     let mut problems = Vec::new();
     // A CUDA engine: the roofline is the device model's HBM bandwidth from the platform contract,
-    // checked against the bandwidth probe the harness ran on the device; compute bound: f32 peak.
-    if let (Some(info), Some(gpu)) = (&t.device, platform.and_then(|p| p.gpu.as_ref())) {
+    // checked against the bandwidth probe the harness ran on the device.
+    if let (Some(info), Some(gpu)) = (&t.device, gpu) {
         let hbm = gpu.device(&info.name).map(|d| d.hbm_gbs.value).unwrap_or(0.0);
         let bw = if hbm > 0.0 { hbm } else { info.copy_gbs };
         if bw > 0.0 {
             report.roofline_decode_tok_s = bw * 1e9 / bytes_per_token;
         }
-        if let Some(f32_peak) = gpu.peak_tflops.get("f32") {
-            report.compute_bound_tok_s = f32_peak.value * 1e12 / (2.0 * weights as f64);
+        // The compute bound must never understate: the largest peak the device has (tensor cores).
+        if let Some(peak) = gpu.peak_tflops.values().map(|f| f.value).reduce(f64::max) {
+            report.compute_bound_tok_s = peak * 1e12 / (2.0 * weights as f64);
         }
         if hbm == 0.0 {
             problems.push(format!(
@@ -572,7 +576,7 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
                 };
                 let bw_kernels = probe.as_ref().and_then(|p| p.median(level, threads)).unwrap_or(bandwidth);
                 // On a CUDA device: its HBM bandwidth (or the probe's) and the f32 peak in GFLOP/s.
-                let (bw_kernels, peak_t) = match (&report.device, platform.and_then(|p| p.gpu.as_ref())) {
+                let (bw_kernels, peak_t) = match (&report.device, gpu) {
                     (Some(d), Some(gpu)) => (
                         if d.hbm_gbs > 0.0 { d.hbm_gbs } else { d.copy_gbs },
                         gpu.peak_tflops.get("f32").map(|f| f.value * 1e3).unwrap_or(peak_t),
