@@ -283,8 +283,14 @@ fn agent_loop(ctx: &Ctx, engine_dir: &Path, reps: usize, budget: &Budget) -> Res
     let e = engine_dir.display().to_string();
     let model = crate::model::default_model_dir().display().to_string();
     let compile_req = ops::compile::CompileRequest { engine: e.clone(), cursor: None };
-    let kernels_req =
-        ops::kernel_test::KernelTestRequest { engine: e.clone(), kernels: vec![], seed: None, dtype: None };
+    let kernels_req = ops::kernel_test::KernelTestRequest {
+        engine: e.clone(),
+        kernels: vec![],
+        seed: None,
+        dtype: None,
+        write_bundle: None,
+        from_bundle: None,
+    };
     let verify_req = ops::verify::VerifyRequest {
         engine: e.clone(),
         model,
@@ -292,6 +298,8 @@ fn agent_loop(ctx: &Ctx, engine_dir: &Path, reps: usize, budget: &Budget) -> Res
         max_new_tokens: None,
         seed: None,
         dtype: None,
+        write_bundle: None,
+        from_bundle: None,
     };
     // Warm: dependencies, the harness and the engine built once.
     ops::compile::compile(ctx, &compile_req, budget)?;

@@ -74,6 +74,10 @@ pub struct EngineManifest {
     /// The model directory the engine was scaffolded for, if recorded.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
+    /// The platform contract id, where several share the target (e.g. `platform.cuda-sm90` for
+    /// target `cuda`); absent: the target's only platform.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub platform: Option<String>,
     /// Every other key as written (e.g. the model's shape), recorded with each outcome.
     #[serde(flatten)]
     pub other: toml::Table,
@@ -88,6 +92,7 @@ impl Default for EngineManifest {
             reference_level: ReferenceLevel::Zero,
             dtype_features: BTreeMap::new(),
             model: None,
+            platform: None,
             other: toml::Table::new(),
         }
     }
@@ -121,7 +126,7 @@ impl EngineManifest {
         let m: EngineManifest = toml::from_str(text).map_err(|e| {
             let at = e.to_string().lines().find(|l| l.contains('|') && l.trim_start().chars().next().is_some_and(|c| c.is_ascii_digit())).map(|l| format!(" at `{}`", l.split('|').nth(1).unwrap_or("").trim())).unwrap_or_default();
             Error::usage(format!(
-                "{}{at}; the keys are family, target, dtype, reference_level, model and [dtype_features] (a table of dtype = [features])",
+                "{}{at}; the keys are family, target, platform, dtype, reference_level, model and [dtype_features] (a table of dtype = [features])",
                 e.message().trim()
             ))
         })?;
@@ -132,6 +137,13 @@ impl EngineManifest {
             return Err(Error::usage(format!(
                 "key `family` = {:?} is not a model-family contract id; write e.g. family = \"model.llama\"",
                 m.family
+            )));
+        }
+        if let Some(p) = &m.platform
+            && !p.strip_prefix("platform.").is_some_and(name_ok)
+        {
+            return Err(Error::usage(format!(
+                "key `platform` = {p:?} is not a platform contract id; write e.g. platform = \"platform.cuda-sm90\""
             )));
         }
         if !name_ok(&m.target) {

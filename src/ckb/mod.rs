@@ -496,6 +496,80 @@ impl Ckb {
                     bad("/variant", format!("another kernel is already the {} variant of {}", v.weight_dtype, v.of));
                 }
             }
+            if let Some(cu) = &c.cuda {
+                if c.kind != Kind::Kernel {
+                    bad("/cuda", "a `cuda` section belongs only to kind kernel".into());
+                }
+                if !cu.skeleton.contains("pub fn ") {
+                    bad("/cuda/skeleton", "the CUDA skeleton needs the `pub fn` the gates call".into());
+                }
+                if !cu.tolerance.contains_key("f32") {
+                    bad("/cuda/tolerance", "the CUDA variant needs a tolerance for f32 with its reasoning".into());
+                }
+                if cu.launch.trim().is_empty() {
+                    bad("/cuda/launch", "say how the work maps onto threads, warps and blocks".into());
+                }
+                for (dtype, t) in &cu.tolerance {
+                    if !(t.atol >= 0.0 && t.rtol >= 0.0 && t.atol.is_finite() && t.rtol.is_finite()) {
+                        bad(&format!("/cuda/tolerance/{dtype}"), "atol and rtol must be finite and >= 0".into());
+                    }
+                    if t.reasoning.trim().is_empty() {
+                        bad(&format!("/cuda/tolerance/{dtype}/reasoning"), "say why these numbers".into());
+                    }
+                }
+            }
+            if let Some(p) = &c.platform {
+                if p.api != types::API_HOST && p.api != types::API_CUDA {
+                    bad(
+                        "/platform/api",
+                        format!("unknown api `{}`; use `{}` or `{}`", p.api, types::API_HOST, types::API_CUDA),
+                    );
+                }
+                if (p.api == types::API_CUDA) != p.gpu.is_some() {
+                    bad(
+                        "/platform/gpu",
+                        "a `[platform.gpu]` section goes with api = \"cuda\", and only with it".into(),
+                    );
+                }
+                for (i, comp) in p.components.iter().enumerate() {
+                    match self.contracts.get(comp) {
+                        Some(o) if o.kind == Kind::Component => {}
+                        Some(_) => bad(&format!("/platform/components/{i}"), format!("`{comp}` is not a component")),
+                        None => bad(
+                            &format!("/platform/components/{i}"),
+                            format!("reference `{comp}` does not resolve to any contract"),
+                        ),
+                    }
+                }
+                if let Some(g) = &p.gpu {
+                    if g.devices.is_empty() {
+                        bad("/platform/gpu/devices", "name at least one device model with its bandwidth".into());
+                    }
+                    let figures = [&g.sm_count, &g.l2_mib, &g.smem_per_sm_kib]
+                        .into_iter()
+                        .chain(g.peak_tflops.values())
+                        .chain(g.devices.iter().flat_map(|d| [&d.memory_gb, &d.hbm_gbs]))
+                        .chain(g.devices.iter().filter_map(|d| d.measured_gbs.as_ref()));
+                    for f in figures {
+                        if !(f.value > 0.0 && f.value.is_finite()) || f.source.trim().is_empty() {
+                            bad("/platform/gpu", format!("figure {} must be positive and name its source", f.value));
+                        }
+                    }
+                }
+            }
+            if let Some(p) = &c.policy {
+                for (target, entries) in &p.permit {
+                    for (i, e) in entries.iter().enumerate() {
+                        let probe = e.pattern.trim_end_matches('*');
+                        if let Some(d) = p.deny.iter().find(|d| d.matches(probe)) {
+                            bad(
+                                &format!("/policy/permit/{target}/{i}"),
+                                format!("permitted `{}` is also denied by pattern `{}`", e.pattern, d.pattern),
+                            );
+                        }
+                    }
+                }
+            }
             for (dtype, t) in &c.tolerance {
                 if !(t.atol >= 0.0 && t.rtol >= 0.0 && t.atol.is_finite() && t.rtol.is_finite()) {
                     bad(&format!("/tolerance/{dtype}"), "atol and rtol must be finite and >= 0".into());
@@ -787,6 +861,35 @@ impl Ckb {
         } else {
             Some(first)
         }
+    }
+
+    /// The platform contract of `target`: the one named `id` (which must be a platform contract of
+    /// that target), else the only established one for `target` ([`Ckb::platform_for`]). None when
+    /// the target has no platform contract.
+    ///
+    /// # Errors
+    /// The reason, in words: `id` is unknown, not a platform, or of another target; or several
+    /// platforms share `target` (e.g. `cuda`: sm_80 and sm_90) and none was named.
+    pub fn platform_of(&self, target: &str, id: Option<&str>) -> std::result::Result<Option<&Contract>, String> {
+        let of_target = |c: &&Contract| c.platform.as_ref().is_some_and(|p| p.target == target);
+        if let Some(id) = id {
+            let c = self.get(id).map_err(|e| e.message)?;
+            return match &c.platform {
+                Some(p) if p.target == target => Ok(Some(c)),
+                Some(p) => Err(format!("{id} is a platform of target `{}`, not `{target}`", p.target)),
+                None => Err(format!("{id} is not a platform contract")),
+            };
+        }
+        let established: Vec<&Contract> =
+            self.of_kind(Kind::Platform).filter(of_target).filter(|c| !self.is_provisional(&c.id)).collect();
+        if established.len() > 1 {
+            return Err(format!(
+                "target `{target}` has {} platform contracts ({}); name one as the platform",
+                established.len(),
+                established.iter().map(|c| c.id.as_str()).collect::<Vec<_>>().join(", ")
+            ));
+        }
+        Ok(self.platform_for(target))
     }
 
     /// The kernel contracts an engine of `family` with weights stored in `dtype` implements: the

@@ -324,7 +324,8 @@ pub struct Platform {
     /// Peak f32 GFLOP/s per thread count.
     #[serde(default)]
     pub peak_gflops_f32: BTreeMap<String, f64>,
-    /// SIMD width in bits of the widest vector unit assumed.
+    /// SIMD width in bits of the widest vector unit assumed (0 on a GPU platform).
+    #[serde(default)]
     pub simd_bits: u32,
     /// CPU architecture as Rust's `std::env::consts::ARCH` names it (`x86_64`, `aarch64`), when the
     /// platform is one architecture. The gates run an engine on the server's own host: on a host of
@@ -338,6 +339,101 @@ pub struct Platform {
     /// the measured effect where known; profile_engine quotes it for the kernel that bounds decode.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub kernel_guidance: BTreeMap<String, Vec<String>>,
+    /// Which signatures an engine on this platform exposes: `host` (the kernel contracts' `rust`
+    /// skeletons, host slices) or `cuda` (their `cuda` skeletons: device buffers through cudarc, a
+    /// stream). Default `host`.
+    #[serde(default = "host_api", skip_serializing_if = "is_host_api")]
+    pub api: String,
+    /// Component contracts every engine on this platform implements besides its family's (e.g. the
+    /// CUDA device handle and on-device decoding).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub components: Vec<String>,
+    /// GPU figures (kind platform with `api = "cuda"`): device properties, peak rates, and per
+    /// device model its memory and bandwidth, each figure with its source.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu: Option<Gpu>,
+}
+
+fn host_api() -> String {
+    API_HOST.into()
+}
+
+fn is_host_api(s: &String) -> bool {
+    s == API_HOST
+}
+
+/// [`Platform::api`] of host engines: host slices, the `rust` skeletons.
+pub const API_HOST: &str = "host";
+/// [`Platform::api`] of CUDA engines: device buffers and a stream, the `cuda` skeletons.
+pub const API_CUDA: &str = "cuda";
+
+/// One published or measured figure and where it comes from.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Figure {
+    /// The value, in the unit its field names.
+    pub value: f64,
+    /// Where it comes from (datasheet, whitepaper, measurement with its date and machine).
+    pub source: String,
+}
+
+/// The figures of one GPU architecture (a CUDA compute capability).
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Gpu {
+    /// CUDA compute capability, e.g. `9.0`; an engine's kernels are compiled for it.
+    pub compute_capability: String,
+    /// The architecture name NVRTC and nvcc take (`--gpu-architecture`), e.g. `sm_90`.
+    pub arch: String,
+    /// Streaming multiprocessors.
+    pub sm_count: Figure,
+    /// Level-2 cache, MiB.
+    pub l2_mib: Figure,
+    /// Shared memory per SM (configurable with L1), KiB.
+    pub smem_per_sm_kib: Figure,
+    /// Dense peak TFLOP/s by unit and dtype: `bf16_tensor`, `f16_tensor`, `tf32_tensor`, `f32` (CUDA cores).
+    pub peak_tflops: BTreeMap<String, Figure>,
+    /// Device models of this architecture, each with its memory and bandwidth.
+    pub devices: Vec<GpuDevice>,
+}
+
+/// One device model of a GPU platform (memory differs between models of one architecture).
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct GpuDevice {
+    /// Model name as the CUDA driver reports it, matched as a substring (e.g. `H200`).
+    pub name: String,
+    /// Device memory, GB.
+    pub memory_gb: Figure,
+    /// Nominal HBM bandwidth, GB/s: the decode roofline.
+    pub hbm_gbs: Figure,
+    /// Bandwidth measured on such a device (a device-to-device copy), GB/s, when one was.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub measured_gbs: Option<Figure>,
+}
+
+impl Gpu {
+    /// The device model whose `name` occurs in the driver's device name (e.g. `NVIDIA H200`).
+    pub fn device(&self, reported: &str) -> Option<&GpuDevice> {
+        self.devices.iter().find(|d| reported.contains(&d.name))
+    }
+}
+
+/// The CUDA variant of a kernel contract's signature: the same math on device buffers (cudarc
+/// `CudaView`/`CudaViewMut` on the engine's stream), with its launch mapping and its tolerances.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CudaApi {
+    /// Module file of the engine crate, e.g. `kernels`.
+    pub module: String,
+    /// The public items with `todo!()` bodies, exactly as the scaffold writes them for `api = "cuda"`.
+    pub skeleton: String,
+    /// How the work maps onto threads, warps and blocks, in our own words.
+    pub launch: String,
+    /// Tolerance against the f64 oracle per activation dtype on the device (`f32`: f32 buffers,
+    /// bf16 storage of the weights where the kernel says so, f32 accumulation), with the reasoning
+    /// for the device's summation order and math functions.
+    pub tolerance: BTreeMap<String, Tolerance>,
 }
 
 /// Failure-mode specifics (kind = failure).
@@ -380,6 +476,11 @@ pub struct Policy {
     /// without an entry has no allow list.
     #[serde(default)]
     pub allow: BTreeMap<String, Vec<String>>,
+    /// Per target, the crates an engine for it may depend on beyond general-purpose ones, each with
+    /// why it is not an inference framework (e.g. cudarc for `cuda`: bindings of the driver, NVRTC
+    /// and cuBLAS). A permitted pattern may not match a deny entry (lint).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub permit: BTreeMap<String, Vec<DenyEntry>>,
 }
 
 impl DenyEntry {
@@ -463,6 +564,25 @@ pub struct Contract {
     /// plan routes a model's tokenizer to the contract covering all of them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokenizer: Option<TokenizerFamily>,
+    /// The CUDA variant of the signature (kernels): what an engine on a platform with `api = "cuda"`
+    /// exposes in place of `rust`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cuda: Option<CudaApi>,
+}
+
+impl Contract {
+    /// The Rust items an engine on a platform of `api` exposes for this contract: the `cuda`
+    /// skeleton for [`API_CUDA`] where the contract has one, else `rust`.
+    pub fn api_for(&self, api: &str) -> Option<RustApi> {
+        match (&self.cuda, api) {
+            (Some(c), API_CUDA) => Some(RustApi {
+                module: c.module.clone(),
+                skeleton: c.skeleton.clone(),
+                optional: self.rust.as_ref().map(|r| r.optional.clone()).unwrap_or_default(),
+            }),
+            _ => self.rust.clone(),
+        }
+    }
 }
 
 /// Forward-pass features a model-family contract may list in `[model] features`, with what each one

@@ -132,12 +132,15 @@ pub enum Command {
         /// Hugging Face model directory (config.json, model.safetensors, tokenizer.json).
         #[arg(long, value_name = "DIR")]
         model: PathBuf,
-        /// Target platform: a platform contract's target (cpu; cpu-aarch64 once proposed).
+        /// Target platform: a platform contract's target (cpu, cuda; cpu-aarch64 once proposed).
         #[arg(long, default_value = "cpu", value_name = "TARGET")]
         target: String,
-        /// Weight dtype: f32, bf16, f16 or int8.
+        /// Weight dtype: f32, bf16, f16 or int8 (cuda: bf16).
         #[arg(long, default_value = "f32", value_name = "DTYPE")]
         dtype: String,
+        /// Platform contract id where the target has several (cuda: platform.cuda-sm90 or platform.cuda-sm80).
+        #[arg(long, value_name = "ID")]
+        platform: Option<String>,
         /// Print exactly the tool's structured output as JSON.
         #[arg(long)]
         json: bool,
@@ -231,6 +234,9 @@ pub enum Command {
         /// Weight dtype: f32, bf16, f16 or int8.
         #[arg(long, default_value = "f32", value_name = "DTYPE")]
         dtype: String,
+        /// Platform contract id where the target has several (cuda: platform.cuda-sm90 or platform.cuda-sm80).
+        #[arg(long, value_name = "ID")]
+        platform: Option<String>,
         /// Crate name (default: the directory's name).
         #[arg(long, value_name = "NAME")]
         name: Option<String>,
@@ -271,6 +277,13 @@ pub enum Command {
         /// Weight dtype to build the engine for: f32, bf16, f16 or int8 (default: the engine's own, metainfer.toml).
         #[arg(long, value_name = "DTYPE")]
         dtype: Option<String>,
+        /// Do not run here: build the harness, draw the inputs and write them as a bundle to DIR, to run
+        /// with `metainfer bundle run DIR` on the machine with the device.
+        #[arg(long, value_name = "DIR", conflicts_with = "from_bundle")]
+        write_bundle: Option<PathBuf>,
+        /// Judge and record a bundle this command wrote and `metainfer bundle run` ran elsewhere.
+        #[arg(long, value_name = "DIR")]
+        from_bundle: Option<PathBuf>,
         /// Print exactly the tool's structured output as JSON.
         #[arg(long)]
         json: bool,
@@ -299,6 +312,13 @@ pub enum Command {
         /// Weight dtype to build the engine for: f32, bf16, f16 or int8 (default: the engine's own, metainfer.toml).
         #[arg(long, value_name = "DTYPE")]
         dtype: Option<String>,
+        /// Do not run here: build the harness, draw the inputs and write them as a bundle to DIR, to run
+        /// with `metainfer bundle run DIR` on the machine with the device.
+        #[arg(long, value_name = "DIR", conflicts_with = "from_bundle")]
+        write_bundle: Option<PathBuf>,
+        /// Judge and record a bundle this command wrote and `metainfer bundle run` ran elsewhere.
+        #[arg(long, value_name = "DIR")]
+        from_bundle: Option<PathBuf>,
         /// Print exactly the tool's structured output as JSON.
         #[arg(long)]
         json: bool,
@@ -312,6 +332,14 @@ pub enum Command {
         /// Print exactly the tool's structured output as JSON.
         #[arg(long)]
         json: bool,
+    },
+    /// Run a bundle written by a gate's --write-bundle, on the machine that has the device.
+    #[command(
+        after_help = "Example (on the device machine):\n  metainfer bundle run kt-bundle\n  metainfer bundle run verify-1b --model /data/llama-1b"
+    )]
+    Bundle {
+        #[command(subcommand)]
+        action: BundleCmd,
     },
     /// Registered reference code (other frameworks): only fingerprints are stored.
     #[command(after_help = "Example:\n  metainfer reference add ~/src/llama2.c --name llama2c")]
@@ -345,6 +373,13 @@ pub enum Command {
         /// Weight dtype to build the engine for: f32, bf16, f16 or int8 (default: the engine's own, metainfer.toml).
         #[arg(long, value_name = "DTYPE")]
         dtype: Option<String>,
+        /// Do not run here: build the harness, draw the inputs and write them as a bundle to DIR, to run
+        /// with `metainfer bundle run DIR` on the machine with the device.
+        #[arg(long, value_name = "DIR", conflicts_with = "from_bundle")]
+        write_bundle: Option<PathBuf>,
+        /// Judge and record a bundle this command wrote and `metainfer bundle run` ran elsewhere.
+        #[arg(long, value_name = "DIR")]
+        from_bundle: Option<PathBuf>,
         /// Print exactly the tool's structured output as JSON.
         #[arg(long)]
         json: bool,
@@ -597,6 +632,22 @@ pub enum ReferenceCmd {
     },
     /// List registered references.
     List,
+}
+
+#[derive(Subcommand)]
+pub enum BundleCmd {
+    /// Run every request of the bundle in DIR here; the replies stay in DIR.
+    Run {
+        /// The bundle directory.
+        #[arg(value_name = "DIR")]
+        dir: PathBuf,
+        /// The model directory here, when the bundle does not include its model.
+        #[arg(long, value_name = "DIR")]
+        model: Option<PathBuf>,
+        /// Print exactly the structured result as JSON.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Subcommand)]

@@ -15,7 +15,10 @@ use metainfer::harness::Budget;
 use metainfer::ops::{self, Ctx, Report};
 use metainfer::options::{ServerOptions, Toolset};
 
-use args::{CkbCmd, ClientArg, Command, ContractCmd, Global, LedgerCmd, LevelArg, ReferenceCmd, ServeArgs, ToolsetArg};
+use args::{
+    BundleCmd, CkbCmd, ClientArg, Command, ContractCmd, Global, LedgerCmd, LevelArg, ReferenceCmd, ServeArgs,
+    ToolsetArg,
+};
 
 fn client(c: ClientArg) -> Client {
     match c {
@@ -186,8 +189,8 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
             served.map_err(|e| Error::internal(format!("MCP server: {e}")))?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Plan { model, target, dtype, json } => {
-            let r = ops::plan::plan(&ctx(g)?, &ops::plan::PlanRequest { model: s(&model), target, dtype })?;
+        Command::Plan { model, target, dtype, platform, json } => {
+            let r = ops::plan::plan(&ctx(g)?, &ops::plan::PlanRequest { model: s(&model), target, dtype, platform })?;
             Ok(emit(&r, json))
         }
         Command::Synth {
@@ -270,12 +273,13 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
             );
             Ok(ExitCode::SUCCESS)
         }
-        Command::Scaffold { model, out, target, dtype, name, force, reference_level, json } => {
+        Command::Scaffold { model, out, target, dtype, platform, name, force, reference_level, json } => {
             let req = ops::scaffold::ScaffoldRequest {
                 model: s(&model),
                 out: s(&out),
                 target,
                 dtype,
+                platform,
                 name,
                 force,
                 reference_level: level(reference_level),
@@ -288,16 +292,23 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
             let r = progress("compile", first_build_note(&c), json, || ops::compile::compile(&c, &req, &budget()))?;
             Ok(emit(&r, json))
         }
-        Command::TestKernel { engine, kernels, seed, dtype, json } => {
+        Command::TestKernel { engine, kernels, seed, dtype, write_bundle, from_bundle, json } => {
             let c = ctx(g)?;
             let kernels = kernels.into_iter().map(kernel_id).collect();
-            let req = ops::kernel_test::KernelTestRequest { engine: s(&engine), kernels, seed, dtype };
+            let req = ops::kernel_test::KernelTestRequest {
+                engine: s(&engine),
+                kernels,
+                seed,
+                dtype,
+                write_bundle: write_bundle.as_deref().map(s),
+                from_bundle: from_bundle.as_deref().map(s),
+            };
             let r = progress("kernel tests (build + run)", first_build_note(&c), json, || {
                 ops::kernel_test::kernel_test(&c, &req, &budget())
             })?;
             Ok(emit(&r, json))
         }
-        Command::Verify { engine, model, prompts, max_new_tokens, seed, dtype, json } => {
+        Command::Verify { engine, model, prompts, max_new_tokens, seed, dtype, write_bundle, from_bundle, json } => {
             let c = ctx(g)?;
             let req = ops::verify::VerifyRequest {
                 engine: s(&engine),
@@ -306,13 +317,26 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
                 max_new_tokens,
                 seed,
                 dtype,
+                write_bundle: write_bundle.as_deref().map(s),
+                from_bundle: from_bundle.as_deref().map(s),
             };
             let r = progress("verify (build + generate + reference)", first_build_note(&c), json, || {
                 ops::verify::verify(&c, &req, &budget())
             })?;
             Ok(emit(&r, json))
         }
-        Command::Profile { engine, model, runs, prompt_len, new_tokens, dtype, threads, json } => {
+        Command::Profile {
+            engine,
+            model,
+            runs,
+            prompt_len,
+            new_tokens,
+            dtype,
+            threads,
+            write_bundle,
+            from_bundle,
+            json,
+        } => {
             let c = ctx(g)?;
             let req = ops::profile::ProfileRequest {
                 engine: s(&engine),
@@ -322,6 +346,8 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
                 runs,
                 dtype,
                 threads,
+                write_bundle: write_bundle.as_deref().map(s),
+                from_bundle: from_bundle.as_deref().map(s),
             };
             let r = progress("profile", first_build_note(&c), json, || ops::profile::profile(&c, &req, &budget()))?;
             Ok(emit(&r, json))
@@ -358,6 +384,11 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
             let c = ctx(g)?;
             let req = ops::rules::RulesRequest { engine: s(&engine) };
             Ok(emit(&progress("check-rules", "", json, || ops::rules::check_rules(&c, &req, &budget()))?, json))
+        }
+        Command::Bundle { action: BundleCmd::Run { dir, model, json } } => {
+            let req = ops::bundle::BundleRunRequest { dir: s(&dir), model: model.as_deref().map(s) };
+            let r = progress("bundle run", "", json, || ops::bundle::run(&req, &budget()))?;
+            Ok(emit(&r, json))
         }
         Command::Reference { action: ReferenceCmd::Add { dir, name } } => {
             let r = ops::reference::add(&ctx(g)?, &dir, name.as_deref())?;

@@ -232,6 +232,9 @@ pub struct Inputs<'a> {
     /// family's components and its kernels at the dtypes it is built for). None: every contract with
     /// a Rust skeleton.
     pub implements: Option<&'a std::collections::BTreeSet<String>>,
+    /// The engine platform's api (`host` or `cuda`): which skeleton of a kernel contract its
+    /// signatures must keep (`rust` or `cuda`).
+    pub api: &'a str,
 }
 
 /// Run every rule on an engine directory.
@@ -260,7 +263,7 @@ pub fn check(dir: &Path, inputs: &Inputs) -> (Vec<Finding>, Vec<String>) {
     }
     findings.extend(dependencies::check(inputs.ckb, inputs.target, inputs.packages));
     findings.extend(containment::check(dir, &tree));
-    findings.extend(signatures::check(inputs.ckb, &tree, inputs.implements));
+    findings.extend(signatures::check(inputs.ckb, &tree, inputs.implements, inputs.api));
     findings.extend(hardcoded::check(&tree));
     findings.extend(provenance::check(&tree, inputs.references, inputs.level));
     (findings, tree.skipped)

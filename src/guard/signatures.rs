@@ -42,12 +42,19 @@ pub fn defines_fn(text: &str, name: &str) -> bool {
 
 /// Check the skeleton signatures of the contracts in `implements` (None: of every contract) against
 /// the engine's module files. An f32 engine does not implement `kernel.linear_bf16`, so its
-/// signature is not required of it.
-pub fn check(ckb: &Ckb, tree: &Tree, implements: Option<&std::collections::BTreeSet<String>>) -> Vec<Finding> {
+/// signature is not required of it. `api` (`host` or `cuda`) picks the skeleton of each contract
+/// (`Contract::api_for`): a CUDA engine keeps the kernels' `cuda` signatures.
+pub fn check(
+    ckb: &Ckb,
+    tree: &Tree,
+    implements: Option<&std::collections::BTreeSet<String>>,
+    api: &str,
+) -> Vec<Finding> {
     let mut out = Vec::new();
     let mut missing: std::collections::BTreeMap<String, Vec<String>> = Default::default();
     for c in ckb.all().filter(|c| implements.is_none_or(|ids| ids.contains(&c.id))) {
-        let Some(rust) = &c.rust else { continue };
+        let Some(rust) = c.api_for(api) else { continue };
+        let rust = &rust;
         let rel = format!("src/{}.rs", rust.module);
         let file = tree.files.iter().find(|f| f.rel == rel);
         let Some(file) = file else {

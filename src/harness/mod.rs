@@ -5,6 +5,7 @@
 //! Every live child's process group is in a registry, so that a signal to the server kills them
 //! all ([`shutdown`]); agent-written code runs only in the sandbox ([`sandbox`]).
 
+pub mod bundle;
 pub mod diagnostics;
 pub mod explain;
 pub mod protocol;
@@ -29,6 +30,13 @@ pub const HARNESS_MAIN: &str = include_str!("template/main.rs");
 
 /// The protocol module, compiled into the harness crate verbatim (see [`protocol`]).
 pub const HARNESS_PROTOCOL: &str = include_str!("protocol.rs");
+
+/// The harness's `device` module for engines on the host (platform api `host`).
+pub const HARNESS_DEVICE_HOST: &str = include_str!("template/device_host.rs");
+
+/// The harness's `device` module for CUDA engines (platform api `cuda`): device probe, device
+/// buffers, CUDA-event timers, on-device decoding.
+pub const HARNESS_DEVICE_CUDA: &str = include_str!("template/device_cuda.rs");
 /// Whether the call running on this thread was cancelled by its client (set by
 /// [`Budget::scope`]); outcomes recorded then carry the status `cancelled`.
 pub fn call_cancelled() -> bool {
@@ -376,6 +384,16 @@ pub struct HarnessSpec {
     /// Optional engine items the harness calls (a contract's `rust.optional` names the engine
     /// defines, e.g. `stop_tokens`); the others' harness blocks are left out.
     pub items: Vec<String>,
+    /// The engine's platform api (`ckb::API_HOST` or `ckb::API_CUDA`): which `device` module the
+    /// harness gets, and whether it depends on cudarc. Empty: host.
+    pub api: String,
+}
+
+impl HarnessSpec {
+    /// Whether the engine runs on a CUDA device.
+    pub fn cuda(&self) -> bool {
+        self.api == crate::ckb::API_CUDA
+    }
 }
 
 /// One kernel's harness code (from the kernel registry, `oracle::kernels`): the block run for a test
@@ -767,11 +785,18 @@ impl Workshop {
         let dir = self.root.join("harness").join(&key[..16]);
         std::fs::create_dir_all(dir.join("src"))
             .map_err(|e| Error::internal(format!("cannot create {}: {e}", dir.display())))?;
+        // A CUDA harness names cudarc's types and probes the driver itself; Cargo unifies this
+        // requirement with the engine's cudarc (its version feature and dynamic loading).
+        let cudarc = if spec.cuda() {
+            "cudarc = { version = \"0.19\", default-features = false, features = [\"std\", \"driver\"] }\n"
+        } else {
+            ""
+        };
         let manifest = format!(
             // A name per engine and feature set: builds share one target directory, and the
             // uplifted binary `target/release/<name>` of one engine must never be run for another.
             "[package]\nname = \"metainfer-harness-{}\"\nversion = \"0.0.0\"\nedition = \"2021\"\npublish = false\n\n\
-             [dependencies]\nengine = {{ path = {:?}, package = {:?}, features = {:?} }}\nsafetensors = \"0.8\"\nserde = {{ version = \"1\", features = [\"derive\"] }}\nserde_json = \"1\"\n\n[workspace]\n",
+             [dependencies]\nengine = {{ path = {:?}, package = {:?}, features = {:?} }}\nsafetensors = \"0.8\"\nserde = {{ version = \"1\", features = [\"derive\"] }}\nserde_json = \"1\"\n{cudarc}\n[workspace]\n",
             &key[..16],
             engine.build_dir.to_string_lossy(),
             engine.package,
@@ -783,6 +808,7 @@ impl Workshop {
         write(dir.join("Cargo.toml"), &manifest)?;
         write(dir.join("src/main.rs"), &harness_source_with(&spec.arms, &spec.items))?;
         write(dir.join("src/protocol.rs"), HARNESS_PROTOCOL)?;
+        write(dir.join("src/device.rs"), if spec.cuda() { HARNESS_DEVICE_CUDA } else { HARNESS_DEVICE_HOST })?;
         Ok(dir.join("Cargo.toml"))
     }
 

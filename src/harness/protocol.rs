@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 /// Protocol version, checked by the harness against the request's.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 
 /// What the server asks a harness process to do.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -158,6 +158,26 @@ pub enum Reply {
         /// The items.
         items: Vec<TimedItem>,
     },
+    /// The harness of an engine for a device (e.g. CUDA) found no usable device: nothing ran.
+    NoDevice {
+        /// Why, in words (no driver library, no device, the driver's error).
+        reason: String,
+    },
+}
+
+/// The device a harness ran on (CUDA engines), as its driver reports it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceInfo {
+    /// Device name, e.g. `NVIDIA H200`.
+    pub name: String,
+    /// Compute capability, e.g. `9.0`.
+    pub compute_capability: String,
+    /// Device memory, bytes.
+    pub memory_bytes: u64,
+    /// Bandwidth of a device-to-device copy of 1 GiB (bytes read plus bytes written, per second),
+    /// GB/s, timed with CUDA events, best of 5; 0 when not probed.
+    pub copy_gbs: f64,
 }
 
 /// The engine's tokenizer on one vocabulary.
@@ -230,6 +250,9 @@ pub struct ProfileTimings {
     pub peak_rss_kb: u64,
     /// Each timed run's prompt ids and greedy tokens, for the server to check.
     pub runs: Vec<TimedRun>,
+    /// The device the engine ran on (CUDA engines), with a bandwidth probe; None on the host.
+    #[serde(default)]
+    pub device: Option<DeviceInfo>,
 }
 
 /// Prefill timings at one prompt length.

@@ -30,6 +30,12 @@ pub struct GateFigures {
     /// Seed of the drawn inputs, when the gate draws any.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub seed: Option<u64>,
+    /// Nothing ran: the engine needs a device (CUDA) this machine does not have.
+    #[serde(skip_serializing_if = "is_false")]
+    pub no_device: bool,
+    /// The bundle whose run on another machine this outcome judges ("" for a direct run).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub bundle: String,
 }
 
 /// `compile_engine`.

@@ -19,10 +19,11 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use super::{Ctx, Report, Target};
+use crate::error::Error;
 use crate::error::Result;
 use crate::guard::Finding;
-use crate::harness::protocol::Command;
-use crate::harness::{self, Budget, Called, Engine};
+use crate::harness::protocol::{Command, Request, VERSION};
+use crate::harness::{self, Budget, Called, Engine, bundle};
 use crate::ledger::figures::{CompileFigures, Figures, GateFigures, KernelTestFigures, ProfileFigures, VerifyFigures};
 
 pub use super::evolve::Promotion;
@@ -73,18 +74,92 @@ pub struct Stop {
     pub findings: Vec<Finding>,
 }
 
-/// A built harness and the scratch directory of this call (removed when dropped).
+/// Where the engine's harness process runs for this gate call.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Mode {
+    /// Here, now (the default).
+    #[default]
+    Direct,
+    /// Nowhere yet: build and draw here, write a bundle to this directory (`harness::bundle`).
+    Write(PathBuf),
+    /// Elsewhere, already: read this run bundle's replies back and judge them here.
+    Read(PathBuf),
+}
+
+/// The directory a harness call's requests, inputs and outputs live in.
+pub enum Scratch {
+    /// A temporary directory, removed when dropped (direct calls; a bundle being staged).
+    Temp(tempfile::TempDir),
+    /// A bundle directory being read back (kept).
+    Bundle(PathBuf),
+}
+
+/// A built harness and the scratch directory of this call.
 pub struct Harness {
     /// The harness executable.
     pub exe: PathBuf,
     /// Scratch directory for requests, inputs and outputs.
-    pub scratch: tempfile::TempDir,
+    pub scratch: Scratch,
 }
 
 impl Harness {
+    /// The scratch directory.
+    pub fn dir(&self) -> &Path {
+        match &self.scratch {
+            Scratch::Temp(t) => t.path(),
+            Scratch::Bundle(p) => p,
+        }
+    }
+
     /// A path in the scratch directory.
     pub fn path(&self, name: &str) -> PathBuf {
-        self.scratch.path().join(name)
+        self.dir().join(name)
+    }
+}
+
+/// What [`Gate::exchange`] got.
+pub enum Exchange {
+    /// The commands ran (here, or on the device machine for a bundle read back), in order; a
+    /// command after a failed one did not run and is absent.
+    Ran(Vec<Called>),
+    /// The commands were written to a bundle; nothing ran.
+    Written(BundleWritten),
+}
+
+/// A bundle written by a gate: not a verdict.
+#[derive(Debug, Clone)]
+pub struct BundleWritten {
+    /// The bundle directory.
+    pub dir: PathBuf,
+    /// Requests in it.
+    pub requests: usize,
+    /// Bytes written.
+    pub bytes: u64,
+    /// Whether the model was copied in (else `bundle run --model DIR` must name it).
+    pub model_copied: bool,
+}
+
+impl BundleWritten {
+    /// What a gate reports for it: not run, and how to run and compare it.
+    pub fn text(&self, tool: &str) -> String {
+        format!(
+            "not run: bundle written to {} ({} request(s), {} bytes{}); run `metainfer bundle run {}{}` on the machine with the device, then call {tool} again with from_bundle = {}",
+            self.dir.display(),
+            self.requests,
+            self.bytes,
+            if self.model_copied { ", model included" } else { "" },
+            self.dir.display(),
+            if self.model_copied { "" } else { " --model DIR" },
+            self.dir.display()
+        )
+    }
+}
+
+/// The gate's text for a harness that found no device (`Reply::NoDevice`), None otherwise.
+pub fn no_device(called: &Called) -> Option<String> {
+    match &called.reply {
+        Ok(crate::harness::protocol::Reply::NoDevice { reason }) => Some(format!("no CUDA device: not run ({reason})")),
+        _ => None,
     }
 }
 
@@ -106,6 +181,10 @@ pub struct Gate<'a> {
     pub contracts: Vec<String>,
     /// The rule findings once [`Gate::rules`] ran.
     pub findings: Vec<Finding>,
+    /// Where the harness runs (direct, or a bundle written or read back).
+    pub mode: Mode,
+    /// The manifest of the bundle read back ([`Mode::Read`]).
+    pub bundle: Option<bundle::BundleManifest>,
     started: Instant,
 }
 
@@ -120,7 +199,117 @@ impl<'a> Gate<'a> {
         let dir = ctx.confine(Path::new(engine), true)?;
         let engine = ctx.workshop.engine(&dir)?;
         let target = ctx.target(&engine, dtype)?;
-        Ok(Gate { ctx, tool, engine, target, budget, seed: None, contracts: vec![], findings: vec![], started })
+        Ok(Gate {
+            ctx,
+            tool,
+            engine,
+            target,
+            budget,
+            seed: None,
+            contracts: vec![],
+            findings: vec![],
+            mode: Mode::Direct,
+            bundle: None,
+            started,
+        })
+    }
+
+    /// Split this call at the harness: with `write`, build and draw here and write a bundle to that
+    /// directory (absent or empty); with `read`, judge a bundle already run on the device machine.
+    ///
+    /// # Errors
+    /// [`crate::error::ErrorKind::Usage`]: both given; a path outside the workspace; a non-empty
+    /// destination; a bundle of another gate, other engine sources or another dtype.
+    pub fn split(&mut self, write: Option<&str>, read: Option<&str>) -> Result<()> {
+        match (write, read) {
+            (Some(_), Some(_)) => Err(Error::usage(
+                "write_bundle and from_bundle exclude each other: write a bundle, run it, then read it",
+            )),
+            (Some(w), None) => {
+                let dir = self.ctx.confine(Path::new(w), false)?;
+                if dir.exists() && std::fs::read_dir(&dir).map(|mut d| d.next().is_some()).unwrap_or(true) {
+                    return Err(Error::usage(format!(
+                        "{} exists and is not empty; choose a new bundle directory",
+                        dir.display()
+                    )));
+                }
+                self.mode = Mode::Write(dir);
+                Ok(())
+            }
+            (None, Some(r)) => {
+                let dir = self.ctx.confine(Path::new(r), true)?;
+                let m = bundle::read_manifest(&dir)?;
+                bundle::check_no_links(&dir)?;
+                if m.tool != self.tool.name() {
+                    return Err(Error::usage(format!(
+                        "{} is a bundle of {}, not of {}; read it back with {}",
+                        dir.display(),
+                        m.tool,
+                        self.tool.name(),
+                        m.tool
+                    )));
+                }
+                if m.engine_hash != self.engine.hash {
+                    return Err(Error::usage(format!(
+                        "the engine's sources changed since the bundle was written (bundle {}, now {}): write and run a new bundle",
+                        &m.engine_hash[..12.min(m.engine_hash.len())],
+                        &self.engine.hash[..12]
+                    )));
+                }
+                if m.dtype != self.target.dtype {
+                    return Err(Error::usage(format!(
+                        "the bundle was built for {} weights, this call asks for {}",
+                        m.dtype, self.target.dtype
+                    )));
+                }
+                self.seed = m.seed;
+                self.bundle = Some(m);
+                self.mode = Mode::Read(dir);
+                Ok(())
+            }
+            (None, None) => Ok(()),
+        }
+    }
+
+    /// The seed of this call: the bundle's when reading one back (a different `requested` seed is
+    /// an error), else `requested` or a fresh one.
+    ///
+    /// # Errors
+    /// [`crate::error::ErrorKind::Usage`] when `requested` differs from the bundle's.
+    pub fn draw_seed(&mut self, requested: Option<u64>) -> Result<u64> {
+        let seed = match (&self.bundle, requested) {
+            (Some(b), Some(r)) if b.seed != Some(r) => {
+                return Err(Error::usage(format!("the bundle was drawn with seed {:?}, not {r}; omit seed", b.seed)));
+            }
+            (Some(b), _) => b.seed.unwrap_or_else(crate::util::fresh_seed),
+            (None, r) => r.unwrap_or_else(crate::util::fresh_seed),
+        };
+        self.seed = Some(seed);
+        Ok(seed)
+    }
+
+    /// Write one drawn input file (safetensors) into the call's scratch directory; reading a bundle
+    /// back, check instead that the bundle's file is the one it was written with (its manifest's
+    /// sha256) and holds this fresh draw from its seed ([`bundle::same_tensors`]).
+    ///
+    /// # Errors
+    /// Usage when a bundle's input differs; Internal when the file cannot be written.
+    pub fn input(&self, h: &Harness, name: &str, bytes: &[u8]) -> Result<PathBuf> {
+        let path = h.path(name);
+        match &self.bundle {
+            Some(m) => {
+                let held = std::fs::read(&path).ok().filter(|b| {
+                    m.inputs.get(name) == Some(&format!("{:x}", <sha2::Sha256 as sha2::Digest>::digest(b)))
+                });
+                if !held.is_some_and(|b| bundle::same_tensors(&b, bytes)) {
+                    return Err(Error::usage(format!(
+                        "bundle input {name} is missing or not what its seed draws here: the bundle was altered or written by another metainfer"
+                    )));
+                }
+            }
+            None => std::fs::write(&path, bytes).map_err(|e| Error::internal(format!("{}: {e}", path.display())))?,
+        }
+        Ok(path)
     }
 
     /// Check that a model routes to the family the engine declares: an engine is checked on
@@ -148,7 +337,11 @@ impl<'a> Gate<'a> {
 
     /// The common figures of this gate.
     pub fn common(&self) -> GateFigures {
-        GateFigures { dtype: self.target.dtype.clone(), seed: self.seed, ..Default::default() }
+        let bundle = match &self.mode {
+            Mode::Read(d) => d.display().to_string(),
+            _ => String::new(),
+        };
+        GateFigures { dtype: self.target.dtype.clone(), seed: self.seed, bundle, ..Default::default() }
     }
 
     /// Run the rules on the engine (check_rules); a blocking finding stops the gate.
@@ -170,16 +363,34 @@ impl<'a> Gate<'a> {
     /// # Errors
     /// When cargo cannot be started, the cache is not writable, or an extra kernel has no oracle.
     pub fn build(&self, extra: &[String]) -> Result<std::result::Result<Harness, Stop>> {
+        if let Mode::Read(dir) = &self.mode {
+            // The bundle's harness already ran; nothing is built.
+            return Ok(Ok(Harness { exe: dir.join(bundle::HARNESS), scratch: Scratch::Bundle(dir.clone()) }));
+        }
         let mut spec = self.target.spec.clone();
         for id in extra {
             if !spec.kernels.contains(id) {
                 spec.kernels.push(id.clone());
-                spec.arms.push(super::arm(id)?);
+                spec.arms.push(super::arm(id, &spec.api)?);
             }
         }
         let build = self.ctx.workshop.build_harness(&self.engine, &spec, self.budget)?;
         match build.executable.clone().filter(|_| build.ok) {
-            Some(exe) => Ok(Ok(Harness { exe, scratch: self.ctx.workshop.scratch()? })),
+            Some(exe) => {
+                let scratch = match &self.mode {
+                    // A bundle is staged beside its destination and renamed into place when complete.
+                    Mode::Write(dir) => {
+                        let parent = dir.parent().unwrap_or(Path::new("."));
+                        std::fs::create_dir_all(parent)
+                            .map_err(|e| Error::usage(format!("{}: {e}", parent.display())))?;
+                        tempfile::Builder::new().prefix(".bundle-staging-").tempdir_in(parent).map_err(|e| {
+                            Error::internal(format!("cannot stage a bundle in {}: {e}", parent.display()))
+                        })?
+                    }
+                    _ => self.ctx.workshop.scratch()?,
+                };
+                Ok(Ok(Harness { exe, scratch: Scratch::Temp(scratch) }))
+            }
             None => {
                 let compile = super::compile::report_of(self.ctx, &self.engine, build, 0);
                 Ok(Err(Stop {
@@ -209,11 +420,186 @@ impl<'a> Gate<'a> {
     /// # Errors
     /// When the request cannot be written, the process cannot be started, or the sandbox refuses.
     pub fn call(&self, h: &Harness, command: Command, env: &[(&str, String)], reads: &[&Path]) -> Result<Called> {
-        let mut grants = harness::Grants::harness(&h.exe, h.scratch.path());
+        let mut grants = harness::Grants::harness(&h.exe, h.dir());
         for r in reads {
             grants = grants.read(*r);
         }
-        self.ctx.workshop.call(&h.exe, h.scratch.path(), command, env, &grants, self.budget)
+        self.ctx.workshop.call(&h.exe, h.dir(), command, env, &grants, self.budget)
+    }
+
+    /// Hand the harness its commands as this call's mode says: run them here, in order, until one
+    /// fails ([`Mode::Direct`]); write them with the harness, the inputs in the scratch directory
+    /// and `model` (the model directory the commands name) into a bundle ([`Mode::Write`]); or read
+    /// the replies of a bundle run elsewhere ([`Mode::Read`]).
+    ///
+    /// # Errors
+    /// When a process cannot be started, the bundle cannot be written, or a bundle read back has
+    /// not been run.
+    pub fn exchange(
+        &self,
+        h: Harness,
+        commands: Vec<(Command, Vec<(&str, String)>)>,
+        model: Option<&Path>,
+        reads: &[&Path],
+    ) -> Result<(Harness, Exchange)> {
+        match &self.mode {
+            Mode::Direct => {
+                let mut out = Vec::new();
+                for (c, env) in commands {
+                    let called = self.call(&h, c, &env, reads)?;
+                    let failed = !called.run.ok();
+                    out.push(called);
+                    if failed {
+                        break;
+                    }
+                }
+                Ok((h, Exchange::Ran(out)))
+            }
+            Mode::Read(dir) => {
+                self.check_bundle(dir, &commands, model)?;
+                let mut out = vec![bundle::called(dir, 0)?];
+                for i in 1..commands.len() {
+                    match bundle::called(dir, i) {
+                        Ok(c) => out.push(c),
+                        Err(_) => break,
+                    }
+                }
+                Ok((h, Exchange::Ran(out)))
+            }
+            Mode::Write(dest) => {
+                let written = self.write_bundle(&h, commands, model, dest)?;
+                Ok((h, Exchange::Written(written)))
+            }
+        }
+    }
+
+    /// A bundle read back must hold exactly what this call would send: the same requests (with
+    /// the same environment) and the same model, by hash.
+    fn check_bundle(
+        &self,
+        dir: &Path,
+        commands: &[(Command, Vec<(&str, String)>)],
+        model: Option<&Path>,
+    ) -> Result<()> {
+        let m = self.bundle.as_ref().ok_or_else(|| Error::internal("reading a bundle without its manifest"))?;
+        if m.requests.len() != commands.len() {
+            return Err(Error::usage(format!(
+                "{} holds {} request(s), this call sends {}: the bundle was altered or written by another metainfer",
+                dir.display(),
+                m.requests.len(),
+                commands.len()
+            )));
+        }
+        for (i, ((c, env), r)) in commands.iter().zip(&m.requests).enumerate() {
+            let held = bundle::read_request(dir, i)?;
+            let env: Vec<(String, String)> = env.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
+            if held.command != bundle::relative(c.clone(), dir) || r.env != env {
+                return Err(Error::usage(format!(
+                    "{} is not what this call sends: call {} with the arguments the bundle was written with (prompts, max_new_tokens, prompt_len, new_tokens, runs, threads, kernels), or write a new bundle",
+                    dir.join(bundle::request_file(i)).display(),
+                    self.tool.name()
+                )));
+            }
+        }
+        match (&m.model, model) {
+            (Some(held), Some(here)) => {
+                let h = bundle::model_hash(here)?;
+                if h != held.sha256 {
+                    return Err(Error::usage(format!(
+                        "model {} differs from the one the bundle was written with ({}): judge it against that model",
+                        here.display(),
+                        held.source
+                    )));
+                }
+            }
+            (None, None) => {}
+            _ => {
+                return Err(Error::usage(format!(
+                    "{}: the bundle's model entry does not fit this call",
+                    dir.display()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn write_bundle(
+        &self,
+        h: &Harness,
+        commands: Vec<(Command, Vec<(&str, String)>)>,
+        model: Option<&Path>,
+        dest: &Path,
+    ) -> Result<BundleWritten> {
+        let root = h.dir().to_path_buf();
+        let internal = |p: &Path, e: std::io::Error| Error::internal(format!("{}: {e}", p.display()));
+        // Inputs first (everything the gate drew into the scratch directory), by file name.
+        let mut inputs = std::collections::BTreeMap::new();
+        for e in std::fs::read_dir(&root).map_err(|e| internal(&root, e))?.filter_map(|e| e.ok()) {
+            if e.file_type().is_ok_and(|t| t.is_file()) {
+                inputs.insert(e.file_name().to_string_lossy().into_owned(), bundle::file_hash(&e.path())?);
+            }
+        }
+        let exe = root.join(bundle::HARNESS);
+        std::fs::copy(&h.exe, &exe).map_err(|e| internal(&exe, e))?;
+        let model_entry = match model {
+            Some(m) => {
+                let copied = bundle::model_bytes(m)? <= bundle::MAX_COPIED_MODEL;
+                if copied {
+                    bundle::copy_model(m, &root.join(bundle::MODEL))?;
+                }
+                Some(bundle::BundleModel { copied, sha256: bundle::model_hash(m)?, source: m.display().to_string() })
+            }
+            None => None,
+        };
+        let mut requests = Vec::new();
+        for (i, (c, env)) in commands.into_iter().enumerate() {
+            let command = bundle::relative(c, &root);
+            let req = Request { version: VERSION, reply: bundle::reply_file(i).into(), command };
+            let path = root.join(bundle::request_file(i));
+            let text = serde_json::to_vec_pretty(&req).map_err(|e| Error::internal(format!("bundle request: {e}")))?;
+            std::fs::write(&path, text).map_err(|e| internal(&path, e))?;
+            requests.push(bundle::BundleRequest {
+                request: bundle::request_file(i),
+                env: env.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
+            });
+        }
+        let manifest = bundle::BundleManifest {
+            format: bundle::FORMAT,
+            tool: self.tool.name().into(),
+            engine: self.engine.dir.display().to_string(),
+            engine_hash: self.engine.hash.clone(),
+            dtype: self.target.dtype.clone(),
+            target: self.target.target.clone(),
+            platform: self.target.platform.clone(),
+            seed: self.seed,
+            protocol: VERSION,
+            harness_sha256: bundle::file_hash(&exe)?,
+            requests,
+            inputs,
+            model: model_entry.clone(),
+            written: crate::ledger::now_rfc3339(),
+        };
+        let path = root.join(bundle::MANIFEST);
+        let text =
+            serde_json::to_vec_pretty(&manifest).map_err(|e| Error::internal(format!("bundle manifest: {e}")))?;
+        std::fs::write(&path, text).map_err(|e| internal(&path, e))?;
+        let bytes: u64 = walkdir::WalkDir::new(&root)
+            .into_iter()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_type().is_file())
+            .map(|e| e.metadata().map(|m| m.len()).unwrap_or(0))
+            .sum();
+        // Complete: move the staged directory into place (an empty destination is replaced).
+        if dest.exists() {
+            std::fs::remove_dir(dest).map_err(|e| internal(dest, e))?;
+        }
+        std::fs::rename(&root, dest).map_err(|e| internal(dest, e))?;
+        Ok(BundleWritten {
+            dir: dest.to_path_buf(),
+            requests: manifest.requests.len(),
+            bytes,
+            model_copied: model_entry.is_some_and(|m| m.copied),
+        })
     }
 
     /// Record `report` and return it, for a gate stopped before the engine ran.

@@ -5,14 +5,12 @@
 //! (the seed is reported for replay), output buffers are pre-filled with NaN by the harness, and the
 //! expected values are computed only after the engine's process has exited.
 
-use std::path::Path;
-
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::gate::{Gate, Tool};
+use super::gate::{Exchange, Gate, Tool, no_device};
 use super::{Ctx, Report};
 use crate::ckb::{Contract, Kind, Tolerance};
 use crate::error::{Error, Result};
@@ -39,6 +37,14 @@ pub struct KernelTestRequest {
     /// reported in the result.
     #[serde(default, deserialize_with = "crate::util::de_seed")]
     pub seed: Option<u64>,
+    /// Do not run: build the harness and draw the inputs here, and write them as a bundle to this
+    /// directory (new or empty), to run with `metainfer bundle run DIR` where the device is.
+    #[serde(default)]
+    pub write_bundle: Option<String>,
+    /// Judge and record a bundle written by this gate and run elsewhere (`metainfer bundle run`),
+    /// instead of running the engine here. The engine's sources must be the ones it was written from.
+    #[serde(default)]
+    pub from_bundle: Option<String>,
 }
 
 /// One kernel's verdict.
@@ -127,8 +133,8 @@ impl Report for KernelTestReport {
     }
 }
 
-/// Write a drawn case's inputs as a safetensors file (tensors by name, parameters as metadata).
-fn write_inputs(path: &Path, c: &Case) -> Result<()> {
+/// A drawn case's inputs as a safetensors file (tensors by name, parameters as metadata).
+fn input_bytes(c: &Case) -> Result<Vec<u8>> {
     let bytes: Vec<(String, Vec<u8>, safetensors::Dtype, usize)> = c
         .inputs
         .iter()
@@ -157,7 +163,7 @@ fn write_inputs(path: &Path, c: &Case) -> Result<()> {
         })
         .collect::<Result<Vec<_>>>()?;
     let meta = if c.params.is_empty() { None } else { Some(c.params.clone().into_iter().collect()) };
-    safetensors::serialize_to_file(views, meta, path).map_err(|e| Error::internal(format!("{}: {e}", path.display())))
+    safetensors::serialize(views, meta).map_err(|e| Error::internal(format!("inputs of {}: {e}", c.label)))
 }
 
 /// One case as run: the drawn inputs, and the engine's output words or why there are none.
@@ -269,8 +275,8 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
             })
             .collect::<Result<_>>()?
     };
-    let seed = req.seed.unwrap_or_else(crate::util::fresh_seed);
-    gate.seed = Some(seed);
+    gate.split(req.write_bundle.as_deref(), req.from_bundle.as_deref())?;
+    let seed = gate.draw_seed(req.seed)?;
     gate.contracts(&contracts.iter().map(|c| c.id.as_str()).collect::<Vec<_>>());
     let dtype = gate.target.dtype.clone();
     let sandboxed = ctx.workshop.sandboxed();
@@ -301,14 +307,39 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
             let mut rng = ChaCha8Rng::seed_from_u64(seed ^ crate::util::fnv1a(&c.id) ^ (ci as u64) << 48);
             let case = kernels::draw(&c.id, tc, &mut rng)?;
             let n = drawn.len();
-            let (input, output) =
-                (h.path(&format!("case{n}.in.safetensors")), h.path(&format!("case{n}.out.safetensors")));
-            write_inputs(&input, &case)?;
+            let input = gate.input(&h, &format!("case{n}.in.safetensors"), &input_bytes(&case)?)?;
+            let output = h.path(&format!("case{n}.out.safetensors"));
             cases.push(KernelCase { kernel: c.id.clone(), input, output });
             drawn.push(case);
         }
     }
-    let called = gate.call(&h, Command::Kernel { cases: cases.clone() }, &[], &[])?;
+    let (_h, called) = match gate.exchange(h, vec![(Command::Kernel { cases: cases.clone() }, vec![])], None, &[])? {
+        (_, Exchange::Written(w)) => return Ok(failed(w.text(gate.tool.name()), gate.findings.clone())),
+        (h, Exchange::Ran(mut c)) => (h, c.remove(0)),
+    };
+    if let Some(why) = no_device(&called) {
+        // An engine for a device, and no device here: nothing ran, nothing passes.
+        let mut report = failed(why.clone(), gate.findings.clone());
+        report.kernels = contracts
+            .iter()
+            .map(|c| KernelResult {
+                kernel: c.id.clone(),
+                passed: false,
+                cases: 0,
+                max_abs_err: UNWRITTEN,
+                max_rel_err: UNWRITTEN,
+                worst_index: 0,
+                worst_case: String::new(),
+                atol: 0.0,
+                rtol: 0.0,
+                error: why.clone(),
+                diagnosis: vec![],
+            })
+            .collect();
+        let gate_figures = crate::ledger::figures::GateFigures { no_device: true, ..gate.common() };
+        gate.record(&report, Figures::KernelTest(KernelTestFigures { gate: gate_figures, kernels: vec![] }));
+        return Ok(report);
+    }
     let process_error = if called.run.ok() {
         String::new()
     } else {

@@ -3,6 +3,7 @@
 //!
 //! Depends on ckb, model, oracle, harness and ledger; knows nothing of MCP.
 
+pub mod bundle;
 pub mod ckb_check;
 pub mod compile;
 pub mod evolve;
@@ -145,18 +146,30 @@ pub struct Target {
     pub spec: crate::harness::HarnessSpec,
 }
 
-/// The harness arm of a kernel contract, from the kernel registry.
+/// The harness arm of a kernel contract for an engine of platform api `api` (`host` or `cuda`),
+/// from the kernel registry.
 ///
 /// # Errors
-/// [`crate::error::ErrorKind::Usage`] when no oracle implements the kernel.
-pub fn arm(kernel: &str) -> Result<crate::harness::Arm> {
+/// [`crate::error::ErrorKind::Usage`] when no oracle implements the kernel, or it has no CUDA arm
+/// and `api` is `cuda`.
+pub fn arm(kernel: &str, api: &str) -> Result<crate::harness::Arm> {
     let k = crate::oracle::kernels::get(kernel).ok_or_else(|| {
         Error::usage(format!(
             "no oracle implements `{kernel}`, so the harness cannot test it; kernels with an oracle: {}",
             crate::oracle::kernels::ids().collect::<Vec<_>>().join(", ")
         ))
     })?;
-    Ok(crate::harness::Arm { kernel: k.id.to_string(), test: k.test_arm.to_string(), timed: k.timed_arm.to_string() })
+    let (test, timed) = if api == crate::ckb::API_CUDA {
+        if k.cuda_test_arm.is_empty() {
+            return Err(Error::usage(format!(
+                "`{kernel}` has no CUDA signature (its contract has no [cuda] section), so a CUDA engine cannot be tested on it"
+            )));
+        }
+        (k.cuda_test_arm, k.cuda_timed_arm)
+    } else {
+        (k.test_arm, k.timed_arm)
+    };
+    Ok(crate::harness::Arm { kernel: k.id.to_string(), test: test.to_string(), timed: timed.to_string() })
 }
 
 impl Ctx {
@@ -185,15 +198,22 @@ impl Ctx {
             ))
         })?;
         let kernels = self.ckb.kernels_for(fam, &dtype).map_err(Error::usage)?;
-        let arms = kernels.iter().map(|k| arm(k)).collect::<Result<Vec<_>>>()?;
-        let platform = self.ckb.platform_for(&m.target).map(|p| p.id.clone());
+        let platform = self
+            .ckb
+            .platform_of(&m.target, m.platform.as_deref())
+            .map_err(|e| Error::usage(format!("{}: {e} (key `platform`)", path.display())))?;
+        let api = platform
+            .and_then(|p| p.platform.as_ref())
+            .map(|p| p.api.clone())
+            .unwrap_or_else(|| crate::ckb::API_HOST.to_string());
+        let arms = kernels.iter().map(|k| arm(k, &api)).collect::<Result<Vec<_>>>()?;
         let items = optional_items(&self.ckb, fam, &engine.build_dir);
         Ok(Target {
             family: m.family.clone(),
             dtype,
             target: m.target.clone(),
-            platform,
-            spec: crate::harness::HarnessSpec { kernels, arms, features, items },
+            platform: platform.map(|p| p.id.clone()),
+            spec: crate::harness::HarnessSpec { kernels, arms, features, items, api },
         })
     }
 }

@@ -25,6 +25,10 @@ pub struct PlanRequest {
     /// Weight and activation dtype, e.g. `f32`.
     #[serde(default = "default_dtype")]
     pub dtype: String,
+    /// Platform contract id, where several share the target (`cuda`: `platform.cuda-sm90` for
+    /// H100/H200, `platform.cuda-sm80` for A100); absent: the target's only platform.
+    #[serde(default)]
+    pub platform: Option<String>,
 }
 
 fn default_target() -> String {
@@ -270,8 +274,19 @@ pub fn plan_only(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
         Some(cfg) => Some(model::read_generation_config(&dir, cfg.vocab)?),
         None => None,
     };
-    let platform = ctx.ckb.platform_for(&req.target);
+    let mut platform_gap = false;
+    let platform = match ctx.ckb.platform_of(&req.target, req.platform.as_deref()) {
+        Ok(p) => p,
+        Err(reason) => {
+            gaps.push(Gap { field: "platform".into(), reason });
+            platform_gap = true;
+            None
+        }
+    };
+    let plat = platform.and_then(|p| p.platform.as_ref());
+    let api = plat.map(|p| p.api.as_str()).unwrap_or(crate::ckb::API_HOST);
     match platform {
+        None if platform_gap => {}
         None => gaps.push(Gap {
             field: "target".into(),
             reason: format!(
@@ -280,6 +295,8 @@ pub fn plan_only(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
                 ctx.ckb
                     .of_kind(Kind::Platform)
                     .map(|c| c.platform.as_ref().unwrap().target.clone())
+                    .collect::<std::collections::BTreeSet<_>>()
+                    .into_iter()
                     .collect::<Vec<_>>()
                     .join(", ")
             ),
@@ -300,12 +317,27 @@ pub fn plan_only(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
                 m.kernels.clone()
             }
         };
+        // A CUDA platform routes every kernel to its CUDA signature: each needs one.
+        if api == crate::ckb::API_CUDA {
+            for k in &kernels {
+                if ctx.ckb.get(k).map(|c| c.cuda.is_none()).unwrap_or(true) {
+                    gaps.push(Gap {
+                        field: "target".into(),
+                        reason: format!(
+                            "{k} has no CUDA signature ([cuda] section), so no CUDA engine can implement it"
+                        ),
+                    });
+                }
+            }
+        }
         // The tokenizer component is the contract tokenizer.json routes to.
         let components = m.components.iter().map(|c| match &tokenizer {
             Some(t) if ctx.ckb.get(c).is_ok_and(|c| c.tokenizer.is_some()) => t.contract.as_str(),
             _ => c.as_str(),
         });
         let mut ids: Vec<&str> = kernels.iter().map(String::as_str).chain(components).collect();
+        // The platform's own components (the CUDA device handle, on-device decoding).
+        ids.extend(plat.iter().flat_map(|p| p.components.iter().map(String::as_str)));
         ids.push(&f.id);
         let goals =
             Goals::of(f, resolved.as_ref(), &req.dtype, tokenizer.as_ref(), weights.as_ref(), generation.as_ref());
@@ -497,6 +529,12 @@ impl Goals {
 /// The constraints as a scaffold records them in the engine's `metainfer.toml`.
 pub fn constraints_toml(req: &PlanRequest, report: &PlanReport, level: super::ReferenceLevel) -> Result<String> {
     let cfg = report.config.as_ref().ok_or_else(|| Error::usage("constraints are not covered; run plan first"))?;
+    // The platform id where the target has several (or one was named).
+    let platform = if req.platform.is_some() || req.target == crate::ckb::API_CUDA {
+        format!("platform = {:?}\n", report.platform)
+    } else {
+        String::new()
+    };
     Ok(format!(
         "# Constraints this engine was scaffolded for (written by metainfer scaffold).\nfamily = {:?}\ntarget = {:?}\ndtype = {:?}\nreference_level = {:?}\nmodel = {:?}\nhidden = {}\nn_layers = {}\nvocab = {}\n",
         report.family,
@@ -507,5 +545,15 @@ pub fn constraints_toml(req: &PlanRequest, report: &PlanReport, level: super::Re
         cfg.hidden,
         cfg.n_layers,
         cfg.vocab
-    ))
+    ) + &platform)
+}
+
+/// The platform api (`host` or `cuda`) of a plan's platform.
+pub fn api_of(ctx: &Ctx, report: &PlanReport) -> String {
+    ctx.ckb
+        .get(&report.platform)
+        .ok()
+        .and_then(|p| p.platform.as_ref())
+        .map(|p| p.api.clone())
+        .unwrap_or_else(|| crate::ckb::API_HOST.to_string())
 }

@@ -63,16 +63,21 @@ impl Report for RulesReport {
 /// The contract ids an engine implements, from its manifest: its family, the family's components,
 /// and the family's kernels at its own dtype and at every dtype of `[dtype_features]`. None when the
 /// manifest names no family of the knowledge base (every signature is then checked).
-fn implemented(ctx: &Ctx, engine: &Engine) -> Option<std::collections::BTreeSet<String>> {
+fn implemented(ctx: &Ctx, engine: &Engine) -> Option<(std::collections::BTreeSet<String>, String)> {
     let mut ids = std::collections::BTreeSet::new();
+    let mut api = crate::ckb::API_HOST.to_string();
     for d in engine.manifest.dtypes() {
         let target = ctx.target(engine, Some(&d)).ok()?;
         let family = ctx.ckb.get(&target.family).ok()?;
         ids.insert(family.id.clone());
         ids.extend(family.model.iter().flat_map(|m| m.components.iter().cloned()));
+        // The platform's own components (e.g. the CUDA device handle).
+        let platform = target.platform.as_deref().and_then(|p| ctx.ckb.get(p).ok()).and_then(|p| p.platform.as_ref());
+        ids.extend(platform.iter().flat_map(|p| p.components.iter().cloned()));
         ids.extend(target.spec.kernels);
+        api = target.spec.api;
     }
-    Some(ids)
+    Some((ids, api))
 }
 
 /// Run the rules on an engine already inspected (no ledger record).
@@ -96,13 +101,15 @@ pub fn precheck(ctx: &Ctx, engine: &Engine, budget: &Budget) -> Result<RulesRepo
     let level = engine.manifest.reference_level;
     let target = engine.manifest.target.clone();
     let implements = implemented(ctx, engine);
+    let api = implements.as_ref().map(|(_, a)| a.clone()).unwrap_or_else(|| crate::ckb::API_HOST.to_string());
     let inputs = guard::Inputs {
         ckb: &ctx.ckb,
         target: &target,
         packages: &packages,
         references: &references,
         level,
-        implements: implements.as_ref(),
+        implements: implements.as_ref().map(|(ids, _)| ids),
+        api: &api,
     };
     let (mut findings, skipped) = guard::check(&engine.dir, &inputs);
     if let Some(why) = unresolved {

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::plan::{PlanRequest, constraints_toml, plan_only};
+use super::plan::{PlanRequest, api_of, constraints_toml, plan_only};
 use super::{Ctx, Report};
 use crate::error::{Error, Result};
 
@@ -21,9 +21,13 @@ pub struct ScaffoldRequest {
     /// Target platform, e.g. `cpu`.
     #[serde(default = "cpu")]
     pub target: String,
-    /// dtype, e.g. `f32`.
+    /// dtype, e.g. `f32` (`bf16` for target `cuda`).
     #[serde(default = "f32")]
     pub dtype: String,
+    /// Platform contract id, where several share the target (`cuda`: `platform.cuda-sm90` or
+    /// `platform.cuda-sm80`); absent: the target's only platform.
+    #[serde(default)]
+    pub platform: Option<String>,
     /// Crate name; default `engine`.
     #[serde(default)]
     pub name: Option<String>,
@@ -80,7 +84,12 @@ pub type Files = Vec<(String, String)>;
 /// # Errors
 /// When the constraints are not covered.
 pub fn render(ctx: &Ctx, req: &ScaffoldRequest) -> Result<(Files, Vec<String>)> {
-    let preq = PlanRequest { model: req.model.clone(), target: req.target.clone(), dtype: req.dtype.clone() };
+    let preq = PlanRequest {
+        model: req.model.clone(),
+        target: req.target.clone(),
+        dtype: req.dtype.clone(),
+        platform: req.platform.clone(),
+    };
     let report = plan_only(ctx, &preq)?;
     // Staged candidates (report.provisional) may be scaffolded under: that is how they earn evidence.
     if !report.gaps.is_empty() {
@@ -93,13 +102,15 @@ pub fn render(ctx: &Ctx, req: &ScaffoldRequest) -> Result<(Files, Vec<String>)> 
     if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
         return Err(Error::usage(format!("crate name {name:?} must be ASCII letters, digits, '-' or '_'")));
     }
+    // A CUDA platform takes the kernels' CUDA signatures (device buffers, a stream).
+    let api = api_of(ctx, &report);
     let mut modules: BTreeMap<String, Vec<String>> = BTreeMap::new();
     let mut contracts = Vec::new();
     let mut order: Vec<String> = Vec::new();
     for phase in &report.phases {
         for id in &phase.contracts {
             let c = ctx.ckb.get(id)?;
-            if let Some(rust) = &c.rust
+            if let Some(rust) = &c.api_for(&api)
                 && !contracts.contains(&c.id)
             {
                 contracts.push(c.id.clone());
@@ -123,8 +134,15 @@ pub fn render(ctx: &Ctx, req: &ScaffoldRequest) -> Result<(Files, Vec<String>)> 
         format!(
             "[package]\nname = {name:?}\nversion = \"0.1.0\"\nedition = \"2024\"\npublish = false\n\n\
              # General-purpose crates only: no inference framework or its bindings (zero-reference rule).\n\
-             [dependencies]\nsafetensors = \"0.8\"\nserde = {{ version = \"1\", features = [\"derive\"] }}\nserde_json = \"1\"\n\n\
-             # A standalone crate, even inside another workspace.\n[workspace]\n"
+             [dependencies]\nsafetensors = \"0.8\"\nserde = {{ version = \"1\", features = [\"derive\"] }}\nserde_json = \"1\"\n{}\n\
+             # A standalone crate, even inside another workspace.\n[workspace]\n",
+            if api == crate::ckb::API_CUDA {
+                "# CUDA through cudarc, as policy.zero-reference permits for target cuda: the driver, NVRTC and\n\
+                 # cuBLAS bindings, CUDA 13, libraries loaded at run time (builds without a CUDA toolkit).\n\
+                 cudarc = { version = \"0.19\", default-features = false, features = [\"std\", \"cuda-13000\", \"driver\", \"nvrtc\", \"cublas\", \"dynamic-loading\"] }\n"
+            } else {
+                ""
+            }
         ),
     ));
     let mut lib = String::from(
@@ -143,7 +161,8 @@ pub fn render(ctx: &Ctx, req: &ScaffoldRequest) -> Result<(Files, Vec<String>)> 
         let mut uses: Vec<&str> = uses;
         uses.sort();
         uses.dedup();
-        let mut text = format!("//! Module `{m}`: contracts {}.\n\n", contracts_in(ctx, m, &contracts).join(", "));
+        let mut text =
+            format!("//! Module `{m}`: contracts {}.\n\n", contracts_in(ctx, m, &contracts, &api).join(", "));
         if !uses.is_empty() {
             text += &(uses.join("\n") + "\n\n");
         }
@@ -154,7 +173,7 @@ pub fn render(ctx: &Ctx, req: &ScaffoldRequest) -> Result<(Files, Vec<String>)> 
     // The model as an absolute path: a path relative to the caller's directory means nothing later.
     let model = ctx.confine(std::path::Path::new(&req.model), true)?.display().to_string();
     let constraints = constraints_toml(
-        &PlanRequest { model, target: req.target.clone(), dtype: req.dtype.clone() },
+        &PlanRequest { model, target: req.target.clone(), dtype: req.dtype.clone(), platform: req.platform.clone() },
         &report,
         req.reference_level,
     )?;
@@ -163,9 +182,9 @@ pub fn render(ctx: &Ctx, req: &ScaffoldRequest) -> Result<(Files, Vec<String>)> 
     Ok((files, contracts))
 }
 
-fn contracts_in(ctx: &Ctx, module: &str, ids: &[String]) -> Vec<String> {
+fn contracts_in(ctx: &Ctx, module: &str, ids: &[String], api: &str) -> Vec<String> {
     ids.iter()
-        .filter(|id| ctx.ckb.get(id).ok().and_then(|c| c.rust.as_ref()).is_some_and(|r| r.module == module))
+        .filter(|id| ctx.ckb.get(id).ok().and_then(|c| c.api_for(api)).is_some_and(|r| r.module == module))
         .cloned()
         .collect()
 }

@@ -21,7 +21,7 @@ use rand_chacha::ChaCha8Rng;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::gate::{Gate, Tool};
+use super::gate::{Exchange, Gate, Tool, no_device};
 use super::{Ctx, Report};
 use crate::ckb::Tolerance;
 use crate::error::{Error, Result};
@@ -52,6 +52,14 @@ pub struct VerifyRequest {
     /// (metainfer.toml `dtype`). The reference then runs on the weights as that dtype stores them.
     #[serde(default)]
     pub dtype: Option<String>,
+    /// Do not run: build the harness and draw the inputs here, and write them as a bundle to this
+    /// directory (new or empty), to run with `metainfer bundle run DIR` where the device is.
+    #[serde(default)]
+    pub write_bundle: Option<String>,
+    /// Judge and record a bundle written by this gate and run elsewhere (`metainfer bundle run`),
+    /// instead of running the engine here. The engine's sources must be the ones it was written from.
+    #[serde(default)]
+    pub from_bundle: Option<String>,
 }
 
 /// The verdict for one prompt.
@@ -368,8 +376,8 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     if max_new == 0 || max_new > 4096 {
         return Err(Error::usage(format!("max_new_tokens must be 1..=4096, got {max_new}")));
     }
-    let seed = req.seed.unwrap_or_else(crate::util::fresh_seed);
-    gate.seed = Some(seed);
+    gate.split(req.write_bundle.as_deref(), req.from_bundle.as_deref())?;
+    let seed = gate.draw_seed(req.seed)?;
     let mut prompts: Vec<(String, bool)> = req.prompts.iter().map(|p| (p.clone(), false)).collect();
     if prompts.is_empty() {
         prompts.push(("Once upon a time".into(), false));
@@ -432,17 +440,22 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     let tensors_path = h.path("generate.safetensors");
     let items: Vec<Prompt> =
         prompts.iter().zip(&budgets).map(|((p, _), n)| Prompt { text: p.clone(), max_new_tokens: *n }).collect();
-    let called = gate.call(
-        &h,
-        Command::Generate {
-            model: model_dir.clone(),
-            prompts: items,
-            tensors: tensors_path.clone(),
-            stop_tokens: generation.eos_token_ids.clone(),
-        },
-        &[],
-        &[model_dir.as_path()],
-    )?;
+    let command = Command::Generate {
+        model: model_dir.clone(),
+        prompts: items,
+        tensors: tensors_path.clone(),
+        stop_tokens: generation.eos_token_ids.clone(),
+    };
+    let (h, called) = match gate.exchange(h, vec![(command, vec![])], Some(&model_dir), &[model_dir.as_path()])? {
+        (_, Exchange::Written(w)) => return Ok(fail(w.text(gate.tool.name()), vec![], gate.findings.clone())),
+        (h, Exchange::Ran(mut c)) => (h, c.remove(0)),
+    };
+    if let Some(why) = no_device(&called) {
+        let report = fail(why, vec![], gate.findings.clone());
+        let common = crate::ledger::figures::GateFigures { no_device: true, ..gate.common() };
+        gate.record(&report, Figures::Verify(VerifyFigures { gate: common, ..Default::default() }));
+        return Ok(report);
+    }
     let (texts, engine_stops) = match called.ok("engine's generation", 2000) {
         Ok(Reply::Generate { prompts: g, stop_tokens, .. }) if g.len() == prompts.len() => (g, stop_tokens),
         Ok(other) => {
@@ -457,7 +470,17 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
             return Ok(report);
         }
     };
-    let (_, tensors_out) = crate::harness::read_tensor_words(&tensors_path)?;
+    // A reply without its tensors file (a harness killed mid-write, a bundle's output removed) is
+    // a failed gate, not a fault of the server.
+    let tensors_out = match crate::harness::read_tensor_words(&tensors_path) {
+        Ok((_, t)) => t,
+        Err(e) => {
+            let why = format!("the engine's generation wrote no readable tensors: {}", e.message);
+            let report = fail(why, vec![], gate.findings.clone());
+            gate.record(&report, Figures::Verify(VerifyFigures { gate: gate.common(), ..Default::default() }));
+            return Ok(report);
+        }
+    };
     // The engine's own stop tokens (component.sampler `stop_tokens`), when it has the function.
     let mut stop_error = String::new();
     match &engine_stops {

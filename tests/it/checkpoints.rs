@@ -77,7 +77,11 @@ fn babyllama_tensors() -> Tensors {
 
 fn plan_of(dir: &Path) -> metainfer::ops::plan::PlanReport {
     let t = tempfile::tempdir().unwrap();
-    plan_only(&crate::ctx(t.path()), &PlanRequest { model: s(dir), target: "cpu".into(), dtype: "f32".into() }).unwrap()
+    plan_only(
+        &crate::ctx(t.path()),
+        &PlanRequest { platform: None, model: s(dir), target: "cpu".into(), dtype: "f32".into() },
+    )
+    .unwrap()
 }
 
 fn llama_config() -> Value {
@@ -368,7 +372,7 @@ fn a_bf16_norm_gain_in_a_float32_checkpoint_is_refused() {
         .collect();
     safetensors::serialize_to_file(views, None, &t.path().join("model.safetensors")).unwrap();
     let ctx = crate::ctx(t.path());
-    let req = PlanRequest { model: s(t.path()), target: "cpu".into(), dtype: "f32".into() };
+    let req = PlanRequest { platform: None, model: s(t.path()), target: "cpu".into(), dtype: "f32".into() };
     let e = plan_only(&ctx, &req).unwrap_err();
     assert_eq!(e.kind, ErrorKind::Input);
     assert!(
@@ -833,12 +837,21 @@ fn verify_on(ctx: &metainfer::ops::Ctx, engine: &Path, model: &Path, prompts: &[
     let budget = Budget::secs(900);
     let k = kernel_test(
         ctx,
-        &KernelTestRequest { engine: s(engine), kernels: vec![], seed: Some(3), dtype: None },
+        &KernelTestRequest {
+            from_bundle: None,
+            write_bundle: None,
+            engine: s(engine),
+            kernels: vec![],
+            seed: Some(3),
+            dtype: None,
+        },
         &budget,
     )
     .unwrap();
     assert!(k.passed, "{}", metainfer::ops::Report::text(&k));
     let req = VerifyRequest {
+        from_bundle: None,
+        write_bundle: None,
         engine: s(engine),
         model: s(model),
         prompts: prompts.iter().map(|p| p.to_string()).collect(),

@@ -148,7 +148,14 @@ fn example_engine_passes_the_gates_at_every_weight_dtype() {
     super::copy_example(&dir);
     let budget = metainfer::harness::Budget::secs(1200);
     for dtype in ["bf16", "f16", "int8"] {
-        let req = KernelTestRequest { engine: s(&dir), kernels: vec![], seed: None, dtype: Some(dtype.into()) };
+        let req = KernelTestRequest {
+            engine: s(&dir),
+            kernels: vec![],
+            seed: None,
+            dtype: Some(dtype.into()),
+            write_bundle: None,
+            from_bundle: None,
+        };
         let k = kernel_test(&ctx, &req, &budget).unwrap();
         assert!(k.passed, "{dtype}: {}", k.text());
         assert_eq!(k.dtype, dtype);
@@ -163,6 +170,8 @@ fn example_engine_passes_the_gates_at_every_weight_dtype() {
                 max_new_tokens: Some(24),
                 seed: None,
                 dtype: Some(dtype.into()),
+                write_bundle: None,
+                from_bundle: None,
             },
             &budget,
         )
@@ -171,7 +180,14 @@ fn example_engine_passes_the_gates_at_every_weight_dtype() {
         assert_eq!(v.dtype, dtype);
     }
     // A dtype the engine does not declare is refused with what to add.
-    let req = KernelTestRequest { engine: s(&dir), kernels: vec![], seed: None, dtype: Some("fp8".into()) };
+    let req = KernelTestRequest {
+        engine: s(&dir),
+        kernels: vec![],
+        seed: None,
+        dtype: Some("fp8".into()),
+        write_bundle: None,
+        from_bundle: None,
+    };
     let e = kernel_test(&ctx, &req, &budget).unwrap_err();
     assert!(e.message.contains("[dtype_features]") && e.message.contains("fp8"), "{}", e.message);
 }
@@ -200,7 +216,14 @@ fn low_precision_kernel_faults_are_caught_and_named() {
         let dir = t.path().join(name);
         super::copy_example(&dir);
         super::replace_body(&dir, "src/kernels.rs", declaration, body);
-        let req = KernelTestRequest { engine: s(&dir), kernels: vec![], seed: Some(7), dtype: Some(dtype.into()) };
+        let req = KernelTestRequest {
+            engine: s(&dir),
+            kernels: vec![],
+            seed: Some(7),
+            dtype: Some(dtype.into()),
+            write_bundle: None,
+            from_bundle: None,
+        };
         let k = kernel_test(&ctx, &req, &budget).unwrap();
         let failed: Vec<&str> = k.kernels.iter().filter(|k| !k.passed).map(|k| k.kernel.as_str()).collect();
         let want = format!("kernel.linear_{dtype}");

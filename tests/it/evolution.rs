@@ -51,7 +51,7 @@ fn working_copy_ctx(dir: &Path) -> (Ctx, PathBuf) {
 }
 
 fn plan_req(model: &Path, target: &str) -> PlanRequest {
-    PlanRequest { model: s(model), target: target.into(), dtype: "f32".into() }
+    PlanRequest { model: s(model), target: target.into(), dtype: "f32".into(), platform: None }
 }
 
 fn verify_req(engine: &Path, model: &Path) -> VerifyRequest {
@@ -62,11 +62,20 @@ fn verify_req(engine: &Path, model: &Path) -> VerifyRequest {
         max_new_tokens: Some(8),
         seed: Some(5),
         dtype: None,
+        write_bundle: None,
+        from_bundle: None,
     }
 }
 
 fn kernels_req(engine: &Path) -> KernelTestRequest {
-    KernelTestRequest { engine: s(engine), kernels: vec![], dtype: None, seed: Some(5) }
+    KernelTestRequest {
+        engine: s(engine),
+        kernels: vec![],
+        dtype: None,
+        seed: Some(5),
+        write_bundle: None,
+        from_bundle: None,
+    }
 }
 
 fn budget() -> Budget {
@@ -314,6 +323,8 @@ fn aarch64_platform_is_proposed_gated_and_promoted() {
             dtype: None,
             threads: None,
             runs: Some(2),
+            write_bundle: None,
+            from_bundle: None,
         },
         &budget(),
     )

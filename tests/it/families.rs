@@ -46,7 +46,12 @@ fn plan_engine_routes_all_six_families() {
         let dir = synth(t.path(), name, family, edit);
         let r = plan_only(
             &ctx,
-            &PlanRequest { model: dir.display().to_string(), target: "cpu".into(), dtype: "f32".into() },
+            &PlanRequest {
+                model: dir.display().to_string(),
+                target: "cpu".into(),
+                dtype: "f32".into(),
+                platform: None,
+            },
         )
         .unwrap();
         assert!(r.covered, "{name}: {:?}", r.gaps);
@@ -496,8 +501,14 @@ fn plain_engine_passes_the_gates_on_every_family() {
                 manifest.replace("family = \"model.llama\"", &format!("family = {id:?}")),
             )
             .unwrap();
-            let req =
-                KernelTestRequest { engine: engine.display().to_string(), kernels: vec![], seed: Some(5), dtype: None };
+            let req = KernelTestRequest {
+                engine: engine.display().to_string(),
+                kernels: vec![],
+                seed: Some(5),
+                dtype: None,
+                write_bundle: None,
+                from_bundle: None,
+            };
             let k = kernel_test(&ctx, &req, &budget).unwrap();
             assert!(k.passed, "{name}: {}", k.text());
             tested = id;
@@ -509,6 +520,8 @@ fn plain_engine_passes_the_gates_on_every_family() {
             max_new_tokens: Some(8),
             seed: Some(5),
             dtype: None,
+            write_bundle: None,
+            from_bundle: None,
         };
         let v = verify(&ctx, &req, &budget).unwrap();
         assert!(v.passed && v.family == *id, "{name}: {}", v.text());
@@ -532,6 +545,8 @@ fn an_engine_is_verified_only_on_its_own_family() {
     let v = verify(
         &ctx,
         &VerifyRequest {
+            from_bundle: None,
+            write_bundle: None,
             engine: e.clone(),
             model: m.clone(),
             prompts: vec![],
@@ -545,6 +560,8 @@ fn an_engine_is_verified_only_on_its_own_family() {
     let p = profile(
         &ctx,
         &ProfileRequest {
+            from_bundle: None,
+            write_bundle: None,
             engine: e,
             model: m,
             prompt_len: None,

@@ -307,6 +307,8 @@ fn verify_req(engine: &std::path::Path) -> VerifyRequest {
         max_new_tokens: Some(8),
         seed: Some(VERIFY_SEED),
         dtype: None,
+        write_bundle: None,
+        from_bundle: None,
     }
 }
 
@@ -340,6 +342,8 @@ fn injected_faults_are_caught_and_named() {
         kernels: vec![],
         seed: Some(KERNEL_SEED),
         dtype: None,
+        write_bundle: None,
+        from_bundle: None,
     };
 
     // The clean engine passes and gets no diagnosis.

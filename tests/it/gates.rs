@@ -27,6 +27,8 @@ fn verify_req(engine: &std::path::Path) -> VerifyRequest {
         max_new_tokens: Some(8),
         seed: None,
         dtype: None,
+        write_bundle: None,
+        from_bundle: None,
     }
 }
 
@@ -40,6 +42,7 @@ fn bare_scaffold_compiles_and_fails_every_other_gate() {
         out: s(&engine),
         target: "cpu".into(),
         dtype: "f32".into(),
+        platform: None,
         name: Some("bare".into()),
         force: false,
         reference_level: Default::default(),
@@ -64,7 +67,14 @@ fn bare_scaffold_compiles_and_fails_every_other_gate() {
 
     let k = kernel_test(
         &ctx,
-        &KernelTestRequest { engine: s(&engine), kernels: vec![], seed: Some(1), dtype: None },
+        &KernelTestRequest {
+            engine: s(&engine),
+            kernels: vec![],
+            seed: Some(1),
+            dtype: None,
+            write_bundle: None,
+            from_bundle: None,
+        },
         &budget(),
     )
     .unwrap();
@@ -97,6 +107,8 @@ fn bare_scaffold_compiles_and_fails_every_other_gate() {
             runs: Some(1),
             dtype: None,
             threads: None,
+            write_bundle: None,
+            from_bundle: None,
         },
         &budget(),
     )
@@ -128,7 +140,14 @@ fn empty_crate_and_non_crate_fail() {
     std::fs::write(empty.join("src/lib.rs"), "").unwrap();
     let k = kernel_test(
         &ctx,
-        &KernelTestRequest { engine: s(&empty), kernels: vec!["kernel.rope".into()], seed: None, dtype: None },
+        &KernelTestRequest {
+            engine: s(&empty),
+            kernels: vec!["kernel.rope".into()],
+            seed: None,
+            dtype: None,
+            write_bundle: None,
+            from_bundle: None,
+        },
         &budget(),
     )
     .unwrap();
@@ -142,7 +161,14 @@ fn empty_crate_and_non_crate_fail() {
 
     let e = kernel_test(
         &ctx,
-        &KernelTestRequest { engine: s(&empty), kernels: vec!["kernel.nope".into()], seed: None, dtype: None },
+        &KernelTestRequest {
+            engine: s(&empty),
+            kernels: vec!["kernel.nope".into()],
+            seed: None,
+            dtype: None,
+            write_bundle: None,
+            from_bundle: None,
+        },
         &budget(),
     )
     .unwrap_err();
@@ -157,9 +183,19 @@ fn example_engine_passes_every_gate(engine: Engine) {
 
     let good = t.path().join("good");
     engine.copy_to(&good);
-    let k =
-        kernel_test(&ctx, &KernelTestRequest { engine: s(&good), kernels: vec![], seed: None, dtype: None }, &budget())
-            .unwrap();
+    let k = kernel_test(
+        &ctx,
+        &KernelTestRequest {
+            engine: s(&good),
+            kernels: vec![],
+            seed: None,
+            dtype: None,
+            write_bundle: None,
+            from_bundle: None,
+        },
+        &budget(),
+    )
+    .unwrap();
     assert!(k.passed, "{}", metainfer::ops::Report::text(&k));
     crate::assert_conforms(&k);
     let v = verify(&ctx, &verify_req(&good), &budget()).unwrap();
@@ -183,6 +219,8 @@ fn example_engine_passes_every_gate(engine: Engine) {
         runs: Some(2),
         dtype: None,
         threads: None,
+        write_bundle: None,
+        from_bundle: None,
     };
     let p = profile(&ctx, &preq, &budget()).unwrap();
     assert!(p.passed, "{}", metainfer::ops::Report::text(&p));
@@ -257,7 +295,14 @@ fn malformed_manifest_is_an_error_naming_the_key_in_every_gate() {
             compile(&ctx, &CompileRequest { engine: e.clone(), cursor: None }, &budget()).err(),
             kernel_test(
                 &ctx,
-                &KernelTestRequest { engine: e.clone(), kernels: vec![], seed: None, dtype: None },
+                &KernelTestRequest {
+                    engine: e.clone(),
+                    kernels: vec![],
+                    seed: None,
+                    dtype: None,
+                    write_bundle: None,
+                    from_bundle: None,
+                },
                 &budget(),
             )
             .err(),
@@ -272,6 +317,8 @@ fn malformed_manifest_is_an_error_naming_the_key_in_every_gate() {
                     runs: Some(1),
                     dtype: None,
                     threads: None,
+                    write_bundle: None,
+                    from_bundle: None,
                 },
                 &budget(),
             )

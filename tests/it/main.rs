@@ -1,10 +1,12 @@
 //! Integration tests: one binary, one module per area. Real data comes from ../shared (models and
 //! golden output); builds share one cache under cargo's test tmp dir so dependencies compile once.
 
+mod bundles;
 mod checkpoints;
 mod ckb;
 mod cli;
 mod client;
+mod cuda;
 mod diagnose;
 mod dtypes;
 mod evolution;
@@ -88,6 +90,8 @@ pub enum Engine {
     Plain,
     /// llama-cpu-simd: AVX-512/AVX2 kernels, threads, memory-mapped weights, bf16/f16/int8 builds.
     Simd,
+    /// llama-cuda-bf16: CUDA through cudarc (NVRTC kernels, bf16 weights); runs only on a GPU.
+    Cuda,
 }
 
 impl Engine {
@@ -96,6 +100,7 @@ impl Engine {
         let name = match self {
             Engine::Plain => "llama-cpu-plain",
             Engine::Simd => "llama-cpu-simd",
+            Engine::Cuda => "llama-cuda-bf16",
         };
         Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/engines").join(name)
     }

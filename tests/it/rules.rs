@@ -158,7 +158,14 @@ fn each_rule_catches_its_fixture() {
     let d = t.path().join("sig");
     let k = kernel_test(
         &ctx,
-        &KernelTestRequest { engine: s(&d), kernels: vec![], seed: None, dtype: None },
+        &KernelTestRequest {
+            engine: s(&d),
+            kernels: vec![],
+            seed: None,
+            dtype: None,
+            write_bundle: None,
+            from_bundle: None,
+        },
         &Budget::secs(600),
     )
     .unwrap();
@@ -182,13 +189,22 @@ fn verify_passes_only_after_kernel_tests_passed_on_the_same_sources() {
         max_new_tokens: Some(4),
         seed: None,
         dtype: None,
+        write_bundle: None,
+        from_bundle: None,
     };
     let v = verify(&ctx, &req, &Budget::secs(600)).unwrap();
     assert!(!v.passed && v.error.contains("phase order"), "{}", v.error);
     assert!(v.prompts.iter().all(|p| p.error.is_empty()), "generation itself matched");
     let k = kernel_test(
         &ctx,
-        &KernelTestRequest { engine: s(&d), kernels: vec![], seed: None, dtype: None },
+        &KernelTestRequest {
+            engine: s(&d),
+            kernels: vec![],
+            seed: None,
+            dtype: None,
+            write_bundle: None,
+            from_bundle: None,
+        },
         &Budget::secs(600),
     )
     .unwrap();
@@ -207,6 +223,7 @@ fn constant_engine(dir: &Path, ctx: &metainfer::ops::Ctx) {
         out: s(dir),
         target: "cpu".into(),
         dtype: "f32".into(),
+        platform: None,
         name: Some("constant".into()),
         force: false,
         reference_level: Default::default(),
@@ -268,6 +285,7 @@ fn every_gate_fails_on_empty_bare_and_constant_engines() {
         out: s(&bare),
         target: "cpu".into(),
         dtype: "f32".into(),
+        platform: None,
         name: None,
         force: false,
         reference_level: Default::default(),
@@ -287,7 +305,14 @@ fn every_gate_fails_on_empty_bare_and_constant_engines() {
     for engine in [&empty, &bare, &constant] {
         let k = kernel_test(
             &ctx,
-            &KernelTestRequest { engine: s(engine), kernels: vec![], seed: None, dtype: None },
+            &KernelTestRequest {
+                engine: s(engine),
+                kernels: vec![],
+                seed: None,
+                dtype: None,
+                write_bundle: None,
+                from_bundle: None,
+            },
             &budget,
         )
         .unwrap();
@@ -315,6 +340,8 @@ fn every_gate_fails_on_empty_bare_and_constant_engines() {
                 max_new_tokens: Some(4),
                 seed: None,
                 dtype: None,
+                write_bundle: None,
+                from_bundle: None,
             },
             &budget,
         )
@@ -339,6 +366,8 @@ fn every_gate_fails_on_empty_bare_and_constant_engines() {
                 runs: Some(1),
                 dtype: None,
                 threads: None,
+                write_bundle: None,
+                from_bundle: None,
             },
             &budget,
         )
@@ -426,6 +455,8 @@ fn a_passing_kernel_test_row_inserted_with_sql_does_not_unlock_verify() {
         )
         .unwrap();
     let req = VerifyRequest {
+        from_bundle: None,
+        write_bundle: None,
         engine: s(&d),
         model: s(&crate::babyllama()),
         prompts: vec![],

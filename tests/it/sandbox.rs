@@ -128,6 +128,8 @@ fn a_harness_process_cannot_read_the_ledger_write_outside_or_connect() {
         ),
     );
     let req = KernelTestRequest {
+        from_bundle: None,
+        write_bundle: None,
         engine: eng.display().to_string(),
         kernels: vec!["kernel.argmax".into()],
         seed: Some(7),

@@ -243,6 +243,19 @@ fn unused_dependencies(manifest: &str, files: &Files) -> Vec<String> {
         .collect()
 }
 
+/// Rule: every kernel contract with a CUDA signature (`[cuda]`) has CUDA harness arms in its
+/// registry entry, and no entry has CUDA arms without one.
+fn cuda_agreement(cuda_contracts: &BTreeSet<String>, cuda_arms: &BTreeSet<String>) -> Vec<String> {
+    let mut out = Vec::new();
+    for k in cuda_contracts.difference(cuda_arms) {
+        out.push(format!("kernel contract {k} has a [cuda] signature but its registry entry has no CUDA arms"));
+    }
+    for k in cuda_arms.difference(cuda_contracts) {
+        out.push(format!("registry entry {k} has CUDA arms but its contract has no [cuda] signature"));
+    }
+    out
+}
+
 /// Rule: every kernel contract has a registry entry (and no entry lacks a contract), and the
 /// template takes its kernel arms from the registry only (one marker per match, no own arm).
 fn registry_agreement(kernel_contracts: &BTreeSet<String>, registry: &BTreeSet<String>, template: &str) -> Vec<String> {
@@ -316,6 +329,14 @@ fn the_sources_keep_the_architecture() {
     problems.extend(registry_agreement(&contracts, &registry, metainfer::harness::HARNESS_MAIN));
     let skips = std::fs::read_to_string(root().join(".ci/engine-tests")).unwrap();
     problems.extend(fast_tier_skips(&skips, &rust_files("tests")));
+    let cuda_contracts: BTreeSet<String> =
+        ckb.of_kind(Kind::Kernel).filter(|c| c.cuda.is_some()).map(|c| c.id.clone()).collect();
+    let cuda_arms: BTreeSet<String> = kernels::REGISTRY
+        .iter()
+        .filter(|k| !k.cuda_test_arm.trim().is_empty() && !k.cuda_timed_arm.trim().is_empty())
+        .map(|k| k.id.to_string())
+        .collect();
+    problems.extend(cuda_agreement(&cuda_contracts, &cuda_arms));
     assert!(problems.is_empty(), "tidy:\n{}", problems.join("\n"));
 }
 
@@ -366,10 +387,18 @@ fn each_rule_catches_a_planted_violation() {
     assert_eq!(registry_agreement(&set(&["kernel.a"]), &set(&["kernel.a"]), &own_arm).len(), 1);
     assert_eq!(registry_agreement(&set(&["kernel.a"]), &set(&["kernel.a"]), "// @arms test\n").len(), 1);
 
-    // The assembled harness of every registry kernel has exactly one arm per kernel in each match.
-    let arms: Vec<metainfer::harness::Arm> = kernels::ids().map(|k| metainfer::ops::arm(k).unwrap()).collect();
-    let src = metainfer::harness::harness_source(&arms);
-    for k in kernels::ids() {
-        assert_eq!(src.matches(&format!("{k:?} =>")).count(), 2, "{k}");
+    assert!(cuda_agreement(&set(&["kernel.a"]), &set(&["kernel.a"])).is_empty());
+    assert_eq!(cuda_agreement(&set(&["kernel.a", "kernel.b"]), &set(&["kernel.a"])).len(), 1);
+    assert_eq!(cuda_agreement(&set(&[]), &set(&["kernel.a"])).len(), 1);
+
+    // The assembled harness of every registry kernel has exactly one arm per kernel in each match,
+    // for the host and for CUDA engines (whose arms call the `device` module).
+    for api in ["host", "cuda"] {
+        let arms: Vec<metainfer::harness::Arm> = kernels::ids().map(|k| metainfer::ops::arm(k, api).unwrap()).collect();
+        let src = metainfer::harness::harness_source(&arms);
+        for k in kernels::ids() {
+            assert_eq!(src.matches(&format!("{k:?} =>")).count(), 2, "{api} {k}");
+        }
+        assert_eq!(src.contains("device::dev()"), api == "cuda", "{api}");
     }
 }

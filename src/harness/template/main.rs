@@ -7,8 +7,11 @@
 // the path the request names, never stdout.
 //
 // The kernel arms of `run_kernel` and `timed_kernel` are inserted from the server's kernel registry,
-// only for the kernels of this engine's plan.
+// only for the kernels of this engine's plan. `device.rs` is the target's side: on the host, wall
+// clocks and the host decode loop; for a CUDA engine, the device probe, device buffers (outputs
+// start as NaN on the device), CUDA-event timers and the engine's on-device decode loop.
 
+mod device;
 mod protocol;
 
 use std::collections::HashMap;
@@ -17,8 +20,8 @@ use std::path::Path;
 use std::time::Instant;
 
 use protocol::{
-    CaseResult, Command, Decoded, Encoded, Generated, KernelCase, PrefillTimes, ProfileTimings, Prompt, Reply, Request,
-    TimeItem, TimedItem, TimedRun, TokenizeSet, TokenizedSet,
+    CaseResult, Command, Decoded, DeviceInfo, Encoded, Generated, KernelCase, PrefillTimes, ProfileTimings, Prompt, Reply,
+    Request, TimeItem, TimedItem, TimedRun, TokenizeSet, TokenizedSet,
 };
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 
@@ -222,7 +225,7 @@ fn tokenize_cmd(sets: &[TokenizeSet]) -> Reply {
     Reply::Tokenize { sets: out }
 }
 
-fn profile_cmd(dir: &Path, prompt_len: usize, new_tokens: usize, runs: usize) -> Reply {
+fn profile_cmd(dir: &Path, prompt_len: usize, new_tokens: usize, runs: usize, device: Option<DeviceInfo>) -> Reply {
     let t0 = Instant::now();
     let mut model = engine::model::Model::load(dir).unwrap_or_else(|e| die(&format!("model load: {e}")));
     let load_s = t0.elapsed().as_secs_f64();
@@ -240,14 +243,10 @@ fn profile_cmd(dir: &Path, prompt_len: usize, new_tokens: usize, runs: usize) ->
         let p = t.elapsed().as_secs_f64();
         prefill_s.push(p);
         first_token_s.push(p);
+        let n = (prompt_len + new_tokens).min(model.max_seq_len()).saturating_sub(prompt_len);
         let t = Instant::now();
-        let mut n = 0;
         let mut generated = vec![next];
-        for pos in prompt_len..(prompt_len + new_tokens).min(model.max_seq_len()) {
-            next = engine::generate::sample_greedy(model.forward(next, pos));
-            generated.push(next);
-            n += 1;
-        }
+        generated.extend(device::decode(&mut model, next, prompt_len, n));
         decode_s_per_token.push(t.elapsed().as_secs_f64() / n.max(1) as f64);
         // The timed runs' outputs are checked by the server too.
         checks.push(TimedRun { prompt, tokens: generated });
@@ -281,6 +280,7 @@ fn profile_cmd(dir: &Path, prompt_len: usize, new_tokens: usize, runs: usize) ->
         prefill_by_len,
         peak_rss_kb,
         runs: checks,
+        device,
     })
 }
 
@@ -326,12 +326,12 @@ fn time_cmd(reps: usize, items: &[TimeItem]) -> Reply {
         let mut seconds_per_call = Vec::with_capacity(reps);
         let mut call = 0usize;
         for _ in 0..reps {
-            let start = Instant::now();
+            let timer = device::Timer::start();
             for _ in 0..iters {
                 (t.run)(call);
                 call += 1;
             }
-            seconds_per_call.push(start.elapsed().as_secs_f64() / iters as f64);
+            seconds_per_call.push(timer.seconds() / iters as f64);
         }
         out.push(TimedItem { kernel: item.kernel.clone(), seconds_per_call });
     }
@@ -345,12 +345,25 @@ fn main() {
     if req.version != protocol::VERSION {
         die(&format!("request version {} but this harness speaks {}", req.version, protocol::VERSION));
     }
-    let reply = match &req.command {
-        Command::Kernel { cases } => kernel_cmd(cases),
-        Command::Generate { model, prompts, tensors, stop_tokens } => generate_cmd(model, prompts, tensors, stop_tokens),
-        Command::Tokenize { sets } => tokenize_cmd(sets),
-        Command::Profile { model, prompt_len, new_tokens, runs } => profile_cmd(model, *prompt_len, *new_tokens, *runs),
-        Command::Time { reps, items } => time_cmd(*reps, items),
+    // An engine for a device runs only where the device is; without one, nothing runs. Tokenizing
+    // runs on the host and needs no device.
+    let reply = match device::probe(matches!(req.command, Command::Profile { .. })) {
+        Err(_) if matches!(req.command, Command::Tokenize { .. }) => match &req.command {
+            Command::Tokenize { sets } => tokenize_cmd(sets),
+            _ => unreachable!("matched as Tokenize above"),
+        },
+        Err(reason) => Reply::NoDevice { reason },
+        Ok(info) => match &req.command {
+            Command::Kernel { cases } => kernel_cmd(cases),
+            Command::Generate { model, prompts, tensors, stop_tokens } => {
+                generate_cmd(model, prompts, tensors, stop_tokens)
+            }
+            Command::Tokenize { sets } => tokenize_cmd(sets),
+            Command::Profile { model, prompt_len, new_tokens, runs } => {
+                profile_cmd(model, *prompt_len, *new_tokens, *runs, info)
+            }
+            Command::Time { reps, items } => time_cmd(*reps, items),
+        },
     };
     let json = serde_json::to_vec(&reply).unwrap_or_else(|e| die(&format!("reply: {e}")));
     std::fs::write(&req.reply, json).unwrap_or_else(|e| die(&format!("{}: {e}", req.reply.display())));

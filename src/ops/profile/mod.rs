@@ -10,7 +10,7 @@ use std::path::Path;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::gate::{Gate, Tool};
+use super::gate::{Exchange, Gate, Tool, no_device};
 use super::{Ctx, Report};
 use crate::error::{Error, Result};
 use crate::harness::Budget;
@@ -40,6 +40,14 @@ pub struct ProfileRequest {
     /// Runs; medians are over these (default 5).
     #[serde(default)]
     pub runs: Option<usize>,
+    /// Do not run: build the harness and draw the inputs here, and write them as a bundle to this
+    /// directory (new or empty), to run with `metainfer bundle run DIR` where the device is.
+    #[serde(default)]
+    pub write_bundle: Option<String>,
+    /// Judge and record a bundle written by this gate and run elsewhere (`metainfer bundle run`),
+    /// instead of running the engine here. The engine's sources must be the ones it was written from.
+    #[serde(default)]
+    pub from_bundle: Option<String>,
 }
 
 pub use crate::stats::Spread;
@@ -110,6 +118,9 @@ pub struct ProfileReport {
     /// Where the roofline figures come from and, when the engine's target platform is another
     /// architecture than this host's, that the timings are of the engine's portable path here.
     pub figures_from: String,
+    /// The CUDA device the engine ran on and its roofline figures; absent for host engines.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<DeviceFigures>,
     /// When it passed: each staged candidate it ran under (family, target platform) and whether this
     /// evidence promoted it (see `ops::evolve::promote_on_evidence`). Empty otherwise.
     pub promotions: Vec<super::gate::Promotion>,
@@ -117,6 +128,24 @@ pub struct ProfileReport {
     /// the enforced sandbox; false where the kernel offers no Landlock ABI >= 6 or seccomp (the
     /// server logs why at start; `--require-sandbox` refuses to run instead).
     pub sandboxed: bool,
+}
+
+/// The device of a CUDA engine's profile: the roofline is the platform contract's HBM bandwidth for
+/// this device model, checked against a bandwidth probe run on the device.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct DeviceFigures {
+    /// Device name as the driver reports it, e.g. `NVIDIA H200`.
+    pub name: String,
+    /// Compute capability, e.g. `9.0`.
+    pub compute_capability: String,
+    /// The platform contract's nominal HBM bandwidth for this device model, GB/s (0: not listed).
+    pub hbm_gbs: f64,
+    /// Device-to-device copy bandwidth measured on the device in the same run, GB/s.
+    pub copy_gbs: f64,
+    /// `copy_gbs / hbm_gbs`: a probe above about 1 means the contract's figure is wrong.
+    pub probe_fraction: f64,
+    /// Decode tokens/s over the HBM roofline (`roofline_decode_tok_s`).
+    pub decode_fraction: f64,
 }
 
 /// Prefill speed at one prompt length.
@@ -302,6 +331,9 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
         return Err(Error::usage(format!("threads must be 1..=1024, got {threads}")));
     }
     let platform = figures_platform.and_then(|p| p.platform.as_ref());
+    // A CUDA engine's device figures (HBM, L2, peaks) are its target platform contract's, whatever
+    // this host is.
+    let gpu = target_platform.and_then(|p| p.platform.as_ref()).and_then(|p| p.gpu.as_ref());
     let contract_bw = |n: usize| platform.and_then(|p| p.bandwidth_gbs.get(&n.to_string()).copied());
     let bandwidth = probe
         .as_ref()
@@ -364,7 +396,13 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
         error: String::new(),
         figures_from,
         promotions: vec![],
+        device: None,
     };
+    // Split before the build: a bundle is staged beside its destination, a bundle read back is not built.
+    gate.split(req.write_bundle.as_deref(), req.from_bundle.as_deref())?;
+    if gate.bundle.is_some() {
+        report.figures_from += "; timings measured where the bundle ran (metainfer bundle run)";
+    }
     let h = match gate.prepare()? {
         Ok(h) => h,
         Err(stop) => {
@@ -374,9 +412,38 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
         }
     };
     report.rules = gate.findings.clone();
-    let threads_env = [("RAYON_NUM_THREADS", threads.to_string())];
+    let threads_env = vec![("RAYON_NUM_THREADS", threads.to_string())];
     let command = Command::Profile { model: model_dir.clone(), prompt_len, new_tokens, runs };
-    let t = match gate.call(&h, command, &threads_env, &[model_dir.as_path()])?.ok("engine's profile", 2000) {
+    // Every kernel of one decode step, timed alone on this model's shapes, at the middle of the
+    // decoded span (sent with the profile, so that a bundle carries both).
+    let kv_len = prompt_len + new_tokens / 2;
+    let calls = roofline::decode_calls(&cfg, &target.spec.kernels, &target.dtype, kv_len, bytes_per_token);
+    let items: Vec<TimeItem> = calls
+        .iter()
+        .map(|c| TimeItem {
+            kernel: c.kernel.clone(),
+            dims: c.dims.clone(),
+            copies: c.copies,
+            iters: roofline::iters_for(c),
+        })
+        .collect();
+    let commands =
+        vec![(command, threads_env.clone()), (Command::Time { reps: runs.max(3), items }, threads_env.clone())];
+    let mut called = match gate.exchange(h, commands, Some(&model_dir), &[model_dir.as_path()])? {
+        (_, Exchange::Written(w)) => {
+            report.error = w.text(gate.tool.name());
+            return Ok(report);
+        }
+        (_, Exchange::Ran(c)) => c.into_iter(),
+    };
+    let profile_called = called.next().expect("the first command always has a result");
+    if let Some(why) = no_device(&profile_called) {
+        report.error = why;
+        let common = crate::ledger::figures::GateFigures { no_device: true, ..gate.common() };
+        gate.record(&report, Figures::Profile(ProfileFigures { gate: common, ..Default::default() }));
+        return Ok(report);
+    }
+    let t = match profile_called.ok("engine's profile", 2000) {
         Ok(Reply::Profile(t)) => t,
         other => {
             report.error = match other {
@@ -394,6 +461,63 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     report.decode_tok_s = Spread::of(&decode);
     report.first_token_ms = Spread::of(&first);
     report.load_ms = t.load_s * 1e3;
+    let mut problems = Vec::new();
+    // A CUDA engine: the roofline is the device model's HBM bandwidth from the platform contract,
+    // checked against the bandwidth probe the harness ran on the device.
+    if let (Some(info), Some(gpu)) = (&t.device, gpu) {
+        let hbm = gpu.device(&info.name).map(|d| d.hbm_gbs.value).unwrap_or(0.0);
+        let bw = if hbm > 0.0 { hbm } else { info.copy_gbs };
+        if bw > 0.0 {
+            report.roofline_decode_tok_s = bw * 1e9 / bytes_per_token;
+        }
+        // The compute bound must never understate: the largest peak the device has (tensor cores).
+        if let Some(peak) = gpu.peak_tflops.values().map(|f| f.value).reduce(f64::max) {
+            report.compute_bound_tok_s = peak * 1e12 / (2.0 * weights as f64);
+        }
+        if hbm == 0.0 {
+            problems.push(format!(
+                "device {} is not among the device models of {} ({}): the roofline is its measured copy bandwidth",
+                info.name,
+                target.platform.clone().unwrap_or_default(),
+                gpu.devices.iter().map(|d| d.name.as_str()).collect::<Vec<_>>().join(", ")
+            ));
+        } else if info.copy_gbs > 1.05 * hbm {
+            problems.push(format!(
+                "the device's measured copy bandwidth {:.0} GB/s exceeds the platform contract's {hbm:.0} GB/s: the contract's figure is wrong for {}",
+                info.copy_gbs, info.name
+            ));
+        }
+        report.figures_from = format!(
+            "{} (device {}, compute capability {}): HBM {hbm:.0} GB/s from the contract, {:.0} GB/s measured by a device-to-device copy",
+            target.platform.clone().unwrap_or_default(),
+            info.name,
+            info.compute_capability,
+            info.copy_gbs
+        );
+        report.device = Some(DeviceFigures {
+            name: info.name.clone(),
+            compute_capability: info.compute_capability.clone(),
+            hbm_gbs: hbm,
+            copy_gbs: info.copy_gbs,
+            probe_fraction: if hbm > 0.0 { info.copy_gbs / hbm } else { 0.0 },
+            decode_fraction: if report.roofline_decode_tok_s > 0.0 {
+                report.decode_tok_s.median / report.roofline_decode_tok_s
+            } else {
+                0.0
+            },
+        });
+        // Weights beyond the L2 stream from HBM: a decode speed above the roofline is invalid.
+        if bytes_per_token > gpu.l2_mib.value * (1 << 20) as f64
+            && report.decode_tok_s.max > 1.05 * report.roofline_decode_tok_s
+        {
+            problems.push(format!(
+                "measured {:.0} tok/s decode is above the HBM roofline of {:.0} tok/s for {:.0} MB of weights per token: invalid, not fast",
+                report.decode_tok_s.max,
+                report.roofline_decode_tok_s,
+                bytes_per_token / 1e6
+            ));
+        }
+    }
     report.peak_rss_mb = t.peak_rss_kb as f64 / 1024.0;
     report.prefill_by_len = t
         .prefill_by_len
@@ -424,6 +548,7 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     if report.runs_checked == 0 || !report.outputs_ok {
         problems.push("the timed runs did not generate the reference's greedy tokens: the engine computes something else when timed".to_string());
     }
+    let compute_bound = report.compute_bound_tok_s;
     if report.decode_tok_s.max > compute_bound || report.prefill_tok_s.max > compute_bound * 16.0 {
         problems.push(format!(
             "measured {:.0} tok/s decode is above the compute bound of {compute_bound:.0} tok/s: invalid, not fast",
@@ -435,20 +560,11 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
             "phase order: verify_generation has not passed on these exact sources; figures are unverified".into(),
         );
     }
-    // Every kernel of one decode step, timed alone on this model's shapes, at the middle of the
-    // decoded span.
-    let kv_len = prompt_len + new_tokens / 2;
-    let calls = roofline::decode_calls(&cfg, &target.spec.kernels, &target.dtype, kv_len, bytes_per_token);
-    let items: Vec<TimeItem> = calls
-        .iter()
-        .map(|c| TimeItem {
-            kernel: c.kernel.clone(),
-            dims: c.dims.clone(),
-            copies: c.copies,
-            iters: roofline::iters_for(c),
-        })
-        .collect();
-    match gate.call(&h, Command::Time { reps: runs.max(3), items }, &threads_env, &[])?.ok("per-kernel timing", 1000) {
+    let timed = match called.next() {
+        Some(c) => c.ok("per-kernel timing", 1000),
+        None => Err("the per-kernel timing did not run".to_string()),
+    };
+    match timed {
         Ok(Reply::Time { items }) => {
             let seconds: Vec<Vec<f64>> = items.into_iter().map(|i| i.seconds_per_call).collect();
             if seconds.len() == calls.len() {
@@ -467,6 +583,14 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
                     "read DRAM"
                 };
                 let bw_kernels = probe.as_ref().and_then(|p| p.median(level, threads)).unwrap_or(bandwidth);
+                // On a CUDA device: its HBM bandwidth (or the probe's) and the f32 peak in GFLOP/s.
+                let (bw_kernels, peak_t) = match (&report.device, gpu) {
+                    (Some(d), Some(gpu)) => (
+                        if d.hbm_gbs > 0.0 { d.hbm_gbs } else { d.copy_gbs },
+                        gpu.peak_tflops.get("f32").map(|f| f.value * 1e3).unwrap_or(peak_t),
+                    ),
+                    _ => (bw_kernels, peak_t),
+                };
                 report.kernels = roofline::analyse(&calls, &seconds, bw_kernels, peak_t);
                 let per_token: f64 =
                     calls.iter().zip(&seconds).map(|(c, s)| Spread::of(s).median * c.per_token as f64).sum();
@@ -501,8 +625,8 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
         decode: report.decode_tok_s,
         decode_tok_s: report.decode_tok_s.median,
         prefill_tok_s: report.prefill_tok_s.median,
-        roofline_decode_tok_s: roofline,
-        compute_bound_tok_s: compute_bound,
+        roofline_decode_tok_s: report.roofline_decode_tok_s,
+        compute_bound_tok_s: report.compute_bound_tok_s,
         bounding_kernel: report.bounding_kernel.clone(),
         regression: report.previous.as_ref().is_some_and(|p| p.regression),
         outputs_ok: report.outputs_ok,

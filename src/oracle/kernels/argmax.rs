@@ -78,6 +78,19 @@ pub static KERNEL: Kernel = Kernel {
                 }),
             }
         }"#,
+    cuda_test_arm: r#"{
+            let x = device::up(&i.f("x"));
+            // An index the kernel does not write stays u32::MAX and fails.
+            let mut out = device::up(&[u32::MAX]);
+            device::ok(engine::kernels::argmax(device::dev(), &x.as_view(), &mut out.as_view_mut()));
+            vec![("out".into(), Out::U(device::down(&out)))]
+        }"#,
+    cuda_timed_arm: r#"{
+            let len = n("n");
+            let x = device::up(&fill(len, 10));
+            let mut out = device::up(&[0u32]);
+            Timed { run: Box::new(move |_| device::ok(engine::kernels::argmax(device::dev(), &x.as_view(), &mut out.as_view_mut()))) }
+        }"#,
 };
 
 #[cfg(test)]

@@ -140,6 +140,38 @@ pub static KERNEL: Kernel = Kernel {
                 }),
             }
         }"#,
+    cuda_test_arm: r#"{
+            let q = i.f("q");
+            let (qd, k, v) = (device::up(&q), device::up(&i.f("k_cache")), device::up(&i.f("v_cache")));
+            let mut out = device::nan(q.len());
+            device::ok(engine::kernels::attention(
+                device::dev(),
+                &qd.as_view(),
+                &k.as_view(),
+                &v.as_view(),
+                i.n("n_q"),
+                i.n("kv_len"),
+                i.n("n_heads"),
+                i.n("n_kv_heads"),
+                i.n("head_dim"),
+                &mut out.as_view_mut(),
+            ));
+            vec![("out".into(), Out::F(device::down(&out)))]
+        }"#,
+    cuda_timed_arm: r#"{
+            let (kv_len, heads, kvh, hd) = (n("kv_len"), n("n_heads"), n("n_kv_heads"), n("head_dim"));
+            let q = device::up(&fill(heads * hd, 9));
+            let caches: Vec<_> = (0..copies)
+                .map(|c| (device::up(&fill(kv_len * kvh * hd, 200 + c as u64)), device::up(&fill(kv_len * kvh * hd, 300 + c as u64))))
+                .collect();
+            let mut out = device::nan(heads * hd);
+            Timed {
+                run: Box::new(move |i| {
+                    let (k, v) = &caches[i % caches.len()];
+                    device::ok(engine::kernels::attention(device::dev(), &q.as_view(), &k.as_view(), &v.as_view(), 1, kv_len, heads, kvh, hd, &mut out.as_view_mut()))
+                }),
+            }
+        }"#,
 };
 
 #[cfg(test)]

@@ -73,6 +73,25 @@ pub static KERNEL: Kernel = Kernel {
             let mut out = vec![0.0f32; dim];
             Timed { run: Box::new(move |i| engine::kernels::embedding(&table, dim, &[(i % vocab) as u32], &mut out)) }
         }"#,
+    cuda_test_arm: r#"{
+            let (dim, ids) = (i.n("dim"), i.u("ids"));
+            let (table, ids_d) = (device::up(&i.f("table")), device::up(&ids));
+            let mut out = device::nan(ids.len() * dim);
+            device::ok(engine::kernels::embedding(device::dev(), &table.as_view(), dim, &ids_d.as_view(), &mut out.as_view_mut()));
+            vec![("out".into(), Out::F(device::down(&out)))]
+        }"#,
+    cuda_timed_arm: r#"{
+            let (vocab, dim) = (n("vocab"), n("dim"));
+            let table = device::up(&fill(vocab * dim, 1));
+            let ids: Vec<_> = (0..64u32).map(|t| device::up(&[t % vocab as u32])).collect();
+            let mut out = device::nan(dim);
+            Timed {
+                run: Box::new(move |i| {
+                    let id = &ids[i % ids.len()];
+                    device::ok(engine::kernels::embedding(device::dev(), &table.as_view(), dim, &id.as_view(), &mut out.as_view_mut()))
+                }),
+            }
+        }"#,
 };
 
 #[cfg(test)]

@@ -71,6 +71,23 @@ pub static KERNEL: Kernel = Kernel {
             let mut out = vec![0.0f32; len];
             Timed { run: Box::new(move |_| engine::kernels::gelu_tanh_and_mul(&g, &u, &mut out)) }
         }"#,
+    cuda_test_arm: r#"{
+            let gate = i.f("gate");
+            let (g, u) = (device::up(&gate), device::up(&i.f("up")));
+            let mut out = device::nan(gate.len());
+            device::ok(engine::kernels::gelu_tanh_and_mul(device::dev(), &g.as_view(), &u.as_view(), &mut out.as_view_mut()));
+            vec![("out".into(), Out::F(device::down(&out)))]
+        }"#,
+    cuda_timed_arm: r#"{
+            let len = n("len");
+            let (g, u) = (device::up(&fill(len, 6)), device::up(&fill(len, 7)));
+            let mut out = device::nan(len);
+            Timed {
+                run: Box::new(move |_| {
+                    device::ok(engine::kernels::gelu_tanh_and_mul(device::dev(), &g.as_view(), &u.as_view(), &mut out.as_view_mut()))
+                }),
+            }
+        }"#,
 };
 
 #[cfg(test)]

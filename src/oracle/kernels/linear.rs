@@ -94,6 +94,25 @@ pub static KERNEL: Kernel = Kernel {
             let mut out = vec![0.0f32; nn];
             Timed { run: Box::new(move |i| engine::kernels::linear(&x, &ws[i % ws.len()], 1, k, nn, &mut out)) }
         }"#,
+    cuda_test_arm: r#"{
+            let (m, k, n) = (i.n("m"), i.n("k"), i.n("n"));
+            let (x, w) = (device::up(&i.f("x")), device::up(&i.f("w")));
+            let mut out = device::nan(m * n);
+            device::ok(engine::kernels::linear(device::dev(), &x.as_view(), &w.as_view(), m, k, n, &mut out.as_view_mut()));
+            vec![("out".into(), Out::F(device::down(&out)))]
+        }"#,
+    cuda_timed_arm: r#"{
+            let (k, nn) = (n("k"), n("n"));
+            let x = device::up(&fill(k, 5));
+            let ws: Vec<_> = (0..copies).map(|c| device::up(&fill(nn * k, 100 + c as u64))).collect();
+            let mut out = device::nan(nn);
+            Timed {
+                run: Box::new(move |i| {
+                    let w = &ws[i % ws.len()];
+                    device::ok(engine::kernels::linear(device::dev(), &x.as_view(), &w.as_view(), 1, k, nn, &mut out.as_view_mut()))
+                }),
+            }
+        }"#,
 };
 
 #[cfg(test)]

@@ -179,6 +179,13 @@ pub struct Kernel {
     /// Harness code that prepares one timed call: a block that reads `n(dim)` and `copies` and
     /// evaluates to a `Timed` (a closure called with the iteration index).
     pub timed_arm: &'static str,
+    /// As `test_arm`, for the kernel contract's CUDA signature (platforms with `api = "cuda"`):
+    /// inputs uploaded with `device::up`, outputs from `device::nan(len)` (NaN on the device), the
+    /// engine's kernel called with `device::dev()`, outputs read back with `device::down`.
+    pub cuda_test_arm: &'static str,
+    /// As `timed_arm`, for the CUDA signature: device buffers prepared once, the closure launches
+    /// on the engine's stream and the harness times it with CUDA events.
+    pub cuda_timed_arm: &'static str,
 }
 
 /// Every kernel with an oracle, in contract order of a decode step.
@@ -289,6 +296,9 @@ mod tests {
                 }
             }
             assert!(!k.test_arm.trim().is_empty() && !k.timed_arm.trim().is_empty(), "{}", k.id);
+            // A kernel contract with a CUDA signature has CUDA arms, and only then.
+            assert_eq!(c.cuda.is_some(), !k.cuda_test_arm.trim().is_empty(), "{}", k.id);
+            assert_eq!(c.cuda.is_some(), !k.cuda_timed_arm.trim().is_empty(), "{}", k.id);
         }
     }
 

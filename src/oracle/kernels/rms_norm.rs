@@ -79,6 +79,23 @@ pub static KERNEL: Kernel = Kernel {
             let mut out = vec![0.0f32; dim];
             Timed { run: Box::new(move |_| engine::kernels::rms_norm(&x, &w, 1e-5, &mut out)) }
         }"#,
+    cuda_test_arm: r#"{
+            let x = i.f("x");
+            let (xd, w) = (device::up(&x), device::up(&i.f("weight")));
+            let mut out = device::nan(x.len());
+            device::ok(engine::kernels::rms_norm(device::dev(), &xd.as_view(), &w.as_view(), i.x("eps"), &mut out.as_view_mut()));
+            vec![("out".into(), Out::F(device::down(&out)))]
+        }"#,
+    cuda_timed_arm: r#"{
+            let dim = n("dim");
+            let (x, w) = (device::up(&fill(dim, 2)), device::up(&fill(dim, 3)));
+            let mut out = device::nan(dim);
+            Timed {
+                run: Box::new(move |_| {
+                    device::ok(engine::kernels::rms_norm(device::dev(), &x.as_view(), &w.as_view(), 1e-5, &mut out.as_view_mut()))
+                }),
+            }
+        }"#,
 };
 
 #[cfg(test)]

@@ -103,6 +103,23 @@ pub static KERNEL: Kernel = Kernel {
             let mut x = fill(heads * hd, 4);
             Timed { run: Box::new(move |i| engine::kernels::rope(&mut x, &[i % 4096], heads, hd, 10000.0)) }
         }"#,
+    cuda_test_arm: r#"{
+            let mut x = device::up(&i.f("x"));
+            let positions = device::up(&i.u("positions"));
+            device::ok(engine::kernels::rope(device::dev(), &mut x.as_view_mut(), &positions.as_view(), i.n("n_heads"), i.n("head_dim"), i.x("theta")));
+            vec![("out".into(), Out::F(device::down(&x)))]
+        }"#,
+    cuda_timed_arm: r#"{
+            let (heads, hd) = (n("n_heads"), n("head_dim"));
+            let mut x = device::up(&fill(heads * hd, 4));
+            let positions: Vec<_> = (0..64u32).map(|p| device::up(&[p * 61 % 4096])).collect();
+            Timed {
+                run: Box::new(move |i| {
+                    let pos = &positions[i % positions.len()];
+                    device::ok(engine::kernels::rope(device::dev(), &mut x.as_view_mut(), &pos.as_view(), heads, hd, 10000.0))
+                }),
+            }
+        }"#,
 };
 
 #[cfg(test)]

@@ -73,6 +73,16 @@ pub static KERNEL: Kernel = Kernel {
             let mut x = fill(len, 8);
             Timed { run: Box::new(move |_| engine::kernels::softmax(&mut x, len)) }
         }"#,
+    cuda_test_arm: r#"{
+            let mut x = device::up(&i.f("x"));
+            device::ok(engine::kernels::softmax(device::dev(), &mut x.as_view_mut(), i.n("n")));
+            vec![("out".into(), Out::F(device::down(&x)))]
+        }"#,
+    cuda_timed_arm: r#"{
+            let len = n("n");
+            let mut x = device::up(&fill(len, 8));
+            Timed { run: Box::new(move |_| device::ok(engine::kernels::softmax(device::dev(), &mut x.as_view_mut(), len))) }
+        }"#,
 };
 
 #[cfg(test)]

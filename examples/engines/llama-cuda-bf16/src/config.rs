@@ -1,0 +1,335 @@
+//! Phase 2, configuration: config.json read as the model-family contracts map it (`model.llama`,
+//! `model.mistral`, `model.qwen2`, `model.qwen3`, `model.gemma`, and Phi-3's fused layout). A family
+//! is data here: its HF configuration class defaults, the keys it refuses and its forward-pass
+//! features (the contracts' `features`). A value of the wrong type, or a setting no family here
+//! covers, is an error that names the key.
+
+use std::path::Path;
+
+use serde_json::{Map, Value};
+
+/// Forward-pass differences from plain Llama, named as in the model contracts' `features`.
+#[derive(Debug, Clone, Copy)]
+pub struct Features {
+    /// `qkv_bias` (model.qwen2): learned biases added to the q, k and v projections.
+    pub qkv_bias: bool,
+    /// `qk_norm` (model.qwen3): RMSNorm of every query and key head (width head_dim) before RoPE.
+    pub qk_norm: bool,
+    /// `sliding_window` (model.mistral, Phi-3): attention sees the last `sliding_window` positions.
+    pub sliding_window: bool,
+    /// `gelu_tanh_mlp` (model.gemma): GeGLU with the tanh GELU (kernel.gelu_tanh_and_mul) for SwiGLU.
+    pub gelu_tanh_mlp: bool,
+    /// `rmsnorm_one_plus_w` (model.gemma): every RMSNorm gain is 1 + the stored weight.
+    pub rmsnorm_one_plus_w: bool,
+    /// `embed_scale_sqrt_hidden` (model.gemma): the embedding row is multiplied by sqrt(hidden_size).
+    pub embed_scale_sqrt_hidden: bool,
+    /// `fused_qkv` and `fused_gate_up` (Phi-3): one qkv_proj and one gate_up_proj tensor per layer.
+    pub fused: bool,
+}
+
+/// A model family: how its config.json is read.
+#[derive(Clone, Copy)]
+struct Family {
+    model_type: &'static str,
+    architecture: &'static str,
+    features: Features,
+    /// num_key_value_heads when absent; `None`: num_attention_heads.
+    n_kv_heads: Option<usize>,
+    /// head_dim when absent; `None`: hidden_size / num_attention_heads.
+    head_dim: Option<usize>,
+    max_seq: usize,
+    rms_norm_eps: f64,
+    tied: bool,
+    /// sliding_window when absent (families with the feature); 0: no window.
+    window: usize,
+    /// Keys the family does not cover unless absent, null or false.
+    refused: &'static [&'static str],
+}
+
+/// Plain Llama (model.llama): no features, LlamaConfig's defaults. The other families state how
+/// they differ from it.
+const LLAMA: Family = Family {
+    model_type: "llama",
+    architecture: "LlamaForCausalLM",
+    features: Features {
+        qkv_bias: false,
+        qk_norm: false,
+        sliding_window: false,
+        gelu_tanh_mlp: false,
+        rmsnorm_one_plus_w: false,
+        embed_scale_sqrt_hidden: false,
+        fused: false,
+    },
+    n_kv_heads: None,
+    head_dim: None,
+    max_seq: 2048,
+    rms_norm_eps: 1e-6,
+    tied: false,
+    window: 0,
+    refused: &["attention_bias", "mlp_bias", "sliding_window"],
+};
+
+/// The families, with the defaults their contracts state (`[[model.config]]` defaults).
+const FAMILIES: &[Family] = &[
+    LLAMA,
+    Family {
+        model_type: "mistral",
+        architecture: "MistralForCausalLM",
+        features: Features { sliding_window: true, ..LLAMA.features },
+        n_kv_heads: Some(8),
+        max_seq: 131072,
+        window: 4096,
+        refused: &["rope_scaling", "attention_bias", "mlp_bias"],
+        ..LLAMA
+    },
+    Family {
+        model_type: "qwen2",
+        architecture: "Qwen2ForCausalLM",
+        features: Features { qkv_bias: true, ..LLAMA.features },
+        max_seq: 32768,
+        refused: &["rope_scaling", "use_sliding_window"],
+        ..LLAMA
+    },
+    Family {
+        model_type: "qwen3",
+        architecture: "Qwen3ForCausalLM",
+        features: Features { qk_norm: true, ..LLAMA.features },
+        head_dim: Some(128),
+        max_seq: 32768,
+        refused: &["rope_scaling", "use_sliding_window", "attention_bias"],
+        ..LLAMA
+    },
+    Family {
+        model_type: "gemma",
+        architecture: "GemmaForCausalLM",
+        features: Features {
+            gelu_tanh_mlp: true,
+            rmsnorm_one_plus_w: true,
+            embed_scale_sqrt_hidden: true,
+            ..LLAMA.features
+        },
+        head_dim: Some(256),
+        max_seq: 8192,
+        tied: true,
+        refused: &["rope_scaling", "attention_bias"],
+        ..LLAMA
+    },
+    Family {
+        model_type: "phi3",
+        architecture: "Phi3ForCausalLM",
+        features: Features { fused: true, sliding_window: true, ..LLAMA.features },
+        max_seq: 4096,
+        rms_norm_eps: 1e-5,
+        refused: &["rope_scaling"],
+        ..LLAMA
+    },
+];
+
+/// RoPE frequency scaling from config.json `rope_scaling` (contract model.llama).
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    /// Every frequency divided by `factor` (positional interpolation).
+    Linear { factor: f64 },
+    /// Llama 3.1: frequencies scaled by wavelength against `original_max_position_embeddings`.
+    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: f64 },
+}
+
+/// The model configuration the forward pass needs, defaults applied.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// hidden_size: width of the residual stream.
+    pub hidden: usize,
+    /// intermediate_size: width of the MLP's hidden layer.
+    pub intermediate: usize,
+    /// num_hidden_layers.
+    pub n_layers: usize,
+    /// num_attention_heads: query heads.
+    pub n_heads: usize,
+    /// num_key_value_heads: key/value heads (GQA when fewer than n_heads).
+    pub n_kv_heads: usize,
+    /// Width of one head.
+    pub head_dim: usize,
+    /// vocab_size: length of the logits.
+    pub vocab: usize,
+    /// max_position_embeddings: the most positions the KV cache holds.
+    pub max_seq: usize,
+    /// RMSNorm epsilon, inside the square root.
+    pub rms_norm_eps: f32,
+    /// RoPE base theta.
+    pub rope_theta: f64,
+    /// The output projection is the embedding matrix.
+    pub tied: bool,
+    /// Attention window in positions; 0: full causal attention.
+    pub sliding_window: usize,
+    pub rope_scaling: Option<RopeScaling>,
+    pub features: Features,
+}
+
+impl Config {
+    /// Read `dir/config.json`. Errors name the file and the key at fault and say what is covered.
+    pub fn load(dir: &Path) -> Result<Config, String> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: cannot read ({e})", path.display()))?;
+        let json: Value =
+            serde_json::from_str(&text).map_err(|e| format!("{}: not valid JSON ({e})", path.display()))?;
+        let c = json.as_object().ok_or_else(|| format!("{}: must be a JSON object", path.display()))?;
+        Config::from_json(c).map_err(|e| format!("config.json: {e}"))
+    }
+
+    /// The configuration of one parsed config.json object.
+    pub fn from_json(c: &Map<String, Value>) -> Result<Config, String> {
+        let family = family_of(c)?;
+        for key in family.refused {
+            if c.get(*key).is_some_and(|v| !v.is_null() && v != &Value::Bool(false)) {
+                return Err(format!("`{key}` = {} is not covered for {}", c[*key], family.model_type));
+            }
+        }
+        let activation = if family.features.gelu_tanh_mlp { "hidden_activation" } else { "hidden_act" };
+        let want = if family.features.gelu_tanh_mlp { "gelu_pytorch_tanh" } else { "silu" };
+        match text(c, activation)? {
+            Some(act) if act != want => return Err(format!("`{activation}` = {act:?} is not covered (only {want:?})")),
+            _ => {}
+        }
+        if number(c, "partial_rotary_factor")?.is_some_and(|f| f != 1.0) {
+            return Err("`partial_rotary_factor` other than 1.0 is not covered".into());
+        }
+        let hidden = required(c, "hidden_size")?;
+        let n_heads = required(c, "num_attention_heads")?;
+        let n_kv_heads = count(c, "num_key_value_heads")?.or(family.n_kv_heads).unwrap_or(n_heads);
+        let head_dim = count(c, "head_dim")?.or(family.head_dim).unwrap_or(hidden / n_heads);
+        if !n_heads.is_multiple_of(n_kv_heads) || !head_dim.is_multiple_of(2) {
+            return Err(format!(
+                "num_attention_heads {n_heads} must be a multiple of num_key_value_heads {n_kv_heads}, and head_dim {head_dim} even"
+            ));
+        }
+        let sliding_window = match (family.features.sliding_window, c.get("sliding_window")) {
+            (false, _) | (true, Some(Value::Null)) => 0,
+            (true, None) => family.window,
+            (true, Some(_)) => required(c, "sliding_window")?,
+        };
+        Ok(Config {
+            hidden,
+            intermediate: required(c, "intermediate_size")?,
+            n_layers: required(c, "num_hidden_layers")?,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            vocab: required(c, "vocab_size")?,
+            max_seq: count(c, "max_position_embeddings")?.unwrap_or(family.max_seq),
+            rms_norm_eps: number(c, "rms_norm_eps")?.unwrap_or(family.rms_norm_eps) as f32,
+            rope_theta: number(c, "rope_theta")?.unwrap_or(10000.0),
+            tied: match c.get("tie_word_embeddings") {
+                None | Some(Value::Null) => family.tied,
+                Some(v) => {
+                    v.as_bool().ok_or_else(|| format!("`tie_word_embeddings` must be true or false, got {v}"))?
+                }
+            },
+            sliding_window,
+            rope_scaling: rope_scaling(c)?,
+            features: family.features,
+        })
+    }
+
+    /// RoPE frequencies [head_dim / 2]: theta^(-2j / head_dim) (kernel.rope), then scaled as
+    /// `rope_scaling` says (contract model.llama, math).
+    pub fn rope_freqs(&self) -> Vec<f64> {
+        let plain = crate::kernels::rope_freqs(self.rope_theta, self.head_dim);
+        match self.rope_scaling {
+            None => plain,
+            Some(RopeScaling::Linear { factor }) => plain.iter().map(|f| f / factor).collect(),
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            }) => {
+                let old = original_max_position_embeddings;
+                plain
+                    .iter()
+                    .map(|&f| {
+                        let wavelength = 2.0 * std::f64::consts::PI / f;
+                        if wavelength < old / high_freq_factor {
+                            f
+                        } else if wavelength > old / low_freq_factor {
+                            f / factor
+                        } else {
+                            let s = (old / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                            (1.0 - s) * f / factor + s * f
+                        }
+                    })
+                    .collect()
+            }
+        }
+    }
+}
+
+/// The family named by `architectures` or, failing that, `model_type`.
+fn family_of(c: &Map<String, Value>) -> Result<&'static Family, String> {
+    let archs: Vec<&str> =
+        c.get("architectures").and_then(Value::as_array).into_iter().flatten().filter_map(Value::as_str).collect();
+    let model_type = text(c, "model_type")?;
+    FAMILIES
+        .iter()
+        .find(|f| archs.contains(&f.architecture))
+        .or_else(|| FAMILIES.iter().find(|f| model_type == Some(f.model_type)))
+        .ok_or_else(|| {
+            let known: Vec<&str> = FAMILIES.iter().map(|f| f.architecture).collect();
+            format!(
+                "architectures {archs:?} / model_type {model_type:?} is not a covered family ({})",
+                known.join(", ")
+            )
+        })
+}
+
+/// `rope_scaling`: absent, null or type "default" is none; "linear" and "llama3" are read; others refused.
+fn rope_scaling(c: &Map<String, Value>) -> Result<Option<RopeScaling>, String> {
+    let Some(s) = c.get("rope_scaling").filter(|v| !v.is_null()) else { return Ok(None) };
+    let s = s.as_object().ok_or("`rope_scaling` must be an object or null")?;
+    let kind = text(s, "rope_type")?.or(text(s, "type")?).unwrap_or("default");
+    let key = |k: &str| {
+        number(s, k)?.filter(|v| *v > 0.0).ok_or_else(|| format!("`rope_scaling.{k}` must be a positive number"))
+    };
+    match kind {
+        "default" => Ok(None),
+        "linear" => Ok(Some(RopeScaling::Linear { factor: key("factor")? })),
+        "llama3" => Ok(Some(RopeScaling::Llama3 {
+            factor: key("factor")?,
+            low_freq_factor: key("low_freq_factor")?,
+            high_freq_factor: key("high_freq_factor")?,
+            original_max_position_embeddings: key("original_max_position_embeddings")?,
+        })),
+        other => Err(format!("`rope_scaling` type {other:?} is not covered (default, linear, llama3)")),
+    }
+}
+
+/// A number at `key` (absent or null: `None`); any other type is an error naming the key.
+fn number(c: &Map<String, Value>, key: &str) -> Result<Option<f64>, String> {
+    match c.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v.as_f64().map(Some).ok_or_else(|| format!("`{key}` must be a number, got {v}")),
+    }
+}
+
+/// A positive integer at `key` (absent or null: `None`).
+fn count(c: &Map<String, Value>, key: &str) -> Result<Option<usize>, String> {
+    match c.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => match v.as_u64() {
+            Some(n) if n > 0 => Ok(Some(n as usize)),
+            _ => Err(format!("`{key}` must be a positive integer, got {v}")),
+        },
+    }
+}
+
+/// A positive integer that must be present.
+fn required(c: &Map<String, Value>, key: &str) -> Result<usize, String> {
+    count(c, key)?.ok_or_else(|| format!("`{key}` is missing"))
+}
+
+/// A string at `key` (absent or null: `None`).
+fn text<'a>(c: &'a Map<String, Value>, key: &str) -> Result<Option<&'a str>, String> {
+    match c.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v.as_str().map(Some).ok_or_else(|| format!("`{key}` must be a string, got {v}")),
+    }
+}

@@ -1,0 +1,349 @@
+//! Phases 3 and 4, the decoder (contract `model.llama`) on the device, with its KV cache
+//! (`component.kv_cache`) and greedy decoding kept on the device (`component.device_decode`).
+//!
+//! Weights: every 2-D tensor in bf16 on the device, rounded to nearest even at load
+//! (kernel.linear_bf16), q/k/v and gate/up each concatenated into one matrix so one product reads
+//! them; the embedding table also in f32 (the bf16-rounded values, widened) for the gather. Norm
+//! gains, activations, the KV cache and every accumulation are f32. One decode step is about
+//! 11 launches per layer on one stream; the host waits only where it reads logits or tokens.
+
+use std::path::Path;
+
+use cudarc::driver::CudaSlice;
+
+use crate::config::Config;
+use crate::device::Device;
+use crate::kernels;
+use crate::weights;
+
+/// One decoder layer's device weights and KV cache.
+struct Layer {
+    attn_norm: CudaSlice<f32>,
+    /// q, k and v projections, one [(n_heads + 2 n_kv_heads) head_dim, hidden] bf16 matrix.
+    wqkv: CudaSlice<u16>,
+    wo: CudaSlice<u16>,
+    ffn_norm: CudaSlice<f32>,
+    /// gate and up projections, one [2 intermediate, hidden] bf16 matrix.
+    w_gate_up: CudaSlice<u16>,
+    w_down: CudaSlice<u16>,
+    /// Keys after RoPE and values, [max_seq, n_kv_heads, head_dim] each.
+    k_cache: CudaSlice<f32>,
+    v_cache: CudaSlice<f32>,
+}
+
+/// Device activations of the token being run, allocated once at load.
+struct Scratch {
+    x: CudaSlice<f32>,
+    normed: CudaSlice<f32>,
+    qkv: CudaSlice<f32>,
+    attn: CudaSlice<f32>,
+    gate_up: CudaSlice<f32>,
+    act: CudaSlice<f32>,
+    logits: CudaSlice<f32>,
+    /// The current token (argmax writes it, the embedding reads it).
+    token: CudaSlice<u32>,
+    /// Tokens of one decode_greedy call, [max_seq].
+    trail: CudaSlice<u32>,
+    /// Positions 0..max_seq, so a step's position is a view and never a host copy.
+    positions: CudaSlice<u32>,
+}
+
+/// Where a step's token id comes from.
+#[derive(Clone, Copy)]
+enum Token {
+    /// The device token (the previous argmax, or written by `forward`).
+    Current,
+    /// Element `i` of the uploaded prompt.
+    Prompt(usize),
+}
+
+/// A loaded Llama-family model with its KV cache.
+pub struct Model {
+    dev: Device,
+    cfg: Config,
+    layers: Vec<Layer>,
+    /// [vocab, hidden] f32 (bf16-rounded values) for the gather.
+    embed: CudaSlice<f32>,
+    /// [vocab, hidden] bf16: lm_head, or the embedding matrix when tied.
+    lm_head: CudaSlice<u16>,
+    final_norm: CudaSlice<f32>,
+    /// RoPE frequencies [head_dim / 2], scaled as config.json says.
+    freqs: CudaSlice<f64>,
+    s: Scratch,
+    prompt: CudaSlice<u32>,
+    host_logits: Vec<f32>,
+}
+
+/// f32 to bf16 bits, round to nearest, ties to even (contract kernel.linear_bf16); NaN stays NaN.
+fn bf16(v: f32) -> u16 {
+    let bits = v.to_bits();
+    if v.is_nan() {
+        return ((bits >> 16) | 0x0040) as u16;
+    }
+    ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) as u16
+}
+
+fn widen(b: u16) -> f32 {
+    f32::from_bits((b as u32) << 16)
+}
+
+fn dev_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> String + '_ {
+    move |e| format!("{what}: {e}")
+}
+
+impl Model {
+    /// Load `config.json` and `model.safetensors` from an HF model directory. Errors name the missing file/tensor.
+    pub fn load(dir: &Path) -> Result<Model, String> {
+        let cfg = Config::load(dir)?;
+        let f = cfg.features;
+        if f.qkv_bias || f.qk_norm || f.gelu_tanh_mlp || f.rmsnorm_one_plus_w || f.embed_scale_sqrt_hidden || f.fused {
+            return Err(
+                "this engine covers model.llama only; the checkpoint's family has other features".into(),
+            );
+        }
+        if cfg.sliding_window > 0 {
+            return Err("this engine has no sliding-window attention; config.json sets sliding_window".into());
+        }
+        let dev = Device::open(0)?;
+        let st = dev.stream().clone();
+        let mut w = weights::read(dir)?;
+        let (h, v, hd) = (cfg.hidden, cfg.vocab, cfg.head_dim);
+        let (q_dim, kv_dim, inter) = (cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.intermediate);
+        let up32 = |x: &[f32], what: &str| st.clone_htod(x).map_err(dev_err(what));
+        let up16 = |x: &[f32], what: &str| {
+            let b: Vec<u16> = x.iter().map(|&v| bf16(v)).collect();
+            st.clone_htod(&b).map_err(dev_err(what))
+        };
+        let zeros = |n: usize, what: &str| st.alloc_zeros::<f32>(n).map_err(dev_err(what));
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        for i in 0..cfg.n_layers {
+            let name = |n: &str| format!("model.layers.{i}.{n}");
+            let mut qkv = w.take(&name("self_attn.q_proj.weight"), &[q_dim, h])?;
+            qkv.extend(w.take(&name("self_attn.k_proj.weight"), &[kv_dim, h])?);
+            qkv.extend(w.take(&name("self_attn.v_proj.weight"), &[kv_dim, h])?);
+            let mut gate_up = w.take(&name("mlp.gate_proj.weight"), &[inter, h])?;
+            gate_up.extend(w.take(&name("mlp.up_proj.weight"), &[inter, h])?);
+            layers.push(Layer {
+                attn_norm: up32(&w.take(&name("input_layernorm.weight"), &[h])?, "attn_norm")?,
+                wqkv: up16(&qkv, "wqkv")?,
+                wo: up16(&w.take(&name("self_attn.o_proj.weight"), &[h, q_dim])?, "wo")?,
+                ffn_norm: up32(&w.take(&name("post_attention_layernorm.weight"), &[h])?, "ffn_norm")?,
+                w_gate_up: up16(&gate_up, "w_gate_up")?,
+                w_down: up16(&w.take(&name("mlp.down_proj.weight"), &[h, inter])?, "w_down")?,
+                k_cache: zeros(cfg.max_seq * kv_dim, "k_cache")?,
+                v_cache: zeros(cfg.max_seq * kv_dim, "v_cache")?,
+            });
+        }
+        let embed = w.take("model.embed_tokens.weight", &[v, h])?;
+        let lm_head = if !cfg.tied && w.has("lm_head.weight") {
+            up16(&w.take("lm_head.weight", &[v, h])?, "lm_head")?
+        } else {
+            up16(&embed, "lm_head")?
+        };
+        let rounded: Vec<f32> = embed.iter().map(|&x| widen(bf16(x))).collect();
+        let positions: Vec<u32> = (0..cfg.max_seq as u32).collect();
+        let s = Scratch {
+            x: zeros(h, "x")?,
+            normed: zeros(h, "normed")?,
+            qkv: zeros(q_dim + 2 * kv_dim, "qkv")?,
+            attn: zeros(q_dim, "attn")?,
+            gate_up: zeros(2 * inter, "gate_up")?,
+            act: zeros(inter, "act")?,
+            logits: zeros(v, "logits")?,
+            token: st.alloc_zeros::<u32>(1).map_err(dev_err("token"))?,
+            trail: st.alloc_zeros::<u32>(cfg.max_seq.max(1)).map_err(dev_err("trail"))?,
+            positions: st.clone_htod(&positions).map_err(dev_err("positions"))?,
+        };
+        Ok(Model {
+            embed: up32(&rounded, "embed")?,
+            lm_head,
+            final_norm: up32(&w.take("model.norm.weight", &[h])?, "final_norm")?,
+            freqs: st.clone_htod(&cfg.rope_freqs()).map_err(dev_err("rope frequencies"))?,
+            prompt: st.alloc_zeros::<u32>(1).map_err(dev_err("prompt"))?,
+            host_logits: vec![0.0; v],
+            layers,
+            s,
+            cfg,
+            dev,
+        })
+    }
+
+    /// Vocabulary size (length of the logits vector).
+    pub fn vocab_size(&self) -> usize {
+        self.cfg.vocab
+    }
+
+    /// Maximum sequence length the KV cache holds (config max_position_embeddings).
+    pub fn max_seq_len(&self) -> usize {
+        self.cfg.max_seq
+    }
+
+    /// Forget all cached positions.
+    pub fn reset(&mut self) {
+        // Positions at or beyond the next `pos` are overwritten before attention reads them; the
+        // cache needs no clearing.
+    }
+
+    /// Run tokens at positions start_pos..start_pos+tokens.len(), writing their K/V into the cache;
+    /// return the logits [vocab] of the last token.
+    pub fn prefill(&mut self, tokens: &[u32], start_pos: usize) -> &[f32] {
+        assert!(!tokens.is_empty(), "prefill: no tokens");
+        self.prompt =
+            self.dev.stream().clone_htod(tokens).unwrap_or_else(|e| panic!("prefill: uploading the prompt: {e}"));
+        for i in 0..tokens.len() {
+            self.step(Token::Prompt(i), start_pos + i).unwrap_or_else(|e| panic!("prefill: {e}"));
+        }
+        self.read_logits()
+    }
+
+    /// Run one token at position `pos` (cache holds 0..pos), write its K/V at `pos`; return logits [vocab].
+    pub fn forward(&mut self, token: u32, pos: usize) -> &[f32] {
+        self.dev.stream().memcpy_htod(&[token], &mut self.s.token).unwrap_or_else(|e| panic!("forward: {e}"));
+        self.step(Token::Current, pos).unwrap_or_else(|e| panic!("forward: {e}"));
+        self.read_logits()
+    }
+
+    /// Greedy decoding on the device: feed `token` at `pos`, then each argmax (taken on the device) at the next position, `n` times; the host waits once. Returns the `n` tokens.
+    pub fn decode_greedy(&mut self, token: u32, pos: usize, n: usize) -> Vec<u32> {
+        assert!(
+            pos + n <= self.cfg.max_seq,
+            "decode_greedy: positions up to {} beyond max_position_embeddings {}",
+            pos + n,
+            self.cfg.max_seq
+        );
+        let st = self.dev.stream().clone();
+        st.memcpy_htod(&[token], &mut self.s.token).unwrap_or_else(|e| panic!("decode_greedy: {e}"));
+        for step in 0..n {
+            self.step(Token::Current, pos + step).unwrap_or_else(|e| panic!("decode_greedy: {e}"));
+            let Scratch { logits, token, trail, .. } = &mut self.s;
+            kernels::argmax_into(
+                &self.dev,
+                &logits.as_view(),
+                &mut token.as_view_mut(),
+                Some(&mut trail.as_view_mut()),
+                step,
+            )
+            .unwrap_or_else(|e| panic!("decode_greedy: {e}"));
+        }
+        st.clone_dtoh(&self.s.trail.slice(0..n)).unwrap_or_else(|e| panic!("decode_greedy: reading the tokens: {e}"))
+    }
+
+    /// Copy the logits to the host (the one wait of a host-driven step).
+    fn read_logits(&mut self) -> &[f32] {
+        self.dev
+            .stream()
+            .memcpy_dtoh(&self.s.logits, &mut self.host_logits)
+            .unwrap_or_else(|e| panic!("reading the logits: {e}"));
+        &self.host_logits
+    }
+
+    /// One token through every layer at `pos`, on the device: the contracts' forward pass.
+    fn step(&mut self, token: Token, pos: usize) -> Result<(), String> {
+        let Model { dev, cfg: c, layers, embed, lm_head, final_norm, freqs, s, prompt, .. } = self;
+        if pos >= c.max_seq {
+            return Err(format!("position {pos} is beyond max_position_embeddings {}", c.max_seq));
+        }
+        let (h, hd, eps, inter) = (c.hidden, c.head_dim, c.rms_norm_eps, c.intermediate);
+        let (q_dim, kv_dim) = (c.n_heads * hd, c.n_kv_heads * hd);
+        let ids = match token {
+            Token::Current => s.token.slice(0..1),
+            Token::Prompt(i) => prompt.slice(i..i + 1),
+        };
+        kernels::embedding(dev, &embed.as_view(), h, &ids, &mut s.x.as_view_mut())?;
+        let position = s.positions.slice(pos..pos + 1);
+        let kv_len = pos + 1;
+        for l in layers.iter_mut() {
+            // Attention block: x += o_proj(attention(rope(q), cache(rope(k), v))).
+            kernels::rms_norm(dev, &s.x.as_view(), &l.attn_norm.as_view(), eps, &mut s.normed.as_view_mut())?;
+            kernels::linear_bf16(
+                dev,
+                &s.normed.as_view(),
+                &l.wqkv.as_view(),
+                1,
+                h,
+                q_dim + 2 * kv_dim,
+                &mut s.qkv.as_view_mut(),
+            )?;
+            // q and k heads are contiguous in qkv and share the position: one rotation for both.
+            let mut qk = s.qkv.slice_mut(0..q_dim + kv_dim);
+            kernels::rope_with_freqs(dev, &mut qk, &position, c.n_heads + c.n_kv_heads, hd, &freqs.as_view())?;
+            let qkv = s.qkv.as_view();
+            kernels::store_kv(
+                dev,
+                &qkv,
+                q_dim,
+                q_dim + kv_dim,
+                kv_dim,
+                &mut l.k_cache.as_view_mut(),
+                &mut l.v_cache.as_view_mut(),
+                pos,
+            )?;
+            let (keys, values) = (l.k_cache.slice(0..kv_len * kv_dim), l.v_cache.slice(0..kv_len * kv_dim));
+            kernels::attention(
+                dev,
+                &qkv.slice(0..q_dim),
+                &keys,
+                &values,
+                1,
+                kv_len,
+                c.n_heads,
+                c.n_kv_heads,
+                hd,
+                &mut s.attn.as_view_mut(),
+            )?;
+            kernels::linear_bf16_into(
+                dev,
+                &s.attn.as_view(),
+                &l.wo.as_view(),
+                1,
+                q_dim,
+                h,
+                &mut s.x.as_view_mut(),
+                true,
+            )?;
+            // MLP block: x += down_proj(silu(gate_proj(x)) * up_proj(x)).
+            kernels::rms_norm(dev, &s.x.as_view(), &l.ffn_norm.as_view(), eps, &mut s.normed.as_view_mut())?;
+            kernels::linear_bf16(
+                dev,
+                &s.normed.as_view(),
+                &l.w_gate_up.as_view(),
+                1,
+                h,
+                2 * inter,
+                &mut s.gate_up.as_view_mut(),
+            )?;
+            kernels::silu_and_mul(
+                dev,
+                &s.gate_up.slice(0..inter),
+                &s.gate_up.slice(inter..2 * inter),
+                &mut s.act.as_view_mut(),
+            )?;
+            kernels::linear_bf16_into(
+                dev,
+                &s.act.as_view(),
+                &l.w_down.as_view(),
+                1,
+                inter,
+                h,
+                &mut s.x.as_view_mut(),
+                true,
+            )?;
+        }
+        kernels::rms_norm(dev, &s.x.as_view(), &final_norm.as_view(), eps, &mut s.normed.as_view_mut())?;
+        kernels::linear_bf16(dev, &s.normed.as_view(), &lm_head.as_view(), 1, h, c.vocab, &mut s.logits.as_view_mut())?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn bf16_rounds_to_nearest_even() {
+        assert_eq!(super::bf16(1.0), 0x3F80);
+        // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to even (1.0).
+        assert_eq!(super::bf16(1.0 + 1.0 / 256.0), 0x3F80);
+        // 1 + 3 * 2^-8 is halfway between 1 + 2^-7 and 1 + 2^-6: ties to even (1 + 2^-6).
+        assert_eq!(super::bf16(1.0 + 3.0 / 256.0), 0x3F82);
+        assert!(super::widen(super::bf16(f32::NAN)).is_nan());
+    }
+}

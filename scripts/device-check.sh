@@ -1,0 +1,185 @@
+#!/usr/bin/env bash
+# The GPU checks of the CUDA example engine (examples/engines/llama-cuda-bf16), as one script in three
+# steps, for a GPU machine that has CUDA (driver 13), Python with torch and transformers, and no Rust
+# toolchain:
+#
+#   scripts/device-check.sh prepare DIR   here: build the bundles and a stripped metainfer into DIR
+#   scripts/device-check.sh run DIR       on the GPU machine, in a copy of DIR: run every bundle there
+#   scripts/device-check.sh judge DIR     here, on DIR copied back: judge and record every bundle
+#
+# What it measures (README, "Gates on a GPU"): the CUDA kernels' kernel tests; verify_generation on
+# BabyLlama and on a synthetic Llama of the 1B shape in bf16; profile_engine on the 1B shape (decode
+# tokens/s at batch 1 against the HBM roofline, time to first token, the measured copy bandwidth
+# against the platform contract's HBM figure); and, as an independent check, transformers' own Llama
+# on the same GPU and BabyLlama's weights against the golden output the reference forward pass
+# reproduces (tests/it/oracle.rs: reference_forward_reproduces_golden_greedy_ids_and_logits).
+#
+# DIR stays under 64 MiB: the 1B checkpoint is not carried but synthesised on each side from the same
+# seed and shape (its hash is checked by `bundle run --model` and by the read-back). Every step goes
+# on after a failure and leaves its output in DIR/logs; `judge` prints a summary.
+#
+# Environment: METAINFER (the binary, default target/debug/metainfer, built when missing),
+# METAINFER_LEDGER (the ledger judge records into; prepare and judge must use the same one),
+# SEED (default 20261201), MODEL_1B (where the 1B checkpoint is synthesised; default DIR/../llama-1b
+# here, /tmp/metainfer-llama-1b on the GPU machine).
+set -uo pipefail
+
+step=${1:-}
+dir=${2:-}
+if [[ -z "$step" || -z "$dir" ]]; then
+    sed -n '2,9p' "$0" >&2
+    exit 2
+fi
+seed=${SEED:-20261201}
+# The 1B shape (Llama 3.2 1B: hidden 2048, 16 layers, 32 heads, 8 KV heads, intermediate 8192,
+# vocab 128256), with a short context so the f64 reference of the read-back stays minutes long.
+shape_1b=(--family llama --hidden 2048 --layers 16 --heads 32 --kv-heads 8 --intermediate 8192 --vocab 128256 --max-seq 160 --seed "$seed")
+
+log() { printf '%s %s\n' "$(date -u +%H:%M:%S)" "$*" | tee -a "$dir/logs/steps.txt" >&2; }
+# Run a step, its stdout (JSON) to logs/NAME.json and stderr to logs/NAME.err; record its status.
+step_run() {
+    local name=$1
+    shift
+    "$@" >"$dir/logs/$name.json" 2>"$dir/logs/$name.err"
+    local rc=$?
+    log "$name: exit $rc"
+    return $rc
+}
+
+case "$step" in
+prepare)
+    root=$(cd "$(dirname "$0")/.." && pwd)
+    engine=$root/examples/engines/llama-cuda-bf16
+    baby=$root/../shared/models/babyllama-105
+    bin=${METAINFER:-$root/target/debug/metainfer}
+    if [[ ! -x "$bin" ]]; then
+        (cd "$root" && cargo build) || exit 2
+    fi
+    if [[ -e "$dir" && -n "$(ls -A "$dir" 2>/dev/null)" ]]; then
+        echo "$dir exists and is not empty" >&2
+        exit 2
+    fi
+    mkdir -p "$dir/logs" "$dir/bin" "$dir/models"
+    # Debug information is most of the binary's size; the code is the same.
+    objcopy --strip-debug "$bin" "$dir/bin/metainfer" || cp "$bin" "$dir/bin/metainfer"
+    cp -r "$baby" "$dir/models/babyllama-105"
+    cp "$root/scripts/device-check.sh" "$dir/device-check.sh"
+    echo "$seed" >"$dir/seed"
+    step_run write-kt "$bin" test-kernel --engine "$engine" --seed "$seed" --write-bundle "$dir/kt" --json
+    step_run write-verify-baby "$bin" verify --engine "$engine" --model "$baby" --seed "$seed" \
+        --max-new-tokens 32 --write-bundle "$dir/verify-baby" --json
+    model_1b=${MODEL_1B:-$dir/../llama-1b}
+    if [[ -d "$model_1b" ]] || step_run synth-1b "$bin" synth "${shape_1b[@]}" --out "$model_1b" --json; then
+        printf '%s\n' "${shape_1b[@]}" >"$dir/synth-1b.args"
+        step_run write-verify-1b "$bin" verify --engine "$engine" --model "$model_1b" --seed "$seed" \
+            --max-new-tokens 16 --write-bundle "$dir/verify-1b" --json
+        step_run write-profile-1b "$bin" profile --engine "$engine" --model "$model_1b" --prompt-len 64 \
+            --new-tokens 64 --runs 5 --write-bundle "$dir/profile-1b" --json
+    else
+        log "1B: not prepared (synth refused the shape; see logs/synth-1b.err)"
+    fi
+    size=$(du -sm "$dir" | cut -f1)
+    log "prepared $dir: ${size} MiB"
+    if ((size > 64)); then
+        log "over 64 MiB: too large to carry"
+        exit 1
+    fi
+    ;;
+run)
+    cd "$dir" || exit 2
+    dir=$(pwd)
+    mkdir -p logs
+    bin=$dir/bin/metainfer
+    nvidia-smi --query-gpu=name,compute_cap,memory.total,driver_version --format=csv >logs/device.csv 2>&1
+    log "device: $(tail -n +2 logs/device.csv | head -1)"
+    for b in kt verify-baby; do
+        [[ -d "$b" ]] && step_run "run-$b" "$bin" bundle run "$b" --json
+    done
+    if [[ -f synth-1b.args ]]; then
+        model_1b=${MODEL_1B:-/tmp/metainfer-llama-1b}
+        mapfile -t args <synth-1b.args
+        if [[ -d "$model_1b" ]] || step_run synth-1b "$bin" synth "${args[@]}" --out "$model_1b" --json; then
+            for b in verify-1b profile-1b; do
+                [[ -d "$b" ]] && step_run "run-$b" "$bin" bundle run "$b" --model "$model_1b" --json
+            done
+        fi
+    fi
+    # transformers' own Llama on this GPU, on BabyLlama's weights: greedy ids and the logits of the
+    # first three positions of the golden prompt (written here, compared by `judge`).
+    step_run hf-babyllama python3 - "$dir/models/babyllama-105" <<'PY'
+import json, sys
+import torch
+from transformers import LlamaForCausalLM
+model = LlamaForCausalLM.from_pretrained(sys.argv[1], torch_dtype=torch.float32).to("cuda").eval()
+prompt_ids = [1, 3, 34, 9, 22, 4, 3, 18, 20, 7, 9, 3, 5, 3, 6, 10, 16, 4]
+ids = torch.tensor([prompt_ids], device="cuda")
+with torch.no_grad():
+    logits = model(ids).logits[0, :3].float().cpu().tolist()
+    out = model.generate(ids, max_new_tokens=103, do_sample=False, eos_token_id=None)
+print(json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                  "logits_positions_0_to_2": logits, "greedy_ids": out[0].tolist()}))
+PY
+    log "run done"
+    ;;
+judge)
+    root=$(cd "$(dirname "$0")/.." && pwd)
+    engine=$root/examples/engines/llama-cuda-bf16
+    baby=$root/../shared/models/babyllama-105
+    bin=${METAINFER:-$root/target/debug/metainfer}
+    mkdir -p "$dir/logs"
+    seed=$(cat "$dir/seed")
+    step_run judge-kt "$bin" test-kernel --engine "$engine" --from-bundle "$dir/kt" --json
+    step_run judge-verify-baby "$bin" verify --engine "$engine" --model "$baby" --max-new-tokens 32 \
+        --from-bundle "$dir/verify-baby" --json
+    model_1b=${MODEL_1B:-$dir/../llama-1b}
+    if [[ -d "$dir/verify-1b" ]]; then
+        step_run judge-verify-1b "$bin" verify --engine "$engine" --model "$model_1b" --max-new-tokens 16 \
+            --from-bundle "$dir/verify-1b" --json
+        step_run judge-profile-1b "$bin" profile --engine "$engine" --model "$model_1b" --prompt-len 64 \
+            --new-tokens 64 --runs 5 --from-bundle "$dir/profile-1b" --json
+    fi
+    # transformers on the GPU against the golden output (agreed by four implementations; the
+    # reference forward pass reproduces it in tests/it/oracle.rs). f32 logits: 1e-4 absolute.
+    step_run judge-hf python3 - "$dir/logs/hf-babyllama.json" "$root/../shared/golden/babyllama-105-once-upon-a-time.json" <<'PY'
+import json, sys
+try:
+    hf = json.load(open(sys.argv[1]))
+except Exception as e:
+    print(json.dumps({"passed": False, "error": f"no transformers output: {e}"}))
+    sys.exit(1)
+golden = json.load(open(sys.argv[2]))
+diff = max(abs(a - b) for hr, gr in zip(hf["logits_positions_0_to_2"], golden["logits_positions_0_to_2"])
+           for a, b in zip(hr, gr))
+n = len(golden["greedy_ids"])
+same_ids = hf["greedy_ids"][:n] == golden["greedy_ids"]
+passed = same_ids and diff <= 1e-4
+print(json.dumps({"passed": passed, "device": hf["device"], "max_abs_logit_diff": diff, "greedy_ids_equal": same_ids}))
+sys.exit(0 if passed else 1)
+PY
+    echo "summary (passed / key figures):"
+    python3 - "$dir"/logs/judge-*.json <<'PY'
+import json, sys
+for path in sys.argv[1:]:
+    name = path.rsplit("/", 1)[-1][len("judge-"):-len(".json")]
+    try:
+        r = json.load(open(path))
+    except Exception:
+        print("  %s: no report" % name)
+        continue
+    d = r.get("device") or {}
+    extra = ""
+    if "decode_tok_s" in r:
+        extra = " decode %.1f tok/s, roofline %.1f, fraction %.2f, TTFT %.1f ms, copy %.0f / HBM %.0f GB/s" % (
+            r["decode_tok_s"]["median"], r["roofline_decode_tok_s"], d.get("decode_fraction", 0.0),
+            r["first_token_ms"]["median"], d.get("copy_gbs", 0.0), d.get("hbm_gbs", 0.0))
+    if "max_abs_logit_diff" in r:
+        extra = " on %s: max |logit diff| %.2e, greedy ids equal %s" % (r["device"], r["max_abs_logit_diff"], r["greedy_ids_equal"])
+    err = r.get("error") or r.get("build_error") or ""
+    print("  %s: passed=%s%s%s" % (name, r.get("passed"), extra, (" -- " + err[:200]) if err else ""))
+PY
+    ;;
+*)
+    sed -n '2,9p' "$0" >&2
+    exit 2
+    ;;
+esac

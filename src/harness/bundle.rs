@@ -1,0 +1,461 @@
+//! Bundles: a gate's harness call packed to run on another machine (the one with the device), and
+//! run there. A gate splits into build-and-draw (here: build the harness, draw the inputs, write the
+//! bundle), run (`metainfer bundle run DIR` where the device is: [`run`]) and compare (here again:
+//! read the replies back, judge against the oracle and record). Expected values never enter a bundle:
+//! it holds the harness binary, the protocol requests, the drawn inputs and (when small) the model.
+//!
+//! Layout of a bundle directory:
+//!
+//! ```text
+//! bundle.json          BundleManifest: tool, seed, engine source hash, requests, input and model hashes
+//! harness              the harness executable, built for the engine (and its device api)
+//! request.<i>.json     protocol::Request i, every path relative to the bundle directory
+//! case<n>.in.safetensors ... inputs drawn from the seed (kernel tests)
+//! model/               the model directory (copied when small; else a link `bundle run --model` makes)
+//! after a run:
+//! reply.<i>.json       protocol::Reply i, as the harness wrote it
+//! run.<i>.json         RunRecord i: how the process ended, its wall time and stderr tail
+//! *.out.safetensors, generate.safetensors ... outputs named in the requests
+//! ```
+//!
+//! A bundle is written into a staging directory beside its destination and renamed into place, so
+//! a failure leaves no half-written bundle. Running one is not sandboxed by the server: it runs
+//! wherever the user starts it (see README, Security).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use super::protocol;
+use super::{Budget, Exit, Run};
+use crate::error::{Error, Result};
+
+/// Version of the bundle layout.
+pub const FORMAT: u32 = 1;
+
+/// File name of the manifest in a bundle directory.
+pub const MANIFEST: &str = "bundle.json";
+
+/// The harness executable's name in a bundle.
+pub const HARNESS: &str = "harness";
+
+/// The model directory's name in a bundle.
+pub const MODEL: &str = "model";
+
+/// Largest model directory copied into a bundle, bytes; a larger one is referenced by its hash and
+/// given to `bundle run --model DIR` on the device machine.
+pub const MAX_COPIED_MODEL: u64 = 64 << 20;
+
+/// What a bundle holds and what it was made from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BundleManifest {
+    /// [`FORMAT`].
+    pub format: u32,
+    /// The gate (MCP tool name) that wrote it.
+    pub tool: String,
+    /// The engine directory it was written for.
+    pub engine: String,
+    /// sha256 of the engine's files when it was written: compare refuses other sources.
+    pub engine_hash: String,
+    /// Weight dtype the harness was built for.
+    pub dtype: String,
+    /// Target platform name, e.g. `cuda`.
+    pub target: String,
+    /// Platform contract id, when the target has one.
+    #[serde(default)]
+    pub platform: Option<String>,
+    /// Seed of the drawn inputs (kernel tests, random prompts).
+    #[serde(default)]
+    pub seed: Option<u64>,
+    /// Harness protocol version ([`protocol::VERSION`]).
+    pub protocol: u32,
+    /// sha256 of the harness executable.
+    pub harness_sha256: String,
+    /// The requests, run in order: file names of `protocol::Request`s in the bundle, each with the
+    /// environment its process gets.
+    pub requests: Vec<BundleRequest>,
+    /// sha256 of every input file, by file name.
+    #[serde(default)]
+    pub inputs: BTreeMap<String, String>,
+    /// The model the requests read, when they read one.
+    #[serde(default)]
+    pub model: Option<BundleModel>,
+    /// When it was written (RFC 3339).
+    pub written: String,
+}
+
+/// One request of a bundle.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BundleRequest {
+    /// File name of the request, e.g. `request.0.json`.
+    pub request: String,
+    /// Environment added to the harness process, e.g. `RAYON_NUM_THREADS`.
+    #[serde(default)]
+    pub env: Vec<(String, String)>,
+}
+
+/// The model of a bundle.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BundleModel {
+    /// Whether its files are in the bundle's `model/` (else `bundle run --model DIR` links it).
+    pub copied: bool,
+    /// [`model_hash`] of the directory.
+    pub sha256: String,
+    /// Where it was on the machine that wrote the bundle.
+    pub source: String,
+}
+
+/// How one request's process ended, as `bundle run` records it (`run.<i>.json`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunRecord {
+    /// `exited`, `timed_out`, `cancelled` or `output_limit`.
+    pub outcome: String,
+    /// Exit status when it exited (None: killed by a signal).
+    pub code: Option<i32>,
+    /// Wall time, seconds.
+    pub seconds: f64,
+    /// The tail of its stderr.
+    pub stderr: String,
+}
+
+impl RunRecord {
+    /// The record of a finished process.
+    pub fn of(run: &Run) -> RunRecord {
+        let (outcome, code) = match run.exit {
+            Exit::Code(c) => ("exited", c),
+            Exit::TimedOut => ("timed_out", None),
+            Exit::Cancelled => ("cancelled", None),
+            Exit::OutputLimit => ("output_limit", None),
+        };
+        RunRecord { outcome: outcome.into(), code, seconds: run.seconds, stderr: super::tail(&run.stderr, 16 << 10) }
+    }
+
+    /// The process as a [`Run`] (stdout is not kept).
+    pub fn to_run(&self) -> Run {
+        let exit = match self.outcome.as_str() {
+            "timed_out" => Exit::TimedOut,
+            "cancelled" => Exit::Cancelled,
+            "output_limit" => Exit::OutputLimit,
+            _ => Exit::Code(self.code),
+        };
+        Run { exit, stdout: String::new(), stderr: self.stderr.clone(), seconds: self.seconds, sandboxed: false }
+    }
+}
+
+/// File name of request `i`.
+pub fn request_file(i: usize) -> String {
+    format!("request.{i}.json")
+}
+
+/// File name of reply `i`.
+pub fn reply_file(i: usize) -> String {
+    format!("reply.{i}.json")
+}
+
+/// File name of run record `i`.
+pub fn run_file(i: usize) -> String {
+    format!("run.{i}.json")
+}
+
+/// sha256 of a file.
+///
+/// # Errors
+/// When it cannot be read.
+pub fn file_hash(path: &Path) -> Result<String> {
+    let mut f = std::fs::File::open(path).map_err(|e| Error::input(format!("{}: {e}", path.display())))?;
+    let mut h = Sha256::new();
+    std::io::copy(&mut f, &mut h).map_err(|e| Error::input(format!("{}: {e}", path.display())))?;
+    Ok(format!("{:x}", h.finalize()))
+}
+
+/// The regular files of a model directory (top level: config, tokenizer, weights), in name order.
+fn model_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| Error::input(format!("model directory {}: {e}", dir.display())))?
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+        .map(|e| e.path())
+        .collect();
+    files.sort();
+    Ok(files)
+}
+
+/// sha256 over a model directory's top-level files (names and contents, in name order): what
+/// `bundle run --model` and compare check, so a bundle runs and is judged on the same weights.
+///
+/// # Errors
+/// When the directory or a file cannot be read.
+pub fn model_hash(dir: &Path) -> Result<String> {
+    let mut h = Sha256::new();
+    for f in model_files(dir)? {
+        let name = f.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        h.update((name.len() as u64).to_le_bytes());
+        h.update(name.as_bytes());
+        h.update(file_hash(&f)?.as_bytes());
+    }
+    Ok(format!("{:x}", h.finalize()))
+}
+
+/// Total bytes of a model directory's top-level files.
+///
+/// # Errors
+/// When the directory cannot be read.
+pub fn model_bytes(dir: &Path) -> Result<u64> {
+    Ok(model_files(dir)?.iter().map(|f| std::fs::metadata(f).map(|m| m.len()).unwrap_or(0)).sum())
+}
+
+/// Copy a model directory's top-level files into `to`.
+///
+/// # Errors
+/// When a file cannot be copied.
+pub fn copy_model(from: &Path, to: &Path) -> Result<()> {
+    std::fs::create_dir_all(to).map_err(|e| Error::internal(format!("{}: {e}", to.display())))?;
+    for f in model_files(from)? {
+        let dest = to.join(f.file_name().unwrap_or_default());
+        std::fs::copy(&f, &dest).map_err(|e| Error::internal(format!("copying {}: {e}", f.display())))?;
+    }
+    Ok(())
+}
+
+/// A command as a bundle holds it: every path relative to the bundle directory `root` (inputs
+/// and outputs in it), the model directory as the bundle's [`MODEL`].
+pub fn relative(command: protocol::Command, root: &Path) -> protocol::Command {
+    use protocol::Command;
+    let rel = |p: &Path| p.strip_prefix(root).map(Path::to_path_buf).unwrap_or_else(|_| p.to_path_buf());
+    match command {
+        Command::Kernel { cases } => Command::Kernel {
+            cases: cases
+                .into_iter()
+                .map(|k| protocol::KernelCase { input: rel(&k.input), output: rel(&k.output), ..k })
+                .collect(),
+        },
+        Command::Generate { prompts, tensors, stop_tokens, .. } => {
+            Command::Generate { model: MODEL.into(), prompts, tensors: rel(&tensors), stop_tokens }
+        }
+        t @ Command::Tokenize { .. } => t,
+        Command::Profile { prompt_len, new_tokens, runs, .. } => {
+            Command::Profile { model: MODEL.into(), prompt_len, new_tokens, runs }
+        }
+        t @ Command::Time { .. } => t,
+    }
+}
+
+/// Read request `i` of a bundle.
+///
+/// # Errors
+/// [`crate::error::ErrorKind::Usage`] when it is missing or does not parse.
+pub fn read_request(dir: &Path, i: usize) -> Result<protocol::Request> {
+    let path = dir.join(request_file(i));
+    let bytes = std::fs::read(&path)
+        .map_err(|e| Error::usage(format!("{}: {e}; the bundle is incomplete, write it again", path.display())))?;
+    serde_json::from_slice(&bytes).map_err(|e| Error::usage(format!("{}: not a harness request: {e}", path.display())))
+}
+
+/// Refuse a bundle directory holding a symbolic link (other than the `model` link `bundle run
+/// --model` makes): what is read back must be the bundle's own files.
+///
+/// # Errors
+/// [`crate::error::ErrorKind::Usage`] naming the link; Input when the directory cannot be read.
+pub fn check_no_links(dir: &Path) -> Result<()> {
+    for e in std::fs::read_dir(dir).map_err(|e| Error::input(format!("bundle {}: {e}", dir.display())))? {
+        let e = e.map_err(|e| Error::input(format!("bundle {}: {e}", dir.display())))?;
+        if e.file_type().is_ok_and(|t| t.is_symlink()) && e.file_name() != MODEL {
+            return Err(Error::usage(format!(
+                "{} is a symbolic link; a bundle holds only its own files: write and run it again",
+                e.path().display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Whether two safetensors files hold the same tensors (name, dtype, shape, bytes) and the same
+/// metadata, whatever the order of their headers (the metadata is a hash map, serialised in no fixed
+/// order). Unreadable bytes are equal to nothing.
+pub fn same_tensors(a: &[u8], b: &[u8]) -> bool {
+    use safetensors::SafeTensors;
+    type Contents = (BTreeMap<String, String>, BTreeMap<String, (String, Vec<usize>, Vec<u8>)>);
+    let read = |bytes| -> Option<Contents> {
+        let (_, header) = SafeTensors::read_metadata(bytes).ok()?;
+        let meta = header.metadata().clone().unwrap_or_default().into_iter().collect();
+        let st = SafeTensors::deserialize(bytes).ok()?;
+        let tensors = st
+            .tensors()
+            .into_iter()
+            .map(|(n, v)| (n, (format!("{:?}", v.dtype()), v.shape().to_vec(), v.data().to_vec())))
+            .collect();
+        Some((meta, tensors))
+    };
+    matches!((read(a), read(b)), (Some(x), Some(y)) if x == y)
+}
+
+/// Read a bundle's manifest.
+///
+/// # Errors
+/// [`crate::error::ErrorKind::Usage`] when `dir` holds no readable manifest or one of another format.
+pub fn read_manifest(dir: &Path) -> Result<BundleManifest> {
+    let path = dir.join(MANIFEST);
+    let bytes = std::fs::read(&path).map_err(|e| {
+        Error::usage(format!(
+            "{} is not a bundle ({}: {e}); write one with a gate's write_bundle",
+            dir.display(),
+            MANIFEST
+        ))
+    })?;
+    let m: BundleManifest = serde_json::from_slice(&bytes)
+        .map_err(|e| Error::usage(format!("{}: not a bundle manifest: {e}", path.display())))?;
+    if m.format != FORMAT || m.protocol != protocol::VERSION {
+        return Err(Error::usage(format!(
+            "{}: bundle format {} / protocol {}, this metainfer reads format {FORMAT} / protocol {}; write the bundle again",
+            path.display(),
+            m.format,
+            m.protocol,
+            protocol::VERSION
+        )));
+    }
+    Ok(m)
+}
+
+/// What `bundle run` did.
+#[derive(Debug, Clone)]
+pub struct Ran {
+    /// The manifest.
+    pub manifest: BundleManifest,
+    /// One record per request run, in order; a failed request ends the run.
+    pub runs: Vec<RunRecord>,
+}
+
+/// Run a bundle where the device is: check it (manifest, harness hash, model hash; with `model`,
+/// link that directory as the bundle's model after checking its hash), then run each request's
+/// harness process in the bundle directory within `budget`, writing its reply and `run.<i>.json`.
+/// Earlier replies and records are removed first. Stops at the first request that fails.
+///
+/// # Errors
+/// [`crate::error::ErrorKind::Usage`] for a malformed bundle, a swapped harness, a missing or
+/// different model; Internal when a process cannot be started.
+pub fn run(dir: &Path, model: Option<&Path>, budget: &Budget) -> Result<Ran> {
+    let dir = dir.canonicalize().map_err(|e| Error::usage(format!("bundle {}: {e}", dir.display())))?;
+    let manifest = read_manifest(&dir)?;
+    let exe = dir.join(HARNESS);
+    if file_hash(&exe)? != manifest.harness_sha256 {
+        return Err(Error::usage(format!(
+            "{}: the harness executable differs from the one the bundle was written with",
+            exe.display()
+        )));
+    }
+    if let Some(m) = &manifest.model {
+        let link = dir.join(MODEL);
+        match (m.copied, model) {
+            (true, _) => {}
+            (false, Some(given)) => {
+                let given =
+                    given.canonicalize().map_err(|e| Error::usage(format!("model {}: {e}", given.display())))?;
+                let h = model_hash(&given)?;
+                if h != m.sha256 {
+                    return Err(Error::usage(format!(
+                        "model {} differs from the bundle's (sha256 {h}, the bundle was written for {} with {})",
+                        given.display(),
+                        m.source,
+                        m.sha256
+                    )));
+                }
+                let _ = std::fs::remove_file(&link);
+                std::os::unix::fs::symlink(&given, &link)
+                    .map_err(|e| Error::internal(format!("linking {}: {e}", link.display())))?;
+            }
+            (false, None) if link.exists() && model_hash(&link)? == m.sha256 => {}
+            (false, None) => {
+                return Err(Error::usage(format!(
+                    "this bundle needs the model it was written for ({}, sha256 {}): pass --model DIR",
+                    m.source, m.sha256
+                )));
+            }
+        }
+    }
+    for (name, sha) in &manifest.inputs {
+        if name.contains('/') || name.contains("..") {
+            return Err(Error::usage(format!("bundle input name {name:?} must be a file name")));
+        }
+        if file_hash(&dir.join(name))? != *sha {
+            return Err(Error::usage(format!(
+                "bundle input {name} differs from the one the bundle was written with: copy the bundle again"
+            )));
+        }
+    }
+    for i in 0..manifest.requests.len() {
+        let _ = std::fs::remove_file(dir.join(reply_file(i)));
+        let _ = std::fs::remove_file(dir.join(run_file(i)));
+    }
+    let mut runs = Vec::new();
+    for (i, r) in manifest.requests.iter().enumerate() {
+        if r.request.contains('/') || r.request.contains("..") {
+            return Err(Error::usage(format!("bundle request name {:?} must be a file name", r.request)));
+        }
+        let mut cmd = duct::cmd(&exe, [r.request.as_str()]).dir(&dir);
+        for (k, v) in &r.env {
+            cmd = cmd.env(k, v);
+        }
+        let ran = super::run(cmd, budget)?;
+        let record = RunRecord::of(&ran);
+        let text = serde_json::to_vec_pretty(&record).map_err(|e| Error::internal(format!("run record: {e}")))?;
+        crate::util::write_atomic(&dir.join(run_file(i)), &text)?;
+        runs.push(record);
+        if !ran.ok() {
+            break;
+        }
+    }
+    Ok(Ran { manifest, runs })
+}
+
+/// Read back request `i` of a run bundle: its process record and reply, as a harness call would
+/// have returned them.
+///
+/// # Errors
+/// [`crate::error::ErrorKind::Usage`] when the request has not been run (no `run.<i>.json`).
+pub fn called(dir: &Path, i: usize) -> Result<super::Called> {
+    let record = std::fs::read(dir.join(run_file(i))).map_err(|_| {
+        Error::usage(format!(
+            "bundle {} has not been run (no {}): run `metainfer bundle run {}` on the machine with the device, then compare again",
+            dir.display(),
+            run_file(i),
+            dir.display()
+        ))
+    })?;
+    let record: RunRecord = serde_json::from_slice(&record)
+        .map_err(|e| Error::usage(format!("{}: unreadable run record: {e}", dir.join(run_file(i)).display())))?;
+    let reply = match std::fs::read(dir.join(reply_file(i))) {
+        Ok(bytes) => {
+            serde_json::from_slice::<protocol::Reply>(&bytes).map_err(|e| format!("reply does not parse: {e}"))
+        }
+        Err(_) => Err("it wrote no reply".to_string()),
+    };
+    Ok(super::Called { run: record.to_run(), reply })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn run_records_round_trip_every_ending() {
+        for exit in [
+            Exit::Code(Some(0)),
+            Exit::Code(Some(101)),
+            Exit::Code(None),
+            Exit::TimedOut,
+            Exit::Cancelled,
+            Exit::OutputLimit,
+        ] {
+            let run =
+                Run { exit: exit.clone(), stdout: "x".into(), stderr: "boom".into(), seconds: 1.5, sandboxed: false };
+            let back = RunRecord::of(&run).to_run();
+            assert_eq!((back.exit, back.stderr.as_str(), back.seconds), (exit, "boom", 1.5));
+        }
+    }
+}

@@ -1,0 +1,294 @@
+//! Gates split at the harness (build and draw here, run where the device is, compare here), shown
+//! on the CPU with the plain example engine: a bundle written by a gate, run by `metainfer bundle
+//! run` in another process, and read back gives the verdict of a direct run with the same seed; a
+//! bundle altered or incomplete is refused or fails for that reason.
+
+use std::path::Path;
+
+use metainfer::error::ErrorKind;
+use metainfer::harness::Budget;
+use metainfer::ops::kernel_test::{KernelTestReport, KernelTestRequest, kernel_test};
+use metainfer::ops::profile::{ProfileRequest, profile};
+use metainfer::ops::verify::{VerifyRequest, verify};
+
+use crate::Engine;
+
+pub(crate) fn s(p: &Path) -> String {
+    p.display().to_string()
+}
+
+pub(crate) fn budget() -> Budget {
+    Budget::secs(900)
+}
+
+pub(crate) fn kt(engine: &Path, seed: u64, write: Option<&Path>, read: Option<&Path>) -> KernelTestRequest {
+    KernelTestRequest {
+        engine: s(engine),
+        kernels: vec![],
+        seed: Some(seed),
+        dtype: None,
+        write_bundle: write.map(s),
+        from_bundle: read.map(s),
+    }
+}
+
+/// `metainfer bundle run DIR` in its own process, as on the device machine; its exit status.
+pub(crate) fn run_bundle(dir: &Path) -> std::process::Output {
+    std::process::Command::new(crate::bin())
+        .args(["bundle", "run"])
+        .arg(dir)
+        .arg("--json")
+        .env("METAINFER_LEDGER", dir.join("not-used.sqlite"))
+        .output()
+        .unwrap()
+}
+
+fn errors(r: &KernelTestReport) -> Vec<(String, bool, u64)> {
+    r.kernels.iter().map(|k| (k.kernel.clone(), k.passed, k.max_abs_err.to_bits())).collect()
+}
+
+/// The whole split on the plain engine: kernel tests, verify and profile each written as a bundle,
+/// run in another process, read back and recorded; the kernel verdicts equal a direct run's with
+/// the same seed, error for error (the CPU kernels are deterministic).
+#[test]
+fn a_bundle_run_elsewhere_gives_the_direct_verdict() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let engine = t.path().join("engine");
+    Engine::Plain.copy_to(&engine);
+    let seed = 4242;
+
+    let direct = kernel_test(&ctx, &kt(&engine, seed, None, None), &budget()).unwrap();
+    assert!(direct.passed, "{direct:?}");
+
+    let dir = t.path().join("kt-bundle");
+    let written = kernel_test(&ctx, &kt(&engine, seed, Some(&dir), None), &budget()).unwrap();
+    assert!(
+        !written.passed && written.build_error.starts_with("not run: bundle written to"),
+        "{}",
+        written.build_error
+    );
+    assert!(dir.join("bundle.json").is_file() && dir.join("harness").is_file());
+    // Reading it back before it ran is a usage error that says how to run it.
+    let e = kernel_test(&ctx, &kt(&engine, seed, None, Some(&dir)), &budget()).unwrap_err();
+    assert!(e.kind == ErrorKind::Usage && e.message.contains("has not been run"), "{}", e.message);
+    // Expected values never enter a bundle: its files are the harness, requests and inputs.
+    for f in std::fs::read_dir(&dir).unwrap() {
+        let name = f.unwrap().file_name().to_string_lossy().into_owned();
+        assert!(
+            name == "bundle.json"
+                || name == "harness"
+                || name.starts_with("request.")
+                || name.ends_with(".in.safetensors"),
+            "unexpected file {name} in a written bundle"
+        );
+    }
+
+    let out = run_bundle(&dir);
+    assert!(out.status.success(), "{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let ran: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(ran["tool"], "run_kernel_test");
+    assert_eq!(ran["runs"][0]["reply"], "kernel");
+
+    let read = kernel_test(&ctx, &kt(&engine, seed, None, Some(&dir)), &budget()).unwrap();
+    assert!(read.passed, "{read:?}");
+    assert_eq!(read.seed, seed);
+    assert_eq!(errors(&read), errors(&direct));
+    crate::assert_conforms(&read);
+    // A seed other than the bundle's is refused.
+    let e = kernel_test(&ctx, &kt(&engine, seed + 1, None, Some(&dir)), &budget()).unwrap_err();
+    assert!(e.message.contains("seed"), "{}", e.message);
+
+    // verify_generation and profile_engine through bundles (BabyLlama is small: copied in).
+    let vdir = t.path().join("verify-bundle");
+    let vreq = |write: Option<&Path>, read: Option<&Path>| VerifyRequest {
+        engine: s(&engine),
+        model: s(&crate::babyllama()),
+        prompts: vec![],
+        max_new_tokens: Some(8),
+        seed: Some(7),
+        dtype: None,
+        write_bundle: write.map(s),
+        from_bundle: read.map(s),
+    };
+    let v = verify(&ctx, &vreq(Some(&vdir), None), &budget()).unwrap();
+    assert!(!v.passed && v.error.contains("model included"), "{}", v.error);
+    assert!(vdir.join("model/model.safetensors").is_file());
+    assert!(run_bundle(&vdir).status.success());
+    let v = verify(&ctx, &vreq(None, Some(&vdir)), &budget()).unwrap();
+    assert!(v.passed, "{}", metainfer::ops::Report::text(&v));
+    assert_eq!(v.prompts.len(), 4);
+
+    let pdir = t.path().join("profile-bundle");
+    let preq = |write: Option<&Path>, read: Option<&Path>| ProfileRequest {
+        engine: s(&engine),
+        model: s(&crate::babyllama()),
+        prompt_len: Some(8),
+        new_tokens: Some(8),
+        runs: Some(2),
+        dtype: None,
+        threads: None,
+        write_bundle: write.map(s),
+        from_bundle: read.map(s),
+    };
+    let p = profile(&ctx, &preq(Some(&pdir), None), &budget()).unwrap();
+    assert!(!p.passed && p.error.starts_with("not run: bundle written"), "{}", p.error);
+    let ran = run_bundle(&pdir);
+    assert!(ran.status.success(), "{}", String::from_utf8_lossy(&ran.stdout));
+    let p = profile(&ctx, &preq(None, Some(&pdir)), &budget()).unwrap();
+    assert!(p.passed && p.verified && p.outputs_ok && p.runs_checked == 2, "{}", metainfer::ops::Report::text(&p));
+    assert!(p.decode_tok_s.median > 0.0 && !p.kernels.is_empty());
+    crate::assert_conforms(&p);
+
+    // Each read-back outcome is recorded with its bundle; writing one records nothing.
+    let ledger = metainfer::ledger::Ledger::open(&ctx.ledger).unwrap();
+    let outcomes = ledger.list(0, 20).unwrap();
+    let with_bundle: Vec<(String, String)> = outcomes
+        .iter()
+        .filter_map(|o| o.figures.get("bundle").and_then(|b| b.as_str()).map(|b| (o.tool.clone(), b.to_string())))
+        .collect();
+    assert_eq!(
+        with_bundle,
+        vec![
+            ("profile_engine".to_string(), s(&pdir.canonicalize().unwrap())),
+            ("verify_generation".to_string(), s(&vdir.canonicalize().unwrap())),
+            ("run_kernel_test".to_string(), s(&dir.canonicalize().unwrap())),
+        ]
+    );
+    assert_eq!(outcomes.iter().filter(|o| o.tool == "run_kernel_test").count(), 2, "the direct run and the read-back");
+
+    // Changed sources: the bundle no longer speaks for them.
+    std::fs::write(engine.join("src/extra.rs"), "// a change\n").unwrap();
+    let e = kernel_test(&ctx, &kt(&engine, seed, None, Some(&dir)), &budget()).unwrap_err();
+    assert!(e.message.contains("sources changed since the bundle was written"), "{}", e.message);
+}
+
+/// A broken engine fails through a bundle for the stated reason: RMSNorm with eps outside the
+/// square root, diagnosed by its mutant after the bundle ran in another process.
+#[test]
+fn a_broken_engine_fails_through_a_bundle_with_its_diagnosis() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let engine = t.path().join("engine");
+    Engine::Plain.copy_to(&engine);
+    crate::replace_body(
+        &engine,
+        "src/kernels.rs",
+        "pub fn rms_norm(",
+        "let dim = weight.len();
+        for (xr, or) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
+            let ms = xr.iter().map(|v| v * v).sum::<f32>() / dim as f32;
+            let inv = 1.0 / (ms.sqrt() + eps);
+            for ((o, v), w) in or.iter_mut().zip(xr).zip(weight) {
+                *o = v * inv * w;
+            }
+        }",
+    );
+    let dir = t.path().join("bundle");
+    let req = |write: Option<&Path>, read: Option<&Path>| KernelTestRequest {
+        engine: s(&engine),
+        kernels: vec!["kernel.rms_norm".into()],
+        seed: Some(11),
+        dtype: None,
+        write_bundle: write.map(s),
+        from_bundle: read.map(s),
+    };
+    kernel_test(&ctx, &req(Some(&dir), None), &budget()).unwrap();
+    assert!(run_bundle(&dir).status.success());
+    let r = kernel_test(&ctx, &req(None, Some(&dir)), &budget()).unwrap();
+    let k = &r.kernels[0];
+    assert!(!r.passed && !k.passed && k.error.contains("outside tolerance"), "{r:?}");
+    assert!(k.diagnosis.iter().any(|d| d.failure == "failure.rmsnorm-eps-outside-sqrt"), "{:?}", k.diagnosis);
+}
+
+/// What is read back must be what was written and run: a bundle not yet run, a changed input, an
+/// altered request or a linked-in file are refused (usage errors saying what to do); an output
+/// removed or altered after the run fails the gate for that reason.
+#[test]
+fn a_tampered_or_incomplete_bundle_is_refused_or_fails() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let engine = t.path().join("engine");
+    Engine::Plain.copy_to(&engine);
+    let dir = t.path().join("bundle");
+    let req = |write: Option<&Path>, read: Option<&Path>| KernelTestRequest {
+        engine: s(&engine),
+        kernels: vec!["kernel.rms_norm".into()],
+        seed: Some(3),
+        dtype: None,
+        write_bundle: write.map(s),
+        from_bundle: read.map(s),
+    };
+    let read = || kernel_test(&ctx, &req(None, Some(&dir)), &budget());
+    kernel_test(&ctx, &req(Some(&dir), None), &budget()).unwrap();
+    // Writing into a directory that is not empty is refused; nothing in it is touched.
+    let e = kernel_test(&ctx, &req(Some(&dir), None), &budget()).unwrap_err();
+    assert!(e.kind == ErrorKind::Usage && e.message.contains("not empty"), "{}", e.message);
+
+    // Not run yet.
+    let e = read().unwrap_err();
+    assert!(e.kind == ErrorKind::Usage && e.message.contains("has not been run"), "{}", e.message);
+
+    // An input changed after writing: `bundle run` refuses it, and so does the read-back.
+    let input = dir.join("case0.in.safetensors");
+    let original = std::fs::read(&input).unwrap();
+    let mut changed = original.clone();
+    let n = changed.len();
+    changed[n - 1] ^= 0x40;
+    std::fs::write(&input, &changed).unwrap();
+    let out = run_bundle(&dir);
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("differs from the one the bundle was written with"));
+    std::fs::write(&input, &original).unwrap();
+
+    let out = run_bundle(&dir);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let clean = read().unwrap();
+    assert!(clean.passed, "{clean:?}");
+
+    // The input changed after the run: the engine did not see what the seed draws.
+    std::fs::write(&input, &changed).unwrap();
+    let e = read().unwrap_err();
+    assert!(e.kind == ErrorKind::Usage && e.message.contains("case0.in.safetensors"), "{}", e.message);
+    std::fs::write(&input, &original).unwrap();
+
+    // A request that is not what the gate sends (another kernel's case in its place).
+    let request = dir.join("request.0.json");
+    let text = std::fs::read_to_string(&request).unwrap();
+    std::fs::write(&request, text.replace("kernel.rms_norm", "kernel.softmax")).unwrap();
+    let e = read().unwrap_err();
+    assert!(
+        e.kind == ErrorKind::Usage && e.message.contains("request.0.json is not what this call sends"),
+        "{}",
+        e.message
+    );
+    std::fs::write(&request, text).unwrap();
+
+    // A reply or output replaced by a link to a file elsewhere.
+    let output = dir.join("case0.out.safetensors");
+    let kept = std::fs::read(&output).unwrap();
+    std::fs::remove_file(&output).unwrap();
+    std::os::unix::fs::symlink(t.path().join("elsewhere"), &output).unwrap();
+    let e = read().unwrap_err();
+    assert!(e.kind == ErrorKind::Usage && e.message.contains("symbolic link"), "{}", e.message);
+    std::fs::remove_file(&output).unwrap();
+
+    // An output removed: that case has no output, and the kernel fails for it.
+    let r = read().unwrap();
+    let k = &r.kernels[0];
+    assert!(!r.passed && !k.passed && k.error.contains("no output for"), "{r:?}");
+
+    // An output altered (its last f32 word, the end of the tensor data, set to 1e6): the values are
+    // judged, and fail.
+    let mut altered = kept.clone();
+    let n = altered.len();
+    altered[n - 4..].copy_from_slice(&1.0e6f32.to_le_bytes());
+    std::fs::write(&output, &altered).unwrap();
+    let r = read().unwrap();
+    let k = &r.kernels[0];
+    assert!(!r.passed && !k.passed && k.error.contains("outside tolerance"), "{r:?}");
+
+    // Restored, it passes again: the refusals above were for the tampering.
+    std::fs::write(&output, &kept).unwrap();
+    assert!(read().unwrap().passed);
+}

@@ -1,0 +1,147 @@
+//! Target `cuda` on a machine without a GPU: plan and scaffold route a family to the CUDA kernels
+//! and signatures of a named platform contract; the CUDA example engine builds (cudarc loads the
+//! driver at run time), keeps its contracts' signatures, and every gate says "no CUDA device: not
+//! run" and fails, directly and through a bundle.
+
+use std::path::PathBuf;
+
+use metainfer::ops::compile::{CompileRequest, compile};
+use metainfer::ops::kernel_test::kernel_test;
+use metainfer::ops::plan::{PlanRequest, plan_only};
+use metainfer::ops::scaffold::{ScaffoldRequest, scaffold};
+use metainfer::ops::verify::{VerifyRequest, verify};
+
+use crate::Engine;
+use crate::bundles::{budget, kt, run_bundle, s};
+
+fn plan_req(platform: Option<&str>) -> PlanRequest {
+    PlanRequest {
+        model: s(&crate::babyllama()),
+        target: "cuda".into(),
+        dtype: "bf16".into(),
+        platform: platform.map(str::to_string),
+    }
+}
+
+/// plan_engine: `cuda` has two platform contracts, so one must be named; a platform of another
+/// target is refused; named, the plan routes Llama to the CUDA kernels plus the platform's own
+/// components. scaffold_engine writes the CUDA signatures (device views, the device handle), a
+/// cudarc dependency with dynamic loading, and the platform into metainfer.toml; the scaffold
+/// compiles here, keeps the rules, and its kernel test does not run without a device.
+#[test]
+fn plan_and_scaffold_take_target_cuda_and_a_platform() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+
+    let r = plan_only(&ctx, &plan_req(None)).unwrap();
+    assert!(!r.covered, "{r:?}");
+    assert_eq!(r.gaps.len(), 1, "{:?}", r.gaps);
+    assert_eq!(r.gaps[0].field, "platform");
+    assert!(r.gaps[0].reason.contains("platform.cuda-sm80") && r.gaps[0].reason.contains("platform.cuda-sm90"));
+
+    let r = plan_only(&ctx, &plan_req(Some("platform.cpu-x86_64"))).unwrap();
+    assert!(!r.covered && r.gaps.iter().any(|g| g.reason.contains("not `cuda`")), "{:?}", r.gaps);
+
+    let r = plan_only(&ctx, &plan_req(Some("platform.cuda-sm90"))).unwrap();
+    assert!(r.covered, "{:?}", r.gaps);
+    assert_eq!(r.platform, "platform.cuda-sm90");
+    let ids: Vec<&str> = r.phases.iter().flat_map(|p| p.contracts.iter().map(String::as_str)).collect();
+    for want in ["kernel.linear_bf16", "kernel.argmax", "component.cuda_device", "component.device_decode"] {
+        assert!(ids.contains(&want), "{want} not in {ids:?}");
+    }
+    assert!(!ids.contains(&"kernel.linear"), "bf16 weights take the bf16 variant: {ids:?}");
+
+    let engine = t.path().join("cuda-engine");
+    let req = ScaffoldRequest {
+        model: s(&crate::babyllama()),
+        out: s(&engine),
+        target: "cuda".into(),
+        dtype: "bf16".into(),
+        platform: Some("platform.cuda-sm90".into()),
+        name: Some("bare-cuda".into()),
+        force: false,
+        reference_level: Default::default(),
+    };
+    let sc = scaffold(&ctx, &req).unwrap();
+    assert!(sc.files.contains(&"src/device.rs".to_string()), "{:?}", sc.files);
+    let cargo = std::fs::read_to_string(engine.join("Cargo.toml")).unwrap();
+    assert!(cargo.contains("cudarc = ") && cargo.contains("\"dynamic-loading\""), "{cargo}");
+    let manifest = std::fs::read_to_string(engine.join("metainfer.toml")).unwrap();
+    assert!(manifest.contains("target = \"cuda\"") && manifest.contains("platform = \"platform.cuda-sm90\""));
+    // The CUDA signature of contracts/kernels/rms_norm.toml ([cuda] skeleton), not the host one.
+    let kernels = std::fs::read_to_string(engine.join("src/kernels.rs")).unwrap();
+    assert!(
+        kernels.contains(
+            "pub fn rms_norm(dev: &Device, x: &CudaView<'_, f32>, weight: &CudaView<'_, f32>, eps: f32, out: &mut CudaViewMut<'_, f32>) -> Result<(), String>"
+        ),
+        "{kernels}"
+    );
+
+    let c = compile(&ctx, &CompileRequest { engine: s(&engine), cursor: None }, &budget()).unwrap();
+    assert!(c.passed, "the CUDA scaffold must compile without a toolkit: {c:?}");
+    let rules = metainfer::ops::rules::check_rules(
+        &ctx,
+        &metainfer::ops::rules::RulesRequest { engine: s(&engine) },
+        &budget(),
+    )
+    .unwrap();
+    assert!(rules.passed, "{}", metainfer::ops::Report::text(&rules));
+    let k = kernel_test(&ctx, &kt(&engine, 9, None, None), &budget()).unwrap();
+    assert!(!k.passed && k.build_error.starts_with("no CUDA device: not run"), "{}", k.build_error);
+}
+
+/// The CUDA example engine, here, without a GPU: it builds (cudarc loads the driver at run time),
+/// keeps every signature of its contracts, and each gate says "no CUDA device: not run" and fails;
+/// `bundle run` of its bundle says the same.
+#[test]
+fn the_cuda_engine_builds_here_and_its_gates_do_not_run_without_a_device() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let engine: PathBuf = Engine::Cuda.dir();
+
+    let rules = metainfer::ops::rules::check_rules(
+        &ctx,
+        &metainfer::ops::rules::RulesRequest { engine: s(&engine) },
+        &budget(),
+    )
+    .unwrap();
+    assert!(rules.passed && rules.findings.is_empty(), "{}", metainfer::ops::Report::text(&rules));
+
+    let k = kernel_test(&ctx, &kt(&engine, 5, None, None), &budget()).unwrap();
+    assert!(!k.passed, "{k:?}");
+    assert!(k.build_error.starts_with("no CUDA device: not run"), "{}", k.build_error);
+    assert_eq!(k.kernels.len(), 8);
+    assert!(k.kernels.iter().all(|r| !r.passed && r.error.starts_with("no CUDA device: not run")), "{k:?}");
+    crate::assert_conforms(&k);
+
+    let v = verify(
+        &ctx,
+        &VerifyRequest {
+            engine: s(&engine),
+            model: s(&crate::babyllama()),
+            prompts: vec![],
+            max_new_tokens: Some(4),
+            seed: None,
+            dtype: None,
+            write_bundle: None,
+            from_bundle: None,
+        },
+        &budget(),
+    )
+    .unwrap();
+    assert!(!v.passed && v.error.starts_with("no CUDA device: not run"), "{}", v.error);
+
+    let ledger = metainfer::ledger::Ledger::open(&ctx.ledger).unwrap();
+    let recorded = ledger.list(0, 5).unwrap();
+    assert!(recorded.iter().filter(|o| o.tool != "check_rules").all(|o| !o.passed && o.figures["no_device"] == true));
+
+    // Its bundle, run on a machine without a device, replies no_device and does not pass.
+    let dir = t.path().join("cuda-bundle");
+    kernel_test(&ctx, &kt(&engine, 5, Some(&dir), None), &budget()).unwrap();
+    let out = run_bundle(&dir);
+    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stdout));
+    let ran: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(ran["runs"][0]["reply"], "no_device");
+    let read = kernel_test(&ctx, &kt(&engine, 5, None, Some(&dir)), &budget()).unwrap();
+    assert!(!read.passed && read.build_error.starts_with("no CUDA device: not run"), "{}", read.build_error);
+}
