@@ -117,8 +117,8 @@ impl<'a> Gate<'a> {
     /// manifest, an unknown family, or a dtype the engine does not declare.
     pub fn open(ctx: &'a Ctx, tool: Tool, engine: &str, dtype: Option<&str>, budget: &'a Budget) -> Result<Gate<'a>> {
         let started = Instant::now();
-        let dir = ctx.confine(Path::new(engine), true)?;
-        let engine = ctx.workshop.engine(&dir)?;
+        let dir = ctx.confine(Path::new(engine))?;
+        let engine = ctx.workshop.engine_at(&dir)?;
         let target = ctx.target(&engine, dtype)?;
         Ok(Gate { ctx, tool, engine, target, budget, seed: None, contracts: vec![], findings: vec![], started })
     }

@@ -15,6 +15,7 @@ mod ledger;
 mod mcp;
 mod model;
 mod oracle;
+mod race;
 mod rules;
 mod sandbox;
 mod signals;
