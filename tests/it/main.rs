@@ -4,6 +4,7 @@
 mod ckb;
 mod cli;
 mod client;
+mod corpus;
 mod diagnose;
 mod dtypes;
 mod evolution;
