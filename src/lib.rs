@@ -6,6 +6,7 @@
 //! profiling. Every outcome is recorded in a SQLite ledger. See ARCHITECTURE.md for the module map.
 
 pub mod bench;
+pub mod beneath;
 pub mod ckb;
 pub mod clients;
 pub mod demo;

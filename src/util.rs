@@ -138,7 +138,7 @@ pub const LEDGER_KEY: Limit =
     Limit { what: "ledger key", max: 1 << 10, hint: "the key file holds 64 hex digits; restore it" };
 
 /// What a non-regular file is, for messages.
-fn kind_of(t: std::fs::FileType) -> &'static str {
+pub(crate) fn kind_of(t: std::fs::FileType) -> &'static str {
     use std::os::unix::fs::FileTypeExt;
     if t.is_dir() {
         "a directory"

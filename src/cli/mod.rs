@@ -409,12 +409,13 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Ckb { action: CkbCmd::Propose { file, json } } => {
-            let toml = std::fs::read_to_string(&file).map_err(|e| {
-                Error::usage(if file.is_dir() {
-                    format!("{} is a directory; pass one contract file (TOML)", file.display())
+            // A regular file of bounded size (a FIFO or a device is refused by name, never read).
+            let toml = metainfer::util::read_regular_text(&file, &metainfer::util::CONTRACT_FILE).map_err(|e| {
+                if file.is_dir() {
+                    Error::usage(format!("{} is a directory; pass one contract file (TOML)", file.display()))
                 } else {
-                    format!("{}: {e}", file.display())
-                })
+                    e
+                }
             })?;
             Ok(emit(&ops::evolve::propose(&ctx(g)?, &ops::evolve::ProposeRequest { toml })?, json))
         }

@@ -170,10 +170,12 @@ impl Tree {
     }
 }
 
-/// Walk `dir` (canonical) without following links, skipping `target/` and `.git/`.
+/// Walk `dir` (canonical, or a directory handle's `/proc/self/fd/N`) without following links,
+/// skipping `target/` and `.git/`.
 pub fn walk(dir: &Path) -> Tree {
     let mut tree = Tree::default();
     let mut seen = 0usize;
+    let real = dir.canonicalize().ok();
     let walker = walkdir::WalkDir::new(dir).follow_links(false).max_depth(MAX_DEPTH).sort_by_file_name();
     let mut it = walker.into_iter();
     while let Some(entry) = it.next() {
@@ -200,7 +202,12 @@ pub fn walk(dir: &Path) -> Tree {
         }
         if entry.path_is_symlink() {
             let target = std::fs::read_link(entry.path()).unwrap_or_default();
-            let resolved = entry.path().canonicalize().ok();
+            // Resolved, and named under `dir` when it lands beneath `dir`'s own resolved path
+            // (`dir` may be a handle's `/proc/self/fd/N`, which resolves to the directory's path).
+            let resolved = entry.path().canonicalize().ok().map(|r| match real.as_ref().map(|d| r.strip_prefix(d)) {
+                Some(Ok(rel)) => dir.join(rel),
+                _ => r,
+            });
             tree.symlinks.push((rel, target, resolved));
             continue;
         }

@@ -307,8 +307,8 @@ impl Server {
         // resolved), so `eng` and `<workspace>/eng` are one engine.
         let key = self
             .ctx()
-            .confine(std::path::Path::new(engine), true)
-            .map(|p| p.display().to_string())
+            .confine(std::path::Path::new(engine))
+            .map(|d| d.path().display().to_string())
             .unwrap_or_else(|_| engine.to_string());
         {
             let mut busy = self.busy.lock().expect("not poisoned");

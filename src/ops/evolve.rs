@@ -17,6 +17,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::{Ctx, Report};
+use crate::beneath::Dir;
 use crate::ckb::{Ckb, Contract, Kind};
 use crate::error::{Error, Result};
 use crate::ledger::figures::Figures;
@@ -211,9 +212,11 @@ fn candidate_contract(
     toml::from_str(&(head + &text)).expect("candidate contracts are built from valid TOML")
 }
 
-/// Create `root/sub` (one folder below `root`) as real directories: a symlink at `root` or at
-/// `root/sub` is refused, so nothing is written through a link into the CKB or elsewhere.
-fn real_dir(root: &Path, sub: &str) -> Result<PathBuf> {
+/// Create `root/sub` (one folder below `root`) as real directories and open `root/sub`: a symlink
+/// at `root` or at `root/sub` is refused (also when it is swapped in after the check: both are
+/// opened without following a link), so nothing is written through a link into the CKB or
+/// elsewhere.
+fn real_dir(root: &Path, sub: &str) -> Result<Dir> {
     let dir = root.join(sub);
     for d in [root, dir.as_path()] {
         if let Ok(m) = std::fs::symlink_metadata(d)
@@ -227,16 +230,21 @@ fn real_dir(root: &Path, sub: &str) -> Result<PathBuf> {
         }
         std::fs::create_dir_all(d).map_err(|e| Error::usage(format!("cannot create {}: {e}", d.display())))?;
     }
-    Ok(dir)
+    let parent = Dir::open(root.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")))?;
+    let name = root
+        .file_name()
+        .map(Path::new)
+        .ok_or_else(|| Error::usage(format!("{}: not a directory name", root.display())))?;
+    parent.open_dir_nofollow(name)?.open_dir_nofollow(Path::new(sub))
 }
 
 /// Stage `c` as `dir/<rel>`, `rel` being `<kind dir>/<name>.toml` (derived from a validated id).
 fn write_candidate(dir: &Path, rel: &str, c: &Contract) -> Result<PathBuf> {
     let (sub, file) = rel.split_once('/').expect("candidate files are <kind dir>/<name>.toml");
-    let path = real_dir(dir, sub)?.join(file);
+    let d = real_dir(dir, sub)?;
     let text = toml::to_string_pretty(c).map_err(|e| Error::internal(format!("cannot render {}: {e}", c.id)))?;
-    crate::util::write_atomic(&path, text.as_bytes())?;
-    Ok(path)
+    d.write_atomic(Path::new(file), text.as_bytes())?;
+    Ok(d.show(Path::new(file)))
 }
 
 /// A contract proposal.
@@ -446,13 +454,18 @@ pub fn promote(ctx: &Ctx, id: &str, force: bool) -> Result<String> {
     // not followed); a new contract goes to the file its id names. Either is written by rename,
     // which replaces a link instead of writing through it.
     let target = match ctx.ckb.file_of(id).filter(|_| !ctx.ckb.is_provisional(id)) {
-        Some(f) => ckb_dir.join(f),
+        Some(f) => {
+            let d = Dir::open(ckb_dir)?;
+            d.write_atomic(Path::new(&f), text.as_bytes())?;
+            d.show(Path::new(&f))
+        }
         None => {
             let (sub, file) = new_file.split_once('/').expect("<kind dir>/<name>.toml");
-            real_dir(ckb_dir, sub)?.join(file)
+            let d = real_dir(ckb_dir, sub)?;
+            d.write_atomic(Path::new(file), text.as_bytes())?;
+            d.show(Path::new(file))
         }
     };
-    crate::util::write_atomic(&target, text.as_bytes())?;
     let _ = std::fs::remove_file(ctx.candidates_dir().join(&rel));
     Ok(format!(
         "promoted {tag} into {} ({})",

@@ -196,8 +196,8 @@ impl<'a> Gate<'a> {
     /// manifest, an unknown family, or a dtype the engine does not declare.
     pub fn open(ctx: &'a Ctx, tool: Tool, engine: &str, dtype: Option<&str>, budget: &'a Budget) -> Result<Gate<'a>> {
         let started = Instant::now();
-        let dir = ctx.confine(Path::new(engine), true)?;
-        let engine = ctx.workshop.engine(&dir)?;
+        let dir = ctx.confine(Path::new(engine))?;
+        let engine = ctx.workshop.engine_at(&dir)?;
         let target = ctx.target(&engine, dtype)?;
         Ok(Gate {
             ctx,
@@ -226,7 +226,7 @@ impl<'a> Gate<'a> {
                 "write_bundle and from_bundle exclude each other: write a bundle, run it, then read it",
             )),
             (Some(w), None) => {
-                let dir = self.ctx.confine(Path::new(w), false)?;
+                let dir = self.ctx.confine_new(Path::new(w))?.path();
                 if dir.exists() && std::fs::read_dir(&dir).map(|mut d| d.next().is_some()).unwrap_or(true) {
                     return Err(Error::usage(format!(
                         "{} exists and is not empty; choose a new bundle directory",
@@ -237,7 +237,7 @@ impl<'a> Gate<'a> {
                 Ok(())
             }
             (None, Some(r)) => {
-                let dir = self.ctx.confine(Path::new(r), true)?;
+                let dir = self.ctx.confine(Path::new(r))?.path().to_path_buf();
                 let m = bundle::read_manifest(&dir)?;
                 bundle::check_no_links(&dir)?;
                 if m.tool != self.tool.name() {

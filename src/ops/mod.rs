@@ -27,6 +27,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
+use crate::beneath::Dir;
 use crate::ckb::Ckb;
 use crate::error::{Error, Result};
 use crate::harness::Workshop;
@@ -240,6 +241,23 @@ fn optional_items(ckb: &Ckb, family: &crate::ckb::Contract, dir: &Path) -> Vec<S
     items
 }
 
+/// A directory to be created, resolved once ([`Ctx::confine_new`]): its nearest existing ancestor
+/// as a handle, and the plain names below it.
+#[derive(Debug, Clone)]
+pub struct NewDir {
+    /// The nearest existing ancestor of the directory's parent.
+    pub base: Dir,
+    /// The directory relative to `base`: plain names, the last one the directory's own.
+    pub rest: PathBuf,
+}
+
+impl NewDir {
+    /// The directory's absolute path (for messages and reports).
+    pub fn path(&self) -> PathBuf {
+        self.base.show(&self.rest)
+    }
+}
+
 /// What every report can say about itself.
 pub trait Report: Serialize {
     /// Whether the check passed (decides exit status 0 or 1).
@@ -260,66 +278,138 @@ impl Report for crate::probe::MachineProbe {
 }
 
 impl Ctx {
-    /// Resolve a path argument (symlinks and `..` included) and, when a workspace is configured,
-    /// check that it lies inside the workspace or a model directory. A relative path is taken
-    /// relative to the workspace (or the current directory without one). With `must_exist = false`
-    /// the path may not exist yet: its nearest existing ancestor is resolved and checked. Nothing is
-    /// created here.
+    /// The directories path arguments may lie in, opened: the workspace, then the model
+    /// directories. Empty without a workspace (nothing is confined).
+    fn roots(&self) -> Vec<Dir> {
+        let Some(ws) = &self.workspace else { return vec![] };
+        std::iter::once(ws).chain(&self.models).filter_map(|r| Dir::open(r).ok()).collect()
+    }
+
+    /// The root `path` (absolute) lies in and `path` relative to it: lexically (as given, or under
+    /// the root's resolved path), else after resolving `path`'s symlinks. The relative path is only
+    /// a name: the caller opens it beneath the root, which refuses whatever leads out of it.
+    fn under_root<'r>(roots: &'r [Dir], path: &Path, given: &[PathBuf]) -> Option<(&'r Dir, PathBuf)> {
+        for (i, r) in roots.iter().enumerate() {
+            for base in [r.path(), given.get(i).map(PathBuf::as_path).unwrap_or(r.path())] {
+                if let Ok(rel) = path.strip_prefix(base) {
+                    return Some((r, rel.to_path_buf()));
+                }
+            }
+        }
+        let real = path.canonicalize().ok()?;
+        roots.iter().find_map(|r| real.strip_prefix(r.path()).ok().map(|rel| (r, rel.to_path_buf())))
+    }
+
+    /// Resolve the directory a path argument names, once, to a handle ([`Dir`]): every later
+    /// access goes through the handle, so a directory swapped for a symlink after this call cannot
+    /// redirect it. With a workspace the directory is opened beneath the workspace or a model
+    /// directory (a relative path is taken relative to the workspace), and a symlink or `..` that
+    /// leads out of that root is refused; without one, `path` is opened as it is (relative to the
+    /// current directory).
     ///
     /// # Errors
-    /// [`crate::error::ErrorKind::Usage`] naming the path and the allowed roots.
-    pub fn confine(&self, path: &Path, must_exist: bool) -> Result<PathBuf> {
-        let path = match (&self.workspace, path.is_relative()) {
-            (Some(ws), true) => ws.join(path),
-            _ => path.to_path_buf(),
-        };
-        let resolved = if path.exists() {
-            path.canonicalize().map_err(|e| Error::usage(format!("{}: {e}", path.display())))?
-        } else if must_exist {
-            return Err(Error::usage(format!("{} does not exist", path.display())));
-        } else {
-            // Resolve the nearest existing ancestor, then append the missing components lexically.
-            let mut missing = Vec::new();
-            let mut cur = path.as_path();
-            loop {
-                if cur.as_os_str().is_empty() {
-                    cur = Path::new(".");
-                }
-                if cur.exists() {
-                    break;
-                }
-                match (cur.file_name(), cur.parent()) {
-                    (Some(name), Some(parent)) => {
-                        missing.push(name.to_owned());
-                        cur = parent;
-                    }
-                    _ => return Err(Error::usage(format!("{}: not a usable path", path.display()))),
-                }
-            }
-            if !cur.is_dir() {
-                return Err(Error::usage(format!(
-                    "{} exists and is not a directory, so {} cannot be created",
-                    cur.display(),
-                    path.display()
-                )));
-            }
-            let mut r = cur.canonicalize().map_err(|e| Error::usage(format!("{}: {e}", cur.display())))?;
-            for m in missing.iter().rev() {
-                if m == ".." || m == "." {
-                    return Err(Error::usage(format!("{}: `..` or `.` after a missing directory", path.display())));
-                }
-                r.push(m);
-            }
-            r
-        };
-        let Some(ws) = &self.workspace else { return Ok(resolved) };
-        let roots: Vec<PathBuf> =
-            std::iter::once(ws).chain(&self.models).filter_map(|r| r.canonicalize().ok()).collect();
-        if roots.iter().any(|r| resolved.starts_with(r)) {
-            Ok(resolved)
-        } else {
-            Err(Error::usage(crate::harness::outside_workspace(&resolved, &roots)))
+    /// [`crate::error::ErrorKind::Usage`] naming the path and the allowed roots: missing, not a
+    /// directory, outside them, or leading out of them through a symlink.
+    pub fn confine(&self, path: &Path) -> Result<Dir> {
+        Ok(self.confine_in(path)?.0)
+    }
+
+    /// [`Ctx::confine`], and the root it was opened beneath with its path relative to that root
+    /// (None without a workspace).
+    fn confine_in(&self, path: &Path) -> Result<(Dir, Option<(Dir, PathBuf)>)> {
+        let Some(ws) = &self.workspace else { return Ok((Dir::open(path)?, None)) };
+        let path = ws.join(path);
+        let roots = self.roots();
+        let given: Vec<PathBuf> = std::iter::once(ws).chain(&self.models).cloned().collect();
+        match Self::under_root(&roots, &path, &given) {
+            Some((root, rel)) => Ok((root.open_dir(&rel)?, Some((root.clone(), rel)))),
+            None => Err(self.outside(&path, &roots)),
         }
+    }
+
+    /// [`Ctx::confine`] for a model directory, with the engine's symlink check: with a workspace,
+    /// every symlink in the model directory (two levels deep) must resolve beneath the root the
+    /// directory lies in (the workspace or its `--models` directory, so a Hugging Face cache's
+    /// links into its `blobs/` work when the cache is that directory). Without a workspace
+    /// nothing is confined and links are followed.
+    ///
+    /// # Errors
+    /// As [`Ctx::confine`]; Usage naming a link that leads outside (not its target's contents).
+    pub fn confine_model(&self, path: &Path) -> Result<Dir> {
+        let (dir, root) = self.confine_in(path).map_err(|e| {
+            // A file or a missing path inside the roots gets the model reader's own message (a
+            // llama2.c file, a config.json given for its directory, ...); nothing is read for it.
+            let full = self.workspace.as_ref().map(|w| w.join(path)).unwrap_or_else(|| path.to_path_buf());
+            if e.message.contains("outside") || full.is_dir() {
+                return e;
+            }
+            crate::model::read_config(&full).err().unwrap_or(e)
+        })?;
+        let Some((root, rel)) = root else { return Ok(dir) };
+        let mut stack = vec![(PathBuf::new(), 0)];
+        while let Some((sub, depth)) = stack.pop() {
+            for (name, t) in dir.entries(&sub)? {
+                let child = sub.join(&name);
+                if t.is_dir() && depth < 1 {
+                    stack.push((child, depth + 1));
+                } else if t.is_symlink() && root.link_target(&rel.join(&child)).leads != crate::beneath::Leads::Inside {
+                    return Err(Error::usage(format!(
+                        "{} is a symlink that leads outside {} (or does not resolve); copy the file into the model directory",
+                        dir.show(&child).display(),
+                        root.path().display()
+                    )));
+                }
+            }
+        }
+        Ok(dir)
+    }
+
+    /// Resolve a path argument that names a directory to be created (it may exist; then it must be
+    /// a directory): the handle of its nearest existing ancestor, opened as [`Ctx::confine`] opens
+    /// a directory, and the rest of the path beneath it (plain names only, at least one: the new
+    /// directory's own). Nothing is created here.
+    ///
+    /// # Errors
+    /// As [`Ctx::confine`]; also `..` or `.` after a missing directory, or an ancestor that is not
+    /// a directory.
+    pub fn confine_new(&self, path: &Path) -> Result<NewDir> {
+        let full = match &self.workspace {
+            Some(ws) => ws.join(path),
+            None => std::path::absolute(path).map_err(|e| Error::usage(format!("{}: {e}", path.display())))?,
+        };
+        let name = match full.components().next_back() {
+            Some(std::path::Component::Normal(n)) => n.to_owned(),
+            _ => return Err(Error::usage(format!("{}: not a usable directory name", path.display()))),
+        };
+        // The nearest existing ancestor of the parent (symlinks in it resolved by the open below).
+        let mut missing = vec![name];
+        let mut cur = full.parent().unwrap_or(Path::new("/")).to_path_buf();
+        while std::fs::symlink_metadata(&cur).is_err() {
+            match (cur.file_name(), cur.parent()) {
+                (Some(n), Some(p)) => {
+                    missing.push(n.to_owned());
+                    cur = p.to_path_buf();
+                }
+                _ => return Err(Error::usage(format!("{}: not a usable path", path.display()))),
+            }
+        }
+        missing.reverse();
+        let rest: PathBuf = missing.iter().collect();
+        if rest.components().any(|c| !matches!(c, std::path::Component::Normal(_))) {
+            return Err(Error::usage(format!("{}: `..` or `.` after a missing directory", path.display())));
+        }
+        let base = match &self.workspace {
+            None => Dir::open(&cur),
+            Some(_) => self.confine(&cur),
+        }
+        .map_err(|e| Error::usage(format!("{} cannot be created: {}", path.display(), e.message)))?;
+        Ok(NewDir { base, rest })
+    }
+
+    /// The error for a path outside every root.
+    fn outside(&self, path: &Path, roots: &[Dir]) -> Error {
+        let roots: Vec<PathBuf> = roots.iter().map(|r| r.path().to_path_buf()).collect();
+        Error::usage(crate::harness::outside_workspace(&path.canonicalize().unwrap_or(path.to_path_buf()), &roots))
     }
 
     /// Record an outcome in the ledger. A ledger failure is logged, not fatal: the caller's report

@@ -208,7 +208,7 @@ pub fn plan(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
 /// # Errors
 /// As [`plan`].
 pub fn plan_only(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
-    let dir = ctx.confine(Path::new(&req.model), true)?;
+    let dir = ctx.confine_model(Path::new(&req.model))?.path().to_path_buf();
     let config = model::read_config(&dir)?;
     let mut gaps = Vec::new();
     let family = match model::route(&ctx.ckb, &config) {

@@ -111,7 +111,9 @@ pub fn precheck(ctx: &Ctx, engine: &Engine, budget: &Budget) -> Result<RulesRepo
         implements: implements.as_ref().map(|(ids, _)| ids),
         api: &api,
     };
-    let (mut findings, skipped) = guard::check(&engine.dir, &inputs);
+    // Read through the engine's directory handle, never by its path: the directory checked is the
+    // one read, whatever was renamed or linked in its place since.
+    let (mut findings, skipped) = guard::check(&engine.root.fd_path(), &inputs);
     if let Some(why) = unresolved {
         findings.push(Finding::blocking(
             "dependency-unresolved",
@@ -139,8 +141,8 @@ pub fn check_rules(ctx: &Ctx, req: &RulesRequest, budget: &Budget) -> Result<Rul
     let live = ctx.live();
     let ctx = &*live;
     let started = Instant::now();
-    let dir = ctx.confine(Path::new(&req.engine), true)?;
-    let engine = ctx.workshop.engine(&dir)?;
+    let dir = ctx.confine(Path::new(&req.engine))?;
+    let engine = ctx.workshop.engine_at(&dir)?;
     // The manifest names a family of the knowledge base (a gate checks the same in Gate::open).
     ctx.target(&engine, None)?;
     let report = precheck(ctx, &engine, budget)?;

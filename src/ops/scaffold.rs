@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use super::plan::{PlanRequest, api_of, constraints_toml, plan_only};
 use super::{Ctx, Report};
+use crate::beneath::Dir;
 use crate::error::{Error, Result};
 
 /// Where and for what to scaffold.
@@ -171,7 +172,7 @@ pub fn render(ctx: &Ctx, req: &ScaffoldRequest) -> Result<(Files, Vec<String>)> 
         files.push((format!("src/{m}.rs"), text));
     }
     // The model as an absolute path: a path relative to the caller's directory means nothing later.
-    let model = ctx.confine(std::path::Path::new(&req.model), true)?.display().to_string();
+    let model = ctx.confine_model(std::path::Path::new(&req.model))?.path().display().to_string();
     let constraints = constraints_toml(
         &PlanRequest { model, target: req.target.clone(), dtype: req.dtype.clone(), platform: req.platform.clone() },
         &report,
@@ -199,7 +200,7 @@ pub fn scaffold(ctx: &Ctx, req: &ScaffoldRequest) -> Result<ScaffoldReport> {
     let ctx = &*live;
     let report = scaffold_only(ctx, req)?;
     let ids: Vec<&str> = report.contracts.iter().map(String::as_str).collect();
-    let engine = ctx.workshop.engine(std::path::Path::new(&report.dir)).ok();
+    let engine = ctx.confine(Path::new(&report.dir)).and_then(|d| ctx.workshop.engine_at(&d)).ok();
     ctx.record(
         "scaffold_engine",
         engine.as_ref(),
@@ -212,74 +213,112 @@ pub fn scaffold(ctx: &Ctx, req: &ScaffoldRequest) -> Result<ScaffoldReport> {
 }
 
 fn scaffold_only(ctx: &Ctx, req: &ScaffoldRequest) -> Result<ScaffoldReport> {
-    let out = ctx.confine(Path::new(&req.out), false)?;
+    // Resolved once: every later step goes through `out.base`, a handle of the nearest existing
+    // ancestor, so a directory swapped for a symlink meanwhile cannot redirect a write.
+    let out = ctx.confine_new(Path::new(&req.out))?;
     let (files, contracts) = render(ctx, req)?;
-    let non_empty = out.is_dir() && std::fs::read_dir(&out).map(|mut d| d.next().is_some()).unwrap_or(false);
-    if out.exists() && !out.is_dir() {
-        return Err(Error::usage(format!("{} exists and is not a directory", out.display())));
-    }
+    let shown = out.path();
+    let (base, rest) = (&out.base, out.rest.as_path());
+    let non_empty = match base.kind(rest) {
+        None => false,
+        Some(t) if t.is_dir() => !base.entries(rest)?.is_empty(),
+        Some(t) => {
+            return Err(Error::usage(format!(
+                "{} exists and is {}, not a directory",
+                shown.display(),
+                crate::beneath::kind_of(t)
+            )));
+        }
+    };
     if non_empty && !req.force {
         return Err(Error::usage(format!(
             "{} is not empty; choose an empty or new directory, or pass force (CLI: --force) to overwrite the scaffold's files",
-            out.display()
+            shown.display()
         )));
     }
     // Write into a sibling temporary directory first (beside the target, so inside the workspace
     // only when the target is), then move each file into place, so that a failure part-way leaves
     // no half-written crate. On failure the staging directory and every directory created for it
     // are removed: nothing is left behind.
-    let parent = out.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."));
-    let mut first_created = None;
-    for a in parent.ancestors() {
-        if std::fs::symlink_metadata(a).is_ok() {
-            break;
+    // Missing parents are created one by one, and only the ones this call created are removed on
+    // failure, each only while empty: a directory put in place by someone else meanwhile is kept.
+    let parent_rel = rest.parent().unwrap_or(Path::new(""));
+    let mut created = Vec::new();
+    let mut result = Ok(());
+    let mut at = PathBuf::new();
+    for c in parent_rel.components() {
+        at.push(c);
+        match base.cap().create_dir(&at) {
+            Ok(()) => created.push(at.clone()),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => {
+                result = Err(base.error(&at, &e));
+                break;
+            }
         }
-        first_created = Some(a.to_path_buf());
     }
-    let result = write_staged(&out, &parent, &files, non_empty);
-    if result.is_err()
-        && let Some(d) = first_created
-    {
-        let _ = std::fs::remove_dir_all(d);
+    if result.is_ok() {
+        result = write_staged(base, rest, &files, non_empty);
+    }
+    if result.is_err() {
+        for d in created.iter().rev() {
+            let _ = base.cap().remove_dir(d);
+        }
     }
     result?;
     Ok(ScaffoldReport {
-        dir: out.display().to_string(),
+        dir: shown.display().to_string(),
         files: files.into_iter().map(|(r, _)| r).collect(),
         contracts,
         next: "implement src/kernels.rs, then call compile_engine and run_kernel_test; then the model, tokenizer and generate modules, then verify_generation".into(),
     })
 }
 
-/// Write `files` into a staging directory in `parent` and move them to `out` (the whole directory
-/// when `out` is absent or empty, else file by file). The staging directory is removed on every
+/// Write `files` into a staging directory beside `out` (relative to `base`; its parent exists) and
+/// move them to `out`
+/// (the whole directory when `out` is absent or empty, else file by file), every step through
+/// `base`'s handle: nothing is followed out of it. The staging directory is removed on every
 /// path, success or failure.
-fn write_staged(out: &Path, parent: &Path, files: &Files, non_empty: bool) -> Result<()> {
-    std::fs::create_dir_all(parent).map_err(|e| Error::usage(format!("{}: {e}", parent.display())))?;
-    let staging = tempfile::tempdir_in(parent)
-        .map_err(|e| Error::internal(format!("cannot stage in {}: {e}", parent.display())))?;
-    for (rel, text) in files {
-        let p = staging.path().join(rel);
-        std::fs::create_dir_all(p.parent().unwrap()).map_err(|e| Error::internal(format!("{}: {e}", p.display())))?;
-        std::fs::write(&p, text).map_err(|e| Error::internal(format!("{}: {e}", p.display())))?;
+fn write_staged(base: &Dir, out: &Path, files: &Files, non_empty: bool) -> Result<()> {
+    let parent_rel = out.parent().unwrap_or(Path::new(""));
+    let name = out.file_name().expect("a confined new directory has a name");
+    let parent = base.open_dir(parent_rel)?;
+    let staging = PathBuf::from(format!(".scaffold-{:016x}", rand::random::<u64>()));
+    parent.cap().create_dir(&staging).map_err(|e| parent.error(&staging, &e))?;
+    let result = (|| -> Result<()> {
+        for (rel, text) in files {
+            let p = staging.join(rel);
+            if let Some(d) = p.parent() {
+                parent.cap().create_dir_all(d).map_err(|e| parent.error(d, &e))?;
+            }
+            parent.cap().write(&p, text).map_err(|e| parent.error(&p, &e))?;
+        }
+        let exists = parent.exists(Path::new(name));
+        if !exists || !non_empty {
+            if exists {
+                parent.cap().remove_dir(name).map_err(|e| parent.error(Path::new(name), &e))?;
+            }
+            parent.cap().rename(&staging, parent.cap(), name).map_err(|e| {
+                Error::usage(format!(
+                    "cannot create the engine crate at {}: {}",
+                    parent.show(Path::new(name)).display(),
+                    e
+                ))
+            })?;
+        } else {
+            let out = Path::new(name);
+            for (rel, _) in files {
+                let to = out.join(rel);
+                if let Some(d) = to.parent() {
+                    parent.cap().create_dir_all(d).map_err(|e| parent.error(d, &e))?;
+                }
+                parent.cap().rename(staging.join(rel), parent.cap(), &to).map_err(|e| parent.error(&to, &e))?;
+            }
+        }
+        Ok(())
+    })();
+    if parent.exists(&staging) {
+        let _ = parent.cap().remove_dir_all(&staging);
     }
-    if !out.exists() || !non_empty {
-        if out.exists() {
-            std::fs::remove_dir(out).map_err(|e| Error::internal(format!("{}: {e}", out.display())))?;
-        }
-        let staged = staging.keep();
-        if let Err(e) = std::fs::rename(&staged, out) {
-            let _ = std::fs::remove_dir_all(&staged);
-            return Err(Error::usage(format!("cannot create the engine crate at {}: {e}", out.display())));
-        }
-    } else {
-        for (rel, _) in files {
-            let to = out.join(rel);
-            std::fs::create_dir_all(to.parent().unwrap())
-                .map_err(|e| Error::internal(format!("{}: {e}", to.display())))?;
-            std::fs::rename(staging.path().join(rel), &to)
-                .map_err(|e| Error::internal(format!("{}: {e}", to.display())))?;
-        }
-    }
-    Ok(())
+    result
 }

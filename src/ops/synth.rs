@@ -724,6 +724,11 @@ pub fn write_checkpoint_opts(
     };
     std::fs::create_dir_all(&parent).map_err(|e| Error::input(format!("cannot create {}: {e}", parent.display())))?;
     let io = |what: &Path, e: std::io::Error| Error::input(format!("cannot write {}: {e}", what.display()));
+    // The parent resolved once: every later step goes through its handle (`/proc/self/fd/N`), so a
+    // directory swapped for a symlink meanwhile cannot redirect the checkpoint.
+    let held = crate::beneath::Dir::open(&parent)?;
+    let name = out.file_name().ok_or_else(|| Error::usage(format!("{}: not a directory name", out.display())))?;
+    let (parent, out_at) = (held.fd_path(), held.fd_path().join(name));
     let tmp = tempfile::Builder::new().prefix(".synth-").tempdir_in(&parent).map_err(|e| io(&parent, e))?;
     let mut config = config.clone();
     config["torch_dtype"] = json!(storage.torch_dtype());
@@ -745,11 +750,11 @@ pub fn write_checkpoint_opts(
     let tok = serde_json::to_string_pretty(&tokenizer).expect("json serialises");
     std::fs::write(tmp.path().join("tokenizer.json"), tok).map_err(|e| io(out, e))?;
     let parameters = write_weights(tmp.path(), &plan, seed, storage)?;
-    if out.exists() {
-        std::fs::remove_dir(out).map_err(|e| io(out, e))?;
+    if std::fs::symlink_metadata(&out_at).is_ok() {
+        std::fs::remove_dir(&out_at).map_err(|e| io(out, e))?;
     }
     let kept = tmp.keep();
-    std::fs::rename(&kept, out).map_err(|e| {
+    std::fs::rename(&kept, &out_at).map_err(|e| {
         let _ = std::fs::remove_dir_all(&kept);
         io(out, e)
     })?;

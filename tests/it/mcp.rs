@@ -10,9 +10,9 @@ use rmcp::service::RunningService;
 use rmcp::transport::{ConfigureCommandExt, TokioChildProcess};
 use serde_json::{Value, json};
 
-type Client = RunningService<rmcp::RoleClient, ()>;
+pub(crate) type Client = RunningService<rmcp::RoleClient, ()>;
 
-async fn connect(ledger_dir: &Path, workspace: Option<&Path>) -> Client {
+pub(crate) async fn connect(ledger_dir: &Path, workspace: Option<&Path>) -> Client {
     let (ledger, ws) = (ledger_dir.join("ledger.sqlite"), workspace.map(Path::to_path_buf));
     let transport = TokioChildProcess::new(tokio::process::Command::new(crate::bin()).configure(|cmd| {
         cmd.arg("serve").env("METAINFER_LEDGER", &ledger).env("METAINFER_CACHE", crate::cache());
@@ -24,7 +24,7 @@ async fn connect(ledger_dir: &Path, workspace: Option<&Path>) -> Client {
     ().serve(transport).await.unwrap()
 }
 
-async fn call(c: &Client, tool: &str, args: Value) -> rmcp::model::CallToolResult {
+pub(crate) async fn call(c: &Client, tool: &str, args: Value) -> rmcp::model::CallToolResult {
     c.call_tool(CallToolRequestParams::new(tool.to_string()).with_arguments(args.as_object().unwrap().clone()))
         .await
         .unwrap()

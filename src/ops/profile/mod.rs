@@ -284,7 +284,7 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     let live = ctx.live();
     let ctx = &*live;
     let mut gate = Gate::open(ctx, Tool::Profile, &req.engine, req.dtype.as_deref(), budget)?;
-    let model_dir = ctx.confine(Path::new(&req.model), true)?;
+    let model_dir = ctx.confine_model(Path::new(&req.model))?.path().to_path_buf();
     let target = gate.target.clone();
     let cfg = crate::model::load_config(&ctx.ckb, &model_dir)?;
     gate.same_family(&model_dir, &cfg.family)?;

@@ -1,0 +1,342 @@
+//! Directory handles: a directory resolved once, and every later open of a file or folder inside it
+//! made relative to that handle without following a symlink or `..` out of it. On Linux the
+//! `cap-std` crate resolves each path with `openat2(RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)` (and by
+//! its own component-by-component walk where openat2 is missing), so a directory swapped for a
+//! symlink after it was checked cannot redirect a read or a write: the handle still names the
+//! directory that was checked, and a link leading out of it is an error, not a way out.
+//!
+//! Reads through a handle are the bounded, regular-file reads of [`crate::util`]: a FIFO, a device
+//! or a socket is refused by name, a file over its kind's size limit is refused with the limit, and
+//! the open never blocks. Errors name the file by its path under the handle's directory and never
+//! quote the contents of anything outside it. Depends on `util` and `error` only.
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use cap_std::fs::FileTypeExt;
+
+use crate::error::{Error, Result};
+use crate::util::Limit;
+
+/// An open directory and the path it had when it was opened (for messages, outcomes and the child
+/// processes that are given it by path). Cloning shares the handle.
+#[derive(Clone)]
+pub struct Dir {
+    path: PathBuf,
+    cap: Arc<cap_std::fs::Dir>,
+}
+
+impl std::fmt::Debug for Dir {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Dir").field("path", &self.path).finish()
+    }
+}
+
+/// Whether an io error is cap-std's refusal of a path that leads outside the handle's directory
+/// (an absolute symlink, a symlink or `..` climbing above it).
+pub fn is_escape(e: &io::Error) -> bool {
+    e.kind() == io::ErrorKind::PermissionDenied && e.to_string().contains("outside of the filesystem")
+}
+
+/// What a file system entry is, in words (`a FIFO (named pipe)`, `a directory`, ...).
+pub fn kind_of(t: cap_std::fs::FileType) -> &'static str {
+    if t.is_dir() {
+        "a directory"
+    } else if t.is_fifo() {
+        "a FIFO (named pipe)"
+    } else if t.is_char_device() {
+        "a character device"
+    } else if t.is_block_device() {
+        "a block device"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_symlink() {
+        "a symlink"
+    } else if t.is_file() {
+        "a regular file"
+    } else {
+        "not a regular file"
+    }
+}
+
+impl Dir {
+    /// Open `path` as a directory with the server's own rights (symlinks in `path` itself are
+    /// followed): for a root the server trusts (the workspace, a model directory, a path given
+    /// without `--workspace`). Its recorded path is the one the kernel resolved.
+    ///
+    /// # Errors
+    /// [`crate::error::ErrorKind::Usage`] naming the path when it is missing or not a directory.
+    pub fn open(path: &Path) -> Result<Dir> {
+        let cap = cap_std::fs::Dir::open_ambient_dir(path, cap_std::ambient_authority())
+            .map_err(|e| Error::usage(format!("{}: {}", path.display(), words(&e))))?;
+        Ok(Dir::from_cap(cap, path))
+    }
+
+    fn from_cap(cap: cap_std::fs::Dir, fallback: &Path) -> Dir {
+        use std::os::fd::AsRawFd;
+        let path = std::fs::read_link(format!("/proc/self/fd/{}", cap.as_raw_fd()))
+            .ok()
+            .filter(|p| p.is_absolute())
+            .unwrap_or_else(|| std::path::absolute(fallback).unwrap_or_else(|_| fallback.to_path_buf()));
+        Dir { path, cap: Arc::new(cap) }
+    }
+
+    /// The directory's absolute path when it was opened (it may have been moved since; every
+    /// access goes through the handle, never through this path).
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The cap-std handle, for operations this type does not wrap.
+    pub fn cap(&self) -> &cap_std::fs::Dir {
+        &self.cap
+    }
+
+    /// A path that names this very directory in this process (`/proc/self/fd/N`), whatever has
+    /// been renamed or swapped on the way to [`Dir::path`] since it was opened: for sandbox grants,
+    /// which the server builds in its own process.
+    pub fn fd_path(&self) -> PathBuf {
+        use std::os::fd::AsRawFd;
+        PathBuf::from(format!("/proc/self/fd/{}", self.cap.as_raw_fd()))
+    }
+
+    /// The path of `rel` under this directory, for messages.
+    pub fn show(&self, rel: &Path) -> PathBuf {
+        if rel.as_os_str().is_empty() { self.path.clone() } else { self.path.join(rel) }
+    }
+
+    /// The error for `rel` (under this directory) failing with `e`: an escape is named as one.
+    pub fn error(&self, rel: &Path, e: &io::Error) -> Error {
+        if is_escape(e) {
+            Error::usage(format!(
+                "{} leads outside {} (through a symlink or `..`); copy what it points to into the directory, or remove the link",
+                self.show(rel).display(),
+                self.path.display()
+            ))
+        } else {
+            Error::usage(format!("{}: {}", self.show(rel).display(), words(e)))
+        }
+    }
+
+    /// Open the directory `rel` beneath this one (symlinks inside it followed, none out of it).
+    ///
+    /// # Errors
+    /// [`crate::error::ErrorKind::Usage`] naming the path: missing, not a directory, or leading
+    /// outside.
+    pub fn open_dir(&self, rel: &Path) -> Result<Dir> {
+        if rel.as_os_str().is_empty() {
+            return Ok(self.clone());
+        }
+        let cap = self.cap.open_dir(rel).map_err(|e| self.error(rel, &e))?;
+        Ok(Dir::from_cap(cap, &self.show(rel)))
+    }
+
+    /// Open the directory `name` (one plain name) directly in this one, refusing a symlink.
+    ///
+    /// # Errors
+    /// [`crate::error::ErrorKind::Usage`] naming the path: missing, a symlink, not a directory.
+    pub fn open_dir_nofollow(&self, name: &Path) -> Result<Dir> {
+        use std::os::unix::fs::MetadataExt;
+        let d = self.open_dir(name)?;
+        // What was opened must be what `name` is without following a link: a link swapped in
+        // before the open, or after it, fails the comparison.
+        let opened = std::fs::metadata(d.fd_path()).map_err(|e| self.error(name, &e))?;
+        let here = std::fs::symlink_metadata(self.fd_path().join(name)).map_err(|e| self.error(name, &e))?;
+        if here.file_type().is_symlink() || (here.dev(), here.ino()) != (opened.dev(), opened.ino()) {
+            return Err(Error::usage(format!(
+                "{} is a symlink, not a directory; remove it and let the server create the directory",
+                self.show(name).display()
+            )));
+        }
+        Ok(d)
+    }
+
+    /// What `rel` is without following a final symlink (None when it does not exist or leads
+    /// outside).
+    pub fn kind(&self, rel: &Path) -> Option<cap_std::fs::FileType> {
+        self.cap.symlink_metadata(rel).ok().map(|m| m.file_type())
+    }
+
+    /// Whether `rel` exists beneath this directory (a final symlink is not followed).
+    pub fn exists(&self, rel: &Path) -> bool {
+        self.kind(rel).is_some()
+    }
+
+    /// Open the regular file `rel` for reading: its type is checked before the open (symlinks
+    /// inside followed, none out), the open does not block (`O_NONBLOCK`, so a FIFO swapped in
+    /// meanwhile cannot stall it), and the opened file's type is checked again.
+    ///
+    /// # Errors
+    /// [`crate::error::ErrorKind::Input`] naming the file and what it is (a FIFO, a device, a
+    /// socket, a directory); Usage when it leads outside or does not exist.
+    pub fn open_file(&self, rel: &Path, limit: &Limit) -> Result<std::fs::File> {
+        use cap_std::fs::OpenOptionsExt;
+        let refuse = |what: &str| {
+            Error::input(format!(
+                "{} is {what}, not a regular file; the {} must be a regular file",
+                self.show(rel).display(),
+                limit.what
+            ))
+        };
+        let meta = self.cap.metadata(rel).map_err(|e| self.error(rel, &e))?;
+        if !meta.is_file() {
+            return Err(refuse(kind_of(meta.file_type())));
+        }
+        let mut o = cap_std::fs::OpenOptions::new();
+        o.read(true).custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY);
+        let f = self.cap.open_with(rel, &o).map_err(|e| self.error(rel, &e))?.into_std();
+        let t = f.metadata().map_err(|e| self.error(rel, &e))?.file_type();
+        if !t.is_file() {
+            return Err(refuse(crate::util::kind_of(t)));
+        }
+        Ok(f)
+    }
+
+    /// Read the regular file `rel` whole, at most `limit.max` bytes ([`Dir::open_file`], then
+    /// [`crate::util::read_open_bounded`]).
+    ///
+    /// # Errors
+    /// As those two.
+    pub fn read(&self, rel: &Path, limit: &Limit) -> Result<Vec<u8>> {
+        crate::util::read_open_bounded(self.open_file(rel, limit)?, &self.show(rel), limit)
+    }
+
+    /// [`Dir::read`] as UTF-8 text.
+    ///
+    /// # Errors
+    /// As [`Dir::read`], or a file that is not UTF-8.
+    pub fn read_text(&self, rel: &Path, limit: &Limit) -> Result<String> {
+        String::from_utf8(self.read(rel, limit)?).map_err(|_| {
+            Error::input(format!("{} is not UTF-8 text; the {} must be UTF-8", self.show(rel).display(), limit.what))
+        })
+    }
+
+    /// The entries of the directory `rel` beneath this one (`""`: this one), as (name, type
+    /// without following symlinks), sorted by name.
+    ///
+    /// # Errors
+    /// [`crate::error::ErrorKind::Usage`] naming the directory.
+    pub fn entries(&self, rel: &Path) -> Result<Vec<(std::ffi::OsString, cap_std::fs::FileType)>> {
+        let it = if rel.as_os_str().is_empty() { self.cap.entries() } else { self.cap.read_dir(rel) };
+        let mut out = Vec::new();
+        for e in it.map_err(|e| self.error(rel, &e))? {
+            let e = e.map_err(|e| self.error(rel, &e))?;
+            let t = e.file_type().map_err(|e| self.error(rel, &e))?;
+            out.push((e.file_name(), t));
+        }
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(out)
+    }
+
+    /// Where the symlink `rel` leads: inside this directory (it resolves beneath it), outside
+    /// (it climbs out or is absolute), or nowhere (dangling or a loop).
+    pub fn link_target(&self, rel: &Path) -> Link {
+        let target = self.cap.read_link_contents(rel).unwrap_or_default();
+        let leads = match self.cap.metadata(rel) {
+            Ok(_) => Leads::Inside,
+            Err(e) if is_escape(&e) => Leads::Outside,
+            Err(_) => Leads::Nowhere,
+        };
+        Link { rel: rel.to_string_lossy().replace('\\', "/"), target, leads }
+    }
+
+    /// Write `bytes` to `rel` atomically: into a temporary file in the same directory beneath this
+    /// one, then renamed over `rel` (a symlink at `rel` is replaced, never written through). The
+    /// parent directory must exist beneath this one.
+    ///
+    /// # Errors
+    /// [`crate::error::ErrorKind::Usage`] naming the path.
+    pub fn write_atomic(&self, rel: &Path, bytes: &[u8]) -> Result<()> {
+        use std::io::Write;
+        let parent = rel.parent().unwrap_or(Path::new(""));
+        let name =
+            rel.file_name().ok_or_else(|| Error::usage(format!("{}: not a file name", self.show(rel).display())))?;
+        let dir = self.open_dir(parent)?;
+        let tmp = PathBuf::from(format!(".{}.{:016x}.tmp", name.to_string_lossy(), rand::random::<u64>()));
+        let written = (|| -> io::Result<()> {
+            let mut o = cap_std::fs::OpenOptions::new();
+            o.write(true).create_new(true);
+            let mut f = dir.cap.open_with(&tmp, &o)?;
+            f.write_all(bytes)?;
+            f.sync_all()?;
+            dir.cap.rename(&tmp, &dir.cap, name)
+        })();
+        if let Err(e) = written {
+            let _ = dir.cap.remove_file(&tmp);
+            return Err(self.error(rel, &e));
+        }
+        Ok(())
+    }
+}
+
+/// Where a symlink leads (see [`Dir::link_target`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Leads {
+    /// It resolves to something beneath the directory.
+    Inside,
+    /// It leads out of the directory (absolute, or climbing above it).
+    Outside,
+    /// It does not resolve (dangling, or a loop).
+    Nowhere,
+}
+
+/// A symlink found inside a directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Link {
+    /// Its path relative to the directory, `/`-separated.
+    pub rel: String,
+    /// Its target as stored in the link.
+    pub target: PathBuf,
+    /// Where it leads.
+    pub leads: Leads,
+}
+
+/// An io error in words, without the `(os error N)` suffix's noise for the common kinds.
+fn words(e: &io::Error) -> String {
+    match e.kind() {
+        io::ErrorKind::NotFound => "does not exist".into(),
+        io::ErrorKind::NotADirectory => "is not a directory".into(),
+        _ if e.raw_os_error() == Some(libc::ELOOP) => "is a symlink loop (or too many levels of links)".into(),
+        _ => e.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn links_out_of_the_directory_are_refused_and_links_inside_followed() {
+        let t = tempfile::tempdir().unwrap();
+        let (inside, outside) = (t.path().join("in"), t.path().join("out"));
+        std::fs::create_dir_all(inside.join("sub")).unwrap();
+        std::fs::create_dir_all(&outside).unwrap();
+        std::fs::write(outside.join("secret"), "SECRET").unwrap();
+        std::fs::write(inside.join("sub/a.txt"), "A").unwrap();
+        std::os::unix::fs::symlink(outside.join("secret"), inside.join("abs")).unwrap();
+        std::os::unix::fs::symlink("../out/secret", inside.join("rel")).unwrap();
+        std::os::unix::fs::symlink("sub/a.txt", inside.join("ok")).unwrap();
+        std::os::unix::fs::symlink("loop", inside.join("loop")).unwrap();
+        let d = Dir::open(&inside).unwrap();
+        let lim = crate::util::CONFIG_JSON;
+        assert_eq!(d.read(Path::new("ok"), &lim).unwrap(), b"A");
+        for bad in ["abs", "rel", "../out/secret", "sub/../../out/secret"] {
+            let e = d.read(Path::new(bad), &lim).unwrap_err();
+            assert!(e.message.contains("leads outside"), "{bad}: {}", e.message);
+            assert!(!e.message.contains("SECRET"));
+        }
+        assert_eq!(d.link_target(Path::new("abs")).leads, Leads::Outside);
+        assert_eq!(d.link_target(Path::new("rel")).leads, Leads::Outside);
+        assert_eq!(d.link_target(Path::new("ok")).leads, Leads::Inside);
+        assert_eq!(d.link_target(Path::new("loop")).leads, Leads::Nowhere);
+        // The handle keeps naming the directory it opened after the path is swapped for a link.
+        std::fs::rename(&inside, t.path().join("moved")).unwrap();
+        std::os::unix::fs::symlink(&outside, &inside).unwrap();
+        assert_eq!(d.read(Path::new("sub/a.txt"), &lim).unwrap(), b"A");
+        assert!(d.read(Path::new("secret"), &lim).is_err());
+        d.write_atomic(Path::new("sub/b.txt"), b"B").unwrap();
+        assert_eq!(std::fs::read(t.path().join("moved/sub/b.txt")).unwrap(), b"B");
+        assert!(!outside.join("sub").exists());
+    }
+}
