@@ -134,6 +134,8 @@ pub enum Command {
         /// Weight dtype: f32, bf16, f16 or int8.
         #[arg(long, default_value = "f32", value_name = "DTYPE")]
         dtype: String,
+        #[command(flatten)]
+        serving: ServingArgs,
         /// Print exactly the tool's structured output as JSON.
         #[arg(long)]
         json: bool,
@@ -226,6 +228,8 @@ pub enum Command {
         /// Reference level: what the agent may read besides the CKB.
         #[arg(long, value_enum, default_value = "zero")]
         reference_level: LevelArg,
+        #[command(flatten)]
+        serving: ServingArgs,
         /// Print exactly the tool's structured output as JSON.
         #[arg(long)]
         json: bool,
@@ -597,4 +601,29 @@ pub enum CkbCmd {
         #[arg(long)]
         force: bool,
     },
+}
+
+/// Serving constraints of plan and scaffold: given `--max-seqs`, the engine serves several
+/// sequences at once (paged KV cache, scheduler, OpenAI-compatible server).
+#[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "Serving constraints")]
+pub struct ServingArgs {
+    /// Most sequences running at once (turns serving on; needs --max-context).
+    #[arg(long, value_name = "N", requires = "max_context")]
+    pub max_seqs: Option<usize>,
+    /// Most tokens of one sequence, prompt and output together.
+    #[arg(long, value_name = "N", requires = "max_seqs")]
+    pub max_context: Option<usize>,
+    /// Positions per KV-cache block.
+    #[arg(long, value_name = "N", default_value_t = 16)]
+    pub block_size: usize,
+    /// KV-cache blocks in the pool (default: enough for max-seqs full contexts).
+    #[arg(long, value_name = "N")]
+    pub kv_blocks: Option<usize>,
+    /// Most tokens per batched step (default 256).
+    #[arg(long, value_name = "N")]
+    pub max_batch_tokens: Option<usize>,
+    /// Requests may sample (temperature, top-k, top-p, min-p, penalties); without it, greedy only.
+    #[arg(long)]
+    pub sampling: bool,
 }

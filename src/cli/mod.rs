@@ -177,8 +177,9 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
             served.map_err(|e| Error::internal(format!("MCP server: {e}")))?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Plan { model, target, dtype, json } => {
-            let r = ops::plan::plan(&ctx(g)?, &ops::plan::PlanRequest { model: s(&model), target, dtype })?;
+        Command::Plan { model, target, dtype, serving, json } => {
+            let serving = serving_of(&serving);
+            let r = ops::plan::plan(&ctx(g)?, &ops::plan::PlanRequest { model: s(&model), target, dtype, serving })?;
             Ok(emit(&r, json))
         }
         Command::Synth {
@@ -255,8 +256,9 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
             );
             Ok(ExitCode::SUCCESS)
         }
-        Command::Scaffold { model, out, target, dtype, name, force, reference_level, json } => {
+        Command::Scaffold { model, out, target, dtype, name, force, reference_level, serving, json } => {
             let req = ops::scaffold::ScaffoldRequest {
+                serving: serving_of(&serving),
                 model: s(&model),
                 out: s(&out),
                 target,
@@ -489,4 +491,16 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
             Ok(if ok { ExitCode::SUCCESS } else { ExitCode::from(1) })
         }
     }
+}
+
+/// The serving constraints of the CLI flags (None without --max-seqs).
+fn serving_of(a: &args::ServingArgs) -> Option<metainfer::manifest::Serving> {
+    Some(metainfer::manifest::Serving {
+        max_seqs: a.max_seqs?,
+        max_context: a.max_context?,
+        block_size: a.block_size,
+        kv_blocks: a.kv_blocks,
+        max_batch_tokens: a.max_batch_tokens,
+        sampling: a.sampling,
+    })
 }

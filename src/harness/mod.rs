@@ -324,6 +324,9 @@ pub struct HarnessSpec {
     pub arms: Vec<Arm>,
     /// Cargo features of the engine crate to enable (its weight-dtype variant).
     pub features: Vec<String>,
+    /// Whether the engine has serving constraints: the harness then compiles its serving commands
+    /// (template/serving.rs), which call the engine's block manager and batched step.
+    pub serving: bool,
 }
 
 /// One kernel's harness code (from the kernel registry, `oracle::kernels`): the block run for a test

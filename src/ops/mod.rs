@@ -132,6 +132,24 @@ pub struct Target {
     pub platform: Option<String>,
     /// Harness arms and engine features.
     pub spec: crate::harness::HarnessSpec,
+    /// Serving constraints (`[serving]` of metainfer.toml), when the engine serves.
+    pub serving: Option<crate::manifest::Serving>,
+    /// Component contracts the serving constraints add ([`SERVING_COMPONENTS`]), empty without them.
+    pub components: Vec<String>,
+}
+
+/// Component contracts an engine with serving constraints implements besides its family's.
+pub const SERVING_COMPONENTS: [&str; 4] =
+    ["component.block_manager", "component.batched_step", "component.scheduler", "component.openai_server"];
+
+/// Kernel contracts serving constraints add to a family's: paged attention always, the sampler
+/// when requests may sample (greedy serving uses the family's argmax).
+pub fn serving_kernels(s: &crate::manifest::Serving) -> Vec<&'static str> {
+    let mut k = vec!["kernel.paged_attention"];
+    if s.sampling {
+        k.push("kernel.sample");
+    }
+    k
 }
 
 /// The harness arm of a kernel contract, from the kernel registry.
@@ -173,7 +191,16 @@ impl Ctx {
                 m.family
             ))
         })?;
-        let kernels = self.ckb.kernels_for(fam, &dtype).map_err(Error::usage)?;
+        let mut kernels = self.ckb.kernels_for(fam, &dtype).map_err(Error::usage)?;
+        let mut components = Vec::new();
+        if let Some(s) = &m.serving {
+            for k in serving_kernels(s) {
+                if !kernels.iter().any(|x| x == k) {
+                    kernels.push(k.to_string());
+                }
+            }
+            components.extend(SERVING_COMPONENTS.iter().filter(|c| self.ckb.get(c).is_ok()).map(|c| c.to_string()));
+        }
         let arms = kernels.iter().map(|k| arm(k)).collect::<Result<Vec<_>>>()?;
         let platform = self.ckb.platform_for(&m.target).map(|p| p.id.clone());
         Ok(Target {
@@ -181,7 +208,9 @@ impl Ctx {
             dtype,
             target: m.target.clone(),
             platform,
-            spec: crate::harness::HarnessSpec { kernels, arms, features },
+            spec: crate::harness::HarnessSpec { kernels, arms, features, serving: m.serving.is_some() },
+            serving: m.serving.clone(),
+            components,
         })
     }
 }

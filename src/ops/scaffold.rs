@@ -34,6 +34,10 @@ pub struct ScaffoldRequest {
     /// documentation too) or `code` (other implementations' code too). Recorded with every outcome.
     #[serde(default)]
     pub reference_level: super::ReferenceLevel,
+    /// Serving constraints (see plan_engine): the scaffold then writes the serving skeletons
+    /// (src/paged.rs, src/batch.rs, the sampler) and a `[serving]` table in metainfer.toml.
+    #[serde(default)]
+    pub serving: Option<crate::manifest::Serving>,
 }
 
 fn cpu() -> String {
@@ -80,7 +84,12 @@ pub type Files = Vec<(String, String)>;
 /// # Errors
 /// When the constraints are not covered.
 pub fn render(ctx: &Ctx, req: &ScaffoldRequest) -> Result<(Files, Vec<String>)> {
-    let preq = PlanRequest { model: req.model.clone(), target: req.target.clone(), dtype: req.dtype.clone() };
+    let preq = PlanRequest {
+        model: req.model.clone(),
+        target: req.target.clone(),
+        dtype: req.dtype.clone(),
+        serving: req.serving.clone(),
+    };
     let report = plan_only(ctx, &preq)?;
     // Staged candidates (report.provisional) may be scaffolded under: that is how they earn evidence.
     if !report.gaps.is_empty() {
@@ -154,7 +163,7 @@ pub fn render(ctx: &Ctx, req: &ScaffoldRequest) -> Result<(Files, Vec<String>)> 
     // The model as an absolute path: a path relative to the caller's directory means nothing later.
     let model = ctx.confine(std::path::Path::new(&req.model), true)?.display().to_string();
     let constraints = constraints_toml(
-        &PlanRequest { model, target: req.target.clone(), dtype: req.dtype.clone() },
+        &PlanRequest { model, target: req.target.clone(), dtype: req.dtype.clone(), serving: req.serving.clone() },
         &report,
         req.reference_level,
     )?;

@@ -46,7 +46,7 @@ fn plan_engine_routes_all_six_families() {
         let dir = synth(t.path(), name, family, edit);
         let r = plan_only(
             &ctx,
-            &PlanRequest { model: dir.display().to_string(), target: "cpu".into(), dtype: "f32".into() },
+            &PlanRequest { model: dir.display().to_string(), target: "cpu".into(), dtype: "f32".into(), serving: None },
         )
         .unwrap();
         assert!(r.covered, "{name}: {:?}", r.gaps);
