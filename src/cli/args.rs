@@ -293,6 +293,30 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Verify the block manager and the batched step of a serving engine (tool verify_batching).
+    #[command(
+        after_help = "Example:\n  metainfer verify-batching --engine myengine --model ../shared/models/babyllama-105"
+    )]
+    VerifyBatching {
+        /// Engine crate directory (its metainfer.toml has a [serving] table).
+        #[arg(long, value_name = "DIR")]
+        engine: PathBuf,
+        /// Hugging Face model directory (config.json, model.safetensors).
+        #[arg(long, value_name = "DIR")]
+        model: PathBuf,
+        /// Sequences in the batched run, 1..=32 (default 6).
+        #[arg(long, value_name = "N")]
+        sequences: Option<usize>,
+        /// Replay a run: the seed a report gave (below 2^53).
+        #[arg(long, value_name = "N")]
+        seed: Option<u64>,
+        /// Weight dtype to build the engine for (default: the engine's own).
+        #[arg(long, value_name = "DTYPE")]
+        dtype: Option<String>,
+        /// Print exactly the tool's structured output as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Check the zero-reference and anti-fake rules (tool check_rules).
     #[command(after_help = "Example:\n  metainfer check-rules --engine myengine")]
     CheckRules {

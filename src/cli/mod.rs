@@ -299,6 +299,17 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
             })?;
             Ok(emit(&r, json))
         }
+        Command::VerifyBatching { engine, model, sequences, seed, dtype, json } => {
+            let c = ctx(g)?;
+            let req = ops::batching::BatchingRequest { engine: s(&engine), model: s(&model), sequences, seed, dtype };
+            let r = progress(
+                "verify batching (build + block manager + batched run + reference)",
+                first_build_note(&c),
+                json,
+                || ops::batching::verify_batching(&c, &req, &budget()),
+            )?;
+            Ok(emit(&r, json))
+        }
         Command::Profile { engine, model, runs, prompt_len, new_tokens, dtype, threads, json } => {
             let c = ctx(g)?;
             let req = ops::profile::ProfileRequest {

@@ -341,6 +341,14 @@ pub struct Arm {
     pub timed: String,
 }
 
+/// The serving commands of the harness (a module compiled in only for serving engines).
+pub const HARNESS_SERVING: &str = include_str!("template/serving.rs");
+
+/// Marker line of the template where the serving module is declared.
+pub const SERVING_MOD: &str = "// @serving mod";
+/// Marker line of the template where the serving commands are dispatched.
+pub const SERVING_COMMANDS: &str = "// @serving commands";
+
 /// Marker lines of the template where the arms go.
 pub const TEST_ARMS: &str = "// @arms test";
 /// See [`TEST_ARMS`].
@@ -348,11 +356,26 @@ pub const TIMED_ARMS: &str = "// @arms timed";
 
 /// The harness source with exactly the given kernel arms, so an engine need not export kernels its
 /// plan does not use: each arm is inserted at the template's [`TEST_ARMS`] / [`TIMED_ARMS`] line.
-pub fn harness_source(arms: &[Arm]) -> String {
+///
+/// With `serving`, the template's [`SERVING_MOD`] line declares the serving module
+/// ([`HARNESS_SERVING`], written beside it) and its [`SERVING_COMMANDS`] line dispatches the
+/// serving commands to it; without, both lines are dropped and a serving command is refused.
+pub fn harness_source(arms: &[Arm], serving: bool) -> String {
     let mut out = String::with_capacity(HARNESS_MAIN.len() + arms.len() * 1024);
     for line in HARNESS_MAIN.lines() {
         let t = line.trim();
         let indent = &line[..line.len() - line.trim_start().len()];
+        if t == SERVING_MOD || t == SERVING_COMMANDS {
+            if serving && t == SERVING_MOD {
+                out.push_str(&format!("{indent}mod serving;\n"));
+            } else if serving {
+                out.push_str(&format!(
+                    "{indent}Command::BlockManager {{ num_blocks, block_size, ops }} => serving::block_manager(*num_blocks, *block_size, ops),\n\
+                     {indent}Command::Batch {{ model, num_blocks, block_size, seqs, steps, tensors }} => serving::batch(model, *num_blocks, *block_size, seqs, steps, tensors),\n"
+                ));
+            }
+            continue;
+        }
         if t == TEST_ARMS || t == TIMED_ARMS {
             for a in arms {
                 let body = if t == TEST_ARMS { &a.test } else { &a.timed };
@@ -577,8 +600,14 @@ impl Workshop {
             std::fs::write(&p, s).map_err(|e| Error::internal(format!("cannot write {}: {e}", p.display())))
         };
         write(dir.join("Cargo.toml"), &manifest)?;
-        write(dir.join("src/main.rs"), &harness_source(&spec.arms))?;
+        write(dir.join("src/main.rs"), &harness_source(&spec.arms, spec.serving))?;
         write(dir.join("src/protocol.rs"), HARNESS_PROTOCOL)?;
+        let serving = dir.join("src/serving.rs");
+        if spec.serving {
+            write(serving, HARNESS_SERVING)?;
+        } else {
+            let _ = std::fs::remove_file(serving);
+        }
         Ok(dir.join("Cargo.toml"))
     }
 

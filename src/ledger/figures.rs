@@ -128,6 +128,27 @@ pub struct ProfileFigures {
     pub verified: bool,
 }
 
+/// `verify_batching`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct BatchingFigures {
+    /// Common gate figures.
+    #[serde(flatten)]
+    pub gate: GateFigures,
+    /// The block manager's answers all matched.
+    pub block_manager_ok: bool,
+    /// Block-manager violations reported (at most 8).
+    pub violations: usize,
+    /// Sequences in the batched run.
+    pub sequences: usize,
+    /// Sequences equal to their single-sequence reference.
+    pub sequences_ok: usize,
+    /// Steps of the batched run.
+    pub steps: usize,
+    /// Largest logit error over the sequences.
+    pub max_abs_err: f64,
+}
+
 /// `check_rules`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -159,6 +180,8 @@ pub enum Figures {
     Verify(VerifyFigures),
     /// `profile_engine`.
     Profile(ProfileFigures),
+    /// `verify_batching`.
+    Batching(BatchingFigures),
     /// `check_rules`.
     Rules(RulesFigures),
     /// `plan_engine`.
@@ -175,6 +198,7 @@ impl Figures {
             Figures::KernelTest(f) => serde_json::to_value(f),
             Figures::Verify(f) => serde_json::to_value(f),
             Figures::Profile(f) => serde_json::to_value(f),
+            Figures::Batching(f) => serde_json::to_value(f),
             Figures::Rules(f) => serde_json::to_value(f),
             Figures::Plan(f) => serde_json::to_value(f),
             Figures::Other(v) => Ok(v.clone()),
@@ -193,6 +217,7 @@ impl Figures {
             "run_kernel_test" => parse(v, Figures::KernelTest),
             "verify_generation" => parse(v, Figures::Verify),
             "profile_engine" => parse(v, Figures::Profile),
+            "verify_batching" => parse(v, Figures::Batching),
             "check_rules" => parse(v, Figures::Rules),
             "plan_engine" => parse(v, Figures::Plan),
             _ => Figures::Other(v.clone()),
@@ -206,6 +231,7 @@ impl Figures {
             Figures::KernelTest(f) => Some(&f.gate),
             Figures::Verify(f) => Some(&f.gate),
             Figures::Profile(f) => Some(&f.gate),
+            Figures::Batching(f) => Some(&f.gate),
             _ => None,
         }
     }

@@ -1,5 +1,5 @@
 //! The gate skeleton: the one path every gate (compile_engine, run_kernel_test, verify_generation,
-//! profile_engine) goes through, so that each gate module keeps only what is its own.
+//! profile_engine, verify_batching) goes through, so that each gate module keeps only what is its own.
 //!
 //! ```text
 //! Gate::open      confine the engine path; resolve the engine (snapshot, source hash, manifest) and
@@ -23,7 +23,9 @@ use crate::error::Result;
 use crate::guard::Finding;
 use crate::harness::protocol::Command;
 use crate::harness::{self, Budget, Called, Engine};
-use crate::ledger::figures::{CompileFigures, Figures, GateFigures, KernelTestFigures, ProfileFigures, VerifyFigures};
+use crate::ledger::figures::{
+    BatchingFigures, CompileFigures, Figures, GateFigures, KernelTestFigures, ProfileFigures, VerifyFigures,
+};
 
 pub use super::evolve::Promotion;
 
@@ -38,6 +40,8 @@ pub enum Tool {
     Verify,
     /// profile_engine
     Profile,
+    /// verify_batching
+    Batching,
 }
 
 impl Tool {
@@ -48,6 +52,7 @@ impl Tool {
             Tool::KernelTest => "run_kernel_test",
             Tool::Verify => "verify_generation",
             Tool::Profile => "profile_engine",
+            Tool::Batching => "verify_batching",
         }
     }
 
@@ -58,6 +63,7 @@ impl Tool {
             Tool::KernelTest => Figures::KernelTest(KernelTestFigures { gate, ..Default::default() }),
             Tool::Verify => Figures::Verify(VerifyFigures { gate, ..Default::default() }),
             Tool::Profile => Figures::Profile(ProfileFigures { gate, ..Default::default() }),
+            Tool::Batching => Figures::Batching(BatchingFigures { gate, ..Default::default() }),
         }
     }
 }

@@ -3,6 +3,7 @@
 //!
 //! Depends on ckb, model, oracle, harness and ledger; knows nothing of MCP.
 
+pub mod batching;
 pub mod ckb_check;
 pub mod compile;
 pub mod evolve;

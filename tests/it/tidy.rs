@@ -336,8 +336,16 @@ fn each_rule_catches_a_planted_violation() {
 
     // The assembled harness of every registry kernel has exactly one arm per kernel in each match.
     let arms: Vec<metainfer::harness::Arm> = kernels::ids().map(|k| metainfer::ops::arm(k).unwrap()).collect();
-    let src = metainfer::harness::harness_source(&arms);
+    let src = metainfer::harness::harness_source(&arms, false);
     for k in kernels::ids() {
         assert_eq!(src.matches(&format!("{k:?} =>")).count(), 2, "{k}");
     }
+    // The serving commands are compiled in only for serving engines.
+    assert!(!src.contains("mod serving;") && !src.contains("serving::batch"));
+    let serving = metainfer::harness::harness_source(&arms, true);
+    assert!(
+        serving.contains("mod serving;")
+            && serving.contains("serving::batch(")
+            && serving.contains("serving::block_manager(")
+    );
 }
