@@ -16,6 +16,7 @@ mod mcp;
 mod model;
 mod oracle;
 mod rules;
+mod serving;
 mod tidy;
 
 use std::path::{Path, PathBuf};

@@ -136,6 +136,26 @@ fn milli(rng: &mut ChaCha8Rng, case: &TestCase, name: &str, default: f32) -> f32
     }
 }
 
+/// The smallest u at which the oracle returns its lowest-ranked kept token (the inverse CDF is
+/// monotone in u: later tokens in rank order for larger u), by bisection to 2^-40.
+fn last_kept_from(logits: &[f64], prev: &[u32], p: &SamplingParams) -> f64 {
+    let at = |u: f64| core(logits, prev, p, u, Faults::default());
+    let last = at(1.0 - 1e-12);
+    let (mut lo, mut hi) = (0.0, 1.0 - 1e-12);
+    if at(lo) == last {
+        return 0.0;
+    }
+    for _ in 0..40 {
+        let mid = 0.5 * (lo + hi);
+        if at(mid) == last {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    hi
+}
+
 /// A deterministic sign from the bits of a value: equal values are perturbed equally.
 fn sign_of(v: f64, salt: u64) -> f64 {
     let h = crate::util::fnv1a(&format!("{}:{salt}", v.to_bits()));
@@ -176,8 +196,10 @@ pub fn robust(logits: &[f64], prev: &[u32], p: &SamplingParams, u: f64) -> bool 
 /// Logits uniform in [-scale, scale) with `ties` values copied onto other ids (one of them the
 /// maximum), previous tokens from a small set of ids (so some repeat), parameters from the test
 /// case's ranges in thousandths (`temperature_milli`, or temperature 0 with `greedy`, `top_p_milli`, `min_p_milli`,
-/// `repetition_milli`, `frequency_milli`, `presence_milli`) and `top_k`, and u uniform in [0, 1);
-/// u and the parameters are redrawn until the case is [`robust`].
+/// `repetition_milli`, `frequency_milli`, `presence_milli`) and `top_k`, and u uniform in [0, 1)
+/// (with top-p or min-p on, within the lowest-ranked kept token's share: always with a `tail` dim,
+/// else half the time); u and the
+/// parameters are redrawn until the case is [`robust`].
 fn draw(case: &TestCase, rng: &mut ChaCha8Rng) -> Result<Case> {
     let n = dim(rng, case, "n")?.max(1);
     let n_prev = if case.dims.contains_key("prev") { dim(rng, case, "prev")? } else { 0 };
@@ -217,8 +239,15 @@ fn draw(case: &TestCase, rng: &mut ChaCha8Rng) -> Result<Case> {
             frequency_penalty: milli(rng, case, "frequency_milli", 0.0) as f64,
             presence_penalty: milli(rng, case, "presence_milli", 0.0) as f64,
         };
-        let u = rng.random_range(0.0f32..1.0);
         let wide = super::super::widen(&logits);
+        let mut u = rng.random_range(0.0f32..1.0);
+        // With a filter on, u lies on the lowest-ranked kept token (always with the test case's
+        // `tail` dim, else half the time): that is where a dropped boundary token changes the draw.
+        let filtered = p.temperature > 0.0 && (p.top_p < 1.0 || p.min_p > 0.0);
+        if filtered && (case.dims.contains_key("tail") || rng.random_bool(0.5)) {
+            let lo = last_kept_from(&wide, &prev, &p);
+            u = (lo + (1.0 - lo) * rng.random_range(0.1..0.9)) as f32;
+        }
         if robust(&wide, &prev, &p, u as f64) {
             chosen = Some((p, u));
             break;
@@ -392,6 +421,9 @@ mod tests {
         // u right at a CDF step (0.4) is fragile; in the middle of a step it is not.
         assert!(!robust(&l, &[], &p(), 0.4));
         assert!(robust(&l, &[], &p(), 0.55));
+        // u from 0.7 on picks the lowest-ranked token (rank order 3, 1, 2, 0; CDF 0.4, 0.7, 0.9, 1.0
+        // with top-k 3 renormalised: 4/9, 7/9, 1).
+        assert!((last_kept_from(&l, &[], &SamplingParams { top_k: 3, ..p() }) - 7.0 / 9.0).abs() < 1e-9);
         // Planted exact ties are not fragile: the tie rule decides them.
         assert!(robust(&[2.0, 2.0, 1.0], &[], &SamplingParams { temperature: 0.0, ..p() }, 0.3));
     }
