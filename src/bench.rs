@@ -110,12 +110,13 @@ fn spread_of(v: &[f64]) -> Spread {
 
 /// The harness's decode seconds per token for one run (RAYON_NUM_THREADS = `threads`), median over
 /// the run's tokens.
-fn engine_run(exe: &Path, model: &Path, o: &BenchOptions, threads: usize, budget: &Budget) -> Result<f64> {
-    let scratch = tempfile::tempdir().map_err(|e| Error::internal(format!("scratch: {e}")))?;
+fn engine_run(ctx: &Ctx, exe: &Path, model: &Path, o: &BenchOptions, threads: usize, budget: &Budget) -> Result<f64> {
+    let scratch = ctx.workshop.scratch()?;
     let command =
         Command::Profile { model: model.to_path_buf(), prompt_len: o.prompt_len, new_tokens: o.new_tokens, runs: 1 };
     let env = [("RAYON_NUM_THREADS", threads.to_string())];
-    match harness::call(exe, scratch.path(), command, &env, budget)?.ok("engine run", 1500) {
+    let grants = harness::Grants::harness(exe, scratch.path()).read(model);
+    match ctx.workshop.call(exe, scratch.path(), command, &env, &grants, budget)?.ok("engine run", 1500) {
         Ok(Reply::Profile(t)) if !t.decode_s_per_token.is_empty() => Ok(crate::stats::median(&t.decode_s_per_token)),
         Ok(other) => Err(Error::internal(format!("engine run replied {other:?}"))),
         Err(why) => Err(Error::internal(why)),
@@ -229,7 +230,7 @@ pub fn run(ctx: &Ctx, o: &BenchOptions, work: &Path) -> Result<BenchReport> {
             for rep in 0..o.reps {
                 eprintln!("bench: {label}, {t} thread(s), repetition {}/{}", rep + 1, o.reps);
                 for (i, (_, exe)) in exes.iter().enumerate() {
-                    samples[i].push(1.0 / engine_run(exe, dir, o, t, &budget)?);
+                    samples[i].push(1.0 / engine_run(ctx, exe, dir, o, t, &budget)?);
                 }
                 if candle {
                     samples[exes.len()].push(1.0 / candle_run(dir, o, t, &budget)?);

@@ -28,7 +28,15 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .init();
-    match cli::run(args) {
+    // SIGTERM, SIGINT and SIGHUP kill every child process group before the process exits.
+    if let Err(e) = metainfer::harness::exit_on_signals() {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
+    let result = cli::run(args);
+    // A signal killed the children this command waited for: its exit belongs to the signal thread.
+    metainfer::harness::wait_if_terminating();
+    match result {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e}");

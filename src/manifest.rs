@@ -6,7 +6,7 @@
 //! A malformed or ill-typed manifest is an error naming the file, the key and what to write instead;
 //! nothing is silently replaced by a default. An absent manifest means every default (a crate made by
 //! hand can still be checked). Whether the family and platform exist is checked against the CKB by
-//! the caller (`ops::Ctx::target`). Depends on `error` and `ckb` (the weight dtype names) only.
+//! the caller (`ops::Ctx::target`). Depends on `error`, `util` (bounded reads) and `ckb` (the weight dtype names) only.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -18,9 +18,6 @@ use crate::error::{Error, Result};
 
 /// File name of the manifest in an engine crate.
 pub const FILE: &str = "metainfer.toml";
-
-/// Largest manifest accepted, bytes (a scaffolded one is a few hundred).
-pub const MAX_BYTES: u64 = 64 << 10;
 
 /// The reference level an engine is built under: what the agent was allowed to read.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -193,29 +190,19 @@ impl EngineManifest {
     /// Read the manifest of the engine crate in `dir`; every default when the file is absent.
     ///
     /// # Errors
-    /// [`crate::error::ErrorKind::Usage`] naming the file and the key when it is not a regular file,
-    /// too large, not TOML, ill-typed, or names an unknown dtype, a malformed family or target.
+    /// [`crate::error::ErrorKind::Input`] when it is not a regular file or too large
+    /// (`util::METAINFER_TOML`); Usage naming the file and the key when it is not TOML, ill-typed, or
+    /// names an unknown dtype, a malformed family or target.
     pub fn read(dir: &Path) -> Result<EngineManifest> {
         let path = dir.join(FILE);
-        match std::fs::symlink_metadata(&path) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(EngineManifest::default()),
-            Err(e) => return Err(Error::usage(format!("{}: {e}", path.display()))),
-            Ok(m) if !m.is_file() => {
-                return Err(Error::usage(format!(
-                    "{} is not a regular file; write the engine's constraints there (or re-scaffold)",
-                    path.display()
-                )));
+        if let Err(e) = std::fs::symlink_metadata(&path) {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                return Ok(EngineManifest::default());
             }
-            Ok(m) if m.len() > MAX_BYTES => {
-                return Err(Error::usage(format!(
-                    "{} is {} bytes; a manifest is at most {MAX_BYTES} (it holds a few keys)",
-                    path.display(),
-                    m.len()
-                )));
-            }
-            Ok(_) => {}
+            return Err(Error::usage(format!("{}: {e}", path.display())));
         }
-        let text = std::fs::read_to_string(&path).map_err(|e| Error::usage(format!("{}: {e}", path.display())))?;
+        // A regular file of bounded size (a FIFO, a device or a huge file is refused by name).
+        let text = crate::util::read_regular_text(&path, &crate::util::METAINFER_TOML)?;
         EngineManifest::parse(&text).map_err(|e| Error::usage(format!("{}: {}", path.display(), e.message)))
     }
 

@@ -69,6 +69,8 @@ pub struct ServerOptions {
     pub skip_invalid: bool,
     /// Largest text and structured content of one tool result, characters (`--max-output`).
     pub max_output: usize,
+    /// Refuse gates when the kernel cannot sandbox agent-written code (`--require-sandbox`).
+    pub require_sandbox: bool,
     /// Directory every path argument is confined to (`serve --workspace`).
     pub workspace: Option<PathBuf>,
     /// Model directories path arguments may also point into (`serve --model-dir`, repeatable).
@@ -88,6 +90,7 @@ impl Default for ServerOptions {
             time_limit_s: DEFAULT_TIME_LIMIT_S,
             skip_invalid: false,
             max_output: crate::ops::MAX_TEXT,
+            require_sandbox: false,
             workspace: None,
             model_dirs: vec![],
             read_only: false,
@@ -102,15 +105,17 @@ impl Default for ServerOptions {
 /// # Errors
 /// An unreadable directory, or (without `skip_invalid`) any invalid contract file.
 pub fn load_ckb(dir: Option<&Path>, skip_invalid: bool) -> Result<Ckb> {
+    // A kernel contract without an oracle, or a failure contract naming an unknown mutant, is invalid.
+    let known = crate::oracle::implemented();
     if !skip_invalid {
         return match dir {
-            Some(d) => Ckb::from_dir(d),
-            None => Ckb::embedded(),
+            Some(d) => Ckb::from_sources_checked(ckb::read_dir_files(d)?, d.display().to_string(), Some(&known)),
+            None => Ckb::from_sources_checked(ckb::embedded_files(), "embedded".into(), Some(&known)),
         };
     }
     let ckb = match dir {
-        Some(d) => Ckb::from_sources_skip_invalid(ckb::read_dir_files(d)?, d.display().to_string())?,
-        None => Ckb::from_sources_skip_invalid(ckb::embedded_files(), "embedded".into())?,
+        Some(d) => Ckb::from_sources_skip_invalid(ckb::read_dir_files(d)?, d.display().to_string(), Some(&known))?,
+        None => Ckb::from_sources_skip_invalid(ckb::embedded_files(), "embedded".into(), Some(&known))?,
     };
     for f in ckb.skipped() {
         tracing::warn!("--skip-invalid: left out contract file {}: {}", f.file, f.reason);
@@ -142,13 +147,13 @@ impl ServerOptions {
                 })
             })
             .transpose()?;
-        Ok(Ctx {
+        let mut ctx = Ctx {
             ckb: load_ckb(self.ckb.as_deref(), self.skip_invalid)?,
             // Absolute: the harness manifest refers to the engine snapshot inside the cache by path.
             workshop: self
                 .cache
                 .clone()
-                .map(|root| Workshop { root: std::path::absolute(&root).unwrap_or(root) })
+                .map(|root| Workshop::new(std::path::absolute(&root).unwrap_or(root)))
                 .unwrap_or_else(Workshop::default_location),
             ledger: self.ledger.clone().unwrap_or_else(crate::ledger::default_path),
             workspace,
@@ -157,7 +162,11 @@ impl ServerOptions {
             max_output: self.max_output,
             client: std::sync::Arc::new(std::sync::RwLock::new(client.into())),
             ckb_dir: self.ckb.clone(),
-        })
+        };
+        // Nothing a sandboxed process runs may reach the server's own state.
+        ctx.workshop.protected = ctx.protected_paths();
+        ctx.workshop.require_sandbox = self.require_sandbox;
+        Ok(ctx)
     }
 
     /// The arguments of `metainfer serve` that reproduce these options (what `register` writes and
@@ -194,6 +203,9 @@ impl ServerOptions {
         if self.skip_invalid {
             a.push("--skip-invalid".into());
         }
+        if self.require_sandbox {
+            a.push("--require-sandbox".into());
+        }
         if self.read_only {
             a.push("--read-only".into());
         }
@@ -219,6 +231,7 @@ mod tests {
             time_limit_s: 1200,
             skip_invalid: true,
             max_output: 5000,
+            require_sandbox: true,
             workspace: Some("/p".into()),
             model_dirs: vec!["/m1".into(), "/m2".into()],
             read_only: true,
@@ -245,6 +258,7 @@ mod tests {
                 "--max-output",
                 "5000",
                 "--skip-invalid",
+                "--require-sandbox",
                 "--read-only",
                 "--toolsets",
                 "knowledge,gates"

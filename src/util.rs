@@ -1,7 +1,11 @@
 //! Small helpers with no home of their own: a string hash for deriving seeds, atomic file writes
 //! (a temporary file in the destination's directory, moved into place, so a reader never sees half a
-//! file), and seeds and numbers that survive JavaScript clients (below 2^53). Depends on nothing else in the crate but `error`.
+//! file), seeds and numbers that survive JavaScript clients (below 2^53), and bounded reads of regular
+//! files (every input file the server parses: a FIFO, a device or a socket is refused by name before it
+//! is opened, and a file over its kind's size limit is refused with the limit and what to do). Depends
+//! on nothing else in the crate but `error`.
 
+use std::io::Read;
 use std::path::Path;
 
 use crate::error::{Error, Result};
@@ -93,6 +97,142 @@ pub fn js_unsafe_numbers(v: &serde_json::Value) -> Vec<String> {
     out
 }
 
+/// A kind of input file and its size limit: what the file is, its largest accepted size in bytes,
+/// and what to do about a larger one.
+#[derive(Debug, Clone, Copy)]
+pub struct Limit {
+    /// What the file is, e.g. `config.json`.
+    pub what: &'static str,
+    /// Largest size accepted, bytes.
+    pub max: u64,
+    /// What to do when it is larger.
+    pub hint: &'static str,
+}
+
+/// A model's config.json or generation_config.json (real ones are a few KiB).
+pub const CONFIG_JSON: Limit =
+    Limit { what: "config.json", max: 4 << 20, hint: "pass the model's Hugging Face config.json (a few KiB)" };
+/// A tokenizer.json (Llama 3's is 9 MB, Gemma 3's 33 MB).
+pub const TOKENIZER_JSON: Limit =
+    Limit { what: "tokenizer.json", max: 64 << 20, hint: "pass the model's Hugging Face tokenizer.json" };
+/// A checkpoint's safetensors file, which the reference forward pass reads whole into memory.
+pub const SAFETENSORS_FILE: Limit = Limit {
+    what: "safetensors file",
+    max: 16 << 30,
+    hint: "the reference forward pass holds the whole checkpoint in memory; use a smaller model, or `metainfer synth` for its shape",
+};
+/// A safetensors file the engine's harness process wrote (kernel outputs, generated logits).
+pub const HARNESS_OUTPUT: Limit =
+    Limit { what: "harness output", max: 4 << 30, hint: "the engine's process wrote far more than it was asked for" };
+/// An engine's metainfer.toml (written by scaffold; under 1 KiB).
+pub const METAINFER_TOML: Limit =
+    Limit { what: "metainfer.toml", max: 1 << 20, hint: "keep metainfer.toml to the scaffold's keys" };
+/// One contract or proposal file (the largest shipped contract is about 20 KiB).
+pub const CONTRACT_FILE: Limit =
+    Limit { what: "contract file", max: 1 << 20, hint: "split the contract, or move long text to its sources" };
+/// A ledger export to import (JSONL).
+pub const LEDGER_EXPORT: Limit =
+    Limit { what: "ledger export", max: 1 << 30, hint: "split the export into several files" };
+/// The ledger's HMAC key file (64 hex digits).
+pub const LEDGER_KEY: Limit =
+    Limit { what: "ledger key", max: 1 << 10, hint: "the key file holds 64 hex digits; restore it" };
+
+/// What a non-regular file is, for messages.
+fn kind_of(t: std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if t.is_dir() {
+        "a directory"
+    } else if t.is_fifo() {
+        "a FIFO (named pipe)"
+    } else if t.is_char_device() {
+        "a character device"
+    } else if t.is_block_device() {
+        "a block device"
+    } else if t.is_socket() {
+        "a socket"
+    } else {
+        "not a regular file"
+    }
+}
+
+/// Open `path` for reading only if it is a regular file (symlinks followed): its type is checked
+/// before the open, the open does not block (`O_NONBLOCK`, so a FIFO swapped in meanwhile cannot
+/// stall it), and the opened file's type is checked again. The file handle is what
+/// [`read_open_bounded`] reads, so a directory-handle open can replace this function later.
+///
+/// # Errors
+/// [`crate::error::ErrorKind::Input`] naming the file and what it is (a FIFO, a device, a socket,
+/// a directory), or why it cannot be opened.
+pub fn open_regular(path: &Path, limit: &Limit) -> Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let refuse = |t: std::fs::FileType| {
+        Error::input(format!(
+            "{} is {}, not a regular file; the {} must be a regular file",
+            path.display(),
+            kind_of(t),
+            limit.what
+        ))
+    };
+    let meta = std::fs::metadata(path).map_err(|e| Error::input(format!("{}: {e}", path.display())))?;
+    if !meta.file_type().is_file() {
+        return Err(refuse(meta.file_type()));
+    }
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
+        .map_err(|e| Error::input(format!("{}: {e}", path.display())))?;
+    let meta = f.metadata().map_err(|e| Error::input(format!("{}: {e}", path.display())))?;
+    if !meta.file_type().is_file() {
+        return Err(refuse(meta.file_type()));
+    }
+    Ok(f)
+}
+
+/// Read an opened regular file whole, refusing more than `limit.max` bytes (`path` only names it in
+/// messages).
+///
+/// # Errors
+/// [`crate::error::ErrorKind::Input`] naming the file, its size, the limit and what to do.
+pub fn read_open_bounded(mut f: std::fs::File, path: &Path, limit: &Limit) -> Result<Vec<u8>> {
+    let too_big = |len: u64| {
+        Error::input(format!(
+            "{} is {len} bytes; a {} may be at most {} bytes: {}",
+            path.display(),
+            limit.what,
+            limit.max,
+            limit.hint
+        ))
+    };
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    if len > limit.max {
+        return Err(too_big(len));
+    }
+    let mut buf = Vec::with_capacity(len as usize);
+    (&mut f).take(limit.max + 1).read_to_end(&mut buf).map_err(|e| Error::input(format!("{}: {e}", path.display())))?;
+    if buf.len() as u64 > limit.max {
+        return Err(too_big(buf.len() as u64));
+    }
+    Ok(buf)
+}
+
+/// Read a regular file of at most `limit.max` bytes ([`open_regular`], then [`read_open_bounded`]).
+///
+/// # Errors
+/// As those two.
+pub fn read_regular(path: &Path, limit: &Limit) -> Result<Vec<u8>> {
+    read_open_bounded(open_regular(path, limit)?, path, limit)
+}
+
+/// [`read_regular`] as UTF-8 text.
+///
+/// # Errors
+/// As [`read_regular`], or a file that is not UTF-8.
+pub fn read_regular_text(path: &Path, limit: &Limit) -> Result<String> {
+    String::from_utf8(read_regular(path, limit)?)
+        .map_err(|_| Error::input(format!("{} is not UTF-8 text; the {} must be UTF-8", path.display(), limit.what)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -147,5 +287,26 @@ mod tests {
         let missing = dir.path().join("no/such/dir/f.txt");
         assert!(write_atomic(&missing, b"x").is_err());
         assert!(!missing.exists());
+    }
+
+    #[test]
+    fn bounded_reads_refuse_fifos_devices_and_oversized_files_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("config.json");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let e = read_regular(&fifo, &CONFIG_JSON).unwrap_err();
+        assert!(e.message.contains("config.json") && e.message.contains("FIFO"), "{}", e.message);
+        let tok = dir.path().join("tokenizer.json");
+        std::os::unix::fs::symlink("/dev/zero", &tok).unwrap();
+        let e = read_regular(&tok, &TOKENIZER_JSON).unwrap_err();
+        assert!(e.message.contains("tokenizer.json") && e.message.contains("character device"), "{}", e.message);
+        let big = dir.path().join("metainfer.toml");
+        std::fs::write(&big, vec![b'#'; (METAINFER_TOML.max + 1) as usize]).unwrap();
+        let e = read_regular(&big, &METAINFER_TOML).unwrap_err();
+        assert!(e.message.contains(&format!("at most {} bytes", METAINFER_TOML.max)), "{}", e.message);
+        std::fs::write(&big, b"family = \"model.llama\"\n").unwrap();
+        assert_eq!(read_regular_text(&big, &METAINFER_TOML).unwrap(), "family = \"model.llama\"\n");
     }
 }

@@ -16,6 +16,18 @@ pub mod embedded {
     include!(concat!(env!("OUT_DIR"), "/embedded.rs"));
 }
 
+/// What the server implements that contracts name: kernel contract ids with an f64 oracle, and
+/// mutant names. Supplied by the caller (the kernel registry, `oracle::implemented`), since ckb knows
+/// nothing of the oracle; with it, a kernel contract without an oracle or a failure contract naming an
+/// unknown mutant is a finding like any other, at load, at propose and at `ckb check` alike.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Implemented {
+    /// Kernel contract ids with an oracle.
+    pub kernels: BTreeSet<String>,
+    /// Mutant names (kernel and model-level).
+    pub mutants: BTreeSet<String>,
+}
+
 /// One problem in one contract file.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
 pub struct Finding {
@@ -68,6 +80,60 @@ pub struct Ckb {
     fingerprint: u64,
 }
 
+/// Longest name part of a contract id (the name is the file name a contract is staged and
+/// promoted under).
+pub const MAX_ID_NAME: usize = 64;
+
+/// The grammar of contract ids, as messages state it.
+pub const ID_GRAMMAR: &str = "contract ids are `<kind>.<name>`: kind one of kernel, component, model, platform, failure, policy; name of 1 to 64 lowercase letters, digits, `_` and `-`, starting with a letter or digit (e.g. `kernel.rms_norm`, `platform.cpu-x86_64`)";
+
+/// Split a contract id into its kind and name, checking the grammar ([`ID_GRAMMAR`]). Ids are names,
+/// never paths: a valid name contains no `/`, `.` or other separator, so the file name derived from
+/// it (`<kind dir>/<name>.toml`) stays inside its directory.
+///
+/// # Errors
+/// The grammar and what is wrong with `id`.
+pub fn parse_id(id: &str) -> std::result::Result<(Kind, &str), String> {
+    let bad = |why: &str| format!("`{}` is not a contract id ({why}); {ID_GRAMMAR}", id.escape_debug());
+    let (kind, name) = id.split_once('.').ok_or_else(|| bad("no `.` after the kind"))?;
+    let kind = [Kind::Kernel, Kind::Component, Kind::Model, Kind::Platform, Kind::Failure, Kind::Policy]
+        .into_iter()
+        .find(|k| k.prefix() == kind)
+        .ok_or_else(|| bad("unknown kind"))?;
+    if name.is_empty() || name.len() > MAX_ID_NAME {
+        return Err(bad("the name must have 1 to 64 characters"));
+    }
+    if !name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-') {
+        return Err(bad("the name may hold only lowercase letters, digits, `_` and `-`"));
+    }
+    if !name.as_bytes()[0].is_ascii_alphanumeric() {
+        return Err(bad("the name must start with a letter or digit"));
+    }
+    Ok((kind, name))
+}
+
+/// The folder of a kind's contract files, e.g. `kernels`.
+pub fn kind_dir(kind: Kind) -> &'static str {
+    match kind {
+        Kind::Kernel => "kernels",
+        Kind::Component => "components",
+        Kind::Model => "models",
+        Kind::Platform => "platforms",
+        Kind::Failure => "failures",
+        Kind::Policy => "policies",
+    }
+}
+
+/// The file (relative to a CKB or candidates root) of a new contract, derived only from its validated
+/// id: `<kind dir>/<name>.toml`.
+///
+/// # Errors
+/// An id outside the grammar.
+pub fn file_for_id(id: &str) -> std::result::Result<String, String> {
+    let (kind, name) = parse_id(id)?;
+    Ok(format!("{}/{name}.toml", kind_dir(kind)))
+}
+
 /// FNV-1a 64-bit hash of a set of (path, text) files, in path order.
 pub fn fingerprint(files: &[(String, String)]) -> u64 {
     let mut sorted: Vec<&(String, String)> = files.iter().collect();
@@ -103,7 +169,20 @@ impl Ckb {
     /// # Errors
     /// [`crate::error::ErrorKind::Input`] listing every finding, one per line.
     pub fn from_sources(files: Vec<(String, String)>, origin: String) -> Result<Ckb> {
-        let (ckb, findings) = Ckb::check_sources(files, origin);
+        Ckb::from_sources_checked(files, origin, None)
+    }
+
+    /// As [`Ckb::from_sources`], and with `known` a kernel contract without an oracle or an unknown
+    /// mutant name is a finding too (the server's own load: see [`Implemented`]).
+    ///
+    /// # Errors
+    /// As [`Ckb::from_sources`].
+    pub fn from_sources_checked(
+        files: Vec<(String, String)>,
+        origin: String,
+        known: Option<&Implemented>,
+    ) -> Result<Ckb> {
+        let (ckb, findings) = Ckb::check_sources(files, origin, known);
         match ckb {
             Some(ckb) if findings.is_empty() => Ok(ckb),
             _ => Err(Error::input(format!(
@@ -114,6 +193,37 @@ impl Ckb {
         }
     }
 
+    /// Contracts the server cannot check: kernel contracts without an oracle, failure contracts
+    /// naming a mutant that does not exist.
+    pub fn unimplemented(&self, known: &Implemented) -> Vec<Finding> {
+        let mut out = Vec::new();
+        for c in self.contracts.values() {
+            let file = self.files.get(&c.id).cloned().unwrap_or_default();
+            if c.kind == Kind::Kernel && !known.kernels.contains(&c.id) {
+                out.push(Finding {
+                    file: file.clone(),
+                    field: "/id".into(),
+                    message: format!(
+                        "no oracle implements `{}`: a kernel contract needs a kernel registry module (src/oracle/kernels/)",
+                        c.id
+                    ),
+                });
+            }
+            if let Some(m) = c.failure.as_ref().and_then(|f| f.mutant.as_deref())
+                && !known.mutants.contains(m)
+            {
+                out.push(Finding {
+                    file,
+                    field: "/failure/mutant".into(),
+                    message: format!(
+                        "no oracle mutant named `{m}`: add it to its kernel's registry module (src/oracle/kernels/) or remove the field"
+                    ),
+                });
+            }
+        }
+        out
+    }
+
     /// Like [`Ckb::from_sources`], but an invalid file (not TOML, schema error, lint finding in that
     /// file, dangling reference) is left out instead of failing the load, and so, in further rounds,
     /// is every file whose contract then references a contract that was left out. The files left out
@@ -122,14 +232,19 @@ impl Ckb {
     /// # Errors
     /// [`crate::error::ErrorKind::Input`] when no valid contract remains, or a finding names no file
     /// of the set (it cannot be attributed, so nothing can be skipped for it).
-    pub fn from_sources_skip_invalid(files: Vec<(String, String)>, origin: String) -> Result<Ckb> {
+    /// With `known`, a contract the server cannot check (see [`Implemented`]) is invalid too.
+    pub fn from_sources_skip_invalid(
+        files: Vec<(String, String)>,
+        origin: String,
+        known: Option<&Implemented>,
+    ) -> Result<Ckb> {
         let mut remaining = files;
         let mut skipped: Vec<SkippedFile> = Vec::new();
         // Contract id -> file, for the files left out (read leniently: a schema-invalid file may still
         // name its id).
         let mut skipped_ids: BTreeMap<String, String> = BTreeMap::new();
         loop {
-            let (ckb, findings) = Ckb::check_sources(remaining.clone(), origin.clone());
+            let (ckb, findings) = Ckb::check_sources(remaining.clone(), origin.clone(), known);
             let ckb = ckb.expect("check_sources always returns a knowledge base");
             if findings.is_empty() {
                 if ckb.contracts.is_empty() {
@@ -190,7 +305,12 @@ impl Ckb {
     }
 
     /// Like [`Ckb::from_sources`] but returns all findings instead of failing: `ckb check` uses it.
-    pub fn check_sources(files: Vec<(String, String)>, origin: String) -> (Option<Ckb>, Vec<Finding>) {
+    /// With `known`, also every kernel contract without an oracle and every unknown mutant name.
+    pub fn check_sources(
+        files: Vec<(String, String)>,
+        origin: String,
+        known: Option<&Implemented>,
+    ) -> (Option<Ckb>, Vec<Finding>) {
         let fingerprint = fingerprint(&files);
         let schema = contract_schema();
         let validator = jsonschema::validator_for(&schema).expect("the generated contract schema is valid");
@@ -241,6 +361,9 @@ impl Ckb {
         let ckb =
             Ckb { contracts, files: file_of, origin, skipped: Vec::new(), provisional: BTreeSet::new(), fingerprint };
         findings.extend(ckb.lint());
+        if let Some(k) = known {
+            findings.extend(ckb.unimplemented(k));
+        }
         (Some(ckb), findings)
     }
 
@@ -253,8 +376,12 @@ impl Ckb {
             let mut bad =
                 |field: &str, message: String| out.push(Finding { file: file.clone(), field: field.into(), message });
             let prefix = c.kind.prefix();
-            if !c.id.starts_with(&format!("{prefix}.")) || c.id.len() <= prefix.len() + 1 {
-                bad("/id", format!("id `{}` must be `{prefix}.<name>` for kind {prefix}", c.id));
+            match parse_id(&c.id) {
+                Err(e) => bad("/id", e),
+                Ok((kind, _)) if kind != c.kind => {
+                    bad("/id", format!("id `{}` must be `{prefix}.<name>` for kind {prefix}", c.id))
+                }
+                Ok(_) => {}
             }
             if c.sources.is_empty() {
                 bad("/sources", "at least one source is required: say where the knowledge comes from".into());
@@ -621,8 +748,9 @@ impl Ckb {
         files: Vec<(String, String)>,
         candidates: Vec<(String, String)>,
         origin: String,
+        known: Option<&Implemented>,
     ) -> Result<(Ckb, Vec<Finding>)> {
-        let base = Ckb::from_sources(files.clone(), origin.clone())?;
+        let base = Ckb::from_sources_checked(files.clone(), origin.clone(), known)?;
         let fingerprint = base.fingerprint;
         let mut accepted: Vec<(String, String)> = Vec::new();
         let mut ids = BTreeSet::new();
@@ -638,7 +766,7 @@ impl Ckb {
             let path = format!("candidates/{rel}");
             let mut trial = files.clone();
             trial.push((path.clone(), text.clone()));
-            let (_, findings) = Ckb::check_sources(trial, origin.clone());
+            let (_, findings) = Ckb::check_sources(trial, origin.clone(), known);
             if findings.is_empty() {
                 ids.insert(c.id);
                 accepted.push((path, text));
@@ -651,7 +779,7 @@ impl Ckb {
         }
         let mut all = files;
         all.extend(accepted);
-        let (ckb, findings) = Ckb::check_sources(all, origin);
+        let (ckb, findings) = Ckb::check_sources(all, origin, known);
         let mut ckb = ckb.expect("check_sources always returns a CKB");
         if !findings.is_empty() {
             // Candidates valid one by one but not together (e.g. two with one id): none routes.
@@ -694,8 +822,7 @@ pub fn read_dir_files(dir: &Path) -> Result<Vec<(String, String)>> {
         {
             continue;
         }
-        let text =
-            std::fs::read_to_string(path).map_err(|e| Error::input(format!("{}: cannot read: {e}", path.display())))?;
+        let text = crate::util::read_regular_text(path, &crate::util::CONTRACT_FILE)?;
         files.push((rel.to_string_lossy().replace('\\', "/"), text));
     }
     Ok(files)

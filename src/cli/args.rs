@@ -54,6 +54,10 @@ pub struct Global {
     /// long text is cut and marked).
     #[arg(long, global = true, default_value_t = metainfer::ops::MAX_TEXT, value_name = "CHARS", help_heading = GLOBAL)]
     pub max_output: usize,
+    /// Refuse to build or run an engine when this kernel cannot sandbox it (Linux Landlock ABI >= 6
+    /// and seccomp); without it such gates run unconfined and report `sandboxed: false`.
+    #[arg(long, global = true, help_heading = GLOBAL)]
+    pub require_sandbox: bool,
 }
 
 /// A client to register in or install skills for.

@@ -52,6 +52,7 @@ fn options(g: &Global, workspace: Option<PathBuf>, serve: Option<&ServeArgs>) ->
         time_limit_s: g.time_limit,
         skip_invalid: g.skip_invalid,
         max_output: g.max_output,
+        require_sandbox: g.require_sandbox,
         workspace,
         model_dirs: serve.map(|s| s.model_dirs.clone()).unwrap_or_default(),
         read_only: serve.is_some_and(|s| s.read_only),
@@ -170,6 +171,14 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
         Command::Serve { workspace, serve } => {
             let o = options(g, workspace, Some(&serve));
             let ctx = o.ctx("cli")?;
+            let sandbox = metainfer::harness::sandbox::status();
+            if sandbox.enforced {
+                tracing::info!("{}", sandbox.summary);
+            } else if o.require_sandbox {
+                return Err(Error::usage(format!("--require-sandbox: {}", sandbox.summary)));
+            } else {
+                tracing::warn!("{}", sandbox.summary);
+            }
             let rt = tokio::runtime::Runtime::new().map_err(|e| Error::internal(format!("tokio runtime: {e}")))?;
             let served = rt.block_on(metainfer::mcp::serve_stdio(ctx, metainfer::mcp::Exposure::of(&o)));
             // Calls in flight were cancelled; give their blocking threads a moment to reap children.

@@ -3,14 +3,16 @@
 //!   outside the engine directory (or cannot be resolved without building);
 //! - `git-dependency`: a git dependency (its code comes from outside, unreviewed);
 //! - `symlink-outside`: a symlink whose target lies outside the engine directory;
-//! - `build-script`: a build script that runs programs or reaches the network.
+//! - `build-script`: a build script that runs programs, reaches the network, reads `/proc` or writes
+//!   a file outside `OUT_DIR` (a build script is the root manifest's `package.build`, any
+//!   `build.rs`, and every file one pulls in with `mod`, `include!` or `#[path]`).
 
 use std::path::{Component, Path, PathBuf};
 
 use super::{Finding, Tree, line_of};
 
 /// Lexically normalise `base/rel` (no filesystem access, so nothing outside is touched).
-fn join_normal(base: &Path, rel: &str) -> PathBuf {
+pub(crate) fn join_normal(base: &Path, rel: &str) -> PathBuf {
     let mut out = PathBuf::new();
     for c in base.join(rel).components() {
         match c {
@@ -70,9 +72,181 @@ const BUILD_PATTERNS: &[&str] = &[
     "ureq",
 ];
 
+/// Calls that write the filesystem, with the index of their destination argument.
+const WRITE_CALLS: &[(&str, usize)] = &[
+    ("fs::write(", 0),
+    ("File::create(", 0),
+    ("File::create_new(", 0),
+    ("fs::create_dir(", 0),
+    ("fs::create_dir_all(", 0),
+    ("fs::copy(", 1),
+    ("fs::rename(", 1),
+    ("fs::hard_link(", 1),
+    ("symlink(", 1),
+    ("fs::remove_file(", 0),
+    ("fs::remove_dir(", 0),
+    ("fs::remove_dir_all(", 0),
+    ("fs::set_permissions(", 0),
+    (".open(", 0),
+];
+
+/// The `n`-th top-level argument of the call whose `(` ends at `open` in `text`.
+fn argument(text: &str, open: usize, n: usize) -> Option<&str> {
+    let mut depth = 0i32;
+    let (mut start, mut index) = (open, 0);
+    for (i, c) in text[open..].char_indices() {
+        let at = open + i;
+        match c {
+            '(' | '[' | '{' => depth += 1,
+            ')' | ']' | '}' if depth == 0 => return (index == n).then(|| text[start..at].trim()),
+            ')' | ']' | '}' => depth -= 1,
+            ',' if depth == 0 => {
+                if index == n {
+                    return Some(text[start..at].trim());
+                }
+                index += 1;
+                start = at + 1;
+            }
+            _ => {}
+        }
+    }
+    None
+}
+
+/// Identifiers in `s`.
+fn idents(s: &str) -> impl Iterator<Item = &str> {
+    s.split(|c: char| !(c.is_alphanumeric() || c == '_')).filter(|w| !w.is_empty())
+}
+
+/// Names bound (by `let`) to a value derived from `OUT_DIR`, to a fixed point.
+fn out_dir_names(text: &str) -> std::collections::BTreeSet<String> {
+    let mut names = std::collections::BTreeSet::new();
+    loop {
+        let before = names.len();
+        for stmt in text.split(';') {
+            // The statement's `let` (after any block opener such as `fn main() {`).
+            let Some(at) = stmt
+                .match_indices("let ")
+                .map(|(i, _)| i)
+                .find(|&i| stmt[..i].chars().next_back().is_none_or(|c| c.is_whitespace() || c == '{' || c == '}'))
+            else {
+                continue;
+            };
+            let rest = &stmt[at + 4..];
+            let Some((lhs, rhs)) = rest.split_once('=') else { continue };
+            if rhs.contains("OUT_DIR") || idents(rhs).any(|w| names.contains(w)) {
+                names.extend(idents(lhs).filter(|w| *w != "mut").map(str::to_string));
+            }
+        }
+        if names.len() == before {
+            return names;
+        }
+    }
+}
+
+/// Build-script findings of one build-script file: programs, network, `/proc`, writes outside
+/// `OUT_DIR`.
+fn build_script_findings(f: &super::SourceFile, out: &mut Vec<Finding>) {
+    for pat in BUILD_PATTERNS {
+        if let Some(b) = f.text.find(pat) {
+            out.push(Finding::blocking(
+                "build-script",
+                &f.rel,
+                line_of(&f.text, b),
+                format!("build script uses `{pat}`: build scripts may not run programs or reach the network; do the work in the engine's own code"),
+            ));
+        }
+    }
+    if let Some(b) = f.text.find("\"/proc") {
+        out.push(Finding::blocking(
+            "build-script",
+            &f.rel,
+            line_of(&f.text, b),
+            "build script reads /proc: build scripts may not inspect processes (their own or the server's); read what you need from cargo's environment variables".into(),
+        ));
+    }
+    let derived = out_dir_names(&f.text);
+    for (call, n) in WRITE_CALLS {
+        let mut from = 0;
+        while let Some(i) = f.text[from..].find(call) {
+            let at = from + i;
+            from = at + call.len();
+            // `.open(` writes only on an OpenOptions chain (File::open reads).
+            if *call == ".open(" {
+                let stmt_start = f.text[..at].rfind(';').map(|s| s + 1).unwrap_or(0);
+                if !f.text[stmt_start..at].contains("OpenOptions") && !f.text[stmt_start..at].contains("File::options")
+                {
+                    continue;
+                }
+            }
+            let Some(arg) = argument(&f.text, from, *n) else { continue };
+            if arg.contains("OUT_DIR") || idents(arg).any(|w| derived.contains(w)) {
+                continue;
+            }
+            out.push(Finding::blocking(
+                "build-script",
+                &f.rel,
+                line_of(&f.text, at),
+                format!(
+                    "build script writes with `{}` to `{}`, which is not derived from OUT_DIR; build scripts may write only under OUT_DIR (std::env::var(\"OUT_DIR\"))",
+                    call.trim_end_matches('('),
+                    arg.chars().take(80).collect::<String>()
+                ),
+            ));
+        }
+    }
+}
+
+/// The build scripts of the engine (relative paths): the root manifest's `package.build` (or
+/// `build.rs` when the manifest names none), every `build.rs`, and what they pull in as code
+/// (`mod name;` as `name.rs` or `name/mod.rs`, `include!`, `#[path]`), transitively.
+fn build_scripts(dir: &Path, tree: &Tree) -> std::collections::BTreeSet<String> {
+    let mut set: std::collections::BTreeSet<String> = tree
+        .files
+        .iter()
+        .filter(|f| f.rel == "build.rs" || f.rel.ends_with("/build.rs"))
+        .map(|f| f.rel.clone())
+        .collect();
+    if let Some(m) = tree.files.iter().find(|f| f.rel == "Cargo.toml")
+        && let Ok(t) = toml::from_str::<toml::Table>(&m.text)
+        && let Some(b) = t.get("package").and_then(|p| p.get("build")).and_then(|b| b.as_str())
+        && let Ok(rel) = join_normal(dir, b).strip_prefix(dir)
+    {
+        set.insert(rel.to_string_lossy().replace('\\', "/"));
+    }
+    let mut queue: Vec<String> = set.iter().cloned().collect();
+    while let Some(rel) = queue.pop() {
+        let Some(f) = tree.files.iter().find(|f| f.rel == rel) else { continue };
+        let base = f.path.parent().unwrap_or(dir);
+        let mut pulled: Vec<PathBuf> = Vec::new();
+        for stmt in f.text.split(';') {
+            let words: Vec<&str> = stmt.split_whitespace().collect();
+            if let [.., "mod", name] = words.as_slice()
+                && name.chars().all(|c| c.is_alphanumeric() || c == '_')
+            {
+                pulled.push(base.join(format!("{name}.rs")));
+                pulled.push(base.join(name).join("mod.rs"));
+            }
+        }
+        for lit in super::code_references(&f.text) {
+            pulled.push(join_normal(base, &lit));
+        }
+        for p in pulled {
+            if let Ok(r) = p.strip_prefix(dir) {
+                let r = r.to_string_lossy().replace('\\', "/");
+                if tree.files.iter().any(|f| f.rel == r) && set.insert(r.clone()) {
+                    queue.push(r);
+                }
+            }
+        }
+    }
+    set
+}
+
 /// Run the containment rules.
 pub fn check(dir: &Path, tree: &Tree) -> Vec<Finding> {
     let mut out = Vec::new();
+    let scripts = build_scripts(dir, tree);
     for (rel, target, resolved) in &tree.symlinks {
         let inside = resolved.as_ref().is_some_and(|r| r.starts_with(dir));
         if !inside {
@@ -138,19 +312,10 @@ pub fn check(dir: &Path, tree: &Tree) -> Vec<Finding> {
             }
             continue;
         }
-        if f.rel == "build.rs" || f.rel.ends_with("/build.rs") {
-            for pat in BUILD_PATTERNS {
-                if let Some(b) = f.text.find(pat) {
-                    out.push(Finding::blocking(
-                        "build-script",
-                        &f.rel,
-                        line_of(&f.text, b),
-                        format!("build script uses `{pat}`: build scripts may not run programs or reach the network; do the work in the engine's own code"),
-                    ));
-                }
-            }
+        if scripts.contains(&f.rel) {
+            build_script_findings(f, &mut out);
         }
-        if !f.rel.ends_with(".rs") {
+        if !f.rust {
             continue;
         }
         for mac in ["include_bytes!", "include_str!", "include!"] {

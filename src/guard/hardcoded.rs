@@ -58,7 +58,7 @@ fn int_arrays(text: &str) -> Vec<(usize, usize)> {
 /// Check sources for carried answers.
 pub fn check(tree: &Tree) -> Vec<Finding> {
     let mut out = Vec::new();
-    for f in tree.files.iter().filter(|f| f.rel.ends_with(".rs")) {
+    for f in tree.files.iter().filter(|f| f.rust) {
         for (at, n) in int_arrays(&f.text) {
             if n >= MAX_INT_ARRAY {
                 out.push(Finding::blocking(

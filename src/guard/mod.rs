@@ -1,7 +1,10 @@
 //! Rule checks on engine crates: the zero-reference rule and the anti-fake rules, one file per rule,
-//! each finding with a stable rule id. Reads only the engine directory (bounded: no symlink is
-//! followed, large and binary files are skipped and reported) and what the caller passes in (the
-//! resolved dependency graph, the CKB, registered reference fingerprints).
+//! each finding with a stable rule id. Reads only the engine directory (no symlink is followed) and
+//! what the caller passes in (the resolved dependency graph, the CKB, registered reference
+//! fingerprints). No code is skipped: every Rust source, manifest and build script is read whole,
+//! and so is every file one of them pulls in as code (`include!`, `#[path]`, a build script's
+//! `mod`) whatever its name; one too large to read ([`MAX_FILE_BYTES`]) is the blocking finding
+//! `file-too-large`, one that cannot be read as UTF-8 `file-unreadable`.
 //!
 //! Knows nothing of MCP and starts no process (the dependency graph comes from `harness`).
 
@@ -70,7 +73,8 @@ impl std::fmt::Display for Finding {
     }
 }
 
-/// Bounds of a scan.
+/// Largest source file, manifest or build script the rules read; a larger one is the blocking
+/// finding `file-too-large`.
 pub const MAX_FILE_BYTES: u64 = 1 << 20;
 /// Most files examined.
 pub const MAX_FILES: usize = 5_000;
@@ -86,6 +90,9 @@ pub struct SourceFile {
     pub path: PathBuf,
     /// Contents.
     pub text: String,
+    /// Whether it is Rust code: a `*.rs` file, or any file pulled in as code by `include!`,
+    /// `#[path]` or a build script's `mod`.
+    pub rust: bool,
 }
 
 /// What a bounded walk of the engine directory found.
@@ -95,8 +102,72 @@ pub struct Tree {
     pub files: Vec<SourceFile>,
     /// Symlinks: (relative path, target as read, resolved target if it resolves).
     pub symlinks: Vec<(String, PathBuf, Option<PathBuf>)>,
-    /// What was not examined and why.
+    /// What was not examined and why (files that are not code, depth, count).
     pub skipped: Vec<String>,
+    /// Code files too large to read: (relative path, bytes).
+    pub too_large: Vec<(String, u64)>,
+    /// Code files that could not be read as UTF-8: (relative path, why).
+    pub unreadable: Vec<(String, String)>,
+}
+
+/// Literal paths a Rust source pulls in as code: `include!("…")` and `#[path = "…"]`.
+pub(crate) fn code_references(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for (mac, after) in [("include!", "("), ("#[path", "=")] {
+        let mut from = 0;
+        while let Some(i) = text[from..].find(mac) {
+            from += i + mac.len();
+            let rest = text[from..].trim_start();
+            let Some(rest) = rest.strip_prefix(after) else { continue };
+            if let Some((lit, _)) = rest.trim_start().strip_prefix('"').and_then(|r| r.split_once('"')) {
+                out.push(lit.to_string());
+            }
+        }
+    }
+    out
+}
+
+impl Tree {
+    /// Read `path` (relative `rel`) as a code file of the tree: too large and unreadable files are
+    /// recorded as such.
+    fn read_code(&mut self, rel: String, path: &Path, rust: bool) {
+        let size = std::fs::symlink_metadata(path).map(|m| m.len()).unwrap_or(0);
+        if size > MAX_FILE_BYTES {
+            self.too_large.push((rel, size));
+            return;
+        }
+        match std::fs::read(path) {
+            Ok(bytes) => match String::from_utf8(bytes) {
+                Ok(text) => self.files.push(SourceFile { rel, path: path.to_path_buf(), text, rust }),
+                Err(_) => self.unreadable.push((rel, "not UTF-8".into())),
+            },
+            Err(e) => self.unreadable.push((rel, e.to_string())),
+        }
+    }
+
+    /// Add the files that code already read pulls in as code (`include!`, `#[path]`), whatever
+    /// their names, transitively; files outside `dir` are left to the containment rule.
+    fn follow_code_references(&mut self, dir: &Path) {
+        let mut i = 0;
+        while i < self.files.len() {
+            if self.files[i].rust {
+                let base = self.files[i].path.parent().unwrap_or(dir).to_path_buf();
+                for lit in code_references(&self.files[i].text) {
+                    let p = containment::join_normal(&base, &lit);
+                    let Ok(rel) = p.strip_prefix(dir) else { continue };
+                    let rel = rel.to_string_lossy().replace('\\', "/");
+                    let known = self.files.iter().any(|f| f.path == p)
+                        || self.too_large.iter().any(|(r, _)| *r == rel)
+                        || self.unreadable.iter().any(|(r, _)| *r == rel);
+                    let regular = std::fs::symlink_metadata(&p).is_ok_and(|m| m.is_file());
+                    if !known && regular && self.files.len() < MAX_FILES {
+                        self.read_code(rel, &p, true);
+                    }
+                }
+            }
+            i += 1;
+        }
+    }
 }
 
 /// Walk `dir` (canonical) without following links, skipping `target/` and `.git/`.
@@ -134,22 +205,13 @@ pub fn walk(dir: &Path) -> Tree {
             continue;
         }
         let is_text = rel.ends_with(".rs") || rel.ends_with(".toml");
-        if !is_text {
+        if !is_text || !entry.file_type().is_file() {
             continue;
         }
-        let size = entry.metadata().map(|m| m.len()).unwrap_or(0);
-        if size > MAX_FILE_BYTES {
-            tree.skipped.push(format!("{rel}: {size} bytes, larger than {MAX_FILE_BYTES}"));
-            continue;
-        }
-        match std::fs::read(entry.path()) {
-            Ok(bytes) => match String::from_utf8(bytes) {
-                Ok(text) => tree.files.push(SourceFile { rel, path: entry.path().to_path_buf(), text }),
-                Err(_) => tree.skipped.push(format!("{rel}: not UTF-8")),
-            },
-            Err(e) => tree.skipped.push(format!("{rel}: {e}")),
-        }
+        let rust = rel.ends_with(".rs");
+        tree.read_code(rel, entry.path(), rust);
     }
+    tree.follow_code_references(dir);
     tree
 }
 
@@ -176,6 +238,26 @@ pub struct Inputs<'a> {
 pub fn check(dir: &Path, inputs: &Inputs) -> (Vec<Finding>, Vec<String>) {
     let tree = walk(dir);
     let mut findings = Vec::new();
+    for (rel, size) in &tree.too_large {
+        findings.push(Finding::blocking(
+            "file-too-large",
+            rel,
+            0,
+            format!(
+                "{size} bytes: code (sources, manifests, build scripts and files they include as code) may be at most {MAX_FILE_BYTES} bytes, so that every rule reads it whole; split it, or keep data in a file the code reads with include_bytes!"
+            ),
+        ));
+    }
+    for (rel, why) in &tree.unreadable {
+        findings.push(Finding::blocking(
+            "file-unreadable",
+            rel,
+            0,
+            format!(
+                "cannot be read as UTF-8 text ({why}), so the rules cannot check it; rustc needs UTF-8 sources too"
+            ),
+        ));
+    }
     findings.extend(dependencies::check(inputs.ckb, inputs.target, inputs.packages));
     findings.extend(containment::check(dir, &tree));
     findings.extend(signatures::check(inputs.ckb, &tree, inputs.implements));

@@ -191,7 +191,7 @@ pub fn check(tree: &Tree, references: &[Reference], level: ReferenceLevel) -> Ve
         }
     }
     let mut out = Vec::new();
-    for f in tree.files.iter().filter(|f| f.rel.ends_with(".rs")) {
+    for f in tree.files.iter().filter(|f| f.rust) {
         let prints = fingerprints(&f.text);
         if prints.is_empty() {
             continue;

@@ -2,10 +2,13 @@
 //! running it with a time limit and cancellation, and bounding what comes back.
 //!
 //! Invariant: every child is either waited for or killed and reaped before a function returns.
+//! Every live child's process group is in a registry, so that a signal to the server kills them
+//! all ([`shutdown`]); agent-written code runs only in the sandbox ([`sandbox`]).
 
 pub mod diagnostics;
 pub mod explain;
 pub mod protocol;
+pub mod sandbox;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -19,6 +22,7 @@ use crate::error::{Error, Result};
 
 pub use diagnostics::{Diagnostic, parse_messages};
 pub use explain::{explain, figure, outside_workspace, prompts_passed};
+pub use sandbox::Grants;
 
 /// The harness source, rewritten before every build so that it cannot drift from the server's copy.
 pub const HARNESS_MAIN: &str = include_str!("template/main.rs");
@@ -84,6 +88,8 @@ pub struct Run {
     pub stderr: String,
     /// Wall time in seconds.
     pub seconds: f64,
+    /// Whether it ran in the enforced sandbox ([`Workshop::run_sandboxed`]).
+    pub sandboxed: bool,
 }
 
 impl Run {
@@ -131,7 +137,7 @@ pub fn run(expr: duct::Expression, budget: &Budget) -> Result<Run> {
     let start = Instant::now();
     let dir = tempfile::tempdir().map_err(|e| Error::internal(format!("temporary output directory: {e}")))?;
     let (out_path, err_path) = (dir.path().join("stdout"), dir.path().join("stderr"));
-    let handle = expr
+    let expr = expr
         .before_spawn(|cmd| {
             use std::os::unix::process::CommandExt;
             cmd.process_group(0);
@@ -143,9 +149,19 @@ pub fn run(expr: duct::Expression, budget: &Budget) -> Result<Run> {
         .stdout_path(&out_path)
         .stderr_path(&err_path)
         .stdin_null()
-        .unchecked()
-        .start()
-        .map_err(|e| Error::internal(format!("cannot start {expr:?}: {e}")))?;
+        .unchecked();
+    // Start and register under the registry's lock, so that a shutdown either sees this child or
+    // prevents it from starting.
+    let handle = {
+        let mut live = LIVE.lock().unwrap_or_else(|p| p.into_inner());
+        if SHUTTING_DOWN.load(Ordering::SeqCst) {
+            return Err(Error::internal("the server is shutting down; no process is started"));
+        }
+        let handle = expr.start().map_err(|e| Error::internal(format!("cannot start {expr:?}: {e}")))?;
+        live.extend(handle.pids().into_iter().map(|p| p as i32));
+        handle
+    };
+    let pids: Vec<i32> = handle.pids().into_iter().map(|p| p as i32).collect();
     let size = |p: &Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
     let mut polls = 0u32;
     let stopped = loop {
@@ -167,6 +183,7 @@ pub fn run(expr: duct::Expression, budget: &Budget) -> Result<Run> {
         std::thread::sleep(Duration::from_millis(20));
     };
     kill_group(&handle);
+    LIVE.lock().unwrap_or_else(|p| p.into_inner()).retain(|p| !pids.contains(p));
     let exit = match stopped {
         Some(e) => e,
         None => Exit::Code(handle.try_wait().ok().flatten().and_then(|o| o.status.code())),
@@ -176,6 +193,7 @@ pub fn run(expr: duct::Expression, budget: &Budget) -> Result<Run> {
         stdout: read_bounded(&out_path, MAX_OUTPUT_BYTES),
         stderr: read_tail(&err_path, 64 << 10),
         seconds: start.elapsed().as_secs_f64(),
+        sandboxed: false,
     })
 }
 
@@ -197,40 +215,6 @@ impl Called {
         }
         self.reply.map_err(|e| format!("the {what} process exited cleanly but its reply is unusable: {e}"))
     }
-}
-
-/// Run a harness executable on one command (see [`protocol`]): the request is written as
-/// `request.json` in `dir`, the harness runs with `env` added to its environment within `budget`,
-/// and its reply (`reply.json` in `dir`) is read back and parsed.
-///
-/// # Errors
-/// [`crate::error::ErrorKind::Internal`] when the request cannot be written or the process cannot be
-/// started. A process that fails or replies badly is a [`Called`], not an error.
-pub fn call(
-    exe: &Path,
-    dir: &Path,
-    command: protocol::Command,
-    env: &[(&str, String)],
-    budget: &Budget,
-) -> Result<Called> {
-    let request = dir.join("request.json");
-    let reply_path = dir.join("reply.json");
-    let _ = std::fs::remove_file(&reply_path);
-    let req = protocol::Request { version: protocol::VERSION, reply: reply_path.clone(), command };
-    let text = serde_json::to_vec(&req).map_err(|e| Error::internal(format!("harness request: {e}")))?;
-    std::fs::write(&request, text).map_err(|e| Error::internal(format!("{}: {e}", request.display())))?;
-    let mut cmd = duct::cmd(exe, [request.as_os_str()]);
-    for (k, v) in env {
-        cmd = cmd.env(k, v);
-    }
-    let run = run(cmd, budget)?;
-    let reply = match std::fs::read(&reply_path) {
-        Ok(bytes) => {
-            serde_json::from_slice::<protocol::Reply>(&bytes).map_err(|e| format!("reply does not parse: {e}"))
-        }
-        Err(_) => Err("it wrote no reply".to_string()),
-    };
-    Ok(Called { run, reply })
 }
 
 /// Run `program` with `args` (and `env` added) to completion within `budget`, as [`run`] does.
@@ -282,6 +266,71 @@ fn read_tail(path: &Path, max: u64) -> String {
     let _ = f.read_to_end(&mut buf);
     let text = String::from_utf8_lossy(&buf).into_owned();
     if skip > 0 { format!("[... {skip} bytes cut ...]{text}") } else { text }
+}
+
+/// Process groups (each led by a child of [`run`]) that are alive now.
+static LIVE: std::sync::Mutex<Vec<i32>> = std::sync::Mutex::new(Vec::new());
+/// Set once by [`shutdown`]: no further child is started.
+static SHUTTING_DOWN: AtomicBool = AtomicBool::new(false);
+
+/// Kill every live child process group and stop new ones from starting, then wait up to `grace`
+/// for the threads that own them to reap them. Returns the number of groups killed. Used when the
+/// server receives SIGTERM, SIGINT or SIGHUP ([`exit_on_signals`]).
+pub fn shutdown(grace: Duration) -> usize {
+    let groups: Vec<i32> = {
+        let live = LIVE.lock().unwrap_or_else(|p| p.into_inner());
+        SHUTTING_DOWN.store(true, Ordering::SeqCst);
+        live.clone()
+    };
+    for g in &groups {
+        // SAFETY: kill(2) with a negative pid signals a process group this process created.
+        unsafe {
+            libc::kill(-g, libc::SIGKILL);
+        }
+    }
+    let until = Instant::now() + grace;
+    while Instant::now() < until && !LIVE.lock().unwrap_or_else(|p| p.into_inner()).is_empty() {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    groups.len()
+}
+
+/// Install handlers for SIGTERM, SIGINT and SIGHUP: each kills every live child process group,
+/// lets their owners reap them ([`shutdown`], up to 5 s) and exits with 128 + the signal number.
+/// Call once, at the start of `main`.
+///
+/// # Errors
+/// When the handlers cannot be installed.
+pub fn exit_on_signals() -> Result<()> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP])
+        .map_err(|e| Error::internal(format!("cannot install signal handlers: {e}")))?;
+    std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            if let Some(sig) = signals.forever().next() {
+                TERMINATING.store(sig, Ordering::SeqCst);
+                let n = shutdown(Duration::from_secs(5));
+                tracing::warn!("signal {sig}: killed {n} child process group(s); exiting");
+                std::process::exit(128 + sig);
+            }
+        })
+        .map_err(|e| Error::internal(format!("cannot start the signal thread: {e}")))?;
+    Ok(())
+}
+
+/// The signal being handled by [`exit_on_signals`], 0 when none.
+static TERMINATING: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+/// When a termination signal arrived, wait here for the signal thread to finish killing the
+/// children and exit the process with 128 + the signal: a caller whose child was just killed must
+/// not exit first with the failed child's status. Returns at once when no signal arrived.
+pub fn wait_if_terminating() {
+    if TERMINATING.load(Ordering::SeqCst) != 0 {
+        loop {
+            std::thread::sleep(Duration::from_secs(1));
+        }
+    }
 }
 
 /// SIGKILL the child's whole process group, then reap the child.
@@ -392,7 +441,19 @@ pub fn harness_source(arms: &[Arm], serving: bool) -> String {
 /// Most bytes of one engine file the snapshot copies.
 pub const MAX_ENGINE_FILE_BYTES: u64 = 16 << 20;
 
-fn package_of(dir: &Path) -> Result<String> {
+/// `cargo` as the server runs it: `$CARGO` or `cargo` on PATH, started in `cwd` (a server-owned
+/// directory, so that no `.cargo/config.toml` an agent wrote above the engine or in the server's
+/// working directory is read: such a file can name a `rustc-wrapper` that cargo would run) with
+/// compiler wrappers turned off.
+fn cargo(cwd: &Path, args: Vec<std::ffi::OsString>) -> duct::Expression {
+    duct::cmd(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()), args)
+        .dir(cwd)
+        .env("CARGO_TERM_COLOR", "never")
+        .env("RUSTC_WRAPPER", "")
+        .env("RUSTC_WORKSPACE_WRAPPER", "")
+}
+
+fn package_of(dir: &Path, cwd: &Path) -> Result<String> {
     let manifest = dir.join("Cargo.toml");
     if !manifest.is_file() {
         return Err(Error::usage(format!(
@@ -402,6 +463,9 @@ fn package_of(dir: &Path) -> Result<String> {
     }
     let meta = cargo_metadata::MetadataCommand::new()
         .manifest_path(&manifest)
+        .current_dir(cwd)
+        .env("RUSTC_WRAPPER", "")
+        .env("RUSTC_WORKSPACE_WRAPPER", "")
         .no_deps()
         .exec()
         .map_err(|e| Error::usage(format!("{}: cargo cannot read this crate: {e}", manifest.display())))?;
@@ -471,11 +535,17 @@ pub fn source_hash(dir: &Path) -> Result<String> {
     Ok(hash_files(&engine_files(dir)?))
 }
 
-/// Server-owned build state: the shared cargo target directory and the harness crates.
+/// Server-owned build state: the shared cargo target directory and the harness crates, and how the
+/// processes that run agent-written code are sandboxed.
 #[derive(Debug, Clone)]
 pub struct Workshop {
     /// Root of the server's cache (`$METAINFER_CACHE`, else the per-user cache directory).
     pub root: PathBuf,
+    /// Paths no sandboxed process may reach (the ledger, its HMAC key, the CKB working copy): a
+    /// grant that contains one is refused ([`sandbox::prepare`]).
+    pub protected: Vec<PathBuf>,
+    /// Refuse to run agent-written code when the kernel cannot sandbox it (`--require-sandbox`).
+    pub require_sandbox: bool,
 }
 
 /// Result of a cargo build.
@@ -492,12 +562,92 @@ pub struct Build {
 }
 
 impl Workshop {
+    /// A workshop at `root` with nothing protected and the sandbox not required.
+    pub fn new(root: PathBuf) -> Workshop {
+        Workshop { root, protected: Vec::new(), require_sandbox: false }
+    }
+
     /// The workshop at `$METAINFER_CACHE` or the per-user cache directory.
     pub fn default_location() -> Workshop {
         let root = std::env::var_os("METAINFER_CACHE")
             .map(PathBuf::from)
             .unwrap_or_else(|| dirs::cache_dir().unwrap_or_else(std::env::temp_dir).join("metainfer"));
-        Workshop { root }
+        Workshop::new(root)
+    }
+
+    /// Whether the processes this workshop starts for agent-written code run sandboxed (the kernel
+    /// enforces every layer of [`sandbox`]); what every gate report states as `sandboxed`.
+    pub fn sandboxed(&self) -> bool {
+        sandbox::status().enforced
+    }
+
+    /// Run agent-written code: `expr` in the sandbox with `grants` (plus the toolchain), within
+    /// `budget`, like [`run`]. `Run::sandboxed` says whether the sandbox was enforced.
+    ///
+    /// # Errors
+    /// A grant that would expose a protected path; `require_sandbox` on a kernel that cannot
+    /// sandbox; a process that cannot be started.
+    pub fn run_sandboxed(&self, expr: duct::Expression, grants: &Grants, budget: &Budget) -> Result<Run> {
+        let prepared = sandbox::prepare(grants, &self.protected, self.require_sandbox)?;
+        let mut r = run(sandbox::apply(expr, &prepared), budget)?;
+        r.sandboxed = prepared.enforced();
+        Ok(r)
+    }
+
+    /// Run a harness executable on one command (see [`protocol`]), sandboxed with `grants` (the
+    /// harness's own exec and scratch, plus what the command reads, e.g. the model directory): the
+    /// request is written as `request.json` in `dir`, the harness runs with `env` added to its
+    /// (reduced) environment within `budget`, and its reply (`reply.json` in `dir`) is read back,
+    /// bounded, and parsed.
+    ///
+    /// # Errors
+    /// [`crate::error::ErrorKind::Internal`] when the request cannot be written or the process cannot
+    /// be started; the sandbox's errors (see [`Workshop::run_sandboxed`]). A process that fails or
+    /// replies badly is a [`Called`], not an error.
+    pub fn call(
+        &self,
+        exe: &Path,
+        dir: &Path,
+        command: protocol::Command,
+        env: &[(&str, String)],
+        grants: &Grants,
+        budget: &Budget,
+    ) -> Result<Called> {
+        let request = dir.join("request.json");
+        let reply_path = dir.join("reply.json");
+        let _ = std::fs::remove_file(&reply_path);
+        let req = protocol::Request { version: protocol::VERSION, reply: reply_path.clone(), command };
+        let text = serde_json::to_vec(&req).map_err(|e| Error::internal(format!("harness request: {e}")))?;
+        std::fs::write(&request, text).map_err(|e| Error::internal(format!("{}: {e}", request.display())))?;
+        let mut cmd = duct::cmd(exe, [request.as_os_str()]);
+        for (k, v) in env {
+            cmd = cmd.env(k, v);
+        }
+        let run = self.run_sandboxed(cmd, grants, budget)?;
+        let reply = match crate::util::read_regular(&reply_path, &crate::util::HARNESS_OUTPUT) {
+            Ok(bytes) => {
+                serde_json::from_slice::<protocol::Reply>(&bytes).map_err(|e| format!("reply does not parse: {e}"))
+            }
+            Err(_) if !reply_path.exists() => Err("it wrote no reply".to_string()),
+            Err(e) => Err(format!("its reply is unreadable: {}", e.message)),
+        };
+        Ok(Called { run, reply })
+    }
+
+    /// The directory cargo runs in: the cache root, created if needed (see [`cargo`]).
+    fn cargo_cwd(&self) -> Result<PathBuf> {
+        std::fs::create_dir_all(&self.root)
+            .map_err(|e| Error::internal(format!("cannot create {}: {e}", self.root.display())))?;
+        Ok(self.root.clone())
+    }
+
+    /// `cargo fetch` of a manifest, outside the sandbox: resolves the dependency graph (writing
+    /// Cargo.lock beside the manifest) and downloads crates into the registry. It builds nothing
+    /// and runs no code of the engine (no build script, no proc macro), so the builds that follow
+    /// can run `--offline` in the sandbox with the registry read-only.
+    fn fetch(&self, manifest: &Path, budget: &Budget) -> Result<Run> {
+        let args = vec!["fetch".into(), "--manifest-path".into(), manifest.as_os_str().to_owned()];
+        run(cargo(&self.cargo_cwd()?, args), budget)
     }
 
     /// The cargo target directory shared by every build of this server, so dependencies compile once.
@@ -510,21 +660,38 @@ impl Workshop {
     /// # Errors
     /// When cargo cannot be started.
     pub fn cargo_build(&self, manifest: &Path, budget: &Budget) -> Result<Build> {
-        let expr = duct::cmd(
-            std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()),
-            [
-                "build".into(),
-                "--release".into(),
-                "--message-format=json-diagnostic-rendered-ansi".into(),
-                "--color=never".into(),
-                "--manifest-path".into(),
-                manifest.as_os_str().to_owned(),
-                "--target-dir".into(),
-                self.target_dir().into_os_string(),
-            ],
-        )
-        .env("CARGO_TERM_COLOR", "never");
-        let run = run(expr, budget)?;
+        self.cargo_build_reading(manifest, &[], budget)
+    }
+
+    /// [`Workshop::cargo_build`] in the sandbox, which may read the manifest's directory and
+    /// `also_read` (the engine snapshot a harness depends on) and write the target directory and a
+    /// scratch directory. Dependencies are fetched first, outside the sandbox ([`Workshop::fetch`]);
+    /// a fetch that fails is the build's failure.
+    fn cargo_build_reading(&self, manifest: &Path, also_read: &[&Path], budget: &Budget) -> Result<Build> {
+        let fetched = self.fetch(manifest, budget)?;
+        if !fetched.ok() {
+            return Ok(Build { ok: false, diagnostics: vec![], executable: None, run: fetched });
+        }
+        let scratch = self.scratch()?;
+        let target = self.target_dir();
+        std::fs::create_dir_all(&target)
+            .map_err(|e| Error::internal(format!("cannot create {}: {e}", target.display())))?;
+        let mut grants = Grants::default().write(&target).write(scratch.path());
+        grants.tmp = Some(scratch.path().to_path_buf());
+        grants.read.push(manifest.parent().unwrap_or(Path::new("/")).to_path_buf());
+        grants.read.extend(also_read.iter().map(|p| p.to_path_buf()));
+        let args = vec![
+            "build".into(),
+            "--release".into(),
+            "--offline".into(),
+            "--message-format=json-diagnostic-rendered-ansi".into(),
+            "--color=never".into(),
+            "--manifest-path".into(),
+            manifest.as_os_str().to_owned(),
+            "--target-dir".into(),
+            target.into_os_string(),
+        ];
+        let run = self.run_sandboxed(cargo(&self.cargo_cwd()?, args), &grants, budget)?;
         let (diagnostics, executable) = parse_messages(&run.stdout);
         Ok(Build { ok: run.ok(), diagnostics, executable, run })
     }
@@ -541,7 +708,7 @@ impl Workshop {
                 dir.display()
             ))
         })?;
-        let package = package_of(&dir)?;
+        let package = package_of(&dir, &self.cargo_cwd()?)?;
         let manifest = crate::manifest::EngineManifest::read(&dir)?;
         let files = engine_files(&dir)?;
         let hash = hash_files(&files);
@@ -617,7 +784,7 @@ impl Workshop {
     /// When cargo cannot be started or the cache is not writable.
     pub fn build_harness(&self, engine: &Engine, spec: &HarnessSpec, budget: &Budget) -> Result<Build> {
         let manifest = self.write_harness(engine, spec)?;
-        self.cargo_build(&manifest, budget)
+        self.cargo_build_reading(&manifest, &[&engine.build_dir], budget)
     }
 
     /// A fresh scratch directory for one call's files, removed when dropped.
@@ -640,7 +807,7 @@ pub type Metadata = HashMap<String, String>;
 /// # Errors
 /// [`crate::error::ErrorKind::Internal`] when the file is missing or malformed.
 pub fn read_tensor_words(path: &Path) -> Result<(Metadata, HashMap<String, Vec<u32>>)> {
-    let bytes = std::fs::read(path).map_err(|e| Error::internal(format!("{}: {e}", path.display())))?;
+    let bytes = crate::util::read_regular(path, &crate::util::HARNESS_OUTPUT)?;
     let bad = |e: safetensors::SafeTensorError| Error::internal(format!("{}: {e}", path.display()));
     let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).map_err(bad)?;
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(bad)?;
@@ -658,18 +825,27 @@ pub fn read_tensor_words(path: &Path) -> Result<(Metadata, HashMap<String, Vec<u
 ///
 /// # Errors
 /// When cargo cannot resolve the graph (the message carries cargo's).
-pub fn dependency_graph(engine: &Engine, budget: &Budget) -> Result<Vec<(String, String)>> {
-    let expr = duct::cmd(
-        std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()),
-        [
-            "metadata".into(),
-            "--format-version".into(),
-            "1".into(),
-            "--manifest-path".into(),
-            engine.build_dir.join("Cargo.toml").into_os_string(),
-        ] as [std::ffi::OsString; 5],
-    );
-    let r = run(expr, budget)?;
+pub fn dependency_graph(workshop: &Workshop, engine: &Engine, budget: &Budget) -> Result<Vec<(String, String)>> {
+    let manifest = engine.build_dir.join("Cargo.toml");
+    let fetched = workshop.fetch(&manifest, budget)?;
+    if !fetched.ok() {
+        return Err(Error::usage(format!(
+            "cargo cannot resolve the engine's dependencies: {}",
+            fetched.failure_text(2000)
+        )));
+    }
+    let scratch = workshop.scratch()?;
+    let grants =
+        Grants { tmp: Some(scratch.path().into()), ..Grants::default() }.read(&engine.build_dir).write(scratch.path());
+    let args = vec![
+        "metadata".into(),
+        "--offline".into(),
+        "--format-version".into(),
+        "1".into(),
+        "--manifest-path".into(),
+        manifest.into_os_string(),
+    ];
+    let r = workshop.run_sandboxed(cargo(&workshop.cargo_cwd()?, args), &grants, budget)?;
     if !r.ok() {
         return Err(Error::usage(format!("cargo cannot resolve the engine's dependencies: {}", r.failure_text(2000))));
     }

@@ -2,19 +2,28 @@
 //!
 //! Knows nothing of MCP or processes. Schema versions are tracked with `PRAGMA user_version`; a
 //! database written by a newer metainfer is refused rather than guessed at.
+//!
+//! Evidence only from the server itself: every outcome this server records carries an HMAC-SHA256
+//! (RFC 2104) over a canonical encoding of its row ([`canonical`]), keyed by a 256-bit key in a
+//! file beside the ledger ([`key_path`], mode 0600, created on first open, never readable by the
+//! sandboxed processes that run engine code). Phase order ([`Ledger::passed_on`]) and promotion
+//! count only authenticated rows: a row inserted by anything else, altered after the fact, or
+//! imported (`ledger import`) is listed and reported, but is not evidence.
 
 pub mod figures;
 
 use std::path::{Path, PathBuf};
 
+use hmac::{Hmac, Mac};
 use rusqlite::{Connection, OptionalExtension, params};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
+use sha2::Sha256;
 
 use crate::error::{Error, Result};
 
 /// Schema version this build writes.
-pub const SCHEMA_VERSION: i64 = 5;
+pub const SCHEMA_VERSION: i64 = 6;
 
 /// One recorded result of a tool call.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -52,6 +61,15 @@ pub struct Outcome {
     /// `passed`.
     #[serde(default)]
     pub status: String,
+    /// Whether it came from `ledger import` (another ledger's export): listed and reported, never
+    /// evidence. Ignored on input: the ledger sets it.
+    #[serde(default)]
+    pub imported: bool,
+    /// Set when read: the row carries this server's HMAC, so this server recorded it from its own
+    /// run and it is unchanged since. Only such outcomes are evidence for phase order and
+    /// promotion. Not exported, ignored on input: the ledger sets it.
+    #[serde(default, skip_serializing)]
+    pub authenticated: bool,
 }
 
 /// Outcome status of a call the client cancelled.
@@ -93,6 +111,128 @@ pub struct Ledger {
     conn: Connection,
     /// Database file.
     pub path: PathBuf,
+    /// HMAC key (from [`key_path`]).
+    key: [u8; 32],
+}
+
+/// The HMAC key file of a ledger: beside it, named after it with `.key` appended
+/// (`ledger.sqlite.key`).
+pub fn key_path(ledger: &Path) -> PathBuf {
+    let mut name = ledger.file_name().map(|n| n.to_os_string()).unwrap_or_else(|| "ledger".into());
+    name.push(".key");
+    ledger.with_file_name(name)
+}
+
+/// Read the ledger's key, creating it (32 random bytes as 64 hex digits, mode 0600, published with
+/// a no-clobber link so that two processes opening a new ledger at once agree on one key).
+fn load_or_create_key(ledger: &Path) -> Result<[u8; 32]> {
+    use std::os::unix::fs::PermissionsExt;
+    let path = key_path(ledger);
+    if std::fs::symlink_metadata(&path).is_err() {
+        let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        // NamedTempFile creates the file with mode 0600.
+        let tmp = tempfile::NamedTempFile::new_in(dir)
+            .map_err(|e| Error::input(format!("cannot create the ledger key in {}: {e}", dir.display())))?;
+        let mut key = [0u8; 32];
+        rand::RngCore::fill_bytes(&mut rand::rng(), &mut key);
+        std::fs::write(tmp.path(), hex(&key) + "\n")
+            .map_err(|e| Error::input(format!("cannot write the ledger key {}: {e}", tmp.path().display())))?;
+        match tmp.persist_noclobber(&path) {
+            Ok(_) => {}
+            Err(e) if e.error.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => {
+                return Err(Error::input(format!("cannot create the ledger key {}: {}", path.display(), e.error)));
+            }
+        }
+    }
+    let bytes = crate::util::read_regular(&path, &crate::util::LEDGER_KEY)?;
+    let meta = std::fs::symlink_metadata(&path).map_err(|e| Error::input(format!("{}: {e}", path.display())))?;
+    if meta.permissions().mode() & 0o077 != 0 {
+        return Err(Error::input(format!(
+            "ledger key {} is readable or writable by other users (mode {:o}); run `chmod 600 {}`",
+            path.display(),
+            meta.permissions().mode() & 0o777,
+            path.display()
+        )));
+    }
+    let text = String::from_utf8_lossy(&bytes);
+    let text = text.trim();
+    let mut key = [0u8; 32];
+    let ok = text.len() == 64
+        && (0..32).all(|i| match u8::from_str_radix(&text[2 * i..2 * i + 2], 16) {
+            Ok(b) => {
+                key[i] = b;
+                true
+            }
+            Err(_) => false,
+        });
+    if !ok {
+        return Err(Error::input(format!(
+            "ledger key {} is not 64 hex digits; restore it, or move it and the ledger away to start a new ledger (outcomes recorded under another key are not evidence)",
+            path.display()
+        )));
+    }
+    Ok(key)
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The canonical encoding of an outcome row that its HMAC covers: a version tag, then every
+/// column as stored (in table order: id, time, tool, engine, engine_hash, contracts, passed,
+/// summary, figures, reference_level, duration_ms, client, constraints, status, imported), each as
+/// its byte length (u64, little-endian) followed by its UTF-8 bytes; integers and booleans in
+/// decimal.
+pub fn canonical(columns: &[&str; COLUMNS]) -> Vec<u8> {
+    let mut out = b"metainfer-outcome-v1\0".to_vec();
+    for c in columns {
+        out.extend((c.len() as u64).to_le_bytes());
+        out.extend(c.as_bytes());
+    }
+    out
+}
+
+/// Columns an outcome's HMAC covers (see [`canonical`]).
+pub const COLUMNS: usize = 15;
+
+/// An outcome's columns as stored (see [`canonical`]).
+struct Row {
+    cols: [String; COLUMNS],
+}
+
+impl Row {
+    fn of(o: &Outcome, imported: bool) -> Row {
+        Row {
+            cols: [
+                o.id.clone(),
+                o.time.clone(),
+                o.tool.clone(),
+                o.engine.clone(),
+                o.engine_hash.clone(),
+                serde_json::to_string(&o.contracts).expect("strings serialise"),
+                (o.passed as u8).to_string(),
+                o.summary.clone(),
+                o.figures.to_string(),
+                o.reference_level.clone(),
+                o.duration_ms.to_string(),
+                o.client.clone(),
+                o.constraints.to_string(),
+                o.status().to_string(),
+                (imported as u8).to_string(),
+            ],
+        }
+    }
+
+    fn refs(&self) -> [&str; COLUMNS] {
+        std::array::from_fn(|i| self.cols[i].as_str())
+    }
+}
+
+fn mac_of(key: &[u8; 32], row: &Row) -> Hmac<Sha256> {
+    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(key).expect("HMAC takes keys of any length");
+    m.update(&canonical(&row.refs()));
+    m
 }
 
 /// The ledger file used when none is given: `$METAINFER_LEDGER`, else the per-user data directory
@@ -201,7 +341,20 @@ impl Ledger {
             )
             .map_err(fail)?;
         }
-        Ok(Ledger { conn, path: path.to_path_buf() })
+        if version < 6 {
+            // Rows recorded before this version carry no HMAC: they stay listed but are not evidence
+            // (authenticating them now would authenticate whatever had been inserted into them).
+            conn.execute_batch(
+                "BEGIN;
+                 ALTER TABLE outcomes ADD COLUMN mac TEXT NOT NULL DEFAULT '';
+                 ALTER TABLE outcomes ADD COLUMN imported INTEGER NOT NULL DEFAULT 0;
+                 PRAGMA user_version = 6;
+                 COMMIT;",
+            )
+            .map_err(fail)?;
+        }
+        let key = load_or_create_key(path)?;
+        Ok(Ledger { conn, path: path.to_path_buf(), key })
     }
 
     /// Store (replace) the machine probe of a fingerprint, as JSON.
@@ -291,7 +444,7 @@ impl Ledger {
     /// # Errors
     /// When SQLite fails (disk full, locked beyond the busy timeout).
     pub fn record(&self, o: &Outcome) -> Result<()> {
-        insert(&self.conn, o, false)
+        insert(&self.conn, o, Some(&self.key))
             .map(|_| ())
             .map_err(|e| Error::internal(format!("ledger {}: cannot record outcome: {e}", self.path.display())))
     }
@@ -313,11 +466,10 @@ impl Ledger {
         let mut stmt = self
             .conn
             .prepare(
-                "SELECT id, time, tool, engine, engine_hash, contracts, passed, summary, figures, reference_level, duration_ms, client, constraints, status
-                 FROM outcomes WHERE (?3 IS NULL OR tool = ?3) ORDER BY rowid DESC LIMIT ?1 OFFSET ?2",
+                &format!("SELECT {ROW_COLUMNS} FROM outcomes WHERE (?3 IS NULL OR tool = ?3) ORDER BY rowid DESC LIMIT ?1 OFFSET ?2"),
             )
             .map_err(fail)?;
-        let rows = stmt.query_map(params![limit as i64, offset as i64, tool], row).map_err(fail)?;
+        let rows = stmt.query_map(params![limit as i64, offset as i64, tool], |r| self.outcome_of(r)).map_err(fail)?;
         rows.collect::<rusqlite::Result<Vec<_>>>().map_err(fail)
     }
 
@@ -332,13 +484,12 @@ impl Ledger {
         let mut stmt = self
             .conn
             .prepare(&format!(
-                "SELECT id, time, tool, engine, engine_hash, contracts, passed, summary, figures, reference_level, duration_ms, client, constraints, status, rowid
-                 FROM outcomes WHERE {FILTER} AND (?5 IS NULL OR rowid < ?5) ORDER BY rowid DESC LIMIT ?6"
+                "SELECT {ROW_COLUMNS}, rowid FROM outcomes WHERE {FILTER} AND (?5 IS NULL OR rowid < ?5) ORDER BY rowid DESC LIMIT ?6"
             ))
             .map_err(fail)?;
         let rows = stmt
             .query_map(params![f.tool, f.engine, f.contract, f.since, f.before, limit as i64], |r| {
-                Ok((r.get::<_, i64>(14)?, row(r)?))
+                Ok((r.get::<_, i64>(COLUMNS + 1)?, self.outcome_of(r)?))
             })
             .map_err(fail)?;
         rows.collect::<rusqlite::Result<Vec<_>>>().map_err(fail)
@@ -359,6 +510,43 @@ impl Ledger {
             .map_err(|e| Error::internal(format!("ledger {}: {e}", self.path.display())))
     }
 
+    /// An outcome from a row selected as [`ROW_COLUMNS`], with `authenticated` checked.
+    fn outcome_of(&self, r: &rusqlite::Row) -> rusqlite::Result<Outcome> {
+        // Every column as text, exactly as stored, so the MAC is checked on the stored bytes.
+        let text = |i: usize| -> rusqlite::Result<String> {
+            Ok(match r.get_ref(i)? {
+                rusqlite::types::ValueRef::Text(t) | rusqlite::types::ValueRef::Blob(t) => {
+                    String::from_utf8_lossy(t).into_owned()
+                }
+                rusqlite::types::ValueRef::Integer(n) => n.to_string(),
+                rusqlite::types::ValueRef::Real(x) => x.to_string(),
+                rusqlite::types::ValueRef::Null => String::new(),
+            })
+        };
+        let row = Row { cols: std::array::from_fn(|i| text(i).unwrap_or_default()) };
+        let mac: String = text(COLUMNS)?;
+        let authenticated = decode_hex(&mac).is_some_and(|m| mac_of(&self.key, &row).verify_slice(&m).is_ok());
+        let c = &row.cols;
+        Ok(Outcome {
+            id: c[0].clone(),
+            time: c[1].clone(),
+            tool: c[2].clone(),
+            engine: c[3].clone(),
+            engine_hash: c[4].clone(),
+            contracts: serde_json::from_str(&c[5]).unwrap_or_default(),
+            passed: c[6] != "0",
+            summary: c[7].clone(),
+            figures: serde_json::from_str(&c[8]).unwrap_or_default(),
+            reference_level: c[9].clone(),
+            duration_ms: c[10].parse().unwrap_or(0),
+            client: c[11].clone(),
+            constraints: serde_json::from_str(&c[12]).unwrap_or_default(),
+            status: c[13].clone(),
+            imported: c[14] != "0",
+            authenticated,
+        })
+    }
+
     /// Number of outcomes recorded.
     ///
     /// # Errors
@@ -371,47 +559,29 @@ impl Ledger {
     }
 
     /// Whether `tool` last passed on exactly this engine source hash built for weight dtype `dtype`
-    /// (outcomes whose constraints record no dtype count as f32).
+    /// (outcomes whose constraints record no dtype count as f32), counting only outcomes this server
+    /// recorded itself (authenticated, not imported): the newest such outcome decides.
     ///
     /// # Errors
     /// When SQLite fails.
     pub fn passed_on(&self, tool: &str, engine_hash: &str, dtype: &str) -> Result<bool> {
-        self.conn
-            .query_row(
-                "SELECT passed FROM outcomes WHERE tool = ?1 AND engine_hash = ?2 \
-                 AND COALESCE(json_extract(constraints, '$.dtype'), 'f32') = ?3 ORDER BY rowid DESC LIMIT 1",
-                params![tool, engine_hash, dtype],
-                |r| r.get::<_, bool>(0),
-            )
-            .optional()
-            .map(|p| p.unwrap_or(false))
-            .map_err(|e| Error::internal(format!("ledger {}: {e}", self.path.display())))
+        let fail = |e: rusqlite::Error| Error::internal(format!("ledger {}: {e}", self.path.display()));
+        let mut stmt = self
+            .conn
+            .prepare(&format!(
+                "SELECT {ROW_COLUMNS} FROM outcomes WHERE tool = ?1 AND engine_hash = ?2 \
+                 AND COALESCE(json_extract(constraints, '$.dtype'), 'f32') = ?3 ORDER BY rowid DESC"
+            ))
+            .map_err(fail)?;
+        let rows = stmt.query_map(params![tool, engine_hash, dtype], |r| self.outcome_of(r)).map_err(fail)?;
+        for o in rows {
+            let o = o.map_err(fail)?;
+            if o.authenticated && !o.imported {
+                return Ok(o.passed);
+            }
+        }
+        Ok(false)
     }
-}
-
-/// The filter of [`Ledger::page`] as SQL over parameters ?1 tool, ?2 engine text, ?3 contract id
-/// prefix (matched at the start of a quoted id in the contracts JSON), ?4 since.
-const FILTER: &str = "(?1 IS NULL OR tool = ?1) AND (?2 IS NULL OR instr(engine, ?2) > 0) \
-     AND (?3 IS NULL OR instr(contracts, '\"' || ?3) > 0) AND (?4 IS NULL OR time >= ?4)";
-
-/// One outcome from a row of the standard column list.
-fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Outcome> {
-    Ok(Outcome {
-        id: r.get(0)?,
-        time: r.get(1)?,
-        tool: r.get(2)?,
-        engine: r.get(3)?,
-        engine_hash: r.get(4)?,
-        contracts: serde_json::from_str(&r.get::<_, String>(5)?).unwrap_or_default(),
-        passed: r.get(6)?,
-        summary: r.get(7)?,
-        figures: serde_json::from_str(&r.get::<_, String>(8)?).unwrap_or_default(),
-        reference_level: r.get(9)?,
-        duration_ms: r.get::<_, i64>(10)? as u64,
-        client: r.get(11)?,
-        constraints: serde_json::from_str(&r.get::<_, String>(12)?).unwrap_or_default(),
-        status: r.get(13)?,
-    })
 }
 
 /// A fresh random outcome id (128 bits, hex).
@@ -448,12 +618,13 @@ impl Ledger {
         Ok(text.lines().count())
     }
 
-    /// Merge outcomes from the JSONL file `path` (see [`Ledger::import_jsonl`]).
+    /// Merge outcomes from the JSONL file `path` (see [`Ledger::import_jsonl`]), read as a bounded
+    /// regular file.
     ///
     /// # Errors
-    /// An unreadable file (Usage), a malformed line (Input, naming the file and line).
+    /// An unreadable file, a malformed line (naming the file and line).
     pub fn import_file(&mut self, path: &Path) -> Result<(usize, usize)> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::usage(format!("{}: {e}", path.display())))?;
+        let text = crate::util::read_regular_text(path, &crate::util::LEDGER_EXPORT)?;
         self.import_jsonl(&text).map_err(|e| Error::input(format!("{}: {}", path.display(), e.message)))
     }
 
@@ -474,37 +645,59 @@ impl Ledger {
         let tx = self.conn.transaction().map_err(fail)?;
         let mut inserted = 0;
         for o in &outcomes {
-            inserted += insert(&tx, o, true).map_err(fail)?;
+            inserted += insert(&tx, o, None).map_err(fail)?;
         }
         tx.commit().map_err(fail)?;
         Ok((inserted, outcomes.len() - inserted))
     }
 }
 
-/// Insert one outcome; with `or_ignore`, an outcome whose id exists is skipped. Returns rows inserted.
-fn insert(conn: &Connection, o: &Outcome, or_ignore: bool) -> rusqlite::Result<usize> {
+/// The columns an outcome is read from: the [`COLUMNS`] of [`canonical`], then its MAC.
+const ROW_COLUMNS: &str = "id, time, tool, engine, engine_hash, contracts, passed, summary, figures, reference_level, duration_ms, client, constraints, status, imported, mac";
+
+/// The filter of [`Ledger::page`] as SQL over parameters ?1 tool, ?2 engine text, ?3 contract id
+/// prefix (matched at the start of a quoted id in the contracts JSON), ?4 since.
+const FILTER: &str = "(?1 IS NULL OR tool = ?1) AND (?2 IS NULL OR instr(engine, ?2) > 0) \
+     AND (?3 IS NULL OR instr(contracts, '\"' || ?3) > 0) AND (?4 IS NULL OR time >= ?4)";
+
+fn decode_hex(s: &str) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) || s.is_empty() {
+        return None;
+    }
+    (0..s.len() / 2).map(|i| u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()).collect()
+}
+
+/// Insert one outcome. With a key it is this server's own: authenticated with its HMAC, and an
+/// existing id is an error. Without one it is imported: no MAC, `imported` set, and an outcome
+/// whose id exists is skipped. Returns rows inserted.
+fn insert(conn: &Connection, o: &Outcome, key: Option<&[u8; 32]>) -> rusqlite::Result<usize> {
+    let row = Row::of(o, key.is_none());
+    let mac = key.map(|k| hex(&mac_of(k, &row).finalize().into_bytes())).unwrap_or_default();
     let sql = format!(
-        "INSERT {}INTO outcomes (id, time, tool, engine, engine_hash, contracts, passed, summary, figures, reference_level, duration_ms, client, constraints, status)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
-        if or_ignore { "OR IGNORE " } else { "" }
+        "INSERT {}INTO outcomes (id, time, tool, engine, engine_hash, contracts, passed, summary, figures, reference_level, duration_ms, client, constraints, status, imported, mac)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)",
+        if key.is_none() { "OR IGNORE " } else { "" }
     );
+    let c = &row.cols;
     conn.execute(
         &sql,
         params![
-            o.id,
-            o.time,
-            o.tool,
-            o.engine,
-            o.engine_hash,
-            serde_json::to_string(&o.contracts).expect("strings serialise"),
+            c[0],
+            c[1],
+            c[2],
+            c[3],
+            c[4],
+            c[5],
             o.passed,
-            o.summary,
-            o.figures.to_string(),
-            o.reference_level,
+            c[7],
+            c[8],
+            c[9],
             o.duration_ms as i64,
-            o.client,
-            o.constraints.to_string(),
-            o.status()
+            c[11],
+            c[12],
+            c[13],
+            key.is_none() as i64,
+            mac
         ],
     )
 }

@@ -170,6 +170,31 @@ impl Server {
         })
     }
 
+    /// Run a short operation off the async runtime (it reads files, which may be slow or large),
+    /// under the call's time limit.
+    async fn quick<R, F>(
+        &self,
+        rc: &RequestContext<RoleServer>,
+        what: &'static str,
+        f: F,
+    ) -> Result<CallToolResult, ErrorData>
+    where
+        R: Report + Serialize + Send + 'static,
+        F: FnOnce(&Ctx) -> crate::error::Result<R> + Send + 'static,
+    {
+        self.note_client(rc);
+        let ctx = self.ctx();
+        let limit = ctx.time_limit_s;
+        let job = tokio::task::spawn_blocking(move || f(&ctx));
+        match tokio::time::timeout(Duration::from_secs(limit), job).await {
+            Ok(Ok(r)) => self.to_result(r),
+            Ok(Err(e)) => Err(ErrorData::internal_error(format!("{what} failed inside the server: {e}"), None)),
+            Err(_) => Ok(err_result(crate::error::Error::usage(format!(
+                "{what} ran past the time limit of {limit} s and was abandoned"
+            )))),
+        }
+    }
+
     /// A server over a context, offering the tools `exposure` allows.
     pub fn new(ctx: Ctx, exposure: Exposure) -> Server {
         let mut tool_router = Self::tool_router();
@@ -277,9 +302,12 @@ impl Server {
         R: Report + Serialize + Send + 'static,
         F: FnOnce(&Ctx, &Budget) -> crate::error::Result<R> + Send + 'static,
     {
-        // One call at a time per engine directory: builds and snapshots of one engine must not interleave.
-        let key = std::path::Path::new(engine)
-            .canonicalize()
+        // One call at a time per engine directory: builds and snapshots of one engine must not
+        // interleave. Keyed by the path the call resolves to (relative to the workspace, links
+        // resolved), so `eng` and `<workspace>/eng` are one engine.
+        let key = self
+            .ctx()
+            .confine(std::path::Path::new(engine), true)
             .map(|p| p.display().to_string())
             .unwrap_or_else(|_| engine.to_string());
         {
@@ -299,7 +327,8 @@ impl Server {
         }
         let _release = Release(self.busy.clone(), key);
         self.note_client(&rc);
-        let budget = Budget::secs(self.ctx().time_limit_s);
+        let time_limit_s = self.ctx().time_limit_s;
+        let budget = Budget::secs(time_limit_s);
         let cancel = budget.cancel.clone();
         {
             let mut running = self.running.lock().expect("not poisoned");
@@ -310,6 +339,10 @@ impl Server {
         let b = budget.clone();
         self.log(&rc.peer, LoggingLevel::Info, format!("{what} started on {engine}")).await;
         let mut job = tokio::task::spawn_blocking(move || b.scope(|| f(&ctx, &b)));
+        // The budget kills the call's children at its deadline; work in the server itself (the
+        // reference forward pass, file reads) is abandoned a little later, its result dropped.
+        let abandon = tokio::time::sleep(Duration::from_secs(time_limit_s.saturating_add(30)));
+        tokio::pin!(abandon);
         let token = rc.meta.get_progress_token();
         let started = std::time::Instant::now();
         let mut tick = tokio::time::interval(Duration::from_secs(3));
@@ -318,6 +351,12 @@ impl Server {
         let result = loop {
             tokio::select! {
                 r = &mut job => break r,
+                _ = &mut abandon => {
+                    cancel.store(true, std::sync::atomic::Ordering::Relaxed);
+                    return Ok(err_result(crate::error::Error::usage(format!(
+                        "{what} ran past the time limit of {time_limit_s} s and was abandoned; raise --time-limit or make the call smaller"
+                    ))));
+                }
                 _ = rc.ct.cancelled() => {
                     cancel.store(true, std::sync::atomic::Ordering::Relaxed);
                     // The job sees the flag, kills its child and returns shortly.
@@ -415,8 +454,7 @@ impl Server {
         Parameters(req): Parameters<PlanRequest>,
         rc: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
-        self.note_client(&rc);
-        self.to_result(crate::ops::plan::plan(&self.ctx(), &req))
+        self.quick(&rc, "plan_engine", move |ctx| crate::ops::plan::plan(ctx, &req)).await
     }
 
     /// Look up a contract by id (math, shapes, dtypes, tolerance, pseudocode, failure modes, Rust signature) or
@@ -433,8 +471,7 @@ impl Server {
         Parameters(req): Parameters<LookupRequest>,
         rc: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
-        self.note_client(&rc);
-        self.to_result(crate::ops::lookup::lookup(&self.ctx(), &req))
+        self.quick(&rc, "lookup_contract", move |ctx| crate::ops::lookup::lookup(ctx, &req)).await
     }
 
     /// List the outcome ledger, newest first: every tool call's result with its engine hash, contracts and
@@ -451,8 +488,7 @@ impl Server {
         Parameters(req): Parameters<OutcomesRequest>,
         rc: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
-        self.note_client(&rc);
-        self.to_result(crate::ops::outcomes::list(&self.ctx(), &req))
+        self.quick(&rc, "list_outcomes", move |ctx| crate::ops::outcomes::list(ctx, &req)).await
     }
 
     /// Report what the ledger says about the knowledge base: per contract attempts, first-try pass rate, attempts
@@ -470,8 +506,7 @@ impl Server {
         Parameters(req): Parameters<ReportRequest>,
         rc: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
-        self.note_client(&rc);
-        self.to_result(crate::ops::report::report(&self.ctx(), &req))
+        self.quick(&rc, "ckb_report", move |ctx| crate::ops::report::report(ctx, &req)).await
     }
 
     /// Cluster recurring failures in the ledger that no known failure mode explains, and stage one candidate
@@ -489,8 +524,7 @@ impl Server {
         Parameters(req): Parameters<EvolveRequest>,
         rc: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
-        self.note_client(&rc);
-        self.to_result(crate::ops::evolve::evolve(&self.ctx(), &req))
+        self.quick(&rc, "evolve_knowledge", move |ctx| crate::ops::evolve::evolve(ctx, &req)).await
     }
 
     /// Propose a new or amended contract (a model family, kernel, component, platform or failure mode) as TOML.
@@ -510,8 +544,7 @@ impl Server {
         Parameters(req): Parameters<ProposeRequest>,
         rc: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
-        self.note_client(&rc);
-        let r = self.to_result(crate::ops::evolve::propose(&self.ctx(), &req));
+        let r = self.quick(&rc, "propose_contract", move |ctx| crate::ops::evolve::propose(ctx, &req)).await;
         self.notify_if_ckb_changed(&rc.peer).await;
         r
     }
@@ -530,8 +563,7 @@ impl Server {
         Parameters(req): Parameters<ScaffoldRequest>,
         rc: RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
-        self.note_client(&rc);
-        self.to_result(crate::ops::scaffold::scaffold(&self.ctx(), &req))
+        self.quick(&rc, "scaffold_engine", move |ctx| crate::ops::scaffold::scaffold(ctx, &req)).await
     }
 
     /// Build the engine crate (release) and return compiler errors with file, line, code and a contract hint.

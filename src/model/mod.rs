@@ -99,9 +99,13 @@ pub fn read_config(dir: &Path) -> Result<serde_json::Map<String, Value>> {
             dir.display()
         )));
     }
-    let text = std::fs::read_to_string(&path).map_err(|e| {
-        Error::input(format!("{}: cannot read ({e}); a Hugging Face model directory has a config.json", path.display()))
-    })?;
+    if !path.exists() {
+        return Err(Error::input(format!(
+            "{}: does not exist; a Hugging Face model directory has a config.json",
+            path.display()
+        )));
+    }
+    let text = crate::util::read_regular_text(&path, &crate::util::CONFIG_JSON)?;
     match serde_json::from_str::<Value>(&text) {
         Ok(Value::Object(map)) => Ok(map),
         Ok(_) => Err(Error::input(format!("{}: must be a JSON object", path.display()))),
@@ -304,7 +308,7 @@ pub fn read_safetensors(dir: &Path) -> Result<Tensors> {
 /// # Errors
 /// As [`read_safetensors`].
 pub fn read_safetensors_file(path: &Path) -> Result<Tensors> {
-    let bytes = std::fs::read(path).map_err(|e| Error::input(format!("{}: cannot read ({e})", path.display())))?;
+    let bytes = crate::util::read_regular(path, &crate::util::SAFETENSORS_FILE)?;
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| {
         Error::input(format!("{}: not a valid safetensors file ({e}); is it truncated or corrupt?", path.display()))
     })?;
@@ -339,7 +343,8 @@ pub fn read_safetensors_file(path: &Path) -> Result<Tensors> {
 /// [`crate::error::ErrorKind::Input`] when the file is missing or malformed.
 pub fn hf_tokenizer(dir: &Path) -> Result<tokenizers::Tokenizer> {
     let path = dir.join("tokenizer.json");
-    tokenizers::Tokenizer::from_file(&path)
+    let bytes = crate::util::read_regular(&path, &crate::util::TOKENIZER_JSON)?;
+    tokenizers::Tokenizer::from_bytes(bytes)
         .map_err(|e| Error::input(format!("{}: cannot load tokenizer ({e})", path.display())))
 }
 

@@ -445,7 +445,7 @@ pub fn verify_batching(ctx: &Ctx, req: &BatchingRequest, budget: &Budget) -> Res
     let mut rng = ChaCha8Rng::seed_from_u64(seed ^ crate::util::fnv1a("component.block_manager"));
     let (num_blocks, block_size, ops) = draw_block_ops(&mut rng);
     report.block_manager = BlockManagerResult { num_blocks, block_size, ops: ops.len(), ..Default::default() };
-    let called = gate.call(&h, Command::BlockManager { num_blocks, block_size, ops: ops.clone() }, &[])?;
+    let called = gate.call(&h, Command::BlockManager { num_blocks, block_size, ops: ops.clone() }, &[], &[])?;
     match called.ok("block manager", 1500) {
         Ok(Reply::BlockManager { results, tables, panic }) => {
             let mut v = check_block_ops(num_blocks, block_size, &ops, &results, &tables);
@@ -500,7 +500,7 @@ pub fn verify_batching(ctx: &Ctx, req: &BatchingRequest, budget: &Budget) -> Res
         steps,
         tensors: tensors_path.clone(),
     };
-    let called = gate.call(&h, command, &[])?;
+    let called = gate.call(&h, command, &[], &[model_dir.as_path()])?;
     let ran = match called.ok("batched step", 1500) {
         Ok(Reply::Batch { panic: None, .. }) => true,
         Ok(Reply::Batch { panic: Some(p), steps, .. }) => {

@@ -1,6 +1,6 @@
-//! `ckb check`: every contract file validated (schema and lint), plus the checks that need the
-//! oracle: every kernel contract has an f64 oracle, every failure mode's named mutant exists.
-//! One call ([`check`]), so that the oracle checks can move into the CKB load as one piece.
+//! `ckb check`: every contract file validated (schema and lint) and checked against what the server
+//! implements (every kernel contract has an f64 oracle, every failure mode's named mutant exists),
+//! exactly as the server's own load and propose_contract check it.
 
 use std::path::Path;
 
@@ -52,31 +52,7 @@ pub fn check(dir: Option<&Path>) -> Result<CkbCheck> {
         Some(d) => (ckb::read_dir_files(d)?, d.display().to_string()),
         None => (ckb::embedded_files(), "embedded".to_string()),
     };
-    let (loaded, mut findings) = Ckb::check_sources(files, origin.clone());
-    if let Some(ckb) = &loaded {
-        for c in ckb.of_kind(ckb::Kind::Kernel) {
-            if !crate::oracle::kernel_oracle_exists(&c.id) {
-                findings.push(ckb::Finding {
-                    file: ckb.file_of(&c.id).unwrap_or_default().into(),
-                    field: "/id".into(),
-                    message: format!("no oracle implements `{}`; a kernel contract needs one in src/oracle", c.id),
-                });
-            }
-        }
-        for c in ckb.of_kind(ckb::Kind::Failure) {
-            if let Some(m) = c.failure.as_ref().and_then(|f| f.mutant.as_deref())
-                && !crate::oracle::mutants::mutant_exists(m)
-            {
-                findings.push(ckb::Finding {
-                    file: ckb.file_of(&c.id).unwrap_or_default().into(),
-                    field: "/failure/mutant".into(),
-                    message: format!(
-                        "no oracle mutant named `{m}`; add it in src/oracle/mutants.rs or remove the field"
-                    ),
-                });
-            }
-        }
-    }
+    let (loaded, findings) = Ckb::check_sources(files, origin.clone(), Some(&crate::oracle::implemented()));
     Ok(CkbCheck {
         origin,
         contracts: loaded.as_ref().map(|c| c.all().count()).unwrap_or(0),

@@ -48,6 +48,10 @@ pub struct CompileReport {
     pub cargo_output: String,
     /// Rule findings (check_rules); a blocking one stops the build.
     pub rules: Vec<crate::guard::Finding>,
+    /// Whether the engine's code (its build scripts and proc macros, the harness process) ran in
+    /// the enforced sandbox; false where the kernel offers no Landlock ABI >= 6 or seccomp (the
+    /// server logs why at start; `--require-sandbox` refuses to run instead).
+    pub sandboxed: bool,
 }
 
 impl Report for CompileReport {
@@ -124,6 +128,7 @@ pub fn compile(ctx: &Ctx, req: &CompileRequest, budget: &Budget) -> Result<Compi
             seconds: 0.0,
             cargo_output: stop.text.clone(),
             rules: stop.findings.clone(),
+            sandboxed: ctx.workshop.sandboxed(),
         };
         return Ok(gate.stopped(&stop, report));
     }
@@ -173,5 +178,6 @@ pub fn report_of(ctx: &Ctx, engine: &harness::Engine, build: harness::Build, cur
         seconds: build.run.seconds,
         cargo_output,
         rules: vec![],
+        sandboxed: ctx.workshop.sandboxed(),
     }
 }

@@ -211,10 +211,29 @@ fn candidate_contract(
     toml::from_str(&(head + &text)).expect("candidate contracts are built from valid TOML")
 }
 
+/// Create `root/sub` (one folder below `root`) as real directories: a symlink at `root` or at
+/// `root/sub` is refused, so nothing is written through a link into the CKB or elsewhere.
+fn real_dir(root: &Path, sub: &str) -> Result<PathBuf> {
+    let dir = root.join(sub);
+    for d in [root, dir.as_path()] {
+        if let Ok(m) = std::fs::symlink_metadata(d)
+            && !m.is_dir()
+        {
+            return Err(Error::usage(format!(
+                "{} is {}, not a directory; remove it so that contracts can be staged and promoted there",
+                d.display(),
+                if m.file_type().is_symlink() { "a symlink" } else { "a file" }
+            )));
+        }
+        std::fs::create_dir_all(d).map_err(|e| Error::usage(format!("cannot create {}: {e}", d.display())))?;
+    }
+    Ok(dir)
+}
+
+/// Stage `c` as `dir/<rel>`, `rel` being `<kind dir>/<name>.toml` (derived from a validated id).
 fn write_candidate(dir: &Path, rel: &str, c: &Contract) -> Result<PathBuf> {
-    let path = dir.join(rel);
-    let parent = path.parent().expect("candidate files have a parent");
-    std::fs::create_dir_all(parent).map_err(|e| Error::usage(format!("cannot create {}: {e}", parent.display())))?;
+    let (sub, file) = rel.split_once('/').expect("candidate files are <kind dir>/<name>.toml");
+    let path = real_dir(dir, sub)?.join(file);
     let text = toml::to_string_pretty(c).map_err(|e| Error::internal(format!("cannot render {}: {e}", c.id)))?;
     crate::util::write_atomic(&path, text.as_bytes())?;
     Ok(path)
@@ -223,7 +242,7 @@ fn write_candidate(dir: &Path, rel: &str, c: &Contract) -> Result<PathBuf> {
 /// A contract proposal.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 pub struct ProposeRequest {
-    /// The contract as TOML (one file of the CKB).
+    /// The contract as TOML (one file of the CKB), at most 1 MiB.
     pub toml: String,
 }
 
@@ -268,17 +287,6 @@ impl Report for ProposeReport {
     }
 }
 
-fn dir_of(kind: Kind) -> &'static str {
-    match kind {
-        Kind::Kernel => "kernels",
-        Kind::Component => "components",
-        Kind::Model => "models",
-        Kind::Platform => "platforms",
-        Kind::Failure => "failures",
-        Kind::Policy => "policies",
-    }
-}
-
 /// The CKB's files (working copy or built-in) with `extra` added or replacing the file of the same id.
 fn files_with(ctx: &Ctx, extra: (String, String), replace_id: Option<&str>) -> Result<Vec<(String, String)>> {
     let mut files = match &ctx.ckb_dir {
@@ -307,6 +315,14 @@ pub fn propose(ctx: &Ctx, req: &ProposeRequest) -> Result<ProposeReport> {
         file: String::new(),
         findings,
     };
+    if req.toml.len() as u64 > crate::util::CONTRACT_FILE.max {
+        return Err(Error::usage(format!(
+            "the proposal is {} bytes; a contract file may be at most {} bytes: {}",
+            req.toml.len(),
+            crate::util::CONTRACT_FILE.max,
+            crate::util::CONTRACT_FILE.hint
+        )));
+    }
     let value: toml::Value = match toml::from_str(&req.toml) {
         Ok(v) => v,
         Err(e) => {
@@ -320,11 +336,18 @@ pub fn propose(ctx: &Ctx, req: &ProposeRequest) -> Result<ProposeReport> {
     };
     let id = value.get("id").and_then(|v| v.as_str()).unwrap_or("").to_string();
     let version = value.get("version").and_then(|v| v.as_integer()).unwrap_or(0) as u32;
+    // The id names the staged file: it must be a name, never a path.
+    let (kind, _) = match crate::ckb::parse_id(&id) {
+        Ok(k) => k,
+        Err(message) => {
+            let f = crate::ckb::Finding { file: "proposal".into(), field: "/id".into(), message };
+            return Ok(refused(id, version, vec![f]));
+        }
+    };
     let existing = ctx.ckb.get(&id).ok();
-    let kind = value.get("kind").and_then(|v| v.as_str()).unwrap_or("");
-    let rel = format!("{}s/proposal.toml", kind.trim_end_matches('s'));
+    let rel = format!("{}/proposal.toml", crate::ckb::kind_dir(kind));
     let files = files_with(ctx, (rel.clone(), req.toml.clone()), existing.map(|c| c.id.as_str()))?;
-    let (_, mut findings) = Ckb::check_sources(files, "proposal".into());
+    let (_, mut findings) = Ckb::check_sources(files, "proposal".into(), Some(&crate::oracle::implemented()));
     findings.retain(|f| f.file == rel || f.message.contains(&id));
     for f in &mut findings {
         if f.file == rel {
@@ -345,7 +368,7 @@ pub fn propose(ctx: &Ctx, req: &ProposeRequest) -> Result<ProposeReport> {
     }
     let contract: Contract =
         toml::from_str(&req.toml).map_err(|e| Error::internal(format!("validated proposal: {e}")))?;
-    let file = format!("{}/{}.toml", dir_of(contract.kind), id.split_once('.').map(|x| x.1).unwrap_or(&id));
+    let file = crate::ckb::file_for_id(&contract.id).map_err(Error::usage)?;
     write_candidate(&ctx.candidates_dir(), &file, &contract)?;
     Ok(ProposeReport { staged: true, id, version, amendment: existing.is_some(), file, findings: vec![] })
 }
@@ -362,7 +385,9 @@ pub fn evidence_gates(kind: Kind) -> &'static [&'static str] {
 
 /// Whether outcome `o` is evidence for the contract `tag` (`id@version`) of `kind`.
 fn is_evidence(o: &Outcome, tag: &str, kind: Kind) -> bool {
-    o.passed
+    o.authenticated
+        && !o.imported
+        && o.passed
         && o.contracts.iter().any(|c| c == tag)
         && evidence_gates(kind).contains(&o.tool.as_str())
         && match Figures::read(&o.tool, &o.figures) {
@@ -373,7 +398,7 @@ fn is_evidence(o: &Outcome, tag: &str, kind: Kind) -> bool {
 
 /// Promote a staged contract into the CKB working copy.
 ///
-/// Evidence: a passing outcome in the ledger of a gate in [`evidence_gates`] for the contract's kind
+/// Evidence: a passing outcome this server recorded itself (authenticated, not imported) in the ledger of a gate in [`evidence_gates`] for the contract's kind
 /// that ran under exactly `id@version` (a model family: a passing verify_generation on a checkpoint it
 /// routed). Without evidence only `force` (a person's decision) promotes. The contract is written into
 /// the working copy (beside the contract it amends, or under its kind's folder) and its candidate
@@ -383,6 +408,7 @@ fn is_evidence(o: &Outcome, tag: &str, kind: Kind) -> bool {
 /// No working copy (`--ckb DIR`), no such candidate, no evidence without force, or the promoted CKB
 /// would be invalid.
 pub fn promote(ctx: &Ctx, id: &str, force: bool) -> Result<String> {
+    let new_file = crate::ckb::file_for_id(id).map_err(Error::usage)?;
     let staged = crate::ckb::read_dir_files(&ctx.candidates_dir()).unwrap_or_default();
     let (rel, text) = staged
         .into_iter()
@@ -409,19 +435,24 @@ pub fn promote(ctx: &Ctx, id: &str, force: bool) -> Result<String> {
         )));
     }
     let files = files_with(ctx, (rel.clone(), text.clone()), Some(id))?;
-    let (_, findings) = Ckb::check_sources(files, "promotion".into());
+    let (_, findings) = Ckb::check_sources(files, "promotion".into(), Some(&crate::oracle::implemented()));
     if !findings.is_empty() {
         return Err(Error::input(format!(
             "promoting {id} would make the CKB invalid:\n{}",
             findings.iter().map(|f| format!("  {f}")).collect::<Vec<_>>().join("\n")
         )));
     }
+    // An amendment replaces the file it was loaded from (found by walking the working copy, links
+    // not followed); a new contract goes to the file its id names. Either is written by rename,
+    // which replaces a link instead of writing through it.
     let target = match ctx.ckb.file_of(id).filter(|_| !ctx.ckb.is_provisional(id)) {
         Some(f) => ckb_dir.join(f),
-        None => ckb_dir.join(&rel),
+        None => {
+            let (sub, file) = new_file.split_once('/').expect("<kind dir>/<name>.toml");
+            real_dir(ckb_dir, sub)?.join(file)
+        }
     };
-    std::fs::create_dir_all(target.parent().expect("has a parent")).map_err(|e| Error::usage(format!("{e}")))?;
-    std::fs::write(&target, &text).map_err(|e| Error::usage(format!("{}: {e}", target.display())))?;
+    crate::util::write_atomic(&target, text.as_bytes())?;
     let _ = std::fs::remove_file(ctx.candidates_dir().join(&rel));
     Ok(format!(
         "promoted {tag} into {} ({})",

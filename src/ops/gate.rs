@@ -129,6 +129,24 @@ impl<'a> Gate<'a> {
         Ok(Gate { ctx, tool, engine, target, budget, seed: None, contracts: vec![], findings: vec![], started })
     }
 
+    /// Check that a model routes to the family the engine declares: an engine is checked on
+    /// checkpoints of its own family only (its kernel tests cover that family's kernels).
+    ///
+    /// # Errors
+    /// [`crate::error::ErrorKind::Usage`] naming both families and what to change.
+    pub fn same_family(&self, model_dir: &Path, model_family: &str) -> Result<()> {
+        if model_family == self.target.family {
+            return Ok(());
+        }
+        Err(crate::error::Error::usage(format!(
+            "{} routes to {model_family}, but the engine declares family = {:?} in {}; an engine is checked on checkpoints of its own family: use a {} checkpoint, or scaffold an engine for {model_family}",
+            model_dir.display(),
+            self.target.family,
+            self.engine.dir.join(crate::manifest::FILE).display(),
+            self.target.family
+        )))
+    }
+
     /// Record the outcome under these contract ids (at their CKB versions).
     pub fn contracts(&mut self, ids: &[&str]) {
         self.contracts = self.ctx.versioned(ids);
@@ -190,12 +208,18 @@ impl<'a> Gate<'a> {
         self.build(&[])
     }
 
-    /// Run one harness command with `env` added to the child's environment, within the budget.
+    /// Run one harness command with `env` added to the child's (reduced) environment, within the
+    /// budget, sandboxed: it may run the harness, write its scratch, and read `reads` (e.g. the
+    /// model directory).
     ///
     /// # Errors
-    /// When the request cannot be written or the process cannot be started.
-    pub fn call(&self, h: &Harness, command: Command, env: &[(&str, String)]) -> Result<Called> {
-        harness::call(&h.exe, h.scratch.path(), command, env, self.budget)
+    /// When the request cannot be written, the process cannot be started, or the sandbox refuses.
+    pub fn call(&self, h: &Harness, command: Command, env: &[(&str, String)], reads: &[&Path]) -> Result<Called> {
+        let mut grants = harness::Grants::harness(&h.exe, h.scratch.path());
+        for r in reads {
+            grants = grants.read(*r);
+        }
+        self.ctx.workshop.call(&h.exe, h.scratch.path(), command, env, &grants, self.budget)
     }
 
     /// Record `report` and return it, for a gate stopped before the engine ran.

@@ -85,6 +85,10 @@ pub struct KernelTestReport {
     pub build_error: String,
     /// Rule findings (check_rules); a blocking one stops the test.
     pub rules: Vec<crate::guard::Finding>,
+    /// Whether the engine's code (its build scripts and proc macros, the harness process) ran in
+    /// the enforced sandbox; false where the kernel offers no Landlock ABI >= 6 or seccomp (the
+    /// server logs why at start; `--require-sandbox` refuses to run instead).
+    pub sandboxed: bool,
 }
 
 impl Report for KernelTestReport {
@@ -269,6 +273,7 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
     gate.seed = Some(seed);
     gate.contracts(&contracts.iter().map(|c| c.id.as_str()).collect::<Vec<_>>());
     let dtype = gate.target.dtype.clone();
+    let sandboxed = ctx.workshop.sandboxed();
     let failed = |text: String, rules| KernelTestReport {
         passed: false,
         seed,
@@ -276,6 +281,7 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
         kernels: vec![],
         build_error: text,
         rules,
+        sandboxed,
     };
     if let Err(stop) = gate.rules()? {
         return Ok(gate.stopped(&stop, failed(stop.text.clone(), stop.findings.clone())));
@@ -302,7 +308,7 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
             drawn.push(case);
         }
     }
-    let called = gate.call(&h, Command::Kernel { cases: cases.clone() }, &[])?;
+    let called = gate.call(&h, Command::Kernel { cases: cases.clone() }, &[], &[])?;
     let process_error = if called.run.ok() {
         String::new()
     } else {
@@ -341,8 +347,15 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
         })
         .collect();
     let passed = !kernels.is_empty() && kernels.iter().all(|k| k.passed);
-    let report =
-        KernelTestReport { passed, seed, dtype, kernels, build_error: String::new(), rules: gate.findings.clone() };
+    let report = KernelTestReport {
+        passed,
+        seed,
+        dtype,
+        kernels,
+        build_error: String::new(),
+        rules: gate.findings.clone(),
+        sandboxed,
+    };
     let figures = KernelTestFigures {
         gate: gate.common(),
         kernels: report

@@ -56,6 +56,17 @@ pub struct Ctx {
 }
 
 impl Ctx {
+    /// What no sandboxed process may reach ([`crate::harness::Workshop::protected`]): the ledger, its
+    /// HMAC key, the ledger's directory (the data directory), the CKB working copy and the
+    /// candidates directory.
+    pub fn protected_paths(&self) -> Vec<PathBuf> {
+        let mut out = vec![self.ledger.clone(), crate::ledger::key_path(&self.ledger)];
+        out.extend(self.ledger.parent().filter(|p| !p.as_os_str().is_empty()).map(Path::to_path_buf));
+        out.extend(self.ckb_dir.clone());
+        out.push(self.candidates_dir());
+        out
+    }
+
     /// Where candidate contracts are staged: `<ckb>/candidates` for a working copy, else beside the
     /// ledger (`candidates/`). Candidates are never part of the CKB until promoted.
     pub fn candidates_dir(&self) -> PathBuf {
@@ -103,7 +114,7 @@ impl Ctx {
         if candidates.is_empty() && crate::ckb::fingerprint(&files) == self.ckb.fingerprint() {
             return Cow::Borrowed(self);
         }
-        match Ckb::with_candidates(files, candidates, self.ckb.origin.clone()) {
+        match Ckb::with_candidates(files, candidates, self.ckb.origin.clone(), Some(&crate::oracle::implemented())) {
             Ok((ckb, left_out)) => {
                 for f in left_out {
                     tracing::warn!("staged candidate not used for routing: {f}");
@@ -336,6 +347,8 @@ impl Ctx {
             client: self.client.read().map(|c| c.clone()).unwrap_or_default(),
             status: if crate::harness::call_cancelled() { crate::ledger::CANCELLED.into() } else { String::new() },
             constraints,
+            imported: false,
+            authenticated: false,
         };
         match Ledger::open(&self.ledger).and_then(|l| l.record(&outcome)) {
             Ok(()) => {}

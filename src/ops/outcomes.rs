@@ -60,6 +60,11 @@ pub struct OutcomeView {
     pub duration_ms: u64,
     /// Figures as a JSON text.
     pub figures_json: String,
+    /// Imported from another ledger (`ledger import`): shown, never evidence.
+    pub imported: bool,
+    /// Recorded by this server from its own run and unchanged since (its HMAC verifies): only such
+    /// outcomes are evidence for phase order and promotion.
+    pub authenticated: bool,
 }
 
 /// A page of outcomes.
@@ -85,12 +90,19 @@ impl Report for OutcomesReport {
         let mut s = format!("{} outcomes match; showing {}\n", self.total, self.outcomes.len());
         for o in &self.outcomes {
             s += &format!(
-                "{} {:<18} {:<9} {:>7} ms {:<12} {}\n",
+                "{} {:<18} {:<9} {:>7} ms {:<12} {}{}\n",
                 o.time,
                 o.tool,
                 o.status,
                 o.duration_ms,
                 if o.engine_hash.is_empty() { "-" } else { &o.engine_hash },
+                if o.imported {
+                    "[imported] "
+                } else if !o.authenticated {
+                    "[unauthenticated] "
+                } else {
+                    ""
+                },
                 o.summary
             );
         }
@@ -154,6 +166,8 @@ pub fn list(ctx: &Ctx, req: &OutcomesRequest) -> Result<OutcomesReport> {
                     client: o.client,
                     duration_ms: o.duration_ms,
                     figures_json: o.figures.to_string(),
+                    imported: o.imported,
+                    authenticated: o.authenticated,
                 },
             )
         })

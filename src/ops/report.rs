@@ -110,6 +110,8 @@ pub struct EngineTimeline {
     pub level: String,
     /// Gates in build order.
     pub steps: Vec<PhaseStep>,
+    /// Outcomes of this engine imported from another ledger (counted in the steps, never evidence).
+    pub imported: usize,
 }
 
 /// One cell of the coverage matrix.
@@ -130,6 +132,8 @@ pub struct CoverageCell {
 pub struct CkbReport {
     /// Outcomes read.
     pub outcomes: usize,
+    /// Of those, imported from another ledger (`ledger import`): counted here, never evidence.
+    pub imported: usize,
     /// Per contract.
     pub contracts: Vec<ContractRow>,
     /// Per reference level.
@@ -255,9 +259,10 @@ pub fn build(ctx: &Ctx, outcomes: &[Outcome], req: &ReportRequest) -> CkbReport 
         .collect();
     // engine -> (reference level, gate -> (attempts, time of first pass))
     type Steps<'a> = BTreeMap<&'a str, (usize, String)>;
-    let mut per_engine: BTreeMap<String, (String, Steps)> = BTreeMap::new();
+    let mut per_engine: BTreeMap<String, (String, Steps, usize)> = BTreeMap::new();
     for o in &gates {
-        let e = per_engine.entry(o.engine.clone()).or_insert_with(|| (o.reference_level.clone(), BTreeMap::new()));
+        let e = per_engine.entry(o.engine.clone()).or_insert_with(|| (o.reference_level.clone(), BTreeMap::new(), 0));
+        e.2 += o.imported as usize;
         let step = e.1.entry(GATES.iter().find(|g| **g == o.tool).copied().unwrap_or("")).or_default();
         step.0 += 1;
         if o.passed && step.1.is_empty() {
@@ -266,9 +271,10 @@ pub fn build(ctx: &Ctx, outcomes: &[Outcome], req: &ReportRequest) -> CkbReport 
     }
     let engines: Vec<EngineTimeline> = per_engine
         .into_iter()
-        .map(|(engine, (level, steps))| EngineTimeline {
+        .map(|(engine, (level, steps, imported))| EngineTimeline {
             engine,
             level,
+            imported,
             steps: GATES
                 .iter()
                 .filter_map(|g| {
@@ -301,6 +307,7 @@ pub fn build(ctx: &Ctx, outcomes: &[Outcome], req: &ReportRequest) -> CkbReport 
     CkbReport {
         outcomes: outcomes.len(),
         totals: SectionTotals { contracts: contracts.len(), engines: engines.len(), coverage: coverage.len() },
+        imported: outcomes.iter().filter(|o| o.imported).count(),
         contracts,
         levels,
         engines,
@@ -458,7 +465,12 @@ impl Report for CkbReport {
         if self.summary_only {
             return self.summary();
         }
-        let mut s = format!("# CKB report ({} outcomes)\n\n{}## Per contract\n\n", self.outcomes, self.paging());
+        let mut s = format!(
+            "# CKB report ({} outcomes{})\n\n{}## Per contract\n\n",
+            self.outcomes,
+            if self.imported > 0 { format!(", {} imported", self.imported) } else { String::new() },
+            self.paging()
+        );
         s += "| contract | attempts | engines | first-try pass | median attempts to green | median s to green | never green | failure modes |\n|---|---|---|---|---|---|---|---|\n";
         for c in &self.contracts {
             let st = &c.stats;
@@ -489,7 +501,12 @@ impl Report for CkbReport {
         }
         s += "\n## Engines\n\n";
         for e in &self.engines {
-            s += &format!("- {} ({}): ", e.engine, e.level);
+            s += &format!(
+                "- {} ({}{}): ",
+                e.engine,
+                e.level,
+                if e.imported > 0 { format!("; {} imported", e.imported) } else { String::new() }
+            );
             let steps: Vec<String> = e
                 .steps
                 .iter()

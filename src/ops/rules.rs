@@ -82,7 +82,7 @@ fn implemented(ctx: &Ctx, engine: &Engine) -> Option<std::collections::BTreeSet<
 /// # Errors
 /// When cargo cannot resolve the dependency graph or the ledger's references cannot be read.
 pub fn precheck(ctx: &Ctx, engine: &Engine, budget: &Budget) -> Result<RulesReport> {
-    let (packages, unresolved) = match harness::dependency_graph(engine, budget) {
+    let (packages, unresolved) = match harness::dependency_graph(&ctx.workshop, engine, budget) {
         Ok(p) => (p, None),
         Err(e) => (Vec::new(), Some(e.message)),
     };

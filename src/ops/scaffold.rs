@@ -214,26 +214,56 @@ fn scaffold_only(ctx: &Ctx, req: &ScaffoldRequest) -> Result<ScaffoldReport> {
             out.display()
         )));
     }
-    // Write into a sibling temporary directory first, then move each file into place, so that a
-    // failure part-way leaves no half-written crate.
+    // Write into a sibling temporary directory first (beside the target, so inside the workspace
+    // only when the target is), then move each file into place, so that a failure part-way leaves
+    // no half-written crate. On failure the staging directory and every directory created for it
+    // are removed: nothing is left behind.
     let parent = out.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."));
-    std::fs::create_dir_all(&parent).map_err(|e| Error::usage(format!("{}: {e}", parent.display())))?;
-    let staging = tempfile::tempdir_in(&parent)
+    let mut first_created = None;
+    for a in parent.ancestors() {
+        if std::fs::symlink_metadata(a).is_ok() {
+            break;
+        }
+        first_created = Some(a.to_path_buf());
+    }
+    let result = write_staged(&out, &parent, &files, non_empty);
+    if result.is_err()
+        && let Some(d) = first_created
+    {
+        let _ = std::fs::remove_dir_all(d);
+    }
+    result?;
+    Ok(ScaffoldReport {
+        dir: out.display().to_string(),
+        files: files.into_iter().map(|(r, _)| r).collect(),
+        contracts,
+        next: "implement src/kernels.rs, then call compile_engine and run_kernel_test; then the model, tokenizer and generate modules, then verify_generation".into(),
+    })
+}
+
+/// Write `files` into a staging directory in `parent` and move them to `out` (the whole directory
+/// when `out` is absent or empty, else file by file). The staging directory is removed on every
+/// path, success or failure.
+fn write_staged(out: &Path, parent: &Path, files: &Files, non_empty: bool) -> Result<()> {
+    std::fs::create_dir_all(parent).map_err(|e| Error::usage(format!("{}: {e}", parent.display())))?;
+    let staging = tempfile::tempdir_in(parent)
         .map_err(|e| Error::internal(format!("cannot stage in {}: {e}", parent.display())))?;
-    for (rel, text) in &files {
+    for (rel, text) in files {
         let p = staging.path().join(rel);
         std::fs::create_dir_all(p.parent().unwrap()).map_err(|e| Error::internal(format!("{}: {e}", p.display())))?;
         std::fs::write(&p, text).map_err(|e| Error::internal(format!("{}: {e}", p.display())))?;
     }
     if !out.exists() || !non_empty {
         if out.exists() {
-            std::fs::remove_dir(&out).map_err(|e| Error::internal(format!("{}: {e}", out.display())))?;
+            std::fs::remove_dir(out).map_err(|e| Error::internal(format!("{}: {e}", out.display())))?;
         }
         let staged = staging.keep();
-        std::fs::rename(&staged, &out)
-            .map_err(|e| Error::internal(format!("moving scaffold to {}: {e}", out.display())))?;
+        if let Err(e) = std::fs::rename(&staged, out) {
+            let _ = std::fs::remove_dir_all(&staged);
+            return Err(Error::usage(format!("cannot create the engine crate at {}: {e}", out.display())));
+        }
     } else {
-        for (rel, _) in &files {
+        for (rel, _) in files {
             let to = out.join(rel);
             std::fs::create_dir_all(to.parent().unwrap())
                 .map_err(|e| Error::internal(format!("{}: {e}", to.display())))?;
@@ -241,10 +271,5 @@ fn scaffold_only(ctx: &Ctx, req: &ScaffoldRequest) -> Result<ScaffoldReport> {
                 .map_err(|e| Error::internal(format!("{}: {e}", to.display())))?;
         }
     }
-    Ok(ScaffoldReport {
-        dir: out.display().to_string(),
-        files: files.into_iter().map(|(r, _)| r).collect(),
-        contracts,
-        next: "implement src/kernels.rs, then call compile_engine and run_kernel_test; then the model, tokenizer and generate modules, then verify_generation".into(),
-    })
+    Ok(())
 }

@@ -103,6 +103,10 @@ pub struct VerifyReport {
     /// platform) and whether this evidence promoted it into the CKB working copy (see
     /// `ops::evolve::promote_on_evidence`). Empty otherwise.
     pub promotions: Vec<super::gate::Promotion>,
+    /// Whether the engine's code (its build scripts and proc macros, the harness process) ran in
+    /// the enforced sandbox; false where the kernel offers no Landlock ABI >= 6 or seccomp (the
+    /// server logs why at start; `--require-sandbox` refuses to run instead).
+    pub sandboxed: bool,
 }
 
 impl Report for VerifyReport {
@@ -192,6 +196,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     let model_dir = ctx.confine(Path::new(&req.model), true)?;
     let target = gate.target.clone();
     let cfg = model::load_config(&ctx.ckb, &model_dir)?;
+    gate.same_family(&model_dir, &cfg.family)?;
     let family = ctx.ckb.get(&cfg.family)?;
     let logits_tol = &family.model.as_ref().expect("model contract").logits_tolerance;
     let tol = logits_tol.get(&target.dtype).or_else(|| logits_tol.get("f32")).cloned().unwrap_or(Tolerance {
@@ -250,6 +255,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         diagnosis: vec![],
         rules,
         promotions: vec![],
+        sandboxed: ctx.workshop.sandboxed(),
     };
     let h = match gate.prepare()? {
         Ok(h) => h,
@@ -262,6 +268,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         &h,
         Command::Generate { model: model_dir.clone(), prompts: items, tensors: tensors_path.clone() },
         &[],
+        &[model_dir.as_path()],
     )?;
     let texts = match called.ok("engine's generation", 2000) {
         Ok(Reply::Generate { prompts: g, .. }) if g.len() == prompts.len() => g,
@@ -395,6 +402,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         diagnosis,
         rules: gate.findings.clone(),
         promotions: vec![],
+        sandboxed: ctx.workshop.sandboxed(),
     };
     let figures = VerifyFigures {
         gate: gate.common(),

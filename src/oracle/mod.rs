@@ -18,6 +18,15 @@ pub mod mutants;
 pub use compare::{UNWRITTEN, Verdict, compare, judge};
 pub use families::gelu_tanh_and_mul;
 
+/// What the oracle implements, for the CKB's load, propose and check: every kernel with a registry
+/// entry and every mutant name (see [`crate::ckb::Implemented`]).
+pub fn implemented() -> crate::ckb::Implemented {
+    crate::ckb::Implemented {
+        kernels: kernels::ids().map(str::to_owned).collect(),
+        mutants: mutants::names().into_iter().map(str::to_owned).collect(),
+    }
+}
+
 /// Whether an oracle implements this kernel contract (it has an entry in [`kernels::REGISTRY`]).
 /// `ckb check` refuses a kernel contract without one.
 pub fn kernel_oracle_exists(id: &str) -> bool {

@@ -13,12 +13,12 @@ pub(crate) fn findings_after(file: &str, edit: impl Fn(&str) -> String) -> Vec<F
     let new = edit(&f.1);
     assert_ne!(new, f.1, "the edit must change {file}");
     f.1 = new;
-    Ckb::check_sources(files, "test".into()).1
+    Ckb::check_sources(files, "test".into(), None).1
 }
 
 #[test]
 fn shipped_ckb_is_schema_valid_and_lint_clean() {
-    let (c, findings) = Ckb::check_sources(shipped(), "embedded".into());
+    let (c, findings) = Ckb::check_sources(shipped(), "embedded".into(), Some(&metainfer::oracle::implemented()));
     assert_eq!(findings, vec![]);
     let c = c.unwrap();
     for id in [
@@ -179,7 +179,7 @@ fn skip_invalid_leaves_out_a_broken_file_and_the_files_that_reference_it() {
     let e = Ckb::from_sources(files.clone(), "test".into()).unwrap_err();
     assert!(e.message.contains("kernels/rope.toml: field `/version`"), "{}", e.message);
 
-    let c = Ckb::from_sources_skip_invalid(files, "test".into()).unwrap();
+    let c = Ckb::from_sources_skip_invalid(files, "test".into(), None).unwrap();
     let skipped: Vec<&str> = c.skipped().iter().map(|s| s.file.as_str()).collect();
     assert_eq!(skipped[0], "kernels/rope.toml", "the broken file comes first: {skipped:?}");
     assert!(c.skipped()[0].reason.starts_with("field `/version`: "), "{:?}", c.skipped()[0]);
@@ -208,7 +208,12 @@ fn skip_invalid_leaves_out_a_broken_file_and_the_files_that_reference_it() {
     assert!(c.coverage_report().contains("- skipped (invalid): kernels/rope.toml: field `/version`"));
 
     // A shipped CKB skips nothing.
-    assert_eq!(Ckb::from_sources_skip_invalid(shipped(), "test".into()).unwrap().skipped(), &[]);
+    assert_eq!(
+        Ckb::from_sources_skip_invalid(shipped(), "test".into(), Some(&metainfer::oracle::implemented()))
+            .unwrap()
+            .skipped(),
+        &[]
+    );
 }
 
 #[test]
@@ -230,4 +235,55 @@ fn unknown_family_feature_is_refused_and_every_shipped_one_is_known() {
             assert!(ckb::FAMILY_FEATURES.iter().any(|(k, _)| k == feature), "{}: {feature}", m.id);
         }
     }
+}
+
+/// A kernel contract no oracle implements is refused alike at the server's load, at `ckb check`
+/// and at propose_contract, naming the contract and the registry; so is a failure contract naming a
+/// mutant that does not exist.
+#[test]
+fn a_kernel_without_an_oracle_is_refused_at_load_check_and_propose() {
+    let t = tempfile::tempdir().unwrap();
+    let wc = t.path().join("ckb");
+    crate::evolve::working_copy(&wc);
+    let argmax = std::fs::read_to_string(wc.join("kernels/argmax.toml")).unwrap();
+    let orphan = argmax.replacen("id = \"kernel.argmax\"", "id = \"kernel.argmin\"", 1);
+    assert_ne!(orphan, argmax);
+
+    // propose_contract, against the built-in CKB.
+    let ctx = crate::ctx(t.path());
+    let r = metainfer::ops::evolve::propose(&ctx, &metainfer::ops::evolve::ProposeRequest { toml: orphan.clone() })
+        .unwrap();
+    assert!(
+        !r.staged && r.findings.iter().any(|f| f.message.contains("no oracle implements `kernel.argmin`")),
+        "{r:?}"
+    );
+
+    // ckb check and the server's own load (any subcommand), on a working copy holding it.
+    std::fs::write(wc.join("kernels/argmin.toml"), &orphan).unwrap();
+    let check = std::process::Command::new(crate::bin()).arg("--ckb").arg(&wc).args(["ckb", "check"]).output().unwrap();
+    assert_eq!(check.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&check.stdout);
+    assert!(text.contains("kernels/argmin.toml") && text.contains("no oracle implements"), "{text}");
+    let plan = std::process::Command::new(crate::bin())
+        .arg("--ckb")
+        .arg(&wc)
+        .args(["plan", "--model"])
+        .arg(crate::babyllama())
+        .output()
+        .unwrap();
+    assert_eq!(plan.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&plan.stderr);
+    assert!(err.contains("kernels/argmin.toml") && err.contains("no oracle implements"), "{err}");
+
+    // A failure contract naming a mutant nobody implements.
+    std::fs::remove_file(wc.join("kernels/argmin.toml")).unwrap();
+    let f = std::fs::read_to_string(wc.join("failures/argmax-last-on-ties.toml")).unwrap();
+    std::fs::write(
+        wc.join("failures/argmax-last-on-ties.toml"),
+        f.replace("mutant = \"argmax_last\"", "mutant = \"argmax_random\""),
+    )
+    .unwrap();
+    let check = std::process::Command::new(crate::bin()).arg("--ckb").arg(&wc).args(["ckb", "check"]).output().unwrap();
+    let text = String::from_utf8_lossy(&check.stdout);
+    assert!(check.status.code() == Some(1) && text.contains("no oracle mutant named `argmax_random`"), "{text}");
 }

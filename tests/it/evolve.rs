@@ -24,6 +24,8 @@ fn failed(i: usize, tool: &str, contracts: &[&str], summary: &str, figures: serd
         client: String::new(),
         constraints: serde_json::json!({}),
         status: String::new(),
+        imported: false,
+        authenticated: false,
     }
 }
 
@@ -75,7 +77,7 @@ fn recurring_unexplained_failures_become_valid_candidates() {
         assert!(text.contains("o0") || text.contains("o20") || text.contains("o30"), "evidence links outcomes: {text}");
         files.push((format!("candidates-check/{}", c.file), text));
     }
-    let (_, findings) = Ckb::check_sources(files, "test".into());
+    let (_, findings) = Ckb::check_sources(files, "test".into(), None);
     assert_eq!(findings, vec![]);
     // Nothing entered the CKB: the built-in one has no candidate.
     assert!(ctx.ckb.all().all(|c| !c.id.starts_with("failure.candidate-")));
@@ -140,6 +142,12 @@ fn proposals_are_validated_staged_and_promoted_on_evidence() {
     std::fs::write(ctx.candidates_dir().join("platforms/cpu-aarch64.toml"), staged).unwrap();
     let e = promote(&ctx, "platform.cpu-aarch64", false).unwrap_err();
     assert!(e.message.contains("no evidence"), "{}", e.message);
+    // An imported passing outcome (another ledger's) is shown but is not evidence.
+    let mut imported = failed(98, "profile_engine", &["platform.cpu-aarch64@1"], "profile", serde_json::json!({}));
+    imported.passed = true;
+    Ledger::open(&ctx.ledger).unwrap().import_jsonl(&serde_json::to_string(&imported).unwrap()).unwrap();
+    let e = promote(&ctx, "platform.cpu-aarch64", false).unwrap_err();
+    assert!(e.message.contains("no evidence"), "{}", e.message);
     // A verified profile, as profile_engine records it (an unverified one is no evidence).
     let mut ok =
         failed(99, "profile_engine", &["platform.cpu-aarch64@1"], "profile", serde_json::json!({"verified": true}));
@@ -160,4 +168,76 @@ fn proposals_are_validated_staged_and_promoted_on_evidence() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(0), "{text}");
     assert!(text.contains("platform.cpu-aarch64"), "{text}");
+}
+
+/// Every file under `root` with its contents, in path order.
+fn tree(root: &Path) -> Vec<(String, Vec<u8>)> {
+    walkdir::WalkDir::new(root)
+        .sort_by_file_name()
+        .into_iter()
+        .filter_map(|e| e.ok())
+        .filter(|e| !e.file_type().is_dir())
+        .map(|e| (e.path().display().to_string(), std::fs::read(e.path()).unwrap_or_default()))
+        .collect()
+}
+
+#[test]
+fn contract_ids_are_names_not_paths() {
+    let t = tempfile::tempdir().unwrap();
+    let mut ctx = crate::ctx(t.path());
+    let wc = t.path().join("ckb");
+    working_copy(&wc);
+    ctx.ckb_dir = Some(wc.clone());
+    metainfer::ledger::Ledger::open(&ctx.ledger).unwrap();
+    let argmax_path = wc.join("kernels/argmax.toml");
+    let argmax = std::fs::read_to_string(&argmax_path).unwrap();
+    let before = tree(t.path());
+    let long = format!("kernel.{}", "a".repeat(65));
+    let ids = [
+        "kernel.../../../../x",
+        "kernel./../../kernels/argmax",
+        "kernel./../argmax",
+        "kernel.a/b",
+        "kernel.ArgMax",
+        "kernel.",
+        "kernel.-x",
+        "kernel.x.y",
+        "kernel.arg max",
+        "kernel.argmax\u{0}",
+        "kernel.é",
+        "kernels.argmax",
+        "../kernel.x",
+        "",
+        long.as_str(),
+    ];
+    for id in ids {
+        let toml = argmax
+            .replacen("id = \"kernel.argmax\"", &format!("id = {}", toml::Value::String(id.into())), 1)
+            .replacen("version = 1", "version = 2", 1);
+        let r = propose(&ctx, &ProposeRequest { toml }).unwrap();
+        assert!(!r.staged, "{id:?}: {r:?}");
+        assert!(
+            r.findings.iter().any(|f| f.field == "/id" && f.message.contains("contract ids are `<kind>.<name>`")),
+            "{id:?}: the grammar must be named: {r:?}"
+        );
+        let e = promote(&ctx, id, true).unwrap_err();
+        assert!(e.message.contains("contract ids are `<kind>.<name>`"), "{id:?}: {}", e.message);
+    }
+    assert_eq!(tree(t.path()), before, "nothing may be written for a refused id");
+    assert!(!t.path().join("x.toml").exists());
+
+    // A working copy holding a contract whose id is not a name is refused at load, naming the grammar.
+    let bad = t.path().join("bad");
+    working_copy(&bad);
+    std::fs::write(bad.join("kernels/argmax.toml"), argmax.replacen("\"kernel.argmax\"", "\"kernel.Arg/max\"", 1))
+        .unwrap();
+    let e = Ckb::from_dir(&bad).unwrap_err();
+    assert!(e.message.contains("contract ids are `<kind>.<name>`"), "{}", e.message);
+
+    // A candidates folder linked into the working copy cannot turn a proposal into a replacement.
+    std::fs::create_dir_all(ctx.candidates_dir()).unwrap();
+    std::os::unix::fs::symlink(wc.join("kernels"), ctx.candidates_dir().join("kernels")).unwrap();
+    let e = propose(&ctx, &ProposeRequest { toml: argmax.replacen("version = 1", "version = 2", 1) }).unwrap_err();
+    assert!(e.message.contains("symlink"), "{}", e.message);
+    assert_eq!(std::fs::read_to_string(&argmax_path).unwrap(), argmax, "the working copy is unchanged");
 }

@@ -511,3 +511,50 @@ fn plain_engine_passes_the_gates_on_every_family() {
         assert!(v.passed && v.family == *id, "{name}: {}", v.text());
     }
 }
+
+/// An engine is checked on checkpoints of its own family: the plain engine declared as Llama (whose
+/// kernel tests leave out GeGLU) is refused, before anything is built, on a Gemma checkpoint by
+/// verify and profile alike, naming both families.
+#[test]
+fn an_engine_is_verified_only_on_its_own_family() {
+    use metainfer::ops::profile::{ProfileRequest, profile};
+    use metainfer::ops::verify::{VerifyRequest, verify};
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let budget = metainfer::harness::Budget::secs(600);
+    let engine = t.path().join("engine");
+    crate::Engine::Plain.copy_to(&engine);
+    let gemma = synth(t.path(), "gemma", "gemma", |_| {});
+    let (e, m) = (engine.display().to_string(), gemma.display().to_string());
+    let v = verify(
+        &ctx,
+        &VerifyRequest {
+            engine: e.clone(),
+            model: m.clone(),
+            prompts: vec![],
+            max_new_tokens: Some(4),
+            seed: None,
+            dtype: None,
+        },
+        &budget,
+    )
+    .unwrap_err();
+    let p = profile(
+        &ctx,
+        &ProfileRequest {
+            engine: e,
+            model: m,
+            prompt_len: None,
+            new_tokens: None,
+            runs: Some(1),
+            dtype: None,
+            threads: None,
+        },
+        &budget,
+    )
+    .unwrap_err();
+    for err in [v, p] {
+        assert!(err.message.contains("model.gemma") && err.message.contains("model.llama"), "{}", err.message);
+    }
+    assert_eq!(metainfer::ledger::Ledger::open(&ctx.ledger).unwrap().count().unwrap(), 0);
+}

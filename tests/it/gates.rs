@@ -165,6 +165,12 @@ fn example_engine_passes_every_gate(engine: Engine) {
     crate::assert_conforms(&k);
     let v = verify(&ctx, &verify_req(&good), &budget()).unwrap();
     assert!(v.passed, "{}", metainfer::ops::Report::text(&v));
+    // Every gate ran the engine's code in the sandbox (on a kernel that offers it).
+    let enforced = metainfer::harness::sandbox::status().enforced;
+    let c =
+        metainfer::ops::compile::compile(&ctx, &CompileRequest { engine: s(&good), cursor: None }, &budget()).unwrap();
+    assert!(c.passed);
+    assert_eq!((k.sandboxed, v.sandboxed, c.sandboxed), (enforced, enforced, enforced));
 
     // Profile: every kernel of a decode step timed on BabyLlama's shapes. The projections hold
     // 5 x (2 x 128^2 + 2 x 64 x 128 + 3 x 128 x 352) = 921,600 weights, and lm_head 105 x 128 more:
@@ -181,6 +187,7 @@ fn example_engine_passes_every_gate(engine: Engine) {
     };
     let p = profile(&ctx, &preq, &budget()).unwrap();
     assert!(p.passed, "{}", metainfer::ops::Report::text(&p));
+    assert_eq!(p.sandboxed, enforced);
     assert_eq!(p.bounding_kernel, "kernel.linear", "{}", metainfer::ops::Report::text(&p));
     assert!(p.guidance.iter().any(|g| g.contains("matrix-vector")), "{:?}", p.guidance);
     let kernels: std::collections::BTreeSet<&str> = p.kernels.iter().map(|k| k.kernel.as_str()).collect();

@@ -19,6 +19,8 @@ fn outcome(i: usize, tool: &str) -> Outcome {
         client: "test/1".into(),
         constraints: serde_json::json!({"family": "model.llama", "dtype": "f32"}),
         status: String::new(),
+        imported: false,
+        authenticated: false,
     }
 }
 
@@ -33,7 +35,13 @@ fn export_import_round_trips_exactly_and_merges_idempotently() {
     assert_eq!(text.lines().count(), 50);
     let mut b = Ledger::open(&t.path().join("b.sqlite")).unwrap();
     assert_eq!(b.import_jsonl(&text).unwrap(), (50, 0));
-    assert_eq!(b.export_jsonl().unwrap(), text, "round trip must be exact");
+    assert_eq!(
+        b.export_jsonl().unwrap(),
+        text.replace("\"imported\":false", "\"imported\":true"),
+        "round trip must be exact but for the imported mark"
+    );
+    assert!(a.list(0, 50).unwrap().iter().all(|o| o.authenticated && !o.imported));
+    assert!(b.list(0, 50).unwrap().iter().all(|o| !o.authenticated && o.imported));
     assert_eq!(b.import_jsonl(&text).unwrap(), (0, 50), "a second import changes nothing");
     assert_eq!(b.count().unwrap(), 50);
     // A merge of two machines' ledgers keeps both sets once.
@@ -158,6 +166,8 @@ fn report_computes_pass_rates_attempts_and_failure_modes() {
         client: String::new(),
         constraints: serde_json::json!({}),
         status: String::new(),
+        imported: false,
+        authenticated: false,
     };
     let outcomes = vec![
         kt("/a", "2026-11-30T10:00:00Z", false, "zero"),
@@ -301,4 +311,123 @@ fn cancelled_outcomes_are_left_out_of_pass_rates() {
         serde_json::from_str(&serde_json::to_string(&outcome(4, "x")).unwrap().replace(",\"status\":\"\"", ""))
             .unwrap();
     assert_eq!(old.status(), "passed");
+}
+
+/// The columns of the outcomes table at schema version 4 (before HMACs), for rows forged with SQL.
+const V4_INSERT: &str = "INSERT INTO outcomes (id, time, tool, engine, engine_hash, contracts, passed, summary, figures, reference_level, duration_ms, client, constraints)
+     VALUES (?1, '2026-12-01T00:00:00Z', ?2, '/e', ?3, '[]', 1, 'forged', '{}', 'zero', 1, '', '{\"dtype\":\"f32\"}')";
+
+#[test]
+fn only_outcomes_this_server_recorded_are_evidence() {
+    let t = tempfile::tempdir().unwrap();
+    let path = t.path().join("ledger.sqlite");
+    let mut l = Ledger::open(&path).unwrap();
+    // The key: 64 hex digits, beside the ledger, readable by its owner only.
+    let key = metainfer::ledger::key_path(&path);
+    assert_eq!(key, t.path().join("ledger.sqlite.key"));
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(std::fs::metadata(&key).unwrap().permissions().mode() & 0o777, 0o600);
+    assert_eq!(std::fs::read_to_string(&key).unwrap().trim().len(), 64);
+
+    // A row inserted by anything but this server (a build script that found the ledger's path) is
+    // listed, but not evidence.
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    conn.execute(V4_INSERT, rusqlite::params!["forged", "run_kernel_test", "H1"]).unwrap();
+    assert!(!l.passed_on("run_kernel_test", "H1", "f32").unwrap());
+    let row = &l.list(0, 1).unwrap()[0];
+    assert!(row.id == "forged" && row.passed && !row.authenticated && !row.imported);
+
+    // A genuine failing outcome altered to pass is no longer authenticated.
+    let mut o = outcome(1, "run_kernel_test");
+    o.passed = false;
+    o.engine_hash = "H2".into();
+    l.record(&o).unwrap();
+    assert!(l.list(0, 1).unwrap()[0].authenticated);
+    conn.execute("UPDATE outcomes SET passed = 1 WHERE engine_hash = 'H2'", []).unwrap();
+    assert!(!l.list(0, 1).unwrap()[0].authenticated);
+    assert!(!l.passed_on("run_kernel_test", "H2", "f32").unwrap());
+    // Its MAC copied onto another row does not authenticate that row either.
+    conn.execute(
+        "UPDATE outcomes SET mac = (SELECT mac FROM outcomes WHERE engine_hash = 'H2') WHERE id = 'forged'",
+        [],
+    )
+    .unwrap();
+    assert!(!l.passed_on("run_kernel_test", "H1", "f32").unwrap());
+
+    // An imported passing outcome is shown as imported, and is not evidence.
+    let mut imported = outcome(2, "run_kernel_test");
+    imported.passed = true;
+    imported.engine_hash = "H3".into();
+    l.import_jsonl(&serde_json::to_string(&imported).unwrap()).unwrap();
+    let row = l.list(0, 1).unwrap().remove(0);
+    assert!(row.imported && !row.authenticated && row.passed);
+    assert!(!l.passed_on("run_kernel_test", "H3", "f32").unwrap());
+
+    // This server's own passing outcome is.
+    let mut own = outcome(4, "run_kernel_test");
+    own.passed = true;
+    own.engine_hash = "H3".into();
+    l.record(&own).unwrap();
+    assert!(l.passed_on("run_kernel_test", "H3", "f32").unwrap());
+
+    // A ledger whose key file became readable by others is refused with what to do.
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let e = Ledger::open(&path).err().expect("a readable key is refused");
+    assert!(e.message.contains("chmod 600"), "{}", e.message);
+}
+
+#[test]
+fn a_version_4_ledger_migrates_and_its_rows_are_not_evidence() {
+    let t = tempfile::tempdir().unwrap();
+    let path = t.path().join("v4.sqlite");
+    {
+        let conn = rusqlite::Connection::open(&path).unwrap();
+        // The schema metainfer wrote at version 4.
+        conn.execute_batch(
+            "CREATE TABLE outcomes (id TEXT PRIMARY KEY, time TEXT NOT NULL, tool TEXT NOT NULL, engine TEXT NOT NULL,
+             engine_hash TEXT NOT NULL, contracts TEXT NOT NULL, passed INTEGER NOT NULL, summary TEXT NOT NULL,
+             figures TEXT NOT NULL, reference_level TEXT NOT NULL, duration_ms INTEGER NOT NULL,
+             client TEXT NOT NULL DEFAULT '', constraints TEXT NOT NULL DEFAULT '{}');
+             CREATE INDEX outcomes_engine ON outcomes(engine_hash, tool);
+             CREATE TABLE reference_files (id INTEGER PRIMARY KEY, name TEXT NOT NULL, file TEXT NOT NULL, UNIQUE(name, file));
+             CREATE TABLE reference_prints (file_id INTEGER NOT NULL REFERENCES reference_files(id) ON DELETE CASCADE,
+             hash INTEGER NOT NULL, line INTEGER NOT NULL);
+             CREATE TABLE machine_probes (fingerprint TEXT PRIMARY KEY, time TEXT NOT NULL, probe TEXT NOT NULL);
+             PRAGMA user_version = 4;",
+        )
+        .unwrap();
+        conn.execute(V4_INSERT, rusqlite::params!["old", "run_kernel_test", "H"]).unwrap();
+    }
+    let l = Ledger::open(&path).unwrap();
+    let version: i64 =
+        rusqlite::Connection::open(&path).unwrap().pragma_query_value(None, "user_version", |r| r.get(0)).unwrap();
+    assert_eq!(version, metainfer::ledger::SCHEMA_VERSION);
+    assert_eq!(version, 6);
+    let rows = l.list(0, 10).unwrap();
+    assert_eq!(rows.len(), 1);
+    assert!(rows[0].passed && !rows[0].authenticated && !rows[0].imported, "{:?}", rows[0]);
+    assert!(!l.passed_on("run_kernel_test", "H", "f32").unwrap(), "a row from before HMACs is not evidence");
+    let mut o = outcome(3, "run_kernel_test");
+    o.passed = true;
+    o.engine_hash = "H".into();
+    l.record(&o).unwrap();
+    assert!(l.passed_on("run_kernel_test", "H", "f32").unwrap());
+}
+
+#[test]
+fn imported_outcomes_are_marked_in_list_outcomes_and_ckb_report() {
+    use metainfer::ops::Report;
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let mut l = Ledger::open(&ctx.ledger).unwrap();
+    l.record(&outcome(1, "run_kernel_test")).unwrap();
+    l.import_jsonl(&serde_json::to_string(&outcome(2, "run_kernel_test")).unwrap()).unwrap();
+    let page = metainfer::ops::outcomes::list(&ctx, &Default::default()).unwrap();
+    let marks: Vec<(bool, bool)> = page.outcomes.iter().map(|o| (o.imported, o.authenticated)).collect();
+    assert_eq!(marks, [(true, false), (false, true)], "newest first: the imported one, then this server's");
+    assert_eq!(page.text().matches("[imported]").count(), 1, "{}", page.text());
+    let r = metainfer::ops::report::report(&ctx, &metainfer::ops::report::ReportRequest::default()).unwrap();
+    assert_eq!((r.outcomes, r.imported), (2, 1));
+    assert_eq!(r.engines.iter().map(|e| e.imported).sum::<usize>(), 1);
+    assert!(r.text().contains("2 outcomes, 1 imported"), "{}", r.text());
 }

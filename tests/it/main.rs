@@ -16,7 +16,9 @@ mod mcp;
 mod model;
 mod oracle;
 mod rules;
+mod sandbox;
 mod serving;
+mod signals;
 mod tidy;
 
 use std::path::{Path, PathBuf};
@@ -53,9 +55,9 @@ pub fn cache() -> PathBuf {
 
 /// A context over the shipped CKB with the shared cache and a ledger in `dir`.
 pub fn ctx(dir: &Path) -> Ctx {
-    Ctx {
+    let mut c = Ctx {
         ckb: Ckb::embedded().expect("shipped CKB is valid"),
-        workshop: Workshop { root: cache() },
+        workshop: Workshop::new(cache()),
         ledger: dir.join("ledger.sqlite"),
         workspace: None,
         models: vec![],
@@ -63,7 +65,9 @@ pub fn ctx(dir: &Path) -> Ctx {
         max_output: metainfer::ops::MAX_TEXT,
         client: Default::default(),
         ckb_dir: None,
-    }
+    };
+    c.workshop.protected = c.protected_paths();
+    c
 }
 
 /// The SIMD example engine's directory in this repository (the demo's engine).

@@ -370,9 +370,11 @@ fn odd_engine_trees_finish_and_report_what_was_skipped() {
     let start = std::time::Instant::now();
     let r = check_rules(&ctx, &RulesRequest { engine: s(&link) }, &Budget::secs(600)).unwrap();
     assert!(start.elapsed() < std::time::Duration::from_secs(120));
-    let skipped = r.skipped.join("\n");
-    assert!(skipped.contains("src/huge.rs") && skipped.contains("larger than"), "{skipped}");
-    assert!(skipped.contains("src/latin1.rs") && skipped.contains("not UTF-8"), "{skipped}");
+    // No code file is skipped: one too large or not UTF-8 blocks, with its own rule id.
+    let rules: Vec<(&str, &str)> = r.findings.iter().map(|f| (f.rule.as_str(), f.file.as_str())).collect();
+    assert!(rules.contains(&("file-too-large", "src/huge.rs")), "{rules:?}");
+    assert!(rules.contains(&("file-unreadable", "src/latin1.rs")), "{rules:?}");
+    assert!(!r.passed);
     // The loop's links point inside the engine but resolve nowhere: reported, never followed.
     let loops: Vec<_> = r.findings.iter().filter(|f| f.rule == "symlink-outside").map(|f| f.file.clone()).collect();
     assert_eq!(loops, ["loop-a", "loop-b"], "{}", metainfer::ops::Report::text(&r));
@@ -400,4 +402,106 @@ fn signatures_are_required_only_of_the_kernels_an_engine_implements() {
         assert!(sigs.iter().any(|m| m.contains("kernel.linear_bf16")), "{sigs:?}");
     }
     assert!(sigs.iter().all(|m| !m.contains("kernel.linear_int8") && !m.contains("gelu")), "{sigs:?}");
+}
+
+#[test]
+fn a_passing_kernel_test_row_inserted_with_sql_does_not_unlock_verify() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let d = t.path().join("engine");
+    crate::copy_example(&d);
+    let hash = ctx.workshop.engine(&d).unwrap().hash;
+    metainfer::ledger::Ledger::open(&ctx.ledger).unwrap();
+    // What a build script that read the ledger's path could insert: a passing run_kernel_test on
+    // exactly this engine's sources.
+    rusqlite::Connection::open(&ctx.ledger)
+        .unwrap()
+        .execute(
+            "INSERT INTO outcomes (id, time, tool, engine, engine_hash, contracts, passed, summary, figures, reference_level, duration_ms, client, constraints)
+             VALUES ('forged', '2026-12-01T00:00:00Z', 'run_kernel_test', ?1, ?2, '[]', 1, 'kernels PASSED', '{}', 'zero', 1, '', '{\"dtype\":\"f32\"}')",
+            rusqlite::params![d.display().to_string(), hash],
+        )
+        .unwrap();
+    let req = VerifyRequest {
+        engine: s(&d),
+        model: s(&crate::babyllama()),
+        prompts: vec![],
+        max_new_tokens: Some(4),
+        seed: None,
+        dtype: None,
+    };
+    let v = verify(&ctx, &req, &Budget::secs(600)).unwrap();
+    assert!(v.prompts.iter().all(|p| p.error.is_empty()), "generation itself matched");
+    assert!(!v.passed && v.error.contains("phase order"), "{}", v.error);
+}
+
+/// (rule, file, message) of every blocking finding of a check_rules run.
+fn blocking_of(ctx: &metainfer::ops::Ctx, engine: &Path) -> Vec<(String, String, String)> {
+    let r = check_rules(ctx, &RulesRequest { engine: s(engine) }, &Budget::secs(600)).unwrap();
+    assert_eq!(r.passed, !r.findings.iter().any(|f| f.severity == Severity::Blocking));
+    r.findings.into_iter().filter(|f| f.severity == Severity::Blocking).map(|f| (f.rule, f.file, f.message)).collect()
+}
+
+fn has(findings: &[(String, String, String)], rule: &str, file: &str, text: &str) -> bool {
+    findings.iter().any(|(r, f, m)| r == rule && f == file && m.contains(text))
+}
+
+#[test]
+fn rules_read_every_code_file_whatever_its_size_or_name() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let pad = "// padding\n".repeat(100_000); // 1.1 MB, over the 1 MiB rules read whole
+
+    // A padded source that includes a file outside the engine: it used to be skipped for size.
+    let d = t.path().join("padded-source");
+    crate::copy_example(&d);
+    std::fs::write(d.join("src/table.rs"), format!("{pad}pub static T: &[u8] = include_bytes!(\"/etc/hostname\");\n"))
+        .unwrap();
+    append(&d, "src/lib.rs", "\nmod table;\n");
+    let f = blocking_of(&ctx, &d);
+    assert!(has(&f, "file-too-large", "src/table.rs", "at most 1048576 bytes"), "{f:?}");
+
+    // A padded build script.
+    let d = t.path().join("padded-build");
+    crate::copy_example(&d);
+    std::fs::write(d.join("build.rs"), format!("{pad}fn main() {{}}\n")).unwrap();
+    let f = blocking_of(&ctx, &d);
+    assert!(has(&f, "file-too-large", "build.rs", "bytes"), "{f:?}");
+
+    // Build scripts: a write outside OUT_DIR and a read of /proc are findings; a write under
+    // OUT_DIR is not.
+    let d = t.path().join("build-writes");
+    crate::copy_example(&d);
+    std::fs::write(
+        d.join("build.rs"),
+        "fn main() {\n    let out = std::path::PathBuf::from(std::env::var(\"OUT_DIR\").unwrap());\n    let gen = out.join(\"gen.rs\");\n    std::fs::write(&gen, \"\").unwrap();\n    let env = std::fs::read(\"/proc/1/environ\");\n    std::fs::write(\"/tmp/ledger-copy\", format!(\"{env:?}\")).unwrap();\n}\n",
+    )
+    .unwrap();
+    let f = blocking_of(&ctx, &d);
+    assert!(has(&f, "build-script", "build.rs", "reads /proc"), "{f:?}");
+    assert!(has(&f, "build-script", "build.rs", "\"/tmp/ledger-copy\"`, which is not derived from OUT_DIR"), "{f:?}");
+    assert_eq!(f.iter().filter(|(r, ..)| r == "build-script").count(), 2, "the write under OUT_DIR is fine: {f:?}");
+
+    // A build script under another name (package.build), and a module it pulls in, are build
+    // scripts too; a file pulled in as code by #[path] is read whatever its extension.
+    let d = t.path().join("renamed-build");
+    crate::copy_example(&d);
+    let manifest = std::fs::read_to_string(d.join("Cargo.toml")).unwrap();
+    std::fs::write(
+        d.join("Cargo.toml"),
+        manifest.replacen("publish = false", "publish = false\nbuild = \"tools/gen.rs\"", 1),
+    )
+    .unwrap();
+    std::fs::create_dir_all(d.join("tools")).unwrap();
+    std::fs::write(d.join("tools/gen.rs"), "mod helper;\nfn main() { helper::run() }\n").unwrap();
+    std::fs::write(
+        d.join("tools/helper.rs"),
+        "pub fn run() { let _ = std::process::Command::new(\"sh\").status(); }\n",
+    )
+    .unwrap();
+    std::fs::write(d.join("src/extra.txt"), "pub static E: &str = include_str!(\"/etc/hostname\");\n").unwrap();
+    append(&d, "src/lib.rs", "\n#[path = \"extra.txt\"]\nmod extra;\n");
+    let f = blocking_of(&ctx, &d);
+    assert!(has(&f, "build-script", "tools/helper.rs", "std::process"), "{f:?}");
+    assert!(has(&f, "path-outside", "src/extra.txt", "include_str!"), "{f:?}");
 }

@@ -113,6 +113,10 @@ pub struct ProfileReport {
     /// When it passed: each staged candidate it ran under (family, target platform) and whether this
     /// evidence promoted it (see `ops::evolve::promote_on_evidence`). Empty otherwise.
     pub promotions: Vec<super::gate::Promotion>,
+    /// Whether the engine's code (its build scripts and proc macros, the harness process) ran in
+    /// the enforced sandbox; false where the kernel offers no Landlock ABI >= 6 or seccomp (the
+    /// server logs why at start; `--require-sandbox` refuses to run instead).
+    pub sandboxed: bool,
 }
 
 /// Prefill speed at one prompt length.
@@ -254,6 +258,7 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     let model_dir = ctx.confine(Path::new(&req.model), true)?;
     let target = gate.target.clone();
     let cfg = crate::model::load_config(&ctx.ckb, &model_dir)?;
+    gate.same_family(&model_dir, &cfg.family)?;
     let prompt_len = req.prompt_len.unwrap_or(32).clamp(1, cfg.max_seq.saturating_sub(1).max(1));
     let new_tokens = req.new_tokens.unwrap_or(64).clamp(1, cfg.max_seq - prompt_len);
     let runs = req.runs.unwrap_or(5).clamp(1, 100);
@@ -354,6 +359,7 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
         compute_bound_tok_s: compute_bound,
         runs_checked: 0,
         outputs_ok: false,
+        sandboxed: ctx.workshop.sandboxed(),
         rules: vec![],
         error: String::new(),
         figures_from,
@@ -370,7 +376,7 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     report.rules = gate.findings.clone();
     let threads_env = [("RAYON_NUM_THREADS", threads.to_string())];
     let command = Command::Profile { model: model_dir.clone(), prompt_len, new_tokens, runs };
-    let t = match gate.call(&h, command, &threads_env)?.ok("engine's profile", 2000) {
+    let t = match gate.call(&h, command, &threads_env, &[model_dir.as_path()])?.ok("engine's profile", 2000) {
         Ok(Reply::Profile(t)) => t,
         other => {
             report.error = match other {
@@ -441,7 +447,7 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
             iters: roofline::iters_for(c),
         })
         .collect();
-    match gate.call(&h, Command::Time { reps: runs.max(3), items }, &threads_env)?.ok("per-kernel timing", 1000) {
+    match gate.call(&h, Command::Time { reps: runs.max(3), items }, &threads_env, &[])?.ok("per-kernel timing", 1000) {
         Ok(Reply::Time { items }) => {
             let seconds: Vec<Vec<f64>> = items.into_iter().map(|i| i.seconds_per_call).collect();
             if seconds.len() == calls.len() {

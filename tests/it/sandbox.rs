@@ -1,0 +1,181 @@
+//! The sandbox around agent-written code: a build script and a harness process each try to read the
+//! ledger and its key, write outside their scratch, open a TCP connection to a listener this test
+//! holds on loopback, and read the server's environment from /proc; each attempt must be denied
+//! by the kernel (asserted by the error the attempt got, not by a failed build).
+
+use std::io::Read;
+use std::net::TcpListener;
+use std::path::Path;
+
+use metainfer::harness::{Budget, sandbox};
+use metainfer::ledger::Ledger;
+use metainfer::ops::kernel_test::{KernelTestRequest, kernel_test};
+
+fn budget() -> Budget {
+    Budget::secs(900)
+}
+
+/// Rust code (a block) that tries every escape and collects what happened in `report: String`.
+fn attempts(ledger: &Path, outside: &Path, addr: &str) -> String {
+    let key = metainfer::ledger::key_path(ledger);
+    format!(
+        r#"{{
+    let mut report = String::new();
+    let mut note = |what: &str, r: Result<String, std::io::Error>| match r {{
+        Ok(s) => report += &format!("{{what}}: ESCAPED {{s}}; "),
+        Err(e) => report += &format!("{{what}}: DENIED {{e}}; "),
+    }};
+    note("ledger", std::fs::read({ledger:?}).map(|b| format!("read {{}} bytes", b.len())));
+    note("key", std::fs::read_to_string({key:?}));
+    note("write", std::fs::write({outside:?}, b"escaped").map(|_| "wrote".to_string()));
+    note("tcp", std::net::TcpStream::connect({addr:?}).map(|_| "connected".to_string()));
+    let parent = std::os::unix::process::parent_id();
+    note("environ", std::fs::read(format!("/proc/{{parent}}/environ")).map(|b| format!("read {{}} bytes", b.len())));
+    let tmp = std::env::temp_dir().join("own-scratch");
+    note("tmp", std::fs::write(&tmp, b"ok").map(|_| "wrote".to_string()));
+    report
+}}"#,
+        ledger = ledger.display().to_string(),
+        key = key.display().to_string(),
+        outside = outside.display().to_string(),
+    )
+}
+
+/// The denials every attempt must get: EACCES from Landlock (files, /proc) or the seccomp filter
+/// (sockets); the scratch directory stays writable.
+fn assert_denied(report: &str, outside: &Path, listener: &TcpListener) {
+    for what in ["ledger", "key", "write", "tcp", "environ"] {
+        assert!(
+            report.contains(&format!("{what}: DENIED Permission denied (os error 13)")),
+            "{what} was not denied by the sandbox: {report}"
+        );
+    }
+    assert!(report.contains("tmp: ESCAPED wrote"), "the process's own scratch must stay writable: {report}");
+    assert!(!outside.exists(), "a file was written outside the sandbox");
+    listener.set_nonblocking(true).unwrap();
+    assert!(listener.accept().is_err(), "the loopback listener received a connection");
+}
+
+/// A ledger with a recorded outcome (so the ledger and its key exist) in `dir`, and a loopback
+/// listener.
+fn setup(dir: &Path) -> (metainfer::ops::Ctx, TcpListener) {
+    let ctx = crate::ctx(dir);
+    let l = Ledger::open(&ctx.ledger).unwrap();
+    assert!(l.count().unwrap() == 0);
+    assert!(metainfer::ledger::key_path(&ctx.ledger).is_file());
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    (ctx, listener)
+}
+
+#[test]
+fn a_build_script_cannot_read_the_ledger_write_outside_or_connect() {
+    let t = tempfile::tempdir().unwrap();
+    let (ctx, listener) = setup(t.path());
+    let outside = t.path().join("outside.txt");
+    let eng = t.path().join("eng");
+    std::fs::create_dir_all(eng.join("src")).unwrap();
+    std::fs::write(
+        eng.join("Cargo.toml"),
+        "[package]\nname = \"sandboxed-build\"\nversion = \"0.1.0\"\nedition = \"2021\"\nbuild = \"build.rs\"\n\n[workspace]\n",
+    )
+    .unwrap();
+    std::fs::write(eng.join("src/lib.rs"), "").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    std::fs::write(
+        eng.join("build.rs"),
+        format!(
+            "fn main() {{\n    let report = {};\n    panic!(\"REPORT {{report}} END\");\n}}\n",
+            attempts(&ctx.ledger, &outside, &addr)
+        ),
+    )
+    .unwrap();
+    let engine = ctx.workshop.engine(&eng).unwrap();
+    let build = ctx.workshop.cargo_build(&engine.build_dir.join("Cargo.toml"), &budget()).unwrap();
+    assert!(!build.ok, "the build script panics with its report");
+    if !sandbox::status().enforced {
+        assert!(!build.run.sandboxed && !ctx.workshop.sandboxed());
+        eprintln!("no sandbox on this kernel: {}", sandbox::status().summary);
+        return;
+    }
+    assert!(build.run.sandboxed);
+    let report = build
+        .run
+        .stderr
+        .split("REPORT ")
+        .nth(1)
+        .and_then(|r| r.split(" END").next())
+        .unwrap_or_else(|| panic!("no report from the build script in cargo's output: {}", build.run.stderr));
+    assert_denied(report, &outside, &listener);
+    // The build script ran with the reduced environment: no pointer to the server's state.
+    assert!(!build.run.stderr.contains("METAINFER_LEDGER"));
+}
+
+#[test]
+fn a_harness_process_cannot_read_the_ledger_write_outside_or_connect() {
+    let t = tempfile::tempdir().unwrap();
+    let (ctx, listener) = setup(t.path());
+    let outside = t.path().join("outside.txt");
+    let eng = t.path().join("eng");
+    crate::copy_example(&eng);
+    let addr = listener.local_addr().unwrap().to_string();
+    crate::inject(
+        &eng,
+        "src/kernels.rs",
+        "    assert!(!x.is_empty(), \"argmax: empty input\");",
+        &format!(
+            "    assert!(!x.is_empty(), \"argmax: empty input\");\n    let report = {};\n    panic!(\"REPORT {{report}} END\");",
+            attempts(&ctx.ledger, &outside, &addr)
+        ),
+    );
+    let req = KernelTestRequest {
+        engine: eng.display().to_string(),
+        kernels: vec!["kernel.argmax".into()],
+        seed: Some(7),
+        dtype: None,
+    };
+    let k = kernel_test(&ctx, &req, &budget()).unwrap();
+    let argmax = k.kernels.iter().find(|r| r.kernel == "kernel.argmax").expect("argmax was tested");
+    assert!(!argmax.passed);
+    if !sandbox::status().enforced {
+        eprintln!("no sandbox on this kernel: {}", sandbox::status().summary);
+        return;
+    }
+    let report = argmax
+        .error
+        .split("REPORT ")
+        .nth(1)
+        .and_then(|r| r.split(" END").next())
+        .unwrap_or_else(|| panic!("no report from the harness process: {}", argmax.error));
+    assert_denied(report, &outside, &listener);
+}
+
+#[test]
+fn the_start_log_says_whether_the_sandbox_is_enforced() {
+    // `metainfer serve` logs the sandbox status at start; with --require-sandbox on a kernel
+    // without it, it refuses to start.
+    let t = tempfile::tempdir().unwrap();
+    let mut child = std::process::Command::new(crate::bin())
+        .args(["--ledger"])
+        .arg(t.path().join("l.sqlite"))
+        .args(["--cache"])
+        .arg(t.path().join("cache"))
+        .args(["--require-sandbox", "serve"])
+        .env("METAINFER_LOG", "info")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    let status = child.wait().unwrap();
+    let st = sandbox::status();
+    if st.enforced {
+        assert!(err.contains("sandbox: enforced (Landlock ABI"), "{err}");
+        assert!(!err.contains("--require-sandbox:"), "{err}");
+        let _ = status;
+    } else {
+        assert!(err.contains("--require-sandbox") && err.contains("NOT enforced"), "{err}");
+        assert_eq!(status.code(), Some(2));
+    }
+}
