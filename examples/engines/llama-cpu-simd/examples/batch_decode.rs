@@ -31,7 +31,8 @@ fn main() {
             let chunks: Vec<SeqChunk> =
                 (0..n).map(|s| SeqChunk { tokens: &prompts[s], start: 0, block_table: &tables[s] }).collect();
             let logits = batch::step(&mut model, &mut cache, &chunks);
-            let mut last: Vec<u32> = (0..n).map(|s| argmax(&logits[s * vocab as usize..(s + 1) * vocab as usize])).collect();
+            let mut last: Vec<u32> =
+                (0..n).map(|s| argmax(&logits[s * vocab as usize..(s + 1) * vocab as usize])).collect();
             let t = Instant::now();
             for i in 0..new_tokens {
                 let toks: Vec<[u32; 1]> = last.iter().map(|&x| [x]).collect();
@@ -44,7 +45,10 @@ fn main() {
             rates.push((n * new_tokens) as f64 / t.elapsed().as_secs_f64());
         }
         rates.sort_by(f64::total_cmp);
-        println!("batch {n:>3}: {:>9.1} output tokens/s (median of 3; min {:.1}, max {:.1})", rates[1], rates[0], rates[2]);
+        println!(
+            "batch {n:>3}: {:>9.1} output tokens/s (median of 3; min {:.1}, max {:.1})",
+            rates[1], rates[0], rates[2]
+        );
     }
 }
 

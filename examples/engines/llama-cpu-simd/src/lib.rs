@@ -20,5 +20,6 @@ mod matmul;
 pub mod model;
 pub mod paged;
 pub mod quant;
+pub mod scheduler;
 pub mod tokenizer;
 mod weights;
