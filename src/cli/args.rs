@@ -321,6 +321,36 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Serve a serving engine's binary and test it: conformance battery and load (tool serve_engine).
+    #[command(
+        after_help = "Example:\n  metainfer load-test --engine myengine --model ../shared/models/babyllama-105 --concurrency 1,4,16"
+    )]
+    LoadTest {
+        /// Engine crate directory (its metainfer.toml has a [serving] table; it has a binary with `serve`).
+        #[arg(long, value_name = "DIR")]
+        engine: PathBuf,
+        /// Hugging Face model directory (config.json, model.safetensors).
+        #[arg(long, value_name = "DIR")]
+        model: PathBuf,
+        /// Concurrency levels of the load test, each 1..=64 (default 1,4,16).
+        #[arg(long, value_name = "N,N,...", value_delimiter = ',')]
+        concurrency: Option<Vec<usize>>,
+        /// Requests per level (default twice its concurrency).
+        #[arg(long, value_name = "N")]
+        requests: Option<usize>,
+        /// New tokens per load-test request, 1..=256 (default 16).
+        #[arg(long, value_name = "N")]
+        max_tokens: Option<usize>,
+        /// Replay a run: the seed a report gave (below 2^53).
+        #[arg(long, value_name = "N")]
+        seed: Option<u64>,
+        /// Weight dtype to build the engine for (default: the engine's own).
+        #[arg(long, value_name = "DTYPE")]
+        dtype: Option<String>,
+        /// Print exactly the tool's structured output as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Check the zero-reference and anti-fake rules (tool check_rules).
     #[command(after_help = "Example:\n  metainfer check-rules --engine myengine")]
     CheckRules {

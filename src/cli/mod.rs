@@ -319,6 +319,25 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
             )?;
             Ok(emit(&r, json))
         }
+        Command::LoadTest { engine, model, concurrency, requests, max_tokens, seed, dtype, json } => {
+            let c = ctx(g)?;
+            let req = ops::serve::ServeRequest {
+                engine: s(&engine),
+                model: s(&model),
+                concurrency,
+                requests,
+                max_tokens,
+                seed,
+                dtype,
+            };
+            let r = progress(
+                "serve engine (build binary + reference + server + conformance + load)",
+                first_build_note(&c),
+                json,
+                || ops::serve::serve_engine(&c, &req, &budget()),
+            )?;
+            Ok(emit(&r, json))
+        }
         Command::Profile { engine, model, runs, prompt_len, new_tokens, dtype, threads, json } => {
             let c = ctx(g)?;
             let req = ops::profile::ProfileRequest {

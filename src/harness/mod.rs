@@ -346,6 +346,50 @@ fn kill_group(handle: &duct::Handle) {
     let _ = handle.kill();
 }
 
+/// A running engine server started by [`Workshop::start_server`]; dropping it kills its process
+/// group and reaps it.
+pub struct ServerProcess {
+    handle: duct::Handle,
+    pids: Vec<i32>,
+    err_path: PathBuf,
+    /// Whether it runs in the enforced sandbox.
+    pub sandboxed: bool,
+}
+
+impl ServerProcess {
+    /// How it ended, when it has exited (None while it runs).
+    pub fn exited(&self) -> Option<Exit> {
+        match self.handle.try_wait() {
+            Ok(Some(o)) => Some(Exit::Code(o.status.code())),
+            Ok(None) => None,
+            Err(_) => Some(Exit::Code(None)),
+        }
+    }
+
+    /// The last `max` bytes of its stderr.
+    pub fn stderr_tail(&self, max: u64) -> String {
+        read_tail(&self.err_path, max)
+    }
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        kill_group(&self.handle);
+        LIVE.lock().unwrap_or_else(|p| p.into_inner()).retain(|p| !self.pids.contains(p));
+    }
+}
+
+/// A TCP port on the loopback interface that was free a moment ago (bound to port 0, then
+/// released), for an engine server to listen on.
+///
+/// # Errors
+/// When no socket can be bound.
+pub fn free_loopback_port() -> Result<u16> {
+    let l = std::net::TcpListener::bind(("127.0.0.1", 0))
+        .map_err(|e| Error::internal(format!("cannot find a free loopback port: {e}")))?;
+    l.local_addr().map(|a| a.port()).map_err(|e| Error::internal(format!("cannot find a free loopback port: {e}")))
+}
+
 /// What the server knows about an engine crate.
 #[derive(Debug, Clone)]
 pub struct Engine {
@@ -660,14 +704,20 @@ impl Workshop {
     /// # Errors
     /// When cargo cannot be started.
     pub fn cargo_build(&self, manifest: &Path, budget: &Budget) -> Result<Build> {
-        self.cargo_build_reading(manifest, &[], budget)
+        self.cargo_build_reading(manifest, &[], &[], budget)
     }
 
     /// [`Workshop::cargo_build`] in the sandbox, which may read the manifest's directory and
     /// `also_read` (the engine snapshot a harness depends on) and write the target directory and a
     /// scratch directory. Dependencies are fetched first, outside the sandbox ([`Workshop::fetch`]);
     /// a fetch that fails is the build's failure.
-    fn cargo_build_reading(&self, manifest: &Path, also_read: &[&Path], budget: &Budget) -> Result<Build> {
+    fn cargo_build_reading(
+        &self,
+        manifest: &Path,
+        also_read: &[&Path],
+        extra: &[std::ffi::OsString],
+        budget: &Budget,
+    ) -> Result<Build> {
         let fetched = self.fetch(manifest, budget)?;
         if !fetched.ok() {
             return Ok(Build { ok: false, diagnostics: vec![], executable: None, run: fetched });
@@ -680,7 +730,7 @@ impl Workshop {
         grants.tmp = Some(scratch.path().to_path_buf());
         grants.read.push(manifest.parent().unwrap_or(Path::new("/")).to_path_buf());
         grants.read.extend(also_read.iter().map(|p| p.to_path_buf()));
-        let args = vec![
+        let mut args = vec![
             "build".into(),
             "--release".into(),
             "--offline".into(),
@@ -691,6 +741,7 @@ impl Workshop {
             "--target-dir".into(),
             target.into_os_string(),
         ];
+        args.extend(extra.iter().cloned());
         let run = self.run_sandboxed(cargo(&self.cargo_cwd()?, args), &grants, budget)?;
         let (diagnostics, executable) = parse_messages(&run.stdout);
         Ok(Build { ok: run.ok(), diagnostics, executable, run })
@@ -784,7 +835,82 @@ impl Workshop {
     /// When cargo cannot be started or the cache is not writable.
     pub fn build_harness(&self, engine: &Engine, spec: &HarnessSpec, budget: &Budget) -> Result<Build> {
         let manifest = self.write_harness(engine, spec)?;
-        self.cargo_build_reading(&manifest, &[&engine.build_dir], budget)
+        self.cargo_build_reading(&manifest, &[&engine.build_dir], &[], budget)
+    }
+
+    /// Build the binaries of an engine's snapshot (`cargo build --release --bins`, with `features`),
+    /// sandboxed like every build, and copy its last binary into `dest` (the call's scratch): the
+    /// build's `executable` is that copy. Binaries of engines with the same package name land on
+    /// the same path of the shared target directory, so builds and copies are serialised in this
+    /// process and a gate never runs another engine's binary.
+    ///
+    /// # Errors
+    /// When cargo cannot be started, the cache is not writable, or the copy fails.
+    pub fn build_engine_binary(
+        &self,
+        engine: &Engine,
+        features: &[String],
+        dest: &Path,
+        budget: &Budget,
+    ) -> Result<Build> {
+        static BINARY_BUILDS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let mut extra: Vec<std::ffi::OsString> = vec!["--bins".into()];
+        if !features.is_empty() {
+            extra.push("--features".into());
+            extra.push(features.join(",").into());
+        }
+        let _one = BINARY_BUILDS.lock().unwrap_or_else(|p| p.into_inner());
+        let mut build = self.cargo_build_reading(&engine.build_dir.join("Cargo.toml"), &[], &extra, budget)?;
+        if let Some(exe) = build.executable.take().filter(|_| build.ok) {
+            let copy = dest.join(exe.file_name().unwrap_or(std::ffi::OsStr::new("engine")));
+            std::fs::copy(&exe, &copy)
+                .map_err(|e| Error::internal(format!("cannot copy {} to {}: {e}", exe.display(), copy.display())))?;
+            build.executable = Some(copy);
+        }
+        Ok(build)
+    }
+
+    /// Start a long-running engine server: `exe` with `args`, sandboxed with `grants` (which should
+    /// name the port it listens on, [`Grants::listen`]), its own process group registered for the
+    /// signal handlers, stdout and stderr to files in `dir`. The returned guard kills the group and
+    /// reaps the child when dropped, so no server outlives its gate.
+    ///
+    /// # Errors
+    /// The sandbox's errors (see [`Workshop::run_sandboxed`]); a process that cannot be started.
+    pub fn start_server(
+        &self,
+        exe: &Path,
+        args: &[std::ffi::OsString],
+        grants: &Grants,
+        dir: &Path,
+    ) -> Result<ServerProcess> {
+        let prepared = sandbox::prepare(grants, &self.protected, self.require_sandbox)?;
+        let err_path = dir.join("server.stderr");
+        let out_path = dir.join("server.stdout");
+        let expr = duct::cmd(exe, args)
+            .before_spawn(|cmd| {
+                use std::os::unix::process::CommandExt;
+                cmd.process_group(0);
+                Ok(())
+            })
+            .env_remove("METAINFER_LEDGER")
+            .env_remove("METAINFER_CACHE")
+            .stdout_path(&out_path)
+            .stderr_path(&err_path)
+            .stdin_null()
+            .unchecked();
+        let expr = sandbox::apply(expr, &prepared);
+        let handle = {
+            let mut live = LIVE.lock().unwrap_or_else(|p| p.into_inner());
+            if SHUTTING_DOWN.load(Ordering::SeqCst) {
+                return Err(Error::internal("the server is shutting down; no process is started"));
+            }
+            let handle = expr.start().map_err(|e| Error::internal(format!("cannot start {}: {e}", exe.display())))?;
+            live.extend(handle.pids().into_iter().map(|p| p as i32));
+            handle
+        };
+        let pids = handle.pids().into_iter().map(|p| p as i32).collect();
+        Ok(ServerProcess { handle, pids, err_path, sandboxed: prepared.enforced() })
     }
 
     /// A fresh scratch directory for one call's files, removed when dropped.

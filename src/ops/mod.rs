@@ -19,6 +19,7 @@ pub mod reference;
 pub mod report;
 pub mod rules;
 pub mod scaffold;
+pub mod serve;
 pub mod synth;
 pub mod verify;
 

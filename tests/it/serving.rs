@@ -1,7 +1,8 @@
 //! Serving: plan and scaffold with serving constraints, the serving kernels' diagnosis on a faulted
 //! engine, and verify_batching failing on the bare serving scaffold, an empty crate, a constant
 //! batched step and a leaking block manager, each for its stated reason, and passing on the SIMD
-//! example engine.
+//! example engine; serve_engine failing on an engine without a binary, a server that dies at start
+//! and a constant sampler, each for its stated reason, and passing on the SIMD example engine.
 
 use metainfer::error::ErrorKind;
 use metainfer::harness::Budget;
@@ -10,6 +11,7 @@ use metainfer::ops::batching::{BatchingRequest, verify_batching};
 use metainfer::ops::kernel_test::{KernelTestRequest, kernel_test};
 use metainfer::ops::plan::{PlanRequest, plan};
 use metainfer::ops::scaffold::{ScaffoldRequest, scaffold};
+use metainfer::ops::serve::{ServeRequest, serve_engine};
 
 use crate::Engine;
 
@@ -226,4 +228,99 @@ fn simd_engine_passes_verify_batching() {
     let ledger = metainfer::ledger::Ledger::open(&ctx.ledger).unwrap();
     let o = ledger.list(0, 1).unwrap().remove(0);
     assert_eq!((o.tool.as_str(), o.passed), ("verify_batching", true));
+}
+
+fn serve_req(engine: &std::path::Path) -> ServeRequest {
+    ServeRequest {
+        engine: s(engine),
+        model: s(&crate::babyllama()),
+        concurrency: Some(vec![1, 4]),
+        requests: None,
+        max_tokens: Some(8),
+        seed: None,
+        dtype: None,
+    }
+}
+
+/// serve_engine on engines that cannot serve: a batch-1 library is a bad request; the bare serving
+/// scaffold has no binary; a binary whose `serve` fails at once never answers /health; a constant
+/// sampler answers, but not the reference's greedy text, at the battery and under load.
+#[test]
+fn serve_engine_fails_without_a_binary_on_a_dying_server_and_on_a_constant_sampler() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let plain = t.path().join("plain");
+    Engine::Plain.copy_to(&plain);
+    let e = serve_engine(&ctx, &serve_req(&plain), &Budget::secs(900)).unwrap_err();
+    assert!(e.kind == ErrorKind::Usage && e.message.contains("no [serving] table"), "{}", e.message);
+
+    let bare = t.path().join("bare");
+    let req = ScaffoldRequest {
+        model: s(&crate::babyllama()),
+        out: s(&bare),
+        target: "cpu".into(),
+        dtype: "f32".into(),
+        name: Some("bare".into()),
+        force: false,
+        reference_level: Default::default(),
+        serving: Some(serving(4, 128)),
+    };
+    scaffold(&ctx, &req).unwrap();
+    let r = serve_engine(&ctx, &serve_req(&bare), &Budget::secs(900)).unwrap();
+    crate::assert_conforms(&r);
+    assert!(!r.passed && r.error.contains("the engine has no binary"), "{}", r.error);
+    assert!(r.checks.is_empty() && r.levels.is_empty());
+
+    let dying = t.path().join("dying");
+    Engine::Simd.copy_to(&dying);
+    crate::replace_body(&dying, "src/main.rs", "fn serve(", "let _ = args;\n    Err(\"refusing to serve\".into())");
+    let r = serve_engine(&ctx, &serve_req(&dying), &Budget::secs(900)).unwrap();
+    assert!(!r.passed, "{}", metainfer::ops::Report::text(&r));
+    assert!(
+        r.error.contains("exited before answering /health") && r.error.contains("refusing to serve"),
+        "{}",
+        r.error
+    );
+    assert_eq!(r.checks.len(), 1);
+
+    let constant = t.path().join("constant");
+    Engine::Simd.copy_to(&constant);
+    crate::replace_body(&constant, "src/kernels.rs", "pub fn sample(", "let _ = (logits, prev, params, u);\n    3");
+    let r = serve_engine(&ctx, &serve_req(&constant), &Budget::secs(900)).unwrap();
+    let text = metainfer::ops::Report::text(&r);
+    assert!(!r.passed, "{text}");
+    let greedy = r.checks.iter().find(|c| c.name == "greedy").unwrap();
+    assert!(!greedy.passed && greedy.detail.contains("differs from the reference"), "{text}");
+    // It still answers in OpenAI's shape: health, models and the bad requests pass.
+    for name in ["health", "models", "bad_requests"] {
+        assert!(r.checks.iter().any(|c| c.name == name && c.passed), "{name}: {text}");
+    }
+    assert!(r.levels.iter().all(|l| l.greedy_mismatches == l.requests), "{text}");
+}
+
+/// The SIMD example engine's server passes serve_engine on BabyLlama at concurrency 1, 4 and 16,
+/// and the outcome is recorded with its figures.
+#[test]
+fn simd_engine_passes_serve_engine() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let engine = t.path().join("simd");
+    Engine::Simd.copy_to(&engine);
+    let req = ServeRequest { concurrency: Some(vec![1, 4, 16]), ..serve_req(&engine) };
+    let r = serve_engine(&ctx, &req, &Budget::secs(900)).unwrap();
+    let text = metainfer::ops::Report::text(&r);
+    assert!(r.passed, "{text}");
+    crate::assert_conforms(&r);
+    let names: Vec<&str> = r.checks.iter().map(|c| c.name.as_str()).collect();
+    assert_eq!(names, ["health", "models", "greedy", "streaming", "stop", "chat", "bad_requests", "alive"], "{text}");
+    assert_eq!(r.levels.iter().map(|l| l.concurrency).collect::<Vec<_>>(), [1, 4, 16]);
+    for l in &r.levels {
+        assert_eq!((l.completed, l.greedy_mismatches), (l.requests, 0), "{text}");
+        assert!(l.output_tokens > 0 && l.ttft_ms_p50 > 0.0 && l.ttft_ms_p99 >= l.ttft_ms_p50, "{text}");
+    }
+    assert_eq!(r.sandboxed, ctx.workshop.sandboxed());
+    let ledger = metainfer::ledger::Ledger::open(&ctx.ledger).unwrap();
+    let o = ledger.list(0, 1).unwrap().remove(0);
+    assert_eq!((o.tool.as_str(), o.passed), ("serve_engine", true));
+    eprintln!("{text}");
 }
