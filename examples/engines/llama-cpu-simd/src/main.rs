@@ -70,10 +70,7 @@ fn main() {
     let code = match args.first().map(String::as_str) {
         Some("generate") => generate(&args[1..]),
         Some("serve") => serve(&args[1..]),
-        _ => Err(
-            "usage: llama-cpu-simd generate --model DIR --prompt TEXT [...] | serve --model DIR [--host H] [--port P]"
-                .into(),
-        ),
+        _ => Err("usage: llama-cpu-simd generate --model DIR --prompt TEXT | serve --model DIR".into()),
     };
     if let Err(e) = code {
         eprintln!("error: {e}");
