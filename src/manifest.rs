@@ -57,6 +57,93 @@ impl ReferenceLevel {
     }
 }
 
+/// Serving constraints of an engine: how many sequences at once, how long each, the KV cache's
+/// block size and size, the token budget of one batched step, and whether requests may sample.
+/// Written by scaffold as the `[serving]` table of `metainfer.toml`; plan_engine takes the same.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Serving {
+    /// Most sequences in one batched step (and running at once).
+    pub max_seqs: usize,
+    /// Most tokens of one sequence, prompt and output together (at most the model's
+    /// max_position_embeddings).
+    pub max_context: usize,
+    /// Positions per KV-cache block (vLLM's default is 16).
+    #[serde(default = "default_block_size")]
+    pub block_size: usize,
+    /// KV-cache blocks of the whole pool; absent: enough for max_seqs sequences of max_context
+    /// tokens (max_seqs * ceil(max_context / block_size)).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_blocks: Option<usize>,
+    /// Most tokens one batched step runs (prefill chunks and decode tokens together); absent: 256.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_batch_tokens: Option<usize>,
+    /// Whether requests may sample (temperature, top-k, top-p, min-p, penalties: kernel.sample);
+    /// false serves greedy decoding only.
+    #[serde(default)]
+    pub sampling: bool,
+}
+
+fn default_block_size() -> usize {
+    16
+}
+
+/// Largest value of a serving constraint (sequences, context, blocks, tokens): far beyond what a
+/// machine holds, low enough that products of two of them cannot overflow.
+pub const SERVING_MAX: usize = 1 << 24;
+
+impl Serving {
+    /// KV-cache blocks of the pool (`kv_blocks`, or enough for max_seqs full contexts).
+    pub fn blocks(&self) -> usize {
+        self.kv_blocks.unwrap_or(self.max_seqs * self.max_context.div_ceil(self.block_size.max(1)))
+    }
+
+    /// Token budget of one batched step (`max_batch_tokens`, default 256).
+    pub fn batch_tokens(&self) -> usize {
+        self.max_batch_tokens.unwrap_or(256)
+    }
+
+    /// Check the constraints on their own (the model's limits are the plan's to check).
+    ///
+    /// # Errors
+    /// A message naming the key and the value to write instead.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        for (key, v) in [
+            ("max_seqs", Some(self.max_seqs)),
+            ("max_context", Some(self.max_context)),
+            ("block_size", Some(self.block_size)),
+            ("kv_blocks", self.kv_blocks),
+            ("max_batch_tokens", self.max_batch_tokens),
+        ] {
+            if let Some(v) = v
+                && (v == 0 || v > SERVING_MAX)
+            {
+                return Err(format!("key `serving.{key}` = {v} must be between 1 and {SERVING_MAX}"));
+            }
+        }
+        if self.block_size > 1024 {
+            return Err(format!("key `serving.block_size` = {} is larger than 1024; use 16 or 32", self.block_size));
+        }
+        if self.batch_tokens() < self.max_seqs {
+            return Err(format!(
+                "key `serving.max_batch_tokens` = {} is below max_seqs = {}: a decode step of every running sequence must fit one step",
+                self.batch_tokens(),
+                self.max_seqs
+            ));
+        }
+        let one = self.max_context.div_ceil(self.block_size);
+        if self.blocks() < one {
+            return Err(format!(
+                "key `serving.kv_blocks` = {} cannot hold one sequence of max_context = {} tokens ({one} blocks of {})",
+                self.blocks(),
+                self.max_context,
+                self.block_size
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// An engine's `metainfer.toml`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -78,6 +165,11 @@ pub struct EngineManifest {
     /// target `cuda`); absent: the target's only platform.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub platform: Option<String>,
+    /// Serving constraints (`[serving]`): present when the engine serves several sequences at once
+    /// (paged KV cache, scheduler, batched step, OpenAI-compatible server); absent for a batch-1
+    /// greedy library.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub serving: Option<Serving>,
     /// Every other key as written (e.g. the model's shape), recorded with each outcome.
     #[serde(flatten)]
     pub other: toml::Table,
@@ -93,6 +185,7 @@ impl Default for EngineManifest {
             dtype_features: BTreeMap::new(),
             model: None,
             platform: None,
+            serving: None,
             other: toml::Table::new(),
         }
     }
@@ -126,7 +219,7 @@ impl EngineManifest {
         let m: EngineManifest = toml::from_str(text).map_err(|e| {
             let at = e.to_string().lines().find(|l| l.contains('|') && l.trim_start().chars().next().is_some_and(|c| c.is_ascii_digit())).map(|l| format!(" at `{}`", l.split('|').nth(1).unwrap_or("").trim())).unwrap_or_default();
             Error::usage(format!(
-                "{}{at}; the keys are family, target, platform, dtype, reference_level, model and [dtype_features] (a table of dtype = [features])",
+                "{}{at}; the keys are family, target, platform, dtype, reference_level, model, [dtype_features] (a table of dtype = [features]) and [serving] (max_seqs, max_context, block_size, kv_blocks, max_batch_tokens, sampling)",
                 e.message().trim()
             ))
         })?;
@@ -161,6 +254,9 @@ impl EngineManifest {
                     known.join(", ")
                 )));
             }
+        }
+        if let Some(sv) = &m.serving {
+            sv.check().map_err(Error::usage)?;
         }
         Ok(m)
     }
@@ -208,6 +304,15 @@ mod tests {
         assert_eq!(m.features_for("f16"), None);
         assert_eq!(m.dtypes(), vec!["bf16", "int8"]);
         assert_eq!(EngineManifest::parse("").unwrap(), EngineManifest::default());
+        assert_eq!(m.serving, None);
+    }
+
+    #[test]
+    fn serving_table_parses_with_defaults() {
+        let m = EngineManifest::parse("[serving]\nmax_seqs = 16\nmax_context = 256\nsampling = true\n").unwrap();
+        let s = m.serving.unwrap();
+        // 16 sequences of ceil(256 / 16) = 16 blocks each.
+        assert_eq!((s.block_size, s.blocks(), s.batch_tokens(), s.sampling), (16, 256, 256, true));
     }
 
     #[test]
@@ -222,6 +327,11 @@ mod tests {
             ("[dtype_features]\nbf16 = \"bf16\"", "dtype_features"),
             ("[dtype_features]\nfp4 = [\"fp4\"]", "dtype_features.fp4"),
             ("family = ", ""),
+            ("[serving]\nmax_seqs = 0\nmax_context = 64", "serving.max_seqs"),
+            ("[serving]\nmax_seqs = 4\nmax_context = 64\nkv_blocks = 2", "serving.kv_blocks"),
+            ("[serving]\nmax_seqs = 4\nmax_context = 64\nmax_batch_tokens = 2", "serving.max_batch_tokens"),
+            ("[serving]\nmax_seqs = 4", "max_context"),
+            ("[serving]\nmax_seqs = 4\nmax_context = 64\nbeam = 2", "beam"),
         ] {
             let e = EngineManifest::parse(text).unwrap_err();
             assert!(e.message.contains(key), "{text:?}: {}", e.message);

@@ -53,18 +53,25 @@ pub enum Phase {
     FullForward,
     /// Tokenizer, sampler and the decode loop.
     Generation,
+    /// Several sequences per step: block manager, paged KV cache, batched forward, scheduler
+    /// (planned only with serving constraints).
+    Batching,
+    /// The engine's binary and its OpenAI-compatible server (planned only with serving constraints).
+    Serving,
     /// Speed on the target platform.
     Performance,
 }
 
 impl Phase {
     /// All phases in build order.
-    pub const ALL: [Phase; 6] = [
+    pub const ALL: [Phase; 8] = [
         Phase::Kernels,
         Phase::WeightLoading,
         Phase::DecoderLayer,
         Phase::FullForward,
         Phase::Generation,
+        Phase::Batching,
+        Phase::Serving,
         Phase::Performance,
     ];
 
@@ -76,6 +83,8 @@ impl Phase {
             Phase::DecoderLayer => "decoder_layer",
             Phase::FullForward => "full_forward",
             Phase::Generation => "generation",
+            Phase::Batching => "batching",
+            Phase::Serving => "serving",
             Phase::Performance => "performance",
         }
     }

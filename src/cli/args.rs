@@ -141,6 +141,8 @@ pub enum Command {
         /// Platform contract id where the target has several (cuda: platform.cuda-sm90 or platform.cuda-sm80).
         #[arg(long, value_name = "ID")]
         platform: Option<String>,
+        #[command(flatten)]
+        serving: ServingArgs,
         /// Print exactly the tool's structured output as JSON.
         #[arg(long)]
         json: bool,
@@ -246,6 +248,8 @@ pub enum Command {
         /// Reference level: what the agent may read besides the CKB.
         #[arg(long, value_enum, default_value = "zero")]
         reference_level: LevelArg,
+        #[command(flatten)]
+        serving: ServingArgs,
         /// Print exactly the tool's structured output as JSON.
         #[arg(long)]
         json: bool,
@@ -319,6 +323,60 @@ pub enum Command {
         /// Judge and record a bundle this command wrote and `metainfer bundle run` ran elsewhere.
         #[arg(long, value_name = "DIR")]
         from_bundle: Option<PathBuf>,
+        /// Print exactly the tool's structured output as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Verify the block manager and the batched step of a serving engine (tool verify_batching).
+    #[command(
+        after_help = "Example:\n  metainfer verify-batching --engine myengine --model ../shared/models/babyllama-105"
+    )]
+    VerifyBatching {
+        /// Engine crate directory (its metainfer.toml has a [serving] table).
+        #[arg(long, value_name = "DIR")]
+        engine: PathBuf,
+        /// Hugging Face model directory (config.json, model.safetensors).
+        #[arg(long, value_name = "DIR")]
+        model: PathBuf,
+        /// Sequences in the batched run, 1..=32 (default 6).
+        #[arg(long, value_name = "N")]
+        sequences: Option<usize>,
+        /// Replay a run: the seed a report gave (below 2^53).
+        #[arg(long, value_name = "N")]
+        seed: Option<u64>,
+        /// Weight dtype to build the engine for (default: the engine's own).
+        #[arg(long, value_name = "DTYPE")]
+        dtype: Option<String>,
+        /// Print exactly the tool's structured output as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Serve a serving engine's binary and test it: conformance battery and load (tool serve_engine).
+    #[command(
+        after_help = "Example:\n  metainfer load-test --engine myengine --model ../shared/models/babyllama-105 --concurrency 1,4,16"
+    )]
+    LoadTest {
+        /// Engine crate directory (its metainfer.toml has a [serving] table; it has a binary with `serve`).
+        #[arg(long, value_name = "DIR")]
+        engine: PathBuf,
+        /// Hugging Face model directory (config.json, model.safetensors).
+        #[arg(long, value_name = "DIR")]
+        model: PathBuf,
+        /// Concurrency levels of the load test, each 1..=64 (default 1,4,16).
+        #[arg(long, value_name = "N,N,...", value_delimiter = ',')]
+        concurrency: Option<Vec<usize>>,
+        /// Requests per level (default twice its concurrency).
+        #[arg(long, value_name = "N")]
+        requests: Option<usize>,
+        /// New tokens per load-test request, 1..=256 (default 16).
+        #[arg(long, value_name = "N")]
+        max_tokens: Option<usize>,
+        /// Replay a run: the seed a report gave (below 2^53).
+        #[arg(long, value_name = "N")]
+        seed: Option<u64>,
+        /// Weight dtype to build the engine for (default: the engine's own).
+        #[arg(long, value_name = "DTYPE")]
+        dtype: Option<String>,
         /// Print exactly the tool's structured output as JSON.
         #[arg(long)]
         json: bool,
@@ -678,4 +736,29 @@ pub enum CkbCmd {
         #[arg(long)]
         force: bool,
     },
+}
+
+/// Serving constraints of plan and scaffold: given `--max-seqs`, the engine serves several
+/// sequences at once (paged KV cache, scheduler, OpenAI-compatible server).
+#[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "Serving constraints")]
+pub struct ServingArgs {
+    /// Most sequences running at once (turns serving on; needs --max-context).
+    #[arg(long, value_name = "N", requires = "max_context")]
+    pub max_seqs: Option<usize>,
+    /// Most tokens of one sequence, prompt and output together.
+    #[arg(long, value_name = "N", requires = "max_seqs")]
+    pub max_context: Option<usize>,
+    /// Positions per KV-cache block.
+    #[arg(long, value_name = "N", default_value_t = 16)]
+    pub block_size: usize,
+    /// KV-cache blocks in the pool (default: enough for max-seqs full contexts).
+    #[arg(long, value_name = "N")]
+    pub kv_blocks: Option<usize>,
+    /// Most tokens per batched step (default 256).
+    #[arg(long, value_name = "N")]
+    pub max_batch_tokens: Option<usize>,
+    /// Requests may sample (temperature, top-k, top-p, min-p, penalties); without it, greedy only.
+    #[arg(long)]
+    pub sampling: bool,
 }

@@ -189,8 +189,12 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
             served.map_err(|e| Error::internal(format!("MCP server: {e}")))?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Plan { model, target, dtype, platform, json } => {
-            let r = ops::plan::plan(&ctx(g)?, &ops::plan::PlanRequest { model: s(&model), target, dtype, platform })?;
+        Command::Plan { model, target, dtype, platform, serving, json } => {
+            let serving = serving_of(&serving);
+            let r = ops::plan::plan(
+                &ctx(g)?,
+                &ops::plan::PlanRequest { model: s(&model), target, dtype, platform, serving },
+            )?;
             Ok(emit(&r, json))
         }
         Command::Synth {
@@ -273,8 +277,9 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
             );
             Ok(ExitCode::SUCCESS)
         }
-        Command::Scaffold { model, out, target, dtype, platform, name, force, reference_level, json } => {
+        Command::Scaffold { model, out, target, dtype, platform, name, force, reference_level, serving, json } => {
             let req = ops::scaffold::ScaffoldRequest {
+                serving: serving_of(&serving),
                 model: s(&model),
                 out: s(&out),
                 target,
@@ -323,6 +328,36 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
             let r = progress("verify (build + generate + reference)", first_build_note(&c), json, || {
                 ops::verify::verify(&c, &req, &budget())
             })?;
+            Ok(emit(&r, json))
+        }
+        Command::VerifyBatching { engine, model, sequences, seed, dtype, json } => {
+            let c = ctx(g)?;
+            let req = ops::batching::BatchingRequest { engine: s(&engine), model: s(&model), sequences, seed, dtype };
+            let r = progress(
+                "verify batching (build + block manager + batched run + reference)",
+                first_build_note(&c),
+                json,
+                || ops::batching::verify_batching(&c, &req, &budget()),
+            )?;
+            Ok(emit(&r, json))
+        }
+        Command::LoadTest { engine, model, concurrency, requests, max_tokens, seed, dtype, json } => {
+            let c = ctx(g)?;
+            let req = ops::serve::ServeRequest {
+                engine: s(&engine),
+                model: s(&model),
+                concurrency,
+                requests,
+                max_tokens,
+                seed,
+                dtype,
+            };
+            let r = progress(
+                "serve engine (build binary + reference + server + conformance + load)",
+                first_build_note(&c),
+                json,
+                || ops::serve::serve_engine(&c, &req, &budget()),
+            )?;
             Ok(emit(&r, json))
         }
         Command::Profile {
@@ -546,4 +581,16 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
             Ok(if ok { ExitCode::SUCCESS } else { ExitCode::from(1) })
         }
     }
+}
+
+/// The serving constraints of the CLI flags (None without --max-seqs).
+fn serving_of(a: &args::ServingArgs) -> Option<metainfer::manifest::Serving> {
+    Some(metainfer::manifest::Serving {
+        max_seqs: a.max_seqs?,
+        max_context: a.max_context?,
+        block_size: a.block_size,
+        kv_blocks: a.kv_blocks,
+        max_batch_tokens: a.max_batch_tokens,
+        sampling: a.sampling,
+    })
 }

@@ -243,6 +243,10 @@ pub fn relative(command: protocol::Command, root: &Path) -> protocol::Command {
             Command::Profile { model: MODEL.into(), prompt_len, new_tokens, runs }
         }
         t @ Command::Time { .. } => t,
+        t @ Command::BlockManager { .. } => t,
+        Command::Batch { num_blocks, block_size, seqs, steps, tensors, .. } => {
+            Command::Batch { model: MODEL.into(), num_blocks, block_size, seqs, steps, tensors: rel(&tensors) }
+        }
     }
 }
 

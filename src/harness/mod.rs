@@ -355,6 +355,50 @@ fn kill_group(handle: &duct::Handle) {
     let _ = handle.kill();
 }
 
+/// A running engine server started by [`Workshop::start_server`]; dropping it kills its process
+/// group and reaps it.
+pub struct ServerProcess {
+    handle: duct::Handle,
+    pids: Vec<i32>,
+    err_path: PathBuf,
+    /// Whether it runs in the enforced sandbox.
+    pub sandboxed: bool,
+}
+
+impl ServerProcess {
+    /// How it ended, when it has exited (None while it runs).
+    pub fn exited(&self) -> Option<Exit> {
+        match self.handle.try_wait() {
+            Ok(Some(o)) => Some(Exit::Code(o.status.code())),
+            Ok(None) => None,
+            Err(_) => Some(Exit::Code(None)),
+        }
+    }
+
+    /// The last `max` bytes of its stderr.
+    pub fn stderr_tail(&self, max: u64) -> String {
+        read_tail(&self.err_path, max)
+    }
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        kill_group(&self.handle);
+        LIVE.lock().unwrap_or_else(|p| p.into_inner()).retain(|p| !self.pids.contains(p));
+    }
+}
+
+/// A TCP port on the loopback interface that was free a moment ago (bound to port 0, then
+/// released), for an engine server to listen on.
+///
+/// # Errors
+/// When no socket can be bound.
+pub fn free_loopback_port() -> Result<u16> {
+    let l = std::net::TcpListener::bind(("127.0.0.1", 0))
+        .map_err(|e| Error::internal(format!("cannot find a free loopback port: {e}")))?;
+    l.local_addr().map(|a| a.port()).map_err(|e| Error::internal(format!("cannot find a free loopback port: {e}")))
+}
+
 /// What the server knows about an engine crate.
 #[derive(Debug, Clone)]
 pub struct Engine {
@@ -391,6 +435,9 @@ pub struct HarnessSpec {
     /// The engine's platform api (`ckb::API_HOST` or `ckb::API_CUDA`): which `device` module the
     /// harness gets, and whether it depends on cudarc. Empty: host.
     pub api: String,
+    /// Whether the engine has serving constraints: the harness then compiles its serving commands
+    /// (template/serving.rs), which call the engine's block manager and batched step.
+    pub serving: bool,
 }
 
 impl HarnessSpec {
@@ -412,6 +459,14 @@ pub struct Arm {
     pub timed: String,
 }
 
+/// The serving commands of the harness (a module compiled in only for serving engines).
+pub const HARNESS_SERVING: &str = include_str!("template/serving.rs");
+
+/// Marker line of the template where the serving module is declared.
+pub const SERVING_MOD: &str = "// @serving mod";
+/// Marker line of the template where the serving commands are dispatched.
+pub const SERVING_COMMANDS: &str = "// @serving commands";
+
 /// Marker lines of the template where the arms go.
 pub const TEST_ARMS: &str = "// @arms test";
 /// See [`TEST_ARMS`].
@@ -420,18 +475,33 @@ pub const TIMED_ARMS: &str = "// @arms timed";
 /// The harness source with exactly the given kernel arms, so an engine need not export kernels its
 /// plan does not use: each arm is inserted at the template's [`TEST_ARMS`] / [`TIMED_ARMS`] line.
 pub fn harness_source(arms: &[Arm]) -> String {
-    harness_source_with(arms, &[])
+    harness_source_with(arms, &[], false)
 }
 
 /// As [`harness_source`], also keeping the template's blocks `// @item <name>` ... `// @end` of the
 /// optional engine items in `items` (a contract's `rust.optional` the engine defines) and leaving
 /// out the others.
-pub fn harness_source_with(arms: &[Arm], items: &[String]) -> String {
+///
+/// With `serving`, the template's [`SERVING_MOD`] line declares the serving module
+/// ([`HARNESS_SERVING`], written beside it) and its [`SERVING_COMMANDS`] line dispatches the
+/// serving commands to it; without, both lines are dropped and a serving command is refused.
+pub fn harness_source_with(arms: &[Arm], items: &[String], serving: bool) -> String {
     let mut out = String::with_capacity(HARNESS_MAIN.len() + arms.len() * 1024);
     let mut keep = true;
     for line in HARNESS_MAIN.lines() {
         let t = line.trim();
         let indent = &line[..line.len() - line.trim_start().len()];
+        if t == SERVING_MOD || t == SERVING_COMMANDS {
+            if serving && t == SERVING_MOD {
+                out.push_str(&format!("{indent}mod serving;\n"));
+            } else if serving {
+                out.push_str(&format!(
+                    "{indent}Command::BlockManager {{ num_blocks, block_size, ops }} => serving::block_manager(*num_blocks, *block_size, ops),\n\
+                     {indent}Command::Batch {{ model, num_blocks, block_size, seqs, steps, tensors }} => serving::batch(model, *num_blocks, *block_size, seqs, steps, tensors),\n"
+                ));
+            }
+            continue;
+        }
         if t == TEST_ARMS || t == TIMED_ARMS {
             for a in arms {
                 let body = if t == TEST_ARMS { &a.test } else { &a.timed };
@@ -682,14 +752,20 @@ impl Workshop {
     /// # Errors
     /// When cargo cannot be started.
     pub fn cargo_build(&self, manifest: &Path, budget: &Budget) -> Result<Build> {
-        self.cargo_build_reading(manifest, &[], budget)
+        self.cargo_build_reading(manifest, &[], &[], budget)
     }
 
     /// [`Workshop::cargo_build`] in the sandbox, which may read the manifest's directory and
     /// `also_read` (the engine snapshot a harness depends on) and write the target directory and a
     /// scratch directory. Dependencies are fetched first, outside the sandbox ([`Workshop::fetch`]);
     /// a fetch that fails is the build's failure.
-    fn cargo_build_reading(&self, manifest: &Path, also_read: &[&Path], budget: &Budget) -> Result<Build> {
+    fn cargo_build_reading(
+        &self,
+        manifest: &Path,
+        also_read: &[&Path],
+        extra: &[std::ffi::OsString],
+        budget: &Budget,
+    ) -> Result<Build> {
         let fetched = self.fetch(manifest, budget)?;
         if !fetched.ok() {
             return Ok(Build { ok: false, diagnostics: vec![], executable: None, run: fetched });
@@ -702,7 +778,7 @@ impl Workshop {
         grants.tmp = Some(scratch.path().to_path_buf());
         grants.read.push(manifest.parent().unwrap_or(Path::new("/")).to_path_buf());
         grants.read.extend(also_read.iter().map(|p| p.to_path_buf()));
-        let args = vec![
+        let mut args = vec![
             "build".into(),
             "--release".into(),
             "--offline".into(),
@@ -713,6 +789,7 @@ impl Workshop {
             "--target-dir".into(),
             target.into_os_string(),
         ];
+        args.extend(extra.iter().cloned());
         let grants = self.with_cargo_config(grants);
         let run = self.run_sandboxed(cargo(&self.cargo_cwd()?, args), &grants, budget)?;
         let (diagnostics, executable) = parse_messages(&run.stdout);
@@ -889,9 +966,15 @@ impl Workshop {
             std::fs::write(&p, s).map_err(|e| Error::internal(format!("cannot write {}: {e}", p.display())))
         };
         write(dir.join("Cargo.toml"), &manifest)?;
-        write(dir.join("src/main.rs"), &harness_source_with(&spec.arms, &spec.items))?;
+        write(dir.join("src/main.rs"), &harness_source_with(&spec.arms, &spec.items, spec.serving))?;
         write(dir.join("src/protocol.rs"), HARNESS_PROTOCOL)?;
         write(dir.join("src/device.rs"), if spec.cuda() { HARNESS_DEVICE_CUDA } else { HARNESS_DEVICE_HOST })?;
+        let serving = dir.join("src/serving.rs");
+        if spec.serving {
+            write(serving, HARNESS_SERVING)?;
+        } else {
+            let _ = std::fs::remove_file(serving);
+        }
         Ok(dir.join("Cargo.toml"))
     }
 
@@ -901,7 +984,82 @@ impl Workshop {
     /// When cargo cannot be started or the cache is not writable.
     pub fn build_harness(&self, engine: &Engine, spec: &HarnessSpec, budget: &Budget) -> Result<Build> {
         let manifest = self.write_harness(engine, spec)?;
-        self.cargo_build_reading(&manifest, &[&engine.build_dir], budget)
+        self.cargo_build_reading(&manifest, &[&engine.build_dir], &[], budget)
+    }
+
+    /// Build the binaries of an engine's snapshot (`cargo build --release --bins`, with `features`),
+    /// sandboxed like every build, and copy its last binary into `dest` (the call's scratch): the
+    /// build's `executable` is that copy. Binaries of engines with the same package name land on
+    /// the same path of the shared target directory, so builds and copies are serialised in this
+    /// process and a gate never runs another engine's binary.
+    ///
+    /// # Errors
+    /// When cargo cannot be started, the cache is not writable, or the copy fails.
+    pub fn build_engine_binary(
+        &self,
+        engine: &Engine,
+        features: &[String],
+        dest: &Path,
+        budget: &Budget,
+    ) -> Result<Build> {
+        static BINARY_BUILDS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let mut extra: Vec<std::ffi::OsString> = vec!["--bins".into()];
+        if !features.is_empty() {
+            extra.push("--features".into());
+            extra.push(features.join(",").into());
+        }
+        let _one = BINARY_BUILDS.lock().unwrap_or_else(|p| p.into_inner());
+        let mut build = self.cargo_build_reading(&engine.build_dir.join("Cargo.toml"), &[], &extra, budget)?;
+        if let Some(exe) = build.executable.take().filter(|_| build.ok) {
+            let copy = dest.join(exe.file_name().unwrap_or(std::ffi::OsStr::new("engine")));
+            std::fs::copy(&exe, &copy)
+                .map_err(|e| Error::internal(format!("cannot copy {} to {}: {e}", exe.display(), copy.display())))?;
+            build.executable = Some(copy);
+        }
+        Ok(build)
+    }
+
+    /// Start a long-running engine server: `exe` with `args`, sandboxed with `grants` (which should
+    /// name the port it listens on, [`Grants::listen`]), its own process group registered for the
+    /// signal handlers, stdout and stderr to files in `dir`. The returned guard kills the group and
+    /// reaps the child when dropped, so no server outlives its gate.
+    ///
+    /// # Errors
+    /// The sandbox's errors (see [`Workshop::run_sandboxed`]); a process that cannot be started.
+    pub fn start_server(
+        &self,
+        exe: &Path,
+        args: &[std::ffi::OsString],
+        grants: &Grants,
+        dir: &Path,
+    ) -> Result<ServerProcess> {
+        let prepared = sandbox::prepare(grants, &self.protected, self.require_sandbox)?;
+        let err_path = dir.join("server.stderr");
+        let out_path = dir.join("server.stdout");
+        let expr = duct::cmd(exe, args)
+            .before_spawn(|cmd| {
+                use std::os::unix::process::CommandExt;
+                cmd.process_group(0);
+                Ok(())
+            })
+            .env_remove("METAINFER_LEDGER")
+            .env_remove("METAINFER_CACHE")
+            .stdout_path(&out_path)
+            .stderr_path(&err_path)
+            .stdin_null()
+            .unchecked();
+        let expr = sandbox::apply(expr, &prepared);
+        let handle = {
+            let mut live = LIVE.lock().unwrap_or_else(|p| p.into_inner());
+            if SHUTTING_DOWN.load(Ordering::SeqCst) {
+                return Err(Error::internal("the server is shutting down; no process is started"));
+            }
+            let handle = expr.start().map_err(|e| Error::internal(format!("cannot start {}: {e}", exe.display())))?;
+            live.extend(handle.pids().into_iter().map(|p| p as i32));
+            handle
+        };
+        let pids = handle.pids().into_iter().map(|p| p as i32).collect();
+        Ok(ServerProcess { handle, pids, err_path, sandboxed: prepared.enforced() })
     }
 
     /// A fresh scratch directory for one call's files, removed when dropped.

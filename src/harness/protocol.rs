@@ -77,6 +77,86 @@ pub enum Command {
         /// The kernel calls.
         items: Vec<TimeItem>,
     },
+    /// Apply operations in order to one new engine `paged::BlockManager` (serving engines only),
+    /// reporting after each what the engine says; the server checks the invariants.
+    BlockManager {
+        /// Blocks in the pool.
+        num_blocks: usize,
+        /// Positions per block.
+        block_size: usize,
+        /// The operations, in order.
+        ops: Vec<BlockOp>,
+    },
+    /// Greedy generation of several sequences through the engine's batched step over one paged
+    /// KV cache (serving engines only), on the server's schedule: step by step, the listed chunks
+    /// run together; a chunk that completes its prompt, and every decode entry, takes the greedy
+    /// token of its logits, which the sequence's next decode entry feeds back. Writes per sequence
+    /// `tokens.<s>` and `logits.<s>` ([tokens, vocab] f32: the rows that chose each token) into
+    /// `tensors`.
+    Batch {
+        /// Hugging Face model directory.
+        model: PathBuf,
+        /// Blocks of the paged KV cache.
+        num_blocks: usize,
+        /// Positions per block.
+        block_size: usize,
+        /// The sequences.
+        seqs: Vec<BatchSeq>,
+        /// Per step, its chunks (at most one per sequence).
+        steps: Vec<Vec<StepEntry>>,
+        /// Output safetensors file.
+        tensors: PathBuf,
+    },
+}
+
+/// One operation of [`Command::BlockManager`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+pub enum BlockOp {
+    /// `can_allocate(n_tokens)`.
+    CanAllocate {
+        /// Positions.
+        n_tokens: usize,
+    },
+    /// `allocate(seq, n_tokens)`.
+    Allocate {
+        /// Sequence id.
+        seq: u64,
+        /// Positions.
+        n_tokens: usize,
+    },
+    /// `append_slot(seq)`.
+    Append {
+        /// Sequence id.
+        seq: u64,
+    },
+    /// `free(seq)`.
+    Free {
+        /// Sequence id.
+        seq: u64,
+    },
+}
+
+/// One sequence of [`Command::Batch`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BatchSeq {
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Greedy tokens to generate.
+    pub new_tokens: usize,
+    /// Its physical blocks, covering prompt and generated tokens.
+    pub block_table: Vec<u32>,
+}
+
+/// One chunk of a step of [`Command::Batch`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StepEntry {
+    /// Index into `seqs`.
+    pub seq: usize,
+    /// Prompt tokens of this prefill chunk, or 1 for a decode entry (the last generated token).
+    pub tokens: usize,
 }
 
 /// One kernel case of [`Command::Kernel`].
@@ -163,6 +243,25 @@ pub enum Reply {
         /// Why, in words (no driver library, no device, the driver's error).
         reason: String,
     },
+    /// What the block manager answered, per operation in request order, and every sequence's
+    /// block table at the end.
+    BlockManager {
+        /// Per operation.
+        results: Vec<BlockOpResult>,
+        /// (sequence id, block table) of every id the operations named, after the last one.
+        tables: Vec<(u64, Vec<u32>)>,
+        /// The panic message when the engine panicked (results then stop there).
+        panic: Option<String>,
+    },
+    /// The batched generation ran (the tensors are in the request's file).
+    Batch {
+        /// The engine's `vocab_size()`.
+        vocab: usize,
+        /// Steps run.
+        steps: usize,
+        /// The panic message when the engine panicked (the tensors then hold what was done).
+        panic: Option<String>,
+    },
 }
 
 /// The device a harness ran on (CUDA engines), as its driver reports it.
@@ -210,6 +309,18 @@ pub struct Decoded {
     pub text: String,
     /// The panic message when decode panicked.
     pub panic: Option<String>,
+}
+
+/// The engine's answer to one [`BlockOp`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BlockOpResult {
+    /// `can_allocate`'s answer, or whether `allocate` / `append_slot` returned Ok (free: true).
+    pub ok: bool,
+    /// `num_free_blocks()` after the operation.
+    pub free: usize,
+    /// `block_table(seq)` after the operation (empty for can_allocate).
+    pub table: Vec<u32>,
 }
 
 /// One kernel case's result.

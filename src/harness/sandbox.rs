@@ -6,7 +6,9 @@
 //! - `no_new_privs`, and every capability dropped (a root server's children run as a root without
 //!   capabilities: no raw sockets, no device nodes, no reading past file modes);
 //! - a seccomp filter that refuses `socket(2)` (so no TCP, UDP, netlink or Unix-socket connection,
-//!   e.g. to a container daemon's socket) and every syscall of a foreign ABI (x32, i386);
+//!   e.g. to a container daemon's socket) and every syscall of a foreign ABI (x32, i386); a process
+//!   granted a port to listen on ([`Grants::listen`], an engine's HTTP server) may create IPv4 and
+//!   IPv6 sockets only, and Landlock lets it bind that one TCP port and connect nowhere;
 //! - a Landlock ruleset (ABI 6 or newer: filesystem, TCP bind/connect, signal and abstract-socket
 //!   scopes): read and execute the system and Rust toolchains, read the cargo registry and what the
 //!   call grants (the engine's snapshot, the harness crate, a model directory), write only what the
@@ -75,6 +77,9 @@ pub struct Grants {
     /// is added in the child, where `/proc/self` is the child itself. Other processes' `/proc`
     /// entries stay denied.
     pub proc_self: bool,
+    /// A TCP port it may bind (an engine's server under serve_engine): socket(2) is then allowed for
+    /// AF_INET and AF_INET6 only, and Landlock allows binding this port and no TCP connect.
+    pub listen: Option<u16>,
 }
 
 impl Grants {
@@ -226,6 +231,7 @@ pub struct Prepared {
     #[cfg(target_os = "linux")]
     ruleset: Option<Arc<std::os::fd::OwnedFd>>,
     proc_self: bool,
+    net: bool,
     env: Arc<Vec<(OsString, OsString)>>,
 }
 
@@ -291,11 +297,11 @@ pub fn prepare(grants: &Grants, protected: &[PathBuf], require: bool) -> Result<
     #[cfg(target_os = "linux")]
     {
         let ruleset = if st.enforced { Some(Arc::new(linux::ruleset(grants, tc)?)) } else { None };
-        Ok(Prepared { ruleset, proc_self: grants.proc_self, env: Arc::new(env) })
+        Ok(Prepared { ruleset, proc_self: grants.proc_self, net: grants.listen.is_some(), env: Arc::new(env) })
     }
     #[cfg(not(target_os = "linux"))]
     {
-        Ok(Prepared { proc_self: grants.proc_self, env: Arc::new(env) })
+        Ok(Prepared { proc_self: grants.proc_self, net: grants.listen.is_some(), env: Arc::new(env) })
     }
 }
 
@@ -315,7 +321,7 @@ pub fn apply(expr: duct::Expression, prepared: &Prepared) -> duct::Expression {
         cmd.envs(from_caller);
         #[cfg(target_os = "linux")]
         if let Some(fd) = &p.ruleset {
-            linux::install(cmd, fd, p.proc_self);
+            linux::install(cmd, fd, p.proc_self, p.net);
         }
         Ok(())
     })
@@ -330,8 +336,8 @@ mod linux {
     use std::sync::Arc;
 
     use landlock::{
-        ABI, Access, AccessFs, AccessNet, BitFlags, PathBeneath, PathFd, Ruleset, RulesetAttr, RulesetCreatedAttr,
-        Scope,
+        ABI, Access, AccessFs, AccessNet, BitFlags, NetPort, PathBeneath, PathFd, Ruleset, RulesetAttr,
+        RulesetCreatedAttr, Scope,
     };
 
     use super::{Grants, Toolchain};
@@ -372,6 +378,9 @@ mod linux {
             let access = if meta.is_dir() { access } else { access & AccessFs::from_file(abi) };
             created = created.add_rule(PathBeneath::new(fd, access)).map_err(fail)?;
         }
+        if let Some(port) = grants.listen {
+            created = created.add_rule(NetPort::new(port, AccessNet::BindTcp)).map_err(fail)?;
+        }
         let fd: Option<OwnedFd> = created.into();
         fd.ok_or_else(|| Error::internal("Landlock ruleset: the kernel returned no ruleset"))
     }
@@ -405,6 +414,38 @@ mod linux {
         ]
     };
 
+    /// [`FILTER`] for a process that may listen ([`Grants::listen`]): `socket(2)` is allowed when its
+    /// domain (args[0], offset 16, low word) is AF_INET or AF_INET6, refused with EACCES otherwise.
+    static FILTER_NET: [libc::sock_filter; 12] = {
+        const LD_W_ABS: u16 = 0x20;
+        const JEQ_K: u16 = 0x15;
+        const JGE_K: u16 = 0x35;
+        const RET_K: u16 = 0x06;
+        const ALLOW: u32 = 0x7fff_0000;
+        const ERRNO: u32 = 0x0005_0000;
+        #[cfg(target_arch = "x86_64")]
+        const ARCH: u32 = 0xc000_003e;
+        #[cfg(target_arch = "aarch64")]
+        const ARCH: u32 = 0xc000_00b7;
+        const fn ins(code: u16, jt: u8, jf: u8, k: u32) -> libc::sock_filter {
+            libc::sock_filter { code, jt, jf, k }
+        }
+        [
+            ins(LD_W_ABS, 0, 0, 4),                        // 0: A = arch
+            ins(JEQ_K, 1, 0, ARCH),                        // 1: native -> 3
+            ins(RET_K, 0, 0, ERRNO | libc::ENOSYS as u32), // 2: foreign ABI
+            ins(LD_W_ABS, 0, 0, 0),                        // 3: A = nr
+            ins(JGE_K, 5, 0, 0x4000_0000),                 // 4: x32 numbers -> 10
+            ins(JEQ_K, 1, 0, libc::SYS_socket as u32),     // 5: socket -> 7
+            ins(RET_K, 0, 0, ALLOW),                       // 6
+            ins(LD_W_ABS, 0, 0, 16),                       // 7: A = args[0] (domain)
+            ins(JEQ_K, 2, 0, libc::AF_INET as u32),        // 8: -> 11
+            ins(JEQ_K, 1, 0, libc::AF_INET6 as u32),       // 9: -> 11
+            ins(RET_K, 0, 0, ERRNO | libc::EACCES as u32), // 10
+            ins(RET_K, 0, 0, ALLOW),                       // 11
+        ]
+    };
+
     /// A `sock_fprog` over [`FILTER`]: a pointer to immutable static memory, so it may be shared
     /// between threads and copied into a forked child.
     #[derive(Clone, Copy)]
@@ -416,6 +457,14 @@ mod linux {
 
     fn program() -> Program {
         Program(libc::sock_fprog { len: FILTER.len() as u16, filter: FILTER.as_ptr() as *mut libc::sock_filter })
+    }
+
+    /// A `sock_fprog` over [`FILTER_NET`].
+    fn program_net() -> Program {
+        Program(libc::sock_fprog {
+            len: FILTER_NET.len() as u16,
+            filter: FILTER_NET.as_ptr() as *mut libc::sock_filter,
+        })
     }
 
     /// Restrict the calling process: no new privileges, no capabilities, the seccomp filter, the
@@ -486,9 +535,9 @@ mod linux {
     }
 
     /// Install the restrictions on `cmd`, to run in the child before exec.
-    pub(super) fn install(cmd: &mut std::process::Command, fd: &Arc<OwnedFd>, proc_self: bool) {
+    pub(super) fn install(cmd: &mut std::process::Command, fd: &Arc<OwnedFd>, proc_self: bool, net: bool) {
         let raw = fd.as_raw_fd();
-        let prog = program();
+        let prog = if net { program_net() } else { program() };
         // SAFETY: the closure only makes system calls (see `restrict`); `fd` stays open in the
         // parent until the process has started (the caller keeps the Prepared alive).
         unsafe {

@@ -134,6 +134,48 @@ pub struct ProfileFigures {
     pub verified: bool,
 }
 
+/// `verify_batching`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct BatchingFigures {
+    /// Common gate figures.
+    #[serde(flatten)]
+    pub gate: GateFigures,
+    /// The block manager's answers all matched.
+    pub block_manager_ok: bool,
+    /// Block-manager violations reported (at most 8).
+    pub violations: usize,
+    /// Sequences in the batched run.
+    pub sequences: usize,
+    /// Sequences equal to their single-sequence reference.
+    pub sequences_ok: usize,
+    /// Steps of the batched run.
+    pub steps: usize,
+    /// Largest logit error over the sequences.
+    pub max_abs_err: f64,
+}
+
+/// `serve_engine`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ServeFigures {
+    /// Common gate figures.
+    #[serde(flatten)]
+    pub gate: GateFigures,
+    /// Conformance checks run.
+    pub checks: usize,
+    /// Conformance checks passed.
+    pub checks_ok: usize,
+    /// Concurrency of each load level.
+    pub concurrency: Vec<usize>,
+    /// Output tokens per second at each level (this machine, its load at the time).
+    pub output_tokens_per_s: Vec<f64>,
+    /// Time to first token, p99, milliseconds, at each level.
+    pub ttft_ms_p99: Vec<f64>,
+    /// Load-test completions that differ from the reference's greedy text.
+    pub greedy_mismatches: usize,
+}
+
 /// `check_rules`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -165,6 +207,10 @@ pub enum Figures {
     Verify(VerifyFigures),
     /// `profile_engine`.
     Profile(ProfileFigures),
+    /// `verify_batching`.
+    Batching(BatchingFigures),
+    /// `serve_engine`.
+    Serve(ServeFigures),
     /// `check_rules`.
     Rules(RulesFigures),
     /// `plan_engine`.
@@ -181,6 +227,8 @@ impl Figures {
             Figures::KernelTest(f) => serde_json::to_value(f),
             Figures::Verify(f) => serde_json::to_value(f),
             Figures::Profile(f) => serde_json::to_value(f),
+            Figures::Batching(f) => serde_json::to_value(f),
+            Figures::Serve(f) => serde_json::to_value(f),
             Figures::Rules(f) => serde_json::to_value(f),
             Figures::Plan(f) => serde_json::to_value(f),
             Figures::Other(v) => Ok(v.clone()),
@@ -199,6 +247,8 @@ impl Figures {
             "run_kernel_test" => parse(v, Figures::KernelTest),
             "verify_generation" => parse(v, Figures::Verify),
             "profile_engine" => parse(v, Figures::Profile),
+            "verify_batching" => parse(v, Figures::Batching),
+            "serve_engine" => parse(v, Figures::Serve),
             "check_rules" => parse(v, Figures::Rules),
             "plan_engine" => parse(v, Figures::Plan),
             _ => Figures::Other(v.clone()),
@@ -212,6 +262,8 @@ impl Figures {
             Figures::KernelTest(f) => Some(&f.gate),
             Figures::Verify(f) => Some(&f.gate),
             Figures::Profile(f) => Some(&f.gate),
+            Figures::Batching(f) => Some(&f.gate),
+            Figures::Serve(f) => Some(&f.gate),
             _ => None,
         }
     }

@@ -90,7 +90,9 @@ impl Exposure {
 pub fn toolset_of(tool: &str) -> Toolset {
     match tool {
         "scaffold_engine" | "compile_engine" | "check_rules" => Toolset::Build,
-        "run_kernel_test" | "verify_generation" | "profile_engine" => Toolset::Gates,
+        "run_kernel_test" | "verify_generation" | "profile_engine" | "verify_batching" | "serve_engine" => {
+            Toolset::Gates
+        }
         _ => Toolset::Knowledge,
     }
 }
@@ -620,6 +622,49 @@ impl Server {
     ) -> Result<CallToolResult, ErrorData> {
         let engine = req.engine.clone();
         self.long(rc, "verify_generation", &engine, move |ctx, b| crate::ops::verify::verify(ctx, &req, b)).await
+    }
+
+    /// Verify an engine with serving constraints ([serving] in metainfer.toml): its block manager under a random
+    /// operation sequence (no block owned twice, free count exact, tables only grow at their end) and its batched
+    /// step: several sequences of different prompt lengths, arriving at different steps, on a continuous-batching
+    /// schedule over one paged KV cache; every sequence's logits must equal its single-sequence reference within
+    /// tolerance and its greedy tokens exactly. Drawn from a fresh seed on every run.
+    #[tool(
+        name = "verify_batching",
+        title = "Verify batching over a paged KV cache",
+        input_schema = input::<crate::ops::batching::BatchingRequest>(),
+        output_schema = output::<crate::ops::batching::BatchingReport>(),
+        annotations(read_only_hint = false, destructive_hint = false, idempotent_hint = false, open_world_hint = true)
+    )]
+    async fn verify_batching(
+        &self,
+        Parameters(req): Parameters<crate::ops::batching::BatchingRequest>,
+        rc: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let engine = req.engine.clone();
+        self.long(rc, "verify_batching", &engine, move |ctx, b| crate::ops::batching::verify_batching(ctx, &req, b))
+            .await
+    }
+
+    /// Build a serving engine's binary, start its OpenAI-compatible server on a loopback port (sandboxed, killed when
+    /// the call ends) and test it: a conformance battery (greedy completions equal the reference's, streaming equals
+    /// non-streaming and ends with [DONE], stop strings and EOS honoured, chat, bad requests answered 4xx in OpenAI's
+    /// error shape, the server alive afterwards), then load at concurrency 1, 4 and 16 (configurable) reporting output
+    /// tokens/s, requests/s, TTFT and ITL (p50, p99) with every output checked against the reference.
+    #[tool(
+        name = "serve_engine",
+        title = "Serve an engine and load-test it",
+        input_schema = input::<crate::ops::serve::ServeRequest>(),
+        output_schema = output::<crate::ops::serve::ServeReport>(),
+        annotations(read_only_hint = false, destructive_hint = false, idempotent_hint = false, open_world_hint = true)
+    )]
+    async fn serve_engine(
+        &self,
+        Parameters(req): Parameters<crate::ops::serve::ServeRequest>,
+        rc: RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let engine = req.engine.clone();
+        self.long(rc, "serve_engine", &engine, move |ctx, b| crate::ops::serve::serve_engine(ctx, &req, b)).await
     }
 
     /// Check the zero-reference and anti-fake rules on an engine: denied dependencies (full resolved graph),

@@ -1,5 +1,5 @@
 //! The gate skeleton: the one path every gate (compile_engine, run_kernel_test, verify_generation,
-//! profile_engine) goes through, so that each gate module keeps only what is its own.
+//! profile_engine, verify_batching, serve_engine) goes through, so that each gate module keeps only what is its own.
 //!
 //! ```text
 //! Gate::open      confine the engine path; resolve the engine (snapshot, source hash, manifest) and
@@ -24,7 +24,10 @@ use crate::error::Result;
 use crate::guard::Finding;
 use crate::harness::protocol::{Command, Request, VERSION};
 use crate::harness::{self, Budget, Called, Engine, bundle};
-use crate::ledger::figures::{CompileFigures, Figures, GateFigures, KernelTestFigures, ProfileFigures, VerifyFigures};
+use crate::ledger::figures::{
+    BatchingFigures, CompileFigures, Figures, GateFigures, KernelTestFigures, ProfileFigures, ServeFigures,
+    VerifyFigures,
+};
 
 pub use super::evolve::Promotion;
 
@@ -39,6 +42,10 @@ pub enum Tool {
     Verify,
     /// profile_engine
     Profile,
+    /// verify_batching
+    Batching,
+    /// serve_engine
+    Serve,
 }
 
 impl Tool {
@@ -49,6 +56,8 @@ impl Tool {
             Tool::KernelTest => "run_kernel_test",
             Tool::Verify => "verify_generation",
             Tool::Profile => "profile_engine",
+            Tool::Batching => "verify_batching",
+            Tool::Serve => "serve_engine",
         }
     }
 
@@ -59,6 +68,8 @@ impl Tool {
             Tool::KernelTest => Figures::KernelTest(KernelTestFigures { gate, ..Default::default() }),
             Tool::Verify => Figures::Verify(VerifyFigures { gate, ..Default::default() }),
             Tool::Profile => Figures::Profile(ProfileFigures { gate, ..Default::default() }),
+            Tool::Batching => Figures::Batching(BatchingFigures { gate, ..Default::default() }),
+            Tool::Serve => Figures::Serve(ServeFigures { gate, ..Default::default() }),
         }
     }
 }
@@ -399,6 +410,31 @@ impl<'a> Gate<'a> {
                     findings: vec![],
                 }))
             }
+        }
+    }
+
+    /// Build the engine's binaries (not the harness) with `features`, its binary copied into `dest`;
+    /// a build failure, or a build without a binary, stops the gate saying so.
+    ///
+    /// # Errors
+    /// When cargo cannot be started, the cache is not writable or the copy fails.
+    pub fn build_binary(&self, features: &[String], dest: &Path) -> Result<std::result::Result<PathBuf, Stop>> {
+        let build = self.ctx.workshop.build_engine_binary(&self.engine, features, dest, self.budget)?;
+        if !build.ok {
+            let compile = super::compile::report_of(self.ctx, &self.engine, build, 0);
+            return Ok(Err(Stop {
+                blocked: false,
+                text: format!("the engine's binary does not build:\n{}", compile.text()),
+                findings: vec![],
+            }));
+        }
+        match build.executable {
+            Some(exe) => Ok(Ok(exe)),
+            None => Ok(Err(Stop {
+                blocked: false,
+                text: "the engine has no binary: component.openai_server asks for one (src/main.rs or a [[bin]] target) that takes `serve --model DIR --host H --port P`".into(),
+                findings: vec![],
+            })),
         }
     }
 

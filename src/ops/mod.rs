@@ -3,6 +3,7 @@
 //!
 //! Depends on ckb, model, oracle, harness and ledger; knows nothing of MCP.
 
+pub mod batching;
 pub mod bundle;
 pub mod ckb_check;
 pub mod compile;
@@ -19,6 +20,7 @@ pub mod reference;
 pub mod report;
 pub mod rules;
 pub mod scaffold;
+pub mod serve;
 pub mod synth;
 pub mod verify;
 
@@ -145,6 +147,24 @@ pub struct Target {
     pub platform: Option<String>,
     /// Harness arms and engine features.
     pub spec: crate::harness::HarnessSpec,
+    /// Serving constraints (`[serving]` of metainfer.toml), when the engine serves.
+    pub serving: Option<crate::manifest::Serving>,
+    /// Component contracts the serving constraints add ([`SERVING_COMPONENTS`]), empty without them.
+    pub components: Vec<String>,
+}
+
+/// Component contracts an engine with serving constraints implements besides its family's.
+pub const SERVING_COMPONENTS: [&str; 4] =
+    ["component.block_manager", "component.batched_step", "component.scheduler", "component.openai_server"];
+
+/// Kernel contracts serving constraints add to a family's: paged attention always, the sampler
+/// when requests may sample (greedy serving uses the family's argmax).
+pub fn serving_kernels(s: &crate::manifest::Serving) -> Vec<&'static str> {
+    let mut k = vec!["kernel.paged_attention"];
+    if s.sampling {
+        k.push("kernel.sample");
+    }
+    k
 }
 
 /// The harness arm of a kernel contract for an engine of platform api `api` (`host` or `cuda`),
@@ -198,7 +218,7 @@ impl Ctx {
                 m.family
             ))
         })?;
-        let kernels = self.ckb.kernels_for(fam, &dtype).map_err(Error::usage)?;
+        let mut kernels = self.ckb.kernels_for(fam, &dtype).map_err(Error::usage)?;
         let platform = self
             .ckb
             .platform_of(&m.target, m.platform.as_deref())
@@ -207,6 +227,15 @@ impl Ctx {
             .and_then(|p| p.platform.as_ref())
             .map(|p| p.api.clone())
             .unwrap_or_else(|| crate::ckb::API_HOST.to_string());
+        let mut components = Vec::new();
+        if let Some(s) = &m.serving {
+            for k in serving_kernels(s) {
+                if !kernels.iter().any(|x| x == k) {
+                    kernels.push(k.to_string());
+                }
+            }
+            components.extend(SERVING_COMPONENTS.iter().filter(|c| self.ckb.get(c).is_ok()).map(|c| c.to_string()));
+        }
         let arms = kernels.iter().map(|k| arm(k, &api)).collect::<Result<Vec<_>>>()?;
         let items = optional_items(&self.ckb, fam, &engine.build_dir);
         Ok(Target {
@@ -214,7 +243,9 @@ impl Ctx {
             dtype,
             target: m.target.clone(),
             platform: platform.map(|p| p.id.clone()),
-            spec: crate::harness::HarnessSpec { kernels, arms, features, items, api },
+            spec: crate::harness::HarnessSpec { kernels, arms, features, items, api, serving: m.serving.is_some() },
+            serving: m.serving.clone(),
+            components,
         })
     }
 }

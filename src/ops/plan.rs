@@ -29,6 +29,11 @@ pub struct PlanRequest {
     /// H100/H200, `platform.cuda-sm80` for A100); absent: the target's only platform.
     #[serde(default)]
     pub platform: Option<String>,
+    /// Serving constraints (max_seqs, max_context, block_size, kv_blocks, max_batch_tokens,
+    /// sampling): the plan then adds the batching and serving phases and checks that the KV cache
+    /// holds the concurrency asked for. Absent: a batch-1 greedy library.
+    #[serde(default)]
+    pub serving: Option<crate::manifest::Serving>,
 }
 
 fn default_target() -> String {
@@ -88,6 +93,9 @@ pub struct PlanReport {
     /// Stop tokens and length limit (generation_config.json, else config.json).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub generation: Option<GenerationConfig>,
+    /// With serving constraints: the KV cache they imply (absent without them or without a config).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_cache: Option<KvCachePlan>,
 }
 
 /// The weight files of a checkpoint, from their headers.
@@ -103,6 +111,22 @@ pub struct WeightsSummary {
     pub dtypes: std::collections::BTreeMap<String, usize>,
     /// Bytes of tensor data.
     pub bytes: u64,
+}
+
+/// The paged KV cache serving constraints imply for a model.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct KvCachePlan {
+    /// Blocks in the pool.
+    pub blocks: usize,
+    /// Positions per block.
+    pub block_size: usize,
+    /// Bytes of one block over all layers, K and V, f32: 2 * n_layers * block_size * n_kv_heads *
+    /// head_dim * 4.
+    pub bytes_per_block: u64,
+    /// Bytes of the whole pool, MiB.
+    pub total_mib: f64,
+    /// Sequences of max_context tokens the pool holds at once (blocks / ceil(max_context / block_size)).
+    pub full_sequences: usize,
 }
 
 impl Report for PlanReport {
@@ -164,6 +188,12 @@ impl Report for PlanReport {
                 "stop tokens: {:?} ({})\n",
                 g.eos_token_ids,
                 if g.source.is_empty() { "none stated" } else { &g.source }
+            );
+        }
+        if let Some(kv) = &self.kv_cache {
+            s += &format!(
+                "kv cache: {} blocks of {} positions, {:.1} MiB (f32), holds {} sequences of max_context\n",
+                kv.blocks, kv.block_size, kv.total_mib, kv.full_sequences
             );
         }
         for f in &self.skipped_contracts {
@@ -310,13 +340,22 @@ pub fn plan_only(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
     let mut phases = Vec::new();
     if let Some(f) = family {
         let m = f.model.as_ref().unwrap();
-        let kernels = match ctx.ckb.kernels_for(f, &req.dtype) {
+        let mut kernels = match ctx.ckb.kernels_for(f, &req.dtype) {
             Ok(k) => k,
             Err(reason) => {
                 gaps.push(Gap { field: "dtype".into(), reason });
                 m.kernels.clone()
             }
         };
+        let mut components = m.components.clone();
+        if let Some(sv) = &req.serving {
+            for k in super::serving_kernels(sv) {
+                if !kernels.iter().any(|x| x == k) {
+                    kernels.push(k.to_string());
+                }
+            }
+            components.extend(super::SERVING_COMPONENTS.iter().map(|c| c.to_string()));
+        }
         // A CUDA platform routes every kernel to its CUDA signature: each needs one.
         if api == crate::ckb::API_CUDA {
             for k in &kernels {
@@ -331,7 +370,7 @@ pub fn plan_only(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
             }
         }
         // The tokenizer component is the contract tokenizer.json routes to.
-        let components = m.components.iter().map(|c| match &tokenizer {
+        let components = components.iter().map(|c| match &tokenizer {
             Some(t) if ctx.ckb.get(c).is_ok_and(|c| c.tokenizer.is_some()) => t.contract.as_str(),
             _ => c.as_str(),
         });
@@ -342,6 +381,9 @@ pub fn plan_only(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
         let goals =
             Goals::of(f, resolved.as_ref(), &req.dtype, tokenizer.as_ref(), weights.as_ref(), generation.as_ref());
         for phase in Phase::ALL {
+            if matches!(phase, Phase::Batching | Phase::Serving) && req.serving.is_none() {
+                continue;
+            }
             let mut contracts: Vec<String> = ids
                 .iter()
                 .filter_map(|id| ctx.ckb.get(id).ok())
@@ -361,6 +403,14 @@ pub fn plan_only(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
                     &["profile_engine"],
                     "prefill and decode tokens/s on the target; keep every earlier gate green".into(),
                 ),
+                Phase::Batching => (
+                    &["run_kernel_test", "verify_batching"],
+                    "paged KV cache, block manager and batched step (src/paged.rs, src/batch.rs), then the scheduler: several sequences per step, each sequence's logits equal to its single-sequence forward".into(),
+                ),
+                Phase::Serving => (
+                    &["serve_engine"],
+                    "the engine's binary (src/main.rs): `generate` and `serve` with an OpenAI-compatible server; greedy completions equal the reference's under load".into(),
+                ),
             };
             if matches!(phase, Phase::DecoderLayer | Phase::FullForward) {
                 contracts.push(f.id.clone());
@@ -373,6 +423,46 @@ pub fn plan_only(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
                 contracts,
                 gates: gates.iter().map(|g| g.to_string()).collect(),
                 goal,
+            });
+        }
+    }
+    let mut kv_cache = None;
+    if let Some(sv) = &req.serving {
+        if let Err(e) = sv.check() {
+            gaps.push(Gap { field: "serving".into(), reason: e });
+        } else if let Some(cfg) = &resolved {
+            if sv.max_context > cfg.max_seq {
+                gaps.push(Gap {
+                    field: "serving.max_context".into(),
+                    reason: format!(
+                        "{} tokens is beyond the model's context (max_position_embeddings = {})",
+                        sv.max_context, cfg.max_seq
+                    ),
+                });
+            }
+            let per_seq = sv.max_context.div_ceil(sv.block_size);
+            let full = sv.blocks() / per_seq;
+            if full < sv.max_seqs {
+                gaps.push(Gap {
+                    field: "serving.kv_blocks".into(),
+                    reason: format!(
+                        "{} blocks of {} positions hold {full} sequences of max_context = {} tokens, not max_seqs = {}: raise kv_blocks to {} or lower max_seqs or max_context",
+                        sv.blocks(),
+                        sv.block_size,
+                        sv.max_context,
+                        sv.max_seqs,
+                        sv.max_seqs * per_seq
+                    ),
+                });
+            }
+            let bytes_per_block =
+                2 * cfg.n_layers as u64 * sv.block_size as u64 * cfg.n_kv_heads as u64 * cfg.head_dim as u64 * 4;
+            kv_cache = Some(KvCachePlan {
+                blocks: sv.blocks(),
+                block_size: sv.block_size,
+                bytes_per_block,
+                total_mib: (bytes_per_block as f64 * sv.blocks() as f64) / (1u64 << 20) as f64,
+                full_sequences: full,
             });
         }
     }
@@ -395,6 +485,7 @@ pub fn plan_only(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
         tokenizer,
         weights,
         generation,
+        kv_cache,
     })
 }
 
@@ -535,8 +626,15 @@ pub fn constraints_toml(req: &PlanRequest, report: &PlanReport, level: super::Re
     } else {
         String::new()
     };
+    let serving = match &req.serving {
+        Some(s) => format!(
+            "\n# Serving: several sequences per step over a paged KV cache, and an OpenAI-compatible server.\n[serving]\n{}",
+            toml::to_string(s).map_err(|e| Error::internal(format!("serving constraints: {e}")))?
+        ),
+        None => String::new(),
+    };
     Ok(format!(
-        "# Constraints this engine was scaffolded for (written by metainfer scaffold).\nfamily = {:?}\ntarget = {:?}\ndtype = {:?}\nreference_level = {:?}\nmodel = {:?}\nhidden = {}\nn_layers = {}\nvocab = {}\n",
+        "# Constraints this engine was scaffolded for (written by metainfer scaffold).\nfamily = {:?}\ntarget = {:?}\ndtype = {:?}\nreference_level = {:?}\nmodel = {:?}\nhidden = {}\nn_layers = {}\nvocab = {}\n{platform}{serving}",
         report.family,
         req.target,
         req.dtype,
@@ -545,7 +643,7 @@ pub fn constraints_toml(req: &PlanRequest, report: &PlanReport, level: super::Re
         cfg.hidden,
         cfg.n_layers,
         cfg.vocab
-    ) + &platform)
+    ))
 }
 
 /// The platform api (`host` or `cuda`) of a plan's platform.

@@ -61,7 +61,8 @@ impl Report for RulesReport {
 }
 
 /// The contract ids an engine implements, from its manifest: its family, the family's components,
-/// and the family's kernels at its own dtype and at every dtype of `[dtype_features]`. None when the
+/// and the family's kernels at its own dtype and at every dtype of `[dtype_features]`; with
+/// `[serving]`, the serving kernels and components too. None when the
 /// manifest names no family of the knowledge base (every signature is then checked).
 fn implemented(ctx: &Ctx, engine: &Engine) -> Option<(std::collections::BTreeSet<String>, String)> {
     let mut ids = std::collections::BTreeSet::new();
@@ -76,6 +77,7 @@ fn implemented(ctx: &Ctx, engine: &Engine) -> Option<(std::collections::BTreeSet
         ids.extend(platform.iter().flat_map(|p| p.components.iter().cloned()));
         ids.extend(target.spec.kernels);
         api = target.spec.api;
+        ids.extend(target.components);
     }
     Some((ids, api))
 }

@@ -39,6 +39,10 @@ pub struct ScaffoldRequest {
     /// documentation too) or `code` (other implementations' code too). Recorded with every outcome.
     #[serde(default)]
     pub reference_level: super::ReferenceLevel,
+    /// Serving constraints (see plan_engine): the scaffold then writes the serving skeletons
+    /// (src/paged.rs, src/batch.rs, the sampler) and a `[serving]` table in metainfer.toml.
+    #[serde(default)]
+    pub serving: Option<crate::manifest::Serving>,
 }
 
 fn cpu() -> String {
@@ -90,6 +94,7 @@ pub fn render(ctx: &Ctx, req: &ScaffoldRequest) -> Result<(Files, Vec<String>)> 
         target: req.target.clone(),
         dtype: req.dtype.clone(),
         platform: req.platform.clone(),
+        serving: req.serving.clone(),
     };
     let report = plan_only(ctx, &preq)?;
     // Staged candidates (report.provisional) may be scaffolded under: that is how they earn evidence.
@@ -174,7 +179,13 @@ pub fn render(ctx: &Ctx, req: &ScaffoldRequest) -> Result<(Files, Vec<String>)> 
     // The model as an absolute path: a path relative to the caller's directory means nothing later.
     let model = ctx.confine_model(std::path::Path::new(&req.model))?.path().display().to_string();
     let constraints = constraints_toml(
-        &PlanRequest { model, target: req.target.clone(), dtype: req.dtype.clone(), platform: req.platform.clone() },
+        &PlanRequest {
+            model,
+            target: req.target.clone(),
+            dtype: req.dtype.clone(),
+            platform: req.platform.clone(),
+            serving: req.serving.clone(),
+        },
         &report,
         req.reference_level,
     )?;

@@ -174,3 +174,109 @@ pub fn argmax(x: &[f64]) -> usize {
 pub fn widen(x: &[f32]) -> Vec<f64> {
     x.iter().map(|&v| v as f64).collect()
 }
+
+/// Sampling parameters of one request (contract kernel.sample). Neutral values switch a step off:
+/// temperature 1, top_k 0, top_p 1, min_p 0, repetition_penalty 1, frequency and presence
+/// penalties 0; temperature 0 is greedy.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SamplingParams {
+    /// Divides the penalised logits; 0 means greedy (argmax, first on ties).
+    pub temperature: f64,
+    /// Keep the k highest-ranked tokens; 0 keeps all.
+    pub top_k: usize,
+    /// Keep the shortest rank prefix whose probability mass reaches top_p (the crossing token
+    /// kept); 1 keeps all.
+    pub top_p: f64,
+    /// Drop tokens whose probability is below min_p times the top token's; 0 keeps all.
+    pub min_p: f64,
+    /// CTRL / HF repetition penalty r: a previous token's logit l becomes l / r if l > 0, else l * r.
+    pub repetition_penalty: f64,
+    /// OpenAI frequency penalty: subtracted once per previous occurrence.
+    pub frequency_penalty: f64,
+    /// OpenAI presence penalty: subtracted once when the token occurred at all.
+    pub presence_penalty: f64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+        }
+    }
+}
+
+/// The token kernel.sample draws from `logits` ([n], n >= 1) for the previous tokens `prev`, the
+/// parameters `p` and the uniform number `u` in [0, 1), in the contract's order: penalties on the
+/// raw logits (repetition, then frequency and presence), greedy when temperature is 0, else divide
+/// by the temperature, rank by scaled logit (ties: lower id first), top-k, softmax over the kept
+/// tokens, top-p (crossing token kept), min-p (relative to the top token), renormalise, and return
+/// the first token in rank order whose cumulative probability exceeds u (the last kept one when
+/// rounding leaves none). Sources: Keskar et al. 2019 (repetition penalty, arXiv:1909.05858),
+/// OpenAI API reference (frequency and presence penalties), Fan et al. 2018 (top-k,
+/// arXiv:1805.04833), Holtzman et al. 2020 (top-p, arXiv:1904.09751), Nguyen et al. 2024 (min-p,
+/// arXiv:2407.01082).
+///
+/// # Panics
+/// On empty logits.
+pub fn sample(logits: &[f64], prev: &[u32], p: &SamplingParams, u: f64) -> usize {
+    let n = logits.len();
+    let mut count = vec![0usize; n];
+    for &t in prev {
+        if let Some(c) = count.get_mut(t as usize) {
+            *c += 1;
+        }
+    }
+    let mut l = logits.to_vec();
+    for i in 0..n {
+        if count[i] > 0 {
+            l[i] = if l[i] > 0.0 { l[i] / p.repetition_penalty } else { l[i] * p.repetition_penalty };
+            l[i] -= count[i] as f64 * p.frequency_penalty + p.presence_penalty;
+        }
+    }
+    if p.temperature == 0.0 {
+        return argmax(&l);
+    }
+    let z: Vec<f64> = l.iter().map(|v| v / p.temperature).collect();
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&a, &b| z[b].total_cmp(&z[a]).then(a.cmp(&b)));
+    if p.top_k > 0 && p.top_k < n {
+        order.truncate(p.top_k);
+    }
+    let top = z[order[0]];
+    let e: Vec<f64> = order.iter().map(|&i| (z[i] - top).exp()).collect();
+    let total: f64 = e.iter().sum();
+    let probs: Vec<f64> = e.iter().map(|x| x / total).collect();
+    let mut keep = probs.len();
+    if p.top_p < 1.0 {
+        let mut mass = 0.0;
+        for (j, q) in probs.iter().enumerate() {
+            mass += q;
+            if mass >= p.top_p {
+                keep = j + 1;
+                break;
+            }
+        }
+    }
+    let kept: Vec<(usize, f64)> = order
+        .iter()
+        .zip(&probs)
+        .take(keep)
+        .filter(|(_, q)| p.min_p <= 0.0 || **q >= p.min_p * probs[0])
+        .map(|(&i, &q)| (i, q))
+        .collect();
+    let mass: f64 = kept.iter().map(|(_, q)| q).sum();
+    let mut cdf = 0.0;
+    for &(i, q) in &kept {
+        cdf += q / mass;
+        if u < cdf {
+            return i;
+        }
+    }
+    kept.last().expect("the top token is always kept").0
+}

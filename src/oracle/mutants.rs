@@ -127,6 +127,6 @@ mod tests {
         let set = Mutations::of(&[Mutation::SiluSwapped, Mutation::GqaModulo]);
         assert!(set.has(Mutation::SiluSwapped) && set.has(Mutation::GqaModulo) && !set.has(Mutation::LinearXw));
         assert!(Mutations::NONE.is_empty() && !set.is_empty());
-        assert_eq!(names().len(), 17);
+        assert_eq!(names().len(), 25);
     }
 }

@@ -79,7 +79,7 @@ fn plan_of(dir: &Path) -> metainfer::ops::plan::PlanReport {
     let t = tempfile::tempdir().unwrap();
     plan_only(
         &crate::ctx(t.path()),
-        &PlanRequest { platform: None, model: s(dir), target: "cpu".into(), dtype: "f32".into() },
+        &PlanRequest { serving: None, platform: None, model: s(dir), target: "cpu".into(), dtype: "f32".into() },
     )
     .unwrap()
 }
@@ -372,7 +372,8 @@ fn a_bf16_norm_gain_in_a_float32_checkpoint_is_refused() {
         .collect();
     safetensors::serialize_to_file(views, None, &t.path().join("model.safetensors")).unwrap();
     let ctx = crate::ctx(t.path());
-    let req = PlanRequest { platform: None, model: s(t.path()), target: "cpu".into(), dtype: "f32".into() };
+    let req =
+        PlanRequest { serving: None, platform: None, model: s(t.path()), target: "cpu".into(), dtype: "f32".into() };
     let e = plan_only(&ctx, &req).unwrap_err();
     assert_eq!(e.kind, ErrorKind::Input);
     assert!(

@@ -16,6 +16,7 @@ use crate::bundles::{budget, kt, run_bundle, s};
 
 fn plan_req(platform: Option<&str>) -> PlanRequest {
     PlanRequest {
+        serving: None,
         model: s(&crate::babyllama()),
         target: "cuda".into(),
         dtype: "bf16".into(),
@@ -53,6 +54,7 @@ fn plan_and_scaffold_take_target_cuda_and_a_platform() {
 
     let engine = t.path().join("cuda-engine");
     let req = ScaffoldRequest {
+        serving: None,
         model: s(&crate::babyllama()),
         out: s(&engine),
         target: "cuda".into(),

@@ -51,7 +51,7 @@ fn working_copy_ctx(dir: &Path) -> (Ctx, PathBuf) {
 }
 
 fn plan_req(model: &Path, target: &str) -> PlanRequest {
-    PlanRequest { model: s(model), target: target.into(), dtype: "f32".into(), platform: None }
+    PlanRequest { model: s(model), target: target.into(), dtype: "f32".into(), platform: None, serving: None }
 }
 
 fn verify_req(engine: &Path, model: &Path) -> VerifyRequest {

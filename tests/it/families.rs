@@ -51,6 +51,7 @@ fn plan_engine_routes_all_six_families() {
                 target: "cpu".into(),
                 dtype: "f32".into(),
                 platform: None,
+                serving: None,
             },
         )
         .unwrap();

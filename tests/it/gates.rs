@@ -46,6 +46,7 @@ fn bare_scaffold_compiles_and_fails_every_other_gate() {
         name: Some("bare".into()),
         force: false,
         reference_level: Default::default(),
+        serving: None,
     };
     let r = scaffold(&ctx, &req).unwrap();
     assert!(r.files.contains(&"src/kernels.rs".to_string()), "{:?}", r.files);

@@ -22,6 +22,7 @@ mod oracle;
 mod race;
 mod rules;
 mod sandbox;
+mod serving;
 mod signals;
 mod tidy;
 

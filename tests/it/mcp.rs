@@ -30,7 +30,7 @@ pub(crate) async fn call(c: &Client, tool: &str, args: Value) -> rmcp::model::Ca
         .unwrap()
 }
 
-const TOOLS: [&str; 14] = [
+const TOOLS: [&str; 16] = [
     "check_rules",
     "ckb_report",
     "compile_engine",
@@ -44,13 +44,15 @@ const TOOLS: [&str; 14] = [
     "propose_contract",
     "run_kernel_test",
     "scaffold_engine",
+    "serve_engine",
+    "verify_batching",
     "verify_generation",
 ];
 
 /// What each tool does to its surroundings, as README's table states it: (tool, read-only,
 /// destructive, idempotent, open world). Building and running code is not read-only; cargo may
 /// fetch the engine's dependencies from crates.io (open world); `force` lets scaffold overwrite code.
-const ANNOTATIONS: [(&str, bool, bool, bool, bool); 14] = [
+const ANNOTATIONS: [(&str, bool, bool, bool, bool); 16] = [
     ("check_rules", true, false, true, true),
     ("ckb_report", true, false, true, false),
     ("compile_engine", false, false, true, true),
@@ -64,6 +66,8 @@ const ANNOTATIONS: [(&str, bool, bool, bool, bool); 14] = [
     ("propose_contract", false, false, true, false),
     ("run_kernel_test", false, false, false, true),
     ("scaffold_engine", false, true, false, false),
+    ("serve_engine", false, false, false, true),
+    ("verify_batching", false, false, false, true),
     ("verify_generation", false, false, false, true),
 ];
 
@@ -291,7 +295,7 @@ async fn read_only_and_toolsets_narrow_the_tools() {
     let c = connect_with(t.path(), &["--toolsets", "gates"]).await;
     let mut names: Vec<String> = c.list_all_tools().await.unwrap().iter().map(|t| t.name.to_string()).collect();
     names.sort();
-    assert_eq!(names, ["profile_engine", "run_kernel_test", "verify_generation"]);
+    assert_eq!(names, ["profile_engine", "run_kernel_test", "serve_engine", "verify_batching", "verify_generation"]);
     // A tool outside the toolsets cannot be called.
     assert!(c.call_tool(CallToolRequestParams::new("scaffold_engine")).await.is_err());
     c.cancel().await.unwrap();

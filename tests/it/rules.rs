@@ -227,6 +227,7 @@ fn constant_engine(dir: &Path, ctx: &metainfer::ops::Ctx) {
         name: Some("constant".into()),
         force: false,
         reference_level: Default::default(),
+        serving: None,
     };
     metainfer::ops::scaffold::scaffold(ctx, &req).unwrap();
     let edit = |rel: &str, f: &dyn Fn(String) -> String| {
@@ -289,6 +290,7 @@ fn every_gate_fails_on_empty_bare_and_constant_engines() {
         name: None,
         force: false,
         reference_level: Default::default(),
+        serving: None,
     };
     metainfer::ops::scaffold::scaffold(&ctx, &req).unwrap();
 

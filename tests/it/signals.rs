@@ -150,6 +150,7 @@ fn a_failed_scaffold_leaves_nothing_in_the_workspace() {
             name: None,
             force: false,
             reference_level: Default::default(),
+            serving: None,
         };
         let e = metainfer::ops::scaffold::scaffold(&ctx, &req).unwrap_err();
         assert!(!e.message.is_empty());

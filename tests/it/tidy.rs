@@ -400,5 +400,13 @@ fn each_rule_catches_a_planted_violation() {
             assert_eq!(src.matches(&format!("{k:?} =>")).count(), 2, "{api} {k}");
         }
         assert_eq!(src.contains("device::dev()"), api == "cuda", "{api}");
+        // The serving commands are compiled in only for serving engines.
+        assert!(!src.contains("mod serving;") && !src.contains("serving::batch"));
+        let serving = metainfer::harness::harness_source_with(&arms, &[], true);
+        assert!(
+            serving.contains("mod serving;")
+                && serving.contains("serving::batch(")
+                && serving.contains("serving::block_manager(")
+        );
     }
 }

@@ -21,8 +21,10 @@ pub mod linear;
 pub mod linear_bf16;
 pub mod linear_f16;
 pub mod linear_int8;
+pub mod paged_attention;
 pub mod rms_norm;
 pub mod rope;
+pub mod sample;
 pub mod silu_and_mul;
 pub mod softmax;
 
@@ -201,7 +203,9 @@ pub static REGISTRY: &[&Kernel] = &[
     &gelu_tanh_and_mul::KERNEL,
     &softmax::KERNEL,
     &attention::KERNEL,
+    &paged_attention::KERNEL,
     &argmax::KERNEL,
+    &sample::KERNEL,
 ];
 
 /// The registry entry of a kernel contract id.

@@ -390,6 +390,182 @@ pub fn argmax(x: &[f32]) -> usize {
     )
 }
 
+/// Sampling parameters of one request (kernel.sample). Neutral values switch a step off:
+/// temperature 1, top_k 0, top_p 1, min_p 0, repetition_penalty 1, frequency and presence penalties 0;
+/// temperature 0 is greedy.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SamplingParams {
+    pub temperature: f32,
+    pub top_k: usize,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub repetition_penalty: f32,
+    pub frequency_penalty: f32,
+    pub presence_penalty: f32,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+        }
+    }
+}
+
+/// One token drawn from `logits` ([n]) after penalties for `prev`, temperature, top-k, top-p and min-p,
+/// by the inverse CDF in rank order at the uniform number `u` in [0, 1) (see kernel.sample for the order).
+pub fn sample(logits: &[f32], prev: &[u32], params: &SamplingParams, u: f32) -> u32 {
+    let n = logits.len();
+    assert!(n > 0, "sample: empty logits");
+    let p = params;
+    let mut z = logits.to_vec();
+    // Occurrences of each previous token, counted once per distinct id.
+    let mut seen: Vec<u32> = prev.iter().copied().filter(|&t| (t as usize) < n).collect();
+    seen.sort_unstable();
+    let mut i = 0;
+    while i < seen.len() {
+        let t = seen[i];
+        let mut c = 0usize;
+        while i < seen.len() && seen[i] == t {
+            c += 1;
+            i += 1;
+        }
+        let v = &mut z[t as usize];
+        *v = if *v > 0.0 { *v / p.repetition_penalty } else { *v * p.repetition_penalty };
+        *v -= c as f32 * p.frequency_penalty + p.presence_penalty;
+    }
+    if p.temperature == 0.0 {
+        return argmax(&z) as u32;
+    }
+    for v in &mut z {
+        *v /= p.temperature;
+    }
+    let rank = |a: &u32, b: &u32| z[*b as usize].total_cmp(&z[*a as usize]).then(a.cmp(b));
+    let mut order: Vec<u32> = (0..n as u32).collect();
+    if p.top_k > 0 && p.top_k < n {
+        order.select_nth_unstable_by(p.top_k - 1, rank);
+        order.truncate(p.top_k);
+    }
+    order.sort_unstable_by(rank);
+    let top = z[order[0] as usize];
+    let mut probs: Vec<f32> = order.iter().map(|&t| (z[t as usize] - top).exp()).collect();
+    let total: f32 = probs.iter().sum();
+    for q in &mut probs {
+        *q /= total;
+    }
+    let mut keep = probs.len();
+    if p.top_p < 1.0 {
+        let mut mass = 0.0f32;
+        for (j, q) in probs.iter().enumerate() {
+            mass += q;
+            if mass >= p.top_p {
+                keep = j + 1;
+                break;
+            }
+        }
+    }
+    let floor = p.min_p * probs[0];
+    let kept: Vec<(u32, f32)> = order
+        .iter()
+        .zip(&probs)
+        .take(keep)
+        .filter(|(_, q)| p.min_p <= 0.0 || **q >= floor)
+        .map(|(&t, &q)| (t, q))
+        .collect();
+    let mass: f32 = kept.iter().map(|(_, q)| q).sum();
+    let mut cdf = 0.0f32;
+    for &(t, q) in &kept {
+        cdf += q / mass;
+        if u < cdf {
+            return t;
+        }
+    }
+    kept.last().map_or(order[0], |k| k.0)
+}
+
+/// Causal GQA attention of several sequences over a paged KV cache (kernel.paged_attention).
+/// `q`, `out`: [query_start[n_seqs], n_heads, head_dim]; `k_cache`, `v_cache`: [num_blocks, block_size, n_kv_heads, head_dim];
+/// `block_table`: [n_seqs, blocks_per_seq] physical block ids; `query_start`: [n_seqs + 1] row offsets into q;
+/// `context_lens`: [n_seqs] cached positions per sequence, new tokens included. Query i of sequence s sits at
+/// position context_lens[s] - n_q(s) + i.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention(
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    block_table: &[u32],
+    blocks_per_seq: usize,
+    query_start: &[u32],
+    context_lens: &[u32],
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    block_size: usize,
+    out: &mut [f32],
+) {
+    assert!(
+        n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads) && block_size > 0,
+        "paged_attention: n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads}), block_size positive"
+    );
+    let n_seqs = context_lens.len();
+    assert_eq!(query_start.len(), n_seqs + 1, "paged_attention: query_start must have n_seqs + 1 entries");
+    assert!(block_table.len() >= n_seqs * blocks_per_seq, "paged_attention: block_table shorter than n_seqs rows");
+    let (q_stride, kv_stride) = (n_heads * head_dim, n_kv_heads * head_dim);
+    assert_eq!(out.len(), q.len(), "paged_attention: out must have q's shape");
+    let group = n_heads / n_kv_heads;
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    let longest = context_lens.iter().map(|&c| c as usize).max().unwrap_or(0);
+    let mut scores = vec![0.0f32; longest];
+    for s in 0..n_seqs {
+        let (q0, q1) = (query_start[s] as usize, query_start[s + 1] as usize);
+        let ctx = context_lens[s] as usize;
+        assert!(
+            q1 > q0 && q1 - q0 <= ctx,
+            "paged_attention: sequence {s} has {} queries over {ctx} positions",
+            q1 - q0
+        );
+        let table = &block_table[s * blocks_per_seq..(s + 1) * blocks_per_seq];
+        assert!(ctx.div_ceil(block_size) <= blocks_per_seq, "paged_attention: block table row {s} too short");
+        for i in 0..q1 - q0 {
+            let span = ctx - (q1 - q0) + i + 1;
+            for h in 0..n_heads {
+                let kvh = h / group;
+                let q_off = (q0 + i) * q_stride + h * head_dim;
+                let qh = &q[q_off..q_off + head_dim];
+                let sc = &mut scores[..span];
+                // One block at a time: its rows are contiguous at stride kv_stride.
+                let mut t = 0;
+                while t < span {
+                    let block = table[t / block_size] as usize;
+                    let count = (block_size - t % block_size).min(span - t);
+                    let base = (block * block_size + t % block_size) * kv_stride + kvh * head_dim;
+                    matmul::dots(qh, &k_cache[base..], kv_stride, &mut sc[t..t + count]);
+                    t += count;
+                }
+                for x in sc.iter_mut() {
+                    *x *= scale;
+                }
+                softmax_row(sc);
+                let oh = &mut out[q_off..q_off + head_dim];
+                oh.fill(0.0);
+                for (t, &w) in sc.iter().enumerate() {
+                    let slot = table[t / block_size] as usize * block_size + t % block_size;
+                    let v = &v_cache[slot * kv_stride + kvh * head_dim..][..head_dim];
+                    for (o, &x) in oh.iter_mut().zip(v) {
+                        *o += w * x;
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

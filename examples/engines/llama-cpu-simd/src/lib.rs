@@ -14,10 +14,13 @@
 ))]
 compile_error!("enable at most one of the features bf16, f16 and int8");
 
+pub mod batch;
 pub mod generate;
 pub mod kernels;
 mod matmul;
 pub mod model;
+pub mod paged;
 pub mod quant;
+pub mod scheduler;
 pub mod tokenizer;
 mod weights;

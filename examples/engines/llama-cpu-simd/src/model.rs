@@ -271,6 +271,146 @@ impl Model {
         self.cfg.max_seq
     }
 
+    /// K or V width of one position: n_kv_heads * head_dim.
+    pub(crate) fn kv_dim(&self) -> usize {
+        self.cfg.kv_dim()
+    }
+
+    /// Decoder layers.
+    pub(crate) fn n_layers(&self) -> usize {
+        self.cfg.n_layers
+    }
+
+    /// One pass over several sequences' chunks (component.batched_step): every projection and the
+    /// MLP run on the rows of all chunks at once (one read of each weight matrix per step), RoPE
+    /// at each row's own position, K/V written through each chunk's block table, paged attention,
+    /// and the output projection on the last row of every chunk. Returns [chunks, vocab].
+    ///
+    /// # Panics
+    /// On an empty chunk, a position beyond max_seq_len, a token outside the vocabulary, or a block
+    /// table that does not cover a chunk's positions.
+    pub(crate) fn run_batch(
+        &mut self,
+        cache: &mut crate::batch::PagedKvCache,
+        chunks: &[crate::batch::SeqChunk],
+    ) -> Vec<f32> {
+        if rayon::current_thread_index().is_none() && rayon::current_num_threads() > 1 {
+            let mut out = Vec::new();
+            rayon::scope(|_| out = self.batch_pass(cache, chunks));
+            out
+        } else {
+            self.batch_pass(cache, chunks)
+        }
+    }
+
+    fn batch_pass(&mut self, cache: &mut crate::batch::PagedKvCache, chunks: &[crate::batch::SeqChunk]) -> Vec<f32> {
+        let cfg = &self.cfg;
+        let (d, qd, kvd, ff) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate);
+        let (hd, half, bs) = (cfg.head_dim, cfg.head_dim / 2, cache.block_size);
+        let n = chunks.len();
+        if n == 0 {
+            return Vec::new();
+        }
+        let bps = chunks.iter().map(|c| c.block_table.len()).max().unwrap_or(0);
+        let mut table = vec![u32::MAX; n * bps];
+        let mut query_start = vec![0u32];
+        let mut context_lens = Vec::with_capacity(n);
+        // (position, physical slot) of every row.
+        let mut rows_at: Vec<(usize, usize)> = Vec::new();
+        for (c, chunk) in chunks.iter().enumerate() {
+            let end = chunk.start + chunk.tokens.len();
+            assert!(!chunk.tokens.is_empty(), "chunk {c} has no tokens");
+            assert!(end <= cfg.max_seq, "chunk {c} reaches position {}, beyond max_seq_len {}", end - 1, cfg.max_seq);
+            assert!(
+                chunk.block_table.len() >= end.div_ceil(bs),
+                "chunk {c}: block table of {} blocks does not cover {end} positions",
+                chunk.block_table.len()
+            );
+            table[c * bps..c * bps + chunk.block_table.len()].copy_from_slice(chunk.block_table);
+            for (j, &t) in chunk.tokens.iter().enumerate() {
+                assert!((t as usize) < cfg.vocab, "token id {t} is outside the vocabulary ({})", cfg.vocab);
+                let pos = chunk.start + j;
+                let block = chunk.block_table[pos / bs] as usize;
+                assert!(block < cache.num_blocks, "chunk {c}: block {block} is outside the cache");
+                rows_at.push((pos, block * bs + pos % bs));
+            }
+            query_start.push(rows_at.len() as u32);
+            context_lens.push(end as u32);
+        }
+        let rows = rows_at.len();
+        let mut x = vec![0.0f32; rows * d];
+        let mut h = vec![0.0f32; rows * d];
+        let mut q = vec![0.0f32; rows * qd];
+        let mut k_new = vec![0.0f32; rows * kvd];
+        let mut v_new = vec![0.0f32; rows * kvd];
+        let mut att = vec![0.0f32; rows * qd];
+        let mut proj = vec![0.0f32; rows * d];
+        let mut gate = vec![0.0f32; rows * ff];
+        let mut up = vec![0.0f32; rows * ff];
+        let mut act = vec![0.0f32; rows * ff];
+        let mut cos = vec![0.0f32; rows * half];
+        let mut sin = vec![0.0f32; rows * half];
+        let mut r = 0;
+        for chunk in chunks {
+            for &t in chunk.tokens {
+                self.embed.row_into(t as usize, &mut x[r * d..(r + 1) * d]);
+                let (c, sn) = (&mut cos[r * half..(r + 1) * half], &mut sin[r * half..(r + 1) * half]);
+                for ((c, sn), &f) in c.iter_mut().zip(sn.iter_mut()).zip(&self.rope_freq) {
+                    (*c, *sn) = kernels::rope_cos_sin(rows_at[r].0, f);
+                }
+                r += 1;
+            }
+        }
+        for (l, layer) in self.layers.iter().enumerate() {
+            kernels::rms_norm(&x, &layer.attn_norm, cfg.eps, &mut h);
+            Matrix::linear_many(&h, rows, [&layer.wq, &layer.wk, &layer.wv], [&mut q, &mut k_new, &mut v_new]);
+            let (kc, vc) = (&mut cache.k[l], &mut cache.v[l]);
+            for (i, &(_, slot)) in rows_at.iter().enumerate() {
+                let (c, sn) = (&cos[i * half..(i + 1) * half], &sin[i * half..(i + 1) * half]);
+                kernels::rope_apply(&mut q[i * qd..(i + 1) * qd], hd, c, sn);
+                kernels::rope_apply(&mut k_new[i * kvd..(i + 1) * kvd], hd, c, sn);
+                kc[slot * kvd..(slot + 1) * kvd].copy_from_slice(&k_new[i * kvd..(i + 1) * kvd]);
+                vc[slot * kvd..(slot + 1) * kvd].copy_from_slice(&v_new[i * kvd..(i + 1) * kvd]);
+            }
+            kernels::paged_attention(
+                &q,
+                kc,
+                vc,
+                &table,
+                bps,
+                &query_start,
+                &context_lens,
+                cfg.n_heads,
+                cfg.n_kv_heads,
+                hd,
+                bs,
+                &mut att,
+            );
+            layer.wo.linear(&att, rows, &mut proj);
+            for (x, &p) in x.iter_mut().zip(proj.iter()) {
+                *x += p;
+            }
+            kernels::rms_norm(&x, &layer.ffn_norm, cfg.eps, &mut h);
+            Matrix::linear_many(&h, rows, [&layer.w_gate, &layer.w_up], [&mut gate, &mut up]);
+            kernels::silu_and_mul(&gate, &up, &mut act);
+            layer.w_down.linear(&act, rows, &mut proj);
+            for (x, &p) in x.iter_mut().zip(proj.iter()) {
+                *x += p;
+            }
+        }
+        // The last row of every chunk through the final norm and the output projection, together.
+        let mut last = vec![0.0f32; n * d];
+        for c in 0..n {
+            let row = query_start[c + 1] as usize - 1;
+            last[c * d..(c + 1) * d].copy_from_slice(&x[row * d..(row + 1) * d]);
+        }
+        let mut normed = vec![0.0f32; n * d];
+        kernels::rms_norm(&last, &self.final_norm, cfg.eps, &mut normed);
+        let mut logits = vec![0.0f32; n * cfg.vocab];
+        self.lm_head.as_ref().unwrap_or(&self.embed).linear(&normed, n, &mut logits);
+        logits
+    }
+
     /// Forget all cached positions.
     pub fn reset(&mut self) {
         let used = self.cache_filled * self.cfg.kv_dim();
@@ -598,6 +738,41 @@ mod tests {
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&prefilled), bits(&stepped));
         assert_eq!(bits(&next_prefilled), bits(&next_stepped));
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn batched_step_over_paged_cache_matches_prefill() {
+        let (dir, _) = write_model("batch");
+        let mut model = Model::load(&dir).unwrap();
+        let a: Vec<u32> = (0..37).map(|i| (i * 5 + 1) % VOCAB as u32).collect();
+        let b: Vec<u32> = (0..9).map(|i| (i * 3 + 2) % VOCAB as u32).collect();
+        let mut cache = crate::batch::new_cache(&model, 13, 4);
+        // Blocks handed out out of order and interleaved between the two sequences.
+        let (ta, tb): (Vec<u32>, Vec<u32>) = ((0..10).map(|i| 11 - i).collect(), vec![1, 0, 12]);
+        let ta = &ta[..];
+        // Step 1: a's first 20 tokens; step 2: a's other 17 beside all of b.
+        crate::batch::step(
+            &mut model,
+            &mut cache,
+            &[crate::batch::SeqChunk { tokens: &a[..20], start: 0, block_table: &ta[..5] }],
+        );
+        let out = crate::batch::step(
+            &mut model,
+            &mut cache,
+            &[
+                crate::batch::SeqChunk { tokens: &b, start: 0, block_table: &tb },
+                crate::batch::SeqChunk { tokens: &a[20..], start: 20, block_table: ta },
+            ],
+        );
+        for (c, tokens) in [(0, &b), (1, &a)] {
+            model.reset();
+            let want = model.prefill(tokens, 0).to_vec();
+            let got = &out[c * VOCAB..(c + 1) * VOCAB];
+            for (g, w) in got.iter().zip(&want) {
+                assert!((g - w).abs() <= 1e-5 + 1e-5 * w.abs(), "chunk {c}: {g} vs {w}");
+            }
+        }
         std::fs::remove_dir_all(&dir).ok();
     }
 }

@@ -1,0 +1,634 @@
+//! Phase 7 (serving): the engine's binary (component.openai_server).
+//!
+//! `llama-cpu-simd generate --model DIR --prompt TEXT [--max-tokens N] [--temperature T] [--top-p P]
+//! [--top-k K] [--min-p P] [--seed S]` streams the new text to stdout;
+//! `llama-cpu-simd serve --model DIR [--host 127.0.0.1] [--port 8000] [--max-seqs 16] [--block-size 16]
+//! [--kv-blocks N] [--max-batch-tokens N]` serves the OpenAI-compatible API (`/health`, `/v1/models`,
+//! `/v1/completions`, `/v1/chat/completions`, streaming as server-sent events ending with `[DONE]`).
+//!
+//! One engine thread owns the model, the paged KV cache and the scheduler; HTTP handlers (axum on
+//! tokio) validate and tokenise a request and send it to that thread with a channel for its text.
+//! A closed channel (the client went away) aborts the request and frees its blocks.
+// Validation errors are the HTTP responses themselves, built at most once per request.
+#![allow(clippy::result_large_err)]
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use llama_cpu_simd::batch::{self, SeqChunk};
+use llama_cpu_simd::kernels::SamplingParams;
+use llama_cpu_simd::model::Model;
+use llama_cpu_simd::scheduler::{Event, Finish, Request, Scheduler};
+use llama_cpu_simd::tokenizer::Tokenizer;
+use serde_json::{Value, json};
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
+
+/// Requests queued or running at once before the server answers 429.
+const MAX_IN_FLIGHT: usize = 256;
+
+/// Used when the model directory has no tokenizer_config.json with a chat_template.
+const DEFAULT_CHAT_TEMPLATE: &str = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}";
+
+/// What the engine thread sends a request's handler.
+enum Out {
+    Text(String),
+    Done { finish: &'static str, prompt_tokens: usize, completion_tokens: usize },
+}
+
+/// A request on its way to the engine thread.
+struct Job {
+    req: Request,
+    stop: Vec<String>,
+    out: UnboundedSender<Out>,
+}
+
+struct Sizes {
+    max_seqs: usize,
+    block_size: usize,
+    kv_blocks: Option<usize>,
+    max_batch_tokens: Option<usize>,
+}
+
+struct Loaded {
+    vocab: usize,
+    max_context: usize,
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let code = match args.first().map(String::as_str) {
+        Some("generate") => generate(&args[1..]),
+        Some("serve") => serve(&args[1..]),
+        _ => Err("usage: llama-cpu-simd generate --model DIR --prompt TEXT | serve --model DIR".into()),
+    };
+    if let Err(e) = code {
+        eprintln!("error: {e}");
+        std::process::exit(2);
+    }
+}
+
+fn flag<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).map(String::as_str)
+}
+
+fn parsed<T: std::str::FromStr>(args: &[String], name: &str, default: T) -> Result<T, String> {
+    match flag(args, name) {
+        None => Ok(default),
+        Some(v) => v.parse().map_err(|_| format!("{name}: cannot parse {v:?}")),
+    }
+}
+
+fn eos_ids(dir: &Path) -> Vec<u32> {
+    let cfg: Value = std::fs::read_to_string(dir.join("config.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or(Value::Null);
+    match &cfg["eos_token_id"] {
+        Value::Number(n) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
+        Value::Array(a) => a.iter().filter_map(Value::as_u64).map(|v| v as u32).collect(),
+        _ => vec![],
+    }
+}
+
+/// Start the engine thread: it loads the model, then serves jobs until every sender is gone.
+fn start_engine(
+    dir: PathBuf,
+    tok: Arc<Tokenizer>,
+    sizes: Sizes,
+) -> Result<(std::sync::mpsc::Sender<Job>, Loaded), String> {
+    let (tx, rx) = std::sync::mpsc::channel::<Job>();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<Loaded, String>>();
+    std::thread::spawn(move || {
+        let mut model = match Model::load(&dir) {
+            Ok(m) => m,
+            Err(e) => {
+                let _ = ready_tx.send(Err(e));
+                return;
+            }
+        };
+        let vocab = model.vocab_size();
+        let max_context = model.max_seq_len();
+        let kv_blocks = sizes.kv_blocks.unwrap_or(sizes.max_seqs * max_context.div_ceil(sizes.block_size));
+        let budget = sizes.max_batch_tokens.unwrap_or(256).max(sizes.max_seqs);
+        let mut cache = batch::new_cache(&model, kv_blocks, sizes.block_size);
+        let mut sched = Scheduler::new(kv_blocks, sizes.block_size, sizes.max_seqs, budget, max_context);
+        let _ = ready_tx.send(Ok(Loaded { vocab, max_context }));
+        engine_loop(&mut model, &mut cache, &mut sched, &tok, &rx, vocab);
+    });
+    let loaded = ready_rx.recv().map_err(|_| "the engine thread died while loading".to_string())??;
+    Ok((tx, loaded))
+}
+
+/// Per-request state of the engine thread: the text sent so far and the stop strings.
+struct Live {
+    out: UnboundedSender<Out>,
+    prompt: Vec<u32>,
+    generated: Vec<u32>,
+    prompt_text: String,
+    stop: Vec<String>,
+    sent: usize,
+}
+
+impl Live {
+    /// The completion text so far (incremental detokenisation: decode(prompt + new) less decode(prompt)).
+    fn text(&self, tok: &Tokenizer) -> String {
+        let mut all = self.prompt.clone();
+        all.extend(&self.generated);
+        let full = tok.decode(&all);
+        full.strip_prefix(self.prompt_text.as_str()).map(str::to_string).unwrap_or_else(|| tok.decode(&self.generated))
+    }
+}
+
+fn engine_loop(
+    model: &mut Model,
+    cache: &mut batch::PagedKvCache,
+    sched: &mut Scheduler,
+    tok: &Tokenizer,
+    rx: &std::sync::mpsc::Receiver<Job>,
+    vocab: usize,
+) {
+    let mut live: HashMap<u64, Live> = HashMap::new();
+    let accept = |job: Job, sched: &mut Scheduler, live: &mut HashMap<u64, Live>| {
+        let id = job.req.id;
+        let prompt = job.req.prompt.clone();
+        if let Err(e) = sched.add(job.req) {
+            // Validated by the handler; a refusal here still answers.
+            let _ = job.out.send(Out::Text(String::new()));
+            eprintln!("request {id} refused: {e}");
+            let _ = job.out.send(Out::Done { finish: "length", prompt_tokens: prompt.len(), completion_tokens: 0 });
+            return;
+        }
+        let prompt_text = tok.decode(&prompt);
+        live.insert(id, Live { out: job.out, prompt, generated: Vec::new(), prompt_text, stop: job.stop, sent: 0 });
+    };
+    loop {
+        if sched.is_idle() {
+            match rx.recv() {
+                Ok(job) => accept(job, sched, &mut live),
+                Err(_) => return,
+            }
+        }
+        while let Ok(job) = rx.try_recv() {
+            accept(job, sched, &mut live);
+        }
+        // Requests whose client went away.
+        let gone: Vec<u64> = live.iter().filter(|(_, l)| l.out.is_closed()).map(|(id, _)| *id).collect();
+        for id in gone {
+            sched.abort(id);
+            live.remove(&id);
+        }
+        let plan = sched.schedule();
+        if plan.is_empty() {
+            continue;
+        }
+        let chunks: Vec<SeqChunk> =
+            plan.iter().map(|p| SeqChunk { tokens: &p.tokens, start: p.start, block_table: &p.block_table }).collect();
+        let logits = batch::step(model, cache, &chunks);
+        for ev in sched.update(&plan, &logits, vocab) {
+            match ev {
+                Event::Token { id, token } => {
+                    let Some(l) = live.get_mut(&id) else { continue };
+                    l.generated.push(token);
+                    let text = l.text(tok);
+                    let hit = l.stop.iter().filter_map(|s| text.find(s.as_str())).min();
+                    if let Some(at) = hit {
+                        if at > l.sent {
+                            let _ = l.out.send(Out::Text(text[l.sent..at].to_string()));
+                        }
+                        let _ = l.out.send(Out::Done {
+                            finish: "stop",
+                            prompt_tokens: l.prompt.len(),
+                            completion_tokens: l.generated.len(),
+                        });
+                        sched.abort(id);
+                        live.remove(&id);
+                        continue;
+                    }
+                    // Hold back what could still become a stop string, or an incomplete character.
+                    let hold = l.stop.iter().map(|s| s.len().saturating_sub(1)).max().unwrap_or(0);
+                    let mut end = text.len().saturating_sub(hold);
+                    while end > 0 && !text.is_char_boundary(end) {
+                        end -= 1;
+                    }
+                    if text.ends_with('\u{FFFD}') {
+                        end = end.min(text.len() - '\u{FFFD}'.len_utf8());
+                    }
+                    if end > l.sent && text.is_char_boundary(l.sent) {
+                        let _ = l.out.send(Out::Text(text[l.sent..end].to_string()));
+                        l.sent = end;
+                    }
+                }
+                Event::Finished { id, finish } => {
+                    let Some(l) = live.remove(&id) else { continue };
+                    let text = l.text(tok);
+                    if text.len() > l.sent && text.is_char_boundary(l.sent) {
+                        let _ = l.out.send(Out::Text(text[l.sent..].to_string()));
+                    }
+                    let finish = if finish == Finish::Stop { "stop" } else { "length" };
+                    let _ = l.out.send(Out::Done {
+                        finish,
+                        prompt_tokens: l.prompt.len(),
+                        completion_tokens: l.generated.len(),
+                    });
+                }
+            }
+        }
+    }
+}
+
+fn sizes(args: &[String]) -> Result<Sizes, String> {
+    let s = Sizes {
+        max_seqs: parsed(args, "--max-seqs", 16)?,
+        block_size: parsed(args, "--block-size", 16)?,
+        kv_blocks: flag(args, "--kv-blocks")
+            .map(|v| v.parse().map_err(|_| format!("--kv-blocks: cannot parse {v:?}")))
+            .transpose()?,
+        max_batch_tokens: flag(args, "--max-batch-tokens")
+            .map(|v| v.parse().map_err(|_| format!("--max-batch-tokens: cannot parse {v:?}")))
+            .transpose()?,
+    };
+    if s.max_seqs == 0 || s.block_size == 0 {
+        return Err("--max-seqs and --block-size must be positive".into());
+    }
+    Ok(s)
+}
+
+fn generate(args: &[String]) -> Result<(), String> {
+    let dir = PathBuf::from(flag(args, "--model").ok_or("generate needs --model DIR")?);
+    let prompt = flag(args, "--prompt").ok_or("generate needs --prompt TEXT")?;
+    let tok = Arc::new(Tokenizer::load(&dir)?);
+    let (tx, loaded) = start_engine(
+        dir.clone(),
+        tok.clone(),
+        Sizes { max_seqs: 1, block_size: 16, kv_blocks: None, max_batch_tokens: None },
+    )?;
+    let params = SamplingParams {
+        temperature: parsed(args, "--temperature", 0.0)?,
+        top_k: parsed(args, "--top-k", 0)?,
+        top_p: parsed(args, "--top-p", 1.0)?,
+        min_p: parsed(args, "--min-p", 0.0)?,
+        ..SamplingParams::default()
+    };
+    let ids = tok.encode(prompt);
+    let max_tokens = parsed(args, "--max-tokens", 64usize)?.min(loaded.max_context.saturating_sub(ids.len()));
+    let (out, mut rx) = unbounded_channel();
+    let req = Request { id: 0, prompt: ids, max_tokens, eos: eos_ids(&dir), params, seed: parsed(args, "--seed", 0)? };
+    tx.send(Job { req, stop: vec![], out }).map_err(|_| "the engine thread is gone")?;
+    let mut stdout = std::io::stdout();
+    while let Some(o) = rx.blocking_recv() {
+        match o {
+            Out::Text(t) => {
+                let _ = stdout.write_all(t.as_bytes());
+                let _ = stdout.flush();
+            }
+            Out::Done { .. } => break,
+        }
+    }
+    println!();
+    Ok(())
+}
+
+struct App {
+    model_id: String,
+    tok: Arc<Tokenizer>,
+    template: String,
+    eos: Vec<u32>,
+    max_context: usize,
+    engine: std::sync::Mutex<std::sync::mpsc::Sender<Job>>,
+    next_id: AtomicU64,
+    in_flight: AtomicUsize,
+    _vocab: usize,
+}
+
+fn serve(args: &[String]) -> Result<(), String> {
+    let dir = PathBuf::from(flag(args, "--model").ok_or("serve needs --model DIR")?);
+    let host = flag(args, "--host").unwrap_or("127.0.0.1");
+    let port: u16 = parsed(args, "--port", 8000)?;
+    let addr: SocketAddr = format!("{host}:{port}").parse().map_err(|_| format!("bad --host/--port: {host}:{port}"))?;
+    let tok = Arc::new(Tokenizer::load(&dir)?);
+    let template = std::fs::read_to_string(dir.join("tokenizer_config.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<Value>(&t).ok())
+        .and_then(|v| v["chat_template"].as_str().map(str::to_string))
+        .unwrap_or_else(|| DEFAULT_CHAT_TEMPLATE.to_string());
+    let model_id = std::fs::canonicalize(&dir)
+        .unwrap_or(dir.clone())
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into());
+    let eos = eos_ids(&dir);
+    let (tx, loaded) = start_engine(dir, tok.clone(), sizes(args)?)?;
+    let app = Arc::new(App {
+        model_id,
+        tok,
+        template,
+        eos,
+        max_context: loaded.max_context,
+        engine: std::sync::Mutex::new(tx),
+        next_id: AtomicU64::new(1),
+        in_flight: AtomicUsize::new(0),
+        _vocab: loaded.vocab,
+    });
+    let router = Router::new()
+        .route("/health", get(|| async { "ok" }))
+        .route("/v1/models", get(models))
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat))
+        .fallback(|| async { error(StatusCode::NOT_FOUND, "no such path", "invalid_request_error", None) })
+        .with_state(app);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    rt.block_on(async move {
+        let listener =
+            tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+        eprintln!("listening on http://{addr}");
+        axum::serve(listener, router).await.map_err(|e| e.to_string())
+    })
+}
+
+/// An OpenAI-shaped error: {"error": {"message", "type", "param", "code"}}.
+fn error(status: StatusCode, message: &str, kind: &str, param: Option<&str>) -> Response {
+    let body = json!({"error": {"message": message, "type": kind, "param": param, "code": null}});
+    (status, axum::Json(body)).into_response()
+}
+
+fn bad(message: impl AsRef<str>, param: &str) -> Response {
+    error(StatusCode::BAD_REQUEST, message.as_ref(), "invalid_request_error", Some(param))
+}
+
+async fn models(State(app): State<Arc<App>>) -> Response {
+    axum::Json(json!({"object": "list", "data": [{"id": app.model_id, "object": "model", "created": 0, "owned_by": "llama-cpu-simd"}]})).into_response()
+}
+
+fn now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// The validated sampling fields of a request body.
+struct Parsed {
+    max_tokens: usize,
+    params: SamplingParams,
+    stop: Vec<String>,
+    seed: u64,
+    stream: bool,
+}
+
+fn number(body: &Value, key: &str, default: f64, ok: impl Fn(f64) -> bool, range: &str) -> Result<f64, Response> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(default),
+        Some(v) => match v.as_f64() {
+            Some(x) if x.is_finite() && ok(x) => Ok(x),
+            _ => Err(bad(format!("{key} must be a number in {range}, got {v}"), key)),
+        },
+    }
+}
+
+fn parse_common(app: &App, body: &Value, prompt_len: usize) -> Result<Parsed, Response> {
+    if let Some(m) = body.get("model").and_then(Value::as_str)
+        && m != app.model_id
+    {
+        return Err(error(
+            StatusCode::NOT_FOUND,
+            &format!("the model {m:?} does not exist; this server serves {:?}", app.model_id),
+            "invalid_request_error",
+            Some("model"),
+        ));
+    }
+    let room = app.max_context.saturating_sub(prompt_len);
+    if room == 0 {
+        return Err(bad(
+            format!("the prompt has {prompt_len} tokens; this model's context is {} tokens", app.max_context),
+            "prompt",
+        ));
+    }
+    let max_tokens = match body.get("max_tokens").or_else(|| body.get("max_completion_tokens")) {
+        None | Some(Value::Null) => 16.min(room),
+        Some(v) => match v.as_u64() {
+            Some(n) if n >= 1 && (n as usize) <= room => n as usize,
+            Some(n) if n >= 1 => {
+                return Err(bad(
+                    format!(
+                        "max_tokens {n} + the prompt's {prompt_len} tokens exceed this model's context of {} tokens",
+                        app.max_context
+                    ),
+                    "max_tokens",
+                ));
+            }
+            _ => return Err(bad(format!("max_tokens must be an integer >= 1, got {v}"), "max_tokens")),
+        },
+    };
+    let temperature = number(body, "temperature", 1.0, |x| (0.0..=2.0).contains(&x), "[0, 2]")?;
+    let top_p = number(body, "top_p", 1.0, |x| x > 0.0 && x <= 1.0, "(0, 1]")?;
+    let top_k = number(body, "top_k", 0.0, |x| x >= 0.0 && x.fract() == 0.0, "integers >= 0 (0: off)")?;
+    let min_p = number(body, "min_p", 0.0, |x| (0.0..=1.0).contains(&x), "[0, 1]")?;
+    let frequency_penalty = number(body, "frequency_penalty", 0.0, |x| (-2.0..=2.0).contains(&x), "[-2, 2]")?;
+    let presence_penalty = number(body, "presence_penalty", 0.0, |x| (-2.0..=2.0).contains(&x), "[-2, 2]")?;
+    let repetition_penalty = number(body, "repetition_penalty", 1.0, |x| x > 0.0 && x <= 10.0, "(0, 10]")?;
+    if let Some(n) = body.get("n")
+        && n.as_u64() != Some(1)
+    {
+        return Err(bad(format!("only n = 1 is supported, got {n}"), "n"));
+    }
+    let stop = match body.get("stop") {
+        None | Some(Value::Null) => vec![],
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) if a.len() <= 4 && a.iter().all(Value::is_string) => {
+            a.iter().filter_map(Value::as_str).map(str::to_string).collect()
+        }
+        Some(v) => return Err(bad(format!("stop must be a string or a list of up to 4 strings, got {v}"), "stop")),
+    };
+    if stop.iter().any(String::is_empty) {
+        return Err(bad("stop strings must not be empty", "stop"));
+    }
+    let seed = match body.get("seed") {
+        None | Some(Value::Null) => now(),
+        Some(v) => {
+            v.as_i64().map(|s| s as u64).ok_or_else(|| bad(format!("seed must be an integer, got {v}"), "seed"))?
+        }
+    };
+    let stream = match body.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(v) => return Err(bad(format!("stream must be true or false, got {v}"), "stream")),
+    };
+    let params = SamplingParams {
+        temperature: temperature as f32,
+        top_k: top_k as usize,
+        top_p: top_p as f32,
+        min_p: min_p as f32,
+        repetition_penalty: repetition_penalty as f32,
+        frequency_penalty: frequency_penalty as f32,
+        presence_penalty: presence_penalty as f32,
+    };
+    Ok(Parsed { max_tokens, params, stop, seed, stream })
+}
+
+fn json_body(bytes: &Bytes) -> Result<Value, Response> {
+    match serde_json::from_slice::<Value>(bytes) {
+        Ok(v @ Value::Object(_)) => Ok(v),
+        Ok(_) => Err(bad("the request body must be a JSON object", "body")),
+        Err(e) => Err(bad(format!("the request body is not valid JSON: {e}"), "body")),
+    }
+}
+
+/// Decrements the in-flight count when the request's response is gone.
+struct Slot(Arc<App>);
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+async fn completions(State(app): State<Arc<App>>, bytes: Bytes) -> Response {
+    let body = match json_body(&bytes) {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    let prompt = match body.get("prompt") {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => a[0].as_str().unwrap_or_default().to_string(),
+        _ => return bad("prompt must be a string", "prompt"),
+    };
+    run(app, body, prompt, false).await
+}
+
+async fn chat(State(app): State<Arc<App>>, bytes: Bytes) -> Response {
+    let body = match json_body(&bytes) {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    let Some(messages) = body.get("messages").and_then(Value::as_array).filter(|m| !m.is_empty()) else {
+        return bad("messages must be a non-empty list of {role, content}", "messages");
+    };
+    if !messages.iter().all(|m| m["role"].is_string() && m["content"].is_string()) {
+        return bad("every message needs a string role and a string content", "messages");
+    }
+    let env = minijinja::Environment::new();
+    let ctx =
+        minijinja::context! { messages => messages, add_generation_prompt => true, bos_token => "", eos_token => "" };
+    let prompt = match env.render_str(&app.template, ctx) {
+        Ok(p) => p,
+        Err(e) => return bad(format!("the chat template failed on these messages: {e}"), "messages"),
+    };
+    run(app, body, prompt, true).await
+}
+
+async fn run(app: Arc<App>, body: Value, prompt: String, chat: bool) -> Response {
+    let ids = app.tok.encode(&prompt);
+    let p = match parse_common(&app, &body, ids.len()) {
+        Ok(p) => p,
+        Err(r) => return r,
+    };
+    if app.in_flight.fetch_add(1, Ordering::SeqCst) >= MAX_IN_FLIGHT {
+        app.in_flight.fetch_sub(1, Ordering::SeqCst);
+        return error(
+            StatusCode::TOO_MANY_REQUESTS,
+            &format!("{MAX_IN_FLIGHT} requests are in flight; retry later"),
+            "rate_limit_error",
+            None,
+        );
+    }
+    let slot = Slot(app.clone());
+    let id = app.next_id.fetch_add(1, Ordering::SeqCst);
+    let (out, mut rx) = unbounded_channel();
+    let req =
+        Request { id, prompt: ids, max_tokens: p.max_tokens, eos: app.eos.clone(), params: p.params, seed: p.seed };
+    let sent = app.engine.lock().map(|e| e.send(Job { req, stop: p.stop, out }).is_ok()).unwrap_or(false);
+    if !sent {
+        return error(StatusCode::SERVICE_UNAVAILABLE, "the engine thread is gone", "server_error", None);
+    }
+    let rid = if chat { format!("chatcmpl-{id}") } else { format!("cmpl-{id}") };
+    let created = now();
+    let model = app.model_id.clone();
+    if p.stream {
+        let stream = sse(rx, slot, rid, created, model, chat);
+        return Sse::new(stream).into_response();
+    }
+    let mut text = String::new();
+    while let Some(o) = rx.recv().await {
+        match o {
+            Out::Text(t) => text.push_str(&t),
+            Out::Done { finish, prompt_tokens, completion_tokens } => {
+                drop(slot);
+                let usage = json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens});
+                let choice = if chat {
+                    json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish})
+                } else {
+                    json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": null})
+                };
+                let object = if chat { "chat.completion" } else { "text_completion" };
+                return axum::Json(json!({"id": rid, "object": object, "created": created, "model": model, "choices": [choice], "usage": usage})).into_response();
+            }
+        }
+    }
+    error(StatusCode::INTERNAL_SERVER_ERROR, "the engine dropped the request", "server_error", None)
+}
+
+type SseItem = Result<SseEvent, std::convert::Infallible>;
+
+/// Where a streaming response is: text still coming, the `[DONE]` event next, or ended.
+enum Phase {
+    Text { rx: UnboundedReceiver<Out>, slot: Slot, first: bool },
+    Done(Slot),
+    End,
+}
+
+/// The server-sent events of a streaming request: one chunk per piece of text, the last with its
+/// finish_reason and usage, then `[DONE]`.
+fn sse(
+    rx: UnboundedReceiver<Out>,
+    slot: Slot,
+    rid: String,
+    created: u64,
+    model: String,
+    chat: bool,
+) -> impl futures_util::Stream<Item = SseItem> {
+    let object = if chat { "chat.completion.chunk" } else { "text_completion" };
+    let chunk = move |text: &str, finish: Option<&str>, first: bool| {
+        let choice = if chat {
+            let delta = if first { json!({"role": "assistant", "content": text}) } else { json!({"content": text}) };
+            json!({"index": 0, "delta": delta, "finish_reason": finish})
+        } else {
+            json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": null})
+        };
+        json!({"id": rid, "object": object, "created": created, "model": model, "choices": [choice]})
+    };
+    futures_util::stream::unfold(Phase::Text { rx, slot, first: true }, move |phase| {
+        let chunk = chunk.clone();
+        async move {
+            match phase {
+                Phase::End => None,
+                Phase::Done(slot) => {
+                    drop(slot);
+                    Some((Ok(SseEvent::default().data("[DONE]")), Phase::End))
+                }
+                Phase::Text { mut rx, slot, first } => match rx.recv().await {
+                    Some(Out::Text(t)) => Some((
+                        Ok(SseEvent::default().data(chunk(&t, None, first).to_string())),
+                        Phase::Text { rx, slot, first: false },
+                    )),
+                    Some(Out::Done { finish, prompt_tokens, completion_tokens }) => {
+                        let mut last = chunk("", Some(finish), first);
+                        last["usage"] = json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens});
+                        Some((Ok(SseEvent::default().data(last.to_string())), Phase::Done(slot)))
+                    }
+                    None => None,
+                },
+            }
+        }
+    })
+}

@@ -1,0 +1,337 @@
+//! Serving: plan and scaffold with serving constraints, the serving kernels' diagnosis on a faulted
+//! engine, and verify_batching failing on the bare serving scaffold, an empty crate, a constant
+//! batched step and a leaking block manager, each for its stated reason, and passing on the SIMD
+//! example engine; serve_engine failing on an engine without a binary, a server that dies at start
+//! and a constant sampler, each for its stated reason, and passing on the SIMD example engine.
+
+use metainfer::error::ErrorKind;
+use metainfer::harness::Budget;
+use metainfer::manifest::Serving;
+use metainfer::ops::batching::{BatchingRequest, verify_batching};
+use metainfer::ops::kernel_test::{KernelTestRequest, kernel_test};
+use metainfer::ops::plan::{PlanRequest, plan};
+use metainfer::ops::scaffold::{ScaffoldRequest, scaffold};
+use metainfer::ops::serve::{ServeRequest, serve_engine};
+
+use crate::Engine;
+
+fn s(p: &std::path::Path) -> String {
+    p.display().to_string()
+}
+
+fn serving(max_seqs: usize, max_context: usize) -> Serving {
+    Serving { max_seqs, max_context, block_size: 16, kv_blocks: None, max_batch_tokens: None, sampling: true }
+}
+
+fn batching(engine: &std::path::Path) -> BatchingRequest {
+    BatchingRequest { engine: s(engine), model: s(&crate::babyllama()), sequences: None, seed: None, dtype: None }
+}
+
+#[test]
+fn plan_adds_serving_phases_only_when_asked_and_checks_the_kv_cache() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let req = |serving| PlanRequest {
+        platform: None,
+        model: s(&crate::babyllama()),
+        target: "cpu".into(),
+        dtype: "f32".into(),
+        serving,
+    };
+    let phases = |r: &metainfer::ops::plan::PlanReport| r.phases.iter().map(|p| p.phase.clone()).collect::<Vec<_>>();
+
+    let plain = plan(&ctx, &req(None)).unwrap();
+    assert!(plain.covered && plain.kv_cache.is_none());
+    assert!(!phases(&plain).iter().any(|p| p == "batching" || p == "serving"), "{:?}", phases(&plain));
+    assert!(!plain.phases[0].contracts.contains(&"kernel.sample".to_string()));
+
+    let served = plan(&ctx, &req(Some(serving(16, 256)))).unwrap();
+    assert!(served.covered, "{}", metainfer::ops::Report::text(&served));
+    let names = phases(&served);
+    assert_eq!(&names[5..], ["batching", "serving", "performance"], "{names:?}");
+    let kernels = &served.phases[0].contracts;
+    assert!(kernels.contains(&"kernel.paged_attention".to_string()) && kernels.contains(&"kernel.sample".to_string()));
+    let batching = &served.phases[5];
+    assert!(batching.contracts.contains(&"component.block_manager".to_string()), "{batching:?}");
+    assert!(batching.gates.contains(&"verify_batching".to_string()));
+    // BabyLlama: 5 layers, 4 KV heads of 32. One block: 2 (K, V) * 5 * 16 positions * 4 * 32 * 4 bytes
+    // = 40,960 bytes; 16 sequences of ceil(256 / 16) = 16 blocks = 256 blocks = 10 MiB.
+    let kv = served.kv_cache.as_ref().unwrap();
+    assert_eq!((kv.blocks, kv.bytes_per_block, kv.full_sequences), (256, 40_960, 16));
+    assert!((kv.total_mib - 10.0).abs() < 1e-9, "{}", kv.total_mib);
+
+    // More context than the model has, and more sequences than the pool holds: said before any code.
+    let long = plan(&ctx, &req(Some(serving(4, 512)))).unwrap();
+    assert!(!long.covered && long.gaps.iter().any(|g| g.field == "serving.max_context" && g.reason.contains("256")));
+    let small = Serving { kv_blocks: Some(10), ..serving(4, 64) };
+    let r = plan(&ctx, &req(Some(small))).unwrap();
+    // ceil(64 / 16) = 4 blocks per sequence: 10 blocks hold 2 of them, not 4; 16 blocks would.
+    let gap = r.gaps.iter().find(|g| g.field == "serving.kv_blocks").expect("a KV gap");
+    assert!(gap.reason.contains("hold 2 sequences") && gap.reason.contains("kv_blocks to 16"), "{}", gap.reason);
+    let bad = Serving { max_batch_tokens: Some(2), ..serving(4, 64) };
+    assert!(plan(&ctx, &req(Some(bad))).unwrap().gaps.iter().any(|g| g.reason.contains("max_batch_tokens")));
+}
+
+#[test]
+fn serving_scaffold_fails_verify_batching_on_its_todos() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let engine = t.path().join("served");
+    let r = scaffold(
+        &ctx,
+        &ScaffoldRequest {
+            platform: None,
+            model: s(&crate::babyllama()),
+            out: s(&engine),
+            target: "cpu".into(),
+            dtype: "f32".into(),
+            name: Some("served".into()),
+            force: false,
+            reference_level: Default::default(),
+            serving: Some(serving(8, 128)),
+        },
+    )
+    .unwrap();
+    for f in ["src/paged.rs", "src/batch.rs"] {
+        assert!(r.files.contains(&f.to_string()), "{:?}", r.files);
+    }
+    let kernels = std::fs::read_to_string(engine.join("src/kernels.rs")).unwrap();
+    assert!(kernels.contains("pub fn sample(") && kernels.contains("pub fn paged_attention("));
+    let manifest = std::fs::read_to_string(engine.join("metainfer.toml")).unwrap();
+    assert!(manifest.contains("[serving]") && manifest.contains("max_seqs = 8"), "{manifest}");
+
+    let v = verify_batching(&ctx, &batching(&engine), &Budget::secs(900)).unwrap();
+    crate::assert_conforms(&v);
+    assert!(!v.passed);
+    let bm = &v.block_manager;
+    assert!(
+        !bm.passed && bm.violations[0].contains("panicked") && bm.violations[0].contains("not yet implemented"),
+        "{bm:?}"
+    );
+    assert!(v.error.contains("not yet implemented"), "{}", v.error);
+
+    // The serving kernels are in the scaffold's plan, and fail as unimplemented.
+    let k = kernel_test(
+        &ctx,
+        &KernelTestRequest {
+            from_bundle: None,
+            write_bundle: None,
+            engine: s(&engine),
+            kernels: vec!["kernel.sample".into(), "kernel.paged_attention".into()],
+            seed: Some(1),
+            dtype: None,
+        },
+        &Budget::secs(900),
+    )
+    .unwrap();
+    assert!(k.kernels.iter().all(|k| !k.passed && k.error.contains("not yet implemented")), "{k:?}");
+}
+
+#[test]
+fn verify_batching_needs_serving_constraints_and_the_serving_signatures() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    // A batch-1 library (no [serving]) is a bad request for this gate.
+    let plain = t.path().join("plain");
+    Engine::Plain.copy_to(&plain);
+    let e = verify_batching(&ctx, &batching(&plain), &Budget::secs(900)).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::Usage);
+    assert!(e.message.contains("no [serving] table"), "{}", e.message);
+
+    // An empty crate that claims serving lacks every signature: blocked before anything is built.
+    let empty = t.path().join("empty");
+    std::fs::create_dir_all(empty.join("src")).unwrap();
+    std::fs::write(
+        empty.join("Cargo.toml"),
+        "[package]\nname = \"empty\"\nversion = \"0.1.0\"\nedition = \"2024\"\n\n[workspace]\n",
+    )
+    .unwrap();
+    std::fs::write(empty.join("src/lib.rs"), "").unwrap();
+    std::fs::write(empty.join("metainfer.toml"), "[serving]\nmax_seqs = 4\nmax_context = 64\n").unwrap();
+    let v = verify_batching(&ctx, &batching(&empty), &Budget::secs(900)).unwrap();
+    assert!(!v.passed && v.error.contains("signature-changed"), "{}", v.error);
+    assert!(v.rules.iter().any(|f| f.file == "src/paged.rs") && v.rules.iter().any(|f| f.file == "src/batch.rs"));
+    assert_eq!(v.block_manager.ops, 0);
+}
+
+#[test]
+fn constant_batched_step_and_leaking_block_manager_fail_for_their_reasons() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let constant = t.path().join("constant");
+    Engine::Simd.copy_to(&constant);
+    crate::replace_body(
+        &constant,
+        "src/batch.rs",
+        "pub fn step(",
+        "let _ = cache;\n    vec![0.5; chunks.len() * model.vocab_size()]",
+    );
+    let v = verify_batching(&ctx, &batching(&constant), &Budget::secs(900)).unwrap();
+    assert!(!v.passed && v.block_manager.passed, "{}", metainfer::ops::Report::text(&v));
+    assert!(v.sequences.iter().all(|s| !s.logits_ok), "{}", metainfer::ops::Report::text(&v));
+    assert!(v.error.contains("differ from its single-sequence reference"), "{}", v.error);
+
+    let leaky = t.path().join("leaky");
+    Engine::Simd.copy_to(&leaky);
+    crate::replace_body(&leaky, "src/paged.rs", "pub fn free(", "self.seqs.remove(&seq);");
+    let v = verify_batching(&ctx, &batching(&leaky), &Budget::secs(900)).unwrap();
+    assert!(!v.passed && !v.block_manager.passed, "{}", metainfer::ops::Report::text(&v));
+    assert!(v.block_manager.violations.iter().any(|m| m.contains("num_free_blocks says")), "{:?}", v.block_manager);
+    // The batched step itself is untouched and still equals the reference.
+    assert!(v.sequences.iter().all(|s| s.tokens_ok && s.logits_ok), "{}", metainfer::ops::Report::text(&v));
+}
+
+#[test]
+fn faulted_serving_kernels_are_diagnosed() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let engine = t.path().join("faulted");
+    Engine::Simd.copy_to(&engine);
+    // Top-p drops the crossing token; paged attention reads logical blocks as physical ones.
+    crate::inject(&engine, "src/kernels.rs", "keep = j + 1;", "keep = j.max(1);");
+    crate::inject(
+        &engine,
+        "src/kernels.rs",
+        "let block = table[t / block_size] as usize;",
+        "let block = t / block_size;",
+    );
+    crate::inject(
+        &engine,
+        "src/kernels.rs",
+        "let slot = table[t / block_size] as usize * block_size + t % block_size;",
+        "let slot = t;",
+    );
+    let k = kernel_test(
+        &ctx,
+        &KernelTestRequest {
+            from_bundle: None,
+            write_bundle: None,
+            engine: s(&engine),
+            kernels: vec!["kernel.sample".into(), "kernel.paged_attention".into()],
+            seed: None,
+            dtype: None,
+        },
+        &Budget::secs(900),
+    )
+    .unwrap();
+    let text = metainfer::ops::Report::text(&k);
+    let named = |id: &str, failure: &str| {
+        k.kernels.iter().any(|r| r.kernel == id && !r.passed && r.diagnosis.iter().any(|d| d.failure == failure))
+    };
+    assert!(named("kernel.sample", "failure.top-p-boundary-dropped"), "{text}");
+    assert!(named("kernel.paged_attention", "failure.paged-block-table-ignored"), "{text}");
+}
+
+/// The SIMD example engine passes verify_batching on BabyLlama, and the outcome is recorded.
+#[test]
+fn simd_engine_passes_verify_batching() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let engine = t.path().join("simd");
+    Engine::Simd.copy_to(&engine);
+    let v = verify_batching(&ctx, &BatchingRequest { sequences: Some(8), ..batching(&engine) }, &Budget::secs(900))
+        .unwrap();
+    assert!(v.passed, "{}", metainfer::ops::Report::text(&v));
+    crate::assert_conforms(&v);
+    assert_eq!(v.sequences.len(), 8);
+    assert!(v.block_manager.ops == metainfer::ops::batching::BLOCK_OPS && v.max_chunks_per_step >= 2);
+    let ledger = metainfer::ledger::Ledger::open(&ctx.ledger).unwrap();
+    let o = ledger.list(0, 1).unwrap().remove(0);
+    assert_eq!((o.tool.as_str(), o.passed), ("verify_batching", true));
+}
+
+fn serve_req(engine: &std::path::Path) -> ServeRequest {
+    ServeRequest {
+        engine: s(engine),
+        model: s(&crate::babyllama()),
+        concurrency: Some(vec![1, 4]),
+        requests: None,
+        max_tokens: Some(8),
+        seed: None,
+        dtype: None,
+    }
+}
+
+/// serve_engine on engines that cannot serve: a batch-1 library is a bad request; the bare serving
+/// scaffold has no binary; a binary whose `serve` fails at once never answers /health; a constant
+/// sampler answers, but not the reference's greedy text, at the battery and under load.
+#[test]
+fn serve_engine_fails_without_a_binary_on_a_dying_server_and_on_a_constant_sampler() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let plain = t.path().join("plain");
+    Engine::Plain.copy_to(&plain);
+    let e = serve_engine(&ctx, &serve_req(&plain), &Budget::secs(900)).unwrap_err();
+    assert!(e.kind == ErrorKind::Usage && e.message.contains("no [serving] table"), "{}", e.message);
+
+    let bare = t.path().join("bare");
+    let req = ScaffoldRequest {
+        platform: None,
+        model: s(&crate::babyllama()),
+        out: s(&bare),
+        target: "cpu".into(),
+        dtype: "f32".into(),
+        name: Some("bare".into()),
+        force: false,
+        reference_level: Default::default(),
+        serving: Some(serving(4, 128)),
+    };
+    scaffold(&ctx, &req).unwrap();
+    let r = serve_engine(&ctx, &serve_req(&bare), &Budget::secs(900)).unwrap();
+    crate::assert_conforms(&r);
+    assert!(!r.passed && r.error.contains("the engine has no binary"), "{}", r.error);
+    assert!(r.checks.is_empty() && r.levels.is_empty());
+
+    let dying = t.path().join("dying");
+    Engine::Simd.copy_to(&dying);
+    crate::replace_body(&dying, "src/main.rs", "fn serve(", "let _ = args;\n    Err(\"refusing to serve\".into())");
+    let r = serve_engine(&ctx, &serve_req(&dying), &Budget::secs(900)).unwrap();
+    assert!(!r.passed, "{}", metainfer::ops::Report::text(&r));
+    assert!(
+        r.error.contains("exited before answering /health") && r.error.contains("refusing to serve"),
+        "{}",
+        r.error
+    );
+    assert_eq!(r.checks.len(), 1);
+
+    let constant = t.path().join("constant");
+    Engine::Simd.copy_to(&constant);
+    crate::replace_body(&constant, "src/kernels.rs", "pub fn sample(", "let _ = (logits, prev, params, u);\n    3");
+    let r = serve_engine(&ctx, &serve_req(&constant), &Budget::secs(900)).unwrap();
+    let text = metainfer::ops::Report::text(&r);
+    assert!(!r.passed, "{text}");
+    let greedy = r.checks.iter().find(|c| c.name == "greedy").unwrap();
+    assert!(!greedy.passed && greedy.detail.contains("differs from the reference"), "{text}");
+    // It still answers in OpenAI's shape: health, models and the bad requests pass.
+    for name in ["health", "models", "bad_requests"] {
+        assert!(r.checks.iter().any(|c| c.name == name && c.passed), "{name}: {text}");
+    }
+    assert!(r.levels.iter().all(|l| l.greedy_mismatches == l.requests), "{text}");
+}
+
+/// The SIMD example engine's server passes serve_engine on BabyLlama at concurrency 1, 4 and 16,
+/// and the outcome is recorded with its figures.
+#[test]
+fn simd_engine_passes_serve_engine() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let engine = t.path().join("simd");
+    Engine::Simd.copy_to(&engine);
+    let req = ServeRequest { concurrency: Some(vec![1, 4, 16]), ..serve_req(&engine) };
+    let r = serve_engine(&ctx, &req, &Budget::secs(900)).unwrap();
+    let text = metainfer::ops::Report::text(&r);
+    assert!(r.passed, "{text}");
+    crate::assert_conforms(&r);
+    let names: Vec<&str> = r.checks.iter().map(|c| c.name.as_str()).collect();
+    assert_eq!(names, ["health", "models", "greedy", "streaming", "stop", "chat", "bad_requests", "alive"], "{text}");
+    assert_eq!(r.levels.iter().map(|l| l.concurrency).collect::<Vec<_>>(), [1, 4, 16]);
+    for l in &r.levels {
+        assert_eq!((l.completed, l.greedy_mismatches), (l.requests, 0), "{text}");
+        assert!(l.output_tokens > 0 && l.ttft_ms_p50 > 0.0 && l.ttft_ms_p99 >= l.ttft_ms_p50, "{text}");
+    }
+    assert_eq!(r.sandboxed, ctx.workshop.sandboxed());
+    let ledger = metainfer::ledger::Ledger::open(&ctx.ledger).unwrap();
+    let o = ledger.list(0, 1).unwrap().remove(0);
+    assert_eq!((o.tool.as_str(), o.passed), ("serve_engine", true));
+    eprintln!("{text}");
+}
