@@ -888,8 +888,9 @@ impl Workshop {
         // cargo's messages name the snapshot; the agent knows the engine directory.
         let own = |s: &str| s.replace(&build_dir.display().to_string(), &dir.display().to_string());
         let scratch = self.scratch()?;
-        let grants =
-            Grants { tmp: Some(scratch.path().into()), ..Grants::default() }.read(build_dir).write(scratch.path());
+        let grants = self.with_cargo_config(
+            Grants { tmp: Some(scratch.path().into()), ..Grants::default() }.read(build_dir).write(scratch.path()),
+        );
         let args = vec![
             "metadata".into(),
             "--no-deps".into(),
