@@ -12,6 +12,7 @@ mod evolve;
 mod families;
 mod faults;
 mod gates;
+mod graph;
 mod ledger;
 mod mcp;
 mod model;
