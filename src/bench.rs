@@ -512,7 +512,8 @@ pub fn reference(ckb: &crate::ckb::Ckb, model: &Path, weight_dtype: &str, tokens
     let rss_after_read_mb = status_mb("VmRSS:");
     let parameters = tensors.values().map(|(_, v)| v.len()).sum();
     let t = Instant::now();
-    let mut r = crate::oracle::llama::Reference::from_tensors(&cfg, tensors, weight_dtype)?;
+    let fam = family.model.as_ref().ok_or_else(|| Error::usage(format!("`{}` is not a model family", family.id)))?;
+    let mut r = crate::oracle::llama::Reference::of_family(fam, &cfg, tensors, weight_dtype)?;
     let build_s = t.elapsed().as_secs_f64();
     let rss_reference_mb = status_mb("VmRSS:");
     let mut steps = Vec::new();

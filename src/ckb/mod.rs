@@ -2,6 +2,7 @@
 //!
 //! Knows nothing of MCP, processes or the ledger.
 
+pub mod graph;
 mod types;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -412,6 +413,11 @@ impl Ckb {
                             ),
                         );
                     }
+                }
+            }
+            if let Some(g) = c.model.as_ref().and_then(|m| m.graph.as_ref().map(|g| (g, &m.weights))) {
+                for (field, message) in graph::lint_graph(g.0, g.1) {
+                    bad(&field, message);
                 }
             }
             if let Some(f) = &c.failure {

@@ -257,7 +257,124 @@ pub struct ModelFamily {
     /// rounds (lint requires it of every family).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dtype_policy: Option<DtypePolicy>,
+    /// The forward pass as data: what the reference interprets and an engine computes, node by
+    /// node (see [`Graph`]). Lint checks it against `weights` and the kernel registry.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub graph: Option<Graph>,
 }
+
+/// The forward pass of one token of a model family as a graph: named nodes in order, each an
+/// operation of [`GRAPH_OPS`] (a kernel of the registry or an elementwise primitive) with its inputs
+/// and weight bindings. `prologue` runs once (embedding), `layer` once per decoder layer with `{i}`
+/// in weight names bound to the layer index, `epilogue` once after the layers; the epilogue's last
+/// node is the logits [vocab].
+///
+/// Inputs name earlier nodes of the same block, or: `token` (the token id, prologue only) and
+/// `stream` (the residual stream entering the block: in `layer`, the prologue's last node for
+/// layer 0 and the previous layer's last node after; in `epilogue`, the last layer's last node).
+/// A node's output is known by its name; trace points are `<name>` in prologue and epilogue and
+/// `layers.<i>.<name>` in the layers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Graph {
+    /// Nodes before the layers.
+    pub prologue: Vec<GraphNode>,
+    /// Nodes of one decoder layer, repeated `n_layers` times.
+    pub layer: Vec<GraphNode>,
+    /// Nodes after the layers; the last one yields the logits.
+    pub epilogue: Vec<GraphNode>,
+}
+
+/// One node of a [`Graph`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct GraphNode {
+    /// Name, unique in its block; the trace point of its output.
+    pub name: String,
+    /// Operation, one of [`GRAPH_OPS`].
+    pub op: String,
+    /// Inputs in the op's order: earlier node names, `token`, `stream`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub inputs: Vec<String>,
+    /// Weight slot -> tensor name pattern (`{i}`: layer index), each a `[[model.weights]]` name.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub weights: BTreeMap<String, String>,
+    /// Parameter -> value: a number or an expression over config roles (`hidden`, `head_dim`,
+    /// `n_heads`, `sliding_window`, ...) with `+ - * /`, `sqrt(..)` and `f32(..)` (round to f32).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub params: BTreeMap<String, String>,
+}
+
+/// An operation a graph node may use.
+#[derive(Debug, Clone, Copy)]
+pub struct GraphOp {
+    /// Op name, as a node's `op` spells it.
+    pub name: &'static str,
+    /// Inputs in order.
+    pub inputs: &'static [&'static str],
+    /// Weight slots (`?`: optional).
+    pub weights: &'static [&'static str],
+    /// Parameters (`?`: optional).
+    pub params: &'static [&'static str],
+    /// What it computes, and which kernel contract defines it.
+    pub doc: &'static str,
+}
+
+/// The operations a graph node may use. Kernel ops run the registry's kernels (`oracle::kernels`).
+pub const GRAPH_OPS: &[GraphOp] = &[
+    GraphOp {
+        name: "embedding",
+        inputs: &["token"],
+        weights: &["table"],
+        params: &[],
+        doc: "kernel.embedding: the token's row of `table` [vocab, width]",
+    },
+    GraphOp {
+        name: "rms_norm",
+        inputs: &["x"],
+        weights: &["weight"],
+        params: &["eps?", "gain?"],
+        doc: "kernel.rms_norm over groups of len(weight) (per head when weight is [head_dim]); eps defaults to rms_norm_eps; gain `w` (default) or `one_plus_w` (multiply by 1 + w)",
+    },
+    GraphOp {
+        name: "linear",
+        inputs: &["x"],
+        weights: &["weight", "bias?", "tied?"],
+        params: &["row_offset?", "rows?"],
+        doc: "kernel.linear: x W^T (+ bias), W = weight[row_offset .. row_offset + rows] (a row block of a fused tensor; default all rows); `tied` is used instead of `weight` when config.json ties the embeddings",
+    },
+    GraphOp {
+        name: "rope",
+        inputs: &["x"],
+        weights: &[],
+        params: &["heads"],
+        doc: "kernel.rope at the token's position over `heads` heads of head_dim, base rope_theta, with config.json's rope_scaling",
+    },
+    GraphOp {
+        name: "attention",
+        inputs: &["q", "k", "v"],
+        weights: &[],
+        params: &["window?"],
+        doc: "kernel.attention with this node's KV cache: q [n_heads*head_dim], k and v [n_kv_heads*head_dim] appended at the position; window > 0 sees only the last `window` positions",
+    },
+    GraphOp {
+        name: "silu_and_mul",
+        inputs: &["gate", "up"],
+        weights: &[],
+        params: &[],
+        doc: "kernel.silu_and_mul: silu(gate) * up",
+    },
+    GraphOp {
+        name: "gelu_tanh_and_mul",
+        inputs: &["gate", "up"],
+        weights: &[],
+        params: &[],
+        doc: "kernel.gelu_tanh_and_mul: gelu_tanh(gate) * up",
+    },
+    GraphOp { name: "add", inputs: &["a", "b"], weights: &[], params: &[], doc: "elementwise a + b (a residual)" },
+    GraphOp { name: "scale", inputs: &["x"], weights: &[], params: &["factor"], doc: "elementwise x * factor" },
+    GraphOp { name: "softcap", inputs: &["x"], weights: &[], params: &["cap"], doc: "elementwise cap * tanh(x / cap)" },
+];
 
 /// How a family's weights are held by an engine whose weight dtype is not f32 (bf16, f16, int8), and
 /// what the reference forward pass rounds so that it runs on the same numbers. Every weight role of

@@ -68,6 +68,10 @@ pub struct ContractFull {
     pub requires: Vec<String>,
     /// The whole contract as TOML, exactly as in the knowledge base.
     pub toml: String,
+    /// A model family's forward-pass graph, one node a line (`name = op(inputs) slot=tensor
+    /// param=value`, by block); absent for other kinds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub graph: Option<String>,
 }
 
 /// Lookup result.
@@ -133,6 +137,7 @@ fn full(c: &Contract) -> Result<ContractFull> {
         failure_modes: c.failure_modes.clone(),
         requires: c.requires.clone(),
         toml: toml::to_string_pretty(c).map_err(|e| Error::internal(format!("cannot render {}: {e}", c.id)))?,
+        graph: c.model.as_ref().and_then(|m| m.graph.as_ref()).map(crate::ckb::graph::render_graph),
     })
 }
 

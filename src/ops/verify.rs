@@ -370,7 +370,8 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     model::check_dtype_policy(family, &cfg, &model::read_config(&model_dir)?, &layout)?;
     let tensors = model::weights::read_layout(&model_dir, &layout)?;
     let mut warnings: Vec<String> = model::tied_head_warning(&cfg, &tensors).into_iter().collect();
-    let mut reference = Reference::from_tensors(&cfg, tensors, &target.dtype)?;
+    let mut reference =
+        Reference::of_family(family.model.as_ref().expect("model contract"), &cfg, tensors, &target.dtype)?;
     let tok = model::hf_tokenizer(&model_dir)?;
     let max_new = req.max_new_tokens.unwrap_or(32);
     if max_new == 0 || max_new > 4096 {

@@ -1,14 +1,17 @@
-//! Reference forward pass of the Llama family (contract model.llama) in f64, built from the oracle
-//! kernels. Used by verify_generation as the expected logits and tokens. The same pass covers the other
+//! Reference forward pass of the dense decoder families in f64, built from the oracle kernels:
+//! [`Reference`] runs the family contract's graph through `oracle::graph` (what the gates use), or
+//! the hand-written pass below. Used by verify_generation as the expected logits and tokens. The same pass covers the other
 //! dense decoder families (Mistral, Qwen2, Qwen3, Gemma) through the resolved config's `features`:
 //! q/k/v biases, per-head q/k RMSNorm, sliding-window attention, GeGLU, `(1 + w)` RMSNorm, the
 //! `sqrt(hidden)` embedding scale, RoPE scaling, and fused q/k/v and gate/up weight tensors (Phi-3's
 //! layout, split into their row blocks at load). Without features the numbers are plain Llama's.
 
 use super::families::{add_bias, gelu_tanh_and_mul, rope_inv_freq, rope_with_freqs};
+use super::graph::{GraphReference, Trace};
 use super::kernels::{attention, embedding, linear, rms_norm, rope, silu_and_mul};
 use super::mutants::{Mutation, Mutations};
 use super::{AttnShape, argmax, widen};
+use crate::ckb::ModelFamily;
 use crate::error::{Error, Result};
 use crate::model::{ResolvedConfig, Tensors};
 
@@ -31,8 +34,10 @@ struct Layer {
 /// Hands out a checkpoint tensor (shape, values) by name.
 type TakeTensor<'a> = dyn Fn(&str) -> Option<(Vec<usize>, Vec<f32>)> + 'a;
 
-/// The reference model with its f64 KV cache.
-pub struct Reference {
+/// The hand-written forward pass of the closed `features`, kept as the yardstick the graph
+/// interpreter is held to (bit for bit, tests/it/graph.rs) and for configs built without a family
+/// contract.
+struct Handwritten {
     cfg: ResolvedConfig,
     embed: Vec<f64>,
     layers: Vec<Layer>,
@@ -49,13 +54,13 @@ pub struct Reference {
     mutations: Mutations,
 }
 
-impl Reference {
+impl Handwritten {
     /// Build from a resolved config and the checkpoint's tensors, checking every shape.
     ///
     /// # Errors
     /// [`crate::error::ErrorKind::Input`] naming a missing tensor or a shape that disagrees with config.json.
-    pub fn new(cfg: &ResolvedConfig, tensors: &Tensors) -> Result<Reference> {
-        Reference::with_weight_dtype(cfg, tensors, "f32")
+    pub fn new(cfg: &ResolvedConfig, tensors: &Tensors) -> Result<Handwritten> {
+        Handwritten::with_weight_dtype(cfg, tensors, "f32")
     }
 
     /// As [`Reference::new`], on the weights an engine storing its 2-D tensors (embeddings,
@@ -65,8 +70,8 @@ impl Reference {
     ///
     /// # Errors
     /// As [`Reference::new`]; Usage for a dtype outside [`crate::ckb::WEIGHT_DTYPES`].
-    pub fn with_weight_dtype(cfg: &ResolvedConfig, tensors: &Tensors, weight_dtype: &str) -> Result<Reference> {
-        Reference::build(cfg, weight_dtype, &|name| tensors.get(name).cloned())
+    pub fn with_weight_dtype(cfg: &ResolvedConfig, tensors: &Tensors, weight_dtype: &str) -> Result<Handwritten> {
+        Handwritten::build(cfg, weight_dtype, &|name| tensors.get(name).cloned())
     }
 
     /// As [`Reference::with_weight_dtype`], consuming the tensors: each f32 tensor is freed as soon
@@ -75,13 +80,13 @@ impl Reference {
     ///
     /// # Errors
     /// As [`Reference::with_weight_dtype`].
-    pub fn from_tensors(cfg: &ResolvedConfig, tensors: Tensors, weight_dtype: &str) -> Result<Reference> {
+    pub fn from_tensors(cfg: &ResolvedConfig, tensors: Tensors, weight_dtype: &str) -> Result<Handwritten> {
         let cell = std::cell::RefCell::new(tensors);
-        Reference::build(cfg, weight_dtype, &|name| cell.borrow_mut().remove(name))
+        Handwritten::build(cfg, weight_dtype, &|name| cell.borrow_mut().remove(name))
     }
 
     /// Build from tensors handed out by name by `take` (each asked for at most once).
-    fn build(cfg: &ResolvedConfig, weight_dtype: &str, take: &TakeTensor<'_>) -> Result<Reference> {
+    fn build(cfg: &ResolvedConfig, weight_dtype: &str, take: &TakeTensor<'_>) -> Result<Handwritten> {
         if !crate::ckb::WEIGHT_DTYPES.contains(&weight_dtype) {
             return Err(Error::usage(format!(
                 "weight dtype `{weight_dtype}` unknown; use one of {}",
@@ -191,7 +196,7 @@ impl Reference {
                 }
             }
         };
-        Ok(Reference {
+        Ok(Handwritten {
             embed: get("model.embed_tokens.weight", &[cfg.vocab, h])?,
             norm: norm_w("model.norm.weight", h)?,
             lm_head,
@@ -309,44 +314,6 @@ impl Reference {
         self.len += 1;
         Ok(lin(m, &xn, self.lm_head.as_ref().unwrap_or(&self.embed), 1, h, c.vocab))
     }
-
-    /// Greedy generation: feed `prompt`, then `max_new` argmax tokens (stopping at max_seq).
-    /// Returns the logits after the last prompt token and after each generated token but the last,
-    /// one row per generated token, and the generated ids: `logits[i]` chose `tokens[i]`.
-    ///
-    /// # Errors
-    /// As [`Reference::step`]; an empty prompt.
-    pub fn greedy(&mut self, prompt: &[u32], max_new: usize) -> Result<(Vec<Vec<f64>>, Vec<u32>)> {
-        self.greedy_until(prompt, max_new, &[])
-    }
-
-    /// As [`Reference::greedy`], ending after the first generated token in `stop` (kept, as HF
-    /// generate keeps the EOS token; contract component.sampler).
-    ///
-    /// # Errors
-    /// As [`Reference::greedy`].
-    pub fn greedy_until(&mut self, prompt: &[u32], max_new: usize, stop: &[u32]) -> Result<(Vec<Vec<f64>>, Vec<u32>)> {
-        if prompt.is_empty() {
-            return Err(Error::usage("the prompt encodes to no tokens"));
-        }
-        self.reset();
-        let mut logits = Vec::new();
-        for &t in prompt {
-            logits = self.step(t)?;
-        }
-        let mut rows = Vec::new();
-        let mut tokens = Vec::new();
-        for i in 0..max_new {
-            let next = argmax(&logits) as u32;
-            rows.push(logits);
-            tokens.push(next);
-            if stop.contains(&next) || i + 1 == max_new || self.len >= self.cfg.max_seq {
-                break;
-            }
-            logits = self.step(next)?;
-        }
-        Ok((rows, tokens))
-    }
 }
 
 /// RMSNorm, with the mutations of it in force.
@@ -378,4 +345,171 @@ fn attend(m: Mutations, q: &[f64], k: &[f64], v: &[f64], s: AttnShape) -> Vec<f6
         no_scale: m.has(Mutation::AttentionNoScale),
     };
     attention::core(q, k, v, s, f)
+}
+
+/// The reference model with its f64 KV cache: the interpreter of the family contract's
+/// `[model.graph]` ([`GraphReference`], what the gates run), or the hand-written forward pass of the
+/// closed `features` (configs without a family contract at hand, and the yardstick the interpreter
+/// is held to). Both give the same logits bit for bit on every family (tests/it/graph.rs).
+pub struct Reference(Inner);
+
+enum Inner {
+    Graph(Box<GraphReference>),
+    Handwritten(Box<Handwritten>),
+}
+
+impl Reference {
+    /// The hand-written forward pass, from a resolved config and the checkpoint's tensors, checking
+    /// every shape.
+    ///
+    /// # Errors
+    /// [`crate::error::ErrorKind::Input`] naming a missing tensor or a shape that disagrees with config.json.
+    pub fn new(cfg: &ResolvedConfig, tensors: &Tensors) -> Result<Reference> {
+        Ok(Reference(Inner::Handwritten(Box::new(Handwritten::new(cfg, tensors)?))))
+    }
+
+    /// As [`Reference::new`], on the weights an engine storing its 2-D tensors (embeddings,
+    /// projections, lm_head) in `weight_dtype` computes with: bf16/f16 rounded to nearest even, or
+    /// int8 quantised per row and dequantised (contracts kernel.linear_bf16, kernel.linear_f16,
+    /// kernel.linear_int8). 1-D tensors (norm weights, biases) stay as stored. `f32`: as stored.
+    ///
+    /// # Errors
+    /// As [`Reference::new`]; Usage for a dtype outside [`crate::ckb::WEIGHT_DTYPES`].
+    pub fn with_weight_dtype(cfg: &ResolvedConfig, tensors: &Tensors, weight_dtype: &str) -> Result<Reference> {
+        Ok(Reference(Inner::Handwritten(Box::new(Handwritten::with_weight_dtype(cfg, tensors, weight_dtype)?))))
+    }
+
+    /// As [`Reference::with_weight_dtype`], consuming the tensors (each freed once widened).
+    ///
+    /// # Errors
+    /// As [`Reference::with_weight_dtype`].
+    pub fn from_tensors(cfg: &ResolvedConfig, tensors: Tensors, weight_dtype: &str) -> Result<Reference> {
+        Ok(Reference(Inner::Handwritten(Box::new(Handwritten::from_tensors(cfg, tensors, weight_dtype)?))))
+    }
+
+    /// The interpreter of `family`'s graph (consuming the tensors), or the hand-written forward
+    /// pass when the family states no graph.
+    ///
+    /// # Errors
+    /// As [`GraphReference::from_tensors`].
+    pub fn of_family(
+        family: &ModelFamily,
+        cfg: &ResolvedConfig,
+        tensors: Tensors,
+        weight_dtype: &str,
+    ) -> Result<Reference> {
+        if family.graph.is_none() {
+            return Reference::from_tensors(cfg, tensors, weight_dtype);
+        }
+        Ok(Reference(Inner::Graph(Box::new(GraphReference::from_tensors(family, cfg, tensors, weight_dtype)?))))
+    }
+
+    /// Whether this reference interprets the family's graph (and so can trace).
+    pub fn is_graph(&self) -> bool {
+        matches!(self.0, Inner::Graph(_))
+    }
+
+    /// Turn this reference into a mutant of the forward pass (or back into the true one with
+    /// [`Mutations::NONE`]), and forget the cache. Used to name the mistake behind failing logits.
+    pub fn set_mutations(&mut self, mutations: Mutations) {
+        match &mut self.0 {
+            Inner::Graph(r) => r.set_mutations(mutations),
+            Inner::Handwritten(r) => r.set_mutations(mutations),
+        }
+    }
+
+    /// The mutations in force; empty for the true forward pass.
+    pub fn mutations(&self) -> Mutations {
+        match &self.0 {
+            Inner::Graph(r) => r.mutations(),
+            Inner::Handwritten(r) => r.mutations(),
+        }
+    }
+
+    /// The resolved config this reference was built from.
+    pub fn config(&self) -> &ResolvedConfig {
+        match &self.0 {
+            Inner::Graph(r) => r.config(),
+            Inner::Handwritten(r) => r.config(),
+        }
+    }
+
+    /// Positions in the cache.
+    pub fn position(&self) -> usize {
+        match &self.0 {
+            Inner::Graph(r) => r.position(),
+            Inner::Handwritten(r) => r.len,
+        }
+    }
+
+    /// Forget the cache.
+    pub fn reset(&mut self) {
+        match &mut self.0 {
+            Inner::Graph(r) => r.reset(),
+            Inner::Handwritten(r) => r.reset(),
+        }
+    }
+
+    /// Run one token at the next position; return its logits [vocab].
+    ///
+    /// # Errors
+    /// When the token is outside the vocabulary or the cache is full.
+    pub fn step(&mut self, token: u32) -> Result<Vec<f64>> {
+        match &mut self.0 {
+            Inner::Graph(r) => r.step(token),
+            Inner::Handwritten(r) => r.step(token),
+        }
+    }
+
+    /// As [`Reference::step`], with every graph node's output by trace name
+    /// ([`GraphReference::step_traced`]).
+    ///
+    /// # Errors
+    /// As [`Reference::step`]; Usage when this reference was built without a graph.
+    pub fn step_traced(&mut self, token: u32) -> Result<(Vec<f64>, Trace)> {
+        match &mut self.0 {
+            Inner::Graph(r) => r.step_traced(token),
+            Inner::Handwritten(_) => {
+                Err(Error::usage("this reference was built without the family's graph (Reference::of_family traces)"))
+            }
+        }
+    }
+
+    /// Greedy generation: feed `prompt`, then `max_new` argmax tokens (stopping at max_seq).
+    /// Returns the logits after the last prompt token and after each generated token but the last,
+    /// one row per generated token, and the generated ids: `logits[i]` chose `tokens[i]`.
+    ///
+    /// # Errors
+    /// As [`Reference::step`]; an empty prompt.
+    pub fn greedy(&mut self, prompt: &[u32], max_new: usize) -> Result<(Vec<Vec<f64>>, Vec<u32>)> {
+        self.greedy_until(prompt, max_new, &[])
+    }
+
+    /// As [`Reference::greedy`], ending after the first generated token in `stop` (kept, as HF
+    /// generate keeps the EOS token; contract component.sampler).
+    ///
+    /// # Errors
+    /// As [`Reference::greedy`].
+    pub fn greedy_until(&mut self, prompt: &[u32], max_new: usize, stop: &[u32]) -> Result<(Vec<Vec<f64>>, Vec<u32>)> {
+        if prompt.is_empty() {
+            return Err(Error::usage("the prompt encodes to no tokens"));
+        }
+        self.reset();
+        let mut logits = Vec::new();
+        for &t in prompt {
+            logits = self.step(t)?;
+        }
+        let mut rows = Vec::new();
+        let mut tokens = Vec::new();
+        for i in 0..max_new {
+            let next = argmax(&logits) as u32;
+            rows.push(logits);
+            tokens.push(next);
+            if stop.contains(&next) || i + 1 == max_new || self.position() >= self.config().max_seq {
+                break;
+            }
+            logits = self.step(next)?;
+        }
+        Ok((rows, tokens))
+    }
 }

@@ -11,6 +11,7 @@ pub mod compare;
 pub mod diagnose;
 pub mod dtypes;
 pub mod families;
+pub mod graph;
 pub mod kernels;
 pub mod llama;
 pub mod mutants;

@@ -15,6 +15,7 @@ mod evolve;
 mod families;
 mod faults;
 mod gates;
+mod graph;
 mod ledger;
 mod mcp;
 mod model;

@@ -530,7 +530,9 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     // The timed runs' outputs: the first two are replayed through the reference forward pass.
     // Consumed while building: 8 bytes per parameter at the peak, not 12 (the 1B shapes).
     let tensors = crate::model::read_safetensors(&model_dir)?;
-    let mut reference = crate::oracle::llama::Reference::from_tensors(&cfg, tensors, &target.dtype)?;
+    let family = ctx.ckb.get(&cfg.family)?;
+    let fam = family.model.as_ref().ok_or_else(|| Error::usage(format!("`{}` is not a model family", family.id)))?;
+    let mut reference = crate::oracle::llama::Reference::of_family(fam, &cfg, tensors, &target.dtype)?;
     let mut problems = Vec::new();
     report.outputs_ok = true;
     for r in t.runs.iter().take(2) {

@@ -1,0 +1,461 @@
+//! The reference forward pass as an interpreter of a model family's graph (`[model.graph]`, see
+//! [`crate::ckb::Graph`]) in f64, one token a step, with a KV cache per attention node and layer.
+//! Every op runs the registry's kernel (`oracle::kernels`) or an elementwise primitive; node names
+//! are the trace points ([`GraphReference::step_traced`]). Model-level mutations
+//! ([`super::mutants::Mutation`]) apply the kernel fault at every node of that op (and the KV-row
+//! fault at every attention node), as the hand-written reference (`oracle::llama`) does.
+
+use std::collections::BTreeMap;
+
+use super::families::{gelu_tanh_and_mul, rope_inv_freq, rope_with_freqs};
+use super::kernels::{attention, embedding, linear, rms_norm, rope, silu_and_mul};
+use super::mutants::{Mutation, Mutations};
+use super::{AttnShape, widen};
+use crate::ckb::graph::eval_expr;
+use crate::ckb::{GraphNode, ModelFamily};
+use crate::error::{Error, Result};
+use crate::model::{ResolvedConfig, Tensors};
+
+/// The value of a config role for parameter expressions (`hidden`, `n_heads`, `head_dim`,
+/// `sliding_window`, `rms_norm_eps`, ...), as the resolved config holds it.
+pub fn config_role(cfg: &ResolvedConfig, name: &str) -> Option<f64> {
+    Some(match name {
+        "hidden" => cfg.hidden as f64,
+        "intermediate" => cfg.intermediate as f64,
+        "n_layers" => cfg.n_layers as f64,
+        "n_heads" => cfg.n_heads as f64,
+        "n_kv_heads" => cfg.n_kv_heads as f64,
+        "head_dim" => cfg.head_dim as f64,
+        "vocab" => cfg.vocab as f64,
+        "max_seq" => cfg.max_seq as f64,
+        "rms_norm_eps" => cfg.rms_norm_eps,
+        "rope_theta" => cfg.rope_theta,
+        "sliding_window" => cfg.sliding_window as f64,
+        _ => return None,
+    })
+}
+
+/// Where a node input comes from.
+#[derive(Clone, Copy)]
+enum Src {
+    Token,
+    Stream,
+    Node(usize),
+}
+
+/// A weight bound to a node: index into the store, its column count, and the row block used.
+#[derive(Clone, Copy)]
+struct Bound {
+    at: usize,
+    cols: usize,
+    offset: usize,
+    rows: usize,
+}
+
+/// A node with names resolved: inputs, weights and parameters evaluated for this config.
+struct Prepared {
+    /// Trace name: `name` or `layers.<i>.name`.
+    trace: String,
+    op: String,
+    inputs: Vec<Src>,
+    weight: Option<Bound>,
+    bias: Option<Bound>,
+    params: BTreeMap<String, f64>,
+    /// Index of this node's KV cache (attention only).
+    cache: usize,
+}
+
+/// Each node's output for one step, in order, by trace name (`embed`, `layers.<i>.<name>`, ..., `logits`).
+pub type Trace = Vec<(String, Vec<f64>)>;
+
+/// Hands out a checkpoint tensor (shape, values) by name.
+type TakeTensor<'a> = dyn Fn(&str) -> Option<(Vec<usize>, Vec<f32>)> + 'a;
+
+/// The reference model of a family's graph, with its f64 KV caches.
+pub struct GraphReference {
+    cfg: ResolvedConfig,
+    prologue: Vec<Prepared>,
+    layers: Vec<Vec<Prepared>>,
+    epilogue: Vec<Prepared>,
+    store: Vec<Vec<f64>>,
+    k_cache: Vec<Vec<f64>>,
+    v_cache: Vec<Vec<f64>>,
+    len: usize,
+    inv_freq: Option<Vec<f64>>,
+    mutations: Mutations,
+}
+
+impl GraphReference {
+    /// Build from the family's graph and weights, a resolved config and the checkpoint's tensors,
+    /// with 2-D weights as an engine storing them in `weight_dtype` holds them (see
+    /// `oracle::llama::Reference::with_weight_dtype`).
+    ///
+    /// # Errors
+    /// Input naming the node and tensor when a tensor is missing or its shape disagrees with the
+    /// family's `[[model.weights]]` shape at this config, or when the family has no graph or the
+    /// graph does not lint; Usage for an unknown weight dtype.
+    pub fn new(family: &ModelFamily, cfg: &ResolvedConfig, tensors: &Tensors, weight_dtype: &str) -> Result<Self> {
+        Self::build(family, cfg, weight_dtype, &|name| tensors.get(name).cloned())
+    }
+
+    /// As [`GraphReference::new`], consuming the tensors (each freed once widened).
+    ///
+    /// # Errors
+    /// As [`GraphReference::new`].
+    pub fn from_tensors(
+        family: &ModelFamily,
+        cfg: &ResolvedConfig,
+        tensors: Tensors,
+        weight_dtype: &str,
+    ) -> Result<Self> {
+        let cell = std::cell::RefCell::new(tensors);
+        Self::build(family, cfg, weight_dtype, &|name| cell.borrow_mut().remove(name))
+    }
+
+    fn build(family: &ModelFamily, cfg: &ResolvedConfig, weight_dtype: &str, take: &TakeTensor<'_>) -> Result<Self> {
+        if !crate::ckb::WEIGHT_DTYPES.contains(&weight_dtype) {
+            return Err(Error::usage(format!(
+                "weight dtype `{weight_dtype}` unknown; use one of {}",
+                crate::ckb::WEIGHT_DTYPES.join(", ")
+            )));
+        }
+        let graph = family
+            .graph
+            .as_ref()
+            .ok_or_else(|| Error::input(format!("{} has no [model.graph]: the reference cannot run it", cfg.family)))?;
+        let findings = crate::ckb::graph::lint_graph(graph, &family.weights);
+        if let Some((field, m)) = findings.first() {
+            return Err(Error::input(format!("{} graph refused at {field}: {m}", cfg.family)));
+        }
+        let mut b = Builder { cfg, family, weight_dtype, take, store: Vec::new(), keys: BTreeMap::new(), caches: 0 };
+        let prologue = b.block(&graph.prologue, None)?;
+        let mut layers = Vec::new();
+        for i in 0..cfg.n_layers {
+            layers.push(b.block(&graph.layer, Some(i))?);
+        }
+        let epilogue = b.block(&graph.epilogue, None)?;
+        let caches = b.caches;
+        Ok(GraphReference {
+            inv_freq: cfg.rope_scaling.as_ref().map(|s| rope_inv_freq(cfg.head_dim, cfg.rope_theta, Some(s))),
+            store: b.store,
+            prologue,
+            layers,
+            epilogue,
+            k_cache: vec![Vec::new(); caches],
+            v_cache: vec![Vec::new(); caches],
+            len: 0,
+            mutations: Mutations::NONE,
+            cfg: cfg.clone(),
+        })
+    }
+
+    /// Turn this reference into a mutant (or back with [`Mutations::NONE`]) and forget the cache.
+    pub fn set_mutations(&mut self, mutations: Mutations) {
+        self.mutations = mutations;
+        self.reset();
+    }
+
+    /// The mutations in force; empty for the true forward pass.
+    pub fn mutations(&self) -> Mutations {
+        self.mutations
+    }
+
+    /// Positions in the cache.
+    pub fn position(&self) -> usize {
+        self.len
+    }
+
+    /// The resolved config.
+    pub fn config(&self) -> &ResolvedConfig {
+        &self.cfg
+    }
+
+    /// Forget the cache.
+    pub fn reset(&mut self) {
+        self.k_cache.iter_mut().chain(self.v_cache.iter_mut()).for_each(Vec::clear);
+        self.len = 0;
+    }
+
+    /// Run one token at the next position; return its logits [vocab].
+    ///
+    /// # Errors
+    /// When the token is outside the vocabulary or the cache is full.
+    pub fn step(&mut self, token: u32) -> Result<Vec<f64>> {
+        self.run(token, None)
+    }
+
+    /// As [`GraphReference::step`], also returning every node's output for this step in order, by
+    /// trace name (`embed`, `layers.0.attn_norm`, ..., `logits`): the trace points of the family.
+    ///
+    /// # Errors
+    /// As [`GraphReference::step`].
+    pub fn step_traced(&mut self, token: u32) -> Result<(Vec<f64>, Trace)> {
+        let mut trace = Vec::new();
+        let logits = self.run(token, Some(&mut trace))?;
+        Ok((logits, trace))
+    }
+
+    fn run(&mut self, token: u32, mut trace: Option<&mut Trace>) -> Result<Vec<f64>> {
+        let c = &self.cfg;
+        if token as usize >= c.vocab {
+            return Err(Error::usage(format!("token id {token} is outside the vocabulary ({})", c.vocab)));
+        }
+        if self.len >= c.max_seq {
+            return Err(Error::usage(format!("sequence longer than max_position_embeddings {}", c.max_seq)));
+        }
+        let mut ctx = Exec {
+            cfg: &self.cfg,
+            store: &self.store,
+            k_cache: &mut self.k_cache,
+            v_cache: &mut self.v_cache,
+            pos: self.len,
+            token,
+            inv_freq: self.inv_freq.as_deref(),
+            m: self.mutations,
+        };
+        let mut stream = ctx.block(&self.prologue, Vec::new(), &mut trace);
+        for layer in &self.layers {
+            stream = ctx.block(layer, stream, &mut trace);
+        }
+        let logits = ctx.block(&self.epilogue, stream, &mut trace);
+        self.len += 1;
+        Ok(logits)
+    }
+}
+
+/// Resolves a block's nodes against the config and loads their weights (each tensor once).
+struct Builder<'a> {
+    cfg: &'a ResolvedConfig,
+    family: &'a ModelFamily,
+    weight_dtype: &'a str,
+    take: &'a TakeTensor<'a>,
+    store: Vec<Vec<f64>>,
+    /// (tensor name, one_plus_w) -> (store index, shape).
+    keys: BTreeMap<(String, bool), (usize, Vec<usize>)>,
+    caches: usize,
+}
+
+impl Builder<'_> {
+    fn block(&mut self, nodes: &[GraphNode], layer: Option<usize>) -> Result<Vec<Prepared>> {
+        let mut out: Vec<Prepared> = Vec::new();
+        let mut names: Vec<&str> = Vec::new();
+        for n in nodes {
+            let trace = layer.map_or(n.name.clone(), |i| format!("layers.{i}.{}", n.name));
+            let inputs = n
+                .inputs
+                .iter()
+                .map(|i| match i.as_str() {
+                    "token" => Src::Token,
+                    "stream" => Src::Stream,
+                    name => Src::Node(names.iter().position(|x| *x == name).expect("lint: defined before use")),
+                })
+                .collect();
+            let mut params = BTreeMap::new();
+            for (k, e) in &n.params {
+                if k == "gain" {
+                    continue;
+                }
+                let v = eval_expr(e, &|r| config_role(self.cfg, r))
+                    .map_err(|m| Error::input(format!("node `{trace}`: parameter `{k}`: {m}")))?;
+                params.insert(k.clone(), v);
+            }
+            let one_plus = n.params.get("gain").is_some_and(|g| g == "one_plus_w");
+            let slot = if n.op == "embedding" {
+                "table"
+            } else if n.weights.contains_key("tied") && self.cfg.tied {
+                "tied"
+            } else {
+                "weight"
+            };
+            let weight = match n.weights.get(slot) {
+                Some(p) => Some(self.bind(&trace, p, layer, one_plus, &params)?),
+                None => None,
+            };
+            let bias = match n.weights.get("bias") {
+                Some(p) => Some(self.bind(&trace, p, layer, false, &params)?),
+                None => None,
+            };
+            let cache = if n.op == "attention" {
+                self.caches += 1;
+                self.caches - 1
+            } else {
+                0
+            };
+            out.push(Prepared { trace, op: n.op.clone(), inputs, weight, bias, params, cache });
+            names.push(&n.name);
+        }
+        Ok(out)
+    }
+
+    /// Load (once) the tensor of `pattern` at `layer` and bind the node's row block of it.
+    fn bind(
+        &mut self,
+        node: &str,
+        pattern: &str,
+        layer: Option<usize>,
+        one_plus: bool,
+        params: &BTreeMap<String, f64>,
+    ) -> Result<Bound> {
+        let name = layer.map_or(pattern.to_string(), |i| pattern.replace("{i}", &i.to_string()));
+        let key = (name.clone(), one_plus);
+        if !self.keys.contains_key(&key) {
+            let spec = self.family.weights.iter().find(|w| w.name == pattern);
+            let want: Option<Vec<usize>> = spec.and_then(|s| {
+                s.shape.iter().map(|d| eval_expr(d, &|r| config_role(self.cfg, r)).ok().map(|v| v as usize)).collect()
+            });
+            let (s, v) = (self.take)(&name).ok_or_else(|| {
+                let hint = if name == "lm_head.weight" {
+                    " and config.json does not set tie_word_embeddings".to_string()
+                } else {
+                    format!(" (required by {}, node `{node}`)", self.cfg.family)
+                };
+                Error::input(format!("the checkpoint has no tensor `{name}`{hint}"))
+            })?;
+            if let Some(want) = &want
+                && &s != want
+            {
+                return Err(Error::input(format!("tensor `{name}` has shape {s:?}, config.json implies {want:?}")));
+            }
+            let mut w = if s.len() == 2 { super::dtypes::as_stored(&v, s[1], self.weight_dtype) } else { widen(&v) };
+            if one_plus {
+                w.iter_mut().for_each(|x| *x += 1.0);
+            }
+            self.store.push(w);
+            self.keys.insert(key.clone(), (self.store.len() - 1, s));
+        }
+        let (at, shape) = &self.keys[&key];
+        let cols = shape.get(1).copied().unwrap_or(1);
+        let offset = params.get("row_offset").map_or(0, |v| *v as usize);
+        let rows = params.get("rows").map_or(shape[0].saturating_sub(offset), |v| *v as usize);
+        if offset + rows > shape[0] {
+            return Err(Error::input(format!(
+                "node `{node}`: rows {offset}..{} outside tensor `{name}` of {} rows",
+                offset + rows,
+                shape[0]
+            )));
+        }
+        Ok(Bound { at: *at, cols, offset, rows })
+    }
+}
+
+/// One step's execution state.
+struct Exec<'a> {
+    cfg: &'a ResolvedConfig,
+    store: &'a [Vec<f64>],
+    k_cache: &'a mut [Vec<f64>],
+    v_cache: &'a mut [Vec<f64>],
+    pos: usize,
+    token: u32,
+    inv_freq: Option<&'a [f64]>,
+    m: Mutations,
+}
+
+impl Exec<'_> {
+    /// Run a block on the incoming stream; return its last node's output.
+    fn block(&mut self, nodes: &[Prepared], stream: Vec<f64>, trace: &mut Option<&mut Trace>) -> Vec<f64> {
+        let mut vals: Vec<Vec<f64>> = Vec::with_capacity(nodes.len());
+        for n in nodes {
+            let ins: Vec<&[f64]> = n
+                .inputs
+                .iter()
+                .map(|s| match *s {
+                    Src::Stream => stream.as_slice(),
+                    Src::Node(j) => vals[j].as_slice(),
+                    Src::Token => &[],
+                })
+                .collect();
+            let out = self.node(n, &ins);
+            if let Some(t) = trace.as_deref_mut() {
+                t.push((n.trace.clone(), out.clone()));
+            }
+            vals.push(out);
+        }
+        vals.pop().unwrap_or(stream)
+    }
+
+    fn node(&mut self, n: &Prepared, ins: &[&[f64]]) -> Vec<f64> {
+        let input = |i: usize| ins[i];
+        let (c, m) = (self.cfg, self.m);
+        let slice = |b: &Bound| &self.store[b.at][b.offset * b.cols..(b.offset + b.rows) * b.cols];
+        let (hd, nh, nkv) = (c.head_dim, c.n_heads, c.n_kv_heads);
+        match n.op.as_str() {
+            "embedding" => {
+                let w = n.weight.expect("table bound");
+                let f = embedding::Faults { off_by_one: m.has(Mutation::EmbeddingOffByOne) };
+                embedding::core(&self.store[w.at], w.cols, &[self.token], f)
+            }
+            "scale" => {
+                let f = n.params["factor"];
+                input(0).iter().map(|v| v * f).collect()
+            }
+            "softcap" => {
+                let cap = n.params["cap"];
+                input(0).iter().map(|v| cap * (v / cap).tanh()).collect()
+            }
+            "add" => input(0).iter().zip(input(1)).map(|(a, b)| a + b).collect(),
+            "rms_norm" => {
+                let w = n.weight.expect("weight bound");
+                let eps = n.params.get("eps").copied().unwrap_or(c.rms_norm_eps);
+                let f = rms_norm::Faults {
+                    eps_outside: m.has(Mutation::RmsNormEpsOutside),
+                    no_weight: m.has(Mutation::RmsNormNoWeight),
+                };
+                rms_norm::core(input(0), slice(&w), eps, f)
+            }
+            "linear" => {
+                let w = n.weight.expect("weight bound");
+                let f = linear::Faults { xw: m.has(Mutation::LinearXw) };
+                let mut y = linear::core(input(0), slice(&w), 1, w.cols, w.rows, f);
+                if let Some(b) = &n.bias {
+                    let bias = &self.store[b.at][w.offset..w.offset + w.rows];
+                    y.iter_mut().zip(bias).for_each(|(a, b)| *a += b);
+                }
+                y
+            }
+            "rope" => {
+                let heads = n.params["heads"] as usize;
+                let mut x = input(0).to_vec();
+                if let Some(f) = self.inv_freq {
+                    rope_with_freqs(&mut x, self.pos, heads, hd, f);
+                } else {
+                    let f = rope::Faults {
+                        adjacent: m.has(Mutation::RopeAdjacent),
+                        theta_default: m.has(Mutation::RopeThetaDefault),
+                    };
+                    rope::core(&mut x, &[self.pos], heads, hd, c.rope_theta, f);
+                }
+                x
+            }
+            "attention" => {
+                let (q, k, v) = (input(0), input(1), input(2));
+                let pos = self.pos;
+                let l = n.cache;
+                if m.has(Mutation::KvPositionOffByOne) {
+                    let (width, row) = (nkv * hd, pos.saturating_sub(1) * nkv * hd);
+                    for (cache, new) in [(&mut self.k_cache[l], k), (&mut self.v_cache[l], v)] {
+                        cache.resize((pos + 1) * width, 0.0);
+                        cache[row..row + width].copy_from_slice(new);
+                    }
+                } else {
+                    self.k_cache[l].extend_from_slice(k);
+                    self.v_cache[l].extend_from_slice(v);
+                }
+                let window = n.params.get("window").map_or(0, |w| *w as usize);
+                let start = if window > 0 { (pos + 1).saturating_sub(window) } else { 0 };
+                let shape = AttnShape { n_q: 1, kv_len: pos + 1 - start, n_heads: nh, n_kv_heads: nkv, head_dim: hd };
+                let from = start * nkv * hd;
+                let f = attention::Faults {
+                    gqa_modulo: m.has(Mutation::GqaModulo),
+                    no_mask: false,
+                    no_scale: m.has(Mutation::AttentionNoScale),
+                };
+                attention::core(q, &self.k_cache[l][from..], &self.v_cache[l][from..], shape, f)
+            }
+            "silu_and_mul" => {
+                silu_and_mul::core(input(0), input(1), silu_and_mul::Faults { swapped: m.has(Mutation::SiluSwapped) })
+            }
+            "gelu_tanh_and_mul" => gelu_tanh_and_mul(input(0), input(1)),
+            other => unreachable!("lint refuses op `{other}`"),
+        }
+    }
+}
