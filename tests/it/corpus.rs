@@ -664,3 +664,45 @@ fn escaping_engines_are_stopped_by_their_rule() {
         escapes.len()
     );
 }
+
+/// A model directory inside the workspace whose config.json or model.safetensors is a link to a
+/// file outside it is refused by name, and nothing of the outside file reaches the answer.
+#[test]
+fn a_model_file_linked_outside_the_workspace_is_refused_by_name() {
+    use metainfer::ops::plan::{PlanRequest, plan};
+    let t = tempfile::tempdir().unwrap();
+    let (ws, outside) = (t.path().join("ws"), t.path().join("outside"));
+    std::fs::create_dir_all(&outside).unwrap();
+    let mut ctx = crate::ctx(t.path());
+    ctx.workspace = Some(ws.clone());
+    for linked in ["config.json", "model.safetensors"] {
+        let m = ws.join(format!("model-{linked}"));
+        std::fs::create_dir_all(&m).unwrap();
+        for f in ["config.json", "model.safetensors", "tokenizer.json"] {
+            let src = crate::babyllama().join(f);
+            if f == linked {
+                // The outside copy carries a marker that must never appear in an answer.
+                let out = outside.join(f);
+                let mut bytes = std::fs::read(&src).unwrap();
+                if f == "config.json" {
+                    bytes =
+                        String::from_utf8(bytes).unwrap().replacen('{', "{\"secret_marker_7731\": 1,", 1).into_bytes();
+                }
+                std::fs::write(&out, bytes).unwrap();
+                std::os::unix::fs::symlink(&out, m.join(f)).unwrap();
+            } else {
+                std::fs::copy(&src, m.join(f)).unwrap();
+            }
+        }
+        let req = PlanRequest {
+            model: format!("model-{linked}"),
+            target: "cpu".into(),
+            dtype: "f32".into(),
+            platform: None,
+            serving: None,
+        };
+        let e = plan(&ctx, &req).unwrap_err();
+        assert!(e.message.contains(linked) && e.message.contains("leads outside"), "{linked}: {}", e.message);
+        assert!(!e.message.contains("secret_marker_7731"), "{}", e.message);
+    }
+}
