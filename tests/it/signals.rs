@@ -193,7 +193,9 @@ async fn the_engine_lock_is_keyed_by_the_resolved_path() {
     .await
     .unwrap();
     // ...and by its absolute path, and through a link, are one engine: the second call is refused.
-    std::os::unix::fs::symlink(&engine, ws.join("alias")).unwrap();
+    // (A relative link: an absolute one is refused as leading outside, since paths resolve beneath
+    // the workspace's handle.)
+    std::os::unix::fs::symlink(&marker, ws.join("alias")).unwrap();
     for name in [engine.display().to_string(), "alias".to_string(), format!("./{marker}/")] {
         let r = call(&c, "run_kernel_test", serde_json::json!({"engine": name})).await;
         assert_eq!(r.is_error, Some(true), "{name}");
