@@ -115,6 +115,12 @@ pub const CONFIG_JSON: Limit =
 /// A tokenizer.json (Llama 3's is 9 MB, Gemma 3's 33 MB).
 pub const TOKENIZER_JSON: Limit =
     Limit { what: "tokenizer.json", max: 64 << 20, hint: "pass the model's Hugging Face tokenizer.json" };
+/// A tokenizer test-vector file (`tests.json`: texts and the ids the original tokenizer gives).
+pub const TOKENIZER_VECTORS: Limit =
+    Limit { what: "tokenizer test-vector file", max: 64 << 20, hint: "split the vectors over several directories" };
+/// A sharded checkpoint's `model.safetensors.index.json` (a 70B model's is about 60 KiB).
+pub const SHARD_INDEX: Limit =
+    Limit { what: "safetensors index", max: 16 << 20, hint: "pass the model's model.safetensors.index.json" };
 /// A checkpoint's safetensors file, which the reference forward pass reads whole into memory.
 pub const SAFETENSORS_FILE: Limit = Limit {
     what: "safetensors file",

@@ -37,11 +37,10 @@ pub struct GenerationConfig {
 pub fn read_generation_config(dir: &Path, vocab: usize) -> Result<GenerationConfig> {
     let gen_path = dir.join("generation_config.json");
     let (path, from_config) = if gen_path.is_file() { (gen_path, false) } else { (dir.join("config.json"), true) };
-    let text = match std::fs::read_to_string(&path) {
-        Ok(t) => t,
-        Err(_) if from_config => return Ok(GenerationConfig::default()),
-        Err(e) => return Err(Error::input(format!("{}: cannot read ({e})", path.display()))),
-    };
+    if from_config && !path.exists() {
+        return Ok(GenerationConfig::default());
+    }
+    let text = crate::util::read_regular_text(&path, &crate::util::CONFIG_JSON)?;
     let map = match serde_json::from_str::<Value>(&text) {
         Ok(Value::Object(m)) => m,
         Ok(_) => return Err(Error::input(format!("{}: must be a JSON object", path.display()))),

@@ -50,8 +50,7 @@ pub struct TokenizerRoute {
 /// [`crate::error::ErrorKind::Input`] naming the file when it is missing or not a JSON object.
 pub fn read_tokenizer_json(dir: &Path) -> Result<Value> {
     let path = dir.join("tokenizer.json");
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| Error::input(format!("{}: cannot read ({e}); the engine's tokenizer needs it", path.display())))?;
+    let text = crate::util::read_regular_text(&path, &crate::util::TOKENIZER_JSON)?;
     match serde_json::from_str::<Value>(&text) {
         Ok(v @ Value::Object(_)) => Ok(v),
         Ok(_) => Err(Error::input(format!("{}: must be a JSON object", path.display()))),
@@ -96,8 +95,7 @@ pub fn read_tokenizer_head(dir: &Path) -> Result<Value> {
         post_processor: Value,
     }
     let path = dir.join("tokenizer.json");
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| Error::input(format!("{}: cannot read ({e}); the engine's tokenizer needs it", path.display())))?;
+    let text = crate::util::read_regular_text(&path, &crate::util::TOKENIZER_JSON)?;
     let h: Head = serde_json::from_str(&text)
         .map_err(|e| Error::input(format!("{}: not a tokenizer.json ({e})", path.display())))?;
     let m = h.model;
@@ -396,8 +394,7 @@ pub fn vectors_dir() -> PathBuf {
 /// when the tokenizer.json does not route to a tokenizer contract.
 pub fn read_vector_set(ckb: &Ckb, dir: &Path) -> Result<VectorSet> {
     let path = dir.join("tests.json");
-    let text =
-        std::fs::read_to_string(&path).map_err(|e| Error::input(format!("{}: cannot read ({e})", path.display())))?;
+    let text = crate::util::read_regular_text(&path, &crate::util::TOKENIZER_VECTORS)?;
     #[derive(Deserialize)]
     struct Case {
         text: String,

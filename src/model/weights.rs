@@ -129,8 +129,7 @@ struct Index {
 
 fn sharded_layout(dir: &Path, index: &Path) -> Result<WeightLayout> {
     let name = INDEX_FILE;
-    let text =
-        std::fs::read_to_string(index).map_err(|e| Error::input(format!("{}: cannot read ({e})", index.display())))?;
+    let text = crate::util::read_regular_text(index, &crate::util::SHARD_INDEX)?;
     let parsed: Index = serde_json::from_str(&text).map_err(|e| {
         Error::input(format!(
             "{}: not a valid index ({e}); it must be {{\"metadata\": {{...}}, \"weight_map\": {{tensor: file}}}}",
@@ -208,7 +207,7 @@ fn read_header(path: &Path, name: &str) -> Result<BTreeMap<String, TensorEntry>>
     let corrupt = |why: String| {
         Error::input(format!("{}: not a valid safetensors file ({why}); is it truncated or corrupt?", path.display()))
     };
-    let file = std::fs::File::open(path).map_err(|e| Error::input(format!("{}: cannot read ({e})", path.display())))?;
+    let file = crate::util::open_regular(path, &crate::util::SAFETENSORS_FILE)?;
     let len = file.metadata().map_err(|e| Error::input(format!("{}: {e}", path.display())))?.len();
     let mut n = [0u8; 8];
     file.read_exact_at(&mut n, 0).map_err(|_| corrupt("shorter than its 8-byte header length".into()))?;
@@ -282,8 +281,7 @@ pub fn read_layout(dir: &Path, layout: &WeightLayout) -> Result<Tensors> {
     for (name, t) in order {
         let path = dir.join(&t.file);
         if open.as_ref().is_none_or(|(f, _)| f != &t.file) {
-            let f = std::fs::File::open(&path)
-                .map_err(|e| Error::input(format!("{}: cannot read ({e})", path.display())))?;
+            let f = crate::util::open_regular(&path, &crate::util::SAFETENSORS_FILE)?;
             open = Some((t.file.clone(), f));
         }
         let file = &open.as_ref().expect("opened above").1;
