@@ -39,24 +39,17 @@ pub fn is_escape(e: &io::Error) -> bool {
     e.kind() == io::ErrorKind::PermissionDenied && e.to_string().contains("outside of the filesystem")
 }
 
-/// What a file system entry is, in words (`a FIFO (named pipe)`, `a directory`, ...).
-pub fn kind_of(t: cap_std::fs::FileType) -> &'static str {
-    if t.is_dir() {
-        "a directory"
-    } else if t.is_fifo() {
-        "a FIFO (named pipe)"
-    } else if t.is_char_device() {
-        "a character device"
-    } else if t.is_block_device() {
-        "a block device"
-    } else if t.is_socket() {
-        "a socket"
-    } else if t.is_symlink() {
-        "a symlink"
-    } else if t.is_file() {
-        "a regular file"
-    } else {
-        "not a regular file"
+impl From<cap_std::fs::FileType> for crate::util::EntryType {
+    fn from(t: cap_std::fs::FileType) -> crate::util::EntryType {
+        crate::util::EntryType {
+            dir: t.is_dir(),
+            fifo: t.is_fifo(),
+            char_device: t.is_char_device(),
+            block_device: t.is_block_device(),
+            socket: t.is_socket(),
+            symlink: t.is_symlink(),
+            file: t.is_file(),
+        }
     }
 }
 
@@ -181,7 +174,7 @@ impl Dir {
         };
         let meta = self.cap.metadata(rel).map_err(|e| self.error(rel, &e))?;
         if !meta.is_file() {
-            return Err(refuse(kind_of(meta.file_type())));
+            return Err(refuse(crate::util::kind_of(meta.file_type())));
         }
         let mut o = cap_std::fs::OpenOptions::new();
         o.read(true).custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY);

@@ -143,19 +143,51 @@ pub const LEDGER_EXPORT: Limit =
 pub const LEDGER_KEY: Limit =
     Limit { what: "ledger key", max: 1 << 10, hint: "the key file holds 64 hex digits; restore it" };
 
-/// What a non-regular file is, for messages.
-pub(crate) fn kind_of(t: std::fs::FileType) -> &'static str {
-    use std::os::unix::fs::FileTypeExt;
-    if t.is_dir() {
+/// A file system entry's type as the flags [`kind_of`] reads; built from std's `FileType` here and
+/// from cap-std's in `beneath`, so that both name a type in the same words.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct EntryType {
+    pub dir: bool,
+    pub fifo: bool,
+    pub char_device: bool,
+    pub block_device: bool,
+    pub socket: bool,
+    pub symlink: bool,
+    pub file: bool,
+}
+
+impl From<std::fs::FileType> for EntryType {
+    fn from(t: std::fs::FileType) -> EntryType {
+        use std::os::unix::fs::FileTypeExt;
+        EntryType {
+            dir: t.is_dir(),
+            fifo: t.is_fifo(),
+            char_device: t.is_char_device(),
+            block_device: t.is_block_device(),
+            socket: t.is_socket(),
+            symlink: t.is_symlink(),
+            file: t.is_file(),
+        }
+    }
+}
+
+/// What a file system entry is, in words for messages (`a FIFO (named pipe)`, `a directory`, ...).
+pub(crate) fn kind_of(t: impl Into<EntryType>) -> &'static str {
+    let t = t.into();
+    if t.dir {
         "a directory"
-    } else if t.is_fifo() {
+    } else if t.fifo {
         "a FIFO (named pipe)"
-    } else if t.is_char_device() {
+    } else if t.char_device {
         "a character device"
-    } else if t.is_block_device() {
+    } else if t.block_device {
         "a block device"
-    } else if t.is_socket() {
+    } else if t.socket {
         "a socket"
+    } else if t.symlink {
+        "a symlink"
+    } else if t.file {
+        "a regular file"
     } else {
         "not a regular file"
     }

@@ -12,6 +12,8 @@
 //! request.<i>.json     protocol::Request i, every path relative to the bundle directory
 //! case<n>.in.safetensors ... inputs drawn from the seed (kernel tests)
 //! model/               the model directory (copied when small; else a link `bundle run --model` makes)
+//! vocab.<i>/tokenizer.json  the real vocabularies verify_generation tokenizes (copies; judged against
+//!                      the server's own files, so an altered copy can only fail)
 //! after a run:
 //! reply.<i>.json       protocol::Reply i, as the harness wrote it
 //! run.<i>.json         RunRecord i: how the process ended, its wall time and stderr tail
@@ -238,7 +240,9 @@ pub fn relative(command: protocol::Command, root: &Path) -> protocol::Command {
         Command::Generate { prompts, tensors, stop_tokens, .. } => {
             Command::Generate { model: MODEL.into(), prompts, tensors: rel(&tensors), stop_tokens }
         }
-        t @ Command::Tokenize { .. } => t,
+        Command::Tokenize { sets } => Command::Tokenize {
+            sets: sets.into_iter().map(|s| protocol::TokenizeSet { dir: rel(&s.dir), ..s }).collect(),
+        },
         Command::Profile { prompt_len, new_tokens, runs, .. } => {
             Command::Profile { model: MODEL.into(), prompt_len, new_tokens, runs }
         }

@@ -35,7 +35,8 @@ pub struct RequestRun {
     pub code: i64,
     /// Wall time, seconds.
     pub seconds: f64,
-    /// The harness's reply kind (`kernel`, `generate`, `profile`, `time`, `no_device`), "" when none.
+    /// The harness's reply kind (`kernel`, `generate`, `tokenize`, `profile`, `time`, `block_manager`,
+    /// `batch`, `no_device`), "" when none or unreadable.
     pub reply: String,
     /// Why it did not run on a device, when the harness replied `no_device`.
     pub no_device: String,
@@ -98,8 +99,12 @@ pub fn run(req: &BundleRunRequest, budget: &Budget) -> Result<BundleRunReport> {
             Ok(Ok(Reply::Generate { .. })) => ("generate", String::new()),
             Ok(Ok(Reply::Profile(_))) => ("profile", String::new()),
             Ok(Ok(Reply::Time { .. })) => ("time", String::new()),
+            Ok(Ok(Reply::Tokenize { .. })) => ("tokenize", String::new()),
+            Ok(Ok(Reply::BlockManager { .. })) => ("block_manager", String::new()),
+            Ok(Ok(Reply::Batch { .. })) => ("batch", String::new()),
             Ok(Ok(Reply::NoDevice { reason })) => ("no_device", reason),
-            _ => ("", String::new()),
+            // No reply, or one that does not parse.
+            Ok(Err(_)) | Err(_) => ("", String::new()),
         };
         runs.push(RequestRun {
             request: ran.manifest.requests[i].request.clone(),

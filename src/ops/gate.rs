@@ -529,9 +529,18 @@ impl<'a> Gate<'a> {
         for (i, ((c, env), r)) in commands.iter().zip(&m.requests).enumerate() {
             let held = bundle::read_request(dir, i)?;
             let env: Vec<(String, String)> = env.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
-            if held.command != bundle::relative(c.clone(), dir) || r.env != env {
+            let sends = bundle::relative(c.clone(), dir);
+            let differs = if held.command != sends {
+                let as_json = |c: &Command| serde_json::to_value(c).unwrap_or_default();
+                Some(first_difference(&as_json(&held.command), &as_json(&sends), "command"))
+            } else if r.env != env {
+                Some(format!("environment (bundle {:?}, this call {env:?})", r.env))
+            } else {
+                None
+            };
+            if let Some(what) = differs {
                 return Err(Error::usage(format!(
-                    "{} is not what this call sends: call {} with the arguments the bundle was written with (prompts, max_new_tokens, prompt_len, new_tokens, runs, threads, kernels), or write a new bundle",
+                    "{} is not what this call sends ({what}): call {} with the arguments the bundle was written with (prompts, max_new_tokens, prompt_len, new_tokens, runs, threads, kernels), or write a new bundle",
                     dir.join(bundle::request_file(i)).display(),
                     self.tool.name()
                 )));
@@ -654,5 +663,51 @@ impl<'a> Gate<'a> {
     /// Record the outcome of this gate in the ledger.
     pub fn record(&self, report: &impl Report, figures: Figures) {
         self.ctx.record(self.tool.name(), Some(&self.engine), self.contracts.clone(), report, figures, self.started);
+    }
+}
+
+/// Where two JSON values first differ, as `path: held X, sent Y` (values cut to 120 characters),
+/// for a bundle request that does not match the call reading it back.
+fn first_difference(held: &serde_json::Value, sent: &serde_json::Value, path: &str) -> String {
+    use serde_json::Value;
+    match (held, sent) {
+        (Value::Object(a), Value::Object(b)) => {
+            let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+            for k in keys {
+                let (x, y) = (a.get(k).unwrap_or(&Value::Null), b.get(k).unwrap_or(&Value::Null));
+                if x != y {
+                    return first_difference(x, y, &format!("{path}.{k}"));
+                }
+            }
+        }
+        (Value::Array(a), Value::Array(b)) if a.len() == b.len() => {
+            for (i, (x, y)) in a.iter().zip(b).enumerate() {
+                if x != y {
+                    return first_difference(x, y, &format!("{path}[{i}]"));
+                }
+            }
+        }
+        _ => {}
+    }
+    let cut = |v: &Value| v.to_string().chars().take(120).collect::<String>();
+    format!("{path}: bundle {}, this call {}", cut(held), cut(sent))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::first_difference;
+    use serde_json::json;
+
+    #[test]
+    fn first_difference_names_the_innermost_differing_field() {
+        let held = json!({"command": "generate", "prompts": [{"text": "a", "max_new_tokens": 8}], "model": "model"});
+        let sent = json!({"command": "generate", "prompts": [{"text": "a", "max_new_tokens": 9}], "model": "model"});
+        assert_eq!(
+            first_difference(&held, &sent, "command"),
+            "command.prompts[0].max_new_tokens: bundle 8, this call 9"
+        );
+        // Lists of different lengths are shown whole; a key only one side has is compared with null.
+        assert_eq!(first_difference(&json!([1]), &json!([1, 2]), "c"), "c: bundle [1], this call [1,2]");
+        assert_eq!(first_difference(&json!({"a": 1}), &json!({}), "c"), "c.a: bundle 1, this call null");
     }
 }

@@ -237,7 +237,7 @@ fn scaffold_only(ctx: &Ctx, req: &ScaffoldRequest) -> Result<ScaffoldReport> {
             return Err(Error::usage(format!(
                 "{} exists and is {}, not a directory",
                 shown.display(),
-                crate::beneath::kind_of(t)
+                crate::util::kind_of(t)
             )));
         }
     };

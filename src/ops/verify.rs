@@ -166,10 +166,16 @@ impl Report for VerifyReport {
     }
     fn text(&self) -> String {
         let ok = self.prompts.iter().filter(|p| p.error.is_empty()).count();
+        // A written bundle ran nothing: say so rather than count prompts.
+        let progress = if self.error.starts_with("not run:") {
+            "not run".to_string()
+        } else {
+            crate::harness::prompts_passed(ok, self.prompts.len())
+        };
         let mut s = format!(
             "verify {}: {} (seed {}, {} with {} weights, logits atol {} rtol {})\n",
             if self.passed { "PASSED" } else { "FAILED" },
-            crate::harness::prompts_passed(ok, self.prompts.len()),
+            progress,
             self.seed,
             self.family,
             self.dtype,
@@ -447,9 +453,21 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         tensors: tensors_path.clone(),
         stop_tokens: generation.eos_token_ids.clone(),
     };
-    let (h, called) = match gate.exchange(h, vec![(command, vec![])], Some(&model_dir), &[model_dir.as_path()])? {
+    // The engine's tokenizer on the real vocabularies of its tokenizer contract, in the same
+    // exchange (a bundle holds both requests).
+    let sets = vocabulary_sets(ctx, &tokenizer_contract);
+    let mut commands = vec![(command, vec![])];
+    if let Some(c) = tokenize_command(&gate, &h, &sets)? {
+        commands.push((c, vec![]));
+    }
+    let mut reads: Vec<&Path> = vec![model_dir.as_path()];
+    reads.extend(sets.iter().map(|s| s.dir.as_path()));
+    let (called, tokenized) = match gate.exchange(h, commands, Some(&model_dir), &reads)? {
         (_, Exchange::Written(w)) => return Ok(fail(w.text(gate.tool.name()), vec![], gate.findings.clone())),
-        (h, Exchange::Ran(mut c)) => (h, c.remove(0)),
+        (_, Exchange::Ran(mut c)) => {
+            let tokenized = if c.len() > 1 { c.pop() } else { None };
+            (c.remove(0), tokenized)
+        }
     };
     if let Some(why) = no_device(&called) {
         let report = fail(why, vec![], gate.findings.clone());
@@ -600,7 +618,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         r.error = why.join("; ");
         results.push(r);
     }
-    let vectors = tokenizer_vectors(ctx, &gate, &h, &tokenizer_contract)?;
+    let vectors = judge_vectors(&sets, tokenized)?;
     let mut passed = results.iter().all(|r| r.error.is_empty())
         && stop_error.is_empty()
         && vectors.iter().all(|v| v.error.is_empty());
@@ -650,36 +668,66 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     Ok(report)
 }
 
-/// Run the engine's tokenizer (harness command `tokenize`) on every real vocabulary of `contract`
-/// (see `model::tokenizer::vector_sets`): encode each test text and compare with HF's ids with
-/// add_special_tokens = true, which are the vector's ids wrapped in the template's special tokens
-/// (checked here, so the reference itself is held to the vectors); decode each vector's ids and
-/// compare with HF's decoding with skip_special_tokens = true.
+/// The real vocabularies (see `model::tokenizer::vector_sets`) that route to tokenizer `contract`.
+fn vocabulary_sets(ctx: &Ctx, contract: &str) -> Vec<model::tokenizer::VectorSet> {
+    model::tokenizer::vector_sets(&ctx.ckb, &model::tokenizer::vectors_dir())
+        .into_iter()
+        .filter(|s| s.contract == contract)
+        .collect()
+}
+
+/// The harness command `tokenize` over `sets`, None when there are none. Run here, it names the
+/// vocabularies' own folders; in a bundle, each vocabulary's tokenizer.json is copied into the
+/// bundle as `vocab.<i>/tokenizer.json` (an altered copy can only fail: the replies are judged
+/// against the server's own files), so the bundle runs on a machine without them.
 ///
 /// # Errors
-/// When the harness cannot be started or a vocabulary's tokenizer.json cannot be loaded by HF.
-fn tokenizer_vectors(
-    ctx: &Ctx,
+/// Internal when a copy cannot be written.
+fn tokenize_command(
     gate: &Gate<'_>,
     h: &super::gate::Harness,
-    contract: &str,
+    sets: &[model::tokenizer::VectorSet],
+) -> Result<Option<Command>> {
+    if sets.is_empty() {
+        return Ok(None);
+    }
+    let mut request = Vec::new();
+    for (i, s) in sets.iter().enumerate() {
+        let dir = match &gate.mode {
+            super::gate::Mode::Direct => s.dir.clone(),
+            super::gate::Mode::Write(_) => {
+                let to = h.path(&format!("vocab.{i}"));
+                std::fs::create_dir_all(&to)
+                    .and_then(|_| std::fs::copy(s.dir.join("tokenizer.json"), to.join("tokenizer.json")))
+                    .map_err(|e| Error::internal(format!("copying {} into the bundle: {e}", s.dir.display())))?;
+                to
+            }
+            super::gate::Mode::Read(_) => h.path(&format!("vocab.{i}")),
+        };
+        request.push(TokenizeSet {
+            dir,
+            texts: s.cases.iter().map(|c| c.0.clone()).collect(),
+            decode: s.cases.iter().map(|c| c.1.clone()).collect(),
+        });
+    }
+    Ok(Some(Command::Tokenize { sets: request }))
+}
+
+/// Judge the engine's tokenizer (harness command `tokenize`) on every real vocabulary in `sets`:
+/// encode each test text and compare with HF's ids with add_special_tokens = true, which are the
+/// vector's ids wrapped in the template's special tokens (checked here, so the reference itself is
+/// held to the vectors); decode each vector's ids and compare with HF's decoding with
+/// skip_special_tokens = true. `called` is the harness's answer, None when it never ran.
+///
+/// # Errors
+/// When a vocabulary's tokenizer.json cannot be loaded by HF.
+fn judge_vectors(
+    sets: &[model::tokenizer::VectorSet],
+    called: Option<crate::harness::Called>,
 ) -> Result<Vec<VectorResult>> {
-    let sets: Vec<model::tokenizer::VectorSet> =
-        model::tokenizer::vector_sets(&ctx.ckb, &model::tokenizer::vectors_dir())
-            .into_iter()
-            .filter(|s| s.contract == contract)
-            .collect();
     if sets.is_empty() {
         return Ok(vec![]);
     }
-    let request: Vec<TokenizeSet> = sets
-        .iter()
-        .map(|s| TokenizeSet {
-            dir: s.dir.clone(),
-            texts: s.cases.iter().map(|c| c.0.clone()).collect(),
-            decode: s.cases.iter().map(|c| c.1.clone()).collect(),
-        })
-        .collect();
     let failed = |why: String| -> Vec<VectorResult> {
         sets.iter()
             .map(|s| VectorResult {
@@ -691,8 +739,8 @@ fn tokenizer_vectors(
             })
             .collect()
     };
-    let reads: Vec<&Path> = sets.iter().map(|s| s.dir.as_path()).collect();
-    let replies = match gate.call(h, Command::Tokenize { sets: request }, &[], &reads)?.ok("engine's tokenizer", 1000) {
+    let Some(called) = called else { return Ok(failed("the engine's tokenizer did not run".into())) };
+    let replies = match called.ok("engine's tokenizer", 1000) {
         Ok(Reply::Tokenize { sets: r }) if r.len() == sets.len() => r,
         Ok(other) => return Ok(failed(format!("the harness answered tokenize with an unexpected reply: {other:?}"))),
         Err(why) => return Ok(failed(why)),

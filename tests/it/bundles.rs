@@ -51,7 +51,6 @@ fn errors(r: &KernelTestReport) -> Vec<(String, bool, u64)> {
 /// run in another process, read back and recorded; the kernel verdicts equal a direct run's with
 /// the same seed, error for error (the CPU kernels are deterministic).
 #[test]
-#[ignore = "known defect: reading back a verify_generation bundle in the same process that wrote it is refused as \"not what this call sends\" (the same steps through the CLI pass)"]
 fn a_bundle_run_elsewhere_gives_the_direct_verdict() {
     let t = tempfile::tempdir().unwrap();
     let ctx = crate::ctx(t.path());
@@ -114,11 +113,20 @@ fn a_bundle_run_elsewhere_gives_the_direct_verdict() {
     };
     let v = verify(&ctx, &vreq(Some(&vdir), None), &budget()).unwrap();
     assert!(!v.passed && v.error.contains("model included"), "{}", v.error);
+    let text = metainfer::ops::Report::text(&v);
+    assert!(text.starts_with("verify FAILED: not run"), "{text}");
     assert!(vdir.join("model/model.safetensors").is_file());
-    assert!(run_bundle(&vdir).status.success());
+    let out = run_bundle(&vdir);
+    assert!(out.status.success(), "{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     let v = verify(&ctx, &vreq(None, Some(&vdir)), &budget()).unwrap();
     assert!(v.passed, "{}", metainfer::ops::Report::text(&v));
     assert_eq!(v.prompts.len(), 4);
+    // The real vocabularies of BabyLlama's tokenizer contract ran from the bundle's own copies.
+    assert!(vdir.join("vocab.0/tokenizer.json").is_file());
+    assert!(
+        !v.tokenizer_vectors.is_empty()
+            && v.tokenizer_vectors.iter().all(|r| r.error.is_empty() && r.encode_ok == r.texts)
+    );
 
     let pdir = t.path().join("profile-bundle");
     let preq = |write: Option<&Path>, read: Option<&Path>| ProfileRequest {
