@@ -86,8 +86,12 @@ pub struct PromptResult {
     pub max_abs_err: f64,
     /// Text the engine generated (its own decode).
     pub text: String,
-    /// Text HF tokenizers decode from the engine's ids; must equal `text`.
+    /// The reference's own continuation: HF tokenizers' decoding of the prompt's reference ids and
+    /// the reference forward pass's greedy tokens (what a correct engine writes).
     pub reference_text: String,
+    /// HF tokenizers' decoding of the engine's own ids (prompt and generated); must equal `text`.
+    #[serde(default)]
+    pub decoded_text: String,
     /// Whether the reference's continuation ended at a stop token (generation_config.json
     /// eos_token_id) before its token budget.
     #[serde(default)]
@@ -214,6 +218,9 @@ impl Report for VerifyReport {
                 p.text
             );
             if !p.error.is_empty() {
+                if p.reference_text != p.text {
+                    s += &format!("   reference: {:?}\n", p.reference_text);
+                }
                 s += &format!("   {}\n", p.error);
             }
         }
@@ -462,11 +469,12 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     }
     let mut reads: Vec<&Path> = vec![model_dir.as_path()];
     reads.extend(sets.iter().map(|s| s.dir.as_path()));
-    let (called, tokenized) = match gate.exchange(h, commands, Some(&model_dir), &reads)? {
+    // `_scratch` keeps the harness's scratch directory (its output tensors) until the end.
+    let (_scratch, called, tokenized) = match gate.exchange(h, commands, Some(&model_dir), &reads)? {
         (_, Exchange::Written(w)) => return Ok(fail(w.text(gate.tool.name()), vec![], gate.findings.clone())),
-        (_, Exchange::Ran(mut c)) => {
+        (h, Exchange::Ran(mut c)) => {
             let tokenized = if c.len() > 1 { c.pop() } else { None };
-            (c.remove(0), tokenized)
+            (h, c.remove(0), tokenized)
         }
     };
     if let Some(why) = no_device(&called) {
@@ -543,6 +551,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
             max_abs_err: 0.0,
             text: texts[i].text.clone(),
             reference_text: String::new(),
+            decoded_text: String::new(),
             stopped_at_eos: false,
             error: String::new(),
         };
@@ -590,8 +599,11 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         }
         let mut all = got_ids.clone();
         all.extend_from_slice(&got_tokens);
-        r.reference_text = model::hf_decode(&tok, &all).unwrap_or_default();
-        let text_ok = r.reference_text == r.text;
+        r.decoded_text = model::hf_decode(&tok, &all).unwrap_or_default();
+        let text_ok = r.decoded_text == r.text;
+        let mut theirs = want_ids.clone();
+        theirs.extend_from_slice(&want_tokens);
+        r.reference_text = model::hf_decode(&tok, &theirs).unwrap_or_default();
         let mut why = Vec::new();
         if !r.tokenizer_ok {
             why.push(format!("tokenizer: engine ids {got_ids:?} != HF ids {want_ids:?}"));
@@ -613,7 +625,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
             ));
         }
         if !text_ok {
-            why.push(format!("decode: engine text {:?} != HF decode {:?}", r.text, r.reference_text));
+            why.push(format!("decode: engine text {:?} != HF decode of its ids {:?}", r.text, r.decoded_text));
         }
         r.error = why.join("; ");
         results.push(r);

@@ -357,6 +357,20 @@ fn every_gate_fails_on_empty_bare_and_constant_engines() {
         } else {
             // It ran: every prompt is judged, and no prompt's logits match the reference.
             assert!(!v.prompts.is_empty() && v.prompts.iter().all(|p| !p.logits_ok && !p.tokenizer_ok), "{vt}");
+            // reference_text is the reference's own continuation, not a decoding of the engine's
+            // tokens: for the golden prompt, the golden greedy ids (agreed by four independent
+            // implementations) decoded through HF tokenizers, 4 tokens past the prompt.
+            let golden = crate::golden();
+            let ids: Vec<u32> =
+                golden["greedy_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+            let n_prompt = golden["prompt_ids"].as_array().unwrap().len();
+            let tok = tokenizers::Tokenizer::from_file(crate::babyllama().join("tokenizer.json")).unwrap();
+            let want = tok.decode(&ids[..n_prompt + 4], true).unwrap();
+            assert!(golden["text"].as_str().unwrap().starts_with(&want) && want.len() > "Once upon a time".len());
+            let p = v.prompts.iter().find(|p| p.prompt == "Once upon a time").expect("the golden prompt is verified");
+            assert_eq!(p.reference_text, want, "{vt}");
+            assert_ne!(p.text, p.reference_text, "{vt}");
+            assert!(vt.contains(&format!("reference: {want:?}")), "{vt}");
         }
         let p = profile(
             &ctx,
