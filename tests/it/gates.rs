@@ -226,6 +226,8 @@ fn example_engine_passes_every_gate(engine: Engine) {
     let p = profile(&ctx, &preq, &budget()).unwrap();
     assert!(p.passed, "{}", metainfer::ops::Report::text(&p));
     assert_eq!(p.sandboxed, enforced);
+    assert!(p.adjusted.is_empty(), "{:?}", p.adjusted);
+    assert!(metainfer::ops::Report::text(&p).contains("1-thread bandwidth roofline"));
     let mut summed = std::collections::BTreeMap::<&str, f64>::new();
     for k in &p.kernels {
         *summed.entry(k.kernel.as_str()).or_default() += k.share_of_decode;
@@ -263,6 +265,21 @@ fn example_engine_passes_every_gate(engine: Engine) {
     let again = profile(&ctx, &preq, &budget()).unwrap();
     let prev = again.previous.as_ref().expect("the first profile is in the ledger");
     assert_eq!(prev.decode_tok_s, p.decode_tok_s);
+    // Requests beyond BabyLlama's context (config.json max_position_embeddings 256) or the run
+    // limit are adjusted, each named with why, and the threads label follows the request.
+    let clamped = profile(
+        &ctx,
+        &ProfileRequest { prompt_len: Some(1000), new_tokens: Some(16), runs: Some(0), threads: Some(2), ..preq.clone() },
+        &budget(),
+    )
+    .unwrap();
+    let text = metainfer::ops::Report::text(&clamped);
+    assert_eq!((clamped.prompt_len, clamped.new_tokens, clamped.runs), (255, 1, 1), "{text}");
+    assert_eq!(clamped.adjusted.len(), 3, "{text}");
+    assert!(clamped.adjusted[0].starts_with("prompt_len 1000 -> 255") && clamped.adjusted[0].contains("256"), "{text}");
+    assert!(clamped.adjusted[1].starts_with("new_tokens 16 -> 1"), "{text}");
+    assert!(clamped.adjusted[2].starts_with("runs 0 -> 1"), "{text}");
+    assert!(text.contains("adjusted: new_tokens 16 -> 1") && text.contains("2-thread bandwidth roofline"), "{text}");
 }
 
 /// A malformed or ill-typed metainfer.toml is an error naming the key, in every gate and in

@@ -68,6 +68,10 @@ pub struct ProfileReport {
     pub new_tokens: usize,
     /// Runs.
     pub runs: usize,
+    /// Each request value that was adjusted to fit the model's context or the limits, with why
+    /// (e.g. `new_tokens 64 -> 32: 32 prompt tokens leave 32 of the model's 64 positions`).
+    #[serde(default)]
+    pub adjusted: Vec<String>,
     /// Prefill tokens/s.
     pub prefill_tok_s: Spread,
     /// Decode tokens/s.
@@ -83,8 +87,8 @@ pub struct ProfileReport {
     /// Bytes of weights read per decoded token at the engine's weight dtype (4 per f32 weight, 2 per
     /// bf16/f16, 1 per int8 plus one f32 scale per row; the embedding row itself is negligible).
     pub bytes_per_token: f64,
-    /// Decode roofline: bandwidth (1 thread, the machine probe's DRAM median when probed, else the
-    /// platform contract) / `bytes_per_token`, tokens/s.
+    /// Decode roofline: bandwidth at the run's thread count (the machine probe's DRAM median when
+    /// probed, else the platform contract) / `bytes_per_token`, tokens/s.
     /// Models that fit in cache can exceed it.
     pub roofline_decode_tok_s: f64,
     /// Compute bound: platform peak f32 FLOP/s (all threads) / 2 FLOP per weight per token. No real
@@ -191,7 +195,7 @@ impl Report for ProfileReport {
         let head = if self.passed { String::new() } else { format!("profile FAILED: {}\n", self.error) };
         head + &format!(
             "profile{}: decode {:.0} tok/s (min {:.0}, max {:.0}), prefill {:.0} tok/s (min {:.0}, max {:.0}) over {} runs\n\
-             time to first token {:.2} ms ({} prompt tokens), load {:.1} ms; 1-thread bandwidth roofline {:.0} tok/s ({:.0}% of it)\n",
+             time to first token {:.2} ms ({} prompt tokens), load {:.1} ms; {}-thread bandwidth roofline {:.0} tok/s ({:.0}% of it)\n",
             if self.verified { "" } else { " (UNVERIFIED: verify_generation has not passed on these sources)" },
             self.decode_tok_s.median,
             self.decode_tok_s.min,
@@ -203,6 +207,7 @@ impl Report for ProfileReport {
             self.first_token_ms.median,
             self.prompt_len,
             self.load_ms,
+            self.threads,
             self.roofline_decode_tok_s,
             100.0 * self.decode_tok_s.median / self.roofline_decode_tok_s
         ) + &format!(
@@ -214,6 +219,7 @@ impl Report for ProfileReport {
                 .join(", "),
             self.peak_rss_mb
         ) + &format!("figures from {}\n", self.figures_from)
+            + &self.adjusted.iter().map(|a| format!("adjusted: {a}\n")).collect::<String>()
             + &self
                 .promotions
                 .iter()
@@ -288,9 +294,29 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     let target = gate.target.clone();
     let cfg = crate::model::load_config(&ctx.ckb, &model_dir)?;
     gate.same_family(&model_dir, &cfg.family)?;
-    let prompt_len = req.prompt_len.unwrap_or(32).clamp(1, cfg.max_seq.saturating_sub(1).max(1));
-    let new_tokens = req.new_tokens.unwrap_or(64).clamp(1, cfg.max_seq - prompt_len);
-    let runs = req.runs.unwrap_or(5).clamp(1, 100);
+    // Requests beyond the model's context or the run limit are adjusted, and the report says so.
+    let max_seq = cfg.max_seq;
+    let mut adjusted = Vec::new();
+    let asked = req.prompt_len.unwrap_or(32);
+    let prompt_len = asked.clamp(1, max_seq.saturating_sub(1).max(1));
+    if prompt_len != asked {
+        adjusted.push(format!(
+            "prompt_len {asked} -> {prompt_len}: the model's context (config.json max_position_embeddings) is {max_seq} positions, and at least one is left to decode"
+        ));
+    }
+    let asked = req.new_tokens.unwrap_or(64);
+    let new_tokens = asked.clamp(1, max_seq.saturating_sub(prompt_len).max(1));
+    if new_tokens != asked {
+        adjusted.push(format!(
+            "new_tokens {asked} -> {new_tokens}: {prompt_len} prompt tokens leave {} of the model's {max_seq} positions (config.json max_position_embeddings)",
+            max_seq.saturating_sub(prompt_len)
+        ));
+    }
+    let asked = req.runs.unwrap_or(5);
+    let runs = asked.clamp(1, 100);
+    if runs != asked {
+        adjusted.push(format!("runs {asked} -> {runs}: runs are 1..=100"));
+    }
     let verified = crate::ledger::Ledger::open(&ctx.ledger)
         .and_then(|l| l.passed_on("verify_generation", &gate.engine.hash, &target.dtype))
         .unwrap_or(false);
@@ -368,6 +394,7 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     let compute_bound = peak * 1e9 / (2.0 * weights as f64);
     let mut report = ProfileReport {
         passed: false,
+        adjusted,
         threads,
         kernels: vec![],
         bounding_kernel: String::new(),
