@@ -84,6 +84,17 @@ pub struct PromptResult {
     pub tie_at: i64,
     /// Largest |engine - reference| logit over compared steps.
     pub max_abs_err: f64,
+    /// First step whose logits are beyond tolerance, -1 when none. Step 0's logits are the prompt's
+    /// last position (prefill); step k > 0 is the k-th decode step.
+    #[serde(default = "minus_one")]
+    pub first_divergence: i64,
+    /// Where `first_divergence` lies: `prefill` (step 0) or `decode`; empty when none.
+    #[serde(default)]
+    pub divergence_phase: String,
+    /// At `first_divergence`: the token id whose logit is furthest outside tolerance, and the
+    /// engine's and the reference's logit for it. None when no step diverged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub divergence: Option<Divergence>,
     /// Text the engine generated (its own decode).
     pub text: String,
     /// The reference's own continuation: HF tokenizers' decoding of the prompt's reference ids and
@@ -98,6 +109,21 @@ pub struct PromptResult {
     pub stopped_at_eos: bool,
     /// What failed, in words.
     pub error: String,
+}
+
+fn minus_one() -> i64 {
+    -1
+}
+
+/// Where a prompt's logits first left tolerance.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct Divergence {
+    /// The token id (logit index) furthest outside tolerance at that step.
+    pub token: usize,
+    /// The engine's logit for it.
+    pub engine: f64,
+    /// The reference's logit for it.
+    pub reference: f64,
 }
 
 /// Verification result.
@@ -549,6 +575,9 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
             first_mismatch: -1,
             tie_at: -1,
             max_abs_err: 0.0,
+            first_divergence: -1,
+            divergence_phase: String::new(),
+            divergence: None,
             text: texts[i].text.clone(),
             reference_text: String::new(),
             decoded_text: String::new(),
@@ -575,6 +604,15 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
             let v = crate::oracle::compare(got_row, want_row, &tol);
             let ok = v.ok;
             r.max_abs_err = r.max_abs_err.max(v.max_abs_err);
+            if !ok && r.first_divergence < 0 {
+                r.first_divergence = step as i64;
+                r.divergence_phase = if step == 0 { "prefill" } else { "decode" }.into();
+                r.divergence = Some(Divergence {
+                    token: v.worst_index,
+                    engine: got_row.get(v.worst_index).map_or(f64::NAN, |&x| x as f64),
+                    reference: want_row.get(v.worst_index).copied().unwrap_or(f64::NAN),
+                });
+            }
             logits_ok &= ok;
             let (Some(&g), Some(&w)) = (got_tokens.get(step), want_tokens.get(step)) else {
                 break;
@@ -609,8 +647,19 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
             why.push(format!("tokenizer: engine ids {got_ids:?} != HF ids {want_ids:?}"));
         }
         if !r.logits_ok {
+            let at = match &r.divergence {
+                Some(d) => format!(
+                    "; first beyond tolerance at step {} ({}): token {} engine {} reference {}",
+                    r.first_divergence,
+                    r.divergence_phase,
+                    d.token,
+                    super::sci(d.engine),
+                    super::sci(d.reference)
+                ),
+                None => String::new(),
+            };
             why.push(format!(
-                "logits: max abs error {} exceeds atol {} rtol {} (or missing rows)",
+                "logits: max abs error {} exceeds atol {} rtol {} (or missing rows){at}",
                 super::sci(r.max_abs_err),
                 tol.atol,
                 tol.rtol

@@ -201,6 +201,12 @@ fn example_engine_passes_every_gate(engine: Engine) {
     crate::assert_conforms(&k);
     let v = verify(&ctx, &verify_req(&good), &budget()).unwrap();
     assert!(v.passed, "{}", metainfer::ops::Report::text(&v));
+    // A correct engine writes the reference's own continuation and never diverges.
+    assert!(
+        v.prompts.iter().all(|p| p.text == p.reference_text && p.first_divergence == -1 && p.divergence.is_none()),
+        "{}",
+        metainfer::ops::Report::text(&v)
+    );
     // Every gate ran the engine's code in the sandbox (on a kernel that offers it).
     let enforced = metainfer::harness::sandbox::status().enforced;
     let c =
@@ -269,7 +275,13 @@ fn example_engine_passes_every_gate(engine: Engine) {
     // limit are adjusted, each named with why, and the threads label follows the request.
     let clamped = profile(
         &ctx,
-        &ProfileRequest { prompt_len: Some(1000), new_tokens: Some(16), runs: Some(0), threads: Some(2), ..preq.clone() },
+        &ProfileRequest {
+            prompt_len: Some(1000),
+            new_tokens: Some(16),
+            runs: Some(0),
+            threads: Some(2),
+            ..preq.clone()
+        },
         &budget(),
     )
     .unwrap();

@@ -370,6 +370,10 @@ fn every_gate_fails_on_empty_bare_and_constant_engines() {
             let p = v.prompts.iter().find(|p| p.prompt == "Once upon a time").expect("the golden prompt is verified");
             assert_eq!(p.reference_text, want, "{vt}");
             assert_ne!(p.text, p.reference_text, "{vt}");
+            // Constant logits differ from the golden ones at the prompt's last position already:
+            // the first divergence is step 0, in prefill, and the text names it.
+            assert!(v.prompts.iter().all(|p| p.first_divergence == 0 && p.divergence_phase == "prefill"), "{vt}");
+            assert!(vt.contains("first beyond tolerance at step 0 (prefill)"), "{vt}");
             assert!(vt.contains(&format!("reference: {want:?}")), "{vt}");
         }
         let p = profile(
