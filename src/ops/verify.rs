@@ -326,8 +326,12 @@ const RICH: &[&str] = &[
 /// characters keep digits, ASCII punctuation, the typographic quotes and double spaces, but no
 /// newline, CJK or emoji.
 pub fn rich_alphabet(tok: &tokenizers::Tokenizer) -> Vec<String> {
-    let specials: Vec<String> =
-        tok.get_added_tokens_decoder().values().filter(|t| t.special).map(|t| t.content.clone()).collect();
+    // In id order: the decoder is a hash map, whose order differs from one call to the next, and
+    // the same seed must draw the same prompts.
+    let mut specials: Vec<(u32, String)> =
+        tok.get_added_tokens_decoder().into_iter().filter(|(_, t)| t.special).map(|(id, t)| (id, t.content)).collect();
+    specials.sort_unstable();
+    let specials: Vec<String> = specials.into_iter().map(|(_, s)| s).collect();
     let mut out = Vec::new();
     for piece in RICH.iter().map(|s| s.to_string()) {
         let probe = format!("a{piece}b");

@@ -81,3 +81,20 @@ fn oracle_kernels_match_hand_computed_values() {
     let o2 = oracle::attention(&[1.0, 1.0, 1.0, 1.0], &k, &v, s2);
     assert_eq!(&o2[..2], &[1.0, 0.0]);
 }
+
+/// The same seed draws the same random prompts, call after call: verify's report gives its seed to
+/// replay, and a bundle read back is checked against a fresh draw. BabyLlama's special tokens, in
+/// the id order of its tokenizer.json's added_tokens (0 `<unk>`, 1 `<s>`, 2 `</s>`), end the alphabet.
+#[test]
+fn the_same_seed_draws_the_same_rich_prompts() {
+    use metainfer::ops::verify::{rich_alphabet, rich_prompts};
+    let tok = model::hf_tokenizer(&crate::babyllama()).unwrap();
+    let first = rich_alphabet(&tok);
+    assert_eq!(first[first.len() - 3..], ["<unk>", "<s>", "</s>"]);
+    let prompts = rich_prompts(7, 2, &first);
+    for _ in 0..8 {
+        let again = rich_alphabet(&tok);
+        assert_eq!(again, first);
+        assert_eq!(rich_prompts(7, 2, &again), prompts);
+    }
+}
