@@ -33,6 +33,19 @@ impl std::fmt::Debug for Dir {
     }
 }
 
+/// The entry names of the directory `path` names, listed through a handle opened without
+/// following a symlink in its last component (`O_NOFOLLOW`): a directory swapped for a link since
+/// the caller resolved it is not listed. Empty when it cannot be opened so.
+pub fn names_no_follow(path: &Path) -> Vec<std::ffi::OsString> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let Ok(f) = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW).open(path)
+    else {
+        return vec![];
+    };
+    let d = cap_std::fs::Dir::from_std_file(f);
+    d.entries().into_iter().flatten().flatten().map(|e| e.file_name()).collect()
+}
+
 /// Whether an io error is cap-std's refusal of a path that leads outside the handle's directory
 /// (an absolute symlink, a symlink or `..` climbing above it).
 pub fn is_escape(e: &io::Error) -> bool {

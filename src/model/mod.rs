@@ -98,9 +98,10 @@ pub fn read_config(dir: &Path) -> Result<serde_json::Map<String, Value>> {
             dir.display()
         )));
     }
-    let llama2c = || {
-        std::fs::read_dir(dir).into_iter().flatten().flatten().any(|e| e.path().extension().is_some_and(|x| x == "bin"))
-    };
+    // Listed without following a swapped-in link: a directory resolved inside the workspace may have
+    // been replaced by a symlink since.
+    let llama2c =
+        || crate::beneath::names_no_follow(dir).iter().any(|n| Path::new(n).extension().is_some_and(|x| x == "bin"));
     if !path.exists() && llama2c() {
         return Err(Error::input(format!(
             "{} holds a llama2.c checkpoint (.bin) and no config.json: the llama2.c layout is not supported; \
