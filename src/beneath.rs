@@ -24,6 +24,7 @@ use crate::util::Limit;
 #[derive(Clone)]
 pub struct Dir {
     path: PathBuf,
+    pinned: PathBuf,
     cap: Arc<cap_std::fs::Dir>,
 }
 
@@ -31,19 +32,6 @@ impl std::fmt::Debug for Dir {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Dir").field("path", &self.path).finish()
     }
-}
-
-/// The entry names of the directory `path` names, listed through a handle opened without
-/// following a symlink in its last component (`O_NOFOLLOW`): a directory swapped for a link since
-/// the caller resolved it is not listed. Empty when it cannot be opened so.
-pub fn names_no_follow(path: &Path) -> Vec<std::ffi::OsString> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let Ok(f) = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW).open(path)
-    else {
-        return vec![];
-    };
-    let d = cap_std::fs::Dir::from_std_file(f);
-    d.entries().into_iter().flatten().flatten().map(|e| e.file_name()).collect()
 }
 
 /// Whether an io error is cap-std's refusal of a path that leads outside the handle's directory
@@ -85,7 +73,8 @@ impl Dir {
             .ok()
             .filter(|p| p.is_absolute())
             .unwrap_or_else(|| std::path::absolute(fallback).unwrap_or_else(|_| fallback.to_path_buf()));
-        Dir { path, cap: Arc::new(cap) }
+        let pinned = PathBuf::from(format!("/proc/self/fd/{}", cap.as_raw_fd()));
+        Dir { path, pinned, cap: Arc::new(cap) }
     }
 
     /// The directory's absolute path when it was opened (it may have been moved since; every
@@ -103,8 +92,51 @@ impl Dir {
     /// been renamed or swapped on the way to [`Dir::path`] since it was opened: for sandbox grants,
     /// which the server builds in its own process.
     pub fn fd_path(&self) -> PathBuf {
-        use std::os::fd::AsRawFd;
-        PathBuf::from(format!("/proc/self/fd/{}", self.cap.as_raw_fd()))
+        self.pinned.clone()
+    }
+
+    /// [`Dir::fd_path`], borrowed: a path through which this process reads and writes inside the
+    /// held directory by path (files written by other code, e.g. a gate's scratch files).
+    pub fn pinned(&self) -> &Path {
+        &self.pinned
+    }
+
+    /// Create the directory `rel` (its parent must exist beneath this one).
+    ///
+    /// # Errors
+    /// [`crate::error::ErrorKind::Usage`] naming the path: it exists, or its parent leads outside.
+    pub fn create_dir(&self, rel: &Path) -> Result<()> {
+        self.cap.create_dir(rel).map_err(|e| self.error(rel, &e))
+    }
+
+    /// Create the directory `rel` and its missing parents beneath this one.
+    ///
+    /// # Errors
+    /// [`crate::error::ErrorKind::Usage`] naming the path: a component is not a directory or
+    /// leads outside.
+    pub fn create_dir_all(&self, rel: &Path) -> Result<()> {
+        if rel.as_os_str().is_empty() {
+            return Ok(());
+        }
+        self.cap.create_dir_all(rel).map_err(|e| self.error(rel, &e))
+    }
+
+    /// Rename the entry `from` to `to` (plain names in this directory); an empty directory at
+    /// `to` is replaced, anything else there is an error.
+    ///
+    /// # Errors
+    /// [`crate::error::ErrorKind::Usage`] naming `to`.
+    pub fn replace_empty_dir(&self, from: &Path, to: &Path) -> Result<()> {
+        if self.kind(to).is_some_and(|t| t.is_dir()) {
+            self.cap.remove_dir(to).map_err(|e| self.error(to, &e))?;
+        }
+        self.cap.rename(from, &self.cap, to).map_err(|e| self.error(to, &e))
+    }
+
+    /// Remove the directory `rel` and everything in it, beneath this one (best effort: what
+    /// cannot be removed stays).
+    pub fn remove_dir_all(&self, rel: &Path) {
+        let _ = self.cap.remove_dir_all(rel);
     }
 
     /// The path of `rel` under this directory, for messages.
@@ -276,6 +308,232 @@ impl Dir {
     }
 }
 
+/// The files of one directory, read by name: what the model readers and a bundle's model copy
+/// read through. A plain path ([`Path`], [`PathBuf`]) reads as it is, following symlinks (no
+/// workspace: nothing is confined); a [`HeldDir`] reads through handles opened once.
+pub trait Files {
+    /// The directory's path: for messages, and for what is given the directory by path (an
+    /// engine's process, inside its sandbox).
+    fn path(&self) -> &Path;
+
+    /// Open the regular file `name` (a plain name inside the directory) for reading, as
+    /// [`crate::util::open_regular`] opens one (type checked before and after, a non-blocking open).
+    ///
+    /// # Errors
+    /// [`crate::error::ErrorKind::Input`] or Usage naming the file: missing, not a regular file,
+    /// or leading outside the directory's root.
+    fn open(&self, name: &str, limit: &Limit) -> Result<std::fs::File>;
+
+    /// Whether `name` is a regular file (symlinks followed, none out of the root).
+    fn has_file(&self, name: &str) -> bool;
+
+    /// Whether `name` exists (symlinks followed, none out of the root).
+    fn has(&self, name: &str) -> bool;
+
+    /// The directory's entries: name and whether it is a regular file without following a
+    /// symlink, sorted by name. Empty when it cannot be listed.
+    fn listing(&self) -> Vec<(String, bool)>;
+
+    /// Ok when the directory is there; else the error to give (a file given for its directory, a
+    /// missing directory), worded for a model directory.
+    ///
+    /// # Errors
+    /// [`crate::error::ErrorKind::Input`] saying what was given and what to pass.
+    fn check_dir(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// The path of `name` in the directory, for messages.
+    fn show(&self, name: &str) -> PathBuf {
+        self.path().join(name)
+    }
+
+    /// Read `name` whole, at most `limit.max` bytes.
+    ///
+    /// # Errors
+    /// As [`Files::open`] and [`crate::util::read_open_bounded`].
+    fn read(&self, name: &str, limit: &Limit) -> Result<Vec<u8>> {
+        crate::util::read_open_bounded(self.open(name, limit)?, &self.show(name), limit)
+    }
+
+    /// [`Files::read`] as UTF-8 text.
+    ///
+    /// # Errors
+    /// As [`Files::read`], or a file that is not UTF-8.
+    fn read_text(&self, name: &str, limit: &Limit) -> Result<String> {
+        String::from_utf8(self.read(name, limit)?).map_err(|_| {
+            Error::input(format!("{} is not UTF-8 text; the {} must be UTF-8", self.show(name).display(), limit.what))
+        })
+    }
+}
+
+impl Files for Path {
+    fn path(&self) -> &Path {
+        self
+    }
+    fn open(&self, name: &str, limit: &Limit) -> Result<std::fs::File> {
+        crate::util::open_regular(&self.join(name), limit)
+    }
+    fn has_file(&self, name: &str) -> bool {
+        self.join(name).is_file()
+    }
+    fn has(&self, name: &str) -> bool {
+        self.join(name).exists()
+    }
+    fn listing(&self) -> Vec<(String, bool)> {
+        let Ok(it) = std::fs::read_dir(self) else { return vec![] };
+        let mut out: Vec<(String, bool)> = it
+            .flatten()
+            .map(|e| (e.file_name().to_string_lossy().into_owned(), e.file_type().is_ok_and(|t| t.is_file())))
+            .collect();
+        out.sort();
+        out
+    }
+    fn check_dir(&self) -> Result<()> {
+        if self.is_file() {
+            return Err(Error::input(format!(
+                "{} is a file; pass the Hugging Face model directory that holds config.json, model.safetensors and tokenizer.json",
+                self.display()
+            )));
+        }
+        if !self.is_dir() {
+            return Err(Error::input(format!(
+                "model directory {} does not exist; pass a Hugging Face model directory (config.json, model.safetensors, tokenizer.json)",
+                self.display()
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl Files for PathBuf {
+    fn path(&self) -> &Path {
+        self
+    }
+    fn open(&self, name: &str, limit: &Limit) -> Result<std::fs::File> {
+        self.as_path().open(name, limit)
+    }
+    fn has_file(&self, name: &str) -> bool {
+        self.as_path().has_file(name)
+    }
+    fn has(&self, name: &str) -> bool {
+        self.as_path().has(name)
+    }
+    fn listing(&self) -> Vec<(String, bool)> {
+        self.as_path().listing()
+    }
+    fn check_dir(&self) -> Result<()> {
+        self.as_path().check_dir()
+    }
+}
+
+impl<T: Files + ?Sized> Files for &T {
+    fn path(&self) -> &Path {
+        (**self).path()
+    }
+    fn open(&self, name: &str, limit: &Limit) -> Result<std::fs::File> {
+        (**self).open(name, limit)
+    }
+    fn has_file(&self, name: &str) -> bool {
+        (**self).has_file(name)
+    }
+    fn has(&self, name: &str) -> bool {
+        (**self).has(name)
+    }
+    fn listing(&self) -> Vec<(String, bool)> {
+        (**self).listing()
+    }
+    fn check_dir(&self) -> Result<()> {
+        (**self).check_dir()
+    }
+}
+
+/// A directory held by its handle ([`Dir`]), and where a symlink in it may lead: what
+/// `ops::Ctx::confine_model` returns. A file is opened through the held handle, so a directory
+/// swapped for a symlink after the check is not followed, and a file in it swapped for a link
+/// cannot lead out of it. A file that is a symlink when it is opened (a Hugging Face cache's
+/// snapshot links into its `blobs/`) is opened beneath the root the directory was resolved in
+/// (links inside the root followed, none out of it), or, for a directory given with nothing
+/// confined, by its path.
+#[derive(Debug, Clone)]
+pub struct HeldDir {
+    dir: Dir,
+    links: Option<(Dir, PathBuf)>,
+}
+
+impl HeldDir {
+    /// `dir`, resolved beneath `root` at `rel`: nothing is ever read outside `root`.
+    pub fn beneath(dir: Dir, root: Dir, rel: PathBuf) -> HeldDir {
+        HeldDir { dir, links: Some((root, rel)) }
+    }
+
+    /// `dir`, with nothing confined: a symlink in it is followed wherever it leads.
+    pub fn unconfined(dir: Dir) -> HeldDir {
+        HeldDir { dir, links: None }
+    }
+
+    /// The handle of the directory itself.
+    pub fn dir(&self) -> &Dir {
+        &self.dir
+    }
+
+    /// A path that names the held directory itself in this process ([`Dir::fd_path`]): what a
+    /// sandbox grants, so a directory swapped for a link after the check is not what is granted.
+    pub fn grant(&self) -> PathBuf {
+        self.dir.fd_path()
+    }
+
+    /// The directory's path when it was resolved (for messages and for what is given it by path;
+    /// reads go through [`Files`]).
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Where `name` is opened: in the held directory, unless it is a symlink now; then beneath
+    /// the root (Ok), or by its path with nothing confined (Err: the path).
+    fn place(&self, name: &str) -> std::result::Result<(&Dir, PathBuf), PathBuf> {
+        if !self.dir.kind(Path::new(name)).is_some_and(|t| t.is_symlink()) {
+            return Ok((&self.dir, PathBuf::from(name)));
+        }
+        match &self.links {
+            Some((root, rel)) => Ok((root, rel.join(name))),
+            None => Err(self.dir.show(Path::new(name))),
+        }
+    }
+}
+
+impl Files for HeldDir {
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+    fn open(&self, name: &str, limit: &Limit) -> Result<std::fs::File> {
+        match self.place(name) {
+            Ok((d, rel)) => d.open_file(&rel, limit).map_err(|e| Error { kind: crate::error::ErrorKind::Input, ..e }),
+            Err(path) => crate::util::open_regular(&path, limit),
+        }
+    }
+    fn has_file(&self, name: &str) -> bool {
+        match self.place(name) {
+            Ok((d, rel)) => d.cap.metadata(rel).is_ok_and(|m| m.is_file()),
+            Err(path) => path.is_file(),
+        }
+    }
+    fn has(&self, name: &str) -> bool {
+        match self.place(name) {
+            Ok((d, rel)) => d.cap.metadata(rel).is_ok(),
+            Err(path) => path.exists(),
+        }
+    }
+    fn listing(&self) -> Vec<(String, bool)> {
+        self.dir
+            .entries(Path::new(""))
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(n, t)| (n.to_string_lossy().into_owned(), t.is_file()))
+            .collect()
+    }
+}
+
 /// Where a symlink leads (see [`Dir::link_target`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Leads {
@@ -344,5 +602,51 @@ mod tests {
         d.write_atomic(Path::new("sub/b.txt"), b"B").unwrap();
         assert_eq!(std::fs::read(t.path().join("moved/sub/b.txt")).unwrap(), b"B");
         assert!(!outside.join("sub").exists());
+    }
+
+    #[test]
+    fn a_held_model_directory_reads_what_was_checked_after_a_swap() {
+        let t = tempfile::tempdir().unwrap();
+        let (root, outside) = (t.path().join("ws"), t.path().join("out"));
+        std::fs::create_dir_all(root.join("m")).unwrap();
+        std::fs::create_dir_all(root.join("blobs")).unwrap();
+        std::fs::create_dir_all(&outside).unwrap();
+        std::fs::write(outside.join("config.json"), "SECRET").unwrap();
+        std::fs::write(outside.join("tokenizer.json"), "SECRET").unwrap();
+        std::fs::write(root.join("m/config.json"), "CHECKED").unwrap();
+        std::fs::write(root.join("blobs/t"), "BLOB").unwrap();
+        // A Hugging Face cache's link into blobs/: inside the root, outside the model directory.
+        std::os::unix::fs::symlink("../blobs/t", root.join("m/tokenizer.json")).unwrap();
+        std::os::unix::fs::symlink(outside.join("config.json"), root.join("m/linked.json")).unwrap();
+        let r = Dir::open(&root).unwrap();
+        let held = HeldDir::beneath(r.open_dir(Path::new("m")).unwrap(), r.clone(), PathBuf::from("m"));
+        let lim = crate::util::CONFIG_JSON;
+        assert_eq!(held.read_text("config.json", &lim).unwrap(), "CHECKED");
+        assert_eq!(held.read_text("tokenizer.json", &lim).unwrap(), "BLOB");
+        let e = held.read_text("linked.json", &lim).unwrap_err();
+        assert!(e.message.contains("leads outside") && !e.message.contains("SECRET"), "{}", e.message);
+        assert_eq!(
+            held.listing(),
+            vec![("config.json".into(), true), ("linked.json".into(), false), ("tokenizer.json".into(), false)]
+        );
+        // The model directory swapped for a link to outside after the check: the held handle
+        // still reads the checked directory, and the path would now read the outside one.
+        std::fs::rename(root.join("m"), root.join("m.aside")).unwrap();
+        std::os::unix::fs::symlink(&outside, root.join("m")).unwrap();
+        assert_eq!(std::fs::read_to_string(root.join("m/config.json")).unwrap(), "SECRET");
+        assert_eq!(held.read_text("config.json", &lim).unwrap(), "CHECKED");
+        assert!(held.has_file("config.json"));
+        // A file swapped for a link out of the root is refused, not followed.
+        std::fs::remove_file(root.join("m.aside/config.json")).unwrap();
+        std::os::unix::fs::symlink(outside.join("config.json"), root.join("m.aside/config.json")).unwrap();
+        let e = held.read_text("config.json", &lim).unwrap_err();
+        assert!(!e.message.contains("SECRET"), "{}", e.message);
+        assert!(!held.has("config.json"));
+        // The blob link is now resolved beneath the root through the swapped path `m`, which leads
+        // outside: refused, never read.
+        assert!(held.read_text("tokenizer.json", &lim).is_err());
+        // With nothing confined, a link is followed wherever it leads.
+        let free = HeldDir::unconfined(Dir::open(&root.join("m.aside")).unwrap());
+        assert_eq!(free.read_text("linked.json", &lim).unwrap(), "SECRET");
     }
 }

@@ -127,6 +127,9 @@ pub const SAFETENSORS_FILE: Limit = Limit {
     max: 16 << 30,
     hint: "the reference forward pass holds the whole checkpoint in memory; use a smaller model, or `metainfer synth` for its shape",
 };
+/// Any file of a model directory, hashed or copied whole as it streams (a bundle's model).
+pub const MODEL_FILE: Limit =
+    Limit { what: "model file", max: 64 << 30, hint: "a bundle holds models whose files are under 64 GiB" };
 /// A safetensors file the engine's harness process wrote (kernel outputs, generated logits).
 pub const HARNESS_OUTPUT: Limit =
     Limit { what: "harness output", max: 4 << 30, hint: "the engine's process wrote far more than it was asked for" };

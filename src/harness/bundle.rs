@@ -25,13 +25,14 @@
 //! wherever the user starts it (see README, Security).
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use super::protocol;
 use super::{Budget, Exit, Run};
+use crate::beneath::Files;
 use crate::error::{Error, Result};
 
 /// Version of the bundle layout.
@@ -176,30 +177,27 @@ pub fn file_hash(path: &Path) -> Result<String> {
     Ok(format!("{:x}", h.finalize()))
 }
 
-/// The regular files of a model directory (top level: config, tokenizer, weights), in name order.
-fn model_files(dir: &Path) -> Result<Vec<PathBuf>> {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(|e| Error::input(format!("model directory {}: {e}", dir.display())))?
-        .filter_map(|e| e.ok())
-        .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
-        .map(|e| e.path())
-        .collect();
-    files.sort();
-    Ok(files)
+/// The regular files of a model directory (top level: config, tokenizer, weights; a symlink is
+/// not one), in name order.
+fn model_files(dir: &dyn Files) -> Vec<String> {
+    dir.listing().into_iter().filter(|(_, regular)| *regular).map(|(name, _)| name).collect()
 }
 
 /// sha256 over a model directory's top-level files (names and contents, in name order): what
 /// `bundle run --model` and compare check, so a bundle runs and is judged on the same weights.
+/// Read through `dir` (a held directory reads through its handle).
 ///
 /// # Errors
-/// When the directory or a file cannot be read.
-pub fn model_hash(dir: &Path) -> Result<String> {
+/// When a file cannot be read.
+pub fn model_hash(dir: &dyn Files) -> Result<String> {
     let mut h = Sha256::new();
-    for f in model_files(dir)? {
-        let name = f.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    for name in model_files(dir) {
+        let mut f = dir.open(&name, &crate::util::MODEL_FILE)?;
+        let mut fh = Sha256::new();
+        std::io::copy(&mut f, &mut fh).map_err(|e| Error::input(format!("{}: {e}", dir.show(&name).display())))?;
         h.update((name.len() as u64).to_le_bytes());
         h.update(name.as_bytes());
-        h.update(file_hash(&f)?.as_bytes());
+        h.update(format!("{:x}", fh.finalize()).as_bytes());
     }
     Ok(format!("{:x}", h.finalize()))
 }
@@ -207,20 +205,27 @@ pub fn model_hash(dir: &Path) -> Result<String> {
 /// Total bytes of a model directory's top-level files.
 ///
 /// # Errors
-/// When the directory cannot be read.
-pub fn model_bytes(dir: &Path) -> Result<u64> {
-    Ok(model_files(dir)?.iter().map(|f| std::fs::metadata(f).map(|m| m.len()).unwrap_or(0)).sum())
+/// When a file cannot be opened.
+pub fn model_bytes(dir: &dyn Files) -> Result<u64> {
+    let mut total = 0;
+    for name in model_files(dir) {
+        let f = dir.open(&name, &crate::util::MODEL_FILE)?;
+        total += f.metadata().map(|m| m.len()).unwrap_or(0);
+    }
+    Ok(total)
 }
 
-/// Copy a model directory's top-level files into `to`.
+/// Copy a model directory's top-level files into `to` (read through `from`).
 ///
 /// # Errors
-/// When a file cannot be copied.
-pub fn copy_model(from: &Path, to: &Path) -> Result<()> {
+/// When a file cannot be read or written.
+pub fn copy_model(from: &dyn Files, to: &Path) -> Result<()> {
     std::fs::create_dir_all(to).map_err(|e| Error::internal(format!("{}: {e}", to.display())))?;
-    for f in model_files(from)? {
-        let dest = to.join(f.file_name().unwrap_or_default());
-        std::fs::copy(&f, &dest).map_err(|e| Error::internal(format!("copying {}: {e}", f.display())))?;
+    for name in model_files(from) {
+        let mut f = from.open(&name, &crate::util::MODEL_FILE)?;
+        let dest = to.join(&name);
+        let copied = std::fs::File::create(&dest).and_then(|mut out| std::io::copy(&mut f, &mut out));
+        copied.map_err(|e| Error::internal(format!("copying {}: {e}", from.show(&name).display())))?;
     }
     Ok(())
 }

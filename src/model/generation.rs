@@ -3,12 +3,11 @@
 //! generation config from config.json (`GenerationConfig.from_model_config`), so the ids fall back to
 //! config.json's `eos_token_id` / `bos_token_id`.
 
-use std::path::Path;
-
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use super::Files;
 use crate::error::{Error, Result};
 
 /// What generation_config.json (or config.json, without it) says about ending generation.
@@ -34,13 +33,14 @@ pub struct GenerationConfig {
 /// # Errors
 /// [`crate::error::ErrorKind::Input`] naming the file and key when a value has the wrong type
 /// (`"eos_token_id": "2"`), an id is negative or not below `vocab`, or the file is not a JSON object.
-pub fn read_generation_config(dir: &Path, vocab: usize) -> Result<GenerationConfig> {
-    let gen_path = dir.join("generation_config.json");
-    let (path, from_config) = if gen_path.is_file() { (gen_path, false) } else { (dir.join("config.json"), true) };
-    if from_config && !path.exists() {
+pub fn read_generation_config(dir: &(impl Files + ?Sized), vocab: usize) -> Result<GenerationConfig> {
+    let (file, from_config) =
+        if dir.has_file("generation_config.json") { ("generation_config.json", false) } else { ("config.json", true) };
+    if from_config && !dir.has(file) {
         return Ok(GenerationConfig::default());
     }
-    let text = crate::util::read_regular_text(&path, &crate::util::CONFIG_JSON)?;
+    let path = dir.show(file);
+    let text = dir.read_text(file, &crate::util::CONFIG_JSON)?;
     let map = match serde_json::from_str::<Value>(&text) {
         Ok(Value::Object(m)) => m,
         Ok(_) => return Err(Error::input(format!("{}: must be a JSON object", path.display()))),

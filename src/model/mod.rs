@@ -2,7 +2,8 @@
 //! generation_config.json, the weights (one model.safetensors or shards through
 //! model.safetensors.index.json, F32/BF16/F16 widened exactly, checked against the family's dtype
 //! policy) and tokenizer.json (routed to a tokenizer contract). Knows the CKB's types, nothing of MCP
-//! or processes.
+//! or processes. Every reader takes a [`Files`]: a plain path, or a [`crate::beneath::HeldDir`] (a
+//! directory a gate confined, read through its handle so a swap after the check redirects nothing).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -11,6 +12,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+pub use crate::beneath::Files;
 use crate::ckb::{Ckb, Contract, ModelFamily};
 use crate::error::{Error, Result};
 
@@ -84,38 +86,25 @@ pub struct Gap {
 ///
 /// # Errors
 /// [`crate::error::ErrorKind::Input`] when the directory or file is missing or not a JSON object.
-pub fn read_config(dir: &Path) -> Result<serde_json::Map<String, Value>> {
-    let path = dir.join("config.json");
-    if dir.is_file() {
-        return Err(Error::input(format!(
-            "{} is a file; pass the Hugging Face model directory that holds config.json, model.safetensors and tokenizer.json",
-            dir.display()
-        )));
-    }
-    if !dir.is_dir() {
-        return Err(Error::input(format!(
-            "model directory {} does not exist; pass a Hugging Face model directory (config.json, model.safetensors, tokenizer.json)",
-            dir.display()
-        )));
-    }
-    // Listed without following a swapped-in link: a directory resolved inside the workspace may have
-    // been replaced by a symlink since.
-    let llama2c =
-        || crate::beneath::names_no_follow(dir).iter().any(|n| Path::new(n).extension().is_some_and(|x| x == "bin"));
-    if !path.exists() && llama2c() {
+pub fn read_config(dir: &(impl Files + ?Sized)) -> Result<serde_json::Map<String, Value>> {
+    dir.check_dir()?;
+    let path = dir.show("config.json");
+    // Listed without following a swapped-in link (a held directory is listed through its handle).
+    let llama2c = || dir.listing().iter().any(|(n, _)| Path::new(n).extension().is_some_and(|x| x == "bin"));
+    if !dir.has("config.json") && llama2c() {
         return Err(Error::input(format!(
             "{} holds a llama2.c checkpoint (.bin) and no config.json: the llama2.c layout is not supported; \
              pass a Hugging Face directory (config.json, model.safetensors, tokenizer.json)",
-            dir.display()
+            dir.path().display()
         )));
     }
-    if !path.exists() {
+    if !dir.has("config.json") {
         return Err(Error::input(format!(
             "{}: does not exist; a Hugging Face model directory has a config.json",
             path.display()
         )));
     }
-    let text = crate::util::read_regular_text(&path, &crate::util::CONFIG_JSON)?;
+    let text = dir.read_text("config.json", &crate::util::CONFIG_JSON)?;
     match serde_json::from_str::<Value>(&text) {
         Ok(Value::Object(map)) => Ok(map),
         Ok(_) => Err(Error::input(format!("{}: must be a JSON object", path.display()))),
@@ -338,10 +327,10 @@ pub fn resolve(
 ///
 /// # Errors
 /// Unreadable config ([`crate::error::ErrorKind::Input`]) or gaps (Usage, listing field and reason).
-pub fn load_config(ckb: &Ckb, dir: &Path) -> Result<ResolvedConfig> {
+pub fn load_config(ckb: &Ckb, dir: &(impl Files + ?Sized)) -> Result<ResolvedConfig> {
     let config = read_config(dir)?;
-    let contract = route(ckb, &config).map_err(|g| gaps_error(dir, &g))?;
-    resolve(contract, &config).map_err(|g| gaps_error(dir, &g))
+    let contract = route(ckb, &config).map_err(|g| gaps_error(dir.path(), &g))?;
+    resolve(contract, &config).map_err(|g| gaps_error(dir.path(), &g))
 }
 
 fn gaps_error(dir: &Path, gaps: &[Gap]) -> Error {
@@ -361,7 +350,7 @@ pub type Tensors = BTreeMap<String, (Vec<usize>, Vec<f32>)>;
 /// # Errors
 /// [`crate::error::ErrorKind::Input`] naming the file (and tensor) when a file is missing, truncated,
 /// holds an unsupported dtype, or the index and the shards disagree (see [`weight_layout`]).
-pub fn read_safetensors(dir: &Path) -> Result<Tensors> {
+pub fn read_safetensors(dir: &(impl Files + ?Sized)) -> Result<Tensors> {
     weights::read_weights(dir)
 }
 
@@ -462,9 +451,9 @@ pub fn tied_head_warning(cfg: &ResolvedConfig, tensors: &Tensors) -> Option<Stri
 ///
 /// # Errors
 /// [`crate::error::ErrorKind::Input`] when the file is missing or malformed.
-pub fn hf_tokenizer(dir: &Path) -> Result<tokenizers::Tokenizer> {
-    let path = dir.join("tokenizer.json");
-    let bytes = crate::util::read_regular(&path, &crate::util::TOKENIZER_JSON)?;
+pub fn hf_tokenizer(dir: &(impl Files + ?Sized)) -> Result<tokenizers::Tokenizer> {
+    let path = dir.show("tokenizer.json");
+    let bytes = dir.read("tokenizer.json", &crate::util::TOKENIZER_JSON)?;
     tokenizers::Tokenizer::from_bytes(bytes)
         .map_err(|e| Error::input(format!("{}: cannot load tokenizer ({e})", path.display())))
 }

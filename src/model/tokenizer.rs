@@ -11,6 +11,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use super::Files;
 use super::Gap;
 use crate::ckb::{Ckb, Contract, TokenizerFamily};
 use crate::error::{Error, Result};
@@ -48,9 +49,9 @@ pub struct TokenizerRoute {
 ///
 /// # Errors
 /// [`crate::error::ErrorKind::Input`] naming the file when it is missing or not a JSON object.
-pub fn read_tokenizer_json(dir: &Path) -> Result<Value> {
-    let path = dir.join("tokenizer.json");
-    let text = crate::util::read_regular_text(&path, &crate::util::TOKENIZER_JSON)?;
+pub fn read_tokenizer_json(dir: &(impl Files + ?Sized)) -> Result<Value> {
+    let path = dir.show("tokenizer.json");
+    let text = dir.read_text("tokenizer.json", &crate::util::TOKENIZER_JSON)?;
     match serde_json::from_str::<Value>(&text) {
         Ok(v @ Value::Object(_)) => Ok(v),
         Ok(_) => Err(Error::input(format!("{}: must be a JSON object", path.display()))),
@@ -64,7 +65,7 @@ pub fn read_tokenizer_json(dir: &Path) -> Result<Value> {
 ///
 /// # Errors
 /// As [`read_tokenizer_json`].
-pub fn read_tokenizer_head(dir: &Path) -> Result<Value> {
+pub fn read_tokenizer_head(dir: &(impl Files + ?Sized)) -> Result<Value> {
     #[derive(Deserialize)]
     struct ModelHead {
         #[serde(rename = "type", default)]
@@ -94,8 +95,8 @@ pub fn read_tokenizer_head(dir: &Path) -> Result<Value> {
         #[serde(default)]
         post_processor: Value,
     }
-    let path = dir.join("tokenizer.json");
-    let text = crate::util::read_regular_text(&path, &crate::util::TOKENIZER_JSON)?;
+    let path = dir.show("tokenizer.json");
+    let text = dir.read_text("tokenizer.json", &crate::util::TOKENIZER_JSON)?;
     let h: Head = serde_json::from_str(&text)
         .map_err(|e| Error::input(format!("{}: not a tokenizer.json ({e})", path.display())))?;
     let m = h.model;
@@ -345,13 +346,13 @@ pub fn check_ids(path: &Path, json: &Value, vocab: usize) -> Result<(usize, Vec<
 /// # Errors
 /// [`crate::error::ErrorKind::Input`] for a missing or malformed file or an id not below `vocab`;
 /// [`crate::error::ErrorKind::Usage`] listing the uncovered components when no contract covers it.
-pub fn check_model_tokenizer(ckb: &Ckb, dir: &Path, vocab: usize) -> Result<(String, TokenizerRoute)> {
+pub fn check_model_tokenizer(ckb: &Ckb, dir: &(impl Files + ?Sized), vocab: usize) -> Result<(String, TokenizerRoute)> {
     let json = read_tokenizer_json(dir)?;
-    let (entries, special_tokens) = check_ids(&dir.join("tokenizer.json"), &json, vocab)?;
+    let (entries, special_tokens) = check_ids(&dir.show("tokenizer.json"), &json, vocab)?;
     let (contract, parts) = route_tokenizer(ckb, &json).map_err(|gaps| {
         Error::usage(format!(
             "{}/tokenizer.json is not covered by the knowledge base:\n{}",
-            dir.display(),
+            dir.path().display(),
             gaps.iter().map(|g| format!("  {}: {}", g.field, g.reason)).collect::<Vec<_>>().join("\n")
         ))
     })?;

@@ -15,7 +15,7 @@ use std::path::Path;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::Tensors;
+use super::{Files, Tensors};
 use crate::error::{Error, Result};
 
 /// The single-file weights of a checkpoint.
@@ -65,8 +65,8 @@ impl WeightLayout {
 }
 
 /// Whether `dir` holds weight files at all (a single file or an index).
-pub fn has_weights(dir: &Path) -> bool {
-    dir.join(SINGLE_FILE).exists() || dir.join(INDEX_FILE).exists()
+pub fn has_weights(dir: &(impl Files + ?Sized)) -> bool {
+    dir.has(SINGLE_FILE) || dir.has(INDEX_FILE)
 }
 
 /// The layout of `dir`'s weights, from the safetensors headers (and the index when sharded).
@@ -77,23 +77,21 @@ pub fn has_weights(dir: &Path) -> bool {
 /// the index); the index is not valid JSON, names a tensor twice, or names a shard that is missing
 /// or outside the directory; a shard lacks a tensor the index maps to it, or holds one the index
 /// does not map to it; a header is truncated or inconsistent with the file size.
-pub fn weight_layout(dir: &Path) -> Result<WeightLayout> {
-    let single = dir.join(SINGLE_FILE);
-    let index = dir.join(INDEX_FILE);
-    match (single.exists(), index.exists()) {
+pub fn weight_layout(dir: &(impl Files + ?Sized)) -> Result<WeightLayout> {
+    match (dir.has(SINGLE_FILE), dir.has(INDEX_FILE)) {
         (true, true) => Err(Error::input(format!(
             "{}: both {SINGLE_FILE} and {INDEX_FILE} are present, so the checkpoint is ambiguous (HF transformers would load {SINGLE_FILE} and ignore the shards); remove whichever is stale",
-            dir.display()
+            dir.path().display()
         ))),
         (false, false) => Err(Error::input(format!(
             "{}: no weights: neither {SINGLE_FILE} nor {INDEX_FILE} (sharded) is there; PyTorch .bin checkpoints are not read, convert them to safetensors",
-            dir.display()
+            dir.path().display()
         ))),
         (true, false) => {
-            let tensors = read_header(&single, SINGLE_FILE)?;
+            let tensors = read_header(dir, SINGLE_FILE)?;
             Ok(WeightLayout { sharded: false, files: vec![SINGLE_FILE.into()], tensors })
         }
-        (false, true) => sharded_layout(dir, &index),
+        (false, true) => sharded_layout(dir),
     }
 }
 
@@ -127,9 +125,10 @@ struct Index {
     weight_map: Pairs,
 }
 
-fn sharded_layout(dir: &Path, index: &Path) -> Result<WeightLayout> {
+fn sharded_layout(dir: &(impl Files + ?Sized)) -> Result<WeightLayout> {
     let name = INDEX_FILE;
-    let text = crate::util::read_regular_text(index, &crate::util::SHARD_INDEX)?;
+    let index = dir.show(INDEX_FILE);
+    let text = dir.read_text(INDEX_FILE, &crate::util::SHARD_INDEX)?;
     let parsed: Index = serde_json::from_str(&text).map_err(|e| {
         Error::input(format!(
             "{}: not a valid index ({e}); it must be {{\"metadata\": {{...}}, \"weight_map\": {{tensor: file}}}}",
@@ -164,17 +163,17 @@ fn sharded_layout(dir: &Path, index: &Path) -> Result<WeightLayout> {
     files.dedup();
     let mut tensors = BTreeMap::new();
     for file in &files {
-        let path = dir.join(file);
-        if !path.is_file() {
+        let path = dir.show(file);
+        if !dir.has_file(file) {
             let named: Vec<&str> = by_tensor.iter().filter(|(_, f)| *f == file).map(|(t, _)| t.as_str()).collect();
             return Err(Error::input(format!(
                 "{}: missing shard {file}, which {name} names for {} tensor(s) (e.g. `{}`); download it or fix the index",
-                dir.display(),
+                dir.path().display(),
                 named.len(),
                 named[0]
             )));
         }
-        for (tensor, entry) in read_header(&path, file)? {
+        for (tensor, entry) in read_header(dir, file)? {
             match by_tensor.get(&tensor) {
                 Some(f) if f == file => {}
                 Some(f) => {
@@ -196,18 +195,19 @@ fn sharded_layout(dir: &Path, index: &Path) -> Result<WeightLayout> {
     if let Some((tensor, file)) = by_tensor.iter().find(|(t, _)| !tensors.contains_key(*t)) {
         return Err(Error::input(format!(
             "{}: {name} maps tensor `{tensor}` to {file}, which does not hold it; the index and the shards disagree: regenerate the index",
-            dir.display()
+            dir.path().display()
         )));
     }
     Ok(WeightLayout { sharded: true, files, tensors })
 }
 
 /// Parse one file's safetensors header without reading its data.
-fn read_header(path: &Path, name: &str) -> Result<BTreeMap<String, TensorEntry>> {
+fn read_header(dir: &(impl Files + ?Sized), name: &str) -> Result<BTreeMap<String, TensorEntry>> {
+    let path = dir.show(name);
     let corrupt = |why: String| {
         Error::input(format!("{}: not a valid safetensors file ({why}); is it truncated or corrupt?", path.display()))
     };
-    let file = crate::util::open_regular(path, &crate::util::SAFETENSORS_FILE)?;
+    let file = dir.open(name, &crate::util::SAFETENSORS_FILE)?;
     let len = file.metadata().map_err(|e| Error::input(format!("{}: {e}", path.display())))?.len();
     let mut n = [0u8; 8];
     file.read_exact_at(&mut n, 0).map_err(|_| corrupt("shorter than its 8-byte header length".into()))?;
@@ -263,7 +263,7 @@ pub fn widen_bytes(dtype: &str, data: &[u8]) -> std::result::Result<Vec<f32>, St
 ///
 /// # Errors
 /// As [`weight_layout`]; a tensor stored in a dtype other than F32, BF16 or F16 (named).
-pub fn read_weights(dir: &Path) -> Result<Tensors> {
+pub fn read_weights(dir: &(impl Files + ?Sized)) -> Result<Tensors> {
     let layout = weight_layout(dir)?;
     read_layout(dir, &layout)
 }
@@ -272,16 +272,16 @@ pub fn read_weights(dir: &Path) -> Result<Tensors> {
 ///
 /// # Errors
 /// As [`read_weights`].
-pub fn read_layout(dir: &Path, layout: &WeightLayout) -> Result<Tensors> {
+pub fn read_layout(dir: &(impl Files + ?Sized), layout: &WeightLayout) -> Result<Tensors> {
     let mut out = Tensors::new();
     let mut open: Option<(String, std::fs::File)> = None;
     // File by file, in data order: each file is opened once and read front to back.
     let mut order: Vec<(&String, &TensorEntry)> = layout.tensors.iter().collect();
     order.sort_by(|a, b| (&a.1.file, a.1.bytes.0).cmp(&(&b.1.file, b.1.bytes.0)));
     for (name, t) in order {
-        let path = dir.join(&t.file);
+        let path = dir.show(&t.file);
         if open.as_ref().is_none_or(|(f, _)| f != &t.file) {
-            let f = crate::util::open_regular(&path, &crate::util::SAFETENSORS_FILE)?;
+            let f = dir.open(&t.file, &crate::util::SAFETENSORS_FILE)?;
             open = Some((t.file.clone(), f));
         }
         let file = &open.as_ref().expect("opened above").1;

@@ -395,8 +395,9 @@ pub fn verify_batching(ctx: &Ctx, req: &BatchingRequest, budget: &Budget) -> Res
             gate.engine.dir.display()
         ))
     })?;
-    let model_dir = ctx.confine_model(Path::new(&req.model))?.path().to_path_buf();
-    let cfg = model::load_config(&ctx.ckb, &model_dir)?;
+    let held = ctx.confine_model(Path::new(&req.model))?;
+    let model_dir = held.path().to_path_buf();
+    let cfg = model::load_config(&ctx.ckb, &held)?;
     let family = ctx.ckb.get(&cfg.family)?;
     let logits_tol = &family.model.as_ref().expect("model contract").logits_tolerance;
     let tol = logits_tol.get(&gate.target.dtype).or_else(|| logits_tol.get("f32")).cloned().unwrap_or(Tolerance {
@@ -500,7 +501,7 @@ pub fn verify_batching(ctx: &Ctx, req: &BatchingRequest, budget: &Budget) -> Res
         steps,
         tensors: tensors_path.clone(),
     };
-    let called = gate.call(&h, command, &[], &[model_dir.as_path()])?;
+    let called = gate.call(&h, command, &[], &[held.grant().as_path()])?;
     let ran = match called.ok("batched step", 1500) {
         Ok(Reply::Batch { panic: None, .. }) => true,
         Ok(Reply::Batch { panic: Some(p), steps, .. }) => {
@@ -521,7 +522,7 @@ pub fn verify_batching(ctx: &Ctx, req: &BatchingRequest, budget: &Budget) -> Res
     } else {
         Default::default()
     };
-    let tensors = model::read_safetensors(&model_dir)?;
+    let tensors = model::read_safetensors(&held)?;
     let mut reference = Reference::with_weight_dtype(&cfg, &tensors, &dtype)?;
     for (i, s) in seqs.iter().enumerate() {
         let (rows, want) = reference.greedy(&s.prompt, s.new_tokens)?;

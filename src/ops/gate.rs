@@ -19,6 +19,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use super::{Ctx, Report, Target};
+use crate::beneath::{Dir, Files};
 use crate::error::Error;
 use crate::error::Result;
 use crate::guard::Finding;
@@ -86,23 +87,69 @@ pub struct Stop {
 }
 
 /// Where the engine's harness process runs for this gate call.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default)]
 pub enum Mode {
     /// Here, now (the default).
     #[default]
     Direct,
-    /// Nowhere yet: build and draw here, write a bundle to this directory (`harness::bundle`).
-    Write(PathBuf),
-    /// Elsewhere, already: read this run bundle's replies back and judge them here.
-    Read(PathBuf),
+    /// Nowhere yet: build and draw here, write a bundle to this directory (`harness::bundle`),
+    /// resolved once: staged and moved into place through its parent's handle.
+    Write(super::NewDir),
+    /// Elsewhere, already: read this run bundle's replies back and judge them here, through the
+    /// handle of the bundle directory.
+    Read(Dir),
 }
 
 /// The directory a harness call's requests, inputs and outputs live in.
 pub enum Scratch {
-    /// A temporary directory, removed when dropped (direct calls; a bundle being staged).
+    /// A temporary directory, removed when dropped (direct calls).
     Temp(tempfile::TempDir),
-    /// A bundle directory being read back (kept).
-    Bundle(PathBuf),
+    /// A bundle being staged beside its destination, removed when dropped unless moved into place.
+    Staged(Staging),
+    /// A bundle directory being read back (kept), by its handle.
+    Bundle(Dir),
+}
+
+/// A bundle's staging directory: created through the handle of the destination's parent, written
+/// through its own handle's path in this process (`/proc/self/fd/N`), and renamed into place
+/// through the parent's handle, so a parent swapped for a symlink meanwhile redirects nothing.
+pub struct Staging {
+    parent: Dir,
+    name: String,
+    dir: Dir,
+    done: std::cell::Cell<bool>,
+}
+
+impl Staging {
+    /// Create `.bundle-staging-<random>` in `parent`.
+    fn new(parent: Dir) -> Result<Staging> {
+        let name = format!(".bundle-staging-{:016x}", rand::random::<u64>());
+        parent.create_dir(Path::new(&name))?;
+        let dir = parent.open_dir_nofollow(Path::new(&name))?;
+        Ok(Staging { parent, name, dir, done: std::cell::Cell::new(false) })
+    }
+
+    /// Move the staged bundle into place as `dest` (a plain name in the parent; an empty
+    /// directory there is replaced).
+    fn commit(&self, dest: &std::ffi::OsStr) -> Result<()> {
+        self.parent.replace_empty_dir(Path::new(&self.name), Path::new(dest))?;
+        self.done.set(true);
+        Ok(())
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        if !self.done.get() {
+            self.parent.remove_dir_all(Path::new(&self.name));
+        }
+    }
+}
+
+/// `e` with the `/proc/self/fd/N` path of `dir` named by the directory's own path.
+fn unpin(dir: &Dir, e: Error) -> Error {
+    let pinned = dir.fd_path().display().to_string();
+    Error { message: e.message.replace(&pinned, &dir.path().display().to_string()), ..e }
 }
 
 /// A built harness and the scratch directory of this call.
@@ -118,7 +165,18 @@ impl Harness {
     pub fn dir(&self) -> &Path {
         match &self.scratch {
             Scratch::Temp(t) => t.path(),
-            Scratch::Bundle(p) => p,
+            Scratch::Staged(s) => s.dir.pinned(),
+            Scratch::Bundle(d) => d.pinned(),
+        }
+    }
+
+    /// `e` with the scratch directory named by its own path where [`Harness::dir`] is a handle's
+    /// `/proc/self/fd/N` (a bundle being staged or read back).
+    pub fn unpin(&self, e: Error) -> Error {
+        match &self.scratch {
+            Scratch::Temp(_) => e,
+            Scratch::Staged(s) => unpin(&s.dir, e),
+            Scratch::Bundle(d) => unpin(d, e),
         }
     }
 
@@ -237,24 +295,31 @@ impl<'a> Gate<'a> {
                 "write_bundle and from_bundle exclude each other: write a bundle, run it, then read it",
             )),
             (Some(w), None) => {
-                let dir = self.ctx.confine_new(Path::new(w))?.path();
-                if dir.exists() && std::fs::read_dir(&dir).map(|mut d| d.next().is_some()).unwrap_or(true) {
+                let dest = self.ctx.confine_new(Path::new(w))?;
+                let full = dest.path();
+                let taken = match dest.base.kind(&dest.rest) {
+                    None => false,
+                    Some(t) if t.is_dir() => dest.base.entries(&dest.rest).map(|e| !e.is_empty()).unwrap_or(true),
+                    Some(_) => true,
+                };
+                if taken {
                     return Err(Error::usage(format!(
                         "{} exists and is not empty; choose a new bundle directory",
-                        dir.display()
+                        full.display()
                     )));
                 }
-                self.mode = Mode::Write(dir);
+                self.mode = Mode::Write(dest);
                 Ok(())
             }
             (None, Some(r)) => {
-                let dir = self.ctx.confine(Path::new(r))?.path().to_path_buf();
-                let m = bundle::read_manifest(&dir)?;
-                bundle::check_no_links(&dir)?;
+                let held = self.ctx.confine(Path::new(r))?;
+                let dir = held.pinned();
+                let m = bundle::read_manifest(dir).map_err(|e| unpin(&held, e))?;
+                bundle::check_no_links(dir).map_err(|e| unpin(&held, e))?;
                 if m.tool != self.tool.name() {
                     return Err(Error::usage(format!(
                         "{} is a bundle of {}, not of {}; read it back with {}",
-                        dir.display(),
+                        held.path().display(),
                         m.tool,
                         self.tool.name(),
                         m.tool
@@ -275,7 +340,7 @@ impl<'a> Gate<'a> {
                 }
                 self.seed = m.seed;
                 self.bundle = Some(m);
-                self.mode = Mode::Read(dir);
+                self.mode = Mode::Read(held);
                 Ok(())
             }
             (None, None) => Ok(()),
@@ -349,7 +414,7 @@ impl<'a> Gate<'a> {
     /// The common figures of this gate.
     pub fn common(&self) -> GateFigures {
         let bundle = match &self.mode {
-            Mode::Read(d) => d.display().to_string(),
+            Mode::Read(d) => d.path().display().to_string(),
             _ => String::new(),
         };
         GateFigures { dtype: self.target.dtype.clone(), seed: self.seed, bundle, ..Default::default() }
@@ -376,7 +441,7 @@ impl<'a> Gate<'a> {
     pub fn build(&self, extra: &[String]) -> Result<std::result::Result<Harness, Stop>> {
         if let Mode::Read(dir) = &self.mode {
             // The bundle's harness already ran; nothing is built.
-            return Ok(Ok(Harness { exe: dir.join(bundle::HARNESS), scratch: Scratch::Bundle(dir.clone()) }));
+            return Ok(Ok(Harness { exe: dir.pinned().join(bundle::HARNESS), scratch: Scratch::Bundle(dir.clone()) }));
         }
         let mut spec = self.target.spec.clone();
         for id in extra {
@@ -389,18 +454,16 @@ impl<'a> Gate<'a> {
         match build.executable.clone().filter(|_| build.ok) {
             Some(exe) => {
                 let scratch = match &self.mode {
-                    // A bundle is staged beside its destination and renamed into place when complete.
-                    Mode::Write(dir) => {
-                        let parent = dir.parent().unwrap_or(Path::new("."));
-                        std::fs::create_dir_all(parent)
-                            .map_err(|e| Error::usage(format!("{}: {e}", parent.display())))?;
-                        tempfile::Builder::new().prefix(".bundle-staging-").tempdir_in(parent).map_err(|e| {
-                            Error::internal(format!("cannot stage a bundle in {}: {e}", parent.display()))
-                        })?
+                    // A bundle is staged beside its destination and renamed into place when
+                    // complete, all through the handle of the directory it was resolved beneath.
+                    Mode::Write(dest) => {
+                        let parent = dest.rest.parent().unwrap_or(Path::new(""));
+                        dest.base.create_dir_all(parent)?;
+                        Scratch::Staged(Staging::new(dest.base.open_dir(parent)?)?)
                     }
-                    _ => self.ctx.workshop.scratch()?,
+                    _ => Scratch::Temp(self.ctx.workshop.scratch()?),
                 };
-                Ok(Ok(Harness { exe, scratch: Scratch::Temp(scratch) }))
+                Ok(Ok(Harness { exe, scratch }))
             }
             None => {
                 let compile = super::compile::report_of(self.ctx, &self.engine, build, 0);
@@ -475,7 +538,7 @@ impl<'a> Gate<'a> {
         &self,
         h: Harness,
         commands: Vec<(Command, Vec<(&str, String)>)>,
-        model: Option<&Path>,
+        model: Option<&dyn Files>,
         reads: &[&Path],
     ) -> Result<(Harness, Exchange)> {
         match &self.mode {
@@ -491,9 +554,10 @@ impl<'a> Gate<'a> {
                 }
                 Ok((h, Exchange::Ran(out)))
             }
-            Mode::Read(dir) => {
-                self.check_bundle(dir, &commands, model)?;
-                let mut out = vec![bundle::called(dir, 0)?];
+            Mode::Read(held) => {
+                let dir = held.pinned();
+                self.check_bundle(dir, &commands, model).map_err(|e| unpin(held, e))?;
+                let mut out = vec![bundle::called(dir, 0).map_err(|e| unpin(held, e))?];
                 for i in 1..commands.len() {
                     match bundle::called(dir, i) {
                         Ok(c) => out.push(c),
@@ -515,7 +579,7 @@ impl<'a> Gate<'a> {
         &self,
         dir: &Path,
         commands: &[(Command, Vec<(&str, String)>)],
-        model: Option<&Path>,
+        model: Option<&dyn Files>,
     ) -> Result<()> {
         let m = self.bundle.as_ref().ok_or_else(|| Error::internal("reading a bundle without its manifest"))?;
         if m.requests.len() != commands.len() {
@@ -552,7 +616,7 @@ impl<'a> Gate<'a> {
                 if h != held.sha256 {
                     return Err(Error::usage(format!(
                         "model {} differs from the one the bundle was written with ({}): judge it against that model",
-                        here.display(),
+                        here.path().display(),
                         held.source
                     )));
                 }
@@ -572,8 +636,8 @@ impl<'a> Gate<'a> {
         &self,
         h: &Harness,
         commands: Vec<(Command, Vec<(&str, String)>)>,
-        model: Option<&Path>,
-        dest: &Path,
+        model: Option<&dyn Files>,
+        dest: &super::NewDir,
     ) -> Result<BundleWritten> {
         let root = h.dir().to_path_buf();
         let internal = |p: &Path, e: std::io::Error| Error::internal(format!("{}: {e}", p.display()));
@@ -592,7 +656,11 @@ impl<'a> Gate<'a> {
                 if copied {
                     bundle::copy_model(m, &root.join(bundle::MODEL))?;
                 }
-                Some(bundle::BundleModel { copied, sha256: bundle::model_hash(m)?, source: m.display().to_string() })
+                Some(bundle::BundleModel {
+                    copied,
+                    sha256: bundle::model_hash(m)?,
+                    source: m.path().display().to_string(),
+                })
             }
             None => None,
         };
@@ -635,12 +703,13 @@ impl<'a> Gate<'a> {
             .map(|e| e.metadata().map(|m| m.len()).unwrap_or(0))
             .sum();
         // Complete: move the staged directory into place (an empty destination is replaced).
-        if dest.exists() {
-            std::fs::remove_dir(dest).map_err(|e| internal(dest, e))?;
-        }
-        std::fs::rename(&root, dest).map_err(|e| internal(dest, e))?;
+        let Scratch::Staged(staging) = &h.scratch else {
+            return Err(Error::internal("a bundle is written from its staging directory"));
+        };
+        let name = dest.rest.file_name().ok_or_else(|| Error::internal("a bundle destination without a name"))?;
+        staging.commit(name)?;
         Ok(BundleWritten {
-            dir: dest.to_path_buf(),
+            dir: dest.path(),
             requests: manifest.requests.len(),
             bytes,
             model_copied: model_entry.is_some_and(|m| m.copied),

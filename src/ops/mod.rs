@@ -29,7 +29,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::beneath::Dir;
+use crate::beneath::{Dir, HeldDir};
 use crate::ckb::Ckb;
 use crate::error::{Error, Result};
 use crate::harness::Workshop;
@@ -364,9 +364,12 @@ impl Ctx {
     /// links into its `blobs/` work when the cache is that directory). Without a workspace
     /// nothing is confined and links are followed.
     ///
+    /// Every later read of the model's files goes through the returned [`HeldDir`] (the model
+    /// readers take any [`crate::beneath::Files`]), never through the path again.
+    ///
     /// # Errors
     /// As [`Ctx::confine`]; Usage naming a link that leads outside (not its target's contents).
-    pub fn confine_model(&self, path: &Path) -> Result<Dir> {
+    pub fn confine_model(&self, path: &Path) -> Result<HeldDir> {
         let (dir, root) = self.confine_in(path).map_err(|e| {
             // A file or a missing path inside the roots gets the model reader's own message (a
             // llama2.c file, a config.json given for its directory, ...); nothing is read for it.
@@ -376,7 +379,7 @@ impl Ctx {
             }
             crate::model::read_config(&full).err().unwrap_or(e)
         })?;
-        let Some((root, rel)) = root else { return Ok(dir) };
+        let Some((root, rel)) = root else { return Ok(HeldDir::unconfined(dir)) };
         let mut stack = vec![(PathBuf::new(), 0)];
         while let Some((sub, depth)) = stack.pop() {
             for (name, t) in dir.entries(&sub)? {
@@ -392,7 +395,7 @@ impl Ctx {
                 }
             }
         }
-        Ok(dir)
+        Ok(HeldDir::beneath(dir, root, rel))
     }
 
     /// Resolve a path argument that names a directory to be created (it may exist; then it must be

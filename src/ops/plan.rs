@@ -12,7 +12,7 @@ use super::{Ctx, Report};
 use crate::ckb::{Kind, Phase, SkippedFile};
 use crate::error::{Error, Result};
 use crate::model::tokenizer::TokenizerRoute;
-use crate::model::{self, Gap, GenerationConfig, ResolvedConfig};
+use crate::model::{self, Files, Gap, GenerationConfig, ResolvedConfig};
 
 /// Constraints of the engine to build.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
@@ -238,7 +238,7 @@ pub fn plan(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
 /// # Errors
 /// As [`plan`].
 pub fn plan_only(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
-    let dir = ctx.confine_model(Path::new(&req.model))?.path().to_path_buf();
+    let dir = ctx.confine_model(Path::new(&req.model))?;
     let config = model::read_config(&dir)?;
     let mut gaps = Vec::new();
     let family = match model::route(&ctx.ckb, &config) {
@@ -259,12 +259,12 @@ pub fn plan_only(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
     // against the vocabulary.
     // A directory without tokenizer.json (config only) plans without it, as without weights: a
     // missing file is not a gap in the knowledge base, and verify_generation names it.
-    let tokenizer = if !dir.join("tokenizer.json").exists() {
+    let tokenizer = if !dir.has("tokenizer.json") {
         None
     } else {
         let json = model::tokenizer::read_tokenizer_json(&dir)?;
         let checked = match &resolved {
-            Some(cfg) => Some(model::tokenizer::check_ids(&dir.join("tokenizer.json"), &json, cfg.vocab)?),
+            Some(cfg) => Some(model::tokenizer::check_ids(&dir.show("tokenizer.json"), &json, cfg.vocab)?),
             None => None,
         };
         match model::tokenizer::route_tokenizer(&ctx.ckb, &json) {

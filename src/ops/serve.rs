@@ -355,8 +355,9 @@ pub fn serve_engine(ctx: &Ctx, req: &ServeRequest, budget: &Budget) -> Result<Se
     if req.requests == Some(0) || req.requests.is_some_and(|r| r > 1024) {
         return Err(Error::usage("requests must be 1..=1024".to_string()));
     }
-    let model_dir = ctx.confine_model(Path::new(&req.model))?.path().to_path_buf();
-    let cfg = model::load_config(&ctx.ckb, &model_dir)?;
+    let held = ctx.confine_model(Path::new(&req.model))?;
+    let model_dir = held.path().to_path_buf();
+    let cfg = model::load_config(&ctx.ckb, &held)?;
     gate.same_family(&model_dir, &cfg.family)?;
     let seed = req.seed.unwrap_or_else(crate::util::fresh_seed);
     gate.seed = Some(seed);
@@ -396,10 +397,10 @@ pub fn serve_engine(ctx: &Ctx, req: &ServeRequest, budget: &Budget) -> Result<Se
     };
 
     // The reference's answers, computed before the server starts (it never sees them).
-    let tensors = model::read_safetensors(&model_dir)?;
+    let tensors = model::read_safetensors(&held)?;
     let mut reference = Reference::with_weight_dtype(&cfg, &tensors, &dtype)?;
-    let tok = model::hf_tokenizer(&model_dir)?;
-    let eos: Vec<u32> = model::read_config(&model_dir)
+    let tok = model::hf_tokenizer(&held)?;
+    let eos: Vec<u32> = model::read_config(&held)
         .ok()
         .map(|c| match c.get("eos_token_id") {
             Some(Value::Number(n)) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
@@ -439,7 +440,7 @@ pub fn serve_engine(ctx: &Ctx, req: &ServeRequest, budget: &Budget) -> Result<Se
 
     // Start the server.
     let port = crate::harness::free_loopback_port()?;
-    let mut grants = Grants::harness(&exe, scratch.path()).read(model_dir.as_path());
+    let mut grants = Grants::harness(&exe, scratch.path()).read(held.grant().as_path());
     grants.listen = Some(port);
     let args: Vec<std::ffi::OsString> = vec![
         "serve".into(),

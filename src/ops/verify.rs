@@ -395,9 +395,10 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     let live = ctx.live();
     let ctx = &*live;
     let mut gate = Gate::open(ctx, Tool::Verify, &req.engine, req.dtype.as_deref(), budget)?;
-    let model_dir = ctx.confine_model(Path::new(&req.model))?.path().to_path_buf();
+    let held = ctx.confine_model(Path::new(&req.model))?;
+    let model_dir = held.path().to_path_buf();
     let target = gate.target.clone();
-    let cfg = model::load_config(&ctx.ckb, &model_dir)?;
+    let cfg = model::load_config(&ctx.ckb, &held)?;
     gate.same_family(&model_dir, &cfg.family)?;
     let family = ctx.ckb.get(&cfg.family)?;
     let logits_tol = &family.model.as_ref().expect("model contract").logits_tolerance;
@@ -407,15 +408,15 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
             family.id, target.dtype, target.dtype
         ))
     })?;
-    let (tokenizer_contract, _) = model::tokenizer::check_model_tokenizer(&ctx.ckb, &model_dir, cfg.vocab)?;
-    let generation = model::read_generation_config(&model_dir, cfg.vocab)?;
-    let layout = model::weight_layout(&model_dir)?;
-    model::check_dtype_policy(family, &cfg, &model::read_config(&model_dir)?, &layout)?;
-    let tensors = model::weights::read_layout(&model_dir, &layout)?;
+    let (tokenizer_contract, _) = model::tokenizer::check_model_tokenizer(&ctx.ckb, &held, cfg.vocab)?;
+    let generation = model::read_generation_config(&held, cfg.vocab)?;
+    let layout = model::weight_layout(&held)?;
+    model::check_dtype_policy(family, &cfg, &model::read_config(&held)?, &layout)?;
+    let tensors = model::weights::read_layout(&held, &layout)?;
     let mut warnings: Vec<String> = model::tied_head_warning(&cfg, &tensors).into_iter().collect();
     let mut reference =
         Reference::of_family(family.model.as_ref().expect("model contract"), &cfg, tensors, &target.dtype)?;
-    let tok = model::hf_tokenizer(&model_dir)?;
+    let tok = model::hf_tokenizer(&held)?;
     let max_new = req.max_new_tokens.unwrap_or(32);
     if max_new == 0 || max_new > 4096 {
         return Err(Error::usage(format!("max_new_tokens must be 1..=4096, got {max_new}")));
@@ -497,10 +498,11 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     if let Some(c) = tokenize_command(&gate, &h, &sets)? {
         commands.push((c, vec![]));
     }
-    let mut reads: Vec<&Path> = vec![model_dir.as_path()];
+    let grant = held.grant();
+    let mut reads: Vec<&Path> = vec![grant.as_path()];
     reads.extend(sets.iter().map(|s| s.dir.as_path()));
-    // `_scratch` keeps the harness's scratch directory (its output tensors) until the end.
-    let (_scratch, called, tokenized) = match gate.exchange(h, commands, Some(&model_dir), &reads)? {
+    // `scratch` keeps the harness's scratch directory (its output tensors) until the end.
+    let (scratch, called, tokenized) = match gate.exchange(h, commands, Some(&held), &reads)? {
         (_, Exchange::Written(w)) => return Ok(fail(w.text(gate.tool.name()), vec![], gate.findings.clone())),
         (h, Exchange::Ran(mut c)) => {
             let tokenized = if c.len() > 1 { c.pop() } else { None };
@@ -529,7 +531,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     };
     // A reply without its tensors file (a harness killed mid-write, a bundle's output removed) is
     // a failed gate, not a fault of the server.
-    let tensors_out = match crate::harness::read_tensor_words(&tensors_path) {
+    let tensors_out = match crate::harness::read_tensor_words(&tensors_path).map_err(|e| scratch.unpin(e)) {
         Ok((_, t)) => t,
         Err(e) => {
             let why = format!("the engine's generation wrote no readable tensors: {}", e.message);

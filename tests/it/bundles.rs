@@ -228,7 +228,16 @@ fn a_tampered_or_incomplete_bundle_is_refused_or_fails() {
         write_bundle: write.map(s),
         from_bundle: read.map(s),
     };
-    let read = || kernel_test(&ctx, &req(None, Some(&dir)), &budget());
+    // Read back through the bundle directory's handle, and named by its path in every message.
+    let read = || {
+        let r = kernel_test(&ctx, &req(None, Some(&dir)), &budget());
+        let said = match &r {
+            Ok(report) => format!("{report:?}"),
+            Err(e) => e.message.clone(),
+        };
+        assert!(!said.contains("/proc/self/fd"), "{said}");
+        r
+    };
     kernel_test(&ctx, &req(Some(&dir), None), &budget()).unwrap();
     // Writing into a directory that is not empty is refused; nothing in it is touched.
     let e = kernel_test(&ctx, &req(Some(&dir), None), &budget()).unwrap_err();
@@ -237,6 +246,7 @@ fn a_tampered_or_incomplete_bundle_is_refused_or_fails() {
     // Not run yet.
     let e = read().unwrap_err();
     assert!(e.kind == ErrorKind::Usage && e.message.contains("has not been run"), "{}", e.message);
+    assert!(e.message.contains(&format!("bundle {} has not been run", dir.display())), "{}", e.message);
 
     // An input changed after writing: `bundle run` refuses it, and so does the read-back.
     let input = dir.join("case0.in.safetensors");

@@ -3,7 +3,8 @@
 //!   a symlink during the calls, NUL, unicode, over-long names, FIFOs, devices) sent to every
 //!   path-taking tool of a real server over MCP (`serve --workspace`), with a canary tree outside
 //!   the workspace watched by inotify: no open, read, write, create or delete in it, its contents
-//!   unchanged, and its secret text and hidden file name in no reply;
+//!   unchanged, and its secret text and hidden file name in no reply; and bundle directories
+//!   (`write_bundle`, `from_bundle`) written and read back by a gate the same way;
 //! - malformed inputs (config.json, safetensors headers, tokenizer.json, metainfer.toml, Cargo.toml,
 //!   contract files, ledger imports) given to the CLI (exit 2, a message naming the file, no panic,
 //!   each under a short time limit) or, for the files only a gate run reads (safetensors,
@@ -148,6 +149,11 @@ fn furnish(ws: &Path, outside: &Path) {
     symlink("/proc/self/root", ws.join("procroot")).unwrap();
     symlink(outside.join("eng/src"), ws.join("eng/src/linked")).unwrap();
     symlink(outside.join("model/config.json"), ws.join("a/config.json")).unwrap();
+    // A model inside the folder the swapper swaps: resolved while it is a folder, then read (the
+    // link leads to the canary's model, whose config.json holds the secret).
+    std::fs::create_dir_all(ws.join("swap/model")).unwrap();
+    std::fs::copy(crate::babyllama().join("config.json"), ws.join("swap/model/config.json")).unwrap();
+    std::fs::copy(crate::babyllama().join("tokenizer.json"), ws.join("swap/model/tokenizer.json")).unwrap();
     mkfifo(&ws.join("fifo"));
     mkfifo(&ws.join("a/b/fifo"));
 }
@@ -188,6 +194,9 @@ fn paths(ws: &Path, outside: &Path) -> Vec<String> {
         "eng/src/linked".into(),
         "swap".into(),
         "swap/../swap".into(),
+        "swap/model".into(),
+        "swap/model/.".into(),
+        "swap/../swap/model".into(),
         "".into(),
         ".".into(),
         "..".into(),
@@ -271,6 +280,87 @@ fn swapper(ws: PathBuf, outside: PathBuf, stop: Arc<AtomicBool>) -> std::thread:
         }
         swaps
     })
+}
+
+/// Bundle directories (`write_bundle`, `from_bundle`) are path arguments too: written and read
+/// while the swapper replaces the folder they lie in by a link to the canary, and given by every
+/// route out of the workspace. A bundle is staged and moved into place through the handle of the
+/// directory it was resolved beneath, and read back through the handle of the bundle directory,
+/// so nothing outside is opened, created or written.
+#[test]
+fn bundle_paths_reach_nothing_outside_the_workspace() {
+    use metainfer::ops::kernel_test::{KernelTestRequest, kernel_test};
+    let t = tempfile::tempdir().unwrap();
+    let (ws, outside) = (t.path().join("ws"), t.path().join("outside"));
+    canary(&outside);
+    furnish(&ws, &outside);
+    crate::Engine::Plain.copy_to(&ws.join("engine"));
+    let mut ctx = crate::ctx(t.path());
+    ctx.workspace = Some(ws.clone());
+    let req = |write: Option<&str>, read: Option<&str>| KernelTestRequest {
+        engine: "engine".into(),
+        kernels: vec!["kernel.rms_norm".into()],
+        seed: Some(5),
+        dtype: None,
+        write_bundle: write.map(String::from),
+        from_bundle: read.map(String::from),
+    };
+    let budget = crate::bundles::budget();
+    // The harness built once before the watch starts.
+    kernel_test(&ctx, &req(Some("warm"), None), &budget).unwrap();
+    let before = snapshot(&outside);
+    let watch = Watch::new(&outside);
+    let stop = Arc::new(AtomicBool::new(false));
+    let swaps = swapper(ws.clone(), outside.clone(), stop.clone());
+    let o = outside.display().to_string();
+    let mut hostile: Vec<String> = ["abs", "rel", "chain1", "a/b/up", "procroot", "dangling", "loop1", "self"]
+        .iter()
+        .map(|h| format!("{h}/bundle"))
+        .collect();
+    hostile.extend([format!("{o}/bundle"), format!("{}/../outside/bundle", ws.display()), "../outside/bundle".into()]);
+    hostile.extend([format!("/proc/self/root{o}/bundle"), "a/config.json/bundle".into(), "fifo".into(), "zero".into()]);
+    let (mut written, mut refused, mut accesses) = (0, 0, Vec::<String>::new());
+    let mut calls: Vec<(Option<String>, Option<String>)> = Vec::new();
+    for i in 0..16 {
+        calls.push((Some(format!("swap/b{i}")), None));
+        calls.push((None, Some(format!("swap/b{i}"))));
+    }
+    for h in &hostile {
+        calls.push((Some(h.clone()), None));
+        calls.push((None, Some(h.trim_end_matches("/bundle").to_string())));
+    }
+    calls.push((None, Some("warm".into())));
+    for (w, r) in &calls {
+        match kernel_test(&ctx, &req(w.as_deref(), r.as_deref()), &budget) {
+            Ok(_) => written += 1,
+            Err(e) => {
+                refused += 1;
+                assert!(
+                    !e.message.contains(SECRET) && !e.message.contains("/proc/self/fd"),
+                    "{w:?} {r:?}: {}",
+                    e.message
+                );
+            }
+        }
+        for (path, mask) in watch.events() {
+            accesses.push(format!("write {w:?} read {r:?}: {} mask {mask:#x}", path.display()));
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    let swaps = swaps.join().unwrap();
+    accesses.extend(watch.events().into_iter().map(|(p, m)| format!("after the calls: {} mask {m:#x}", p.display())));
+    let changed = snapshot(&outside) != before;
+    println!(
+        "bundle paths: {} calls ({written} answered, {refused} refused), {swaps} swaps; outside: {} accesses, changed: {changed}",
+        calls.len(),
+        accesses.len()
+    );
+    assert!(accesses.is_empty(), "something opened, read or wrote the canary: {accesses:#?}");
+    assert!(!changed, "the canary changed");
+    assert!(swaps > 0 && written > 0, "{swaps} swaps, {written} bundles written");
+    // The bundles written while the swapper ran are in the workspace, under the folder's own name.
+    let held = (0..16).filter(|i| ws.join(format!("swap/b{i}/bundle.json")).is_file()).count();
+    assert!(held > 0, "no bundle under ws/swap");
 }
 
 /// The text of a tool result, structured content included.

@@ -290,9 +290,10 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     let live = ctx.live();
     let ctx = &*live;
     let mut gate = Gate::open(ctx, Tool::Profile, &req.engine, req.dtype.as_deref(), budget)?;
-    let model_dir = ctx.confine_model(Path::new(&req.model))?.path().to_path_buf();
+    let held = ctx.confine_model(Path::new(&req.model))?;
+    let model_dir = held.path().to_path_buf();
     let target = gate.target.clone();
-    let cfg = crate::model::load_config(&ctx.ckb, &model_dir)?;
+    let cfg = crate::model::load_config(&ctx.ckb, &held)?;
     gate.same_family(&model_dir, &cfg.family)?;
     // Requests beyond the model's context or the run limit are adjusted, and the report says so.
     let max_seq = cfg.max_seq;
@@ -456,7 +457,7 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
         .collect();
     let commands =
         vec![(command, threads_env.clone()), (Command::Time { reps: runs.max(3), items }, threads_env.clone())];
-    let mut called = match gate.exchange(h, commands, Some(&model_dir), &[model_dir.as_path()])? {
+    let mut called = match gate.exchange(h, commands, Some(&held), &[held.grant().as_path()])? {
         (_, Exchange::Written(w)) => {
             report.error = w.text(gate.tool.name());
             return Ok(report);
@@ -556,7 +557,7 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
         .collect();
     // The timed runs' outputs: the first two are replayed through the reference forward pass.
     // Consumed while building: 8 bytes per parameter at the peak, not 12 (the 1B shapes).
-    let tensors = crate::model::read_safetensors(&model_dir)?;
+    let tensors = crate::model::read_safetensors(&held)?;
     let family = ctx.ckb.get(&cfg.family)?;
     let fam = family.model.as_ref().ok_or_else(|| Error::usage(format!("`{}` is not a model family", family.id)))?;
     let mut reference = crate::oracle::llama::Reference::of_family(fam, &cfg, tensors, &target.dtype)?;
