@@ -64,7 +64,7 @@ pub struct ServeRequest {
 /// One check of the conformance battery.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 pub struct Check {
-    /// Short name (health, models, greedy, streaming, stop, chat, bad_requests, alive).
+    /// Short name (health, models, greedy, streaming, stop, chat, bad_requests, burst, alive).
     pub name: String,
     /// Whether it passed.
     pub passed: bool,
@@ -656,7 +656,29 @@ pub fn serve_engine(ctx: &Ctx, req: &ServeRequest, budget: &Budget) -> Result<Se
         )
     });
 
-    // 8. alive afterwards, and still right.
+    // 8. a burst: BURST requests at once, each answered or refused with a 4xx, none lost.
+    report.checks.push(if died(&server).is_some() {
+        check("burst", false, "not sent: the server had exited")
+    } else {
+        let b = burst(&client, &e0.prompt, BURST);
+        let passed = b.wrong.is_empty() && b.completed > 0;
+        let mut detail = format!(
+            "{BURST} requests at once: {} completed, {} refused with a 4xx in OpenAI's shape",
+            b.completed, b.refused
+        );
+        if !b.wrong.is_empty() {
+            detail += &format!(
+                "; {} neither (component.openai_server: each is answered or refused with a 4xx, and the server keeps serving), e.g. {}",
+                b.wrong_count,
+                b.wrong.join("; ")
+            );
+        } else if b.completed == 0 {
+            detail += "; none completed";
+        }
+        check("burst", passed, detail)
+    });
+
+    // 9. alive afterwards, and still right.
     let alive = match died(&server) {
         Some(why) => check("alive", false, why),
         None => match completion(e0, json!({})) {
@@ -672,7 +694,7 @@ pub fn serve_engine(ctx: &Ctx, req: &ServeRequest, budget: &Budget) -> Result<Se
     let alive_ok = alive.passed;
     report.checks.push(alive);
 
-    // 9. load.
+    // 10. load.
     if alive_ok {
         report.load_average = load_average();
         for &c in &levels {
@@ -690,6 +712,69 @@ pub fn serve_engine(ctx: &Ctx, req: &ServeRequest, budget: &Budget) -> Result<Se
     }
     drop(server);
     Ok(finish(&gate, report))
+}
+
+/// Requests the burst check sends at once: component.openai_server's "1,000 requests at once".
+pub const BURST: usize = 1000;
+
+/// What a burst of requests got back.
+#[derive(Debug, Default)]
+struct Burst {
+    /// Answered 200 with a completion.
+    completed: usize,
+    /// Answered 4xx with an OpenAI error object (e.g. 429 when the queue is full).
+    refused: usize,
+    /// Anything else (no answer, 5xx, another shape): how many, and the first few.
+    wrong_count: usize,
+    wrong: Vec<String>,
+}
+
+/// Send `n` one-token greedy completions of `prompt` at once (one thread each, released
+/// together) and sort the answers; a thread the client cannot start ends the burst there, counted
+/// as a wrong answer.
+fn burst(client: &Client, prompt: &str, n: usize) -> Burst {
+    let body = json!({"prompt": prompt, "max_tokens": 1, "temperature": 0}).to_string();
+    // Every thread waits for the write lock to go before it sends: all are released at once.
+    let go = std::sync::RwLock::new(());
+    let out: Mutex<Burst> = Mutex::new(Burst::default());
+    let answer = |r: std::result::Result<Answer, String>| match r {
+        Ok(a) if a.status == 200 => serde_json::from_str::<Value>(&a.body)
+            .ok()
+            .filter(|v| v["choices"][0]["text"].is_string())
+            .map(|_| ())
+            .ok_or_else(|| format!("200 without a completion: {}", crate::harness::tail(&a.body, 200))),
+        Ok(a) if (400..500).contains(&a.status) && openai_error(&a.body) => Err(String::new()),
+        Ok(a) => Err(format!("answered {}: {}", a.status, crate::harness::tail(&a.body, 200))),
+        Err(e) => Err(e),
+    };
+    let sort = |r: std::result::Result<(), String>| {
+        let mut b = out.lock().unwrap_or_else(|p| p.into_inner());
+        match r {
+            Ok(()) => b.completed += 1,
+            Err(e) if e.is_empty() => b.refused += 1,
+            Err(e) => {
+                b.wrong_count += 1;
+                if b.wrong.len() < 3 {
+                    b.wrong.push(e);
+                }
+            }
+        }
+    };
+    let hold = go.write().unwrap_or_else(|p| p.into_inner());
+    std::thread::scope(|s| {
+        for _ in 0..n {
+            let spawned = std::thread::Builder::new().stack_size(256 << 10).spawn_scoped(s, || {
+                drop(go.read().unwrap_or_else(|p| p.into_inner()));
+                sort(answer(client.post("/v1/completions", &body)));
+            });
+            if let Err(e) = spawned {
+                sort(Err(format!("the client could not start a thread: {e}")));
+                break;
+            }
+        }
+        drop(hold);
+    });
+    out.into_inner().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Decide, record and return the report.

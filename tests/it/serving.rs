@@ -309,6 +309,36 @@ fn serve_engine_fails_without_a_binary_on_a_dying_server_and_on_a_constant_sampl
     assert!(r.levels.iter().all(|l| l.greedy_mismatches == l.requests), "{text}");
 }
 
+/// A server that answers one request at a time but exits when many arrive at once fails the
+/// burst check (component.openai_server: 1,000 requests at once are answered or refused with a
+/// 4xx, and the server keeps serving), and then the alive check.
+#[test]
+fn a_server_that_dies_under_a_burst_fails_serve_engine() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let engine = t.path().join("fragile");
+    Engine::Simd.copy_to(&engine);
+    crate::inject(
+        &engine,
+        "src/main.rs",
+        "    if app.in_flight.fetch_add(1, Ordering::SeqCst) >= MAX_IN_FLIGHT {",
+        "    if app.in_flight.load(Ordering::SeqCst) >= 8 {\n        std::process::exit(3);\n    }\n    if app.in_flight.fetch_add(1, Ordering::SeqCst) >= MAX_IN_FLIGHT {",
+    );
+    let req = ServeRequest { concurrency: Some(vec![1]), ..serve_req(&engine) };
+    let r = serve_engine(&ctx, &req, &Budget::secs(900)).unwrap();
+    let text = metainfer::ops::Report::text(&r);
+    assert!(!r.passed, "{text}");
+    let by = |name: &str| r.checks.iter().find(|c| c.name == name).unwrap_or_else(|| panic!("no {name}: {text}"));
+    for name in ["greedy", "streaming", "bad_requests"] {
+        assert!(by(name).passed, "{name}: {text}");
+    }
+    let burst = by("burst");
+    assert!(!burst.passed && burst.detail.contains("neither"), "{text}");
+    let alive = by("alive");
+    assert!(!alive.passed && alive.detail.contains("exited with status 3"), "{text}");
+    assert!(r.levels.is_empty(), "{text}");
+}
+
 /// The SIMD example engine's server passes serve_engine on BabyLlama at concurrency 1, 4 and 16,
 /// and the outcome is recorded with its figures.
 #[test]
@@ -323,7 +353,14 @@ fn simd_engine_passes_serve_engine() {
     assert!(r.passed, "{text}");
     crate::assert_conforms(&r);
     let names: Vec<&str> = r.checks.iter().map(|c| c.name.as_str()).collect();
-    assert_eq!(names, ["health", "models", "greedy", "streaming", "stop", "chat", "bad_requests", "alive"], "{text}");
+    assert_eq!(
+        names,
+        ["health", "models", "greedy", "streaming", "stop", "chat", "bad_requests", "burst", "alive"],
+        "{text}"
+    );
+    // component.openai_server: 1,000 requests at once are each answered or refused with a 4xx.
+    let burst = &r.checks[7];
+    assert!(burst.detail.starts_with("1000 requests at once: "), "{text}");
     assert_eq!(r.levels.iter().map(|l| l.concurrency).collect::<Vec<_>>(), [1, 4, 16]);
     for l in &r.levels {
         assert_eq!((l.completed, l.greedy_mismatches), (l.requests, 0), "{text}");
