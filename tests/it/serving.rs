@@ -372,3 +372,43 @@ fn simd_engine_passes_serve_engine() {
     assert_eq!((o.tool.as_str(), o.passed), ("serve_engine", true));
     eprintln!("{text}");
 }
+
+/// The SIMD engine's binary, `generate`: greedy on BabyLlama prints the golden continuation of the
+/// golden prompt (agreed by four independent implementations, ../shared/golden), a seeded sampled
+/// run prints the same text twice, and a bad flag exits 2 naming it.
+#[test]
+fn simd_binary_generate_prints_the_golden_continuation() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let dir = t.path().join("simd");
+    Engine::Simd.copy_to(&dir);
+    let engine = ctx.workshop.engine_at(&metainfer::beneath::Dir::open(&dir).unwrap()).unwrap();
+    let bin = t.path().join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let build = ctx.workshop.build_engine_binary(&engine, &["server".into()], &bin, &Budget::secs(900)).unwrap();
+    assert!(build.ok, "{:?}", build.diagnostics);
+    let exe = build.executable.expect("the SIMD engine has a binary");
+    let model = crate::babyllama();
+    let golden = crate::golden();
+    let prompt = golden["prompt"].as_str().unwrap();
+    let new_tokens = golden["greedy_ids"].as_array().unwrap().len() - golden["prompt_ids"].as_array().unwrap().len();
+    let run = |extra: &[&str]| {
+        let mut args = vec!["generate", "--model", model.to_str().unwrap(), "--prompt", prompt];
+        args.extend_from_slice(extra);
+        std::process::Command::new(&exe).args(&args).output().unwrap()
+    };
+    let n = new_tokens.to_string();
+    let out = run(&["--max-tokens", &n]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let want = format!("{}\n", &golden["text"].as_str().unwrap()[prompt.len()..]);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), want);
+
+    let sampled = ["--max-tokens", "24", "--temperature", "0.9", "--top-p", "0.9", "--seed", "7"];
+    let (a, b) = (run(&sampled), run(&sampled));
+    assert!(a.status.success() && !a.stdout.is_empty(), "{}", String::from_utf8_lossy(&a.stderr));
+    assert_eq!(a.stdout, b.stdout, "the same seed samples the same text");
+
+    let bad = run(&["--temperature", "warm"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--temperature"), "{}", String::from_utf8_lossy(&bad.stderr));
+}
