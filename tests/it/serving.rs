@@ -127,6 +127,8 @@ fn serving_scaffold_fails_verify_batching_on_its_todos() {
     assert!(k.kernels.iter().all(|k| !k.passed && k.error.contains("not yet implemented")), "{k:?}");
 }
 
+/// verify_batching and serve_engine need serving constraints (a batch-1 library is a bad request)
+/// and the serving signatures (an empty crate that claims serving is blocked by the signature rule).
 #[test]
 fn verify_batching_needs_serving_constraints_and_the_serving_signatures() {
     let t = tempfile::tempdir().unwrap();
@@ -152,6 +154,9 @@ fn verify_batching_needs_serving_constraints_and_the_serving_signatures() {
     assert!(!v.passed && v.error.contains("signature-changed"), "{}", v.error);
     assert!(v.rules.iter().any(|f| f.file == "src/paged.rs") && v.rules.iter().any(|f| f.file == "src/batch.rs"));
     assert_eq!(v.block_manager.ops, 0);
+    // serve_engine on the same crate: blocked by the same rule, no server started.
+    let r = serve_engine(&ctx, &serve_req(&empty), &Budget::secs(900)).unwrap();
+    assert!(!r.passed && r.error.contains("signature-changed") && r.checks.is_empty(), "{}", r.error);
 }
 
 #[test]
