@@ -417,3 +417,29 @@ fn simd_binary_generate_prints_the_golden_continuation() {
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--temperature"), "{}", String::from_utf8_lossy(&bad.stderr));
 }
+
+/// The SIMD engine's server passes serve_engine at the stories15M shape too (a synthetic checkpoint
+/// of its published dimensions: hidden 288, 6 layers, 6 heads, vocab 32,000, 256 positions), every
+/// output against the reference; the figures per concurrency are printed.
+#[test]
+fn simd_engine_serves_the_stories15m_shape() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let model = t.path().join("stories15m");
+    let out = std::process::Command::new(crate::bin())
+        .args(["synth", "--preset", "stories15m", "--seed", "5", "--out"])
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let engine = t.path().join("simd");
+    Engine::Simd.copy_to(&engine);
+    let req = ServeRequest { model: s(&model), concurrency: Some(vec![1, 4, 16]), ..serve_req(&engine) };
+    let r = serve_engine(&ctx, &req, &Budget::secs(900)).unwrap();
+    let text = metainfer::ops::Report::text(&r);
+    assert!(r.passed, "{text}");
+    for l in &r.levels {
+        assert_eq!((l.completed, l.greedy_mismatches), (l.requests, 0), "{text}");
+    }
+    eprintln!("{text}");
+}
