@@ -101,12 +101,38 @@ impl Dir {
         &self.pinned
     }
 
-    /// Create the directory `rel` (its parent must exist beneath this one).
+    /// Create the directory `rel` (its parent must exist beneath this one), readable and
+    /// writable by the owner only (mode 0700).
     ///
     /// # Errors
-    /// [`crate::error::ErrorKind::Usage`] naming the path: it exists, or its parent leads outside.
+    /// [`crate::error::ErrorKind::Usage`] naming the path: anything exists there (a symlink
+    /// included), or its parent leads outside.
     pub fn create_dir(&self, rel: &Path) -> Result<()> {
-        self.cap.create_dir(rel).map_err(|e| self.error(rel, &e))
+        use cap_std::fs::DirBuilderExt;
+        let mut b = cap_std::fs::DirBuilder::new();
+        b.mode(0o700);
+        self.cap.create_dir_with(rel, &b).map_err(|e| self.error(rel, &e))
+    }
+
+    /// Create the new file `rel` for writing (`O_CREAT | O_EXCL`: anything already there, a
+    /// symlink planted in its place included, is an error, never written through).
+    ///
+    /// # Errors
+    /// [`crate::error::ErrorKind::Usage`] naming the path.
+    pub fn create_new_file(&self, rel: &Path) -> Result<std::fs::File> {
+        let mut o = cap_std::fs::OpenOptions::new();
+        o.write(true).create_new(true);
+        Ok(self.cap.open_with(rel, &o).map_err(|e| self.error(rel, &e))?.into_std())
+    }
+
+    /// [`Dir::create_new_file`] holding `bytes`.
+    ///
+    /// # Errors
+    /// As [`Dir::create_new_file`], or a failed write.
+    pub fn write_new(&self, rel: &Path, bytes: &[u8]) -> Result<()> {
+        use std::io::Write;
+        let mut f = self.create_new_file(rel)?;
+        f.write_all(bytes).map_err(|e| self.error(rel, &e))
     }
 
     /// Create the directory `rel` and its missing parents beneath this one.
@@ -330,9 +356,9 @@ pub trait Files {
     /// Whether `name` exists (symlinks followed, none out of the root).
     fn has(&self, name: &str) -> bool;
 
-    /// The directory's entries: name and whether it is a regular file without following a
-    /// symlink, sorted by name. Empty when it cannot be listed.
-    fn listing(&self) -> Vec<(String, bool)>;
+    /// The directory's entries: name and what it is without following a symlink, sorted by
+    /// name. Empty when it cannot be listed.
+    fn listing(&self) -> Vec<(String, Entry)>;
 
     /// Ok when the directory is there; else the error to give (a file given for its directory, a
     /// missing directory), worded for a model directory.
@@ -380,13 +406,13 @@ impl Files for Path {
     fn has(&self, name: &str) -> bool {
         self.join(name).exists()
     }
-    fn listing(&self) -> Vec<(String, bool)> {
+    fn listing(&self) -> Vec<(String, Entry)> {
         let Ok(it) = std::fs::read_dir(self) else { return vec![] };
-        let mut out: Vec<(String, bool)> = it
+        let mut out: Vec<(String, Entry)> = it
             .flatten()
-            .map(|e| (e.file_name().to_string_lossy().into_owned(), e.file_type().is_ok_and(|t| t.is_file())))
+            .filter_map(|e| Some((e.file_name().to_string_lossy().into_owned(), Entry::of(e.file_type().ok()?.into()))))
             .collect();
-        out.sort();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
         out
     }
     fn check_dir(&self) -> Result<()> {
@@ -419,7 +445,7 @@ impl Files for PathBuf {
     fn has(&self, name: &str) -> bool {
         self.as_path().has(name)
     }
-    fn listing(&self) -> Vec<(String, bool)> {
+    fn listing(&self) -> Vec<(String, Entry)> {
         self.as_path().listing()
     }
     fn check_dir(&self) -> Result<()> {
@@ -440,7 +466,7 @@ impl<T: Files + ?Sized> Files for &T {
     fn has(&self, name: &str) -> bool {
         (**self).has(name)
     }
-    fn listing(&self) -> Vec<(String, bool)> {
+    fn listing(&self) -> Vec<(String, Entry)> {
         (**self).listing()
     }
     fn check_dir(&self) -> Result<()> {
@@ -477,10 +503,21 @@ impl HeldDir {
         &self.dir
     }
 
-    /// A path that names the held directory itself in this process ([`Dir::fd_path`]): what a
-    /// sandbox grants, so a directory swapped for a link after the check is not what is granted.
-    pub fn grant(&self) -> PathBuf {
-        self.dir.fd_path()
+    /// What a sandbox grants a process that reads this directory: the held directory itself
+    /// ([`Dir::fd_path`], so a directory swapped for a link after the check is not what is
+    /// granted) and every regular file a top-level symlink in it leads to, opened now as
+    /// [`Files::open`] opens it (beneath the root: a Hugging Face cache's `blobs/`), by its
+    /// `/proc/self/fd/N`. The paths name those handles only while the returned value lives.
+    pub fn grant(&self) -> Grant {
+        let mut grant = Grant { paths: vec![self.dir.fd_path()], _files: Vec::new() };
+        for (name, entry) in self.listing() {
+            if let Some(f) = (entry == Entry::Link).then(|| self.open(&name, &crate::util::MODEL_FILE).ok()).flatten() {
+                use std::os::fd::AsRawFd;
+                grant.paths.push(PathBuf::from(format!("/proc/self/fd/{}", f.as_raw_fd())));
+                grant._files.push(f);
+            }
+        }
+        grant
     }
 
     /// The directory's path when it was resolved (for messages and for what is given it by path;
@@ -496,7 +533,12 @@ impl HeldDir {
             return Ok((&self.dir, PathBuf::from(name)));
         }
         match &self.links {
-            Some((root, rel)) => Ok((root, rel.join(name))),
+            // Only while `rel` still names the held directory: after a swap inside the root the
+            // link is resolved in the held one (where a link out of it is refused).
+            Some((root, rel)) if root.open_dir(rel).is_ok_and(|d| same_dir(&d, &self.dir)) => {
+                Ok((root, rel.join(name)))
+            }
+            Some(_) => Ok((&self.dir, PathBuf::from(name))),
             None => Err(self.dir.show(Path::new(name))),
         }
     }
@@ -524,13 +566,83 @@ impl Files for HeldDir {
             Err(path) => path.exists(),
         }
     }
-    fn listing(&self) -> Vec<(String, bool)> {
-        self.dir
-            .entries(Path::new(""))
+    fn listing(&self) -> Vec<(String, Entry)> {
+        self.dir.listing()
+    }
+}
+
+/// Whether two handles name the same directory (device and inode).
+fn same_dir(a: &Dir, b: &Dir) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(a.pinned()), std::fs::metadata(b.pinned())) {
+        (Ok(x), Ok(y)) => (x.dev(), x.ino()) == (y.dev(), y.ino()),
+        _ => false,
+    }
+}
+
+/// A directory handle read as [`Files`]: every open beneath it (symlinks inside followed, none
+/// out of it), bounded and regular-file only.
+impl Files for Dir {
+    fn path(&self) -> &Path {
+        Dir::path(self)
+    }
+    fn open(&self, name: &str, limit: &Limit) -> Result<std::fs::File> {
+        self.open_file(Path::new(name), limit).map_err(|e| Error { kind: crate::error::ErrorKind::Input, ..e })
+    }
+    fn has_file(&self, name: &str) -> bool {
+        self.cap.metadata(name).is_ok_and(|m| m.is_file())
+    }
+    fn has(&self, name: &str) -> bool {
+        self.cap.metadata(name).is_ok()
+    }
+    fn listing(&self) -> Vec<(String, Entry)> {
+        self.entries(Path::new(""))
             .unwrap_or_default()
             .into_iter()
-            .map(|(n, t)| (n.to_string_lossy().into_owned(), t.is_file()))
+            .map(|(n, t)| (n.to_string_lossy().into_owned(), Entry::of(t.into())))
             .collect()
+    }
+}
+
+/// What a directory entry is, without following a symlink.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Entry {
+    /// A regular file.
+    File,
+    /// A directory.
+    Dir,
+    /// A symbolic link.
+    Link,
+    /// A FIFO, socket or device.
+    Other,
+}
+
+impl Entry {
+    fn of(t: crate::util::EntryType) -> Entry {
+        if t.symlink {
+            Entry::Link
+        } else if t.dir {
+            Entry::Dir
+        } else if t.file {
+            Entry::File
+        } else {
+            Entry::Other
+        }
+    }
+}
+
+/// What [`HeldDir::grant`] gives a sandbox: paths (`/proc/self/fd/N`) of handles this value
+/// keeps open.
+#[derive(Debug)]
+pub struct Grant {
+    paths: Vec<PathBuf>,
+    _files: Vec<std::fs::File>,
+}
+
+impl Grant {
+    /// The granted paths: the directory first, then the linked files.
+    pub fn paths(&self) -> Vec<&Path> {
+        self.paths.iter().map(PathBuf::as_path).collect()
     }
 }
 
@@ -627,7 +739,11 @@ mod tests {
         assert!(e.message.contains("leads outside") && !e.message.contains("SECRET"), "{}", e.message);
         assert_eq!(
             held.listing(),
-            vec![("config.json".into(), true), ("linked.json".into(), false), ("tokenizer.json".into(), false)]
+            vec![
+                ("config.json".into(), Entry::File),
+                ("linked.json".into(), Entry::Link),
+                ("tokenizer.json".into(), Entry::Link)
+            ]
         );
         // The model directory swapped for a link to outside after the check: the held handle
         // still reads the checked directory, and the path would now read the outside one.
@@ -648,5 +764,32 @@ mod tests {
         // With nothing confined, a link is followed wherever it leads.
         let free = HeldDir::unconfined(Dir::open(&root.join("m.aside")).unwrap());
         assert_eq!(free.read_text("linked.json", &lim).unwrap(), "SECRET");
+    }
+
+    #[test]
+    fn new_files_and_directories_never_write_through_a_planted_link() {
+        use std::os::unix::fs::PermissionsExt;
+        let t = tempfile::tempdir().unwrap();
+        let (inside, outside) = (t.path().join("in"), t.path().join("out"));
+        std::fs::create_dir_all(&inside).unwrap();
+        std::fs::create_dir_all(&outside).unwrap();
+        std::os::unix::fs::symlink(outside.join("x"), inside.join("dangling")).unwrap();
+        std::fs::write(outside.join("kept"), "KEPT").unwrap();
+        std::os::unix::fs::symlink(outside.join("kept"), inside.join("planted")).unwrap();
+        std::os::unix::fs::symlink(&outside, inside.join("dirlink")).unwrap();
+        let d = Dir::open(&inside).unwrap();
+        for name in ["dangling", "planted"] {
+            assert!(d.write_new(Path::new(name), b"NEW").is_err(), "{name}");
+        }
+        assert!(!outside.join("x").exists());
+        assert_eq!(std::fs::read_to_string(outside.join("kept")).unwrap(), "KEPT");
+        assert!(d.create_dir(Path::new("dirlink")).is_err());
+        assert!(d.write_new(Path::new("dirlink/y"), b"NEW").is_err());
+        assert!(!outside.join("y").exists());
+        d.create_dir(Path::new("private")).unwrap();
+        let mode = std::fs::metadata(inside.join("private")).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode & 0o077, 0, "mode {mode:o}");
+        d.write_new(Path::new("private/f"), b"F").unwrap();
+        assert_eq!(std::fs::read(inside.join("private/f")).unwrap(), b"F");
     }
 }

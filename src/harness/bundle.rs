@@ -32,7 +32,7 @@ use sha2::{Digest, Sha256};
 
 use super::protocol;
 use super::{Budget, Exit, Run};
-use crate::beneath::Files;
+use crate::beneath::{Dir, Entry, Files};
 use crate::error::{Error, Result};
 
 /// Version of the bundle layout.
@@ -177,10 +177,14 @@ pub fn file_hash(path: &Path) -> Result<String> {
     Ok(format!("{:x}", h.finalize()))
 }
 
-/// The regular files of a model directory (top level: config, tokenizer, weights; a symlink is
-/// not one), in name order.
+/// The files of a model directory (top level: config, tokenizer, weights; a symlink that leads
+/// to a regular file, as in a Hugging Face cache's snapshot, counts as the file), in name order.
 fn model_files(dir: &dyn Files) -> Vec<String> {
-    dir.listing().into_iter().filter(|(_, regular)| *regular).map(|(name, _)| name).collect()
+    dir.listing()
+        .into_iter()
+        .filter(|(name, e)| *e == Entry::File || (*e == Entry::Link && dir.has_file(name)))
+        .map(|(name, _)| name)
+        .collect()
 }
 
 /// sha256 over a model directory's top-level files (names and contents, in name order): what
@@ -215,17 +219,19 @@ pub fn model_bytes(dir: &dyn Files) -> Result<u64> {
     Ok(total)
 }
 
-/// Copy a model directory's top-level files into `to` (read through `from`).
+/// Copy a model directory's top-level files (read through `from`) into the new directory `to`
+/// beneath `into`, each a new file (nothing already there is written through).
 ///
 /// # Errors
-/// When a file cannot be read or written.
-pub fn copy_model(from: &dyn Files, to: &Path) -> Result<()> {
-    std::fs::create_dir_all(to).map_err(|e| Error::internal(format!("{}: {e}", to.display())))?;
+/// When a file cannot be read, or `to` or a file in it exists or cannot be written.
+pub fn copy_model(from: &dyn Files, into: &Dir, to: &str) -> Result<()> {
+    into.create_dir(Path::new(to))?;
     for name in model_files(from) {
         let mut f = from.open(&name, &crate::util::MODEL_FILE)?;
-        let dest = to.join(&name);
-        let copied = std::fs::File::create(&dest).and_then(|mut out| std::io::copy(&mut f, &mut out));
-        copied.map_err(|e| Error::internal(format!("copying {}: {e}", from.show(&name).display())))?;
+        let dest = Path::new(to).join(&name);
+        let mut out = into.create_new_file(&dest)?;
+        std::io::copy(&mut f, &mut out)
+            .map_err(|e| Error::internal(format!("copying {}: {e}", from.show(&name).display())))?;
     }
     Ok(())
 }
@@ -263,10 +269,11 @@ pub fn relative(command: protocol::Command, root: &Path) -> protocol::Command {
 ///
 /// # Errors
 /// [`crate::error::ErrorKind::Usage`] when it is missing or does not parse.
-pub fn read_request(dir: &Path, i: usize) -> Result<protocol::Request> {
-    let path = dir.join(request_file(i));
-    let bytes = std::fs::read(&path)
-        .map_err(|e| Error::usage(format!("{}: {e}; the bundle is incomplete, write it again", path.display())))?;
+pub fn read_request(dir: &dyn Files, i: usize) -> Result<protocol::Request> {
+    let path = dir.show(&request_file(i));
+    let bytes = dir
+        .read(&request_file(i), &crate::util::HARNESS_OUTPUT)
+        .map_err(|e| Error::usage(format!("{}; the bundle is incomplete, write it again", e.message)))?;
     serde_json::from_slice(&bytes).map_err(|e| Error::usage(format!("{}: not a harness request: {e}", path.display())))
 }
 
@@ -275,13 +282,12 @@ pub fn read_request(dir: &Path, i: usize) -> Result<protocol::Request> {
 ///
 /// # Errors
 /// [`crate::error::ErrorKind::Usage`] naming the link; Input when the directory cannot be read.
-pub fn check_no_links(dir: &Path) -> Result<()> {
-    for e in std::fs::read_dir(dir).map_err(|e| Error::input(format!("bundle {}: {e}", dir.display())))? {
-        let e = e.map_err(|e| Error::input(format!("bundle {}: {e}", dir.display())))?;
-        if e.file_type().is_ok_and(|t| t.is_symlink()) && e.file_name() != MODEL {
+pub fn check_no_links(dir: &dyn Files) -> Result<()> {
+    for (name, e) in dir.listing() {
+        if e == Entry::Link && name != MODEL {
             return Err(Error::usage(format!(
                 "{} is a symbolic link; a bundle holds only its own files: write and run it again",
-                e.path().display()
+                dir.show(&name).display()
             )));
         }
     }
@@ -312,13 +318,13 @@ pub fn same_tensors(a: &[u8], b: &[u8]) -> bool {
 ///
 /// # Errors
 /// [`crate::error::ErrorKind::Usage`] when `dir` holds no readable manifest or one of another format.
-pub fn read_manifest(dir: &Path) -> Result<BundleManifest> {
-    let path = dir.join(MANIFEST);
-    let bytes = std::fs::read(&path).map_err(|e| {
+pub fn read_manifest(dir: &dyn Files) -> Result<BundleManifest> {
+    let path = dir.show(MANIFEST);
+    let bytes = dir.read(MANIFEST, &crate::util::HARNESS_OUTPUT).map_err(|e| {
         Error::usage(format!(
-            "{} is not a bundle ({}: {e}); write one with a gate's write_bundle",
-            dir.display(),
-            MANIFEST
+            "{} is not a bundle ({}); write one with a gate's write_bundle",
+            dir.path().display(),
+            e.message
         ))
     })?;
     let m: BundleManifest = serde_json::from_slice(&bytes)
@@ -354,6 +360,7 @@ pub struct Ran {
 /// different model; Internal when a process cannot be started.
 pub fn run(dir: &Path, model: Option<&Path>, budget: &Budget) -> Result<Ran> {
     let dir = dir.canonicalize().map_err(|e| Error::usage(format!("bundle {}: {e}", dir.display())))?;
+    check_no_links(&dir)?;
     let manifest = read_manifest(&dir)?;
     let exe = dir.join(HARNESS);
     if file_hash(&exe)? != manifest.harness_sha256 {
@@ -431,18 +438,19 @@ pub fn run(dir: &Path, model: Option<&Path>, budget: &Budget) -> Result<Ran> {
 ///
 /// # Errors
 /// [`crate::error::ErrorKind::Usage`] when the request has not been run (no `run.<i>.json`).
-pub fn called(dir: &Path, i: usize) -> Result<super::Called> {
-    let record = std::fs::read(dir.join(run_file(i))).map_err(|_| {
-        Error::usage(format!(
+pub fn called(dir: &dyn Files, i: usize) -> Result<super::Called> {
+    if !dir.has(&run_file(i)) {
+        return Err(Error::usage(format!(
             "bundle {} has not been run (no {}): run `metainfer bundle run {}` on the machine with the device, then compare again",
-            dir.display(),
+            dir.path().display(),
             run_file(i),
-            dir.display()
-        ))
-    })?;
+            dir.path().display()
+        )));
+    }
+    let record = dir.read(&run_file(i), &crate::util::HARNESS_OUTPUT)?;
     let record: RunRecord = serde_json::from_slice(&record)
-        .map_err(|e| Error::usage(format!("{}: unreadable run record: {e}", dir.join(run_file(i)).display())))?;
-    let reply = match std::fs::read(dir.join(reply_file(i))) {
+        .map_err(|e| Error::usage(format!("{}: unreadable run record: {e}", dir.show(&run_file(i)).display())))?;
+    let reply = match dir.read(&reply_file(i), &crate::util::HARNESS_OUTPUT) {
         Ok(bytes) => {
             serde_json::from_slice::<protocol::Reply>(&bytes).map_err(|e| format!("reply does not parse: {e}"))
         }

@@ -1083,10 +1083,17 @@ pub type Metadata = HashMap<String, String>;
 /// # Errors
 /// [`crate::error::ErrorKind::Internal`] when the file is missing or malformed.
 pub fn read_tensor_words(path: &Path) -> Result<(Metadata, HashMap<String, Vec<u32>>)> {
-    let bytes = crate::util::read_regular(path, &crate::util::HARNESS_OUTPUT)?;
+    tensor_words(&crate::util::read_regular(path, &crate::util::HARNESS_OUTPUT)?, path)
+}
+
+/// [`read_tensor_words`] on bytes already read (`path` names them in messages).
+///
+/// # Errors
+/// [`crate::error::ErrorKind::Internal`] when they are not a safetensors file.
+pub fn tensor_words(bytes: &[u8], path: &Path) -> Result<(Metadata, HashMap<String, Vec<u32>>)> {
     let bad = |e: safetensors::SafeTensorError| Error::internal(format!("{}: {e}", path.display()));
-    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).map_err(bad)?;
-    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(bad)?;
+    let (_, header) = safetensors::SafeTensors::read_metadata(bytes).map_err(bad)?;
+    let st = safetensors::SafeTensors::deserialize(bytes).map_err(bad)?;
     let meta = header.metadata().clone().unwrap_or_default().into_iter().collect();
     let mut out = HashMap::new();
     for (name, view) in st.tensors() {

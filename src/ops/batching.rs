@@ -501,7 +501,8 @@ pub fn verify_batching(ctx: &Ctx, req: &BatchingRequest, budget: &Budget) -> Res
         steps,
         tensors: tensors_path.clone(),
     };
-    let called = gate.call(&h, command, &[], &[held.grant().as_path()])?;
+    let grant = held.grant();
+    let called = gate.call(&h, command, &[], &grant.paths())?;
     let ran = match called.ok("batched step", 1500) {
         Ok(Reply::Batch { panic: None, .. }) => true,
         Ok(Reply::Batch { panic: Some(p), steps, .. }) => {

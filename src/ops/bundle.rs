@@ -94,7 +94,7 @@ pub fn run(req: &BundleRunRequest, budget: &Budget) -> Result<BundleRunReport> {
     let ran = bundle::run(dir, req.model.as_deref().map(Path::new), budget)?;
     let mut runs = Vec::new();
     for (i, r) in ran.runs.iter().enumerate() {
-        let (reply, no_device) = match bundle::called(dir, i).map(|c| c.reply) {
+        let (reply, no_device) = match bundle::called(&dir, i).map(|c| c.reply) {
             Ok(Ok(Reply::Kernel { .. })) => ("kernel", String::new()),
             Ok(Ok(Reply::Generate { .. })) => ("generate", String::new()),
             Ok(Ok(Reply::Profile(_))) => ("profile", String::new()),

@@ -146,10 +146,20 @@ impl Drop for Staging {
     }
 }
 
-/// `e` with the `/proc/self/fd/N` path of `dir` named by the directory's own path.
+/// `e` with the `/proc/self/fd/N` path of `dir` named by the directory's own path (whole path
+/// components only: `/proc/self/fd/5` is not a prefix of `/proc/self/fd/57`).
 fn unpin(dir: &Dir, e: Error) -> Error {
-    let pinned = dir.fd_path().display().to_string();
-    Error { message: e.message.replace(&pinned, &dir.path().display().to_string()), ..e }
+    let (pinned, real) = (dir.fd_path().display().to_string(), dir.path().display().to_string());
+    let mut out = String::with_capacity(e.message.len());
+    let mut rest = e.message.as_str();
+    while let Some(at) = rest.find(&pinned) {
+        let after = &rest[at + pinned.len()..];
+        out.push_str(&rest[..at]);
+        out.push_str(if after.starts_with(|c: char| c.is_ascii_digit()) { &pinned } else { &real });
+        rest = after;
+    }
+    out.push_str(rest);
+    Error { message: out, ..e }
 }
 
 /// A built harness and the scratch directory of this call.
@@ -178,6 +188,75 @@ impl Harness {
             Scratch::Staged(s) => unpin(&s.dir, e),
             Scratch::Bundle(d) => unpin(d, e),
         }
+    }
+
+    /// Read the file `name` of the scratch directory, at most
+    /// [`crate::util::HARNESS_OUTPUT`] bytes: beneath the bundle directory's handle when reading
+    /// one back (a link out of it refused), by path otherwise.
+    ///
+    /// # Errors
+    /// Input naming the file: missing, not a regular file, too large, or leading outside.
+    pub fn read(&self, name: &str) -> Result<Vec<u8>> {
+        match &self.scratch {
+            Scratch::Bundle(d) => d.read(Path::new(name), &crate::util::HARNESS_OUTPUT),
+            _ => crate::util::read_regular(&self.path(name), &crate::util::HARNESS_OUTPUT).map_err(|e| self.unpin(e)),
+        }
+    }
+
+    /// The tensors of the harness output file `path` (in the scratch directory, as
+    /// [`Harness::path`] gives it), read as [`Harness::read`] reads.
+    ///
+    /// # Errors
+    /// As [`Harness::read`]; Internal when it is not a safetensors file.
+    pub fn output_words(
+        &self,
+        path: &Path,
+    ) -> Result<(harness::Metadata, std::collections::HashMap<String, Vec<u32>>)> {
+        let name = path.strip_prefix(self.dir()).unwrap_or(path).to_string_lossy().into_owned();
+        let shown = match &self.scratch {
+            Scratch::Bundle(d) => d.path().join(&name),
+            _ => path.to_path_buf(),
+        };
+        harness::tensor_words(&self.read(&name)?, &shown)
+    }
+
+    /// Write the new file `name` into the scratch directory and return its path: created with
+    /// `O_EXCL`, so a name already there (a symlink planted in a bundle's staging directory
+    /// included) is an error, never written through.
+    ///
+    /// # Errors
+    /// Usage or Internal naming the file; Internal for a bundle being read back.
+    pub fn write_new(&self, name: &str, bytes: &[u8]) -> Result<PathBuf> {
+        match &self.scratch {
+            Scratch::Temp(_) => {
+                use std::io::Write;
+                let path = self.path(name);
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .open(&path)
+                    .and_then(|mut f| f.write_all(bytes))
+                    .map_err(|e| Error::internal(format!("{}: {e}", path.display())))?;
+            }
+            Scratch::Staged(s) => s.dir.write_new(Path::new(name), bytes).map_err(|e| unpin(&s.dir, e))?,
+            Scratch::Bundle(_) => return Err(Error::internal("nothing is written into a bundle being read back")),
+        }
+        Ok(self.path(name))
+    }
+
+    /// Create the new directory `name` in the scratch directory (a name already there, a
+    /// symlink included, is an error).
+    ///
+    /// # Errors
+    /// Usage or Internal naming the directory.
+    pub fn create_dir(&self, name: &str) -> Result<PathBuf> {
+        match &self.scratch {
+            Scratch::Temp(_) => std::fs::create_dir(self.path(name))
+                .map_err(|e| Error::internal(format!("{}: {e}", self.path(name).display())))?,
+            Scratch::Staged(s) => s.dir.create_dir(Path::new(name)).map_err(|e| unpin(&s.dir, e))?,
+            Scratch::Bundle(_) => return Err(Error::internal("nothing is written into a bundle being read back")),
+        }
+        Ok(self.path(name))
     }
 
     /// A path in the scratch directory.
@@ -313,9 +392,8 @@ impl<'a> Gate<'a> {
             }
             (None, Some(r)) => {
                 let held = self.ctx.confine(Path::new(r))?;
-                let dir = held.pinned();
-                let m = bundle::read_manifest(dir).map_err(|e| unpin(&held, e))?;
-                bundle::check_no_links(dir).map_err(|e| unpin(&held, e))?;
+                bundle::check_no_links(&held)?;
+                let m = bundle::read_manifest(&held)?;
                 if m.tool != self.tool.name() {
                     return Err(Error::usage(format!(
                         "{} is a bundle of {}, not of {}; read it back with {}",
@@ -374,7 +452,7 @@ impl<'a> Gate<'a> {
         let path = h.path(name);
         match &self.bundle {
             Some(m) => {
-                let held = std::fs::read(&path).ok().filter(|b| {
+                let held = h.read(name).ok().filter(|b| {
                     m.inputs.get(name) == Some(&format!("{:x}", <sha2::Sha256 as sha2::Digest>::digest(b)))
                 });
                 if !held.is_some_and(|b| bundle::same_tensors(&b, bytes)) {
@@ -383,7 +461,9 @@ impl<'a> Gate<'a> {
                     )));
                 }
             }
-            None => std::fs::write(&path, bytes).map_err(|e| Error::internal(format!("{}: {e}", path.display())))?,
+            None => {
+                h.write_new(name, bytes)?;
+            }
         }
         Ok(path)
     }
@@ -555,11 +635,10 @@ impl<'a> Gate<'a> {
                 Ok((h, Exchange::Ran(out)))
             }
             Mode::Read(held) => {
-                let dir = held.pinned();
-                self.check_bundle(dir, &commands, model).map_err(|e| unpin(held, e))?;
-                let mut out = vec![bundle::called(dir, 0).map_err(|e| unpin(held, e))?];
+                self.check_bundle(held, &commands, model)?;
+                let mut out = vec![bundle::called(held, 0)?];
                 for i in 1..commands.len() {
-                    match bundle::called(dir, i) {
+                    match bundle::called(held, i) {
                         Ok(c) => out.push(c),
                         Err(_) => break,
                     }
@@ -577,7 +656,7 @@ impl<'a> Gate<'a> {
     /// the same environment) and the same model, by hash.
     fn check_bundle(
         &self,
-        dir: &Path,
+        dir: &Dir,
         commands: &[(Command, Vec<(&str, String)>)],
         model: Option<&dyn Files>,
     ) -> Result<()> {
@@ -585,7 +664,7 @@ impl<'a> Gate<'a> {
         if m.requests.len() != commands.len() {
             return Err(Error::usage(format!(
                 "{} holds {} request(s), this call sends {}: the bundle was altered or written by another metainfer",
-                dir.display(),
+                dir.path().display(),
                 m.requests.len(),
                 commands.len()
             )));
@@ -593,7 +672,7 @@ impl<'a> Gate<'a> {
         for (i, ((c, env), r)) in commands.iter().zip(&m.requests).enumerate() {
             let held = bundle::read_request(dir, i)?;
             let env: Vec<(String, String)> = env.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
-            let sends = bundle::relative(c.clone(), dir);
+            let sends = bundle::relative(c.clone(), dir.pinned());
             let differs = if held.command != sends {
                 let as_json = |c: &Command| serde_json::to_value(c).unwrap_or_default();
                 Some(first_difference(&as_json(&held.command), &as_json(&sends), "command"))
@@ -605,7 +684,7 @@ impl<'a> Gate<'a> {
             if let Some(what) = differs {
                 return Err(Error::usage(format!(
                     "{} is not what this call sends ({what}): call {} with the arguments the bundle was written with (prompts, max_new_tokens, prompt_len, new_tokens, runs, threads, kernels), or write a new bundle",
-                    dir.join(bundle::request_file(i)).display(),
+                    dir.show(Path::new(&bundle::request_file(i))).display(),
                     self.tool.name()
                 )));
             }
@@ -625,7 +704,7 @@ impl<'a> Gate<'a> {
             _ => {
                 return Err(Error::usage(format!(
                     "{}: the bundle's model entry does not fit this call",
-                    dir.display()
+                    dir.path().display()
                 )));
             }
         }
@@ -639,22 +718,43 @@ impl<'a> Gate<'a> {
         model: Option<&dyn Files>,
         dest: &super::NewDir,
     ) -> Result<BundleWritten> {
-        let root = h.dir().to_path_buf();
-        let internal = |p: &Path, e: std::io::Error| Error::internal(format!("{}: {e}", p.display()));
+        let Scratch::Staged(staging) = &h.scratch else {
+            return Err(Error::internal("a bundle is written from its staging directory"));
+        };
+        let (root, dir) = (h.dir().to_path_buf(), &staging.dir);
+        let unpinned = |e: Error| unpin(dir, e);
+        let hash = |name: &str, limit: &crate::util::Limit| -> Result<String> {
+            use sha2::Digest;
+            let mut f = dir.open(name, limit)?;
+            let mut h = sha2::Sha256::new();
+            std::io::copy(&mut f, &mut h)
+                .map_err(|e| Error::internal(format!("{}: {e}", dir.show(Path::new(name)).display())))?;
+            Ok(format!("{:x}", h.finalize()))
+        };
         // Inputs first (everything the gate drew into the scratch directory), by file name.
         let mut inputs = std::collections::BTreeMap::new();
-        for e in std::fs::read_dir(&root).map_err(|e| internal(&root, e))?.filter_map(|e| e.ok()) {
-            if e.file_type().is_ok_and(|t| t.is_file()) {
-                inputs.insert(e.file_name().to_string_lossy().into_owned(), bundle::file_hash(&e.path())?);
+        for (name, e) in dir.listing() {
+            if e == crate::beneath::Entry::File {
+                let sha = hash(&name, &crate::util::HARNESS_OUTPUT)?;
+                inputs.insert(name, sha);
             }
         }
-        let exe = root.join(bundle::HARNESS);
-        std::fs::copy(&h.exe, &exe).map_err(|e| internal(&exe, e))?;
+        // The harness executable: a new file (nothing planted in its place is written through),
+        // executable.
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mut from =
+                std::fs::File::open(&h.exe).map_err(|e| Error::internal(format!("{}: {e}", h.exe.display())))?;
+            let mut to = dir.create_new_file(Path::new(bundle::HARNESS)).map_err(unpinned)?;
+            std::io::copy(&mut from, &mut to)
+                .and_then(|_| to.set_permissions(std::fs::Permissions::from_mode(0o755)))
+                .map_err(|e| Error::internal(format!("{}: {e}", dir.show(Path::new(bundle::HARNESS)).display())))?;
+        }
         let model_entry = match model {
             Some(m) => {
                 let copied = bundle::model_bytes(m)? <= bundle::MAX_COPIED_MODEL;
                 if copied {
-                    bundle::copy_model(m, &root.join(bundle::MODEL))?;
+                    bundle::copy_model(m, dir, bundle::MODEL).map_err(unpinned)?;
                 }
                 Some(bundle::BundleModel {
                     copied,
@@ -668,9 +768,8 @@ impl<'a> Gate<'a> {
         for (i, (c, env)) in commands.into_iter().enumerate() {
             let command = bundle::relative(c, &root);
             let req = Request { version: VERSION, reply: bundle::reply_file(i).into(), command };
-            let path = root.join(bundle::request_file(i));
             let text = serde_json::to_vec_pretty(&req).map_err(|e| Error::internal(format!("bundle request: {e}")))?;
-            std::fs::write(&path, text).map_err(|e| internal(&path, e))?;
+            dir.write_new(Path::new(&bundle::request_file(i)), &text).map_err(unpinned)?;
             requests.push(bundle::BundleRequest {
                 request: bundle::request_file(i),
                 env: env.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
@@ -686,16 +785,15 @@ impl<'a> Gate<'a> {
             platform: self.target.platform.clone(),
             seed: self.seed,
             protocol: VERSION,
-            harness_sha256: bundle::file_hash(&exe)?,
+            harness_sha256: hash(bundle::HARNESS, &crate::util::MODEL_FILE)?,
             requests,
             inputs,
             model: model_entry.clone(),
             written: crate::ledger::now_rfc3339(),
         };
-        let path = root.join(bundle::MANIFEST);
         let text =
             serde_json::to_vec_pretty(&manifest).map_err(|e| Error::internal(format!("bundle manifest: {e}")))?;
-        std::fs::write(&path, text).map_err(|e| internal(&path, e))?;
+        dir.write_new(Path::new(bundle::MANIFEST), &text).map_err(unpinned)?;
         let bytes: u64 = walkdir::WalkDir::new(&root)
             .into_iter()
             .filter_map(|e| e.ok())
@@ -703,9 +801,6 @@ impl<'a> Gate<'a> {
             .map(|e| e.metadata().map(|m| m.len()).unwrap_or(0))
             .sum();
         // Complete: move the staged directory into place (an empty destination is replaced).
-        let Scratch::Staged(staging) = &h.scratch else {
-            return Err(Error::internal("a bundle is written from its staging directory"));
-        };
         let name = dest.rest.file_name().ok_or_else(|| Error::internal("a bundle destination without a name"))?;
         staging.commit(name)?;
         Ok(BundleWritten {

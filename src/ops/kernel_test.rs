@@ -313,10 +313,11 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
             drawn.push(case);
         }
     }
-    let (_h, called) = match gate.exchange(h, vec![(Command::Kernel { cases: cases.clone() }, vec![])], None, &[])? {
-        (_, Exchange::Written(w)) => return Ok(failed(w.text(gate.tool.name()), gate.findings.clone())),
-        (h, Exchange::Ran(mut c)) => (h, c.remove(0)),
-    };
+    let (scratch, called) =
+        match gate.exchange(h, vec![(Command::Kernel { cases: cases.clone() }, vec![])], None, &[])? {
+            (_, Exchange::Written(w)) => return Ok(failed(w.text(gate.tool.name()), gate.findings.clone())),
+            (h, Exchange::Ran(mut c)) => (h, c.remove(0)),
+        };
     if let Some(why) = no_device(&called) {
         // An engine for a device, and no device here: nothing ran, nothing passes.
         let mut report = failed(why.clone(), gate.findings.clone());
@@ -356,16 +357,13 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
         .map(|((case, io), result)| {
             let out = match result.as_ref().and_then(|r| r.panic.clone()) {
                 Some(p) => Err(format!("panicked on {}: {p}", case.label)),
-                None => crate::harness::read_tensor_words(&io.output)
-                    .ok()
-                    .and_then(|(_, mut t)| t.remove("out"))
-                    .ok_or_else(|| {
-                        if process_error.is_empty() {
-                            format!("no output for {}", case.label)
-                        } else {
-                            process_error.clone()
-                        }
-                    }),
+                None => scratch.output_words(&io.output).ok().and_then(|(_, mut t)| t.remove("out")).ok_or_else(|| {
+                    if process_error.is_empty() {
+                        format!("no output for {}", case.label)
+                    } else {
+                        process_error.clone()
+                    }
+                }),
             };
             Ran { case, out }
         })

@@ -372,12 +372,13 @@ impl Ctx {
     pub fn confine_model(&self, path: &Path) -> Result<HeldDir> {
         let (dir, root) = self.confine_in(path).map_err(|e| {
             // A file or a missing path inside the roots gets the model reader's own message (a
-            // llama2.c file, a config.json given for its directory, ...); nothing is read for it.
+            // llama2.c file, a config.json given for its directory, ...) from its type alone:
+            // nothing is opened, so a directory swapped in meanwhile is not read.
             let full = self.workspace.as_ref().map(|w| w.join(path)).unwrap_or_else(|| path.to_path_buf());
             if e.message.contains("outside") || full.is_dir() {
                 return e;
             }
-            crate::model::read_config(&full).err().unwrap_or(e)
+            crate::beneath::Files::check_dir(full.as_path()).err().unwrap_or(e)
         })?;
         let Some((root, rel)) = root else { return Ok(HeldDir::unconfined(dir)) };
         let mut stack = vec![(PathBuf::new(), 0)];

@@ -440,7 +440,11 @@ pub fn serve_engine(ctx: &Ctx, req: &ServeRequest, budget: &Budget) -> Result<Se
 
     // Start the server.
     let port = crate::harness::free_loopback_port()?;
-    let mut grants = Grants::harness(&exe, scratch.path()).read(held.grant().as_path());
+    let grant = held.grant();
+    let mut grants = Grants::harness(&exe, scratch.path());
+    for p in grant.paths() {
+        grants = grants.read(p);
+    }
     grants.listen = Some(port);
     let args: Vec<std::ffi::OsString> = vec![
         "serve".into(),

@@ -499,7 +499,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         commands.push((c, vec![]));
     }
     let grant = held.grant();
-    let mut reads: Vec<&Path> = vec![grant.as_path()];
+    let mut reads: Vec<&Path> = grant.paths();
     reads.extend(sets.iter().map(|s| s.dir.as_path()));
     // `scratch` keeps the harness's scratch directory (its output tensors) until the end.
     let (scratch, called, tokenized) = match gate.exchange(h, commands, Some(&held), &reads)? {
@@ -531,7 +531,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     };
     // A reply without its tensors file (a harness killed mid-write, a bundle's output removed) is
     // a failed gate, not a fault of the server.
-    let tensors_out = match crate::harness::read_tensor_words(&tensors_path).map_err(|e| scratch.unpin(e)) {
+    let tensors_out = match scratch.output_words(&tensors_path) {
         Ok((_, t)) => t,
         Err(e) => {
             let why = format!("the engine's generation wrote no readable tensors: {}", e.message);
@@ -763,10 +763,9 @@ fn tokenize_command(
         let dir = match &gate.mode {
             super::gate::Mode::Direct => s.dir.clone(),
             super::gate::Mode::Write(_) => {
-                let to = h.path(&format!("vocab.{i}"));
-                std::fs::create_dir_all(&to)
-                    .and_then(|_| std::fs::copy(s.dir.join("tokenizer.json"), to.join("tokenizer.json")))
-                    .map_err(|e| Error::internal(format!("copying {} into the bundle: {e}", s.dir.display())))?;
+                let to = h.create_dir(&format!("vocab.{i}"))?;
+                let bytes = crate::util::read_regular(&s.dir.join("tokenizer.json"), &crate::util::TOKENIZER_JSON)?;
+                h.write_new(&format!("vocab.{i}/tokenizer.json"), &bytes)?;
                 to
             }
             super::gate::Mode::Read(_) => h.path(&format!("vocab.{i}")),

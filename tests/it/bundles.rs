@@ -291,6 +291,17 @@ fn a_tampered_or_incomplete_bundle_is_refused_or_fails() {
     let e = read().unwrap_err();
     assert!(e.kind == ErrorKind::Usage && e.message.contains("symbolic link"), "{}", e.message);
     std::fs::remove_file(&output).unwrap();
+    // The manifest itself a link to a file elsewhere: refused before it is read.
+    let manifest = dir.join("bundle.json");
+    let kept_manifest = std::fs::read(&manifest).unwrap();
+    let elsewhere = t.path().join("elsewhere.json");
+    std::fs::write(&elsewhere, &kept_manifest).unwrap();
+    std::fs::remove_file(&manifest).unwrap();
+    std::os::unix::fs::symlink(&elsewhere, &manifest).unwrap();
+    let e = read().unwrap_err();
+    assert!(e.message.contains("bundle.json is a symbolic link"), "{}", e.message);
+    std::fs::remove_file(&manifest).unwrap();
+    std::fs::write(&manifest, &kept_manifest).unwrap();
 
     // An output removed: that case has no output, and the kernel fails for it.
     let r = read().unwrap();

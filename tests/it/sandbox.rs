@@ -199,3 +199,50 @@ fn a_cache_below_a_cargo_config_file_still_resolves_dependencies() {
     let r = check_rules(&ctx, &RulesRequest { engine: engine.display().to_string() }, &budget()).unwrap();
     assert!(r.passed && r.packages > 0, "{}", metainfer::ops::Report::text(&r));
 }
+
+/// A model in a Hugging Face cache layout inside the workspace (`snapshots/<rev>/<file>` are
+/// links to `../../blobs/<file>`): verify_generation reads it, and so does the engine's harness
+/// process inside the sandbox, which is granted the linked files themselves.
+#[test]
+fn a_hugging_face_cache_snapshot_in_the_workspace_verifies_inside_the_sandbox() {
+    use metainfer::ops::verify::{VerifyRequest, verify};
+    let t = tempfile::tempdir().unwrap();
+    let ws = t.path().join("ws");
+    let repo = ws.join("hub/models--babyllama");
+    let (blobs, snap) = (repo.join("blobs"), repo.join("snapshots/0123abc"));
+    std::fs::create_dir_all(&blobs).unwrap();
+    std::fs::create_dir_all(&snap).unwrap();
+    for e in std::fs::read_dir(crate::babyllama()).unwrap() {
+        let e = e.unwrap();
+        let name = e.file_name();
+        let blob = format!("{:016x}", metainfer::util::fnv1a(&name.to_string_lossy()));
+        std::fs::copy(e.path(), blobs.join(&blob)).unwrap();
+        std::os::unix::fs::symlink(Path::new("../../blobs").join(&blob), snap.join(&name)).unwrap();
+    }
+    crate::Engine::Plain.copy_to(&ws.join("engine"));
+    let mut ctx = crate::ctx(t.path());
+    ctx.workspace = Some(ws.clone());
+    // Phase order: kernel tests first, on the same sources.
+    let kt = KernelTestRequest {
+        engine: "engine".into(),
+        kernels: vec![],
+        seed: None,
+        dtype: None,
+        write_bundle: None,
+        from_bundle: None,
+    };
+    assert!(kernel_test(&ctx, &kt, &budget()).unwrap().passed);
+    let req = VerifyRequest {
+        engine: "engine".into(),
+        model: "hub/models--babyllama/snapshots/0123abc".into(),
+        prompts: vec!["Once upon a time".into()],
+        max_new_tokens: Some(4),
+        seed: None,
+        dtype: None,
+        write_bundle: None,
+        from_bundle: None,
+    };
+    let r = verify(&ctx, &req, &budget()).unwrap();
+    assert!(r.passed, "{}", metainfer::ops::Report::text(&r));
+    assert_eq!(r.sandboxed, ctx.workshop.sandboxed());
+}

@@ -457,7 +457,8 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
         .collect();
     let commands =
         vec![(command, threads_env.clone()), (Command::Time { reps: runs.max(3), items }, threads_env.clone())];
-    let mut called = match gate.exchange(h, commands, Some(&held), &[held.grant().as_path()])? {
+    let grant = held.grant();
+    let mut called = match gate.exchange(h, commands, Some(&held), &grant.paths())? {
         (_, Exchange::Written(w)) => {
             report.error = w.text(gate.tool.name());
             return Ok(report);
