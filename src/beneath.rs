@@ -165,6 +165,11 @@ impl Dir {
         let _ = self.cap.remove_dir_all(rel);
     }
 
+    /// Remove the directory `rel` beneath this one if it is empty (best effort).
+    pub fn remove_empty_dir(&self, rel: &Path) {
+        let _ = self.cap.remove_dir(rel);
+    }
+
     /// The path of `rel` under this directory, for messages.
     pub fn show(&self, rel: &Path) -> PathBuf {
         if rel.as_os_str().is_empty() { self.path.clone() } else { self.path.join(rel) }

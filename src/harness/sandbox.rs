@@ -259,6 +259,13 @@ pub fn prepare(grants: &Grants, protected: &[PathBuf], require: bool) -> Result<
     let tc = toolchain();
     let granted: Vec<&PathBuf> =
         grants.read.iter().chain(&grants.exec).chain(&grants.write).chain(&tc.exec).chain(&tc.read).collect();
+    // Held directories and files are granted by /proc/self/fd/N (beneath::HeldDir::grant).
+    if let Some(g) = granted.iter().find(|g| g.starts_with("/proc/self/fd") && !g.exists()) {
+        return Err(Error::internal(format!(
+            "{} does not resolve: the server names the model directory it holds to the sandbox through /proc/self/fd, so /proc must be mounted",
+            g.display()
+        )));
+    }
     for p in protected {
         let p = p.canonicalize().unwrap_or_else(|_| std::path::absolute(p).unwrap_or_else(|_| p.clone()));
         for g in &granted {

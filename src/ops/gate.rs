@@ -118,15 +118,41 @@ pub struct Staging {
     name: String,
     dir: Dir,
     done: std::cell::Cell<bool>,
+    /// The destination's missing ancestors this call created (beneath `base`, outermost first),
+    /// removed again when the bundle is not completed.
+    created: Vec<PathBuf>,
+    base: Dir,
 }
 
 impl Staging {
-    /// Create `.bundle-staging-<random>` in `parent`.
-    fn new(parent: Dir) -> Result<Staging> {
-        let name = format!(".bundle-staging-{:016x}", rand::random::<u64>());
-        parent.create_dir(Path::new(&name))?;
-        let dir = parent.open_dir_nofollow(Path::new(&name))?;
-        Ok(Staging { parent, name, dir, done: std::cell::Cell::new(false) })
+    /// Create the missing folders of `parent` (relative to `base`), then
+    /// `.bundle-staging-<random>` in it.
+    fn new(base: &Dir, parent: &Path) -> Result<Staging> {
+        let mut created = Vec::new();
+        let mut at = PathBuf::new();
+        for c in parent.components() {
+            at.push(c);
+            if !base.exists(&at) {
+                created.push(at.clone());
+            }
+        }
+        let made = (|| {
+            base.create_dir_all(parent)?;
+            let parent = base.open_dir(parent)?;
+            let name = format!(".bundle-staging-{:016x}", rand::random::<u64>());
+            parent.create_dir(Path::new(&name))?;
+            let dir = parent.open_dir_nofollow(Path::new(&name))?;
+            Ok((parent, name, dir))
+        })();
+        match made {
+            Ok((parent, name, dir)) => {
+                Ok(Staging { parent, name, dir, done: std::cell::Cell::new(false), created, base: base.clone() })
+            }
+            Err(e) => {
+                remove_created(base, &created);
+                Err(e)
+            }
+        }
     }
 
     /// Move the staged bundle into place as `dest` (a plain name in the parent; an empty
@@ -142,7 +168,15 @@ impl Drop for Staging {
     fn drop(&mut self) {
         if !self.done.get() {
             self.parent.remove_dir_all(Path::new(&self.name));
+            remove_created(&self.base, &self.created);
         }
+    }
+}
+
+/// Remove the folders a failed bundle created, innermost first, each only while empty.
+fn remove_created(base: &Dir, created: &[PathBuf]) {
+    for p in created.iter().rev() {
+        base.remove_empty_dir(p);
     }
 }
 
@@ -537,9 +571,7 @@ impl<'a> Gate<'a> {
                     // A bundle is staged beside its destination and renamed into place when
                     // complete, all through the handle of the directory it was resolved beneath.
                     Mode::Write(dest) => {
-                        let parent = dest.rest.parent().unwrap_or(Path::new(""));
-                        dest.base.create_dir_all(parent)?;
-                        Scratch::Staged(Staging::new(dest.base.open_dir(parent)?)?)
+                        Scratch::Staged(Staging::new(&dest.base, dest.rest.parent().unwrap_or(Path::new("")))?)
                     }
                     _ => Scratch::Temp(self.ctx.workshop.scratch()?),
                 };
@@ -873,5 +905,25 @@ mod tests {
         // Lists of different lengths are shown whole; a key only one side has is compared with null.
         assert_eq!(first_difference(&json!([1]), &json!([1, 2]), "c"), "c: bundle [1], this call [1,2]");
         assert_eq!(first_difference(&json!({"a": 1}), &json!({}), "c"), "c.a: bundle 1, this call null");
+    }
+
+    #[test]
+    fn an_unfinished_bundle_leaves_no_folder_it_created() {
+        use super::{Dir, Path, Staging};
+        let t = tempfile::tempdir().unwrap();
+        std::fs::create_dir(t.path().join("kept")).unwrap();
+        let base = Dir::open(t.path()).unwrap();
+        // Dropped before its commit: the staging directory and the folders made for it go; a folder
+        // that was there stays.
+        let s = Staging::new(&base, Path::new("kept/new/deeper")).unwrap();
+        assert!(t.path().join("kept/new/deeper").join(&s.name).is_dir());
+        drop(s);
+        assert!(t.path().join("kept").is_dir() && !t.path().join("kept/new").exists());
+        // Committed: everything stays, under the destination's name.
+        let s = Staging::new(&base, Path::new("a/b")).unwrap();
+        s.dir.write_new(Path::new("f"), b"F").unwrap();
+        s.commit(std::ffi::OsStr::new("bundle")).unwrap();
+        drop(s);
+        assert_eq!(std::fs::read(t.path().join("a/b/bundle/f")).unwrap(), b"F");
     }
 }
