@@ -1010,7 +1010,22 @@ impl Workshop {
             extra.push(features.join(",").into());
         }
         let _one = BINARY_BUILDS.lock().unwrap_or_else(|p| p.into_inner());
+        // Engines with the same package name share one output slot in the target directory, and
+        // cargo judges a snapshot fresh by its files' mtimes against that slot's last build: a
+        // snapshot written before another engine's build finished would get that engine's binary.
+        // When the slot last held another snapshot, this one's files are touched first.
+        let marker = self.root.join("last-binary-build");
+        let this = engine.build_dir.display().to_string();
+        if std::fs::read_to_string(&marker).ok().as_deref() != Some(this.as_str()) {
+            let now = std::time::SystemTime::now();
+            for e in walkdir::WalkDir::new(&engine.build_dir).into_iter().filter_map(|e| e.ok()) {
+                if e.file_type().is_file() {
+                    let _ = std::fs::File::options().write(true).open(e.path()).and_then(|f| f.set_modified(now));
+                }
+            }
+        }
         let mut build = self.cargo_build_reading(&engine.build_dir.join("Cargo.toml"), &[], &extra, budget)?;
+        let _ = crate::util::write_atomic(&marker, this.as_bytes());
         if let Some(exe) = build.executable.take().filter(|_| build.ok) {
             let copy = dest.join(exe.file_name().unwrap_or(std::ffi::OsStr::new("engine")));
             std::fs::copy(&exe, &copy)

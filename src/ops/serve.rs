@@ -670,6 +670,9 @@ pub fn serve_engine(ctx: &Ctx, req: &ServeRequest, budget: &Budget) -> Result<Se
             "{BURST} requests at once: {} completed, {} refused with a 4xx in OpenAI's shape",
             b.completed, b.refused
         );
+        if b.retried > 0 {
+            detail += &format!(" ({} lost at the connection and sent again once)", b.retried);
+        }
         if !b.wrong.is_empty() {
             detail += &format!(
                 "; {} neither (component.openai_server: each is answered or refused with a 4xx, and the server keeps serving), e.g. {}",
@@ -731,16 +734,23 @@ struct Burst {
     /// Anything else (no answer, 5xx, another shape): how many, and the first few.
     wrong_count: usize,
     wrong: Vec<String>,
+    /// Connections the burst lost before any HTTP answer (reset, refused: a full listen backlog)
+    /// that were answered when sent again once, after the burst.
+    retried: usize,
 }
 
 /// Send `n` one-token greedy completions of `prompt` at once (one thread each, released
-/// together) and sort the answers; a thread the client cannot start ends the burst there, counted
-/// as a wrong answer.
+/// together) and sort the answers; a request lost at the connection before any HTTP answer (a
+/// full listen backlog resets it) is sent again once after the burst, and its second answer
+/// counts; a thread the client cannot start ends the burst there, counted as a wrong answer.
 fn burst(client: &Client, prompt: &str, n: usize) -> Burst {
     let body = json!({"prompt": prompt, "max_tokens": 1, "temperature": 0}).to_string();
     // Every thread waits for the write lock to go before it sends: all are released at once.
     let go = std::sync::RwLock::new(());
     let out: Mutex<Burst> = Mutex::new(Burst::default());
+    // A request lost at the connection (no HTTP answer) is sent again once after the burst, as a
+    // client does; only what it then gets counts.
+    let lost: Mutex<usize> = Mutex::new(0);
     let answer = |r: std::result::Result<Answer, String>| match r {
         Ok(a) if a.status == 200 => serde_json::from_str::<Value>(&a.body)
             .ok()
@@ -751,11 +761,12 @@ fn burst(client: &Client, prompt: &str, n: usize) -> Burst {
         Ok(a) => Err(format!("answered {}: {}", a.status, crate::harness::tail(&a.body, 200))),
         Err(e) => Err(e),
     };
-    let sort = |r: std::result::Result<(), String>| {
+    let sort = |r: std::result::Result<(), String>, retry: bool| {
         let mut b = out.lock().unwrap_or_else(|p| p.into_inner());
         match r {
             Ok(()) => b.completed += 1,
             Err(e) if e.is_empty() => b.refused += 1,
+            Err(_) if retry => *lost.lock().unwrap_or_else(|p| p.into_inner()) += 1,
             Err(e) => {
                 b.wrong_count += 1;
                 if b.wrong.len() < 3 {
@@ -764,21 +775,33 @@ fn burst(client: &Client, prompt: &str, n: usize) -> Burst {
             }
         }
     };
+    // Transport failures (no status) may be retried; an HTTP answer never is.
+    let send = |retry: bool| {
+        let r = client.post("/v1/completions", &body);
+        let transport = r.is_err();
+        sort(answer(r), retry && transport);
+    };
     let hold = go.write().unwrap_or_else(|p| p.into_inner());
     std::thread::scope(|s| {
         for _ in 0..n {
             let spawned = std::thread::Builder::new().stack_size(256 << 10).spawn_scoped(s, || {
                 drop(go.read().unwrap_or_else(|p| p.into_inner()));
-                sort(answer(client.post("/v1/completions", &body)));
+                send(true);
             });
             if let Err(e) = spawned {
-                sort(Err(format!("the client could not start a thread: {e}")));
+                sort(Err(format!("the client could not start a thread: {e}")), false);
                 break;
             }
         }
         drop(hold);
     });
-    out.into_inner().unwrap_or_else(|p| p.into_inner())
+    let lost = *lost.lock().unwrap_or_else(|p| p.into_inner());
+    for _ in 0..lost {
+        send(false);
+    }
+    let mut b = out.into_inner().unwrap_or_else(|p| p.into_inner());
+    b.retried = lost;
+    b
 }
 
 /// Decide, record and return the report.
