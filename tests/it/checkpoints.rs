@@ -986,23 +986,50 @@ fn sharded_babyllama_passes_verify(engine: crate::Engine) {
 crate::engine_tests!(sharded_babyllama_passes_verify);
 
 /// A synthetic Llama with a trained byte-level BPE tokenizer (Llama 3's split pattern and special
-/// tokens): verify on a prompt of digits, punctuation, an emoji and a blank line, and the engine's
-/// tokenizer on the real byte-level vocabularies (GPT-2, Llama 3, Qwen2).
-#[test]
-#[ignore = "needs engine support: byte-level BPE tokenizer (component.tokenizer_bytelevel)"]
-fn bytelevel_synthetic_llama_passes_verify_and_the_real_vectors() {
+/// tokens): each example engine passes verify on a prompt of digits, punctuation, an emoji and a
+/// blank line, and its tokenizer reproduces the ids of every test text of the real byte-level
+/// vocabularies (GPT-2, Llama 3, Qwen2; ids made by the original tokenizers).
+fn bytelevel_synthetic_llama_passes_verify_and_the_real_vectors(engine: crate::Engine) {
     let t = tempfile::tempdir().unwrap();
     let model_dir = t.path().join("model");
     let r = synth_cli(&model_dir, &["--family", "llama", "--seed", "2", "--vocab", "600", "--tokenizer", "bytelevel"]);
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
     let ctx = crate::ctx(t.path());
-    let engine = t.path().join("engine");
-    crate::copy_example(&engine);
-    let v = verify_on(&ctx, &engine, &model_dir, &["Hello, world! 42 😀\n\nDON'T stop"]);
+    let dir = t.path().join("engine");
+    engine.copy_to(&dir);
+    let v = verify_on(&ctx, &dir, &model_dir, &["Hello, world! 42 😀\n\nDON'T stop"]);
     assert!(v.passed, "{}", metainfer::ops::Report::text(&v));
     let names: Vec<&str> = v.tokenizer_vectors.iter().map(|x| x.vocabulary.as_str()).collect();
     assert_eq!(names, ["gpt-2", "llama-bpe", "qwen2"]);
+    for set in &v.tokenizer_vectors {
+        assert!(set.texts >= 40 && set.encode_ok == set.texts && set.decode_ok == set.texts, "{set:?}");
+    }
 }
+crate::engine_tests!(bytelevel_synthetic_llama_passes_verify_and_the_real_vectors);
+
+/// BabyLlama's config in transformers v5's form: rope_theta only inside `rope_parameters`, with
+/// llama3 frequency scaling. HF (and the reference: `v5_rope_parameters_resolve_like_rope_theta_and_rope_scaling`)
+/// run base 50000 scaled; each example engine reads it the same way and passes verify. An engine
+/// that ignored `rope_parameters` would run base 10000 unscaled and fail at the first prompt.
+fn v5_rope_parameters_babyllama_passes_verify(engine: crate::Engine) {
+    let t = tempfile::tempdir().unwrap();
+    let model_dir = t.path().join("model");
+    babyllama_without_weights(&model_dir);
+    store(&model_dir, &babyllama_tensors(), safetensors::Dtype::F32, 1);
+    edit_json(&model_dir.join("config.json"), |c| {
+        c.as_object_mut().unwrap().remove("rope_theta");
+        c["rope_parameters"] = json!({
+            "rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32
+        });
+    });
+    let ctx = crate::ctx(t.path());
+    let dir = t.path().join("engine");
+    engine.copy_to(&dir);
+    let v = verify_on(&ctx, &dir, &model_dir, &[]);
+    assert!(v.passed, "{}", metainfer::ops::Report::text(&v));
+}
+crate::engine_tests!(v5_rope_parameters_babyllama_passes_verify);
 
 /// BabyLlama (tied) with a differing lm_head.weight added: HF, the reference and the example engine
 /// use the embedding as the output matrix; the report warns that lm_head.weight is ignored.
@@ -1026,7 +1053,7 @@ fn tied_babyllama_with_a_differing_lm_head_passes_verify_with_a_warning() {
 /// The scale target: a 1B-shape BF16 sharded checkpoint (Llama 3.2 1B preset) through verify. The
 /// reference's memory and speed there are a bench figure (`metainfer bench-reference`), not a test.
 #[test]
-#[ignore = "needs engine support: byte-level BPE tokenizer (the preset's); writes 2.5 GB, needs about 15 GB and runs the f64 reference at 1B"]
+#[ignore = "resources: writes 2.5 GB, needs about 15 GB of memory and runs the reference at 1B; run by hand with --ignored"]
 fn llama3_1b_bf16_sharded_passes_verify() {
     let t = tempfile::tempdir().unwrap();
     let model_dir = t.path().join("model");

@@ -1,6 +1,6 @@
 //! A plain Llama-family inference engine on the CPU, written from metainfer's contracts: the shape a
 //! generated engine should have. Hugging Face checkpoint layout (`config.json`, `model.safetensors`
-//! or its shards with `model.safetensors.index.json`, `tokenizer.json`, the stop tokens of
+//! or its shards with `model.safetensors.index.json`, `tokenizer.json` (SentencePiece-style or byte-level BPE), the stop tokens of
 //! `generation_config.json`); f32 weights, activations and KV cache; greedy decoding. No unsafe code, no SIMD
 //! intrinsics, no threads: every function is the pseudocode of the contract its doc names.
 //!

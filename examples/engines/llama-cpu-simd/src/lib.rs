@@ -1,5 +1,5 @@
 //! A Llama-family inference engine on the CPU: Hugging Face checkpoint layout (`config.json`,
-//! `model.safetensors` or its shards with `model.safetensors.index.json`, `tokenizer.json`), greedy
+//! `model.safetensors` or its shards with `model.safetensors.index.json`, `tokenizer.json`: SentencePiece-style or byte-level BPE), greedy
 //! decoding with a KV cache to the stop tokens of `generation_config.json`.
 //!
 //! Weight matrices are stored as f32 by default, or as bf16, f16 or int8 (symmetric, one scale per

@@ -22,6 +22,8 @@ struct RawConfig {
     head_dim: Option<usize>,
     hidden_act: Option<String>,
     rope_scaling: Option<serde_json::Value>,
+    /// transformers v5: `{rope_type, rope_theta, ...scaling keys}` in place of rope_theta + rope_scaling.
+    rope_parameters: Option<serde_json::Value>,
     attention_bias: Option<bool>,
     mlp_bias: Option<bool>,
 }
@@ -38,8 +40,119 @@ struct Config {
     vocab: usize,
     max_seq: usize,
     eps: f32,
-    theta: f32,
+    theta: f64,
+    scaling: RopeScaling,
     tie_embeddings: bool,
+}
+
+/// RoPE frequency scaling (contract model.llama, `rope_scaling`; transformers' rope types).
+#[derive(Clone, Debug, PartialEq)]
+enum RopeScaling {
+    /// rope_type "default": the frequencies theta^(-2j / head_dim) as they are.
+    None,
+    /// "linear": every frequency divided by `factor` (positional interpolation).
+    Linear { factor: f64 },
+    /// "llama3" (Llama 3.1 and later): by wavelength against `original_max_position_embeddings`:
+    /// short wavelengths kept, long ones divided by `factor`, a smooth blend between.
+    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: f64 },
+}
+
+impl RopeScaling {
+    /// Scale one frequency (model.llama's math for each rope_type).
+    fn apply(&self, freq: f64) -> f64 {
+        match *self {
+            RopeScaling::None => freq,
+            RopeScaling::Linear { factor } => freq / factor,
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+                let wavelength = 2.0 * std::f64::consts::PI / freq;
+                if wavelength < original_max_position_embeddings / high_freq_factor {
+                    freq
+                } else if wavelength > original_max_position_embeddings / low_freq_factor {
+                    freq / factor
+                } else {
+                    let s = (original_max_position_embeddings / wavelength - low_freq_factor)
+                        / (high_freq_factor - low_freq_factor);
+                    (1.0 - s) * freq / factor + s * freq
+                }
+            }
+        }
+    }
+}
+
+/// RoPE's base and scaling as HF reads them: transformers v5's `rope_parameters` first (its
+/// `rope_theta` wins over a top-level one), else `rope_scaling` (legacy key `type` for `rope_type`)
+/// with the top-level `rope_theta` (default 10000). A rope_type other than default, linear and
+/// llama3, a key the rope_type does not read, per-layer-type parameters, or the two forms
+/// disagreeing is an error naming the key.
+fn resolve_rope(raw: &RawConfig) -> Result<(f64, RopeScaling), String> {
+    use serde_json::Value;
+    let params = raw.rope_parameters.as_ref().filter(|v| !v.is_null());
+    let legacy = raw.rope_scaling.as_ref().filter(|v| !v.is_null());
+    let (name, dict) = match (params, legacy) {
+        (Some(p), _) => ("rope_parameters", p),
+        (None, Some(l)) => ("rope_scaling", l),
+        (None, None) => return Ok((raw.rope_theta.unwrap_or(10000.0), RopeScaling::None)),
+    };
+    let obj = dict.as_object().ok_or_else(|| format!("config.json: {name} must be an object, got {dict}"))?;
+    if obj.values().any(Value::is_object) {
+        return Err(format!("config.json: {name} holds per-layer-type parameters, not covered"));
+    }
+    let without_theta = |v: &Value| -> Value {
+        let mut v = v.clone();
+        if let Some(o) = v.as_object_mut() {
+            o.remove("rope_theta");
+            if let Some(t) = o.remove("type") {
+                o.entry("rope_type").or_insert(t);
+            }
+        }
+        v
+    };
+    if let (Some(p), Some(l)) = (params, legacy)
+        && without_theta(p) != without_theta(l)
+    {
+        return Err(format!("config.json: rope_parameters {p} and rope_scaling {l} disagree"));
+    }
+    let rope_type = match obj.get("rope_type").or(obj.get("type")) {
+        None => "default",
+        Some(v) => v.as_str().ok_or_else(|| format!("config.json: {name}.rope_type must be a string, got {v}"))?,
+    };
+    let keys: &[&str] = match rope_type {
+        "default" => &[],
+        "linear" => &["factor"],
+        "llama3" => &["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"],
+        other => {
+            return Err(format!("config.json: {name}.rope_type {other:?} is not covered (default, linear, llama3)"));
+        }
+    };
+    for key in obj.keys() {
+        if !["rope_type", "type", "rope_theta"].contains(&key.as_str()) && !keys.contains(&key.as_str()) {
+            return Err(format!("config.json: {name}.{key} is not a key of rope_type {rope_type:?}"));
+        }
+    }
+    let number = |key: &str| -> Result<f64, String> {
+        match obj.get(key) {
+            Some(v) => v
+                .as_f64()
+                .filter(|x| *x > 0.0)
+                .ok_or_else(|| format!("config.json: {name}.{key} must be a positive number, got {v}")),
+            None => Err(format!("config.json: {name}.{key} is missing (rope_type {rope_type:?})")),
+        }
+    };
+    let theta = match obj.get("rope_theta") {
+        Some(_) if name == "rope_parameters" => number("rope_theta")?,
+        _ => raw.rope_theta.unwrap_or(10000.0),
+    };
+    let scaling = match rope_type {
+        "linear" => RopeScaling::Linear { factor: number("factor")? },
+        "llama3" => RopeScaling::Llama3 {
+            factor: number("factor")?,
+            low_freq_factor: number("low_freq_factor")?,
+            high_freq_factor: number("high_freq_factor")?,
+            original_max_position_embeddings: number("original_max_position_embeddings")?,
+        },
+        _ => RopeScaling::None,
+    };
+    Ok((theta, scaling))
 }
 
 impl Config {
@@ -74,10 +187,7 @@ impl Config {
         {
             return Err(format!("config.json: unsupported hidden_act {act:?} (only \"silu\")"));
         }
-        // A JSON null deserialises to None.
-        if let Some(scaling) = &raw.rope_scaling {
-            return Err(format!("config.json: unsupported rope_scaling {scaling}"));
-        }
+        let (theta, scaling) = resolve_rope(&raw)?;
         if raw.attention_bias == Some(true) {
             return Err("config.json: unsupported attention_bias = true".into());
         }
@@ -94,7 +204,8 @@ impl Config {
             vocab: raw.vocab_size,
             max_seq: raw.max_position_embeddings,
             eps: raw.rms_norm_eps as f32,
-            theta: raw.rope_theta.unwrap_or(10000.0) as f32,
+            theta,
+            scaling,
             tie_embeddings: raw.tie_word_embeddings.unwrap_or(false),
         })
     }
@@ -242,7 +353,7 @@ impl Model {
         drop(st);
 
         let half = cfg.head_dim / 2;
-        let rope_freq = (0..half).map(|j| kernels::rope_freq(cfg.theta as f64, j, cfg.head_dim)).collect();
+        let rope_freq = (0..half).map(|j| cfg.scaling.apply(kernels::rope_freq(cfg.theta, j, cfg.head_dim))).collect();
         let rows = PREFILL_CHUNK;
         let scratch = Scratch {
             x: vec![0.0; rows * d],

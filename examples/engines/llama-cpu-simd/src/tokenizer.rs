@@ -3,19 +3,49 @@
 //! Supported `tokenizer.json` features (anything else is rejected at load with an error naming it):
 //! - `added_tokens`, matched literally in the raw input (leftmost, longest first), honouring
 //!   `lstrip`, `rstrip` and `single_word`;
-//! - normalizers `Sequence`, `Prepend`, `Replace` (string patterns), `Lowercase`, or none;
-//! - pre-tokenizers none (the whole normalised segment is one word), `Metaspace`, or a `Sequence`
-//!   of those;
+//! - normalizers `Sequence`, `Prepend`, `Replace` (string patterns), `Lowercase`, `NFC`, or none;
+//! - pre-tokenizers none (the whole normalised segment is one word), `Metaspace`, `Split` (a regex
+//!   pattern, behavior `Isolated`, not inverted), `ByteLevel` (`add_prefix_space` false; with
+//!   `use_regex` it splits with GPT-2's pattern first), or a `Sequence` of those;
 //! - the `BPE` model (merges as `"a b"` or `["a", "b"]`, `byte_fallback`, `unk_token`,
 //!   `fuse_unk`, `ignore_merges`);
-//! - post-processor `TemplateProcessing` (the `single` template), or none;
+//! - post-processors `TemplateProcessing` (the `single` template), `ByteLevel` (ids unchanged), a
+//!   `Sequence` of those, or none;
 //! - decoders `Sequence`, `Replace` (string patterns), `ByteFallback`, `Fuse`, `Strip`,
-//!   `Metaspace`, or none.
+//!   `Metaspace`, `ByteLevel`, or none.
+//!
+//! Byte-level BPE (component.tokenizer_bytelevel): every byte of a word is mapped to a printable
+//! character by the table `byte_chars` (the contract's B), merged by rank, and decoded back to bytes.
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::path::Path;
 
+use fancy_regex::Regex;
 use serde_json::Value;
+use unicode_normalization::UnicodeNormalization;
+
+/// GPT-2's split pattern: what a `ByteLevel` pre-tokenizer with `use_regex` splits by
+/// (component.tokenizer_bytelevel, `split_patterns` "gpt2").
+const GPT2_PATTERN: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+
+/// The contract's byte-to-character table B: the 188 printable bytes (0x21..=0x7E, 0xA1..=0xAC,
+/// 0xAE..=0xFF) map to the character of the same code point, the other 68 bytes, in increasing
+/// order, to U+0100, U+0101, ...
+fn byte_chars() -> [char; 256] {
+    let mut table = ['\0'; 256];
+    let mut next = 0x100u32;
+    for b in 0..=255u8 {
+        let printable = matches!(b, 0x21..=0x7E | 0xA1..=0xAC | 0xAE..=0xFF);
+        let code = if printable {
+            b as u32
+        } else {
+            next += 1;
+            next - 1
+        };
+        table[b as usize] = char::from_u32(code).expect("code points below U+0144 are characters");
+    }
+    table
+}
 
 /// A literal token matched in the raw input before normalisation.
 struct AddedToken {
@@ -29,8 +59,13 @@ struct AddedToken {
 
 enum Normalizer {
     Prepend(String),
-    Replace { from: String, to: String },
+    Replace {
+        from: String,
+        to: String,
+    },
     Lowercase,
+    /// Unicode canonical composition (UAX #15).
+    Nfc,
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -41,15 +76,36 @@ enum PrependScheme {
 }
 
 enum PreTokenizer {
-    Metaspace { replacement: char, scheme: PrependScheme, split: bool },
+    Metaspace {
+        replacement: char,
+        scheme: PrependScheme,
+        split: bool,
+    },
+    /// Every match of the pattern is a word, and so is the text between two matches.
+    Split(Regex),
+    /// Each word's UTF-8 bytes become characters through `byte_chars`.
+    ByteLevel,
 }
 
 enum Decoder {
-    Replace { from: String, to: String },
+    Replace {
+        from: String,
+        to: String,
+    },
     ByteFallback,
     Fuse,
-    Strip { content: char, start: usize, stop: usize },
-    Metaspace { replacement: char, scheme: PrependScheme },
+    Strip {
+        content: char,
+        start: usize,
+        stop: usize,
+    },
+    Metaspace {
+        replacement: char,
+        scheme: PrependScheme,
+    },
+    /// Token characters back to bytes (characters outside the table keep their UTF-8 bytes); the
+    /// bytes of all tokens read as UTF-8, lossily.
+    ByteLevel,
 }
 
 /// One piece of the `single` post-processing template.
@@ -75,6 +131,9 @@ pub struct Tokenizer {
     ignore_merges: bool,
     template: Vec<TemplatePiece>,
     decoders: Vec<Decoder>,
+    /// `byte_chars` and its inverse.
+    byte_chars: [char; 256],
+    char_bytes: HashMap<char, u8>,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -152,6 +211,7 @@ fn parse_normalizer(v: &Value, out: &mut Vec<Normalizer>) -> Result<(), String> 
             out.push(Normalizer::Replace { from, to });
         }
         "Lowercase" => out.push(Normalizer::Lowercase),
+        "NFC" => out.push(Normalizer::Nfc),
         other => {
             return Err(format!("tokenizer.json: unsupported normalizer type {other:?}"));
         }
@@ -179,6 +239,34 @@ fn parse_pre_tokenizer(v: &Value, out: &mut Vec<PreTokenizer>) -> Result<(), Str
                 scheme: prepend_scheme(v, ctx)?,
                 split: bool_or(v, "split", true),
             });
+        }
+        "Split" => {
+            let ctx = "Split pre_tokenizer";
+            let pattern = field(v, "pattern", ctx)?;
+            let regex =
+                match (pattern.get("Regex").and_then(Value::as_str), pattern.get("String").and_then(Value::as_str)) {
+                    (Some(r), _) => r.to_string(),
+                    (None, Some(s)) => fancy_regex::escape(s).into_owned(),
+                    _ => return Err(format!("tokenizer.json: {ctx} pattern {pattern} is neither Regex nor String")),
+                };
+            let behavior = str_field(v, "behavior", ctx)?;
+            if behavior != "Isolated" || bool_or(v, "invert", false) {
+                return Err(format!(
+                    "tokenizer.json: unsupported {ctx} behavior {behavior:?} (invert {}); only Isolated, not inverted",
+                    bool_or(v, "invert", false)
+                ));
+            }
+            let regex = Regex::new(&regex).map_err(|e| format!("tokenizer.json: {ctx} pattern {regex:?}: {e}"))?;
+            out.push(PreTokenizer::Split(regex));
+        }
+        "ByteLevel" => {
+            if bool_or(v, "add_prefix_space", false) {
+                return Err("tokenizer.json: unsupported ByteLevel pre_tokenizer add_prefix_space = true".into());
+            }
+            if bool_or(v, "use_regex", true) {
+                out.push(PreTokenizer::Split(Regex::new(GPT2_PATTERN).expect("GPT-2's pattern compiles")));
+            }
+            out.push(PreTokenizer::ByteLevel);
         }
         other => {
             return Err(format!("tokenizer.json: unsupported pre_tokenizer type {other:?}"));
@@ -227,6 +315,7 @@ fn parse_decoder(v: &Value, out: &mut Vec<Decoder>) -> Result<(), String> {
                 scheme: prepend_scheme(v, ctx)?,
             });
         }
+        "ByteLevel" => out.push(Decoder::ByteLevel),
         other => {
             return Err(format!("tokenizer.json: unsupported decoder type {other:?}"));
         }
@@ -234,13 +323,31 @@ fn parse_decoder(v: &Value, out: &mut Vec<Decoder>) -> Result<(), String> {
     Ok(())
 }
 
+/// The post-processor's `single` template: `TemplateProcessing` (possibly inside a `Sequence`);
+/// `ByteLevel` changes offsets only, never ids, so it adds nothing.
 fn parse_template(v: &Value) -> Result<Vec<TemplatePiece>, String> {
     if v.is_null() {
         return Ok(Vec::new());
     }
     let kind = type_of(v, "post_processor")?;
-    if kind != "TemplateProcessing" {
-        return Err(format!("tokenizer.json: unsupported post_processor type {kind:?}"));
+    match kind {
+        "ByteLevel" => return Ok(Vec::new()),
+        "Sequence" => {
+            let list = field(v, "processors", "Sequence post_processor")?
+                .as_array()
+                .ok_or("tokenizer.json: Sequence post_processor field \"processors\" is not a list")?;
+            let mut pieces = Vec::new();
+            for p in list {
+                let more = parse_template(p)?;
+                if !more.is_empty() && !pieces.is_empty() {
+                    return Err("tokenizer.json: two TemplateProcessing post_processors in one Sequence".into());
+                }
+                pieces.extend(more);
+            }
+            return Ok(pieces);
+        }
+        "TemplateProcessing" => {}
+        other => return Err(format!("tokenizer.json: unsupported post_processor type {other:?}")),
     }
     let ctx = "TemplateProcessing post_processor";
     let single = field(v, "single", ctx)?
@@ -409,6 +516,8 @@ impl Tokenizer {
             ignore_merges: bool_or(model, "ignore_merges", false),
             template,
             decoders,
+            byte_chars: byte_chars(),
+            char_bytes: byte_chars().iter().enumerate().map(|(b, &c)| (c, b as u8)).collect(),
         })
     }
 
@@ -493,12 +602,25 @@ impl Tokenizer {
                 }
                 Normalizer::Replace { from, to } => s.replace(from.as_str(), to),
                 Normalizer::Lowercase => s.to_lowercase(),
+                Normalizer::Nfc => s.nfc().collect(),
             };
         }
 
         let mut words = vec![s];
         for p in &self.pre_tokenizers {
-            let PreTokenizer::Metaspace { replacement, scheme, split } = p;
+            let (replacement, scheme, split) = match p {
+                PreTokenizer::Metaspace { replacement, scheme, split } => (replacement, scheme, split),
+                PreTokenizer::Split(regex) => {
+                    words = words.iter().flat_map(|w| split_isolated(regex, w)).collect();
+                    continue;
+                }
+                PreTokenizer::ByteLevel => {
+                    for w in &mut words {
+                        *w = w.bytes().map(|b| self.byte_chars[b as usize]).collect();
+                    }
+                    continue;
+                }
+            };
             let mut next = Vec::new();
             for (wi, w) in words.into_iter().enumerate() {
                 let mut w = w.replace(' ', &replacement.to_string());
@@ -635,6 +757,17 @@ impl Tokenizer {
                 Decoder::Strip { content, start, stop } => {
                     tokens.into_iter().map(|t| strip(&t, *content, *start, *stop)).collect()
                 }
+                Decoder::ByteLevel => {
+                    let mut bytes = Vec::new();
+                    for t in &tokens {
+                        let mapped: Option<Vec<u8>> = t.chars().map(|c| self.char_bytes.get(&c).copied()).collect();
+                        match mapped {
+                            Some(b) => bytes.extend(b),
+                            None => bytes.extend_from_slice(t.as_bytes()),
+                        }
+                    }
+                    vec![String::from_utf8_lossy(&bytes).into_owned()]
+                }
                 Decoder::Metaspace { replacement, scheme } => tokens
                     .into_iter()
                     .enumerate()
@@ -653,6 +786,28 @@ impl Tokenizer {
         }
         tokens.concat()
     }
+}
+
+/// Split `text` at the pattern's matches (leftmost, non-overlapping), keeping each match and each
+/// stretch between matches as a word (behavior Isolated). A pattern that fails to run (fancy-regex's
+/// backtracking limit) leaves the rest of the text as one word.
+fn split_isolated(regex: &Regex, text: &str) -> Vec<String> {
+    let mut words = Vec::new();
+    let mut last = 0;
+    for m in regex.find_iter(text) {
+        let Ok(m) = m else { break };
+        if m.start() > last {
+            words.push(text[last..m.start()].to_string());
+        }
+        if m.end() > m.start() {
+            words.push(m.as_str().to_string());
+        }
+        last = m.end();
+    }
+    if last < text.len() {
+        words.push(text[last..].to_string());
+    }
+    words
 }
 
 /// True when the span [start, end) of `text` is not glued to word characters on either side.
