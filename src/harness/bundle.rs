@@ -259,6 +259,7 @@ pub fn relative(command: protocol::Command, root: &Path) -> protocol::Command {
         }
         t @ Command::Time { .. } => t,
         t @ Command::BlockManager { .. } => t,
+        t @ Command::Scheduler { .. } => t,
         Command::Batch { num_blocks, block_size, seqs, steps, tensors, .. } => {
             Command::Batch { model: MODEL.into(), num_blocks, block_size, seqs, steps, tensors: rel(&tensors) }
         }

@@ -497,7 +497,8 @@ pub fn harness_source_with(arms: &[Arm], items: &[String], serving: bool) -> Str
             } else if serving {
                 out.push_str(&format!(
                     "{indent}Command::BlockManager {{ num_blocks, block_size, ops }} => serving::block_manager(*num_blocks, *block_size, ops),\n\
-                     {indent}Command::Batch {{ model, num_blocks, block_size, seqs, steps, tensors }} => serving::batch(model, *num_blocks, *block_size, seqs, steps, tensors),\n"
+                     {indent}Command::Batch {{ model, num_blocks, block_size, seqs, steps, tensors }} => serving::batch(model, *num_blocks, *block_size, seqs, steps, tensors),\n\
+                     {indent}Command::Scheduler {{ num_blocks, block_size, max_seqs, max_batch_tokens, max_context, requests, aborts, max_steps }} => serving::scheduler(*num_blocks, *block_size, *max_seqs, *max_batch_tokens, *max_context, requests, aborts, *max_steps),\n"
                 ));
             }
             continue;

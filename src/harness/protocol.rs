@@ -107,6 +107,92 @@ pub enum Command {
         /// Output safetensors file.
         tensors: PathBuf,
     },
+    /// Drive one new engine `scheduler::Scheduler` through a request trace (serving engines only).
+    /// Step by step: add the requests arriving at that step (recording `add`'s answer), abort the
+    /// ids listed for it (recording `abort`'s answer), then `schedule()`, then `update()` with each
+    /// sampling chunk's request's next scripted token as the sampled one, and record the plan, the
+    /// events and `free_blocks()`. Stops when every request is resolved and no
+    /// arrival is left, or after `max_steps`.
+    Scheduler {
+        /// Blocks in the pool.
+        num_blocks: usize,
+        /// Positions per block.
+        block_size: usize,
+        /// Most running sequences.
+        max_seqs: usize,
+        /// Token budget per step.
+        max_batch_tokens: usize,
+        /// Most positions of a sequence.
+        max_context: usize,
+        /// The requests, each with its arrival step and scripted tokens.
+        requests: Vec<TraceRequest>,
+        /// (step, id): abort `id` at that step, before scheduling.
+        aborts: Vec<(usize, u64)>,
+        /// Most steps to run.
+        max_steps: usize,
+    },
+}
+
+/// One request of [`Command::Scheduler`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TraceRequest {
+    /// Request id.
+    pub id: u64,
+    /// Step at which it is added.
+    pub arrival: usize,
+    /// Prompt ids.
+    pub prompt: Vec<u32>,
+    /// Most new tokens.
+    pub max_tokens: usize,
+    /// EOS ids.
+    pub eos: Vec<u32>,
+    /// The token its k-th sampling step draws, k = 0, 1, ...
+    pub script: Vec<u32>,
+}
+
+/// What one step of [`Command::Scheduler`] did.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SchedulerStep {
+    /// (id, Err text or None) of each `add` at this step, in trace order.
+    pub added: Vec<(u64, Option<String>)>,
+    /// (id, answer) of each `abort` at this step.
+    pub aborted: Vec<(u64, bool)>,
+    /// The plan `schedule()` returned.
+    pub plan: Vec<PlannedChunk>,
+    /// The events `update()` returned, in order.
+    pub events: Vec<SchedulerEvent>,
+    /// `free_blocks()` after `update()`.
+    pub free_blocks: usize,
+}
+
+/// One entry of a plan of [`SchedulerStep`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PlannedChunk {
+    /// Request id.
+    pub id: u64,
+    /// Token ids of the chunk.
+    pub tokens: Vec<u32>,
+    /// Position of its first token.
+    pub start: usize,
+    /// Physical blocks.
+    pub block_table: Vec<u32>,
+    /// Whether its logits give the next token.
+    pub samples: bool,
+}
+
+/// One event of [`SchedulerStep`]: a token, or a finish with its reason (`stop` or `length`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SchedulerEvent {
+    /// Request id.
+    pub id: u64,
+    /// The token, for a token event.
+    pub token: Option<u32>,
+    /// `stop` or `length`, for a finish event.
+    pub finish: Option<String>,
 }
 
 /// One operation of [`Command::BlockManager`].
@@ -251,6 +337,13 @@ pub enum Reply {
         /// (sequence id, block table) of every id the operations named, after the last one.
         tables: Vec<(u64, Vec<u32>)>,
         /// The panic message when the engine panicked (results then stop there).
+        panic: Option<String>,
+    },
+    /// What the scheduler did, step by step.
+    Scheduler {
+        /// Per step run.
+        steps: Vec<SchedulerStep>,
+        /// The panic message when the engine panicked (steps then stop there).
         panic: Option<String>,
     },
     /// The batched generation ran (the tensors are in the request's file).

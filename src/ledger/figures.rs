@@ -145,6 +145,10 @@ pub struct BatchingFigures {
     pub block_manager_ok: bool,
     /// Block-manager violations reported (at most 8).
     pub violations: usize,
+    /// The scheduler's plans and events all kept the invariants (false in rows before the test).
+    pub scheduler_ok: bool,
+    /// Preemptions the scheduler made in its trace.
+    pub preemptions: usize,
     /// Sequences in the batched run.
     pub sequences: usize,
     /// Sequences equal to their single-sequence reference.

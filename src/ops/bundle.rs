@@ -102,6 +102,7 @@ pub fn run(req: &BundleRunRequest, budget: &Budget) -> Result<BundleRunReport> {
             Ok(Ok(Reply::Tokenize { .. })) => ("tokenize", String::new()),
             Ok(Ok(Reply::BlockManager { .. })) => ("block_manager", String::new()),
             Ok(Ok(Reply::Batch { .. })) => ("batch", String::new()),
+            Ok(Ok(Reply::Scheduler { .. })) => ("scheduler", String::new()),
             Ok(Ok(Reply::NoDevice { reason })) => ("no_device", reason),
             // No reply, or one that does not parse.
             Ok(Err(_)) | Err(_) => ("", String::new()),

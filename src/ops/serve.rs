@@ -701,7 +701,18 @@ pub fn serve_engine(ctx: &Ctx, req: &ServeRequest, budget: &Budget) -> Result<Se
     let alive_ok = alive.passed;
     report.checks.push(alive);
 
-    // 10. load.
+    // 10. a client that goes away cancels its request.
+    if alive_ok {
+        let max_seqs = gate.target.serving.as_ref().map_or(16, |s| s.max_seqs);
+        let prompt_len = model::hf_encode(&tok, &e0.prompt)?.len();
+        let full = max_context.saturating_sub(prompt_len).max(1);
+        report.checks.push(disconnect(&client, &e0.prompt, full, max_seqs.clamp(1, 64)));
+        if let Some(why) = died(&server) {
+            report.checks.push(check("alive", false, format!("after the dropped clients: {why}")));
+        }
+    }
+
+    // 11. load.
     if alive_ok {
         report.load_average = load_average();
         for &c in &levels {
@@ -719,6 +730,98 @@ pub fn serve_engine(ctx: &Ctx, req: &ServeRequest, budget: &Budget) -> Result<Se
     }
     drop(server);
     Ok(finish(&gate, report))
+}
+
+/// The disconnect check (component.openai_server: "client disconnect cancels the request"). First
+/// one greedy request of `full` new tokens alone: its time `t_full` and its token count k. Then
+/// `slots` streaming requests of the same prompt and length (the engine's max_seqs: every running
+/// slot taken), each dropped once its first event arrived (so it is running); then a one-token
+/// request: its time `t_probe`. A server that cancels the dropped requests frees their slots within
+/// a step or two and answers it about as fast as when idle; one that goes on generating for them
+/// makes it wait for a free slot, at least until one k-token sequence ends, which takes at least
+/// `t_full` (a step of every slot's sequence is no faster than a step of one). Passes when
+/// `t_probe < t_full`; when `t_full` is under 20 ms (a short model context, or an early EOS) the two
+/// cannot be told apart from scheduling noise, and the check says so and passes.
+fn disconnect(client: &Client, prompt: &str, full: usize, slots: usize) -> Check {
+    let timed = |max_tokens: usize| -> std::result::Result<(Duration, usize), String> {
+        let start = Instant::now();
+        let body = json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).to_string();
+        let a = client.post("/v1/completions", &body)?;
+        if a.status != 200 {
+            return Err(format!("answered {}: {}", a.status, crate::harness::tail(&a.body, 300)));
+        }
+        let v: Value = serde_json::from_str(&a.body).map_err(|e| format!("the body is not JSON: {e}"))?;
+        Ok((start.elapsed(), v["usage"]["completion_tokens"].as_u64().unwrap_or(0) as usize))
+    };
+    let (t_full, k) = match timed(full) {
+        Ok(x) => x,
+        Err(why) => return check("disconnect", false, format!("the full-length request alone: {why}")),
+    };
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    if t_full < Duration::from_millis(20) {
+        return check(
+            "disconnect",
+            true,
+            format!(
+                "not observable here: one request of {k} tokens takes {:.1} ms, too short to tell a cancelled request from a finished one",
+                ms(t_full)
+            ),
+        );
+    }
+    let body = json!({"prompt": prompt, "max_tokens": full, "temperature": 0, "stream": true}).to_string();
+    let barrier = std::sync::Barrier::new(slots);
+    let running = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        for _ in 0..slots {
+            s.spawn(|| {
+                let r = client
+                    .agent
+                    .post(format!("{}/v1/completions", client.base))
+                    .header("content-type", "application/json")
+                    .send(body.as_str());
+                if let Some(mut r) = r.ok().filter(|r| r.status().as_u16() == 200) {
+                    let mut first = String::new();
+                    let mut reader = BufReader::new(r.body_mut().as_reader());
+                    while reader.read_line(&mut first).is_ok_and(|n| n > 0) && !first.starts_with("data:") {
+                        first.clear();
+                    }
+                    if first.starts_with("data:") {
+                        running.fetch_add(1, Ordering::SeqCst);
+                    }
+                    // Every response is held until all have their first event, then dropped: the
+                    // clients go away while their requests run.
+                    barrier.wait();
+                    return;
+                }
+                barrier.wait();
+            });
+        }
+    });
+    let opened = running.into_inner();
+    let abandoned = slots;
+    let (t_probe, _) = match timed(1) {
+        Ok(x) => x,
+        Err(why) => return check("disconnect", false, format!("the request after the dropped clients: {why}")),
+    };
+    let detail = format!(
+        "{opened} of {abandoned} streaming requests of {k} tokens (max_seqs) dropped after their first event; a one-token request then took {:.1} ms, one {k}-token request alone {:.1} ms",
+        ms(t_probe),
+        ms(t_full)
+    );
+    if opened * 2 < abandoned {
+        return check("disconnect", false, format!("{detail}: too few requests were accepted to tell"));
+    }
+    if t_probe < t_full {
+        check("disconnect", true, format!("{detail}: the dropped requests were cancelled"))
+    } else {
+        check(
+            "disconnect",
+            false,
+            format!(
+                "{detail}: it waited behind the dropped requests (component.openai_server: a client disconnect cancels its request and frees its slot)"
+            ),
+        )
+    }
 }
 
 /// Requests the burst check sends at once: component.openai_server's "1,000 requests at once".

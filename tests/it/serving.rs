@@ -92,7 +92,7 @@ fn serving_scaffold_fails_verify_batching_on_its_todos() {
         },
     )
     .unwrap();
-    for f in ["src/paged.rs", "src/batch.rs"] {
+    for f in ["src/paged.rs", "src/batch.rs", "src/scheduler.rs"] {
         assert!(r.files.contains(&f.to_string()), "{:?}", r.files);
     }
     let kernels = std::fs::read_to_string(engine.join("src/kernels.rs")).unwrap();
@@ -107,6 +107,11 @@ fn serving_scaffold_fails_verify_batching_on_its_todos() {
     assert!(
         !bm.passed && bm.violations[0].contains("panicked") && bm.violations[0].contains("not yet implemented"),
         "{bm:?}"
+    );
+    let sc = &v.scheduler;
+    assert!(
+        !sc.passed && sc.violations[0].contains("panicked") && sc.violations[0].contains("not yet implemented"),
+        "{sc:?}"
     );
     assert!(v.error.contains("not yet implemented"), "{}", v.error);
 
@@ -186,6 +191,41 @@ fn constant_batched_step_and_leaking_block_manager_fail_for_their_reasons() {
     assert!(v.sequences.iter().all(|s| s.tokens_ok && s.logits_ok), "{}", metainfer::ops::Report::text(&v));
 }
 
+/// A scheduler that plans more tokens than the step budget, and one that goes on past an EOS id,
+/// fail verify_batching's scheduler test for that reason, while their block manager and batched
+/// step still pass.
+#[test]
+fn faulted_schedulers_fail_verify_batching_for_their_reasons() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let faults = [
+        (
+            "over-budget",
+            "let mut budget = self.max_batch_tokens;",
+            "let mut budget = self.max_batch_tokens + 3;",
+            "over the budget of",
+        ),
+        (
+            "no-eos",
+            "if s.req.eos.contains(&token) {",
+            "if false && s.req.eos.contains(&token) {",
+            "the reason is \"stop\"",
+        ),
+    ];
+    for (name, from, to, why) in faults {
+        let dir = t.path().join(name);
+        Engine::Simd.copy_to(&dir);
+        crate::inject(&dir, "src/scheduler.rs", from, to);
+        // Seed 3 draws a trace with a budget of 7 tokens, EOS ids and 8 preemptions.
+        let v =
+            verify_batching(&ctx, &BatchingRequest { seed: Some(3), ..batching(&dir) }, &Budget::secs(900)).unwrap();
+        let text = metainfer::ops::Report::text(&v);
+        assert!(!v.passed && !v.scheduler.passed && v.block_manager.passed, "{name}: {text}");
+        assert!(v.scheduler.violations.iter().any(|m| m.contains(why)), "{name}: {text}");
+        assert!(v.sequences.iter().all(|s| s.tokens_ok && s.logits_ok), "{name}: {text}");
+    }
+}
+
 #[test]
 fn faulted_serving_kernels_are_diagnosed() {
     let t = tempfile::tempdir().unwrap();
@@ -240,6 +280,9 @@ fn simd_engine_passes_verify_batching() {
     crate::assert_conforms(&v);
     assert_eq!(v.sequences.len(), 8);
     assert!(v.block_manager.ops == metainfer::ops::batching::BLOCK_OPS && v.max_chunks_per_step >= 2);
+    let sc = &v.scheduler;
+    assert!(sc.passed && sc.requests >= 6, "{sc:?}");
+    assert_eq!(sc.refused + sc.aborted + sc.finished, sc.requests, "every request ends: {sc:?}");
     let ledger = metainfer::ledger::Ledger::open(&ctx.ledger).unwrap();
     let o = ledger.list(0, 1).unwrap().remove(0);
     assert_eq!((o.tool.as_str(), o.passed), ("verify_batching", true));
@@ -360,7 +403,7 @@ fn simd_engine_passes_serve_engine() {
     let names: Vec<&str> = r.checks.iter().map(|c| c.name.as_str()).collect();
     assert_eq!(
         names,
-        ["health", "models", "greedy", "streaming", "stop", "chat", "bad_requests", "burst", "alive"],
+        ["health", "models", "greedy", "streaming", "stop", "chat", "bad_requests", "burst", "alive", "disconnect"],
         "{text}"
     );
     // component.openai_server: 1,000 requests at once are each answered or refused with a 4xx.
@@ -441,5 +484,42 @@ fn simd_engine_serves_the_stories15m_shape() {
     for l in &r.levels {
         assert_eq!((l.completed, l.greedy_mismatches), (l.requests, 0), "{text}");
     }
+    // At this size a long request takes hundreds of milliseconds: cancellation is observed.
+    let d = r.checks.iter().find(|c| c.name == "disconnect").expect("a disconnect check");
+    assert!(d.passed && d.detail.ends_with("the dropped requests were cancelled"), "{text}");
     eprintln!("{text}");
+}
+
+/// A server that goes on generating for clients that went away (it never aborts a request whose
+/// token channel is closed) fails the disconnect check (component.openai_server: a client
+/// disconnect cancels its request), on the stories15M shape where a long request takes hundreds of
+/// milliseconds; every other check still passes.
+#[test]
+fn a_server_that_ignores_dropped_clients_fails_serve_engine() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let model = t.path().join("stories15m");
+    let out = std::process::Command::new(crate::bin())
+        .args(["synth", "--preset", "stories15m", "--seed", "5", "--out"])
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let engine = t.path().join("deaf");
+    Engine::Simd.copy_to(&engine);
+    crate::inject(
+        &engine,
+        "src/main.rs",
+        ".filter(|(_, l)| l.out.is_closed())",
+        ".filter(|(_, l)| false && l.out.is_closed())",
+    );
+    let req = ServeRequest { model: s(&model), concurrency: Some(vec![1]), ..serve_req(&engine) };
+    let r = serve_engine(&ctx, &req, &Budget::secs(900)).unwrap();
+    let text = metainfer::ops::Report::text(&r);
+    assert!(!r.passed, "{text}");
+    for c in r.checks.iter().filter(|c| c.name != "disconnect") {
+        assert!(c.passed, "{}: {text}", c.name);
+    }
+    let d = r.checks.iter().find(|c| c.name == "disconnect").expect("a disconnect check");
+    assert!(!d.passed && d.detail.contains("it waited behind the dropped requests"), "{text}");
 }

@@ -1,11 +1,13 @@
 // Serving commands of the generated harness, compiled in only for engines with serving constraints
 // (metainfer.toml `[serving]`): they call the engine's block manager (src/paged.rs) and batched step
-// (src/batch.rs), whose signatures the contracts fix.
+// (src/batch.rs) and scheduler (src/scheduler.rs), whose signatures the contracts fix.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::Path;
 
-use crate::protocol::{BatchSeq, BlockOp, BlockOpResult, Reply, StepEntry};
+use crate::protocol::{
+    BatchSeq, BlockOp, BlockOpResult, PlannedChunk, Reply, SchedulerEvent, SchedulerStep, StepEntry, TraceRequest,
+};
 use crate::{Out, die, panic_text, write_tensors};
 
 /// Apply the operations to a new block manager; record what it answers after each.
@@ -90,4 +92,93 @@ pub fn batch(dir: &Path, num_blocks: usize, block_size: usize, seqs: &[BatchSeq]
     }
     write_tensors(tensors_path, &out);
     Reply::Batch { vocab, steps: ran, panic: run.err().map(panic_text) }
+}
+
+/// Drive a new scheduler through the request trace: per step, arrivals, aborts, `schedule()`, then
+/// `update()` with each sampling chunk's next scripted token as the sampled one.
+#[allow(clippy::too_many_arguments)]
+pub fn scheduler(
+    num_blocks: usize,
+    block_size: usize,
+    max_seqs: usize,
+    max_batch_tokens: usize,
+    max_context: usize,
+    requests: &[TraceRequest],
+    aborts: &[(usize, u64)],
+    max_steps: usize,
+) -> Reply {
+    let mut steps: Vec<SchedulerStep> = Vec::new();
+    let last_arrival = requests.iter().map(|r| r.arrival).max().unwrap_or(0);
+    let last_abort = aborts.iter().map(|a| a.0).max().unwrap_or(0);
+    let run = catch_unwind(AssertUnwindSafe(|| {
+        let mut s = engine::scheduler::Scheduler::new(num_blocks, block_size, max_seqs, max_batch_tokens, max_context);
+        // Requests not yet resolved (refused, aborted or finished), and tokens sampled per id.
+        let mut open: Vec<u64> = Vec::new();
+        let mut sampled: std::collections::HashMap<u64, usize> = Default::default();
+        for step in 0..max_steps {
+            let mut rec = SchedulerStep::default();
+            for r in requests.iter().filter(|r| r.arrival == step) {
+                let req = engine::scheduler::Request {
+                    id: r.id,
+                    prompt: r.prompt.clone(),
+                    max_tokens: r.max_tokens,
+                    eos: r.eos.clone(),
+                };
+                let answer = s.add(req);
+                if answer.is_ok() {
+                    open.push(r.id);
+                }
+                rec.added.push((r.id, answer.err()));
+            }
+            for &(_, id) in aborts.iter().filter(|a| a.0 == step) {
+                let ok = s.abort(id);
+                open.retain(|&x| x != id);
+                rec.aborted.push((id, ok));
+            }
+            steps.push(rec);
+            let plan = s.schedule();
+            let drawn: Vec<u32> = plan
+                .iter()
+                .filter(|p| p.samples)
+                .map(|p| {
+                    let n = *sampled.get(&p.id).unwrap_or(&0);
+                    let script = requests.iter().find(|r| r.id == p.id).map(|r| r.script.as_slice()).unwrap_or(&[]);
+                    script.get(n).copied().unwrap_or(0)
+                })
+                .collect();
+            let events = s.update(&plan, &drawn);
+            let last = steps.last_mut().expect("pushed above");
+            last.plan = plan
+                .iter()
+                .map(|p| PlannedChunk {
+                    id: p.id,
+                    tokens: p.tokens.clone(),
+                    start: p.start,
+                    block_table: p.block_table.clone(),
+                    samples: p.samples,
+                })
+                .collect();
+            for e in &events {
+                last.events.push(match e {
+                    engine::scheduler::Event::Token { id, token } => {
+                        *sampled.entry(*id).or_insert(0) += 1;
+                        SchedulerEvent { id: *id, token: Some(*token), finish: None }
+                    }
+                    engine::scheduler::Event::Finished { id, finish } => {
+                        open.retain(|x| x != id);
+                        let why = match finish {
+                            engine::scheduler::Finish::Stop => "stop",
+                            engine::scheduler::Finish::Length => "length",
+                        };
+                        SchedulerEvent { id: *id, token: None, finish: Some(why.to_string()) }
+                    }
+                });
+            }
+            last.free_blocks = s.free_blocks();
+            if open.is_empty() && step >= last_arrival && step >= last_abort {
+                break;
+            }
+        }
+    }));
+    Reply::Scheduler { steps, panic: run.err().map(panic_text) }
 }

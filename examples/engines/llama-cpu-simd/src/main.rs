@@ -27,7 +27,7 @@ use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use llama_cpu_simd::batch::{self, SeqChunk};
-use llama_cpu_simd::kernels::SamplingParams;
+use llama_cpu_simd::kernels::{self, SamplingParams};
 use llama_cpu_simd::model::Model;
 use llama_cpu_simd::scheduler::{Event, Finish, Request, Scheduler};
 use llama_cpu_simd::tokenizer::Tokenizer;
@@ -46,9 +46,12 @@ enum Out {
     Done { finish: &'static str, prompt_tokens: usize, completion_tokens: usize },
 }
 
-/// A request on its way to the engine thread.
+/// A request on its way to the engine thread, with its sampling parameters and seed (kernel.sample
+/// draws with one uniform number u per token from the request's own generator).
 struct Job {
     req: Request,
+    params: SamplingParams,
+    seed: u64,
     stop: Vec<String>,
     out: UnboundedSender<Out>,
 }
@@ -130,8 +133,11 @@ fn start_engine(
     Ok((tx, loaded))
 }
 
-/// Per-request state of the engine thread: the text sent so far and the stop strings.
+/// Per-request state of the engine thread: sampling, the text sent so far and the stop strings.
 struct Live {
+    params: SamplingParams,
+    /// State of the request's splitmix64 generator of u.
+    rng: u64,
     out: UnboundedSender<Out>,
     prompt: Vec<u32>,
     generated: Vec<u32>,
@@ -141,6 +147,16 @@ struct Live {
 }
 
 impl Live {
+    /// The next u in [0, 1): splitmix64 (Steele, Lea & Flood 2014), top 24 bits.
+    fn next_u(&mut self) -> f32 {
+        self.rng = self.rng.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.rng;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        (z >> 40) as f32 / (1u64 << 24) as f32
+    }
+
     /// The completion text so far (incremental detokenisation: decode(prompt + new) less decode(prompt)).
     fn text(&self, tok: &Tokenizer) -> String {
         let mut all = self.prompt.clone();
@@ -170,7 +186,19 @@ fn engine_loop(
             return;
         }
         let prompt_text = tok.decode(&prompt);
-        live.insert(id, Live { out: job.out, prompt, generated: Vec::new(), prompt_text, stop: job.stop, sent: 0 });
+        live.insert(
+            id,
+            Live {
+                params: job.params,
+                rng: job.seed,
+                out: job.out,
+                prompt,
+                generated: Vec::new(),
+                prompt_text,
+                stop: job.stop,
+                sent: 0,
+            },
+        );
     };
     loop {
         if sched.is_idle() {
@@ -195,7 +223,20 @@ fn engine_loop(
         let chunks: Vec<SeqChunk> =
             plan.iter().map(|p| SeqChunk { tokens: &p.tokens, start: p.start, block_table: &p.block_table }).collect();
         let logits = batch::step(model, cache, &chunks);
-        for ev in sched.update(&plan, &logits, vocab) {
+        // A token for each chunk that ends its sequence, drawn with the request's parameters.
+        let mut sampled = Vec::new();
+        for (k, p) in plan.iter().enumerate().filter(|(_, p)| p.samples) {
+            let row = &logits[k * vocab..(k + 1) * vocab];
+            let prev = sched.tokens(p.id).unwrap_or_default();
+            sampled.push(match live.get_mut(&p.id) {
+                Some(l) => {
+                    let u = l.next_u();
+                    kernels::sample(row, &prev, &l.params, u)
+                }
+                None => kernels::argmax(row) as u32,
+            });
+        }
+        for ev in sched.update(&plan, &sampled) {
             match ev {
                 Event::Token { id, token } => {
                     let Some(l) = live.get_mut(&id) else { continue };
@@ -283,8 +324,9 @@ fn generate(args: &[String]) -> Result<(), String> {
     let ids = tok.encode(prompt);
     let max_tokens = parsed(args, "--max-tokens", 64usize)?.min(loaded.max_context.saturating_sub(ids.len()));
     let (out, mut rx) = unbounded_channel();
-    let req = Request { id: 0, prompt: ids, max_tokens, eos: eos_ids(&dir), params, seed: parsed(args, "--seed", 0)? };
-    tx.send(Job { req, stop: vec![], out }).map_err(|_| "the engine thread is gone")?;
+    let req = Request { id: 0, prompt: ids, max_tokens, eos: eos_ids(&dir) };
+    let seed = parsed(args, "--seed", 0)?;
+    tx.send(Job { req, params, seed, stop: vec![], out }).map_err(|_| "the engine thread is gone")?;
     let mut stdout = std::io::stdout();
     while let Some(o) = rx.blocking_recv() {
         match o {
@@ -545,9 +587,9 @@ async fn run(app: Arc<App>, body: Value, prompt: String, chat: bool) -> Response
     let slot = Slot(app.clone());
     let id = app.next_id.fetch_add(1, Ordering::SeqCst);
     let (out, mut rx) = unbounded_channel();
-    let req =
-        Request { id, prompt: ids, max_tokens: p.max_tokens, eos: app.eos.clone(), params: p.params, seed: p.seed };
-    let sent = app.engine.lock().map(|e| e.send(Job { req, stop: p.stop, out }).is_ok()).unwrap_or(false);
+    let req = Request { id, prompt: ids, max_tokens: p.max_tokens, eos: app.eos.clone() };
+    let job = Job { req, params: p.params, seed: p.seed, stop: p.stop, out };
+    let sent = app.engine.lock().map(|e| e.send(job).is_ok()).unwrap_or(false);
     if !sent {
         return error(StatusCode::SERVICE_UNAVAILABLE, "the engine thread is gone", "server_error", None);
     }

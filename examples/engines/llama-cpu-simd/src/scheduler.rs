@@ -1,13 +1,13 @@
 //! Phase 7 (serving): continuous batching (component.scheduler). Which sequences run in the next
 //! batched step and with how many tokens, under a token budget per step and the KV blocks of the
 //! block manager; chunked prefill, decode, stop on EOS or max_tokens, abort, and preemption by
-//! recomputation when blocks run out. Stop strings are the caller's (they need the text).
+//! recomputation when blocks run out. Sampling is the caller's (`update` takes the tokens it drew,
+//! as the contract's pseudocode has it), and so are stop strings (they need the text).
 use std::collections::VecDeque;
 
-use crate::kernels::{self, SamplingParams};
 use crate::paged::BlockManager;
 
-/// One request as the scheduler sees it: token ids, limits, sampling.
+/// One request as the scheduler sees it: token ids and limits.
 #[derive(Debug, Clone)]
 pub struct Request {
     /// Caller's id, unique among live requests.
@@ -18,10 +18,6 @@ pub struct Request {
     pub max_tokens: usize,
     /// Token ids that end the sequence (finish reason "stop").
     pub eos: Vec<u32>,
-    /// Sampling parameters; temperature 0 is greedy.
-    pub params: SamplingParams,
-    /// Seed of the request's generator of u (kernel.sample).
-    pub seed: u64,
 }
 
 /// Why a sequence finished.
@@ -58,7 +54,6 @@ struct Seq {
     generated: Vec<u32>,
     /// Positions whose K/V are in the cache.
     cached: usize,
-    rng: u64,
 }
 
 impl Seq {
@@ -68,15 +63,6 @@ impl Seq {
     fn token(&self, i: usize) -> u32 {
         let p = self.req.prompt.len();
         if i < p { self.req.prompt[i] } else { self.generated[i - p] }
-    }
-    /// u in [0, 1) from splitmix64 (Steele et al. 2014), 24 bits.
-    fn next_u(&mut self) -> f32 {
-        self.rng = self.rng.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.rng;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^= z >> 31;
-        (z >> 40) as f32 / (1u64 << 24) as f32
     }
 }
 
@@ -136,8 +122,7 @@ impl Scheduler {
         if total.div_ceil(self.block_size) > self.num_blocks {
             return Err(format!("{total} positions need more than the {} KV blocks of the pool", self.num_blocks));
         }
-        let rng = req.seed;
-        self.waiting.push_back(Seq { req, generated: Vec::new(), cached: 0, rng });
+        self.waiting.push_back(Seq { req, generated: Vec::new(), cached: 0 });
         Ok(())
     }
 
@@ -154,6 +139,12 @@ impl Scheduler {
     /// Blocks not owned by any sequence.
     pub fn free_blocks(&self) -> usize {
         self.blocks.num_free_blocks()
+    }
+
+    /// Prompt and generated tokens of live request `id` (what a sampler's penalties look at).
+    pub fn tokens(&self, id: u64) -> Option<Vec<u32>> {
+        let s = self.running.iter().chain(&self.waiting).find(|s| s.req.id == id)?;
+        Some((0..s.len()).map(|i| s.token(i)).collect())
     }
 
     /// Remove request `id` wherever it is and free its blocks; false when unknown.
@@ -289,22 +280,18 @@ impl Scheduler {
         plan
     }
 
-    /// Apply a step's results: `logits` is [plan.len(), vocab] in plan order. Marks the planned
-    /// positions cached, samples a token for each chunk that ended its sequence, and finishes
-    /// sequences on EOS, max_tokens or the context limit (freeing their blocks).
-    pub fn update(&mut self, plan: &[Planned], logits: &[f32], vocab: usize) -> Vec<Event> {
+    /// Apply a step's results: `sampled[k]` is the token drawn for the k-th entry of `plan` with
+    /// `samples` (plan order). Marks the planned positions cached, appends the sampled tokens, and
+    /// finishes sequences on EOS, max_tokens or the context limit (freeing their blocks).
+    pub fn update(&mut self, plan: &[Planned], sampled: &[u32]) -> Vec<Event> {
         let mut events = Vec::new();
-        for (k, p) in plan.iter().enumerate() {
+        let mut next = sampled.iter();
+        for p in plan {
+            let token = if p.samples { next.next().copied() } else { None };
             let Some(i) = self.running.iter().position(|s| s.req.id == p.id) else { continue };
             let s = &mut self.running[i];
             s.cached = p.start + p.tokens.len();
-            if !p.samples {
-                continue;
-            }
-            let row = &logits[k * vocab..(k + 1) * vocab];
-            let prev: Vec<u32> = (0..s.len()).map(|j| s.token(j)).collect();
-            let u = s.next_u();
-            let token = kernels::sample(row, &prev, &s.req.params, u);
+            let Some(token) = token else { continue };
             s.generated.push(token);
             events.push(Event::Token { id: p.id, token });
             let finish = if s.req.eos.contains(&token) {
