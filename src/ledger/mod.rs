@@ -308,12 +308,11 @@ impl Ledger {
             .map_err(fail)?;
         }
         if version < 3 {
-            conn.execute_batch(
-                "BEGIN;
-                 ALTER TABLE outcomes ADD COLUMN client TEXT NOT NULL DEFAULT '';
-                 ALTER TABLE outcomes ADD COLUMN constraints TEXT NOT NULL DEFAULT '{}';
-                 PRAGMA user_version = 3;
-                 COMMIT;",
+            add_columns(
+                &conn,
+                &[("client", "TEXT NOT NULL DEFAULT ''"), ("constraints", "TEXT NOT NULL DEFAULT '{}'")],
+                "",
+                3,
             )
             .map_err(fail)?;
         }
@@ -332,24 +331,28 @@ impl Ledger {
         }
         if version < 5 {
             // Outcome status, so that a cancelled call is neither a pass nor a failure.
-            conn.execute_batch(
-                "BEGIN;
-                 ALTER TABLE outcomes ADD COLUMN status TEXT NOT NULL DEFAULT '';
-                 UPDATE outcomes SET status = CASE passed WHEN 1 THEN 'passed' ELSE 'failed' END;
-                 PRAGMA user_version = 5;
-                 COMMIT;",
+            add_columns(
+                &conn,
+                &[("status", "TEXT NOT NULL DEFAULT ''")],
+                "UPDATE outcomes SET status = CASE passed WHEN 1 THEN 'passed' ELSE 'failed' END WHERE status = '';",
+                5,
             )
             .map_err(fail)?;
         }
         if version < 6 {
             // Rows recorded before this version carry no HMAC: they stay listed but are not evidence
             // (authenticating them now would authenticate whatever had been inserted into them).
-            conn.execute_batch(
-                "BEGIN;
-                 ALTER TABLE outcomes ADD COLUMN mac TEXT NOT NULL DEFAULT '';
-                 ALTER TABLE outcomes ADD COLUMN imported INTEGER NOT NULL DEFAULT 0;
-                 PRAGMA user_version = 6;
-                 COMMIT;",
+            add_columns(
+                &conn,
+                // `status` again: a ledger a build numbered differently may hold this step's columns
+                // at version 5 without step 5's.
+                &[
+                    ("status", "TEXT NOT NULL DEFAULT ''"),
+                    ("mac", "TEXT NOT NULL DEFAULT ''"),
+                    ("imported", "INTEGER NOT NULL DEFAULT 0"),
+                ],
+                "UPDATE outcomes SET status = CASE passed WHEN 1 THEN 'passed' ELSE 'failed' END WHERE status = '';",
+                6,
             )
             .map_err(fail)?;
         }
@@ -700,4 +703,61 @@ fn insert(conn: &Connection, o: &Outcome, key: Option<&[u8; 32]>) -> rusqlite::R
             mac
         ],
     )
+}
+
+/// One schema step on `outcomes`: add each column it lacks (a ledger written by a build that
+/// numbered its steps differently may have some already), run `then`, set `user_version`, all in
+/// one transaction (an error leaves the ledger as it was).
+fn add_columns(conn: &Connection, columns: &[(&str, &str)], then: &str, version: i64) -> rusqlite::Result<()> {
+    let have: Vec<String> = conn
+        .prepare("SELECT name FROM pragma_table_info('outcomes')")?
+        .query_map([], |r| r.get(0))?
+        .collect::<rusqlite::Result<_>>()?;
+    let mut sql = String::from("BEGIN;\n");
+    for (name, decl) in columns {
+        if !have.iter().any(|h| h == name) {
+            sql += &format!("ALTER TABLE outcomes ADD COLUMN {name} {decl};\n");
+        }
+    }
+    sql += &format!("{then}\nPRAGMA user_version = {version};\nCOMMIT;");
+    conn.execute_batch(&sql).inspect_err(|_| {
+        let _ = conn.execute_batch("ROLLBACK;");
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Regression: a ledger at version 5 whose outcomes table already had `mac` and `imported` (a
+    /// build that numbered its schema steps differently) failed to open with "duplicate column
+    /// name: mac". It now opens, gains `status` (its row marked passed from `passed`) and ends at the
+    /// current version.
+    #[test]
+    fn a_ledger_holding_a_later_steps_columns_opens() {
+        let t = tempfile::tempdir().unwrap();
+        let path = t.path().join("ledger.sqlite");
+        let conn = Connection::open(&path).unwrap();
+        conn.execute_batch(
+            "CREATE TABLE outcomes (id TEXT PRIMARY KEY, time TEXT NOT NULL, tool TEXT NOT NULL, engine TEXT NOT NULL,
+                engine_hash TEXT NOT NULL, contracts TEXT NOT NULL, passed INTEGER NOT NULL, summary TEXT NOT NULL,
+                figures TEXT NOT NULL, reference_level TEXT NOT NULL, duration_ms INTEGER NOT NULL,
+                client TEXT NOT NULL DEFAULT '', constraints TEXT NOT NULL DEFAULT '{}',
+                mac TEXT NOT NULL DEFAULT '', imported INTEGER NOT NULL DEFAULT 0);
+             INSERT INTO outcomes (id, time, tool, engine, engine_hash, contracts, passed, summary, figures,
+                reference_level, duration_ms) VALUES ('a', 't', 'verify_generation', 'e', 'h', '[]', 1, 's', '{}', 'zero', 1);
+             CREATE TABLE reference_files (id INTEGER PRIMARY KEY, name TEXT NOT NULL, file TEXT NOT NULL, UNIQUE(name, file));
+             CREATE TABLE reference_prints (file_id INTEGER NOT NULL, hash INTEGER NOT NULL, line INTEGER NOT NULL);
+             CREATE TABLE machine_probes (fingerprint TEXT PRIMARY KEY, time TEXT NOT NULL, probe TEXT NOT NULL);
+             PRAGMA user_version = 5;",
+        )
+        .unwrap();
+        drop(conn);
+        let ledger = Ledger::open(&path).unwrap();
+        let version: i64 = ledger.conn.pragma_query_value(None, "user_version", |r| r.get(0)).unwrap();
+        assert_eq!(version, SCHEMA_VERSION);
+        let status: String =
+            ledger.conn.query_row("SELECT status FROM outcomes WHERE id = 'a'", [], |r| r.get(0)).unwrap();
+        assert_eq!(status, "passed");
+    }
 }
