@@ -95,6 +95,11 @@ pub struct VerifyFigures {
     pub prompts: usize,
     /// Failure contracts whose mutated reference explains the logits.
     pub diagnosis: Vec<String>,
+    /// Where the first failing prompt went wrong: `tokenizer` (ids differ from HF's), `prefill` or
+    /// `decode` (the first step whose logits are beyond tolerance), `tokens` (a token differs with
+    /// the logits within tolerance), `stop` (stop tokens or EOS), `crash` (no output); empty when
+    /// every prompt passed or in rows written before this field.
+    pub divergence: String,
 }
 
 /// `profile_engine`.

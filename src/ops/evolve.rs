@@ -127,10 +127,17 @@ fn keys(o: &Outcome) -> Vec<(String, String)> {
             .filter(|k| !k.passed && k.diagnosis.is_empty())
             .map(|k| (k.id.clone(), "kernel outside tolerance".to_string()))
             .collect(),
-        _ => {
+        figures => {
             let contract = o.contracts.iter().find(|c| c.starts_with("model.")).or(o.contracts.first());
             let contract = contract.map(|c| c.split('@').next().unwrap_or(c).to_string()).unwrap_or_default();
-            vec![(contract, shape_of(&o.summary))]
+            // By what the checker saw (where the logits first diverged), not by the message's wording;
+            // rows written before verify recorded it fall back to the message's shape.
+            match figures {
+                Figures::Verify(f) if !f.divergence.is_empty() => {
+                    vec![(contract, format!("verify_generation diverges first in {}", f.divergence))]
+                }
+                _ => vec![(contract, shape_of(&o.summary))],
+            }
         }
     }
 }

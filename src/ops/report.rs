@@ -197,14 +197,45 @@ fn stats(seqs: &BTreeMap<String, Vec<(f64, bool)>>) -> Stats {
     }
 }
 
-/// Per-contract verdicts of one outcome: kernel tests carry one verdict per kernel in their figures.
-fn verdicts(o: &Outcome) -> Vec<(String, bool)> {
-    if let Figures::KernelTest(f) = Figures::read(&o.tool, &o.figures)
+/// Per-contract verdicts of one outcome. A kernel test carries one verdict per kernel in its
+/// figures. A pass credits every contract the gate ran under. A failure of another gate is charged
+/// to the contracts at fault only: those its diagnosed failure modes apply to; else, for
+/// verify_generation and profile_engine, the model family (the kernels answer for themselves in
+/// their own tests, so a diverging forward pass does not make them "never green"); else, for
+/// compile_engine, the contracts its compiler errors were hinted to; else every contract.
+fn verdicts(ctx: &Ctx, o: &Outcome) -> Vec<(String, bool)> {
+    let figures = Figures::read(&o.tool, &o.figures);
+    if let Figures::KernelTest(f) = &figures
         && !f.kernels.is_empty()
     {
         return f.kernels.iter().map(|k| (k.id.clone(), k.passed)).collect();
     }
-    o.contracts.iter().map(|c| (c.split('@').next().unwrap_or(c).to_string(), o.passed)).collect()
+    let ids: Vec<String> = o.contracts.iter().map(|c| c.split('@').next().unwrap_or(c).to_string()).collect();
+    let all = |passed: bool| ids.iter().map(|id| (id.clone(), passed)).collect::<Vec<_>>();
+    if o.passed {
+        return all(true);
+    }
+    let mut at_fault: Vec<String> = figures
+        .diagnoses()
+        .iter()
+        .filter_map(|f| ctx.ckb.get(f).ok().and_then(|c| c.failure.clone()))
+        .flat_map(|f| f.applies_to)
+        .filter(|id| ids.contains(id))
+        .collect();
+    if at_fault.is_empty() && matches!(o.tool.as_str(), "verify_generation" | "profile_engine") {
+        at_fault.extend(ids.iter().filter(|id| id.starts_with("model.")).cloned());
+    }
+    if let Figures::Compile(f) = &figures
+        && at_fault.is_empty()
+    {
+        at_fault.extend(f.hinted.iter().filter(|id| ids.contains(id)).cloned());
+    }
+    if at_fault.is_empty() {
+        return all(false);
+    }
+    at_fault.sort();
+    at_fault.dedup();
+    at_fault.into_iter().map(|id| (id, false)).collect()
 }
 
 /// Build the report from outcomes (oldest first) and the CKB.
@@ -221,7 +252,7 @@ pub fn build(ctx: &Ctx, outcomes: &[Outcome], req: &ReportRequest) -> CkbReport 
         let t = secs(&o.time);
         let found: Vec<String> =
             Figures::read(&o.tool, &o.figures).diagnoses().into_iter().map(str::to_owned).collect();
-        for (id, passed) in verdicts(o) {
+        for (id, passed) in verdicts(ctx, o) {
             if req.prefix.as_deref().is_some_and(|p| !id.starts_with(p)) {
                 continue;
             }

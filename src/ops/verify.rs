@@ -111,6 +111,38 @@ pub struct PromptResult {
     pub error: String,
 }
 
+/// The ledger's summary of where a failed verify went wrong (`VerifyFigures::divergence`): the
+/// first failing prompt's tokenizer, prefill or decode divergence, token or stop mismatch, or crash.
+fn divergence_kind(report: &VerifyReport) -> String {
+    if report.passed {
+        return String::new();
+    }
+    let Some(p) = report.prompts.iter().find(|p| !p.error.is_empty()) else {
+        let vectors_fail = report
+            .tokenizer_vectors
+            .iter()
+            .any(|v| v.encode_ok < v.texts || v.decode_ok < v.texts || !v.error.is_empty());
+        return if report.prompts.is_empty() {
+            "crash".into()
+        } else if vectors_fail {
+            "tokenizer".into()
+        } else {
+            "stop".into()
+        };
+    };
+    if !p.tokenizer_ok {
+        "tokenizer".into()
+    } else if !p.divergence_phase.is_empty() {
+        p.divergence_phase.clone()
+    } else if p.steps == 0 {
+        "crash".into()
+    } else if !p.tokens_ok {
+        "tokens".into()
+    } else {
+        "stop".into()
+    }
+}
+
 fn minus_one() -> i64 {
     -1
 }
@@ -520,12 +552,26 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         Ok(other) => {
             let why = format!("the harness answered generation with an unexpected reply: {other:?}");
             let report = fail(why, vec![], gate.findings.clone());
-            gate.record(&report, Figures::Verify(VerifyFigures { gate: gate.common(), ..Default::default() }));
+            gate.record(
+                &report,
+                Figures::Verify(VerifyFigures {
+                    gate: gate.common(),
+                    divergence: "crash".into(),
+                    ..Default::default()
+                }),
+            );
             return Ok(report);
         }
         Err(why) => {
             let report = fail(crate::harness::explain(&why, &gate.engine), vec![], gate.findings.clone());
-            gate.record(&report, Figures::Verify(VerifyFigures { gate: gate.common(), ..Default::default() }));
+            gate.record(
+                &report,
+                Figures::Verify(VerifyFigures {
+                    gate: gate.common(),
+                    divergence: "crash".into(),
+                    ..Default::default()
+                }),
+            );
             return Ok(report);
         }
     };
@@ -536,7 +582,14 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         Err(e) => {
             let why = format!("the engine's generation wrote no readable tensors: {}", e.message);
             let report = fail(why, vec![], gate.findings.clone());
-            gate.record(&report, Figures::Verify(VerifyFigures { gate: gate.common(), ..Default::default() }));
+            gate.record(
+                &report,
+                Figures::Verify(VerifyFigures {
+                    gate: gate.common(),
+                    divergence: "crash".into(),
+                    ..Default::default()
+                }),
+            );
             return Ok(report);
         }
     };
@@ -727,6 +780,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         max_abs_err: report.prompts.iter().map(|p| p.max_abs_err).fold(0.0, f64::max),
         prompts: report.prompts.len(),
         diagnosis: report.diagnosis.iter().map(|d| d.failure.clone()).collect(),
+        divergence: divergence_kind(&report),
     };
     gate.record(&report, Figures::Verify(figures));
     if report.passed {

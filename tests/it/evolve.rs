@@ -83,6 +83,33 @@ fn recurring_unexplained_failures_become_valid_candidates() {
     assert!(ctx.ckb.all().all(|c| !c.id.starts_with("failure.candidate-")));
 }
 
+/// Failed verifies cluster by where the checker saw them go wrong, not by their message's wording:
+/// four failures with one message shape, two diverging in prefill and two in the tokenizer, are two
+/// candidates of two outcomes each (grouped by the summary text, they were one of four).
+#[test]
+fn failed_verifies_cluster_by_where_they_diverge() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let l = Ledger::open(&ctx.ledger).unwrap();
+    for (i, divergence) in ["prefill", "tokenizer", "prefill", "tokenizer"].iter().enumerate() {
+        let summary =
+            format!("verify FAILED: 0/4 prompts passed (seed {i}, model.qwen3, logits atol 0.001 rtol 0.001)");
+        let figures = serde_json::json!({"diagnosis": [], "divergence": divergence});
+        l.record(&failed(i, "verify_generation", &["model.qwen3@1"], &summary, figures)).unwrap();
+    }
+    let r = evolve(&ctx, &EvolveRequest::default()).unwrap();
+    let mut seen: Vec<(String, Vec<String>)> =
+        r.clusters.iter().map(|c| (c.shape.clone(), c.outcomes.clone())).collect();
+    seen.sort();
+    assert_eq!(
+        seen,
+        [
+            ("verify_generation diverges first in prefill".to_string(), vec!["o0".to_string(), "o2".to_string()]),
+            ("verify_generation diverges first in tokenizer".to_string(), vec!["o1".to_string(), "o3".to_string()]),
+        ]
+    );
+}
+
 fn aarch64_platform(version: u32) -> String {
     format!(
         r#"id = "platform.cpu-aarch64"

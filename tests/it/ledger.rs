@@ -199,6 +199,41 @@ fn report_computes_pass_rates_attempts_and_failure_modes() {
     assert!(cells.iter().all(|c| c.1 == "covered"), "{cells:?}");
 }
 
+/// A failed verify_generation is charged to the contracts at fault, not to every contract of the
+/// engine: without a diagnosis to the model family (the kernels passed their own tests and stay
+/// green), with one to the contracts its failure mode applies to. (Before, one failed verify made
+/// every kernel of the engine "never green".)
+#[test]
+fn a_failed_verify_is_charged_to_the_contracts_at_fault() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let at = |i: usize, tool: &str, passed: bool, figures: serde_json::Value| Outcome {
+        time: format!("2026-11-30T20:0{i}:00Z"),
+        engine: "/e".into(),
+        contracts: vec!["model.llama@1".into(), "kernel.rope@1".into(), "kernel.rms_norm@1".into()],
+        passed,
+        figures,
+        ..outcome(i, tool)
+    };
+    let kernels = serde_json::json!({"kernels": [
+        {"id": "kernel.rope", "passed": true, "diagnosis": []},
+        {"id": "kernel.rms_norm", "passed": true, "diagnosis": []}]});
+    let outcomes = vec![
+        at(1, "run_kernel_test", true, kernels),
+        at(2, "verify_generation", false, serde_json::json!({"diagnosis": []})),
+        at(3, "verify_generation", false, serde_json::json!({"diagnosis": ["failure.rope-adjacent-pairs"]})),
+    ];
+    let r = metainfer::ops::report::build(&ctx, &outcomes, &Default::default());
+    let row = |id: &str| r.contracts.iter().find(|c| c.id == id).unwrap_or_else(|| panic!("no {id}"));
+    // kernel.rms_norm: its own test only, green.
+    assert_eq!((row("kernel.rms_norm").stats.attempts, row("kernel.rms_norm").stats.never_green), (1, 0));
+    // kernel.rope: its test, then the verify whose diagnosis applies to it.
+    assert_eq!((row("kernel.rope").stats.attempts, row("kernel.rope").stats.never_green), (2, 0));
+    assert_eq!(row("kernel.rope").failure_modes, ["failure.rope-adjacent-pairs (1)"]);
+    // model.llama: both failed verifies (the undiagnosed one and the diagnosed one, which applies to it too).
+    assert_eq!((row("model.llama").stats.attempts, row("model.llama").stats.never_green), (2, 1));
+}
+
 /// The machine probe measures every figure on 1..N threads and is cached per machine fingerprint.
 #[test]
 fn machine_probe_is_complete_and_cached() {

@@ -350,11 +350,17 @@ fn every_gate_fails_on_empty_bare_and_constant_engines() {
         .unwrap();
         let vt = metainfer::ops::Report::text(&v);
         assert!(!v.passed, "verify_generation passed on {}", engine.display());
+        // The ledger keeps where it went wrong, which evolve_knowledge clusters by.
+        let recorded = metainfer::ledger::Ledger::open(&ctx.ledger).unwrap().list(0, 1).unwrap().remove(0);
+        assert_eq!(recorded.tool, "verify_generation");
         if engine == &empty {
             assert!(v.prompts.is_empty() && v.error.contains("signature-changed"), "{vt}");
         } else if engine == &bare {
             assert!(v.prompts.is_empty() && v.error.contains("not yet implemented"), "{vt}");
+            assert_eq!(recorded.figures["divergence"], "crash", "{vt}");
         } else {
+            // The constant engine's ids differ from HF's on the first prompt already.
+            assert_eq!(recorded.figures["divergence"], "tokenizer", "{vt}");
             // It ran: every prompt is judged, and no prompt's logits match the reference.
             assert!(!v.prompts.is_empty() && v.prompts.iter().all(|p| !p.logits_ok && !p.tokenizer_ok), "{vt}");
             // reference_text is the reference's own continuation, not a decoding of the engine's
