@@ -1057,13 +1057,21 @@ fn tied_babyllama_with_a_differing_lm_head_passes_verify_with_a_warning() {
 fn llama3_1b_bf16_sharded_passes_verify() {
     let t = tempfile::tempdir().unwrap();
     let model_dir = t.path().join("model");
+    let start = std::time::Instant::now();
     let r = synth_cli(&model_dir, &["--preset", "llama3.2-1b", "--shards", "2"]);
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let synth_s = start.elapsed().as_secs_f64();
     let ctx = crate::ctx(t.path());
     let engine = t.path().join("engine");
     crate::copy_example(&engine);
+    let start = std::time::Instant::now();
     let v = verify_on(&ctx, &engine, &model_dir, &[]);
-    assert!(v.passed, "{}", metainfer::ops::Report::text(&v));
+    let text = metainfer::ops::Report::text(&v);
+    assert!(v.passed, "{text}");
+    eprintln!(
+        "1B: synth {synth_s:.0} s; kernel tests + verify (engine build included) {:.0} s\n{text}",
+        start.elapsed().as_secs_f64()
+    );
 }
 
 /// The logits tolerance at bf16 and f16 fails an engine that rounds its norm gains to that dtype
