@@ -202,6 +202,10 @@ impl Config {
                 "num_attention_heads {n_heads} must be a multiple of num_key_value_heads {n_kv_heads}, and head_dim {head_dim} even"
             ));
         }
+        let (rope_theta, rope_scaling) = rope(c)?;
+        if rope_scaling.is_some() && family.refused.contains(&"rope_scaling") {
+            return Err(format!("RoPE scaling {rope_scaling:?} is not covered for {}", family.model_type));
+        }
         let sliding_window = match (family.features.sliding_window, c.get("sliding_window")) {
             (false, _) | (true, Some(Value::Null)) => 0,
             (true, None) => family.window,
@@ -217,7 +221,7 @@ impl Config {
             vocab: required(c, "vocab_size")?,
             max_seq: count(c, "max_position_embeddings")?.unwrap_or(family.max_seq),
             rms_norm_eps: number(c, "rms_norm_eps")?.unwrap_or(family.rms_norm_eps) as f32,
-            rope_theta: number(c, "rope_theta")?.unwrap_or(10000.0),
+            rope_theta,
             tied: match c.get("tie_word_embeddings") {
                 None | Some(Value::Null) => family.tied,
                 Some(v) => {
@@ -225,7 +229,7 @@ impl Config {
                 }
             },
             sliding_window,
-            rope_scaling: rope_scaling(c)?,
+            rope_scaling,
             features: family.features,
         })
     }
@@ -281,15 +285,52 @@ fn family_of(c: &Map<String, Value>) -> Result<&'static Family, String> {
         })
 }
 
-/// `rope_scaling`: absent, null or type "default" is none; "linear" and "llama3" are read; others refused.
-fn rope_scaling(c: &Map<String, Value>) -> Result<Option<RopeScaling>, String> {
-    let Some(s) = c.get("rope_scaling").filter(|v| !v.is_null()) else { return Ok(None) };
-    let s = s.as_object().ok_or("`rope_scaling` must be an object or null")?;
-    let kind = text(s, "rope_type")?.or(text(s, "type")?).unwrap_or("default");
-    let key = |k: &str| {
-        number(s, k)?.filter(|v| *v > 0.0).ok_or_else(|| format!("`rope_scaling.{k}` must be a positive number"))
+/// RoPE's base and scaling as HF reads them (contract model.llama): transformers v5's
+/// `rope_parameters` (`{rope_type, rope_theta, ...}`) first, its rope_theta winning over a top-level
+/// one; else `rope_scaling` (legacy `type` for `rope_type`) with the top-level `rope_theta` (default
+/// 10000). Absent, null or rope_type "default" is no scaling; "linear" and "llama3" are read; another
+/// type, a key the type does not read, or the two forms disagreeing is refused by name.
+fn rope(c: &Map<String, Value>) -> Result<(f64, Option<RopeScaling>), String> {
+    let params = c.get("rope_parameters").filter(|v| !v.is_null());
+    let legacy = c.get("rope_scaling").filter(|v| !v.is_null());
+    let top_theta = number(c, "rope_theta")?.unwrap_or(10000.0);
+    let (name, s) = match (params, legacy) {
+        (Some(p), _) => ("rope_parameters", p),
+        (None, Some(l)) => ("rope_scaling", l),
+        (None, None) => return Ok((top_theta, None)),
     };
-    match kind {
+    let s = s.as_object().ok_or_else(|| format!("`{name}` must be an object or null"))?;
+    if s.values().any(Value::is_object) {
+        return Err(format!("`{name}` with per-layer-type parameters is not covered"));
+    }
+    let scaling_keys = |m: &Map<String, Value>| -> Map<String, Value> {
+        let mut m = m.clone();
+        m.remove("rope_theta");
+        if let Some(t) = m.remove("type") {
+            m.entry("rope_type").or_insert(t);
+        }
+        m
+    };
+    if let (Some(Value::Object(p)), Some(Value::Object(l))) = (params, legacy)
+        && scaling_keys(p) != scaling_keys(l)
+    {
+        return Err("`rope_parameters` and `rope_scaling` disagree".into());
+    }
+    let kind = text(s, "rope_type")?.or(text(s, "type")?).unwrap_or("default");
+    let allowed: &[&str] = match kind {
+        "linear" => &["factor"],
+        "llama3" => &["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"],
+        _ => &[],
+    };
+    if let Some(k) =
+        s.keys().find(|k| !["rope_type", "type", "rope_theta"].contains(&k.as_str()) && !allowed.contains(&k.as_str()))
+    {
+        return Err(format!("`{name}.{k}` is not a key of rope_type {kind:?}"));
+    }
+    let theta = if name == "rope_parameters" { number(s, "rope_theta")?.unwrap_or(top_theta) } else { top_theta };
+    let key =
+        |k: &str| number(s, k)?.filter(|v| *v > 0.0).ok_or_else(|| format!("`{name}.{k}` must be a positive number"));
+    let scaling = match kind {
         "default" => Ok(None),
         "linear" => Ok(Some(RopeScaling::Linear { factor: key("factor")? })),
         "llama3" => Ok(Some(RopeScaling::Llama3 {
@@ -298,8 +339,9 @@ fn rope_scaling(c: &Map<String, Value>) -> Result<Option<RopeScaling>, String> {
             high_freq_factor: key("high_freq_factor")?,
             original_max_position_embeddings: key("original_max_position_embeddings")?,
         })),
-        other => Err(format!("`rope_scaling` type {other:?} is not covered (default, linear, llama3)")),
-    }
+        other => Err(format!("`{name}` type {other:?} is not covered (default, linear, llama3)")),
+    }?;
+    Ok((theta, scaling))
 }
 
 /// A number at `key` (absent or null: `None`); any other type is an error naming the key.

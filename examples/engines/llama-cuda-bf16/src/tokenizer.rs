@@ -1,13 +1,45 @@
-//! Phase 5, the tokenizer (contract `component.tokenizer`): tokenizer.json of a BPE model read and
-//! applied as Hugging Face `tokenizers` does for SentencePiece-style vocabularies. Every pipeline
-//! stage is an enum of the component types covered (normalizer, model, post-processor, decoder);
-//! a type outside them is refused at load with its name, never skipped. Another tokenizer family
-//! (e.g. byte-level BPE) adds its stages as variants here.
+//! Phase 5, the tokenizer: tokenizer.json of a BPE model read and applied as Hugging Face
+//! `tokenizers` does, for SentencePiece-style vocabularies (contract `component.tokenizer`) and
+//! byte-level ones (GPT-2, Llama 3, Qwen2: contract `component.tokenizer_bytelevel`). Every
+//! pipeline stage is an enum of the component types covered (normalizer, pre-tokenizer, model,
+//! post-processor, decoder); a type outside them is refused at load with its name, never skipped.
 
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
+use fancy_regex::Regex;
 use serde_json::Value;
+use unicode_normalization::UnicodeNormalization;
+
+/// The split pattern of a `ByteLevel` pre-tokenizer with `use_regex` (GPT-2's; the byte-level
+/// contract's `split_patterns` "gpt2").
+const GPT2_SPLIT: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+
+/// The byte-level contract's table B from bytes to characters: the printable bytes 0x21..=0x7E,
+/// 0xA1..=0xAC and 0xAE..=0xFF stand for themselves; the other 68, in increasing order, become
+/// U+0100, U+0101, ... (so the space 0x20 is U+0120 "Ġ").
+fn byte_to_char() -> Vec<char> {
+    let mut shifted = 0x100u32;
+    (0u32..256)
+        .map(|b| {
+            if (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b) {
+                char::from_u32(b).unwrap_or('?')
+            } else {
+                shifted += 1;
+                char::from_u32(shifted - 1).unwrap_or('?')
+            }
+        })
+        .collect()
+}
+
+/// A pre-tokenizer step, applied to the words of a normalised piece (at first, the piece itself).
+enum PreTokenizer {
+    /// Split each word at the regex's matches; matches and the text between them are all words
+    /// (behavior Isolated).
+    Split(Regex),
+    /// Replace each byte of a word's UTF-8 by its character of the byte table.
+    ByteLevel,
+}
 
 /// A normalizer step, applied to each text piece between added tokens.
 enum Normalizer {
@@ -15,6 +47,8 @@ enum Normalizer {
     Prepend(String),
     /// Replace every occurrence of the first string by the second.
     Replace(String, String),
+    /// Unicode canonical composition (NFC, UAX #15).
+    Nfc,
 }
 
 /// A decoder step, applied to the list of token strings.
@@ -27,6 +61,9 @@ enum Decoder {
     Fuse,
     /// Remove up to `start` leading and `stop` trailing `content` characters from every token.
     Strip { content: char, start: usize, stop: usize },
+    /// Every token's characters back to their bytes (a token with a character outside the byte
+    /// table keeps its own UTF-8), all tokens' bytes read as one UTF-8 text, U+FFFD where invalid.
+    ByteLevel,
 }
 
 pub struct Tokenizer {
@@ -42,6 +79,11 @@ pub struct Tokenizer {
     /// Ids of added tokens marked special (dropped by decode).
     special: HashSet<u32>,
     normalizer: Vec<Normalizer>,
+    pre_tokenizer: Vec<PreTokenizer>,
+    /// BPE's `ignore_merges`: a word that is a vocabulary entry is that one token.
+    ignore_merges: bool,
+    /// The byte table (byte-level vocabularies).
+    byte_to_char: Vec<char>,
     /// The post-processor's ids before and after the encoded sequence (e.g. BOS before).
     template: (Vec<u32>, Vec<u32>),
     decoder: Vec<Decoder>,
@@ -101,15 +143,13 @@ impl Tokenizer {
             };
             merges.insert((id(left)?, id(right)?), (rank, id(&format!("{left}{right}"))?));
         }
-        if model["ignore_merges"] == true {
-            return Err("model.ignore_merges = true is not covered".into());
-        }
         let unk = match model["unk_token"].as_str() {
             Some(t) => Some(*vocab.get(t).ok_or_else(|| format!("unk_token {t:?} is not in the vocabulary"))?),
             None => None,
         };
-        if !j["pre_tokenizer"].is_null() {
-            return Err(format!("pre_tokenizer {} is not covered (null)", j["pre_tokenizer"]["type"]));
+        let mut pre_tokenizer = Vec::new();
+        for step in steps(&j["pre_tokenizer"], "pretokenizers", |v| Ok(v.clone()))? {
+            pre_tokenizer.extend(pre_tokenizer_step(&step)?);
         }
         Ok(Tokenizer {
             tokens: vocab.iter().map(|(t, &id)| (id, t.clone())).collect(),
@@ -121,6 +161,9 @@ impl Tokenizer {
             added,
             special,
             normalizer: steps(&j["normalizer"], "normalizers", normalizer)?,
+            pre_tokenizer,
+            ignore_merges: model["ignore_merges"] == true,
+            byte_to_char: byte_to_char(),
             template: template(&j["post_processor"])?,
             decoder: steps(&j["decoder"], "decoders", decoder)?,
         })
@@ -146,7 +189,8 @@ impl Tokenizer {
         self.post_process(ids)
     }
 
-    /// Normalise one piece of text between added tokens and append its BPE ids.
+    /// Normalise one piece of text between added tokens, pre-tokenise it into words and append
+    /// their BPE ids.
     fn encode_piece(&self, piece: &str, ids: &mut Vec<u32>) {
         let mut word = piece.to_string();
         for n in &self.normalizer {
@@ -154,9 +198,24 @@ impl Tokenizer {
                 Normalizer::Prepend(p) if !word.is_empty() => word.insert_str(0, p),
                 Normalizer::Prepend(_) => {}
                 Normalizer::Replace(from, to) => word = word.replace(from.as_str(), to),
+                Normalizer::Nfc => word = word.nfc().collect(),
             }
         }
-        ids.extend(self.bpe(&word));
+        let mut words = vec![word];
+        for step in &self.pre_tokenizer {
+            words = match step {
+                PreTokenizer::Split(regex) => words.iter().flat_map(|w| split(regex, w)).collect(),
+                PreTokenizer::ByteLevel => {
+                    words.iter().map(|w| w.bytes().map(|b| self.byte_to_char[b as usize]).collect()).collect()
+                }
+            };
+        }
+        for word in words {
+            match self.vocab.get(&word).filter(|_| self.ignore_merges) {
+                Some(&id) => ids.push(id),
+                None => ids.extend(self.bpe(&word)),
+            }
+        }
     }
 
     /// BPE of one word: one symbol per character (byte fallback or unk for characters outside the
@@ -215,6 +274,17 @@ impl Tokenizer {
                 Decoder::Strip { content, start, stop } => {
                     tokens.iter().map(|t| strip(t, *content, *start, *stop)).collect()
                 }
+                Decoder::ByteLevel => {
+                    let mut bytes = Vec::new();
+                    for t in &tokens {
+                        let of_table: Option<Vec<u8>> = t
+                            .chars()
+                            .map(|c| self.byte_to_char.iter().position(|&b| b == c).map(|b| b as u8))
+                            .collect();
+                        bytes.extend(of_table.unwrap_or_else(|| t.as_bytes().to_vec()));
+                    }
+                    vec![String::from_utf8_lossy(&bytes).into_owned()]
+                }
             };
         }
         tokens.concat()
@@ -244,8 +314,65 @@ fn normalizer(v: &Value) -> Result<Normalizer, String> {
     match v["type"].as_str() {
         Some("Prepend") => Ok(Normalizer::Prepend(v["prepend"].as_str().unwrap_or("").to_string())),
         Some("Replace") => replace(v).map(|(from, to)| Normalizer::Replace(from, to)),
-        _ => Err(format!("normalizer {} is not covered (Prepend, Replace)", v["type"])),
+        Some("NFC") => Ok(Normalizer::Nfc),
+        _ => Err(format!("normalizer {} is not covered (Prepend, Replace, NFC)", v["type"])),
     }
+}
+
+/// One pre-tokenizer of tokenizer.json as the steps it takes: `Split` (a Regex or String pattern,
+/// behavior Isolated, not inverted); `ByteLevel` (add_prefix_space false), preceded by a Split with
+/// GPT-2's pattern when `use_regex` is true or absent.
+fn pre_tokenizer_step(v: &Value) -> Result<Vec<PreTokenizer>, String> {
+    match v["type"].as_str() {
+        Some("Split") => {
+            if v["behavior"] != "Isolated" || v["invert"] == true {
+                return Err(format!(
+                    "Split behavior {} with invert {} is not covered (Isolated, not inverted)",
+                    v["behavior"], v["invert"]
+                ));
+            }
+            let pattern = match (v["pattern"]["Regex"].as_str(), v["pattern"]["String"].as_str()) {
+                (Some(r), _) => r.to_string(),
+                (None, Some(s)) => fancy_regex::escape(s).into_owned(),
+                _ => return Err(format!("Split pattern {} is neither Regex nor String", v["pattern"])),
+            };
+            let regex = Regex::new(&pattern).map_err(|e| format!("Split pattern {pattern:?}: {e}"))?;
+            Ok(vec![PreTokenizer::Split(regex)])
+        }
+        Some("ByteLevel") => {
+            if v["add_prefix_space"] == true {
+                return Err("ByteLevel pre_tokenizer with add_prefix_space = true is not covered".into());
+            }
+            let mut out = Vec::new();
+            if v["use_regex"] != false {
+                out.push(PreTokenizer::Split(Regex::new(GPT2_SPLIT).map_err(|e| e.to_string())?));
+            }
+            out.push(PreTokenizer::ByteLevel);
+            Ok(out)
+        }
+        _ => Err(format!("pre_tokenizer {} is not covered (Split, ByteLevel)", v["type"])),
+    }
+}
+
+/// The words of `text` under a Split with behavior Isolated: each match of the regex (leftmost,
+/// non-overlapping) and each stretch of text between matches. A regex that gives up (its
+/// backtracking limit) leaves the rest of the text as one word.
+fn split(regex: &Regex, text: &str) -> Vec<String> {
+    let (mut words, mut at) = (Vec::new(), 0);
+    for m in regex.find_iter(text) {
+        let Ok(m) = m else { break };
+        if m.start() > at {
+            words.push(text[at..m.start()].to_string());
+        }
+        if !m.as_str().is_empty() {
+            words.push(m.as_str().to_string());
+        }
+        at = m.end();
+    }
+    if at < text.len() {
+        words.push(text[at..].to_string());
+    }
+    words
 }
 
 fn decoder(v: &Value) -> Result<Decoder, String> {
@@ -253,22 +380,34 @@ fn decoder(v: &Value) -> Result<Decoder, String> {
         Some("Replace") => replace(v).map(|(from, to)| Decoder::Replace(from, to)),
         Some("ByteFallback") => Ok(Decoder::ByteFallback),
         Some("Fuse") => Ok(Decoder::Fuse),
+        Some("ByteLevel") => Ok(Decoder::ByteLevel),
         Some("Strip") => Ok(Decoder::Strip {
             content: v["content"].as_str().and_then(|c| c.chars().next()).unwrap_or(' '),
             start: v["start"].as_u64().unwrap_or(0) as usize,
             stop: v["stop"].as_u64().unwrap_or(0) as usize,
         }),
-        _ => Err(format!("decoder {} is not covered (Replace, ByteFallback, Fuse, Strip)", v["type"])),
+        _ => Err(format!("decoder {} is not covered (Replace, ByteFallback, Fuse, Strip, ByteLevel)", v["type"])),
     }
 }
 
-/// TemplateProcessing's `single` template as (ids before, ids after) the sequence `$A`; null: none.
+/// TemplateProcessing's `single` template as (ids before, ids after) the sequence `$A`; null or
+/// ByteLevel (which changes offsets, never ids): none; a Sequence: its one TemplateProcessing.
 fn template(v: &Value) -> Result<(Vec<u32>, Vec<u32>), String> {
-    if v.is_null() {
-        return Ok((Vec::new(), Vec::new()));
-    }
-    if v["type"] != "TemplateProcessing" {
-        return Err(format!("post_processor {} is not covered (TemplateProcessing)", v["type"]));
+    match v["type"].as_str() {
+        _ if v.is_null() => return Ok((Vec::new(), Vec::new())),
+        Some("ByteLevel") => return Ok((Vec::new(), Vec::new())),
+        Some("Sequence") => {
+            let mut found = (Vec::new(), Vec::new());
+            for p in v["processors"].as_array().ok_or("post_processor Sequence without processors")? {
+                let (before, after) = template(p)?;
+                if !before.is_empty() || !after.is_empty() {
+                    found = (before, after);
+                }
+            }
+            return Ok(found);
+        }
+        Some("TemplateProcessing") => {}
+        _ => return Err(format!("post_processor {} is not covered (TemplateProcessing, ByteLevel)", v["type"])),
     }
     let (mut before, mut after, mut seen) = (Vec::new(), Vec::new(), false);
     for piece in v["single"].as_array().ok_or("post_processor.single must be a list")? {
