@@ -405,7 +405,7 @@ pub fn plan_only(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
                 ),
                 Phase::Batching => (
                     &["run_kernel_test", "verify_batching"],
-                    "paged KV cache, block manager and batched step (src/paged.rs, src/batch.rs), then the scheduler: several sequences per step, each sequence's logits equal to its single-sequence forward".into(),
+                    "paged KV cache, block manager and batched step (src/paged.rs, src/batch.rs), then the scheduler (src/scheduler.rs: budget, chunked prefill, preemption, finish reasons, every block freed): several sequences per step, each sequence's logits equal to its single-sequence forward".into(),
                 ),
                 Phase::Serving => (
                     &["serve_engine"],
