@@ -131,6 +131,20 @@ pub fn render(ctx: &Ctx, req: &ScaffoldRequest) -> Result<(Files, Vec<String>)> 
                     c.summary,
                     rust.skeleton.trim_end()
                 ));
+                // A family's forward pass, node by node, beside the skeleton that computes it: the
+                // node names are what the reference computes and traces, in order.
+                if let Some(g) = c.model.as_ref().and_then(|m| m.graph.as_ref()) {
+                    let lines: Vec<String> =
+                        crate::ckb::graph::render_graph(g).lines().map(|l| format!("//   {l}")).collect();
+                    modules.entry(rust.module.clone()).or_default().push(format!(
+                        "// The forward pass of {} ([model.graph]; `metainfer contract show {}`): compute these\n\
+                         // nodes in this order, each the operation named (a kernel contract or an elementwise\n\
+                         // primitive) on its inputs and weights.\n{}\n",
+                        c.id,
+                        c.id,
+                        lines.join("\n")
+                    ));
+                }
             }
         }
     }

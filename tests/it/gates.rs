@@ -56,6 +56,16 @@ fn bare_scaffold_compiles_and_fails_every_other_gate() {
             .contains("pub fn rope(x: &mut [f32], positions: &[usize], n_heads: usize, head_dim: usize, theta: f32)")
     );
     assert!(kernels.contains("todo!()"));
+    // The forward skeleton carries the family's graph: every node of model.llama's [model.graph],
+    // in the contract's order, as a comment line `name = op(inputs)`.
+    let model_rs = std::fs::read_to_string(engine.join("src/model.rs")).unwrap();
+    let g = ctx.ckb.get("model.llama").unwrap().model.as_ref().unwrap().graph.clone().unwrap();
+    let mut at = model_rs.find("// The forward pass of model.llama").expect("the graph comment");
+    for n in g.prologue.iter().chain(&g.layer).chain(&g.epilogue) {
+        let line = format!("//     {} = {}({})", n.name, n.op, n.inputs.join(", "));
+        let found = model_rs[at..].find(&line).unwrap_or_else(|| panic!("no `{line}` after byte {at} in\n{model_rs}"));
+        at += found + line.len();
+    }
 
     // A second scaffold into the same (now non-empty) directory is refused; nothing is changed.
     let e = scaffold(&ctx, &req).unwrap_err();
