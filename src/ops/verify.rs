@@ -547,32 +547,22 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         gate.record(&report, Figures::Verify(VerifyFigures { gate: common, ..Default::default() }));
         return Ok(report);
     }
+    // The engine gave no judgeable output: recorded with `divergence` "crash".
+    let crashed = |gate: &Gate, report: VerifyReport| -> VerifyReport {
+        let figures = VerifyFigures { gate: gate.common(), divergence: "crash".into(), ..Default::default() };
+        gate.record(&report, Figures::Verify(figures));
+        report
+    };
     let (texts, engine_stops) = match called.ok("engine's generation", 2000) {
         Ok(Reply::Generate { prompts: g, stop_tokens, .. }) if g.len() == prompts.len() => (g, stop_tokens),
         Ok(other) => {
             let why = format!("the harness answered generation with an unexpected reply: {other:?}");
             let report = fail(why, vec![], gate.findings.clone());
-            gate.record(
-                &report,
-                Figures::Verify(VerifyFigures {
-                    gate: gate.common(),
-                    divergence: "crash".into(),
-                    ..Default::default()
-                }),
-            );
-            return Ok(report);
+            return Ok(crashed(&gate, report));
         }
         Err(why) => {
             let report = fail(crate::harness::explain(&why, &gate.engine), vec![], gate.findings.clone());
-            gate.record(
-                &report,
-                Figures::Verify(VerifyFigures {
-                    gate: gate.common(),
-                    divergence: "crash".into(),
-                    ..Default::default()
-                }),
-            );
-            return Ok(report);
+            return Ok(crashed(&gate, report));
         }
     };
     // A reply without its tensors file (a harness killed mid-write, a bundle's output removed) is
@@ -582,15 +572,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         Err(e) => {
             let why = format!("the engine's generation wrote no readable tensors: {}", e.message);
             let report = fail(why, vec![], gate.findings.clone());
-            gate.record(
-                &report,
-                Figures::Verify(VerifyFigures {
-                    gate: gate.common(),
-                    divergence: "crash".into(),
-                    ..Default::default()
-                }),
-            );
-            return Ok(report);
+            return Ok(crashed(&gate, report));
         }
     };
     // The engine's own stop tokens (component.sampler `stop_tokens`), when it has the function.

@@ -468,13 +468,7 @@ fn simd_binary_generate_prints_the_golden_continuation() {
 fn simd_engine_serves_the_stories15m_shape() {
     let t = tempfile::tempdir().unwrap();
     let ctx = crate::ctx(t.path());
-    let model = t.path().join("stories15m");
-    let out = std::process::Command::new(crate::bin())
-        .args(["synth", "--preset", "stories15m", "--seed", "5", "--out"])
-        .arg(&model)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let model = stories15m(t.path());
     let engine = t.path().join("simd");
     Engine::Simd.copy_to(&engine);
     let req = ServeRequest { model: s(&model), concurrency: Some(vec![1, 4, 16]), ..serve_req(&engine) };
@@ -490,6 +484,18 @@ fn simd_engine_serves_the_stories15m_shape() {
     eprintln!("{text}");
 }
 
+/// A synthetic checkpoint of the stories15M shape (`synth --preset stories15m --seed 5`) in `dir`.
+fn stories15m(dir: &std::path::Path) -> std::path::PathBuf {
+    let model = dir.join("stories15m");
+    let out = std::process::Command::new(crate::bin())
+        .args(["synth", "--preset", "stories15m", "--seed", "5", "--out"])
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    model
+}
+
 /// A server that goes on generating for clients that went away (it never aborts a request whose
 /// token channel is closed) fails the disconnect check (component.openai_server: a client
 /// disconnect cancels its request), on the stories15M shape where a long request takes hundreds of
@@ -498,13 +504,7 @@ fn simd_engine_serves_the_stories15m_shape() {
 fn a_server_that_ignores_dropped_clients_fails_serve_engine() {
     let t = tempfile::tempdir().unwrap();
     let ctx = crate::ctx(t.path());
-    let model = t.path().join("stories15m");
-    let out = std::process::Command::new(crate::bin())
-        .args(["synth", "--preset", "stories15m", "--seed", "5", "--out"])
-        .arg(&model)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let model = stories15m(t.path());
     let engine = t.path().join("deaf");
     Engine::Simd.copy_to(&engine);
     crate::inject(
