@@ -5,11 +5,12 @@
 
 use std::collections::BTreeMap;
 
-use super::types::{GRAPH_OPS, Graph, GraphNode, GraphOp, WeightSpec};
+use super::types::{GRAPH_OPS, Graph, GraphNode, GraphOp, ModelFamily};
 
 /// Evaluate a parameter or shape expression: numbers, config roles (looked up by `role`), `+ - * /`
-/// with the usual precedence, parentheses, `sqrt(e)` and `f32(e)` (round to the nearest f32, as an
-/// engine computing in f32 holds the value).
+/// and `%` (remainder, e.g. `layer % 2` for every other layer) with the usual precedence,
+/// parentheses, `sqrt(e)` and `f32(e)` (round to the nearest f32, as an engine computing in f32
+/// holds the value).
 ///
 /// # Errors
 /// A message naming the unknown role or the character that does not parse.
@@ -44,10 +45,14 @@ impl Parser<'_> {
     }
     fn product(&mut self) -> Result<f64, String> {
         let mut v = self.atom()?;
-        while let Some(c @ ('*' | '/')) = self.peek() {
+        while let Some(c @ ('*' | '/' | '%')) = self.peek() {
             self.at += 1;
             let r = self.atom()?;
-            v = if c == '*' { v * r } else { v / r };
+            v = match c {
+                '*' => v * r,
+                '/' => v / r,
+                _ => v % r,
+            };
         }
         Ok(v)
     }
@@ -101,7 +106,8 @@ impl Parser<'_> {
 }
 
 /// Config values the lint checks shapes with: distinct sizes (n_heads * head_dim differs from
-/// hidden, n_kv_heads from n_heads), so that a graph confusing two of them is caught.
+/// hidden, n_kv_heads from n_heads), so that a graph confusing two of them is caught; `layer` is 1.
+/// Roles a family declares beyond these are [`family_sample_role`]'s.
 pub fn sample_role(name: &str) -> Option<f64> {
     Some(match name {
         "hidden" => 40.0,
@@ -115,7 +121,18 @@ pub fn sample_role(name: &str) -> Option<f64> {
         "rms_norm_eps" => 1e-5,
         "rope_theta" => 10000.0,
         "sliding_window" => 8.0,
+        "layer" => 1.0,
         _ => return None,
+    })
+}
+
+/// [`sample_role`], then any other role the family's `[[model.config]]` declares, at its
+/// `example`, else its `default` when that is a number, else 1.
+pub fn family_sample_role(family: &ModelFamily, name: &str) -> Option<f64> {
+    sample_role(name).or_else(|| {
+        let f = family.config.iter().find(|f| f.role == name)?;
+        let num = |t: &Option<String>| t.as_deref().and_then(|d| d.trim().parse::<f64>().ok());
+        Some(num(&f.example).or_else(|| num(&f.default)).unwrap_or(1.0))
     })
 }
 
@@ -128,17 +145,19 @@ pub fn op_spec(op: &str) -> Option<&'static GraphOp> {
 /// names the node.
 pub type GraphFinding = (String, String);
 
-/// Check a graph against the family's weights and the op vocabulary, with shapes evaluated at
-/// [`sample_role`]: every op known, every input defined before use, every weight slot bound to a
+/// Check a graph against the family's weights, its config roles and the op vocabulary, with shapes
+/// evaluated at [`family_sample_role`]: every op known, every input defined before use, every weight slot bound to a
 /// declared `[[model.weights]]` name (`{i}` only in `layer`) and every required weight read by a
 /// node, every parameter evaluable, and every
 /// width consistent (a linear's input is its weight's column count, a residual add joins equal
 /// widths, attention sees n_heads and n_kv_heads heads of head_dim, the logits are [vocab]).
-pub fn lint_graph(g: &Graph, weights: &[WeightSpec]) -> Vec<GraphFinding> {
+pub fn lint_graph(g: &Graph, family: &ModelFamily) -> Vec<GraphFinding> {
+    let weights = &family.weights;
+    let role = |r: &str| family_sample_role(family, r);
     let mut out = Vec::new();
     let shape_of = |name: &str| -> Option<Vec<usize>> {
         let w = weights.iter().find(|w| w.name == name)?;
-        w.shape.iter().map(|d| eval_expr(d, &sample_role).ok().map(|v| v as usize)).collect()
+        w.shape.iter().map(|d| eval_expr(d, &role).ok().map(|v| v as usize)).collect()
     };
     let dim = |r: &str| sample_role(r).unwrap_or(0.0) as usize;
     let mut stream = None;
@@ -157,7 +176,7 @@ pub fn lint_graph(g: &Graph, weights: &[WeightSpec]) -> Vec<GraphFinding> {
         for (n, node) in nodes.iter().enumerate() {
             let field = format!("/model/graph/{block}/{n}");
             let mut bad = |m: String| out.push((field.clone(), format!("node `{}` ({block}): {m}", node.name)));
-            let width = lint_node(node, block, &env, &shape_of, &dim, &mut bad);
+            let width = lint_node(node, block, &env, &shape_of, &dim, &role, &mut bad);
             if env.contains_key(&node.name) {
                 bad(format!("the name `{}` is already defined in this block", node.name));
             }
@@ -213,6 +232,7 @@ fn lint_node(
     env: &BTreeMap<String, Option<usize>>,
     shape_of: &dyn Fn(&str) -> Option<Vec<usize>>,
     dim: &dyn Fn(&str) -> usize,
+    role: &dyn Fn(&str) -> Option<f64>,
     bad: &mut dyn FnMut(String),
 ) -> Option<usize> {
     let Some(GraphOp { name: op, inputs: ins, weights: slots, params, .. }) = op_spec(&node.op) else {
@@ -280,7 +300,10 @@ fn lint_node(
                 bad(format!("parameter gain = `{e}`: use `w` or `one_plus_w`"))
             }
             Some(_) if name == "gain" => {}
-            Some(e) => match eval_expr(e, &sample_role) {
+            Some(e) if block != "layer" && mentions_layer(e) => {
+                bad(format!("parameter `{name}` = `{e}` uses `layer` outside the layer block"))
+            }
+            Some(e) => match eval_expr(e, role) {
                 Ok(v) => {
                     p.insert(name, v);
                 }
@@ -361,6 +384,11 @@ fn lint_node(
         }
         _ => x,
     }
+}
+
+/// Whether an expression names the `layer` role.
+fn mentions_layer(e: &str) -> bool {
+    e.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).any(|w| w == "layer")
 }
 
 /// The graph as text, one node a line: `name = op(inputs) slot=tensor param=value`, by block.

@@ -415,7 +415,7 @@ impl Ckb {
                     }
                 }
             }
-            if let Some(g) = c.model.as_ref().and_then(|m| m.graph.as_ref().map(|g| (g, &m.weights))) {
+            if let Some(g) = c.model.as_ref().and_then(|m| m.graph.as_ref().map(|g| (g, m))) {
                 for (field, message) in graph::lint_graph(g.0, g.1) {
                     bad(&field, message);
                 }

@@ -204,6 +204,11 @@ pub struct ConfigField {
     /// Values the family covers, when only some are (e.g. hidden_act = ["silu"]). Empty: any.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub supported: Vec<String>,
+    /// A value a published checkpoint of the family sets (as text), which synth writes instead of
+    /// the default so that a synthetic checkpoint exercises the key (e.g. Granite's
+    /// `residual_multiplier` = 0.22, where the default 1.0 would hide a missing multiply).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub example: Option<String>,
 }
 
 /// A weight tensor of a model family. `{i}` stands for the layer index.
@@ -300,7 +305,9 @@ pub struct GraphNode {
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub weights: BTreeMap<String, String>,
     /// Parameter -> value: a number or an expression over config roles (`hidden`, `head_dim`,
-    /// `n_heads`, `sliding_window`, ...) with `+ - * /`, `sqrt(..)` and `f32(..)` (round to f32).
+    /// `n_heads`, `sliding_window`, ..., and any other role the family's `[[model.config]]`
+    /// declares, e.g. `residual_multiplier`) and `layer` (the layer index, in `layer` nodes), with
+    /// `+ - * / %`, `sqrt(..)` and `f32(..)` (round to f32).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub params: BTreeMap<String, String>,
 }
@@ -354,8 +361,8 @@ pub const GRAPH_OPS: &[GraphOp] = &[
         name: "attention",
         inputs: &["q", "k", "v"],
         weights: &[],
-        params: &["window?"],
-        doc: "kernel.attention with this node's KV cache: q [n_heads*head_dim], k and v [n_kv_heads*head_dim] appended at the position; window > 0 sees only the last `window` positions",
+        params: &["window?", "scale?", "softcap?"],
+        doc: "kernel.attention with this node's KV cache: q [n_heads*head_dim], k and v [n_kv_heads*head_dim] appended at the position; window > 0 sees only the last `window` positions; scores are q.k * scale (default 1/sqrt(head_dim)), then cap * tanh(score / cap) when softcap = cap > 0, before the softmax",
     },
     GraphOp {
         name: "silu_and_mul",
@@ -373,7 +380,13 @@ pub const GRAPH_OPS: &[GraphOp] = &[
     },
     GraphOp { name: "add", inputs: &["a", "b"], weights: &[], params: &[], doc: "elementwise a + b (a residual)" },
     GraphOp { name: "scale", inputs: &["x"], weights: &[], params: &["factor"], doc: "elementwise x * factor" },
-    GraphOp { name: "softcap", inputs: &["x"], weights: &[], params: &["cap"], doc: "elementwise cap * tanh(x / cap)" },
+    GraphOp {
+        name: "softcap",
+        inputs: &["x"],
+        weights: &[],
+        params: &["cap"],
+        doc: "elementwise cap * tanh(x / cap); the identity when cap <= 0 (a null config value)",
+    },
 ];
 
 /// How a family's weights are held by an engine whose weight dtype is not f32 (bf16, f16, int8), and

@@ -61,6 +61,12 @@ pub struct ResolvedConfig {
     /// Forward-pass features beyond plain Llama (the family contract's `features`, e.g. `qkv_bias`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub features: Vec<String>,
+    /// Every other numeric role the family's `[[model.config]]` declares, by role, as config.json
+    /// (or the contract's default) gives it; 0 when the key is null or absent without a default
+    /// (the graph's ops read 0 as "off": no window, no soft-cap). E.g. Granite's
+    /// `residual_multiplier`, Gemma 2's `attn_logit_softcapping`. The family's graph reads them.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub extra: BTreeMap<String, f64>,
 }
 
 impl ResolvedConfig {
@@ -282,6 +288,7 @@ pub fn resolve(
         sliding_window: 0,
         rope_scaling: None,
         features: family.features.clone(),
+        extra: BTreeMap::new(),
     };
     let mut cfg = cfg;
     for f in &family.features {
@@ -294,6 +301,25 @@ pub fn resolve(
                     contract.id
                 ),
             });
+        }
+    }
+    for f in family.config.iter().filter(|f| role_type(&f.role).is_none()) {
+        match roles.get(f.role.as_str()) {
+            None | Some(Value::Null) => {
+                cfg.extra.insert(f.role.clone(), 0.0);
+            }
+            Some(v) => match number(v) {
+                Some(n) if n.is_finite() => {
+                    cfg.extra.insert(f.role.clone(), n);
+                }
+                _ => gaps.push(Gap {
+                    field: f.key.clone(),
+                    reason: format!(
+                        "must be a JSON number or null (role `{}`, read by {}'s forward-pass graph), got {v}",
+                        f.role, contract.id
+                    ),
+                }),
+            },
         }
     }
     scaling::resolve_extras(contract, config, &roles, &mut cfg, &mut gaps);

@@ -503,7 +503,7 @@ pub fn synth_tensors_with(
 
 /// One tensor of a synthetic checkpoint: its name and shape, and the normal draws (count, mean, std)
 /// whose values it holds, in order (a fused tensor holds several).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 struct PlannedTensor {
     name: String,
     shape: Vec<usize>,
@@ -589,6 +589,108 @@ fn tensor_plan(config: &serde_json::Value, features: &[String]) -> Vec<PlannedTe
         push(&mut out, "lm_head.weight".into(), vec![vocab, h], 0.0, 0.2);
     }
     out
+}
+
+/// The tensors of a checkpoint of `contract`'s family for `config`, from its graph's weight
+/// bindings (`[model.graph]`), in draw order, without their values: every `[[model.weights]]`
+/// tensor a node reads (the `tied` alternative's own tensor only when config.json does not tie),
+/// non-layer tensors declared before the first `{i}` one, then each layer's in declaration order,
+/// then the rest; shapes from the declared shapes at the resolved config. Draws follow what each
+/// tensor is to its node, with the figures of [`synth_tensors_with`]: an embedding table or the
+/// logits' projection N(0, 0.2^2); a linear weight N(0, 1/columns), a row block of a fused tensor
+/// drawn as its own tensor; a bias N(0, 0.25); an RMSNorm gain near one (std 0.1 over hidden, 0.3
+/// over a head or projection), near zero with `gain = one_plus_w`. For the built-in families this
+/// is the plan [`synth_tensors_with`] writes from their features (unit test).
+///
+/// # Errors
+/// Usage when the contract is not a model family with a graph, or `config` does not resolve.
+fn graph_plan(contract: &crate::ckb::Contract, config: &serde_json::Value) -> Result<Vec<PlannedTensor>> {
+    let family =
+        contract.model.as_ref().ok_or_else(|| Error::usage(format!("{} is not a model family", contract.id)))?;
+    let graph = family
+        .graph
+        .as_ref()
+        .ok_or_else(|| Error::usage(format!("{} has no [model.graph] to write a checkpoint from", contract.id)))?;
+    let map = config.as_object().ok_or_else(|| Error::usage("config.json is not an object"))?;
+    let cfg = crate::model::resolve(contract, map).map_err(|gaps| {
+        Error::usage(format!(
+            "the config does not resolve against {}: {}",
+            contract.id,
+            gaps.iter().map(|g| format!("{}: {}", g.field, g.reason)).collect::<Vec<_>>().join("; ")
+        ))
+    })?;
+    let role = |r: &str| crate::oracle::graph::config_role(&cfg, r);
+    // tensor pattern -> the draws of its row blocks, in node order (row offset, rows or all, mean, std).
+    let mut uses: std::collections::BTreeMap<&str, Vec<(usize, Option<usize>, f32, f32)>> = Default::default();
+    let last = graph.epilogue.last().map(|n| n.name.as_str());
+    for (block, nodes) in [("prologue", &graph.prologue), ("layer", &graph.layer), ("epilogue", &graph.epilogue)] {
+        for n in nodes.iter() {
+            let param = |k: &str| -> Result<Option<usize>> {
+                n.params
+                    .get(k)
+                    .map(|e| crate::ckb::graph::eval_expr(e, &role).map(|v| v as usize))
+                    .transpose()
+                    .map_err(|m| Error::usage(format!("node `{}`: parameter `{k}`: {m}", n.name)))
+            };
+            for (slot, pattern) in &n.weights {
+                if slot == "weight" && n.weights.contains_key("tied") && cfg.tied {
+                    continue;
+                }
+                let shape = family.weights.iter().find(|w| &w.name == pattern).map(|w| w.shape.as_slice());
+                let cols = shape.and_then(|s| s.get(1)).and_then(|d| crate::ckb::graph::eval_expr(d, &role).ok());
+                let (mean, std) = match (n.op.as_str(), slot.as_str()) {
+                    ("embedding", _) => (0.0, 0.2),
+                    (_, "tied") => continue,
+                    (_, "bias") => (0.0, 0.5),
+                    ("rms_norm", _) => {
+                        let mean = if n.params.get("gain").is_some_and(|g| g == "one_plus_w") { 0.0 } else { 1.0 };
+                        let over_hidden = shape.is_some_and(|s| s.len() == 1 && s[0].trim() == "hidden");
+                        (mean, if over_hidden { 0.1 } else { 0.3 })
+                    }
+                    _ if block == "epilogue" && Some(n.name.as_str()) == last => (0.0, 0.2),
+                    _ => (0.0, 1.0 / (cols.unwrap_or(1.0) as f32).sqrt()),
+                };
+                let rows = param("rows")?;
+                let offset = param("row_offset")?.unwrap_or(0);
+                let entry = uses.entry(pattern.as_str()).or_default();
+                if !entry.iter().any(|u| u.0 == offset) {
+                    entry.push((offset, rows, mean, std));
+                }
+            }
+        }
+    }
+    let first_layer = family.weights.iter().position(|w| w.name.contains("{i}")).unwrap_or(family.weights.len());
+    let order: Vec<(&crate::ckb::WeightSpec, Option<usize>)> = family.weights[..first_layer]
+        .iter()
+        .filter(|w| !w.name.contains("{i}"))
+        .map(|w| (w, None))
+        .chain(
+            (0..cfg.n_layers)
+                .flat_map(|i| family.weights.iter().filter(|w| w.name.contains("{i}")).map(move |w| (w, Some(i)))),
+        )
+        .chain(family.weights[first_layer..].iter().filter(|w| !w.name.contains("{i}")).map(|w| (w, None)))
+        .collect();
+    let mut out = Vec::new();
+    for (w, layer) in order {
+        let Some(blocks) = uses.get(w.name.as_str()) else { continue };
+        let shape: Vec<usize> = w
+            .shape
+            .iter()
+            .map(|d| crate::ckb::graph::eval_expr(d, &role).map(|v| v as usize))
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|m| Error::usage(format!("{}: shape of `{}`: {m}", contract.id, w.name)))?;
+        let total = shape.first().copied().unwrap_or(1);
+        let per_row: usize = shape[1..].iter().product();
+        let mut blocks = blocks.clone();
+        blocks.sort_by_key(|b| b.0);
+        let draws = blocks
+            .iter()
+            .map(|&(offset, rows, mean, std)| (rows.unwrap_or(total - offset.min(total)) * per_row, mean, std))
+            .collect();
+        let name = layer.map_or(w.name.clone(), |i| w.name.replace("{i}", &i.to_string()));
+        out.push(PlannedTensor { name, shape, draws });
+    }
+    Ok(out)
 }
 
 /// A BPE tokenizer.json in the layout of the BabyLlama checkpoint with exactly `vocab` entries, so
@@ -693,6 +795,17 @@ pub fn write_checkpoint_opts(
     seed: u64,
     storage: &Storage,
 ) -> Result<SynthReport> {
+    write_planned(out, config, tensor_plan(config, features), seed, storage)
+}
+
+/// Write the checkpoint of `plan` (see [`write_checkpoint_opts`]).
+fn write_planned(
+    out: &Path,
+    config: &serde_json::Value,
+    plan: Vec<PlannedTensor>,
+    seed: u64,
+    storage: &Storage,
+) -> Result<SynthReport> {
     if out.exists() {
         let empty = out.is_dir() && std::fs::read_dir(out).map(|mut d| d.next().is_none()).unwrap_or(false);
         if !empty {
@@ -702,7 +815,6 @@ pub fn write_checkpoint_opts(
             )));
         }
     }
-    let plan = tensor_plan(config, features);
     if storage.shards > plan.len() {
         return Err(Error::usage(format!(
             "--shards {} exceeds the checkpoint's {} tensors; every shard holds at least one",
@@ -1217,7 +1329,8 @@ fn sizes(
 /// The config.json of a synthetic checkpoint of the family `contract` describes: its first
 /// architecture and model_type, and every `config` key with a role synth knows (sizes from the
 /// request; epsilon, RoPE base, tying and activation from the contract's defaults and supported
-/// values; `sliding_window` and `rope_scaling` null unless asked for). `head_dim` is written only
+/// values; `sliding_window` and `rope_scaling` null unless asked for; any other key at its
+/// `example` value, else its first supported value, else its default). `head_dim` is written only
 /// when the contract's default would not give the requested one.
 ///
 /// # Errors
@@ -1257,10 +1370,11 @@ pub fn synth_config_for(contract: &crate::ckb::Contract, req: &SynthRequest) -> 
             "rope_scaling" => serde_json::Value::Null,
             "rms_norm_eps" => literal(f.default.as_deref()).unwrap_or(json!(1e-6)),
             "rope_theta" => literal(f.default.as_deref()).unwrap_or(json!(10_000.0)),
-            _ => match (f.supported.first(), literal(f.default.as_deref())) {
-                (Some(s), _) => s.parse::<f64>().map_or_else(|_| json!(s), |x| json!(x)),
-                (None, Some(v)) => v,
-                (None, None) => continue,
+            _ => match (literal(f.example.as_deref()), f.supported.first(), literal(f.default.as_deref())) {
+                (Some(v), _, _) => v,
+                (None, Some(s), _) => s.parse::<f64>().map_or_else(|_| json!(s), |x| json!(x)),
+                (None, None, Some(v)) => v,
+                (None, None, None) => continue,
             },
         };
         c.insert(f.key.clone(), v);
@@ -1328,8 +1442,47 @@ pub fn synth_in(ckb: &crate::ckb::Ckb, req: &SynthRequest) -> Result<SynthReport
         )));
     };
     let config = synth_config_for(contract, req)?;
-    let features = &contract.model.as_ref().expect("model contract").features;
-    let mut report = write_checkpoint_with(&req.out, &config, features, req.seed)?;
+    let model = contract.model.as_ref().expect("model contract");
+    let mut report = if model.graph.is_some() {
+        write_planned(&req.out, &config, graph_plan(contract, &config)?, req.seed, &Storage::of(req)?)?
+    } else {
+        write_checkpoint_opts(&req.out, &config, &model.features, req.seed, &Storage::of(req)?)?
+    };
     report.family = family.to_string();
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The plan written from a family's graph bindings is, tensor for tensor (name, shape, draws),
+    /// the plan written from its features, for every built-in family tied and untied: so a family
+    /// added as a contract gets its checkpoint the way the built-in ones always did.
+    #[test]
+    fn the_graph_plan_is_the_feature_plan_of_every_builtin_family() {
+        let ckb = crate::ckb::Ckb::embedded().unwrap();
+        for family in FAMILIES {
+            for tied in [false, true] {
+                let req = SynthRequest { family: family.to_string(), seed: 7, ..Default::default() };
+                let mut config = synth_config(&req).unwrap();
+                config["tie_word_embeddings"] = json!(tied);
+                let contract = ckb.get(&format!("model.{family}")).unwrap();
+                let want = tensor_plan(&config, &builtin_features(family));
+                let got = graph_plan(contract, &config).unwrap();
+                assert_eq!(got, want, "{family} tied={tied}");
+                assert_eq!(got.iter().any(|t| t.name == "lm_head.weight"), !tied, "{family}");
+            }
+        }
+        // Phi-3's fused tensors: one qkv_proj and one gate_up_proj, each drawn as its row blocks.
+        let phi3: crate::ckb::Contract =
+            toml::from_str(include_str!("../../tests/fixtures/evolution/model.phi3.toml")).unwrap();
+        let config = synth_config_for(&phi3, &SynthRequest { family: "phi3".into(), ..Default::default() }).unwrap();
+        let features = phi3.model.as_ref().unwrap().features.clone();
+        assert!(features.contains(&"fused_qkv".to_string()));
+        let got = graph_plan(&phi3, &config).unwrap();
+        assert_eq!(got, tensor_plan(&config, &features));
+        let qkv = got.iter().find(|t| t.name == "model.layers.0.self_attn.qkv_proj.weight").unwrap();
+        assert_eq!(qkv.draws.len(), 3);
+    }
 }

@@ -17,7 +17,8 @@ use crate::error::{Error, Result};
 use crate::model::{ResolvedConfig, Tensors};
 
 /// The value of a config role for parameter expressions (`hidden`, `n_heads`, `head_dim`,
-/// `sliding_window`, `rms_norm_eps`, ...), as the resolved config holds it.
+/// `sliding_window`, `rms_norm_eps`, ..., then the family's other numeric roles,
+/// [`ResolvedConfig::extra`]), as the resolved config holds it.
 pub fn config_role(cfg: &ResolvedConfig, name: &str) -> Option<f64> {
     Some(match name {
         "hidden" => cfg.hidden as f64,
@@ -31,7 +32,7 @@ pub fn config_role(cfg: &ResolvedConfig, name: &str) -> Option<f64> {
         "rms_norm_eps" => cfg.rms_norm_eps,
         "rope_theta" => cfg.rope_theta,
         "sliding_window" => cfg.sliding_window as f64,
-        _ => return None,
+        _ => return cfg.extra.get(name).copied(),
     })
 }
 
@@ -123,7 +124,7 @@ impl GraphReference {
             .graph
             .as_ref()
             .ok_or_else(|| Error::input(format!("{} has no [model.graph]: the reference cannot run it", cfg.family)))?;
-        let findings = crate::ckb::graph::lint_graph(graph, &family.weights);
+        let findings = crate::ckb::graph::lint_graph(graph, family);
         if let Some((field, m)) = findings.first() {
             return Err(Error::input(format!("{} graph refused at {field}: {m}", cfg.family)));
         }
@@ -255,8 +256,12 @@ impl Builder<'_> {
                 if k == "gain" {
                     continue;
                 }
-                let v = eval_expr(e, &|r| config_role(self.cfg, r))
-                    .map_err(|m| Error::input(format!("node `{trace}`: parameter `{k}`: {m}")))?;
+                let role = |r: &str| match (r, layer) {
+                    ("layer", Some(i)) => Some(i as f64),
+                    _ => config_role(self.cfg, r),
+                };
+                let v =
+                    eval_expr(e, &role).map_err(|m| Error::input(format!("node `{trace}`: parameter `{k}`: {m}")))?;
                 params.insert(k.clone(), v);
             }
             let one_plus = n.params.get("gain").is_some_and(|g| g == "one_plus_w");
@@ -390,7 +395,7 @@ impl Exec<'_> {
             }
             "softcap" => {
                 let cap = n.params["cap"];
-                input(0).iter().map(|v| cap * (v / cap).tanh()).collect()
+                if cap > 0.0 { input(0).iter().map(|v| cap * (v / cap).tanh()).collect() } else { input(0).to_vec() }
             }
             "add" => input(0).iter().zip(input(1)).map(|(a, b)| a + b).collect(),
             "rms_norm" => {
@@ -449,7 +454,14 @@ impl Exec<'_> {
                     no_mask: false,
                     no_scale: m.has(Mutation::AttentionNoScale),
                 };
-                attention::core(q, &self.k_cache[l][from..], &self.v_cache[l][from..], shape, f)
+                let (keys, values) = (&self.k_cache[l][from..], &self.v_cache[l][from..]);
+                match (n.params.get("scale"), n.params.get("softcap")) {
+                    (None, None) => attention::core(q, keys, values, shape, f),
+                    (scale, cap) => {
+                        let scale = if f.no_scale { 1.0 } else { scale.copied().unwrap_or(1.0 / (hd as f64).sqrt()) };
+                        attention::core_with(q, keys, values, shape, f, scale, cap.copied().unwrap_or(0.0))
+                    }
+                }
             }
             "silu_and_mul" => {
                 silu_and_mul::core(input(0), input(1), silu_and_mul::Faults { swapped: m.has(Mutation::SiluSwapped) })

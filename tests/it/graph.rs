@@ -131,17 +131,17 @@ fn refused(edit: impl FnOnce(&mut Graph)) -> Vec<(String, String)> {
     let f = family("model.llama");
     let mut g = f.graph.clone().unwrap();
     edit(&mut g);
-    lint_graph(&g, &f.weights)
+    lint_graph(&g, &f)
 }
 
 #[test]
 fn malformed_graphs_are_refused_with_the_node_named() {
     for fam in ["model.llama", "model.mistral", "model.qwen2", "model.qwen3", "model.gemma"] {
         let f = family(fam);
-        assert_eq!(lint_graph(f.graph.as_ref().unwrap(), &f.weights), vec![], "{fam}");
+        assert_eq!(lint_graph(f.graph.as_ref().unwrap(), &f), vec![], "{fam}");
     }
     let p = phi3();
-    assert_eq!(lint_graph(p.graph.as_ref().unwrap(), &p.weights), vec![]);
+    assert_eq!(lint_graph(p.graph.as_ref().unwrap(), &p), vec![]);
     let at = |g: &Graph, name: &str| g.layer.iter().position(|n| n.name == name).unwrap();
     // The node's finding comes first; a weight no node reads any more adds one for the graph.
     let one = |f: Vec<(String, String)>, field: String, words: &[&str]| {
@@ -182,7 +182,7 @@ fn malformed_graphs_are_refused_with_the_node_named() {
     let f = family("model.qwen2");
     let mut g2 = f.graph.clone().unwrap();
     g2.layer[q].weights.remove("bias");
-    let found = lint_graph(&g2, &f.weights);
+    let found = lint_graph(&g2, &f);
     assert_eq!(found.len(), 1, "{found:?}");
     assert_eq!(found[0].0, "/model/graph");
     assert!(found[0].1.contains("unbound weight: `model.layers.{i}.self_attn.q_proj.bias`"), "{}", found[0].1);

@@ -26,9 +26,16 @@ pub struct Faults {
 /// Attention with `f`'s mistakes. `q`: [n_q, n_heads, head_dim]; `k`, `v`: [kv_len, n_kv_heads,
 /// head_dim]; returns [n_q, n_heads, head_dim].
 pub fn core(q: &[f64], k: &[f64], v: &[f64], s: AttnShape, f: Faults) -> Vec<f64> {
+    let scale = if f.no_scale { 1.0 } else { 1.0 / (s.head_dim as f64).sqrt() };
+    core_with(q, k, v, s, f, scale, 0.0)
+}
+
+/// [`core`] with the score scale given (`f.no_scale` is the caller's to apply) and, when
+/// `softcap` > 0, scores soft-capped as softcap * tanh(score / softcap) before the softmax (Gemma 2's
+/// `attn_logit_softcapping`, Gemma Team 2024, arXiv:2408.00118). Same shapes as [`core`].
+pub fn core_with(q: &[f64], k: &[f64], v: &[f64], s: AttnShape, f: Faults, scale: f64, softcap: f64) -> Vec<f64> {
     let AttnShape { n_q, kv_len, n_heads, n_kv_heads, head_dim } = s;
     let group = n_heads / n_kv_heads;
-    let scale = if f.no_scale { 1.0 } else { 1.0 / (head_dim as f64).sqrt() };
     let mut out = vec![0.0; n_q * n_heads * head_dim];
     for i in 0..n_q {
         let last = if f.no_mask { kv_len - 1 } else { kv_len - n_q + i };
@@ -38,7 +45,8 @@ pub fn core(q: &[f64], k: &[f64], v: &[f64], s: AttnShape, f: Faults) -> Vec<f64
             let scores: Vec<f64> = (0..=last)
                 .map(|t| {
                     let kv = &k[(t * n_kv_heads + kvh) * head_dim..][..head_dim];
-                    qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f64>() * scale
+                    let score = qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f64>() * scale;
+                    if softcap > 0.0 { softcap * (score / softcap).tanh() } else { score }
                 })
                 .collect();
             let p = super::softmax::core(&scores, scores.len(), super::softmax::Faults::default());
