@@ -1,5 +1,6 @@
 //! Phase 2, configuration: config.json read as the model-family contracts map it (`model.llama`,
-//! `model.mistral`, `model.qwen2`, `model.qwen3`, `model.gemma`, and Phi-3's fused layout). A family
+//! `model.mistral`, `model.qwen2`, `model.qwen3`, `model.gemma`, Phi-3's fused layout, OLMo-2,
+//! Granite and Gemma 2). A family
 //! is data here: its HF configuration class defaults, the keys it refuses and its forward-pass
 //! features (the contracts' `features`). A value of the wrong type, or a setting no family here
 //! covers, is an error that names the key.
@@ -25,6 +26,27 @@ pub struct Features {
     pub embed_scale_sqrt_hidden: bool,
     /// `fused_qkv` and `fused_gate_up` (Phi-3): one qkv_proj and one gate_up_proj tensor per layer.
     pub fused: bool,
+    /// OLMo-2: RMSNorm of the whole query projection (width n_heads * head_dim, one mean square over
+    /// all heads) and of the whole key projection (n_kv_heads * head_dim) before RoPE.
+    pub qk_norm_whole: bool,
+    /// OLMo-2 and Gemma 2: the attention output is RMSNormed with post_attention_layernorm and the MLP
+    /// output with post_feedforward_layernorm before their residual adds; the MLP's pre-norm, if the
+    /// family has one, is pre_feedforward_layernorm.
+    pub post_norms: bool,
+    /// OLMo-2: no pre-norms (no input_layernorm, none before the MLP): attention and MLP read the
+    /// residual stream itself.
+    pub no_pre_norms: bool,
+    /// Granite: config.json's embedding_multiplier (embedding row), residual_multiplier (attention
+    /// and MLP outputs before their residual adds), attention_multiplier (the attention scale, for
+    /// 1 / sqrt(head_dim)) and logits_scaling (the logits are divided by it), each default 1.0.
+    pub multipliers: bool,
+    /// Gemma 2: attention scale query_pre_attn_scalar^(-1/2) (default 256); attention scores capped
+    /// as cap * tanh(score / cap) with attn_logit_softcapping (default 50) before the softmax, the
+    /// logits likewise with final_logit_softcapping (default 30); null: no cap.
+    pub softcapping: bool,
+    /// Gemma 2: the sliding window applies to the layers config.json's `layer_types` calls
+    /// "sliding_attention", by default the even ones (0, 2, ...); the others attend to all positions.
+    pub alternating_window: bool,
 }
 
 /// A model family: how its config.json is read.
@@ -59,6 +81,12 @@ const LLAMA: Family = Family {
         rmsnorm_one_plus_w: false,
         embed_scale_sqrt_hidden: false,
         fused: false,
+        qk_norm_whole: false,
+        post_norms: false,
+        no_pre_norms: false,
+        multipliers: false,
+        softcapping: false,
+        alternating_window: false,
     },
     n_kv_heads: None,
     head_dim: None,
@@ -123,7 +151,47 @@ const FAMILIES: &[Family] = &[
         refused: &["rope_scaling"],
         ..LLAMA
     },
+    Family {
+        model_type: "olmo2",
+        architecture: "Olmo2ForCausalLM",
+        features: Features { qk_norm_whole: true, post_norms: true, no_pre_norms: true, ..LLAMA.features },
+        rms_norm_eps: 1e-5,
+        refused: &["rope_scaling", "attention_bias"],
+        ..LLAMA
+    },
+    Family {
+        model_type: "granite",
+        architecture: "GraniteForCausalLM",
+        features: Features { multipliers: true, ..LLAMA.features },
+        refused: &["rope_scaling", "attention_bias", "mlp_bias"],
+        ..LLAMA
+    },
+    Family {
+        model_type: "gemma2",
+        architecture: "Gemma2ForCausalLM",
+        features: Features {
+            gelu_tanh_mlp: true,
+            rmsnorm_one_plus_w: true,
+            embed_scale_sqrt_hidden: true,
+            post_norms: true,
+            softcapping: true,
+            sliding_window: true,
+            alternating_window: true,
+            ..LLAMA.features
+        },
+        head_dim: Some(256),
+        max_seq: 8192,
+        tied: true,
+        window: 4096,
+        refused: &["rope_scaling", "attention_bias"],
+        ..LLAMA
+    },
 ];
+
+/// Gemma2Config's defaults of the `softcapping` keys.
+const GEMMA2_QUERY_PRE_ATTN_SCALAR: f64 = 256.0;
+const GEMMA2_ATTN_LOGIT_SOFTCAPPING: f64 = 50.0;
+const GEMMA2_FINAL_LOGIT_SOFTCAPPING: f64 = 30.0;
 
 /// RoPE frequency scaling from config.json `rope_scaling` (contract model.llama).
 #[derive(Debug, Clone, PartialEq)]
@@ -161,8 +229,24 @@ pub struct Config {
     pub tied: bool,
     /// Attention window in positions; 0: full causal attention.
     pub sliding_window: usize,
+    /// Gemma 2 (`alternating_window`): whether each layer uses `sliding_window`; `None`: all do.
+    pub sliding_layers: Option<Vec<bool>>,
     pub rope_scaling: Option<RopeScaling>,
     pub features: Features,
+    /// Attention scores are `attention_scale * q.k` (Granite's attention_multiplier, Gemma 2's
+    /// query_pre_attn_scalar^(-1/2)); `None`: 1 / sqrt(head_dim).
+    pub attention_scale: Option<f32>,
+    /// Gemma 2's attn_logit_softcapping: scores become cap * tanh(score / cap) before the softmax.
+    pub attn_softcap: Option<f32>,
+    /// Gemma 2's final_logit_softcapping: logits become cap * tanh(logit / cap).
+    pub final_softcap: Option<f32>,
+    /// Granite's embedding_multiplier: the embedding row is multiplied by it.
+    pub embedding_multiplier: Option<f32>,
+    /// Granite's residual_multiplier: attention and MLP outputs are multiplied by it before their
+    /// residual adds.
+    pub residual_multiplier: Option<f32>,
+    /// Granite's logits_scaling: the logits are divided by it.
+    pub logits_scaling: Option<f32>,
 }
 
 impl Config {
@@ -211,10 +295,31 @@ impl Config {
             (true, None) => family.window,
             (true, Some(_)) => required(c, "sliding_window")?,
         };
+        let n_layers = required(c, "num_hidden_layers")?;
+        let f = family.features;
+        let sliding_layers = if f.alternating_window { Some(sliding_layers(c, n_layers)?) } else { None };
+        // Granite's multipliers, each default 1.0.
+        let multiplier = |key: &str| -> Result<Option<f32>, String> {
+            Ok(if f.multipliers { Some(positive(c, key)?.unwrap_or(1.0) as f32) } else { None })
+        };
+        // Gemma 2's caps: absent, the default; null, no cap.
+        let cap = |key: &str, default: f64| -> Result<Option<f32>, String> {
+            Ok(match c.get(key) {
+                _ if !f.softcapping => None,
+                None => Some(default as f32),
+                Some(_) => positive(c, key)?.map(|v| v as f32),
+            })
+        };
+        let attention_scale = if f.softcapping {
+            let scalar = positive(c, "query_pre_attn_scalar")?.unwrap_or(GEMMA2_QUERY_PRE_ATTN_SCALAR);
+            Some(scalar.powf(-0.5) as f32)
+        } else {
+            multiplier("attention_multiplier")?
+        };
         Ok(Config {
             hidden,
             intermediate: required(c, "intermediate_size")?,
-            n_layers: required(c, "num_hidden_layers")?,
+            n_layers,
             n_heads,
             n_kv_heads,
             head_dim,
@@ -229,9 +334,24 @@ impl Config {
                 }
             },
             sliding_window,
+            sliding_layers,
             rope_scaling,
             features: family.features,
+            attention_scale,
+            attn_softcap: cap("attn_logit_softcapping", GEMMA2_ATTN_LOGIT_SOFTCAPPING)?,
+            final_softcap: cap("final_logit_softcapping", GEMMA2_FINAL_LOGIT_SOFTCAPPING)?,
+            embedding_multiplier: multiplier("embedding_multiplier")?,
+            residual_multiplier: multiplier("residual_multiplier")?,
+            logits_scaling: multiplier("logits_scaling")?,
         })
+    }
+
+    /// The attention window of layer `layer` in positions; 0: full causal attention.
+    pub fn window(&self, layer: usize) -> usize {
+        match &self.sliding_layers {
+            Some(sliding) if !sliding[layer] => 0,
+            _ => self.sliding_window,
+        }
     }
 
     /// RoPE frequencies [head_dim / 2]: theta^(-2j / head_dim) (kernel.rope), then scaled as
@@ -342,6 +462,34 @@ fn rope(c: &Map<String, Value>) -> Result<(f64, Option<RopeScaling>), String> {
         other => Err(format!("`{name}` type {other:?} is not covered (default, linear, llama3)")),
     }?;
     Ok((theta, scaling))
+}
+
+/// Gemma 2's sliding layers: config.json's `layer_types` ("sliding_attention" or "full_attention"
+/// per layer) when present, else Gemma2Config's default, the even layers.
+fn sliding_layers(c: &Map<String, Value>, n_layers: usize) -> Result<Vec<bool>, String> {
+    let Some(types) = c.get("layer_types").filter(|v| !v.is_null()) else {
+        return Ok((0..n_layers).map(|i| i % 2 == 0).collect());
+    };
+    let types = types
+        .as_array()
+        .filter(|t| t.len() == n_layers)
+        .ok_or_else(|| format!("`layer_types` must be a list of num_hidden_layers ({n_layers}) strings"))?;
+    types
+        .iter()
+        .map(|t| match t.as_str() {
+            Some("sliding_attention") => Ok(true),
+            Some("full_attention") => Ok(false),
+            _ => Err(format!("`layer_types` holds {t}; only \"sliding_attention\" and \"full_attention\" are covered")),
+        })
+        .collect()
+}
+
+/// A positive number at `key` (absent or null: `None`).
+fn positive(c: &Map<String, Value>, key: &str) -> Result<Option<f64>, String> {
+    match number(c, key)? {
+        Some(v) if !(v > 0.0 && v.is_finite()) => Err(format!("`{key}` must be a positive number, got {v}")),
+        v => Ok(v),
+    }
 }
 
 /// A number at `key` (absent or null: `None`); any other type is an error naming the key.

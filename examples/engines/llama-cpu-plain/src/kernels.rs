@@ -148,6 +148,27 @@ pub fn attention(
     head_dim: usize,
     out: &mut [f32],
 ) {
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    attention_with(q, k_cache, v_cache, n_q, kv_len, n_heads, n_kv_heads, head_dim, scale, None, out);
+}
+
+/// [`attention`] with the scores scaled by `scale` instead of 1 / sqrt(head_dim) (Granite's
+/// attention_multiplier, Gemma 2's query_pre_attn_scalar^(-1/2)) and, with `softcap` (Gemma 2's
+/// attn_logit_softcapping), capped as cap * tanh(score / cap) before the softmax.
+#[allow(clippy::too_many_arguments)] // attention's signature and the two refinements
+pub fn attention_with(
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    n_q: usize,
+    kv_len: usize,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+    softcap: Option<f32>,
+    out: &mut [f32],
+) {
     assert!(
         n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads),
         "attention: n_heads must be a multiple of n_kv_heads"
@@ -160,7 +181,6 @@ pub fn attention(
         "attention: q and out must be [n_q, n_heads, head_dim]"
     );
     let group = n_heads / n_kv_heads;
-    let scale = 1.0 / (head_dim as f32).sqrt();
     let mut scores = vec![0.0f32; kv_len];
     for i in 0..n_q {
         let p = kv_len - n_q + i;
@@ -170,6 +190,9 @@ pub fn attention(
             let weights = &mut scores[..=p];
             for (t, s) in weights.iter_mut().enumerate() {
                 *s = scale * dot(qh, &k_cache[(t * n_kv_heads + g) * head_dim..][..head_dim]);
+            }
+            if let Some(cap) = softcap {
+                weights.iter_mut().for_each(|s| *s = (*s / cap).tanh() * cap);
             }
             softmax(weights, p + 1);
             let oh = &mut out[(i * n_heads + h) * head_dim..][..head_dim];

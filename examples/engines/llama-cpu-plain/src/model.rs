@@ -1,5 +1,6 @@
 //! Phases 3 and 4, the decoder (contract `model.llama` and the families that refine it: `model.mistral`,
-//! `model.qwen2`, `model.qwen3`, `model.gemma`, Phi-3) with its KV cache (`component.kv_cache`).
+//! `model.qwen2`, `model.qwen3`, `model.gemma`, Phi-3, OLMo-2, Granite, Gemma 2) with its KV cache
+//! (`component.kv_cache`).
 //! One token at a time: `forward` is the contracts' `math` line by line, calling the kernels;
 //! `prefill` runs `forward` over the prompt. Weights, activations and the cache are f32.
 
@@ -11,16 +12,23 @@ use crate::weights::{self, Tensors};
 
 /// One decoder layer's weights ([out_features, in_features] matrices) and its KV cache.
 struct Layer {
-    attn_norm: Vec<f32>,
+    /// input_layernorm; `None` in families with `no_pre_norms` (OLMo-2).
+    attn_norm: Option<Vec<f32>>,
     wq: Vec<f32>,
     wk: Vec<f32>,
     wv: Vec<f32>,
     /// q, k and v projection biases (`qkv_bias`).
     qkv_bias: Option<[Vec<f32>; 3]>,
-    /// RMSNorm gains of every query and key head (`qk_norm`), [head_dim] each.
+    /// RMSNorm gains of every query and key head (`qk_norm`), [head_dim] each; or of the whole query
+    /// and key projections (`qk_norm_whole`), [n_heads * head_dim] and [n_kv_heads * head_dim].
     qk_norm: Option<[Vec<f32>; 2]>,
     wo: Vec<f32>,
-    ffn_norm: Vec<f32>,
+    /// The MLP's pre-norm: post_attention_layernorm, or pre_feedforward_layernorm in families with
+    /// `post_norms`; `None` with `no_pre_norms`.
+    ffn_norm: Option<Vec<f32>>,
+    /// RMSNorm gains of the attention and MLP outputs (`post_norms`): post_attention_layernorm and
+    /// post_feedforward_layernorm.
+    post_norms: Option<[Vec<f32>; 2]>,
     w_gate: Vec<f32>,
     w_up: Vec<f32>,
     w_down: Vec<f32>,
@@ -128,12 +136,16 @@ impl Model {
             let scale = (h as f32).sqrt();
             s.x.iter_mut().for_each(|x| *x *= scale);
         }
-        for l in layers.iter_mut() {
+        if let Some(m) = c.embedding_multiplier {
+            s.x.iter_mut().for_each(|x| *x *= m);
+        }
+        let scale = c.attention_scale.unwrap_or_else(|| 1.0 / (c.head_dim as f32).sqrt());
+        for (i, l) in layers.iter_mut().enumerate() {
             // Attention block: x += o_proj(attention(rope(q), cache(rope(k), v))).
-            kernels::rms_norm(&s.x, &l.attn_norm, eps, &mut s.normed);
-            kernels::linear(&s.normed, &l.wq, 1, h, q_dim, &mut s.q);
-            kernels::linear(&s.normed, &l.wk, 1, h, kv_dim, &mut s.k);
-            kernels::linear(&s.normed, &l.wv, 1, h, kv_dim, &mut s.v);
+            let input = pre_norm(&s.x, l.attn_norm.as_deref(), eps, &mut s.normed);
+            kernels::linear(input, &l.wq, 1, h, q_dim, &mut s.q);
+            kernels::linear(input, &l.wk, 1, h, kv_dim, &mut s.k);
+            kernels::linear(input, &l.wv, 1, h, kv_dim, &mut s.v);
             if let Some([bq, bk, bv]) = &l.qkv_bias {
                 add(&mut s.q, bq);
                 add(&mut s.k, bk);
@@ -147,22 +159,44 @@ impl Model {
             kernels::rope_with_freqs(&mut s.k, &[pos], c.n_kv_heads, rope_freqs);
             store(&mut l.k_cache, pos, &s.k);
             store(&mut l.v_cache, pos, &s.v);
-            let first = if c.sliding_window > 0 { (pos + 1).saturating_sub(c.sliding_window) } else { 0 };
+            let window = c.window(i);
+            let first = if window > 0 { (pos + 1).saturating_sub(window) } else { 0 };
             let (keys, values) = (&l.k_cache[first * kv_dim..], &l.v_cache[first * kv_dim..]);
             let kv_len = pos + 1 - first;
-            kernels::attention(&s.q, keys, values, 1, kv_len, c.n_heads, c.n_kv_heads, c.head_dim, &mut s.attn);
+            let (n_heads, n_kv_heads, head_dim) = (c.n_heads, c.n_kv_heads, c.head_dim);
+            kernels::attention_with(
+                &s.q,
+                keys,
+                values,
+                1,
+                kv_len,
+                n_heads,
+                n_kv_heads,
+                head_dim,
+                scale,
+                c.attn_softcap,
+                &mut s.attn,
+            );
             kernels::linear(&s.attn, &l.wo, 1, q_dim, h, &mut s.out);
-            add(&mut s.x, &s.out);
+            let [post_attn, post_ffn] =
+                l.post_norms.as_ref().map(|[a, f]| [Some(&a[..]), Some(&f[..])]).unwrap_or_default();
+            residual(&mut s.x, &mut s.out, post_attn, c.residual_multiplier, eps, &mut s.normed);
             // MLP block: x += down_proj(act(gate_proj(x)) * up_proj(x)).
-            kernels::rms_norm(&s.x, &l.ffn_norm, eps, &mut s.normed);
-            kernels::linear(&s.normed, &l.w_gate, 1, h, inter, &mut s.gate);
-            kernels::linear(&s.normed, &l.w_up, 1, h, inter, &mut s.up);
+            let input = pre_norm(&s.x, l.ffn_norm.as_deref(), eps, &mut s.normed);
+            kernels::linear(input, &l.w_gate, 1, h, inter, &mut s.gate);
+            kernels::linear(input, &l.w_up, 1, h, inter, &mut s.up);
             glu(c.features.gelu_tanh_mlp, &s.gate, &s.up, &mut s.act);
             kernels::linear(&s.act, &l.w_down, 1, inter, h, &mut s.out);
-            add(&mut s.x, &s.out);
+            residual(&mut s.x, &mut s.out, post_ffn, c.residual_multiplier, eps, &mut s.normed);
         }
         kernels::rms_norm(&s.x, final_norm, eps, &mut s.normed);
         kernels::linear(&s.normed, lm_head.as_deref().unwrap_or(embed), 1, h, c.vocab, &mut s.logits);
+        if let Some(d) = c.logits_scaling {
+            s.logits.iter_mut().for_each(|x| *x /= d);
+        }
+        if let Some(cap) = c.final_softcap {
+            s.logits.iter_mut().for_each(|x| *x = (*x / cap).tanh() * cap);
+        }
         &s.logits
     }
 }
@@ -191,20 +225,41 @@ fn load_layer(w: &mut Tensors, c: &Config, i: usize) -> Result<Layer, String> {
     } else {
         None
     };
-    let qk_norm = if c.features.qk_norm {
-        Some([norm(w, c, &name("self_attn.q_norm.weight"), hd)?, norm(w, c, &name("self_attn.k_norm.weight"), hd)?])
+    let qk_norm_dims = if c.features.qk_norm {
+        Some((hd, hd))
+    } else if c.features.qk_norm_whole {
+        Some((q_dim, kv_dim))
     } else {
         None
     };
+    let qk_norm = match qk_norm_dims {
+        Some((q, k)) => {
+            Some([norm(w, c, &name("self_attn.q_norm.weight"), q)?, norm(w, c, &name("self_attn.k_norm.weight"), k)?])
+        }
+        None => None,
+    };
+    let attn_norm = if c.features.no_pre_norms { None } else { Some(norm(w, c, &name("input_layernorm.weight"), h)?) };
+    let (ffn_norm, post_norms) = if c.features.post_norms {
+        let ffn_norm = if c.features.no_pre_norms {
+            None
+        } else {
+            Some(norm(w, c, &name("pre_feedforward_layernorm.weight"), h)?)
+        };
+        let post_attn = norm(w, c, &name("post_attention_layernorm.weight"), h)?;
+        (ffn_norm, Some([post_attn, norm(w, c, &name("post_feedforward_layernorm.weight"), h)?]))
+    } else {
+        (Some(norm(w, c, &name("post_attention_layernorm.weight"), h)?), None)
+    };
     Ok(Layer {
-        attn_norm: norm(w, c, &name("input_layernorm.weight"), h)?,
+        attn_norm,
         wq,
         wk,
         wv,
         qkv_bias,
         qk_norm,
         wo: w.take(&name("self_attn.o_proj.weight"), &[h, q_dim])?,
-        ffn_norm: norm(w, c, &name("post_attention_layernorm.weight"), h)?,
+        ffn_norm,
+        post_norms,
         w_gate,
         w_up,
         w_down: w.take(&name("mlp.down_proj.weight"), &[h, inter])?,
@@ -237,6 +292,39 @@ fn add(x: &mut [f32], y: &[f32]) {
     for (a, b) in x.iter_mut().zip(y) {
         *a += b;
     }
+}
+
+/// The input of an attention or MLP block: `x` RMSNormed with `gain` into `normed`, or `x` itself
+/// in families without pre-norms (`no_pre_norms`).
+fn pre_norm<'a>(x: &'a [f32], gain: Option<&[f32]>, eps: f32, normed: &'a mut [f32]) -> &'a [f32] {
+    match gain {
+        Some(gain) => {
+            kernels::rms_norm(x, gain, eps, normed);
+            normed
+        }
+        None => x,
+    }
+}
+
+/// The residual add x += out of a block's output `out`, first RMSNormed with `post_norm`
+/// (`post_norms`: OLMo-2, Gemma 2), then multiplied by `multiplier` (Granite's residual_multiplier);
+/// `tmp` [len of out] holds a copy of out.
+fn residual(
+    x: &mut [f32],
+    out: &mut [f32],
+    post_norm: Option<&[f32]>,
+    multiplier: Option<f32>,
+    eps: f32,
+    tmp: &mut [f32],
+) {
+    if let Some(gain) = post_norm {
+        tmp.copy_from_slice(out);
+        kernels::rms_norm(tmp, gain, eps, out);
+    }
+    if let Some(m) = multiplier {
+        out.iter_mut().for_each(|v| *v *= m);
+    }
+    add(x, out);
 }
 
 /// RMSNorm of every head of `x` ([n_heads, head_dim]) with the gain `w` [head_dim], in place
