@@ -139,7 +139,6 @@ impl Model {
         if let Some(m) = c.embedding_multiplier {
             s.x.iter_mut().for_each(|x| *x *= m);
         }
-        let scale = c.attention_scale.unwrap_or_else(|| 1.0 / (c.head_dim as f32).sqrt());
         for (i, l) in layers.iter_mut().enumerate() {
             // Attention block: x += o_proj(attention(rope(q), cache(rope(k), v))).
             let input = pre_norm(&s.x, l.attn_norm.as_deref(), eps, &mut s.normed);
@@ -164,19 +163,25 @@ impl Model {
             let (keys, values) = (&l.k_cache[first * kv_dim..], &l.v_cache[first * kv_dim..]);
             let kv_len = pos + 1 - first;
             let (n_heads, n_kv_heads, head_dim) = (c.n_heads, c.n_kv_heads, c.head_dim);
-            kernels::attention_with(
-                &s.q,
-                keys,
-                values,
-                1,
-                kv_len,
-                n_heads,
-                n_kv_heads,
-                head_dim,
-                scale,
-                c.attn_softcap,
-                &mut s.attn,
-            );
+            match (c.attention_scale, c.attn_softcap) {
+                // The kernel contract's attention (scale 1/sqrt(head_dim), no soft-cap).
+                (None, None) => {
+                    kernels::attention(&s.q, keys, values, 1, kv_len, n_heads, n_kv_heads, head_dim, &mut s.attn)
+                }
+                (scale, cap) => kernels::attention_with(
+                    &s.q,
+                    keys,
+                    values,
+                    1,
+                    kv_len,
+                    n_heads,
+                    n_kv_heads,
+                    head_dim,
+                    scale.unwrap_or_else(|| 1.0 / (head_dim as f32).sqrt()),
+                    cap,
+                    &mut s.attn,
+                ),
+            }
             kernels::linear(&s.attn, &l.wo, 1, q_dim, h, &mut s.out);
             let [post_attn, post_ffn] =
                 l.post_norms.as_ref().map(|[a, f]| [Some(&a[..]), Some(&f[..])]).unwrap_or_default();
