@@ -145,8 +145,9 @@ pub fn op_spec(op: &str) -> Option<&'static GraphOp> {
 /// names the node.
 pub type GraphFinding = (String, String);
 
-/// Check a graph against the family's weights, its config roles and the op vocabulary, with shapes
-/// evaluated at [`family_sample_role`]: every op known, every input defined before use, every weight slot bound to a
+/// Check a graph against the family's weights, its config roles, its kernels and the op vocabulary,
+/// with shapes evaluated at [`family_sample_role`]: every op known (an unknown one is named with the
+/// kernel contract that would add it), every kernel op's kernel listed in `[model] kernels`, every input defined before use, every weight slot bound to a
 /// declared `[[model.weights]]` name (`{i}` only in `layer`) and every required weight read by a
 /// node, every parameter evaluable, and every
 /// width consistent (a linear's input is its weight's column count, a residual add joins equal
@@ -176,7 +177,7 @@ pub fn lint_graph(g: &Graph, family: &ModelFamily) -> Vec<GraphFinding> {
         for (n, node) in nodes.iter().enumerate() {
             let field = format!("/model/graph/{block}/{n}");
             let mut bad = |m: String| out.push((field.clone(), format!("node `{}` ({block}): {m}", node.name)));
-            let width = lint_node(node, block, &env, &shape_of, &dim, &role, &mut bad);
+            let width = lint_node(node, block, &env, &shape_of, &dim, family, &mut bad);
             if env.contains_key(&node.name) {
                 bad(format!("the name `{}` is already defined in this block", node.name));
             }
@@ -232,17 +233,28 @@ fn lint_node(
     env: &BTreeMap<String, Option<usize>>,
     shape_of: &dyn Fn(&str) -> Option<Vec<usize>>,
     dim: &dyn Fn(&str) -> usize,
-    role: &dyn Fn(&str) -> Option<f64>,
+    family: &ModelFamily,
     bad: &mut dyn FnMut(String),
 ) -> Option<usize> {
-    let Some(GraphOp { name: op, inputs: ins, weights: slots, params, .. }) = op_spec(&node.op) else {
+    let role = &|r: &str| family_sample_role(family, r);
+    let kernels = &family.kernels;
+    let Some(GraphOp { name: op, inputs: ins, weights: slots, params, kernel, .. }) = op_spec(&node.op) else {
         bad(format!(
-            "unknown op `{}`; known: {} (a new op is a kernel module in oracle::kernels plus its contract)",
+            "unknown op `{}`: no registry kernel computes it. Add kernel.{} (a module in oracle::kernels with its f64 oracle, plus contracts/kernels/{}.toml) to the server, or express the node with the known ops: {}",
+            node.op,
+            node.op,
             node.op,
             GRAPH_OPS.iter().map(|o| o.name).collect::<Vec<_>>().join(", ")
         ));
         return None;
     };
+    if let Some(k) = kernel
+        && !kernels.iter().any(|x| x == k)
+    {
+        bad(format!(
+            "op `{op}` runs {k}, which [model] kernels does not list: add it, so that run_kernel_test checks the engine's {k}"
+        ));
+    }
     if node.inputs.len() != ins.len() {
         bad(format!("op `{op}` takes {} input(s) ({}), got {}", ins.len(), ins.join(", "), node.inputs.len()));
         return None;
@@ -326,6 +338,11 @@ fn lint_node(
                 && (g == 0 || x % g != 0)
             {
                 mismatch(format!("input width {x} is not a multiple of the norm weight's {g}"));
+            }
+            if let Some(&r) = p.get("group")
+                && (r < 1.0 || g % (r as usize).max(1) != 0)
+            {
+                mismatch(format!("group {r} does not divide the norm weight's {g} entries"));
             }
             x
         }

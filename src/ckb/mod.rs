@@ -422,6 +422,31 @@ impl Ckb {
             }
             if let Some(f) = &c.failure {
                 refs.extend(f.applies_to.iter().map(|r| ("/failure/applies_to", r)));
+                // A rewrite names nodes of the graphs of the families it applies to.
+                if let Some(rw) = &f.rewrite {
+                    if rw.skip.is_empty() && rw.set.is_empty() {
+                        bad("/failure/rewrite", "the rewrite changes nothing: give skip or set".into());
+                    }
+                    for key in rw.set.keys().filter(|k| !k.contains('.')) {
+                        bad("/failure/rewrite/set", format!("`{key}`: write node.param"));
+                    }
+                    for fam in &f.applies_to {
+                        let Some(g) =
+                            self.contracts.get(fam).and_then(|m| m.model.as_ref()).and_then(|m| m.graph.as_ref())
+                        else {
+                            continue;
+                        };
+                        let all = || g.prologue.iter().chain(&g.layer).chain(&g.epilogue);
+                        for node in rw.nodes() {
+                            if !all().any(|n| n.name == node) {
+                                bad(
+                                    "/failure/rewrite",
+                                    format!("node `{node}` is not in {fam}'s [model.graph]: the rewrite cannot apply"),
+                                );
+                            }
+                        }
+                    }
+                }
             }
             if let Some(p) = &c.platform {
                 refs.extend(p.kernel_guidance.keys().map(|r| ("/platform/kernel_guidance", r)));

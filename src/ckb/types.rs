@@ -325,6 +325,9 @@ pub struct GraphOp {
     pub params: &'static [&'static str],
     /// What it computes, and which kernel contract defines it.
     pub doc: &'static str,
+    /// The kernel contract whose registry kernel it runs (its engine counterpart is tested by
+    /// run_kernel_test); None for an elementwise primitive.
+    pub kernel: Option<&'static str>,
 }
 
 /// The operations a graph node may use. Kernel ops run the registry's kernels (`oracle::kernels`).
@@ -335,13 +338,15 @@ pub const GRAPH_OPS: &[GraphOp] = &[
         weights: &["table"],
         params: &[],
         doc: "kernel.embedding: the token's row of `table` [vocab, width]",
+        kernel: Some("kernel.embedding"),
     },
     GraphOp {
         name: "rms_norm",
         inputs: &["x"],
         weights: &["weight"],
-        params: &["eps?", "gain?"],
-        doc: "kernel.rms_norm over groups of len(weight) (per head when weight is [head_dim]); eps defaults to rms_norm_eps; gain `w` (default) or `one_plus_w` (multiply by 1 + w)",
+        params: &["eps?", "gain?", "group?"],
+        doc: "kernel.rms_norm over groups of len(weight) (per head when weight is [head_dim]); eps defaults to rms_norm_eps; gain `w` (default) or `one_plus_w` (multiply by 1 + w); `group` < len(weight): rows of `group` entries, each scaled by its own slice of the gain (a per-head norm with a whole-projection gain)",
+        kernel: Some("kernel.rms_norm"),
     },
     GraphOp {
         name: "linear",
@@ -349,6 +354,7 @@ pub const GRAPH_OPS: &[GraphOp] = &[
         weights: &["weight", "bias?", "tied?"],
         params: &["row_offset?", "rows?"],
         doc: "kernel.linear: x W^T (+ bias), W = weight[row_offset .. row_offset + rows] (a row block of a fused tensor; default all rows); `tied` is used instead of `weight` when config.json ties the embeddings",
+        kernel: Some("kernel.linear"),
     },
     GraphOp {
         name: "rope",
@@ -356,6 +362,7 @@ pub const GRAPH_OPS: &[GraphOp] = &[
         weights: &[],
         params: &["heads"],
         doc: "kernel.rope at the token's position over `heads` heads of head_dim, base rope_theta, with config.json's rope_scaling",
+        kernel: Some("kernel.rope"),
     },
     GraphOp {
         name: "attention",
@@ -363,6 +370,7 @@ pub const GRAPH_OPS: &[GraphOp] = &[
         weights: &[],
         params: &["window?", "scale?", "softcap?"],
         doc: "kernel.attention with this node's KV cache: q [n_heads*head_dim], k and v [n_kv_heads*head_dim] appended at the position; window > 0 sees only the last `window` positions; scores are q.k * scale (default 1/sqrt(head_dim)), then cap * tanh(score / cap) when softcap = cap > 0, before the softmax",
+        kernel: Some("kernel.attention"),
     },
     GraphOp {
         name: "silu_and_mul",
@@ -370,6 +378,7 @@ pub const GRAPH_OPS: &[GraphOp] = &[
         weights: &[],
         params: &[],
         doc: "kernel.silu_and_mul: silu(gate) * up",
+        kernel: Some("kernel.silu_and_mul"),
     },
     GraphOp {
         name: "gelu_tanh_and_mul",
@@ -377,15 +386,31 @@ pub const GRAPH_OPS: &[GraphOp] = &[
         weights: &[],
         params: &[],
         doc: "kernel.gelu_tanh_and_mul: gelu_tanh(gate) * up",
+        kernel: Some("kernel.gelu_tanh_and_mul"),
     },
-    GraphOp { name: "add", inputs: &["a", "b"], weights: &[], params: &[], doc: "elementwise a + b (a residual)" },
-    GraphOp { name: "scale", inputs: &["x"], weights: &[], params: &["factor"], doc: "elementwise x * factor" },
+    GraphOp {
+        name: "add",
+        inputs: &["a", "b"],
+        weights: &[],
+        params: &[],
+        doc: "elementwise a + b (a residual)",
+        kernel: None,
+    },
+    GraphOp {
+        name: "scale",
+        inputs: &["x"],
+        weights: &[],
+        params: &["factor"],
+        doc: "elementwise x * factor",
+        kernel: None,
+    },
     GraphOp {
         name: "softcap",
         inputs: &["x"],
         weights: &[],
         params: &["cap"],
         doc: "elementwise cap * tanh(x / cap); the identity when cap <= 0 (a null config value)",
+        kernel: None,
     },
 ];
 
@@ -590,8 +615,54 @@ pub struct FailureMode {
     /// Id of the oracle mutant that reproduces it, if one exists.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mutant: Option<String>,
+    /// A model-level mutant as a rewrite of the family's forward-pass graph (`[model.graph]`): the
+    /// reference with this rewrite is what an engine with this failure computes. Tried by the
+    /// diagnosis of verify_generation on the families of `applies_to` (and those listing this
+    /// failure in `failure_modes`) whose graph has every node it names.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rewrite: Option<GraphRewrite>,
     /// Contract ids this failure mode belongs to.
     pub applies_to: Vec<String>,
+}
+
+/// A rewrite of a family's forward-pass graph (a model-level mutant): nodes skipped, parameters
+/// replaced. Node names are those of `[model.graph]` (in any block; in `layer`, every layer's).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct GraphRewrite {
+    /// Nodes whose output is replaced by their first input (the node is not computed), e.g.
+    /// `["q_norm", "k_norm"]` for a skipped q/k norm. A skipped node's output must have its first
+    /// input's width (norms, scales, soft-caps).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub skip: Vec<String>,
+    /// `node.param` -> expression (as a graph parameter: config roles, `layer`), replacing or
+    /// adding that parameter, e.g. `"attn.window" = "sliding_window + 1"`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub set: BTreeMap<String, String>,
+}
+
+impl GraphRewrite {
+    /// The rewrite in words, for a diagnosis: `skip q_norm, k_norm; attn.window = sliding_window + 1`.
+    pub fn describe(&self) -> String {
+        let mut parts = Vec::new();
+        if !self.skip.is_empty() {
+            parts.push(format!("skip {}", self.skip.join(", ")));
+        }
+        parts.extend(self.set.iter().map(|(k, v)| format!("{k} = {v}")));
+        parts.join("; ")
+    }
+
+    /// Node names it mentions, each once.
+    pub fn nodes(&self) -> Vec<&str> {
+        let mut out: Vec<&str> = self.skip.iter().map(String::as_str).collect();
+        for k in self.set.keys() {
+            let n = k.split_once('.').map_or(k.as_str(), |(n, _)| n);
+            if !out.contains(&n) {
+                out.push(n);
+            }
+        }
+        out
+    }
 }
 
 /// One entry of a dependency deny list.

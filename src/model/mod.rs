@@ -62,9 +62,9 @@ pub struct ResolvedConfig {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub features: Vec<String>,
     /// Every other numeric role the family's `[[model.config]]` declares, by role, as config.json
-    /// (or the contract's default) gives it; 0 when the key is null or absent without a default
-    /// (the graph's ops read 0 as "off": no window, no soft-cap). E.g. Granite's
-    /// `residual_multiplier`, Gemma 2's `attn_logit_softcapping`. The family's graph reads them.
+    /// (or the contract's default) gives it, e.g. Granite's `residual_multiplier` or Gemma 2's
+    /// `attn_logit_softcapping`; the family's graph reads them. 0 when the key is null (whatever
+    /// the default) or absent without a default: the graph's ops read 0 as off (no soft-cap).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub extra: BTreeMap<String, f64>,
 }
@@ -304,7 +304,9 @@ pub fn resolve(
         }
     }
     for f in family.config.iter().filter(|f| role_type(&f.role).is_none()) {
-        match roles.get(f.role.as_str()) {
+        // An explicit null is "off" (HF: no soft-cap), whatever the default.
+        let explicit_null = config.get(&f.key).is_some_and(Value::is_null);
+        match roles.get(f.role.as_str()).filter(|_| !explicit_null) {
             None | Some(Value::Null) => {
                 cfg.extra.insert(f.role.clone(), 0.0);
             }

@@ -383,9 +383,63 @@ pub fn propose(ctx: &Ctx, req: &ProposeRequest) -> Result<ProposeReport> {
     }
     let contract: Contract =
         toml::from_str(&req.toml).map_err(|e| Error::internal(format!("validated proposal: {e}")))?;
+    if let Some(message) = dry_run(&contract) {
+        let f = crate::ckb::Finding { file: "proposal".into(), field: "/model/graph".into(), message };
+        return Ok(refused(id, version, vec![f]));
+    }
     let file = crate::ckb::file_for_id(&contract.id).map_err(Error::usage)?;
     write_candidate(&ctx.candidates_dir(), &file, &contract)?;
     Ok(ProposeReport { staged: true, id, version, amendment: existing.is_some(), file, findings: vec![] })
+}
+
+/// Tokens the dry run of a proposed family's graph steps through.
+const DRY_RUN_STEPS: u32 = 6;
+
+/// Run a proposed model family's graph before it is staged: write a small synthetic checkpoint from
+/// the proposal itself (its config keys and its graph's weight bindings, `synth::synth_contract`),
+/// resolve its config.json against the proposal, build the reference from the graph and step
+/// [`DRY_RUN_STEPS`] tokens. None when it runs and every logit is finite (or the proposal is not a
+/// model family with a graph); otherwise what failed, naming the step or the node.
+fn dry_run(contract: &Contract) -> Option<String> {
+    let family = contract.model.as_ref()?;
+    family.graph.as_ref()?;
+    let run = || -> Result<Option<String>> {
+        let dir = tempfile::tempdir().map_err(|e| Error::internal(format!("dry run: temporary directory: {e}")))?;
+        let out = dir.path().join("checkpoint");
+        let req = crate::ops::synth::SynthRequest {
+            family: contract.id.clone(),
+            out: out.clone(),
+            seed: 1,
+            layers: Some(2),
+            ..Default::default()
+        };
+        crate::ops::synth::synth_contract(contract, &req)?;
+        let config = crate::model::read_config(out.as_path())?;
+        let cfg = crate::model::resolve(contract, &config).map_err(|gaps| {
+            Error::input(gaps.iter().map(|g| format!("{}: {}", g.field, g.reason)).collect::<Vec<_>>().join("; "))
+        })?;
+        let tensors = crate::model::read_safetensors(out.as_path())?;
+        let mut reference = crate::oracle::graph::GraphReference::new(family, &cfg, &tensors, "f32")?;
+        for step in 0..DRY_RUN_STEPS {
+            let logits = reference.step((step * 7 + 1) % cfg.vocab as u32)?;
+            if let Some(bad) = logits.iter().position(|v| !v.is_finite()) {
+                return Ok(Some(format!(
+                    "step {step}: logit {bad} is {}; a parameter expression or a node's input yields no finite value at the synthetic config (vocab {}, hidden {})",
+                    logits[bad], cfg.vocab, cfg.hidden
+                )));
+            }
+        }
+        Ok(None)
+    };
+    match run() {
+        Ok(found) => {
+            found.map(|m| format!("dry run of the graph on a synthetic checkpoint written from the proposal: {m}"))
+        }
+        Err(e) => Some(format!(
+            "dry run of the graph on a synthetic checkpoint written from the proposal failed: {}",
+            e.message
+        )),
+    }
 }
 
 /// The gates whose passing outcome is evidence for a contract of `kind`: a model family or a

@@ -621,7 +621,8 @@ fn graph_plan(contract: &crate::ckb::Contract, config: &serde_json::Value) -> Re
     })?;
     let role = |r: &str| crate::oracle::graph::config_role(&cfg, r);
     // tensor pattern -> the draws of its row blocks, in node order (row offset, rows or all, mean, std).
-    let mut uses: std::collections::BTreeMap<&str, Vec<(usize, Option<usize>, f32, f32)>> = Default::default();
+    type RowBlocks = Vec<(usize, Option<usize>, f32, f32)>;
+    let mut uses: std::collections::BTreeMap<&str, RowBlocks> = Default::default();
     let last = graph.epilogue.last().map(|n| n.name.as_str());
     for (block, nodes) in [("prologue", &graph.prologue), ("layer", &graph.layer), ("epilogue", &graph.epilogue)] {
         for n in nodes.iter() {
@@ -1415,6 +1416,22 @@ pub fn builtin_features(model_type: &str) -> Vec<String> {
     f.iter().map(|s| s.to_string()).collect()
 }
 
+/// Write a synthetic checkpoint of the family `contract` describes (which need not be in any CKB: a
+/// proposal's dry run uses it): config.json from [`synth_config_for`], tensors from its graph's
+/// weight bindings (or from its features when it has no graph), stored as `req` says.
+///
+/// # Errors
+/// As [`synth_config_for`] and [`write_checkpoint_opts`]; a graph whose shapes do not evaluate.
+pub fn synth_contract(contract: &crate::ckb::Contract, req: &SynthRequest) -> Result<SynthReport> {
+    let config = synth_config_for(contract, req)?;
+    let model = contract.model.as_ref().expect("synth_config_for refuses other kinds");
+    if model.graph.is_some() {
+        write_planned(&req.out, &config, graph_plan(contract, &config)?, req.seed, &Storage::of(req)?)
+    } else {
+        write_checkpoint_opts(&req.out, &config, &model.features, req.seed, &Storage::of(req)?)
+    }
+}
+
 /// Write a synthetic checkpoint for `req`: a built-in family as [`synth`] does, any other family
 /// from its model contract in `ckb` (`model.<family>`, or the family whose model_types contain it;
 /// a provisional candidate counts) with [`synth_config_for`] and the contract's features.
@@ -1441,13 +1458,7 @@ pub fn synth_in(ckb: &crate::ckb::Ckb, req: &SynthRequest) -> Result<SynthReport
             if known.is_empty() { String::new() } else { format!(", and from their contracts: {}", known.join(", ")) }
         )));
     };
-    let config = synth_config_for(contract, req)?;
-    let model = contract.model.as_ref().expect("model contract");
-    let mut report = if model.graph.is_some() {
-        write_planned(&req.out, &config, graph_plan(contract, &config)?, req.seed, &Storage::of(req)?)?
-    } else {
-        write_checkpoint_opts(&req.out, &config, &model.features, req.seed, &Storage::of(req)?)?
-    };
+    let mut report = synth_contract(contract, req)?;
     report.family = family.to_string();
     Ok(report)
 }

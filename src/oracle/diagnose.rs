@@ -4,7 +4,9 @@
 //! core with one fault, in the kernel registry `oracle::kernels`, or a model-level mutation,
 //! `oracle::mutants`). When a kernel fails its test, the server recomputes the expected output of
 //! each mutant of that kernel's failure modes on the same drawn inputs; when generation fails, it
-//! reruns the reference forward pass with each model-level mutation on the engine's own tokens. A
+//! reruns the reference forward pass with each model-level mutation, and each graph rewrite of a
+//! failure contract of the family (`rewrite`: nodes skipped, parameters replaced), on the engine's
+//! own tokens. A
 //! mutant that reproduces the engine's output while the true oracle does not is reported as a
 //! [`Diagnosis`]: the failure id and the evidence. No mutant explaining it: no diagnosis.
 
@@ -169,7 +171,10 @@ fn run_forced(
 /// logit is within the tolerance of the mutant, or e_m <= e_ref / 10 and e_m is within ten times
 /// the tolerance (e_m <= 10 (atol + rtol max|mutant logit|)), which allows for an engine whose
 /// mistake is the mutant's in substance but accumulates differently. Only mutations with a failure
-/// contract in the CKB, and that can change this model's logits, are tried. Best match first; empty
+/// contract in the CKB, and that can change this model's logits, are tried; then, by the same rule,
+/// the graph rewrites of the failure contracts that apply to the family (its `failure_modes`, or
+/// their `applies_to` naming it) and whose nodes its graph has (e.g. q/k norm skipped, embedding
+/// scale missing, soft-cap missing). Best match first; empty
 /// when the reference itself matches the engine on its own tokens (e.g. a tokenizer mistake) or no
 /// mutation explains the logits. The reference is left as it was given (mutations and all).
 pub fn generation(
@@ -203,6 +208,25 @@ pub fn generation(
                 found.push(diagnosis(fc, m.name(), e_ref, e_m));
             }
         }
+        let family = reference.config().family.clone();
+        for fc in ckb.of_kind(Kind::Failure) {
+            let Some(rewrite) = fc.failure.as_ref().and_then(|f| f.rewrite.as_ref()) else { continue };
+            let listed = ckb.get(&family).is_ok_and(|c| c.failure_modes.contains(&fc.id));
+            if !listed && !fc.failure.as_ref().is_some_and(|f| f.applies_to.contains(&family)) {
+                continue;
+            }
+            if !matches!(reference.set_rewrite(Some(rewrite)), Ok(true)) {
+                continue;
+            }
+            let run = run_forced(reference, Mutations::NONE, ids, tokens, logits, tol, e_ref / 10.0);
+            if let Some((e_m, ok, scale)) = run {
+                let near = e_m * 10.0 <= e_ref && e_m <= 10.0 * (tol.atol + tol.rtol * scale);
+                if ok || near {
+                    found.push(diagnosis(fc, &format!("graph rewrite: {}", rewrite.describe()), e_ref, e_m));
+                }
+            }
+        }
+        let _ = reference.set_rewrite(None);
     }
     reference.set_mutations(before);
     found.sort_by(|a, b| a.error_vs_mutant.total_cmp(&b.error_vs_mutant));

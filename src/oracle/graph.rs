@@ -12,7 +12,7 @@ use super::kernels::{attention, embedding, linear, rms_norm, rope, silu_and_mul}
 use super::mutants::{Mutation, Mutations};
 use super::{AttnShape, widen};
 use crate::ckb::graph::eval_expr;
-use crate::ckb::{GraphNode, ModelFamily};
+use crate::ckb::{GraphNode, GraphRewrite, ModelFamily};
 use crate::error::{Error, Result};
 use crate::model::{ResolvedConfig, Tensors};
 
@@ -64,6 +64,13 @@ struct Prepared {
     params: BTreeMap<String, f64>,
     /// Index of this node's KV cache (attention only).
     cache: usize,
+    /// Node name in its block, and its layer (None in prologue and epilogue).
+    name: String,
+    layer: Option<usize>,
+    /// The parameters as the graph gives them, kept while a rewrite replaces some.
+    base: BTreeMap<String, f64>,
+    /// Skipped by a rewrite: the output is the first input.
+    skip: bool,
 }
 
 /// Each node's output for one step, in order, by trace name (`embed`, `layers.<i>.<name>`, ..., `logits`).
@@ -154,6 +161,53 @@ impl GraphReference {
     pub fn set_mutations(&mut self, mutations: Mutations) {
         self.mutations = mutations;
         self.reset();
+    }
+
+    /// Apply a graph rewrite (a model-level mutant, [`GraphRewrite`]) or, with None, restore the
+    /// graph as the contract gives it; forgets the cache either way. Returns whether the rewrite
+    /// applies: every node it names is in this graph (otherwise nothing changes).
+    ///
+    /// # Errors
+    /// Input when a replaced parameter's expression does not evaluate at this config, or a skipped
+    /// node's output width differs from its first input's (it cannot be bypassed).
+    pub fn set_rewrite(&mut self, rewrite: Option<&GraphRewrite>) -> Result<bool> {
+        self.reset();
+        let cfg = self.cfg.clone();
+        let nodes = || self.prologue.iter().chain(self.layers.iter().flatten()).chain(&self.epilogue);
+        if let Some(r) = rewrite
+            && !r.nodes().iter().all(|name| nodes().any(|n| n.name == *name))
+        {
+            return Ok(false);
+        }
+        for n in self.prologue.iter_mut().chain(self.layers.iter_mut().flatten()).chain(self.epilogue.iter_mut()) {
+            n.params = n.base.clone();
+            n.skip = false;
+            let Some(r) = rewrite else { continue };
+            n.skip = r.skip.contains(&n.name);
+            if n.skip && (n.inputs.is_empty() || matches!(n.op.as_str(), "linear" | "embedding" | "attention")) {
+                return Err(Error::input(format!(
+                    "rewrite skips node `{}` ({}): only a node whose output has its first input's width can be skipped",
+                    n.trace, n.op
+                )));
+            }
+            for (key, expr) in &r.set {
+                let Some((node, param)) = key.split_once('.') else {
+                    return Err(Error::input(format!("rewrite sets `{key}`: write node.param")));
+                };
+                if node != n.name {
+                    continue;
+                }
+                let layer = n.layer;
+                let role = |x: &str| match (x, layer) {
+                    ("layer", Some(i)) => Some(i as f64),
+                    _ => config_role(&cfg, x),
+                };
+                let v = eval_expr(expr, &role)
+                    .map_err(|m| Error::input(format!("rewrite sets `{key}` = `{expr}` at `{}`: {m}", n.trace)))?;
+                n.params.insert(param.to_string(), v);
+            }
+        }
+        Ok(true)
     }
 
     /// The mutations in force; empty for the true forward pass.
@@ -286,7 +340,20 @@ impl Builder<'_> {
             } else {
                 0
             };
-            out.push(Prepared { trace, op: n.op.clone(), inputs, weight, bias, params, cache });
+            let base = params.clone();
+            out.push(Prepared {
+                trace,
+                op: n.op.clone(),
+                inputs,
+                weight,
+                bias,
+                params,
+                cache,
+                name: n.name.clone(),
+                layer,
+                base,
+                skip: false,
+            });
             names.push(&n.name);
         }
         Ok(out)
@@ -380,6 +447,9 @@ impl Exec<'_> {
 
     fn node(&mut self, n: &Prepared, ins: &[&[f64]]) -> Vec<f64> {
         let input = |i: usize| ins[i];
+        if n.skip {
+            return input(0).to_vec();
+        }
         let (c, m) = (self.cfg, self.m);
         let slice = |b: &Bound| &self.store[b.at][b.offset * b.cols..(b.offset + b.rows) * b.cols];
         let (hd, nh, nkv) = (c.head_dim, c.n_heads, c.n_kv_heads);
@@ -405,7 +475,19 @@ impl Exec<'_> {
                     eps_outside: m.has(Mutation::RmsNormEpsOutside),
                     no_weight: m.has(Mutation::RmsNormNoWeight),
                 };
-                rms_norm::core(input(0), slice(&w), eps, f)
+                let gain = slice(&w);
+                match n.params.get("group").map(|g| *g as usize) {
+                    // Rows of `group` entries, each with its own slice of a wider gain.
+                    Some(g) if g > 0 && g < gain.len() && gain.len().is_multiple_of(g) => input(0)
+                        .chunks(g)
+                        .enumerate()
+                        .flat_map(|(i, row)| {
+                            let at = (i * g) % gain.len();
+                            rms_norm::core(row, &gain[at..at + g], eps, f)
+                        })
+                        .collect(),
+                    _ => rms_norm::core(input(0), gain, eps, f),
+                }
             }
             "linear" => {
                 let w = n.weight.expect("weight bound");

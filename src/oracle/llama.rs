@@ -418,6 +418,19 @@ impl Reference {
         }
     }
 
+    /// Apply a graph rewrite (a model-level mutant) or restore the graph with None; see
+    /// [`GraphReference::set_rewrite`]. Ok(false) when it does not apply: a node it names is not in
+    /// the graph, or this reference is the hand-written one (no graph).
+    ///
+    /// # Errors
+    /// As [`GraphReference::set_rewrite`].
+    pub fn set_rewrite(&mut self, rewrite: Option<&crate::ckb::GraphRewrite>) -> Result<bool> {
+        match &mut self.0 {
+            Inner::Graph(r) => r.set_rewrite(rewrite),
+            Inner::Handwritten(_) => Ok(false),
+        }
+    }
+
     /// The mutations in force; empty for the true forward pass.
     pub fn mutations(&self) -> Mutations {
         match &self.0 {

@@ -271,9 +271,13 @@ fn swapper(ws: PathBuf, outside: PathBuf, stop: Arc<AtomicBool>) -> std::thread:
                 if linked {
                     std::fs::remove_file(&sub).unwrap();
                 }
-                if std::fs::rename(&aside, &sub).is_err() {
-                    std::fs::remove_dir_all(&sub).unwrap();
-                    std::fs::rename(&aside, &sub).unwrap();
+                // A call may have created `sub` meanwhile, and may still be writing into it:
+                // remove it until the original can go back.
+                let mut tries = 0;
+                while std::fs::rename(&aside, &sub).is_err() {
+                    let _ = std::fs::remove_dir_all(&sub);
+                    tries += 1;
+                    assert!(tries < 10_000, "cannot put {} back", sub.display());
                 }
                 swaps += 1;
             }

@@ -6,6 +6,7 @@ mod checkpoints;
 mod ckb;
 mod cli;
 mod client;
+mod contract_families;
 mod corpus;
 mod cuda;
 mod diagnose;

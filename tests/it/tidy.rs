@@ -84,6 +84,7 @@ const OPS_EDGES: &[(&str, &str, &str)] = &[
     ("gate", "rules", "the skeleton runs the rules before every gate"),
     ("gate", "compile", "a harness build failure is reported as compile_engine reports it"),
     ("gate", "evolve", "a passing gate promotes the candidates it ran under"),
+    ("evolve", "synth", "a proposed family's graph is dry-run on a checkpoint synth writes from the proposal"),
 ];
 
 /// The ops module of an ops file (`src/ops/profile/roofline.rs` -> `profile`), None for mod.rs.

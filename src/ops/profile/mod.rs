@@ -82,15 +82,28 @@ pub struct ProfileReport {
     pub prefill_by_len: Vec<PrefillAt>,
     /// Peak resident set size of the engine's process over the profile, MB (Linux; 0 elsewhere).
     pub peak_rss_mb: f64,
+    /// The machine's load beside the figures: the 1-minute load average (/proc/loadavg) just
+    /// before the engine ran and just after, and the logical core count. A load near or above the
+    /// core count means other work shared the cores and the timings are pessimistic. Empty where
+    /// the OS does not report it.
+    #[serde(default)]
+    pub machine_load: Option<MachineLoad>,
     /// Model load time, ms.
     pub load_ms: f64,
     /// Bytes of weights read per decoded token at the engine's weight dtype (4 per f32 weight, 2 per
     /// bf16/f16, 1 per int8 plus one f32 scale per row; the embedding row itself is negligible).
     pub bytes_per_token: f64,
-    /// Decode roofline: bandwidth at the run's thread count (the machine probe's DRAM median when
-    /// probed, else the platform contract) / `bytes_per_token`, tokens/s.
-    /// Models that fit in cache can exceed it.
+    /// Decode roofline: bandwidth at the run's thread count / `bytes_per_token`, tokens/s. The
+    /// bandwidth is the machine probe's (`metainfer machine`) best read figure at the memory level
+    /// that holds the decode working set (`roofline_level`: a model of a few MB is cache-resident
+    /// and measured so), else the platform contract's DRAM figure, which models that fit in cache
+    /// can exceed.
     pub roofline_decode_tok_s: f64,
+    /// The memory level the roofline's bandwidth was measured at and why, e.g. `L3 (4 MiB): the
+    /// decode working set of 0.4 MB is cache-resident`; empty when the figures are the platform
+    /// contract's.
+    #[serde(default)]
+    pub roofline_level: String,
     /// Compute bound: platform peak f32 FLOP/s (all threads) / 2 FLOP per weight per token. No real
     /// engine exceeds it; a figure above it is reported as invalid, never as fast.
     pub compute_bound_tok_s: f64,
@@ -132,6 +145,25 @@ pub struct ProfileReport {
     /// the enforced sandbox; false where the kernel offers no Landlock ABI >= 6 or seccomp (the
     /// server logs why at start; `--require-sandbox` refuses to run instead).
     pub sandboxed: bool,
+}
+
+/// The roofline bandwidth from a machine probe: the best (max over runs) read bandwidth at
+/// `threads` of the smallest probed memory level whose working set holds `working_set` bytes
+/// (`probe::working_sets`, in order: L1, L2, L3, DRAM), GB/s, with that level's label. A roofline
+/// is an upper bound, hence the max. None when the probe has no figure at this thread count.
+pub fn roofline_level(probe: &crate::probe::MachineProbe, working_set: f64, threads: usize) -> Option<(f64, String)> {
+    let sets = crate::probe::working_sets();
+    let (label, _) = sets.iter().find(|(_, bytes)| *bytes as f64 >= working_set).or(sets.last())?;
+    let best = |label: &str| {
+        probe
+            .figures
+            .iter()
+            .find(|f| f.threads == threads && f.what.strip_prefix("read ").is_some_and(|w| w.starts_with(label)))
+            .map(|f| f.spread.max)
+    };
+    // The DRAM label carries this machine's size: match on the level name.
+    let name = label.split(' ').next().unwrap_or(label);
+    best(name).map(|bw| (bw, label.clone()))
 }
 
 /// The device of a CUDA engine's profile: the roofline is the platform contract's HBM bandwidth for
@@ -177,6 +209,22 @@ pub struct PreviousProfile {
     pub regression: bool,
 }
 
+/// The machine's load around a profile (see [`ProfileReport::machine_load`]).
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct MachineLoad {
+    /// 1-minute load average before the engine ran.
+    pub before: f64,
+    /// 1-minute load average after it ran (its own load included).
+    pub after: f64,
+    /// Logical cores.
+    pub cores: usize,
+}
+
+/// The 1-minute load average from /proc/loadavg (Linux); None elsewhere.
+fn load_average() -> Option<f64> {
+    std::fs::read_to_string("/proc/loadavg").ok()?.split_whitespace().next()?.parse().ok()
+}
+
 /// Whether `now` is slower than `before` beyond the noise (the rule of [`PreviousProfile::regression`]).
 pub fn is_regression(before: &Spread, now: &Spread) -> bool {
     let noise = |s: &Spread| if s.median > 0.0 { (s.max - s.min) / s.median } else { 0.0 };
@@ -219,6 +267,21 @@ impl Report for ProfileReport {
                 .join(", "),
             self.peak_rss_mb
         ) + &format!("figures from {}\n", self.figures_from)
+            + &self
+                .machine_load
+                .as_ref()
+                .map(|l| {
+                    format!(
+                        "machine load (1-min average) {:.2} before, {:.2} after, on {} cores\n",
+                        l.before, l.after, l.cores
+                    )
+                })
+                .unwrap_or_default()
+            + &if self.roofline_level.is_empty() {
+                String::new()
+            } else {
+                format!("roofline bandwidth measured at {}\n", self.roofline_level)
+            }
             + &self.adjusted.iter().map(|a| format!("adjusted: {a}\n")).collect::<String>()
             + &self
                 .promotions
@@ -362,9 +425,10 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     // this host is.
     let gpu = target_platform.and_then(|p| p.platform.as_ref()).and_then(|p| p.gpu.as_ref());
     let contract_bw = |n: usize| platform.and_then(|p| p.bandwidth_gbs.get(&n.to_string()).copied());
-    let bandwidth = probe
+    let level = probe.as_ref().and_then(|p| roofline_level(p, bytes_per_token, threads));
+    let bandwidth = level
         .as_ref()
-        .and_then(|p| p.median("read DRAM", threads))
+        .map(|l| l.0)
         .or_else(|| contract_bw(threads))
         .or_else(|| contract_bw(1).map(|b| b * threads as f64))
         .unwrap_or(15.0);
@@ -378,6 +442,10 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
         .map(|p| p.figures.iter().filter(|f| f.what.starts_with("peak")).map(|f| f.spread.max).fold(0.0, f64::max))
         .unwrap_or(0.0);
     let peak = contract_peak.max(probe_peak);
+    let roofline_level = level.map(|(_, label)| {
+        let resident = if label.starts_with("DRAM") { "does not fit in cache" } else { "is cache-resident" };
+        format!("{label}: the decode working set of {:.1} MB {resident}", bytes_per_token / 1e6)
+    });
     let mut figures_from = match (&probe, figures_platform) {
         (Some(_), Some(p)) => format!("this machine's probe (metainfer machine), peak at least {}", p.id),
         (Some(_), None) => "this machine's probe (metainfer machine)".to_string(),
@@ -414,6 +482,7 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
         first_token_ms: Spread::of(&[]),
         prefill_by_len: vec![],
         peak_rss_mb: 0.0,
+        machine_load: None,
         load_ms: 0.0,
         roofline_decode_tok_s: roofline,
         compute_bound_tok_s: compute_bound,
@@ -423,6 +492,7 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
         rules: vec![],
         error: String::new(),
         figures_from,
+        roofline_level: roofline_level.unwrap_or_default(),
         promotions: vec![],
         device: None,
     };
@@ -458,7 +528,14 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     let commands =
         vec![(command, threads_env.clone()), (Command::Time { reps: runs.max(3), items }, threads_env.clone())];
     let grant = held.grant();
-    let mut called = match gate.exchange(h, commands, Some(&held), &grant.paths())? {
+    let load_before = load_average();
+    let exchanged = gate.exchange(h, commands, Some(&held), &grant.paths())?;
+    report.machine_load = load_before.zip(load_average()).map(|(before, after)| MachineLoad {
+        before,
+        after,
+        cores: crate::probe::cores(),
+    });
+    let mut called = match exchanged {
         (_, Exchange::Written(w)) => {
             report.error = w.text(gate.tool.name());
             return Ok(report);
@@ -705,6 +782,39 @@ fn previous_profile(
 
 #[cfg(test)]
 mod tests {
+    use crate::probe::{Figure, MachineProbe};
+    use crate::stats::Spread;
+
+    fn probe() -> MachineProbe {
+        let fig = |what: String, threads: usize, max: f64| Figure {
+            what,
+            threads,
+            unit: "GB/s".into(),
+            spread: Spread { min: max / 2.0, median: max * 0.9, max },
+        };
+        let mut figures = Vec::new();
+        for (i, (label, _)) in crate::probe::working_sets().into_iter().enumerate() {
+            figures.push(fig(format!("read {label}"), 1, 100.0 / (i + 1) as f64));
+            figures.push(fig(format!("read {label}"), 2, 200.0 / (i + 1) as f64));
+        }
+        MachineProbe { fingerprint: "test".into(), simd: "scalar".into(), figures }
+    }
+
+    /// The roofline's level holds the working set: 0.4 MB (the synthetic checkpoints) is L3's
+    /// (4 MiB), 60 MB (stories15M in f32) and 5 GB are DRAM's; at the run's thread count; the best
+    /// run (max), since a roofline bounds.
+    #[test]
+    fn the_roofline_level_holds_the_decode_working_set_at_the_run_s_threads() {
+        let p = probe();
+        let (bw, label) = super::roofline_level(&p, 0.4e6, 1).unwrap();
+        assert_eq!((bw, label.as_str()), (100.0 / 3.0, "L3 (4 MiB)"));
+        let (bw, label) = super::roofline_level(&p, 60e6, 2).unwrap();
+        assert!(label.starts_with("DRAM") && bw == 50.0, "{label} {bw}");
+        assert!(super::roofline_level(&p, 5e9, 2).unwrap().1.starts_with("DRAM"));
+        assert_eq!(super::roofline_level(&p, 10e3, 1).unwrap().1, "L1 (16 KiB)");
+        assert!(super::roofline_level(&p, 10e3, 3).is_none(), "no figure at 3 threads");
+    }
+
     use super::*;
 
     fn spread(median: f64, min: f64, max: f64) -> Spread {

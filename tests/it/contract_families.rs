@@ -1,0 +1,535 @@
+//! The families added as contract files only (model.olmo2, model.granite, model.gemma2): synth writes
+//! their checkpoints from the graphs' weight bindings, plan routes them, the reference interprets
+//! their graphs, every difference from Llama they add changes the logits beyond the f32 tolerance
+//! and obeys the identity its formula implies (checked against the formula, not the interpreter),
+//! and the plain example engine, written apart from the interpreter, passes every gate on them and
+//! fails verify_generation when one of their differences is left out.
+
+use std::path::{Path, PathBuf};
+
+use metainfer::ckb::{Ckb, ModelFamily};
+use metainfer::model::{self, ResolvedConfig, Tensors};
+use metainfer::ops::plan::{PlanRequest, plan_only};
+use metainfer::ops::synth::{SynthRequest, synth_in};
+use metainfer::oracle::graph::GraphReference;
+use serde_json::{Value, json};
+
+/// The three families, with the tensors only they have (checked by name and shape role).
+const FAMILIES: &[(&str, &str)] = &[
+    ("olmo2", "model.layers.0.post_feedforward_layernorm.weight"),
+    ("granite", "model.layers.0.input_layernorm.weight"),
+    ("gemma2", "model.layers.0.pre_feedforward_layernorm.weight"),
+];
+
+fn family(id: &str) -> ModelFamily {
+    Ckb::embedded().unwrap().get(id).unwrap().model.clone().unwrap()
+}
+
+/// A synthetic checkpoint of `fam` (3 layers; a window of 5 where the family has one), with `edit`
+/// applied to its config.json.
+fn synth(root: &Path, name: &str, fam: &str, edit: impl FnOnce(&mut Value)) -> PathBuf {
+    let out = root.join(name);
+    let req = SynthRequest {
+        family: fam.into(),
+        out: out.clone(),
+        seed: 7,
+        layers: Some(3),
+        sliding_window: matches!(fam, "gemma2" | "mistral").then_some(5),
+        ..Default::default()
+    };
+    synth_in(&Ckb::embedded().unwrap(), &req).unwrap();
+    let path = out.join("config.json");
+    let mut config: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut config);
+    std::fs::write(&path, serde_json::to_string_pretty(&config).unwrap()).unwrap();
+    out
+}
+
+fn load(dir: &Path) -> (ResolvedConfig, Tensors) {
+    (model::load_config(&Ckb::embedded().unwrap(), dir).unwrap(), model::read_safetensors(dir).unwrap())
+}
+
+/// Logits of 12 steps (longer than the window of 5) of the family's graph reference.
+fn run(fam: &ModelFamily, dir: &Path) -> Vec<Vec<f64>> {
+    let (cfg, tensors) = load(dir);
+    let mut r = GraphReference::new(fam, &cfg, &tensors, "f32").unwrap();
+    (0..12u32).map(|i| r.step((i * 7 + 3) % cfg.vocab as u32).unwrap()).collect()
+}
+
+fn max_diff(a: &[Vec<f64>], b: &[Vec<f64>]) -> f64 {
+    a.iter().flatten().zip(b.iter().flatten()).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
+}
+
+#[test]
+fn contract_families_synthesize_route_and_give_spread_logits() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    for (fam, own) in FAMILIES {
+        let id = format!("model.{fam}");
+        let dir = synth(t.path(), fam, fam, |_| {});
+        let req = PlanRequest {
+            model: dir.display().to_string(),
+            target: "cpu".into(),
+            dtype: "f32".into(),
+            platform: None,
+            serving: None,
+        };
+        let r = plan_only(&ctx, &req).unwrap();
+        assert!(r.covered && r.family == id, "{fam}: {:?}", r.gaps);
+        let (cfg, tensors) = load(&dir);
+        assert!(tensors.contains_key(*own), "{fam}: {own} written");
+        // Every tensor the contract declares and the graph reads is written, at its declared shape.
+        let f = family(&id);
+        let layer_norms = f.weights.iter().filter(|w| w.name.contains("{i}") && w.shape.len() == 1).count();
+        let at_layer0 = tensors.keys().filter(|n| n.starts_with("model.layers.0.") && tensors[*n].0.len() == 1).count();
+        assert_eq!(at_layer0, layer_norms, "{fam}: one gain per declared layer norm");
+        let rows = run(&f, &dir);
+        for row in &rows {
+            assert!(row.iter().all(|v| v.is_finite()), "{fam}: non-finite logits");
+            let mean = row.iter().sum::<f64>() / row.len() as f64;
+            let sd = (row.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / row.len() as f64).sqrt();
+            assert!(sd > 0.05 && sd < 100.0, "{fam}: logits degenerate (sd {sd})");
+        }
+        match *fam {
+            "olmo2" => {
+                assert_eq!(tensors["model.layers.0.self_attn.q_norm.weight"].0, vec![cfg.n_heads * cfg.head_dim]);
+                assert!(!tensors.contains_key("model.layers.0.input_layernorm.weight"));
+                assert!(!cfg.tied && tensors.contains_key("lm_head.weight"));
+            }
+            "granite" => {
+                // The published checkpoint's values (the contract's `example`), not the defaults of 1.
+                let want = [
+                    ("embedding_multiplier", 12.0),
+                    ("residual_multiplier", 0.22),
+                    ("attention_multiplier", 0.015625),
+                    ("logits_scaling", 8.0),
+                ];
+                for (role, v) in want {
+                    assert_eq!(cfg.extra.get(role), Some(&v), "{role}");
+                }
+            }
+            _ => {
+                assert_eq!((cfg.sliding_window, cfg.extra["attn_logit_softcapping"]), (5, 50.0));
+                assert!(cfg.tied && !tensors.contains_key("lm_head.weight"));
+            }
+        }
+    }
+}
+
+/// Each difference the new families add, switched off through config.json, moves the logits by more
+/// than the f32 tolerance (1e-3), so an engine leaving it out fails verify_generation; and each obeys
+/// what its formula implies: the logits divided by logits_scaling, the final soft-cap as c tanh(x / c)
+/// of the uncapped logits, the window invisible before position 5 and on odd layers alone.
+#[test]
+fn what_the_contract_families_add_changes_the_logits_as_their_formulas_say() {
+    let t = tempfile::tempdir().unwrap();
+    let differs = |fam: &str, what: &str, edit: &dyn Fn(&mut Value)| {
+        let f = family(&format!("model.{fam}"));
+        let base = run(&f, &synth(t.path(), &format!("{fam}-base-{what}"), fam, |_| {}));
+        let off = run(&f, &synth(t.path(), &format!("{fam}-{what}"), fam, |c| edit(c)));
+        let d = max_diff(&base, &off);
+        assert!(d > 1e-3, "{fam}: {what} has no effect beyond the tolerance ({d})");
+        (base, off)
+    };
+    for key in ["embedding_multiplier", "residual_multiplier", "attention_multiplier"] {
+        differs("granite", key, &|c| c[key] = json!(1.0));
+    }
+    let (scaled, unscaled) = differs("granite", "logits_scaling", &|c| c["logits_scaling"] = json!(1.0));
+    let d =
+        scaled.iter().flatten().zip(unscaled.iter().flatten()).map(|(s, u)| (s * 8.0 - u).abs()).fold(0.0, f64::max);
+    assert!(d < 1e-12, "granite: logits are the unscaled ones / 8 ({d})");
+
+    // Gemma 2's final soft-cap at 30 barely touches logits of a few units (x - 30 tanh(x / 30) is
+    // about x^3 / 2700); at 2 it is visible, and equals 2 tanh(x / 2) of the uncapped logits.
+    let f = family("model.gemma2");
+    let capped = run(&f, &synth(t.path(), "gemma2-cap2", "gemma2", |c| c["final_logit_softcapping"] = json!(2.0)));
+    let uncapped = run(&f, &synth(t.path(), "gemma2-nocap", "gemma2", |c| c["final_logit_softcapping"] = Value::Null));
+    let d = capped
+        .iter()
+        .flatten()
+        .zip(uncapped.iter().flatten())
+        .map(|(c, u)| (c - 2.0 * (u / 2.0).tanh()).abs())
+        .fold(0.0, f64::max);
+    assert!(d < 1e-12 && max_diff(&capped, &uncapped) > 1e-2, "gemma2 final soft-cap ({d})");
+    differs("gemma2", "attn_softcap", &|c| c["attn_logit_softcapping"] = json!(0.5));
+    differs("gemma2", "query_pre_attn_scalar", &|c| c["query_pre_attn_scalar"] = json!(16));
+    // The window (5) on the even layers: nothing changes before position 5, something after.
+    let (windowed, full) = differs("gemma2", "window", &|c| c["sliding_window"] = Value::Null);
+    assert!(max_diff(&windowed[..5], &full[..5]) < 1e-12, "gemma2: the window is invisible before position 5");
+    // On the odd layers instead (a graph rewrite), the logits differ from the true ones.
+    let mut odd = f.clone();
+    let attn = odd.graph.as_mut().unwrap().layer.iter_mut().find(|n| n.name == "attn").unwrap();
+    attn.params.insert("window".into(), "sliding_window * (layer % 2)".into());
+    let dir = synth(t.path(), "gemma2-odd", "gemma2", |_| {});
+    assert!(max_diff(&run(&odd, &dir), &windowed) > 1e-3, "gemma2: the window's layers matter");
+
+    // OLMo 2: skipping the whole-projection q/k norm, or a post-norm (graph rewrites), moves the logits.
+    let f = family("model.olmo2");
+    let dir = synth(t.path(), "olmo2", "olmo2", |_| {});
+    let base = run(&f, &dir);
+    for (node, bypass) in [("q_norm", "q"), ("o_norm", "o"), ("down_norm", "down")] {
+        let mut g = f.clone();
+        let layer = &mut g.graph.as_mut().unwrap().layer;
+        let gain = layer.iter().find(|n| n.name == node).unwrap().weights["weight"].clone();
+        layer.retain(|n| n.name != node);
+        for n in layer.iter_mut() {
+            n.inputs.iter_mut().filter(|i| *i == node).for_each(|i| *i = bypass.to_string());
+        }
+        // The skipped norm's gain is read by no node now: optional, as lint requires.
+        g.weights.iter_mut().filter(|w| w.name == gain).for_each(|w| w.optional = true);
+        let d = max_diff(&base, &run(&g, &dir));
+        assert!(d > 1e-3, "olmo2: skipping {node} has no effect beyond the tolerance ({d})");
+    }
+}
+
+/// The plain example engine, its metainfer.toml naming `family`.
+fn engine_for(dir: &Path, family: &str) {
+    crate::Engine::Plain.copy_to(dir);
+    let manifest = std::fs::read_to_string(dir.join("metainfer.toml")).unwrap();
+    std::fs::write(
+        dir.join("metainfer.toml"),
+        manifest.replace("family = \"model.llama\"", &format!("family = {family:?}")),
+    )
+    .unwrap();
+}
+
+fn verify_req(engine: &Path, model: &Path) -> metainfer::ops::verify::VerifyRequest {
+    metainfer::ops::verify::VerifyRequest {
+        engine: engine.display().to_string(),
+        model: model.display().to_string(),
+        prompts: vec![],
+        max_new_tokens: Some(8),
+        seed: Some(5),
+        dtype: None,
+        write_bundle: None,
+        from_bundle: None,
+    }
+}
+
+fn kernels_req(engine: &Path) -> metainfer::ops::kernel_test::KernelTestRequest {
+    metainfer::ops::kernel_test::KernelTestRequest {
+        engine: engine.display().to_string(),
+        kernels: vec![],
+        seed: Some(5),
+        dtype: None,
+        write_bundle: None,
+        from_bundle: None,
+    }
+}
+
+/// Every gate an engine of a family passes: check_rules, compile_engine, run_kernel_test,
+/// verify_generation and profile_engine (whose output check reruns the reference), on a synthetic
+/// checkpoint of each contract family, with the plain example engine declared for that family.
+#[test]
+fn plain_engine_passes_every_gate_on_the_contract_families() {
+    use metainfer::ops::Report;
+    use metainfer::ops::compile::{CompileRequest, compile};
+    use metainfer::ops::kernel_test::kernel_test;
+    use metainfer::ops::profile::{ProfileRequest, profile};
+    use metainfer::ops::rules::{RulesRequest, check_rules};
+    use metainfer::ops::verify::verify;
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let budget = metainfer::harness::Budget::secs(900);
+    for (fam, _) in FAMILIES {
+        let id = format!("model.{fam}");
+        let engine = t.path().join(format!("engine-{fam}"));
+        engine_for(&engine, &id);
+        let model = synth(t.path(), fam, fam, |_| {});
+        let e = engine.display().to_string();
+        let r = check_rules(&ctx, &RulesRequest { engine: e.clone() }, &budget).unwrap();
+        assert!(r.passed, "{fam}: {}", r.text());
+        let c = compile(&ctx, &CompileRequest { engine: e.clone(), cursor: None }, &budget).unwrap();
+        assert!(c.passed, "{fam}: {}", c.text());
+        let k = kernel_test(&ctx, &kernels_req(&engine), &budget).unwrap();
+        assert!(k.passed, "{fam}: {}", k.text());
+        let v = verify(&ctx, &verify_req(&engine, &model), &budget).unwrap();
+        assert!(v.passed && v.family == id, "{fam}: {}", v.text());
+        assert!(v.prompts.iter().all(|p| p.max_abs_err < 1e-4), "{fam}: {}", v.text());
+        if *fam == "gemma2" {
+            // A cached probe of this machine (figures made up: 10 GB/s per level at 1 thread, L3
+            // 30): the roofline takes the level that holds the working set, at the run's threads.
+            let figures: Vec<Value> = metainfer::probe::working_sets()
+                .iter()
+                .map(|(label, _)| {
+                    let max = if label.starts_with("L3") { 30.0 } else { 10.0 };
+                    json!({"what": format!("read {label}"), "threads": 1, "unit": "GB/s",
+                           "spread": {"median": max, "min": max, "max": max}})
+                })
+                .collect();
+            let probe = json!({"fingerprint": metainfer::probe::fingerprint(), "simd": "test", "figures": figures});
+            metainfer::ledger::Ledger::open(&ctx.ledger)
+                .unwrap()
+                .put_probe(&metainfer::probe::fingerprint(), &probe)
+                .unwrap();
+        }
+        let p = profile(
+            &ctx,
+            &ProfileRequest {
+                engine: e,
+                model: model.display().to_string(),
+                prompt_len: Some(8),
+                new_tokens: Some(8),
+                dtype: None,
+                threads: Some(1),
+                runs: Some(2),
+                write_bundle: None,
+                from_bundle: None,
+            },
+            &budget,
+        )
+        .unwrap();
+        assert!(p.passed, "{fam}: {}", p.text());
+        let load = p.machine_load.as_ref().expect("Linux reports its load");
+        assert!(load.before >= 0.0 && load.cores >= 1, "{load:?}");
+        if *fam == "gemma2" {
+            // 0.4 MB of weights per token: cache-resident, the L3 figure.
+            assert!(p.roofline_level.starts_with("L3") && p.roofline_level.contains("cache-resident"), "{}", p.text());
+            let want = 30.0e9 / p.bytes_per_token;
+            assert!((p.roofline_decode_tok_s - want).abs() < 1e-6 * want, "{} vs {want}", p.roofline_decode_tok_s);
+            assert!(p.text().contains("roofline bandwidth measured at L3"), "{}", p.text());
+        } else {
+            assert!(p.roofline_level.is_empty(), "no probe: the platform contract's figures");
+        }
+    }
+}
+
+/// The plain engine with one of a family's differences left out (each a failure mode the family
+/// lists, whose contract carries the model-level mutant as a graph rewrite) fails verify_generation
+/// at the first step, and the diagnosis names that failure contract: Granite without the residual
+/// multiplier, OLMo 2 without its post-norms, Gemma 2 without the final soft-cap (on a checkpoint
+/// whose cap, 2, is small enough to matter; see the test above), Qwen3 without its q/k norms and
+/// Gemma without its sqrt(hidden) embedding scale, OLMo 2 with its q/k norms per head, Mistral
+/// with a window one position too wide.
+#[test]
+fn plain_engine_without_a_family_difference_fails_verify_with_the_failure_named() {
+    use metainfer::ops::Report;
+    use metainfer::ops::kernel_test::kernel_test;
+    use metainfer::ops::verify::verify;
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let budget = metainfer::harness::Budget::secs(900);
+    type Fault = (&'static str, &'static str, &'static [(&'static str, &'static str)], fn(&mut Value));
+    let cases: [Fault; 7] = [
+        (
+            "granite",
+            "failure.granite-multipliers-ignored",
+            &[
+                (
+                    "residual(&mut s.x, &mut s.out, post_attn, c.residual_multiplier,",
+                    "residual(&mut s.x, &mut s.out, post_attn, None,",
+                ),
+                (
+                    "residual(&mut s.x, &mut s.out, post_ffn, c.residual_multiplier,",
+                    "residual(&mut s.x, &mut s.out, post_ffn, None,",
+                ),
+            ],
+            |_| {},
+        ),
+        (
+            "olmo2",
+            "failure.post-norm-applied-before",
+            &[("if let Some(gain) = post_norm {", "if let Some(gain) = post_norm.filter(|_| false) {")],
+            |_| {},
+        ),
+        (
+            "gemma2",
+            "failure.softcap-missing",
+            &[("if let Some(cap) = c.final_softcap {", "if let Some(cap) = c.final_softcap.filter(|_| false) {")],
+            |c| c["final_logit_softcapping"] = json!(2.0),
+        ),
+        (
+            "qwen3",
+            "failure.qk-norm-skipped",
+            &[
+                ("norm_heads(&mut s.q, q_norm, eps, &mut s.heads);", "let _ = q_norm;"),
+                ("norm_heads(&mut s.k, k_norm, eps, &mut s.heads);", "let _ = k_norm;"),
+            ],
+            |_| {},
+        ),
+        (
+            "gemma",
+            "failure.embedding-scale-missing",
+            &[("if c.features.embed_scale_sqrt_hidden {", "if false {")],
+            |_| {},
+        ),
+        (
+            "olmo2",
+            "failure.qk-norm-per-head-for-whole",
+            &[
+                (
+                    "norm_heads(&mut s.q, q_norm, eps, &mut s.heads);",
+                    "for (x, w) in s.q.chunks_mut(c.head_dim).zip(q_norm.chunks(c.head_dim)) { let t = x.to_vec(); kernels::rms_norm(&t, w, eps, x); }",
+                ),
+                (
+                    "norm_heads(&mut s.k, k_norm, eps, &mut s.heads);",
+                    "for (x, w) in s.k.chunks_mut(c.head_dim).zip(k_norm.chunks(c.head_dim)) { let t = x.to_vec(); kernels::rms_norm(&t, w, eps, x); }",
+                ),
+            ],
+            |_| {},
+        ),
+        (
+            "mistral",
+            "failure.sliding-window-off-by-one",
+            &[(
+                "let first = if window > 0 { (pos + 1).saturating_sub(window) }",
+                "let first = if window > 0 { pos.saturating_sub(window) }",
+            )],
+            |_| {},
+        ),
+    ];
+    let ckb = Ckb::embedded().unwrap();
+    for (i, (fam, failure, faults, edit)) in cases.into_iter().enumerate() {
+        let id = format!("model.{fam}");
+        assert!(ckb.get(&id).unwrap().failure_modes.contains(&failure.to_string()), "{id} lists {failure}");
+        let engine = t.path().join(format!("engine-{i}-{fam}"));
+        engine_for(&engine, &id);
+        for (from, to) in faults {
+            crate::inject(&engine, "src/model.rs", from, to);
+        }
+        let model = synth(t.path(), &format!("{i}-{fam}"), fam, edit);
+        // The kernels are right: the fault is above them.
+        let k = kernel_test(&ctx, &kernels_req(&engine), &budget).unwrap();
+        assert!(k.passed, "{fam}: {}", k.text());
+        let v = verify(&ctx, &verify_req(&engine, &model), &budget).unwrap();
+        assert!(!v.passed, "{fam}: {}", v.text());
+        let p = v.prompts.iter().find(|p| !p.logits_ok).unwrap_or_else(|| panic!("{fam}: {}", v.text()));
+        if fam == "mistral" {
+            // Nothing changes before position 5 (the window): prompts that short diverge in decode.
+            assert!(p.first_divergence >= 0, "{fam}: {}", v.text());
+        } else {
+            assert_eq!((p.first_divergence, p.divergence_phase.as_str()), (0, "prefill"), "{fam}: {}", v.text());
+        }
+        assert!(p.max_abs_err > 1e-3, "{fam}: {}", v.text());
+        let named: Vec<&str> = v.diagnosis.iter().map(|d| d.failure.as_str()).collect();
+        assert_eq!(named.first(), Some(&failure), "{fam}: {}", v.text());
+        assert!(v.diagnosis[0].mutant.starts_with("graph rewrite: "), "{:?}", v.diagnosis[0]);
+        eprintln!("{fam}: {}", v.diagnosis[0].line());
+    }
+}
+
+/// propose_contract runs a proposed family's graph before staging it: a twin of Granite under another
+/// architecture is staged; with a logits factor that is infinite at every config it lints (the
+/// expression evaluates) but its dry run on a synthetic checkpoint written from the proposal finds
+/// the infinite logits; a node with an op no registry kernel computes is refused naming the node and
+/// the kernel contract to add; a kernel op whose kernel the family does not list is refused naming it.
+#[test]
+fn proposed_graphs_are_dry_run_and_missing_ops_named() {
+    use metainfer::ops::evolve::{ProposeRequest, propose};
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let granite =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("contracts/models/granite.toml")).unwrap();
+    let twin = granite
+        .replace("id = \"model.granite\"", "id = \"model.granite-twin\"")
+        .replace("[\"GraniteForCausalLM\"]", "[\"GraniteTwinForCausalLM\"]")
+        .replace("model_types = [\"granite\"]", "model_types = [\"granite_twin\"]");
+    let r = propose(&ctx, &ProposeRequest { toml: twin.clone() }).unwrap();
+    assert!(r.staged && r.findings.is_empty(), "{r:?}");
+
+    let edit = |from: &str, to: &str| {
+        assert!(twin.contains(from), "{from}");
+        let toml = twin.replace(from, to).replace("model.granite-twin", "model.granite-twin2");
+        propose(&ctx, &ProposeRequest { toml }).unwrap()
+    };
+    let r = edit("factor = \"1 / logits_scaling\"", "factor = \"1 / (logits_scaling - logits_scaling)\"");
+    assert!(!r.staged && r.findings.len() == 1, "{r:?}");
+    let f = &r.findings[0];
+    assert_eq!(f.field, "/model/graph");
+    assert!(
+        f.message.contains("dry run") && f.message.contains("step 0") && f.message.contains("inf"),
+        "{}",
+        f.message
+    );
+
+    let r = edit("name = \"attn_norm\"\nop = \"rms_norm\"", "name = \"attn_norm\"\nop = \"layer_norm\"");
+    assert!(!r.staged, "{r:?}");
+    let m: Vec<&str> = r.findings.iter().map(|f| f.message.as_str()).collect();
+    assert!(
+        m.iter().any(|m| m.contains("node `attn_norm` (layer)")
+            && m.contains("unknown op `layer_norm`")
+            && m.contains("kernel.layer_norm")),
+        "{m:?}"
+    );
+
+    let r = edit(
+        "    \"kernel.silu_and_mul\",\n    \"kernel.softmax\",\n    \"kernel.attention\",\n    \"kernel.argmax\",\n]\ncomponents",
+        "    \"kernel.softmax\",\n    \"kernel.attention\",\n    \"kernel.argmax\",\n]\ncomponents",
+    );
+    assert!(!r.staged, "{r:?}");
+    assert!(
+        r.findings
+            .iter()
+            .any(|f| f.message.contains("node `act` (layer)") && f.message.contains("kernel.silu_and_mul")),
+        "{:?}",
+        r.findings
+    );
+}
+
+/// A failure contract's graph rewrite (the model-level mutant verify's diagnosis tries) computes what
+/// the family's graph edited by hand computes, bit for bit: Qwen3 with q_norm and k_norm skipped is
+/// Qwen3 with the nodes removed and RoPE reading the raw projections; Mistral with attn.window set to
+/// sliding_window + 1 is Mistral with that parameter. Restoring gives the true logits again; a
+/// rewrite naming a node the graph lacks does not apply; a projection cannot be skipped.
+#[test]
+fn a_graph_rewrite_is_the_hand_edited_graph() {
+    use metainfer::ckb::GraphRewrite;
+    let t = tempfile::tempdir().unwrap();
+    let ckb = Ckb::embedded().unwrap();
+    let rewrite_of = |id: &str| ckb.get(id).unwrap().failure.clone().unwrap().rewrite.unwrap();
+    let steps = |r: &mut GraphReference, vocab: usize| -> Vec<Vec<f64>> {
+        (0..12u32).map(|i| r.step((i * 7 + 3) % vocab as u32).unwrap()).collect()
+    };
+    let bits = |a: &[Vec<f64>], b: &[Vec<f64>]| {
+        a.iter().flatten().zip(b.iter().flatten()).all(|(x, y)| x.to_bits() == y.to_bits())
+    };
+
+    // Qwen3, q/k norm skipped.
+    let f = family("model.qwen3");
+    let (cfg, tensors) = load(&synth(t.path(), "qwen3", "qwen3", |_| {}));
+    let mut r = GraphReference::new(&f, &cfg, &tensors, "f32").unwrap();
+    let truth = steps(&mut r, cfg.vocab);
+    assert!(r.set_rewrite(Some(&rewrite_of("failure.qk-norm-skipped"))).unwrap());
+    let rewritten = steps(&mut r, cfg.vocab);
+    let mut edited = f.clone();
+    let layer = &mut edited.graph.as_mut().unwrap().layer;
+    layer.retain(|n| n.name != "q_norm" && n.name != "k_norm");
+    for n in layer.iter_mut() {
+        for i in n.inputs.iter_mut() {
+            if i == "q_norm" || i == "k_norm" {
+                *i = i[..1].to_string();
+            }
+        }
+    }
+    edited
+        .weights
+        .iter_mut()
+        .filter(|w| w.name.contains("_norm.weight") && w.name.contains("self_attn"))
+        .for_each(|w| w.optional = true);
+    let by_hand = steps(&mut GraphReference::new(&edited, &cfg, &tensors, "f32").unwrap(), cfg.vocab);
+    assert!(bits(&rewritten, &by_hand) && !bits(&rewritten, &truth));
+    assert!(r.set_rewrite(None).unwrap());
+    assert!(bits(&steps(&mut r, cfg.vocab), &truth), "restored");
+
+    // Mistral, window one wider.
+    let f = family("model.mistral");
+    let (cfg, tensors) = load(&synth(t.path(), "mistral", "mistral", |_| {}));
+    assert_eq!(cfg.sliding_window, 5);
+    let mut r = GraphReference::new(&f, &cfg, &tensors, "f32").unwrap();
+    let truth = steps(&mut r, cfg.vocab);
+    assert!(r.set_rewrite(Some(&rewrite_of("failure.sliding-window-off-by-one"))).unwrap());
+    let rewritten = steps(&mut r, cfg.vocab);
+    let mut edited = f.clone();
+    let attn = edited.graph.as_mut().unwrap().layer.iter_mut().find(|n| n.name == "attn").unwrap();
+    attn.params.insert("window".into(), "6".into());
+    let by_hand = steps(&mut GraphReference::new(&edited, &cfg, &tensors, "f32").unwrap(), cfg.vocab);
+    assert!(bits(&rewritten, &by_hand) && !bits(&rewritten, &truth));
+    assert!(bits(&rewritten[..5], &truth[..5]), "the first five positions see no more than the window");
+
+    // Not applicable, and not allowed.
+    let missing = GraphRewrite { skip: vec!["embed_scale".into()], set: Default::default() };
+    assert!(!r.set_rewrite(Some(&missing)).unwrap(), "mistral has no embed_scale node");
+    let projection = GraphRewrite { skip: vec!["q".into()], set: Default::default() };
+    let e = r.set_rewrite(Some(&projection)).unwrap_err();
+    assert!(e.message.contains("layers.0.q") && e.message.contains("linear"), "{}", e.message);
+}
