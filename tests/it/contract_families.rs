@@ -14,6 +14,8 @@ use metainfer::ops::synth::{SynthRequest, synth_in};
 use metainfer::oracle::graph::GraphReference;
 use serde_json::{Value, json};
 
+use crate::families::max_diff;
+
 /// The three families, with the tensors only they have (checked by name and shape role).
 const FAMILIES: &[(&str, &str)] = &[
     ("olmo2", "model.layers.0.post_feedforward_layernorm.weight"),
@@ -54,10 +56,6 @@ fn run(fam: &ModelFamily, dir: &Path) -> Vec<Vec<f64>> {
     let (cfg, tensors) = load(dir);
     let mut r = GraphReference::new(fam, &cfg, &tensors, "f32").unwrap();
     (0..12u32).map(|i| r.step((i * 7 + 3) % cfg.vocab as u32).unwrap()).collect()
-}
-
-fn max_diff(a: &[Vec<f64>], b: &[Vec<f64>]) -> f64 {
-    a.iter().flatten().zip(b.iter().flatten()).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
 }
 
 #[test]

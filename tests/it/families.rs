@@ -82,7 +82,8 @@ fn run(cfg: &ResolvedConfig, tensors: &model::Tensors) -> Vec<Vec<f64>> {
     (0..12u32).map(|i| r.step((i * 7 + 3) % cfg.vocab as u32).unwrap()).collect()
 }
 
-fn max_diff(a: &[Vec<f64>], b: &[Vec<f64>]) -> f64 {
+/// Largest |a - b| over two runs' logit rows.
+pub(crate) fn max_diff(a: &[Vec<f64>], b: &[Vec<f64>]) -> f64 {
     a.iter().flatten().zip(b.iter().flatten()).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
 }
 
