@@ -194,6 +194,10 @@ pub fn generation(
     let before = reference.mutations();
     let mut found = Vec::new();
     if let Some((e_ref, false, _)) = run_forced(reference, Mutations::NONE, ids, tokens, logits, tol, f64::INFINITY) {
+        // The rule above: every row within the mutant's tolerance, or ten times closer to it than
+        // to the reference and within ten times the tolerance.
+        let explains =
+            |e_m: f64, ok: bool, scale: f64| ok || (e_m * 10.0 <= e_ref && e_m <= 10.0 * (tol.atol + tol.rtol * scale));
         for m in Mutation::ALL {
             let Some(fc) = failure_of_mutant(ckb, m.name()) else { continue };
             if !distinguishable(m, reference) {
@@ -203,8 +207,7 @@ pub fn generation(
             let Some((e_m, ok, scale)) = run_forced(reference, mutant, ids, tokens, logits, tol, e_ref / 10.0) else {
                 continue;
             };
-            let near = e_m * 10.0 <= e_ref && e_m <= 10.0 * (tol.atol + tol.rtol * scale);
-            if ok || near {
+            if explains(e_m, ok, scale) {
                 found.push(diagnosis(fc, m.name(), e_ref, e_m));
             }
         }
@@ -219,11 +222,10 @@ pub fn generation(
                 continue;
             }
             let run = run_forced(reference, Mutations::NONE, ids, tokens, logits, tol, e_ref / 10.0);
-            if let Some((e_m, ok, scale)) = run {
-                let near = e_m * 10.0 <= e_ref && e_m <= 10.0 * (tol.atol + tol.rtol * scale);
-                if ok || near {
-                    found.push(diagnosis(fc, &format!("graph rewrite: {}", rewrite.describe()), e_ref, e_m));
-                }
+            if let Some((e_m, ok, scale)) = run
+                && explains(e_m, ok, scale)
+            {
+                found.push(diagnosis(fc, &format!("graph rewrite: {}", rewrite.describe()), e_ref, e_m));
             }
         }
         let _ = reference.set_rewrite(None);
