@@ -155,7 +155,11 @@ impl ServerOptions {
                 .clone()
                 .map(|root| Workshop::new(std::path::absolute(&root).unwrap_or(root)))
                 .unwrap_or_else(Workshop::default_location),
-            ledger: self.ledger.clone().unwrap_or_else(crate::ledger::default_path),
+            // Absolute: the candidates staged beside it must not follow the server's working directory.
+            ledger: {
+                let l = self.ledger.clone().unwrap_or_else(crate::ledger::default_path);
+                std::path::absolute(&l).unwrap_or(l)
+            },
             workspace,
             models: self.model_dirs.clone(),
             time_limit_s: self.time_limit_s,
@@ -220,6 +224,17 @@ impl ServerOptions {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A ledger named by a relative path is made absolute at start, so the evolution candidates
+    /// staged beside it never land in (or move with) the server's working directory.
+    #[test]
+    fn a_relative_ledger_stages_candidates_at_an_absolute_path() {
+        let o = ServerOptions { ledger: Some("rel/ledger.sqlite".into()), ..Default::default() };
+        let ctx = o.ctx("test").unwrap();
+        let cwd = std::env::current_dir().unwrap();
+        assert_eq!(ctx.ledger, cwd.join("rel/ledger.sqlite"));
+        assert_eq!(ctx.candidates_dir(), cwd.join("rel/candidates"));
+    }
 
     #[test]
     fn serve_args_carry_every_option_that_differs_from_its_default() {

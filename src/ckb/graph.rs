@@ -223,6 +223,14 @@ pub fn lint_graph(g: &Graph, family: &ModelFamily) -> Vec<GraphFinding> {
             format!("unbound weight: `{}` ({}) is declared in [[model.weights]] but no node reads it", w.name, w.role),
         ));
     }
+    for (k, name) in g.trace_required.iter().enumerate() {
+        if ![&g.prologue, &g.layer, &g.epilogue].into_iter().flatten().any(|n| &n.name == name) {
+            out.push((
+                format!("/model/graph/trace_required/{k}"),
+                format!("trace point `{name}` is required but no node of the graph has that name"),
+            ));
+        }
+    }
     out
 }
 

@@ -288,6 +288,10 @@ pub struct Graph {
     pub layer: Vec<GraphNode>,
     /// Nodes after the layers; the last one yields the logits.
     pub epilogue: Vec<GraphNode>,
+    /// Node names every traced forward (`Model::forward_traced`) must report, in whichever block
+    /// they are (in every layer for a layer node); the other nodes are reported where computed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub trace_required: Vec<String>,
 }
 
 /// One node of a [`Graph`].

@@ -257,6 +257,9 @@ pub fn relative(command: protocol::Command, root: &Path) -> protocol::Command {
         Command::Profile { prompt_len, new_tokens, runs, .. } => {
             Command::Profile { model: MODEL.into(), prompt_len, new_tokens, runs }
         }
+        Command::Trace { tokens, tensors, .. } => {
+            Command::Trace { model: MODEL.into(), tokens, tensors: rel(&tensors) }
+        }
         t @ Command::Time { .. } => t,
         t @ Command::BlockManager { .. } => t,
         t @ Command::Scheduler { .. } => t,

@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 /// Protocol version, checked by the harness against the request's.
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
 
 /// What the server asks a harness process to do.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -69,6 +69,18 @@ pub enum Command {
         new_tokens: usize,
         /// Runs.
         runs: usize,
+    },
+    /// Run `tokens` through the engine's `Model::forward_traced` one at a time from position 0,
+    /// keeping the activation points the engine reports while running the last one; write them,
+    /// in the engine's order, as `point.<k>` (f32, flattened) into `tensors`. An engine without
+    /// `forward_traced` replies [`Reply::Trace`] with `missing` set.
+    Trace {
+        /// Hugging Face model directory.
+        model: PathBuf,
+        /// Token ids at positions 0, 1, ...; the last one is traced.
+        tokens: Vec<u32>,
+        /// Output safetensors file.
+        tensors: PathBuf,
     },
     /// Time kernels on given shapes, cycling through `copies` weight buffers.
     Time {
@@ -324,6 +336,14 @@ pub enum Reply {
         /// The items.
         items: Vec<TimedItem>,
     },
+    /// The points of [`Command::Trace`] (their values are in the request's file), in the order the
+    /// engine reported them.
+    Trace {
+        /// The points: `point.<k>` in the file is `points[k]`.
+        points: Vec<TracePoint>,
+        /// Why nothing was traced: the engine has no `forward_traced`, or it panicked (the text).
+        missing: Option<String>,
+    },
     /// The harness of an engine for a device (e.g. CUDA) found no usable device: nothing ran.
     NoDevice {
         /// Why, in words (no driver library, no device, the driver's error).
@@ -457,6 +477,41 @@ pub struct ProfileTimings {
     /// The device the engine ran on (CUDA engines), with a bandwidth probe; None on the host.
     #[serde(default)]
     pub device: Option<DeviceInfo>,
+    /// Time per activation point of the real forward pass (`Model::forward_traced`, decode steps
+    /// after a `prompt_len` prefill): empty when the engine has no traced forward.
+    #[serde(default)]
+    pub points: Vec<PointTime>,
+    /// Decode seconds per token of the traced runs, call to return, per run (the whole of which
+    /// the points share); empty without a traced forward.
+    #[serde(default)]
+    pub traced_s_per_token: Vec<f64>,
+    /// Why the points are missing when the engine has a traced forward (it panicked).
+    #[serde(default)]
+    pub points_error: Option<String>,
+}
+
+/// One activation point an engine's traced forward reported: its layer (None in the prologue and
+/// epilogue) and name (a node of the family's `[model.graph]`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TracePoint {
+    /// Decoder layer, or None for `embed`, `final_norm`, `logits`, ...
+    pub layer: Option<usize>,
+    /// Node name.
+    pub name: String,
+}
+
+/// The time the traced forward spent reaching one activation point from the one before it (or
+/// from the call's start), summed over its layers, per decoded token.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PointTime {
+    /// Node name (e.g. `q`, `attn`, `logits`).
+    pub name: String,
+    /// Layers it was reported in per token (0 for prologue and epilogue points).
+    pub layers: usize,
+    /// Seconds per decoded token, per run.
+    pub seconds: Vec<f64>,
 }
 
 /// Prefill timings at one prompt length.

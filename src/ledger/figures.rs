@@ -100,6 +100,10 @@ pub struct VerifyFigures {
     /// the logits within tolerance), `stop` (stop tokens or EOS), `crash` (no output); empty when
     /// every prompt passed or in rows written before this field.
     pub divergence: String,
+    /// The graph node where the traced rerun of the failing step first left the reference
+    /// (`q_norm`, `attn`, `logits`; the layer left out, so one bug in every layer is one point);
+    /// empty when not localised.
+    pub point: String,
 }
 
 /// `profile_engine`.

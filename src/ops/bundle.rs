@@ -99,6 +99,7 @@ pub fn run(req: &BundleRunRequest, budget: &Budget) -> Result<BundleRunReport> {
             Ok(Ok(Reply::Generate { .. })) => ("generate", String::new()),
             Ok(Ok(Reply::Profile(_))) => ("profile", String::new()),
             Ok(Ok(Reply::Time { .. })) => ("time", String::new()),
+            Ok(Ok(Reply::Trace { .. })) => ("trace", String::new()),
             Ok(Ok(Reply::Tokenize { .. })) => ("tokenize", String::new()),
             Ok(Ok(Reply::BlockManager { .. })) => ("block_manager", String::new()),
             Ok(Ok(Reply::Batch { .. })) => ("batch", String::new()),

@@ -133,6 +133,10 @@ fn keys(o: &Outcome) -> Vec<(String, String)> {
             // By what the checker saw (where the logits first diverged), not by the message's wording;
             // rows written before verify recorded it fall back to the message's shape.
             match figures {
+                Figures::Verify(f) if !f.point.is_empty() => vec![(
+                    contract,
+                    format!("verify_generation diverges first in {} at graph node {}", f.divergence, f.point),
+                )],
                 Figures::Verify(f) if !f.divergence.is_empty() => {
                     vec![(contract, format!("verify_generation diverges first in {}", f.divergence))]
                 }

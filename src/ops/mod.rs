@@ -10,6 +10,7 @@ pub mod compile;
 pub mod evolve;
 pub mod gate;
 pub mod kernel_test;
+pub mod localise;
 pub mod lookup;
 pub mod machine;
 pub mod outcomes;
@@ -71,11 +72,17 @@ impl Ctx {
     }
 
     /// Where candidate contracts are staged: `<ckb>/candidates` for a working copy, else beside the
-    /// ledger (`candidates/`). Candidates are never part of the CKB until promoted.
+    /// ledger (`candidates/`), else (a ledger named without a directory) in the per-user data
+    /// directory beside the default ledger: never the server's working directory. Candidates are
+    /// never part of the CKB until promoted.
     pub fn candidates_dir(&self) -> PathBuf {
-        match &self.ckb_dir {
-            Some(d) => d.join("candidates"),
-            None => self.ledger.parent().map(Path::to_path_buf).unwrap_or_default().join("candidates"),
+        match (&self.ckb_dir, self.ledger.parent().filter(|p| p.is_absolute())) {
+            (Some(d), _) => d.join("candidates"),
+            (None, Some(p)) => p.join("candidates"),
+            (None, None) => {
+                let data = dirs::data_dir().unwrap_or_else(std::env::temp_dir).join("metainfer");
+                data.join("candidates")
+            }
         }
     }
 

@@ -22,6 +22,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::gate::{Exchange, Gate, Tool, no_device};
+use super::localise::Localisation;
 use super::{Ctx, Report};
 use crate::ckb::Tolerance;
 use crate::error::{Error, Result};
@@ -181,6 +182,12 @@ pub struct VerifyReport {
     /// first prompt whose logits failed (see `oracle::diagnose::generation` for the rule); empty when the
     /// logits passed or nothing explains them.
     pub diagnosis: Vec<crate::oracle::diagnose::Diagnosis>,
+    /// Where the first failing step's forward pass first leaves the reference: the engine's
+    /// traced forward (`Model::forward_traced`) against the reference's trace on the same tokens.
+    /// None when the logits passed; without a point (and with a note saying why) when the engine
+    /// has no traced forward, the call read a bundle, or every point agreed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub localisation: Option<super::localise::Localisation>,
     /// Rule findings (check_rules); a blocking one stops verification.
     pub rules: Vec<crate::guard::Finding>,
     /// When it passed: each staged candidate it ran under (the model family, the engine's target
@@ -281,6 +288,9 @@ impl Report for VerifyReport {
                 }
                 s += &format!("   {}\n", p.error);
             }
+        }
+        if let Some(l) = &self.localisation {
+            s += &format!("{}\n", l.line());
         }
         for d in &self.diagnosis {
             s += &format!("{}\n", d.line());
@@ -502,6 +512,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         prompts,
         error,
         diagnosis: vec![],
+        localisation: None,
         rules,
         promotions: vec![],
         stop_tokens: generation.eos_token_ids.clone(),
@@ -603,8 +614,9 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     }
 
     let mut results = Vec::new();
-    // The engine's ids, tokens and logits for the first prompt whose logits failed, for the diagnosis.
-    let mut first_fail: Option<(Vec<u32>, Vec<u32>, Vec<f32>)> = None;
+    // The engine's ids, tokens and logits for the first prompt whose logits failed, for the
+    // diagnosis, with the prompt's index and its first step beyond tolerance.
+    let mut first_fail: Option<FirstFail> = None;
     for (i, (prompt, random)) in prompts.iter().enumerate() {
         let mut r = PromptResult {
             prompt: prompt.clone(),
@@ -674,7 +686,13 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         r.logits_ok = logits_ok && r.steps > 0;
         r.tokens_ok = tokens_ok && r.steps > 0;
         if !r.logits_ok && first_fail.is_none() {
-            first_fail = Some((got_ids.clone(), got_tokens.clone(), got_logits.clone()));
+            first_fail = Some(FirstFail {
+                ids: got_ids.clone(),
+                tokens: got_tokens.clone(),
+                logits: got_logits.clone(),
+                prompt: i,
+                step: r.first_divergence.max(0) as usize,
+            });
         }
         let mut all = got_ids.clone();
         all.extend_from_slice(&got_tokens);
@@ -733,10 +751,23 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         passed = false;
         error = "phase order: generation matches the reference, but run_kernel_test has not passed on these exact sources; run it, then verify again".into();
     }
-    let diagnosis = match &first_fail {
-        Some((ids, tokens, logits)) => {
-            crate::oracle::diagnose::generation(&ctx.ckb, &mut reference, ids, tokens, logits, &tol)
+    let localisation = match &first_fail {
+        Some(f) => {
+            let at = Localisation {
+                prompt: f.prompt,
+                step: f.step,
+                phase: if f.step == 0 { "prefill" } else { "decode" }.into(),
+                position: (f.ids.len() + f.step).saturating_sub(1),
+                ..Default::default()
+            };
+            let traced = Traced { gate: &gate, h: &scratch, reads: &reads, model: &model_dir };
+            let tokenizer_ok = results.get(f.prompt).is_some_and(|r| r.tokenizer_ok);
+            Some(localise_step(&traced, &mut reference, m.graph.as_ref(), &f.ids, &f.tokens, tokenizer_ok, &tol, at)?)
         }
+        None => None,
+    };
+    let diagnosis = match &first_fail {
+        Some(f) => crate::oracle::diagnose::generation(&ctx.ckb, &mut reference, &f.ids, &f.tokens, &f.logits, &tol),
         None => vec![],
     };
     let mut report = VerifyReport {
@@ -749,6 +780,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         prompts: results,
         error,
         diagnosis,
+        localisation,
         rules: gate.findings.clone(),
         promotions: vec![],
         stop_tokens: generation.eos_token_ids.clone(),
@@ -763,12 +795,147 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         prompts: report.prompts.len(),
         diagnosis: report.diagnosis.iter().map(|d| d.failure.clone()).collect(),
         divergence: divergence_kind(&report),
+        point: report.localisation.as_ref().map(|l| l.node.clone()).unwrap_or_default(),
     };
     gate.record(&report, Figures::Verify(figures));
     if report.passed {
         report.promotions = gate.promote();
     }
     Ok(report)
+}
+
+/// The first prompt whose logits failed, as the engine ran it: for the diagnosis and the traced rerun.
+struct FirstFail {
+    /// The engine's prompt ids.
+    ids: Vec<u32>,
+    /// Its generated tokens.
+    tokens: Vec<u32>,
+    /// Its logits rows [tokens, vocab].
+    logits: Vec<f32>,
+    /// The prompt's index.
+    prompt: usize,
+    /// Its first step beyond tolerance.
+    step: usize,
+}
+
+/// What the traced rerun of a failing step needs of the gate: its harness and what it may read.
+struct Traced<'g, 'a> {
+    gate: &'g Gate<'a>,
+    h: &'g super::gate::Harness,
+    reads: &'g [&'g Path],
+    model: &'g Path,
+}
+
+/// Rerun the failing step traced: the engine's `forward_traced` (harness command `trace`) and the
+/// reference's `step_traced` on the engine's own ids and tokens up to `at.step`, compared point by
+/// point ([`super::localise::compare_traces`]). Always returns a localisation, with a note that
+/// says what was found or why nothing could be localised.
+///
+/// # Errors
+/// The reference's own errors (a token outside the vocabulary).
+#[allow(clippy::too_many_arguments)]
+fn localise_step(
+    t: &Traced<'_, '_>,
+    reference: &mut Reference,
+    graph: Option<&crate::ckb::Graph>,
+    ids: &[u32],
+    tokens: &[u32],
+    tokenizer_ok: bool,
+    tol: &crate::ckb::Tolerance,
+    mut at: Localisation,
+) -> Result<Localisation> {
+    let run: Vec<u32> = ids.iter().chain(tokens.iter().take(at.step)).copied().collect();
+    let not = |mut at: Localisation, why: String| {
+        at.note = why;
+        Ok(at)
+    };
+    if !matches!(t.gate.mode, super::gate::Mode::Direct) {
+        return not(at, "not localised: this call judged a bundle run elsewhere; verify the engine directly to localise the mismatch".into());
+    }
+    if !t.gate.target.spec.items.iter().any(|i| i == "forward_traced") {
+        return not(at, "not localised: the engine has no Model::forward_traced (its family contract's rust skeleton; scaffold shows it): add it to learn the layer and point where the forward first differs".into());
+    }
+    let (Some(graph), true) = (graph, reference.is_graph()) else {
+        return not(at, "not localised: the family contract has no [model.graph] to trace the reference by".into());
+    };
+    if run.is_empty() || run.len() > reference.config().max_seq {
+        return not(at, format!("not localised: {} tokens to rerun", run.len()));
+    }
+    let path = t.h.path("trace.safetensors");
+    let command = Command::Trace { model: t.model.to_path_buf(), tokens: run.clone(), tensors: path.clone() };
+    let called = t.gate.call(t.h, command, &[], t.reads)?;
+    let points = match called.ok("engine's traced forward", 1500) {
+        Ok(Reply::Trace { missing: Some(why), .. }) => return not(at, format!("not localised: {why}")),
+        Ok(Reply::Trace { points, missing: None }) => points,
+        Ok(other) => return not(at, format!("not localised: the harness answered the trace with {other:?}")),
+        Err(why) => return not(at, format!("not localised: {why}")),
+    };
+    let words = match t.h.output_words(&path) {
+        Ok((_, w)) => w,
+        Err(e) => {
+            return not(at, format!("not localised: the traced forward wrote no readable tensors: {}", e.message));
+        }
+    };
+    let engine: Vec<(crate::harness::protocol::TracePoint, Vec<f32>)> = points
+        .into_iter()
+        .enumerate()
+        .map(|(k, p)| {
+            let v = words.get(&format!("point.{k}")).map(|w| w.iter().map(|&b| f32::from_bits(b)).collect());
+            (p, v.unwrap_or_default())
+        })
+        .collect();
+    reference.reset();
+    let (last, before) = run.split_last().expect("run is not empty");
+    for &tok in before {
+        reference.step(tok)?;
+    }
+    let (_, trace) = reference.step_traced(*last)?;
+    let required = super::localise::required_points(graph, reference.config().n_layers);
+    let diverged = super::localise::compare_traces(&engine, &trace, &required, tol, &mut at);
+    let missing = if at.missing_required.is_empty() {
+        String::new()
+    } else {
+        format!(
+            " (the engine did not report {} required point(s), e.g. {}: report every trace_required point)",
+            at.missing_required.len(),
+            at.missing_required[0]
+        )
+    };
+    at.note = if diverged {
+        let node = [&graph.prologue, &graph.layer, &graph.epilogue].into_iter().flatten().find(|n| n.name == at.node);
+        let what = node.map_or(String::new(), |n| {
+            let kernel = crate::ckb::GRAPH_OPS.iter().find(|o| o.name == n.op).and_then(|o| o.kernel);
+            format!(
+                "`{}` is op {}{} of inputs {}",
+                n.name,
+                n.op,
+                kernel.map_or(String::new(), |k| format!(" ({k})")),
+                if n.inputs.is_empty() { "-".into() } else { n.inputs.join(", ") }
+            )
+        });
+        let prior = if at.note.is_empty() { String::new() } else { format!("{}; ", at.note) };
+        format!(
+            "{prior}{what}: every earlier point the engine reported agrees, so the step into this point is where the engine differs{missing}"
+        )
+    } else if at.compared == 0 {
+        format!("not localised: the engine's traced forward reported no point the reference knows{missing}")
+    } else if !tokenizer_ok {
+        format!(
+            "the traced forward agrees with the reference at all {} points on the engine's own ids: the mismatch comes from the tokenizer (the engine's prompt ids differ from HF's){missing}",
+            at.compared
+        )
+    } else if at.step == 0 {
+        format!(
+            "forward_traced, run token by token, agrees with the reference at all {} points, but prefill's logits did not: the mismatch is in Model::prefill's own path, not in forward{missing}",
+            at.compared
+        )
+    } else {
+        format!(
+            "forward_traced, run token by token, agrees with the reference at all {} points on these tokens, but the engine's decode step did not: the difference comes from the KV cache prefill left, or forward_traced does not run what forward runs{missing}",
+            at.compared
+        )
+    };
+    Ok(at)
 }
 
 /// The real vocabularies (see `model::tokenizer::vector_sets`) that route to tokenizer `contract`.

@@ -307,7 +307,9 @@ fn plain_engine_without_a_family_difference_fails_verify_with_the_failure_named(
     let t = tempfile::tempdir().unwrap();
     let ctx = crate::ctx(t.path());
     let budget = metainfer::harness::Budget::secs(900);
-    type Fault = (&'static str, &'static str, &'static [(&'static str, &'static str)], fn(&mut Value));
+    // (family, failure contract, source edits, config edit, the first point beyond tolerance that
+    // the traced rerun must name: the node the left-out step feeds, in layer 0 where in a layer).
+    type Fault = (&'static str, &'static str, &'static [(&'static str, &'static str)], fn(&mut Value), &'static str);
     let cases: [Fault; 7] = [
         (
             "granite",
@@ -323,18 +325,21 @@ fn plain_engine_without_a_family_difference_fails_verify_with_the_failure_named(
                 ),
             ],
             |_| {},
+            "layers.0.attn_residual",
         ),
         (
             "olmo2",
             "failure.post-norm-applied-before",
             &[("if let Some(gain) = post_norm {", "if let Some(gain) = post_norm.filter(|_| false) {")],
             |_| {},
+            "layers.0.attn_residual",
         ),
         (
             "gemma2",
             "failure.softcap-missing",
             &[("if let Some(cap) = c.final_softcap {", "if let Some(cap) = c.final_softcap.filter(|_| false) {")],
             |c| c["final_logit_softcapping"] = json!(2.0),
+            "logits",
         ),
         (
             "qwen3",
@@ -344,12 +349,14 @@ fn plain_engine_without_a_family_difference_fails_verify_with_the_failure_named(
                 ("norm_heads(&mut s.k, k_norm, eps, &mut s.heads);", "let _ = k_norm;"),
             ],
             |_| {},
+            "layers.0.q_norm",
         ),
         (
             "gemma",
             "failure.embedding-scale-missing",
             &[("if c.features.embed_scale_sqrt_hidden {", "if false {")],
             |_| {},
+            "embed_scale",
         ),
         (
             "olmo2",
@@ -365,6 +372,7 @@ fn plain_engine_without_a_family_difference_fails_verify_with_the_failure_named(
                 ),
             ],
             |_| {},
+            "layers.0.q_norm",
         ),
         (
             "mistral",
@@ -374,10 +382,11 @@ fn plain_engine_without_a_family_difference_fails_verify_with_the_failure_named(
                 "let first = if window > 0 { pos.saturating_sub(window) }",
             )],
             |_| {},
+            "layers.0.attn",
         ),
     ];
     let ckb = Ckb::embedded().unwrap();
-    for (i, (fam, failure, faults, edit)) in cases.into_iter().enumerate() {
+    for (i, (fam, failure, faults, edit, point)) in cases.into_iter().enumerate() {
         let id = format!("model.{fam}");
         assert!(ckb.get(&id).unwrap().failure_modes.contains(&failure.to_string()), "{id} lists {failure}");
         let engine = t.path().join(format!("engine-{i}-{fam}"));
@@ -403,6 +412,19 @@ fn plain_engine_without_a_family_difference_fails_verify_with_the_failure_named(
         assert_eq!(named.first(), Some(&failure), "{fam}: {}", v.text());
         assert!(v.diagnosis[0].mutant.starts_with("graph rewrite: "), "{:?}", v.diagnosis[0]);
         eprintln!("{fam}: {}", v.diagnosis[0].line());
+        // The traced rerun of the failing step names the first diverging point, and everything the
+        // engine reported before it agrees.
+        let l = v.localisation.as_ref().unwrap_or_else(|| panic!("{fam}: {}", v.text()));
+        assert_eq!(l.point, point, "{fam}: {}", v.text());
+        assert_eq!(
+            (l.prompt, l.step as i64),
+            (v.prompts.iter().position(|q| !q.logits_ok).unwrap(), p.first_divergence)
+        );
+        assert!(l.missing_required.is_empty() && l.unknown.is_empty(), "{fam}: {l:?}");
+        // At least `embed` agreed before it, and the error there is far beyond the tolerance.
+        assert!(l.max_abs_err > 1e-3 && l.compared >= 2 && !l.last_agreeing.is_empty(), "{fam}: {l:?}");
+        assert!(v.text().contains(&format!("first diverging point {point}")), "{}", v.text());
+        eprintln!("{fam}: {}", l.line());
     }
 }
 

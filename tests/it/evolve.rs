@@ -85,7 +85,8 @@ fn recurring_unexplained_failures_become_valid_candidates() {
 
 /// Failed verifies cluster by where the checker saw them go wrong, not by their message's wording:
 /// four failures with one message shape, two diverging in prefill and two in the tokenizer, are two
-/// candidates of two outcomes each (grouped by the summary text, they were one of four).
+/// candidates of two outcomes each (grouped by the summary text, they were one of four); failures
+/// localised to a graph node cluster by that node.
 #[test]
 fn failed_verifies_cluster_by_where_they_diverge() {
     let t = tempfile::tempdir().unwrap();
@@ -97,6 +98,14 @@ fn failed_verifies_cluster_by_where_they_diverge() {
         let figures = serde_json::json!({"diagnosis": [], "divergence": divergence});
         l.record(&failed(i, "verify_generation", &["model.qwen3@1"], &summary, figures)).unwrap();
     }
+    // Localised failures cluster by the graph node too: two at q_norm are one candidate, one at
+    // attn stays below the cluster size.
+    for (i, point) in [(4, "q_norm"), (5, "attn"), (6, "q_norm")] {
+        let summary =
+            format!("verify FAILED: 0/4 prompts passed (seed {i}, model.qwen3, logits atol 0.001 rtol 0.001)");
+        let figures = serde_json::json!({"diagnosis": [], "divergence": "prefill", "point": point});
+        l.record(&failed(i, "verify_generation", &["model.qwen3@1"], &summary, figures)).unwrap();
+    }
     let r = evolve(&ctx, &EvolveRequest::default()).unwrap();
     let mut seen: Vec<(String, Vec<String>)> =
         r.clusters.iter().map(|c| (c.shape.clone(), c.outcomes.clone())).collect();
@@ -105,6 +114,10 @@ fn failed_verifies_cluster_by_where_they_diverge() {
         seen,
         [
             ("verify_generation diverges first in prefill".to_string(), vec!["o0".to_string(), "o2".to_string()]),
+            (
+                "verify_generation diverges first in prefill at graph node q_norm".to_string(),
+                vec!["o4".to_string(), "o6".to_string()]
+            ),
             ("verify_generation diverges first in tokenizer".to_string(), vec!["o1".to_string(), "o3".to_string()]),
         ]
     );

@@ -244,12 +244,32 @@ fn example_engine_passes_every_gate(engine: Engine) {
     assert_eq!(p.sandboxed, enforced);
     assert!(p.adjusted.is_empty(), "{:?}", p.adjusted);
     assert!(metainfer::ops::Report::text(&p).contains("1-thread bandwidth roofline"));
+    // Both example engines trace their forward: the bounding kernel is the one the real forward
+    // spends most in (summed over the points running it), and the points' shares are of the traced
+    // decode time, so they add up to at most all of it.
+    assert!(!p.points.is_empty(), "{}", metainfer::ops::Report::text(&p));
     let mut summed = std::collections::BTreeMap::<&str, f64>::new();
-    for k in &p.kernels {
+    for k in p.points.iter().filter(|k| !k.kernel.is_empty()) {
         *summed.entry(k.kernel.as_str()).or_default() += k.share_of_decode;
     }
     let largest = summed.iter().max_by(|a, b| a.1.total_cmp(b.1)).map(|(k, _)| *k);
     assert_eq!(Some(p.bounding_kernel.as_str()), largest, "{}", metainfer::ops::Report::text(&p));
+    let shares: f64 = p.points.iter().map(|k| k.share_of_decode).sum();
+    assert!(shares <= 1.0 && shares > 0.5, "{shares}: {}", metainfer::ops::Report::text(&p));
+    // Every point is a node of model.llama's graph; the required ones are reported in each of
+    // BabyLlama's 5 layers (config.json num_hidden_layers).
+    let graph =
+        metainfer::ckb::Ckb::embedded().unwrap().get("model.llama").unwrap().model.clone().unwrap().graph.unwrap();
+    let nodes: Vec<&str> =
+        [&graph.prologue, &graph.layer, &graph.epilogue].into_iter().flatten().map(|n| n.name.as_str()).collect();
+    assert!(p.points.iter().all(|x| nodes.contains(&x.point.as_str())), "{:?}", p.points);
+    for (point, layers) in [("embed", 0), ("attn_residual", 5), ("mlp_residual", 5), ("logits", 0)] {
+        assert!(p.points.iter().any(|x| x.point == point && x.layers == layers), "{point}: {:?}", p.points);
+    }
+    // The linear points read their weights: q's bytes are BabyLlama's q_proj, 5 layers of
+    // [8 heads x 16, 128] f32 (config.json).
+    let q = p.points.iter().find(|x| x.point == "q").expect("q is reported");
+    assert_eq!((q.kernel.as_str(), q.bytes), ("kernel.linear", 5.0 * 128.0 * 128.0 * 4.0), "{q:?}");
     // The guidance, read from the platform contract's file itself.
     let platform: toml::Value = toml::from_str(
         &std::fs::read_to_string(

@@ -85,6 +85,7 @@ const OPS_EDGES: &[(&str, &str, &str)] = &[
     ("gate", "compile", "a harness build failure is reported as compile_engine reports it"),
     ("gate", "evolve", "a passing gate promotes the candidates it ran under"),
     ("evolve", "synth", "a proposed family's graph is dry-run on a checkpoint synth writes from the proposal"),
+    ("verify", "localise", "verify_generation localises a failing step by comparing traces"),
 ];
 
 /// The ops module of an ops file (`src/ops/profile/roofline.rs` -> `profile`), None for mod.rs.

@@ -21,8 +21,8 @@ use std::path::Path;
 use std::time::Instant;
 
 use protocol::{
-    CaseResult, Command, Decoded, DeviceInfo, Encoded, Generated, KernelCase, PrefillTimes, ProfileTimings, Prompt, Reply,
-    Request, TimeItem, TimedItem, TimedRun, TokenizeSet, TokenizedSet,
+    CaseResult, Command, Decoded, DeviceInfo, Encoded, Generated, KernelCase, PointTime, PrefillTimes, ProfileTimings, Prompt,
+    Reply, Request, TimeItem, TimedItem, TimedRun, TokenizeSet, TokenizedSet, TracePoint,
 };
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 
@@ -268,6 +268,14 @@ fn profile_cmd(dir: &Path, prompt_len: usize, new_tokens: usize, runs: usize, de
         }
         prefill_by_len.push(PrefillTimes { len, seconds });
     }
+    // Time per activation point of the real forward pass, when the engine has a traced forward.
+    let (mut points, mut traced_s_per_token, mut points_error) = (Vec::new(), Vec::new(), None);
+    // @item forward_traced
+    match catch_unwind(AssertUnwindSafe(|| traced_timing(&mut model, prompt_len, new_tokens, runs))) {
+        Ok((p, t)) => (points, traced_s_per_token) = (p, t),
+        Err(e) => points_error = Some(format!("forward_traced panicked: {}", panic_text(e))),
+    }
+    // @end
     // Peak resident set size of this process (Linux: VmHWM in /proc/self/status), kB; 0 elsewhere.
     let peak_rss_kb = std::fs::read_to_string("/proc/self/status")
         .ok()
@@ -282,8 +290,112 @@ fn profile_cmd(dir: &Path, prompt_len: usize, new_tokens: usize, runs: usize, de
         peak_rss_kb,
         runs: checks,
         device,
+        points,
+        traced_s_per_token,
+        points_error,
     })
 }
+
+/// Most points a traced forward may report for one token, and most values in all.
+const MAX_POINTS: usize = 10_000;
+const MAX_POINT_VALUES: usize = 1 << 26;
+
+/// Run `tokens` through `forward_traced` from position 0 and keep the points of the last one.
+fn trace_cmd(dir: &Path, tokens: &[u32], tensors_path: &Path) -> Reply {
+    let mut points: Vec<TracePoint> = Vec::new();
+    let mut tensors: Vec<(String, Out)> = Vec::new();
+    let mut missing = Some("the engine has no model::Model::forward_traced (the family contract's rust.optional)".to_string());
+    // @item forward_traced
+    missing = None;
+    let mut model = engine::model::Model::load(dir).unwrap_or_else(|e| die(&format!("model load: {e}")));
+    model.reset();
+    let mut values = 0usize;
+    let mut over = false;
+    let run = catch_unwind(AssertUnwindSafe(|| {
+        for (pos, &t) in tokens.iter().enumerate() {
+            let last = pos + 1 == tokens.len();
+            model.forward_traced(t, pos, &mut |layer: Option<usize>, name: &str, v: &[f32]| {
+                if !last || over {
+                    return;
+                }
+                if points.len() >= MAX_POINTS || values + v.len() > MAX_POINT_VALUES {
+                    over = true;
+                    return;
+                }
+                values += v.len();
+                tensors.push((format!("point.{}", points.len()), Out::F(v.to_vec())));
+                points.push(TracePoint { layer, name: name.to_string() });
+            });
+        }
+    }));
+    if let Err(e) = run {
+        missing = Some(format!("forward_traced panicked: {}", panic_text(e)));
+    } else if over {
+        missing = Some(format!("forward_traced reported more than {MAX_POINTS} points or {MAX_POINT_VALUES} values for one token"));
+    }
+    // @end
+    write_tensors(tensors_path, &tensors);
+    Reply::Trace { points, missing }
+}
+
+/// Decode timed point by point through `forward_traced`, after a prefill of `prompt_len` tokens:
+/// per run, the seconds per token spent reaching each point from the one before it (or from the
+/// call's start), by point name summed over layers, and the whole call's seconds per token.
+// @item forward_traced
+fn traced_timing(model: &mut engine::model::Model, prompt_len: usize, new_tokens: usize, runs: usize) -> (Vec<PointTime>, Vec<f64>) {
+    let vocab = model.vocab_size() as u32;
+    let mut names: Vec<String> = Vec::new();
+    let mut layers: Vec<usize> = Vec::new();
+    let mut per_run: Vec<Vec<f64>> = Vec::new();
+    let mut totals = Vec::new();
+    for run in 0..runs {
+        let prompt: Vec<u32> = (0..prompt_len).map(|i| ((i * 5 + run * 19 + 7) as u32) % vocab).collect();
+        model.reset();
+        let mut next = engine::generate::sample_greedy(model.prefill(&prompt, 0));
+        let n = (prompt_len + new_tokens).min(model.max_seq_len()).saturating_sub(prompt_len);
+        let mut acc = vec![0.0f64; names.len()];
+        let mut total = 0.0;
+        for step in 0..n {
+            let start = Instant::now();
+            let mut last = start;
+            let logits = model.forward_traced(next, prompt_len + step, &mut |layer: Option<usize>, name: &str, _v: &[f32]| {
+                let now = Instant::now();
+                let k = match names.iter().position(|x| x == name) {
+                    Some(k) => k,
+                    None => {
+                        names.push(name.to_string());
+                        layers.push(0);
+                        names.len() - 1
+                    }
+                };
+                if acc.len() <= k {
+                    acc.resize(k + 1, 0.0);
+                }
+                acc[k] += (now - last).as_secs_f64();
+                if run == 0 && step == 0 && layer.is_some() {
+                    layers[k] += 1;
+                }
+                last = now;
+            });
+            next = engine::generate::sample_greedy(logits);
+            total += start.elapsed().as_secs_f64();
+        }
+        acc.resize(names.len(), 0.0);
+        per_run.push(acc.iter().map(|s| s / n.max(1) as f64).collect());
+        totals.push(total / n.max(1) as f64);
+    }
+    let points = names
+        .iter()
+        .enumerate()
+        .map(|(k, name)| PointTime {
+            name: name.clone(),
+            layers: layers[k],
+            seconds: per_run.iter().map(|r| r.get(k).copied().unwrap_or(0.0)).collect(),
+        })
+        .collect();
+    (points, totals)
+}
+// @end
 
 /// Filler values in [-1, 1) from a xorshift generator: timing does not depend on values, but the
 /// values must be finite and different between copies.
@@ -364,6 +476,7 @@ fn main() {
                 profile_cmd(model, *prompt_len, *new_tokens, *runs, info)
             }
             Command::Time { reps, items } => time_cmd(*reps, items),
+            Command::Trace { model, tokens, tensors } => trace_cmd(model, tokens, tensors),
             // @serving commands
             _ => die("this harness has no serving commands: the engine's metainfer.toml has no [serving] table"),
         },

@@ -115,9 +115,23 @@ pub struct ProfileReport {
     pub threads: usize,
     /// Every kernel shape of one decode step, timed alone on the model's shapes; largest share first.
     pub kernels: Vec<roofline::KernelProfile>,
-    /// The kernel contract with the largest share of decode time.
+    /// The engine's real forward pass timed point by point (`Model::forward_traced`, decode steps
+    /// after the prompt): time to reach each activation point of the family's graph from the one
+    /// before, summed over layers, with its bytes and roofline fraction; largest share first. Empty
+    /// when the engine has no traced forward (see `points_note`).
+    #[serde(default)]
+    pub points: Vec<roofline::PointProfile>,
+    /// Decode tokens per second of the traced runs (the time the points share; tracing adds a
+    /// clock read per point).
+    #[serde(default)]
+    pub traced_decode_tok_s: f64,
+    /// Why `points` is empty, when it is.
+    #[serde(default)]
+    pub points_note: String,
+    /// The kernel contract with the largest share of decode time: of the real forward's points
+    /// when the engine traces (summed over the points running it), else of the kernels timed alone.
     pub bounding_kernel: String,
-    /// Its share of the summed kernel time of one token.
+    /// Its share of the traced decode time (points), else of the summed kernel time of one token.
     pub bounding_share: f64,
     /// Summed kernel time per token over the measured decode time per token: the rest is spent
     /// outside the kernels (loop, copies, allocation).
@@ -309,11 +323,42 @@ impl ProfileReport {
                 if p.regression { " REGRESSION beyond the noise" } else { "" }
             );
         }
+        if !self.points.is_empty() {
+            s += &format!(
+                "the real forward, point by point ({} weights, {} thread(s); traced decode {:.0} tok/s, {:.0}% of the untraced):\n",
+                self.dtype,
+                self.threads,
+                self.traced_decode_tok_s,
+                if self.decode_tok_s.median > 0.0 {
+                    100.0 * self.traced_decode_tok_s / self.decode_tok_s.median
+                } else {
+                    0.0
+                }
+            );
+            for p in &self.points {
+                s += &format!(
+                    "  {:>5.1}%  {:<16} {:<20} x{:<3} {:>9.2} us  {:>7.1} GB/s  {:>4.0}% of roofline\n",
+                    100.0 * p.share_of_decode,
+                    p.point,
+                    if p.kernel.is_empty() { "-" } else { &p.kernel },
+                    p.layers.max(1),
+                    p.time_us.median,
+                    p.gb_s,
+                    100.0 * p.roofline_fraction
+                );
+            }
+            s += &format!(
+                "  points add up to {:.0}% of the traced decode time\n",
+                100.0 * self.points.iter().map(|p| p.share_of_decode).sum::<f64>()
+            );
+        } else if !self.points_note.is_empty() {
+            s += &format!("{}\n", self.points_note);
+        }
         if self.kernels.is_empty() {
             return s;
         }
         s += &format!(
-            "kernels of one decode step ({} weights, {} thread(s)); kernel time is {:.0}% of the measured decode time:\n",
+            "kernels of one decode step timed alone ({} weights, {} thread(s)); their summed time is {:.0}% of the measured decode time:\n",
             self.dtype,
             self.threads,
             100.0 * self.kernel_time_fraction
@@ -333,9 +378,10 @@ impl ProfileReport {
         }
         if !self.bounding_kernel.is_empty() {
             s += &format!(
-                "verdict: {} bounds decode ({:.0}% of kernel time)\n",
+                "verdict: {} bounds decode ({:.0}% of {})\n",
                 self.bounding_kernel,
-                100.0 * self.bounding_share
+                100.0 * self.bounding_share,
+                if self.points.is_empty() { "the kernels' time" } else { "the real forward's decode time" }
             );
             for g in &self.guidance {
                 s += &format!("  guidance: {g}\n");
@@ -466,6 +512,9 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
         adjusted,
         threads,
         kernels: vec![],
+        points: vec![],
+        traced_decode_tok_s: 0.0,
+        points_note: String::new(),
         bounding_kernel: String::new(),
         bounding_share: 0.0,
         kernel_time_fraction: 0.0,
@@ -668,6 +717,29 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
             "phase order: verify_generation has not passed on these exact sources; figures are unverified".into(),
         );
     }
+    let peak_t = probe
+        .as_ref()
+        .and_then(|p| p.median("peak", threads))
+        .or_else(|| platform.and_then(|p| p.peak_gflops_f32.get(&threads.to_string()).copied()))
+        .unwrap_or(peak);
+    // Kernels and points read from the level the whole model's weights fit in (the probe's
+    // working sets: 256 KiB, 4 MiB, else DRAM); without a probe, the DRAM figure.
+    let level = if bytes_per_token <= (256 << 10) as f64 {
+        "read L2"
+    } else if bytes_per_token <= (4 << 20) as f64 {
+        "read L3"
+    } else {
+        "read DRAM"
+    };
+    let bw_kernels = probe.as_ref().and_then(|p| p.median(level, threads)).unwrap_or(bandwidth);
+    // On a CUDA device: its HBM bandwidth (or the probe's) and the f32 peak in GFLOP/s.
+    let (bw_kernels, peak_t) = match (&report.device, gpu) {
+        (Some(d), Some(gpu)) => (
+            if d.hbm_gbs > 0.0 { d.hbm_gbs } else { d.copy_gbs },
+            gpu.peak_tflops.get("f32").map(|f| f.value * 1e3).unwrap_or(peak_t),
+        ),
+        _ => (bw_kernels, peak_t),
+    };
     let timed = match called.next() {
         Some(c) => c.ok("per-kernel timing", 1000),
         None => Err("the per-kernel timing did not run".to_string()),
@@ -676,29 +748,6 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
         Ok(Reply::Time { items }) => {
             let seconds: Vec<Vec<f64>> = items.into_iter().map(|i| i.seconds_per_call).collect();
             if seconds.len() == calls.len() {
-                let peak_t = probe
-                    .as_ref()
-                    .and_then(|p| p.median("peak", threads))
-                    .or_else(|| platform.and_then(|p| p.peak_gflops_f32.get(&threads.to_string()).copied()))
-                    .unwrap_or(peak);
-                // Kernels read from the level the whole model's weights fit in (the probe's working
-                // sets: 256 KiB, 4 MiB, else DRAM); without a probe, the DRAM figure.
-                let level = if bytes_per_token <= (256 << 10) as f64 {
-                    "read L2"
-                } else if bytes_per_token <= (4 << 20) as f64 {
-                    "read L3"
-                } else {
-                    "read DRAM"
-                };
-                let bw_kernels = probe.as_ref().and_then(|p| p.median(level, threads)).unwrap_or(bandwidth);
-                // On a CUDA device: its HBM bandwidth (or the probe's) and the f32 peak in GFLOP/s.
-                let (bw_kernels, peak_t) = match (&report.device, gpu) {
-                    (Some(d), Some(gpu)) => (
-                        if d.hbm_gbs > 0.0 { d.hbm_gbs } else { d.copy_gbs },
-                        gpu.peak_tflops.get("f32").map(|f| f.value * 1e3).unwrap_or(peak_t),
-                    ),
-                    _ => (bw_kernels, peak_t),
-                };
                 report.kernels = roofline::analyse(&calls, &seconds, bw_kernels, peak_t);
                 let per_token: f64 =
                     calls.iter().zip(&seconds).map(|(c, s)| Spread::of(s).median * c.per_token as f64).sum();
@@ -719,6 +768,35 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
         }
         Ok(other) => problems.push(format!("the per-kernel timing answered with an unexpected reply: {other:?}")),
         Err(why) => problems.push(why),
+    }
+    // The real forward, point by point: its shares are of the traced decode time, so they add up
+    // to at most all of it, and the bounding kernel is the one the forward spends most in.
+    match (&fam.graph, t.points.is_empty(), &t.points_error) {
+        (_, _, Some(why)) => report.points_note = format!("no per-point timing: {why}"),
+        (_, true, None) => {
+            report.points_note = "no per-point timing: the engine has no Model::forward_traced (its family contract's rust skeleton); the kernels below are timed alone, outside the forward, so their shares need not add up to the decode time".into()
+        }
+        (None, false, None) => report.points_note = "no per-point costs: the family contract has no [model.graph]".into(),
+        (Some(graph), false, None) => {
+            let costs = roofline::point_costs(graph, fam, &cfg, &target.dtype, kv_len);
+            report.points = roofline::analyse_points(&t.points, &t.traced_s_per_token, &costs, bw_kernels, peak_t);
+            let traced = Spread::of(&t.traced_s_per_token).median;
+            if traced > 0.0 {
+                report.traced_decode_tok_s = 1.0 / traced;
+            }
+            if let Some((k, share)) = roofline::bounding_kernel_of_points(&report.points) {
+                if k != report.bounding_kernel {
+                    let guidance = platform.map(|p| &p.kernel_guidance);
+                    let of = ctx.ckb.get(&k).ok().and_then(|c| c.variant.as_ref()).map(|v| v.of.clone());
+                    report.guidance = guidance
+                        .and_then(|g| g.get(&k).or_else(|| of.as_ref().and_then(|o| g.get(o))))
+                        .cloned()
+                        .unwrap_or_default();
+                }
+                report.bounding_kernel = k;
+                report.bounding_share = share;
+            }
+        }
     }
     report.previous = previous_profile(ctx, &gate.engine, &model_dir, &report);
     report.error = problems.join("; ");

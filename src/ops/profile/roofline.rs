@@ -285,3 +285,159 @@ mod tests {
         assert!((share - 4.0 / 7.0).abs() < 1e-12);
     }
 }
+
+/// Bytes and FLOPs one decoded token spends at one activation point (a node of the family's
+/// graph), summed over the layers it is in.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PointCost {
+    /// Node name.
+    pub node: String,
+    /// Its op (`linear`, `attention`, ...).
+    pub op: String,
+    /// The kernel contract the op runs (`GraphOp::kernel`); empty for an elementwise primitive.
+    pub kernel: String,
+    /// Bytes of weights read (at the engine's dtype for matrices, f32 for vectors, as
+    /// `quantization.keep_f32` keeps norm gains) plus, for attention, the f32 K and V rows read.
+    pub bytes: f64,
+    /// FLOPs: 2 per weight of a linear, 4 * kv_len * n_heads * head_dim for attention, one per
+    /// output element otherwise.
+    pub flops: f64,
+}
+
+/// The cost of each node of `graph` per decoded token at context length `kv_len`, in graph order,
+/// summed over the `n_layers` layers for layer nodes. Shapes are the family's `[[model.weights]]`
+/// at `cfg`; a linear that reads a row block (`rows` parameter: Phi-3's fused projections) counts
+/// those rows. Unknown shapes count as 0 bytes.
+pub fn point_costs(
+    graph: &crate::ckb::Graph,
+    family: &crate::ckb::ModelFamily,
+    cfg: &ResolvedConfig,
+    dtype: &str,
+    kv_len: usize,
+) -> Vec<PointCost> {
+    use crate::ckb::graph::eval_expr;
+    use crate::oracle::graph::config_role;
+    let role = |r: &str| config_role(cfg, r);
+    let shape = |pattern: &str| -> Vec<usize> {
+        let Some(w) = family.weights.iter().find(|w| w.name == pattern) else { return vec![] };
+        w.shape.iter().map(|d| eval_expr(d, &role).map(|v| v as usize).unwrap_or(0)).collect()
+    };
+    let (hd, nh, nkv) = (cfg.head_dim as f64, cfg.n_heads as f64, cfg.n_kv_heads as f64);
+    let mut out = Vec::new();
+    for (nodes, times) in [(&graph.prologue, 1.0), (&graph.layer, cfg.n_layers as f64), (&graph.epilogue, 1.0)] {
+        for n in nodes {
+            let kernel = crate::ckb::GRAPH_OPS.iter().find(|o| o.name == n.op).and_then(|o| o.kernel).unwrap_or("");
+            let mut bytes = 0.0;
+            let mut flops = 0.0;
+            for (slot, pattern) in &n.weights {
+                // A linear with a `tied` slot reads the embedding table when config.json ties
+                // the embeddings, else its own weight: never both.
+                let is_matrix = slot == "weight" || slot == "tied";
+                if n.weights.contains_key("tied") && is_matrix && (slot == "tied") != cfg.tied {
+                    continue;
+                }
+                let s = shape(pattern);
+                let cols = s.last().copied().unwrap_or(0) as f64;
+                let rows = match n.params.get("rows") {
+                    Some(e) if is_matrix => eval_expr(e, &role).unwrap_or(0.0),
+                    _ => s.iter().rev().skip(1).fold(1.0, |acc, &d| acc * d as f64),
+                };
+                let elements = if s.len() >= 2 { rows * cols } else { s.iter().fold(1.0, |acc, &d| acc * d as f64) };
+                if n.op == "embedding" {
+                    // One row of the table.
+                    bytes += cols * weight_bytes(dtype);
+                    continue;
+                }
+                bytes += elements * if s.len() >= 2 { weight_bytes(dtype) } else { 4.0 };
+                if n.op == "linear" && is_matrix {
+                    flops += 2.0 * elements;
+                }
+            }
+            if n.op == "attention" {
+                bytes += 2.0 * kv_len as f64 * nkv * hd * 4.0;
+                flops += 4.0 * kv_len as f64 * nh * hd;
+            }
+            if flops == 0.0 {
+                flops = cfg.hidden as f64;
+            }
+            out.push(PointCost {
+                node: n.name.clone(),
+                op: n.op.clone(),
+                kernel: kernel.to_string(),
+                bytes: bytes * times,
+                flops: flops * times,
+            });
+        }
+    }
+    out
+}
+
+/// One activation point of the engine's real forward pass, timed there (`forward_traced`).
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct PointProfile {
+    /// Graph node name (summed over layers for layer nodes).
+    pub point: String,
+    /// Layers it was reported in per token (0: prologue or epilogue).
+    pub layers: usize,
+    /// The kernel contract its op runs; empty for an elementwise primitive or an unknown point.
+    pub kernel: String,
+    /// Time per decoded token spent reaching this point from the previous one, microseconds, over
+    /// the runs.
+    pub time_us: Spread,
+    /// Its share of the traced decode time per token (medians); the shares sum to at most 1.
+    pub share_of_decode: f64,
+    /// Bytes per token at this point (see [`PointCost`]).
+    pub bytes: f64,
+    /// Achieved GB/s at the median time.
+    pub gb_s: f64,
+    /// Roofline bound (`max(bytes / bandwidth, flops / peak)`) over the median time.
+    pub roofline_fraction: f64,
+}
+
+/// Profiles of the points the engine reported, sorted by share, largest first. `traced_s` is the
+/// traced decode seconds per token per run; `bandwidth_gbs` and `peak_gflops` the machine's at the
+/// run's thread count and working set.
+pub fn analyse_points(
+    points: &[crate::harness::protocol::PointTime],
+    traced_s: &[f64],
+    costs: &[PointCost],
+    bandwidth_gbs: f64,
+    peak_gflops: f64,
+) -> Vec<PointProfile> {
+    let total = Spread::of(traced_s).median;
+    let mut out: Vec<PointProfile> = points
+        .iter()
+        .map(|p| {
+            let t = Spread::of(&p.seconds.iter().map(|x| x * 1e6).collect::<Vec<_>>());
+            let secs = t.median * 1e-6;
+            let cost = costs.iter().find(|c| c.node == p.name);
+            let (bytes, flops) = cost.map_or((0.0, 0.0), |c| (c.bytes, c.flops));
+            let bound = (bytes / (bandwidth_gbs * 1e9)).max(flops / (peak_gflops * 1e9));
+            PointProfile {
+                point: p.name.clone(),
+                layers: p.layers,
+                kernel: cost.map(|c| c.kernel.clone()).unwrap_or_default(),
+                time_us: t,
+                share_of_decode: if total > 0.0 { secs / total } else { 0.0 },
+                bytes,
+                gb_s: if secs > 0.0 { bytes / secs / 1e9 } else { 0.0 },
+                roofline_fraction: if secs > 0.0 { bound / secs } else { 0.0 },
+            }
+        })
+        .collect();
+    out.sort_by(|a, b| b.share_of_decode.total_cmp(&a.share_of_decode));
+    out
+}
+
+/// The kernel with the largest summed share over the points (elementwise points, with no kernel,
+/// are not counted), and that share.
+pub fn bounding_kernel_of_points(points: &[PointProfile]) -> Option<(String, f64)> {
+    let mut by: Vec<(String, f64)> = Vec::new();
+    for p in points.iter().filter(|p| !p.kernel.is_empty()) {
+        match by.iter_mut().find(|(k, _)| *k == p.kernel) {
+            Some(e) => e.1 += p.share_of_decode,
+            None => by.push((p.kernel.clone(), p.share_of_decode)),
+        }
+    }
+    by.into_iter().max_by(|a, b| a.1.total_cmp(&b.1))
+}

@@ -126,12 +126,27 @@ impl Model {
 
     /// Run one token at position `pos` (cache holds 0..pos), write its K/V at `pos`; return logits [vocab].
     pub fn forward(&mut self, token: u32, pos: usize) -> &[f32] {
+        self.forward_traced(token, pos, &mut |_, _, _| {})
+    }
+
+    /// As `forward`, also calling `trace(layer, point, values)` for each activation point it computes,
+    /// in order: `point` a node name of this contract's [model.graph] (`layer` None in the prologue and
+    /// epilogue, Some(i) in decoder layer i), `values` that node's output for this token, f32, flattened.
+    /// Report at least the graph's `trace_required` points; a step fused away may be left out.
+    #[allow(clippy::type_complexity)]
+    pub fn forward_traced(
+        &mut self,
+        token: u32,
+        pos: usize,
+        trace: &mut dyn FnMut(Option<usize>, &str, &[f32]),
+    ) -> &[f32] {
         let Model { cfg: c, embed, layers, final_norm, lm_head, rope_freqs, s } = self;
         assert!(pos < c.max_seq, "forward: position {pos} is beyond max_position_embeddings {}", c.max_seq);
         assert!((token as usize) < c.vocab, "forward: token {token} is outside the vocabulary ({})", c.vocab);
         let (h, inter, eps) = (c.hidden, c.intermediate, c.rms_norm_eps);
         let (q_dim, kv_dim) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
         kernels::embedding(embed, h, &[token], &mut s.x);
+        trace(None, "embed", &s.x);
         if c.features.embed_scale_sqrt_hidden {
             let scale = (h as f32).sqrt();
             s.x.iter_mut().for_each(|x| *x *= scale);
@@ -139,9 +154,16 @@ impl Model {
         if let Some(m) = c.embedding_multiplier {
             s.x.iter_mut().for_each(|x| *x *= m);
         }
+        if c.features.embed_scale_sqrt_hidden || c.embedding_multiplier.is_some() {
+            trace(None, "embed_scale", &s.x);
+        }
         for (i, l) in layers.iter_mut().enumerate() {
+            let at = Some(i);
             // Attention block: x += o_proj(attention(rope(q), cache(rope(k), v))).
             let input = pre_norm(&s.x, l.attn_norm.as_deref(), eps, &mut s.normed);
+            if l.attn_norm.is_some() {
+                trace(at, "attn_norm", input);
+            }
             kernels::linear(input, &l.wq, 1, h, q_dim, &mut s.q);
             kernels::linear(input, &l.wk, 1, h, kv_dim, &mut s.k);
             kernels::linear(input, &l.wv, 1, h, kv_dim, &mut s.v);
@@ -150,12 +172,19 @@ impl Model {
                 add(&mut s.k, bk);
                 add(&mut s.v, bv);
             }
+            trace(at, "q", &s.q);
+            trace(at, "k", &s.k);
+            trace(at, "v", &s.v);
             if let Some([q_norm, k_norm]) = &l.qk_norm {
                 norm_heads(&mut s.q, q_norm, eps, &mut s.heads);
                 norm_heads(&mut s.k, k_norm, eps, &mut s.heads);
+                trace(at, "q_norm", &s.q);
+                trace(at, "k_norm", &s.k);
             }
             kernels::rope_with_freqs(&mut s.q, &[pos], c.n_heads, rope_freqs);
             kernels::rope_with_freqs(&mut s.k, &[pos], c.n_kv_heads, rope_freqs);
+            trace(at, "q_rope", &s.q);
+            trace(at, "k_rope", &s.k);
             store(&mut l.k_cache, pos, &s.k);
             store(&mut l.v_cache, pos, &s.v);
             let window = c.window(i);
@@ -182,26 +211,45 @@ impl Model {
                     &mut s.attn,
                 ),
             }
+            trace(at, "attn", &s.attn);
             kernels::linear(&s.attn, &l.wo, 1, q_dim, h, &mut s.out);
+            trace(at, "o", &s.out);
             let [post_attn, post_ffn] =
                 l.post_norms.as_ref().map(|[a, f]| [Some(&a[..]), Some(&f[..])]).unwrap_or_default();
-            residual(&mut s.x, &mut s.out, post_attn, c.residual_multiplier, eps, &mut s.normed);
+            let names = ["o_norm", "o_scaled", "attn_residual"];
+            let mut point = |name: &str, v: &[f32]| trace(at, name, v);
+            residual(&mut s.x, &mut s.out, post_attn, c.residual_multiplier, eps, &mut s.normed, names, &mut point);
             // MLP block: x += down_proj(act(gate_proj(x)) * up_proj(x)).
             let input = pre_norm(&s.x, l.ffn_norm.as_deref(), eps, &mut s.normed);
+            if l.ffn_norm.is_some() {
+                trace(at, "mlp_norm", input);
+            }
             kernels::linear(input, &l.w_gate, 1, h, inter, &mut s.gate);
             kernels::linear(input, &l.w_up, 1, h, inter, &mut s.up);
+            trace(at, "gate", &s.gate);
+            trace(at, "up", &s.up);
             glu(c.features.gelu_tanh_mlp, &s.gate, &s.up, &mut s.act);
+            trace(at, "act", &s.act);
             kernels::linear(&s.act, &l.w_down, 1, inter, h, &mut s.out);
-            residual(&mut s.x, &mut s.out, post_ffn, c.residual_multiplier, eps, &mut s.normed);
+            trace(at, "down", &s.out);
+            let names = ["down_norm", "down_scaled", "mlp_residual"];
+            let mut point = |name: &str, v: &[f32]| trace(at, name, v);
+            residual(&mut s.x, &mut s.out, post_ffn, c.residual_multiplier, eps, &mut s.normed, names, &mut point);
         }
         kernels::rms_norm(&s.x, final_norm, eps, &mut s.normed);
+        trace(None, "final_norm", &s.normed);
         kernels::linear(&s.normed, lm_head.as_deref().unwrap_or(embed), 1, h, c.vocab, &mut s.logits);
+        if c.logits_scaling.is_some() || c.final_softcap.is_some() {
+            // Granite and Gemma 2 name the projection `lm_head` and its scaled or capped output `logits`.
+            trace(None, "lm_head", &s.logits);
+        }
         if let Some(d) = c.logits_scaling {
             s.logits.iter_mut().for_each(|x| *x /= d);
         }
         if let Some(cap) = c.final_softcap {
             s.logits.iter_mut().for_each(|x| *x = (*x / cap).tanh() * cap);
         }
+        trace(None, "logits", &s.logits);
         &s.logits
     }
 }
@@ -313,7 +361,9 @@ fn pre_norm<'a>(x: &'a [f32], gain: Option<&[f32]>, eps: f32, normed: &'a mut [f
 
 /// The residual add x += out of a block's output `out`, first RMSNormed with `post_norm`
 /// (`post_norms`: OLMo-2, Gemma 2), then multiplied by `multiplier` (Granite's residual_multiplier);
-/// `tmp` [len of out] holds a copy of out.
+/// `tmp` [len of out] holds a copy of out. Each step done is reported to `trace` under `names`
+/// (post-norm, scaled, sum).
+#[allow(clippy::too_many_arguments)]
 fn residual(
     x: &mut [f32],
     out: &mut [f32],
@@ -321,15 +371,20 @@ fn residual(
     multiplier: Option<f32>,
     eps: f32,
     tmp: &mut [f32],
+    names: [&str; 3],
+    trace: &mut dyn FnMut(&str, &[f32]),
 ) {
     if let Some(gain) = post_norm {
         tmp.copy_from_slice(out);
         kernels::rms_norm(tmp, gain, eps, out);
+        trace(names[0], out);
     }
     if let Some(m) = multiplier {
         out.iter_mut().for_each(|v| *v *= m);
+        trace(names[1], out);
     }
     add(x, out);
+    trace(names[2], x);
 }
 
 /// RMSNorm of every head of `x` ([n_heads, head_dim]) with the gain `w` [head_dim], in place

@@ -559,19 +559,47 @@ impl Model {
         &self.scratch.logits
     }
 
+    /// As `forward`, also calling `trace(layer, point, values)` for each activation point it computes,
+    /// in order: `point` a node name of this contract's [model.graph] (`layer` None in the prologue and
+    /// epilogue, Some(i) in decoder layer i), `values` that node's output for this token, f32, flattened.
+    /// Report at least the graph's `trace_required` points; a step fused away may be left out.
+    ///
+    /// The q, k and v projections run as one fused product, so `q`, `k` and `v` are reported after
+    /// it; `k` and `k_rope` are the cache row. The pass runs on the calling thread (a `trace` need
+    /// not be `Send`), so with a pool of several threads each parallel product pays a wake-up that
+    /// `forward` avoids.
+    #[allow(clippy::type_complexity)]
+    pub fn forward_traced(
+        &mut self,
+        token: u32,
+        pos: usize,
+        trace: &mut dyn FnMut(Option<usize>, &str, &[f32]),
+    ) -> &[f32] {
+        self.step(&[token], pos, true, trace);
+        &self.scratch.logits
+    }
+
     /// One decoder pass over `tokens` (at most `PREFILL_CHUNK`) at positions start..; computes the
     /// last token's logits only when `want_logits`. When the calling thread is not a rayon worker
     /// and the pool has more than one thread, the pass runs on a pool thread, so that its parallel
     /// products start without a cross-pool wake-up each.
     fn run(&mut self, tokens: &[u32], start: usize, want_logits: bool) {
         if rayon::current_thread_index().is_none() && rayon::current_num_threads() > 1 {
-            rayon::scope(|_| self.step(tokens, start, want_logits));
+            rayon::scope(|_| self.step(tokens, start, want_logits, &mut |_, _, _| {}));
         } else {
-            self.step(tokens, start, want_logits);
+            self.step(tokens, start, want_logits, &mut |_, _, _| {});
         }
     }
 
-    fn step(&mut self, tokens: &[u32], start: usize, want_logits: bool) {
+    /// The pass itself; `trace` receives every point's rows (see `forward_traced`).
+    #[allow(clippy::type_complexity)]
+    fn step(
+        &mut self,
+        tokens: &[u32],
+        start: usize,
+        want_logits: bool,
+        trace: &mut dyn FnMut(Option<usize>, &str, &[f32]),
+    ) {
         let cfg = &self.cfg;
         let rows = tokens.len();
         assert!(rows <= PREFILL_CHUNK, "at most {PREFILL_CHUNK} tokens per step");
@@ -605,19 +633,27 @@ impl Model {
                 (*c, *sn) = kernels::rope_cos_sin(start + i, f);
             }
         }
+        trace(None, "embed", x);
         let kv_len = start + rows;
-        for layer in &mut self.layers {
+        for (li, layer) in self.layers.iter_mut().enumerate() {
+            let at = Some(li);
             // Attention block.
             kernels::rms_norm(x, &layer.attn_norm, cfg.eps, h);
+            trace(at, "attn_norm", h);
             let k_rows = &mut layer.k_cache[start * kvd..kv_len * kvd];
             let v_rows = &mut layer.v_cache[start * kvd..kv_len * kvd];
             Matrix::linear_many(h, rows, [&layer.wq, &layer.wk, &layer.wv], [&mut *q, k_rows, v_rows]);
+            trace(at, "q", q);
+            trace(at, "k", &layer.k_cache[start * kvd..kv_len * kvd]);
+            trace(at, "v", &layer.v_cache[start * kvd..kv_len * kvd]);
             for i in 0..rows {
                 let (c, sn) = (&cos[i * half..(i + 1) * half], &sin[i * half..(i + 1) * half]);
                 kernels::rope_apply(&mut q[i * qd..(i + 1) * qd], hd, c, sn);
                 let k_tok = &mut layer.k_cache[(start + i) * kvd..(start + i + 1) * kvd];
                 kernels::rope_apply(k_tok, hd, c, sn);
             }
+            trace(at, "q_rope", q);
+            trace(at, "k_rope", &layer.k_cache[start * kvd..kv_len * kvd]);
             kernels::attention_with_scratch(
                 q,
                 &layer.k_cache[..kv_len * kvd],
@@ -630,19 +666,28 @@ impl Model {
                 att,
                 &mut s.scores,
             );
+            trace(at, "attn", att);
             layer.wo.linear(att, rows, proj);
+            trace(at, "o", proj);
             for (x, &p) in x.iter_mut().zip(proj.iter()) {
                 *x += p;
             }
+            trace(at, "attn_residual", x);
 
             // MLP block.
             kernels::rms_norm(x, &layer.ffn_norm, cfg.eps, h);
+            trace(at, "mlp_norm", h);
             Matrix::linear_many(h, rows, [&layer.w_gate, &layer.w_up], [&mut *gate, &mut *up]);
+            trace(at, "gate", gate);
+            trace(at, "up", up);
             kernels::silu_and_mul(gate, up, act);
+            trace(at, "act", act);
             layer.w_down.linear(act, rows, proj);
+            trace(at, "down", proj);
             for (x, &p) in x.iter_mut().zip(proj.iter()) {
                 *x += p;
             }
+            trace(at, "mlp_residual", x);
         }
         self.cache_filled = self.cache_filled.max(kv_len);
 
@@ -650,8 +695,10 @@ impl Model {
             let last = &x[(rows - 1) * d..rows * d];
             let h = &mut h[..d];
             kernels::rms_norm(last, &self.final_norm, cfg.eps, h);
+            trace(None, "final_norm", h);
             let head = self.lm_head.as_ref().unwrap_or(&self.embed);
             head.linear(h, 1, &mut s.logits);
+            trace(None, "logits", &s.logits);
         }
     }
 }
