@@ -964,7 +964,12 @@ impl Workshop {
             engine.package,
             spec.features,
         );
+        // Written only when the text differs: cargo decides by modification time, so rewriting the
+        // same sources would recompile the harness crate after every engine edit.
         let write = |p: PathBuf, s: &str| {
+            if std::fs::read(&p).is_ok_and(|old| old == s.as_bytes()) {
+                return Ok(());
+            }
             std::fs::write(&p, s).map_err(|e| Error::internal(format!("cannot write {}: {e}", p.display())))
         };
         write(dir.join("Cargo.toml"), &manifest)?;

@@ -631,11 +631,27 @@ impl<'a> Gate<'a> {
     /// # Errors
     /// When the request cannot be written, the process cannot be started, or the sandbox refuses.
     pub fn call(&self, h: &Harness, command: Command, env: &[(&str, String)], reads: &[&Path]) -> Result<Called> {
-        let mut grants = harness::Grants::harness(&h.exe, h.dir());
+        self.call_exe(h, &h.exe, command, env, reads)
+    }
+
+    /// As [`Gate::call`], running the harness executable `exe` (a kept build of the same engine
+    /// directory, for an interleaved comparison) in `h`'s scratch directory.
+    ///
+    /// # Errors
+    /// As [`Gate::call`].
+    pub fn call_exe(
+        &self,
+        h: &Harness,
+        exe: &Path,
+        command: Command,
+        env: &[(&str, String)],
+        reads: &[&Path],
+    ) -> Result<Called> {
+        let mut grants = harness::Grants::harness(exe, h.dir());
         for r in reads {
             grants = grants.read(*r);
         }
-        self.ctx.workshop.call(&h.exe, h.dir(), command, env, &grants, self.budget)
+        self.ctx.workshop.call(exe, h.dir(), command, env, &grants, self.budget)
     }
 
     /// Hand the harness its commands as this call's mode says: run them here, in order, until one

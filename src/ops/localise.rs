@@ -28,7 +28,8 @@ pub struct Localisation {
     /// First point beyond tolerance, as the reference names it (`embed`, `layers.3.q_rope`,
     /// `logits`); empty when every compared point agrees.
     pub point: String,
-    /// Its decoder layer; None in the prologue and epilogue or when no point diverged.
+    /// Its decoder layer; absent in the prologue and epilogue or when no point diverged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layer: Option<usize>,
     /// Its graph node (`q_rope`).
     pub node: String,

@@ -914,8 +914,15 @@ fn localise_step(
             )
         });
         let prior = if at.note.is_empty() { String::new() } else { format!("{}; ", at.note) };
+        // Attention also reads the rows earlier positions left in the KV cache: with its own
+        // inputs agreeing, those rows are the first suspects.
+        let cache = if node.is_some_and(|n| n.op == "attention") {
+            "; attention also reads the K/V rows of earlier positions, so check what the cache holds (component.kv_cache: row p written at position p, rows 0..=pos read)"
+        } else {
+            ""
+        };
         format!(
-            "{prior}{what}: every earlier point the engine reported agrees, so the step into this point is where the engine differs{missing}"
+            "{prior}{what}: every earlier point the engine reported agrees, so the step into this point is where the engine differs{cache}{missing}"
         )
     } else if at.compared == 0 {
         format!("not localised: the engine's traced forward reported no point the reference knows{missing}")

@@ -329,6 +329,14 @@ fn failed_as(v: &VerifyReport, want: Gen) -> bool {
     }
 }
 
+/// The kernel contract model.llama's graph node `node` runs (its op's `GraphOp::kernel`).
+fn kernel_of(node: &str) -> Option<&'static str> {
+    let ckb = metainfer::ckb::Ckb::embedded().unwrap();
+    let graph = ckb.get("model.llama").unwrap().model.clone().unwrap().graph.unwrap();
+    let n = [&graph.prologue, &graph.layer, &graph.epilogue].into_iter().flatten().find(|n| n.name == node)?;
+    metainfer::ckb::GRAPH_OPS.iter().find(|o| o.name == n.op).and_then(|o| o.kernel)
+}
+
 fn ids(d: &[Diagnosis]) -> Vec<&str> {
     d.iter().map(|d| d.failure.as_str()).collect()
 }
@@ -422,6 +430,22 @@ fn injected_faults_are_caught_and_named() {
             }
             if by_gen {
                 assert!(v.text().contains(&format!("diagnosis: {want}")), "{}", v.text());
+            }
+        }
+        // Logits that failed on the HF ids are localised: the traced rerun names a point whose op
+        // runs the faulted kernel (softmax runs inside attention); for the model-level faults, the
+        // attention that reads the misplaced cache rows, and the activation fed swapped inputs.
+        if v.prompts.iter().all(|p| p.tokenizer_ok) && v.prompts.iter().any(|p| !p.logits_ok) {
+            let want = match (f.kernel, f.name) {
+                (Some("kernel.softmax"), _) | (None, "K/V written one row early") => Some("kernel.attention"),
+                (None, "gate and up swapped at the call site") => Some("kernel.silu_and_mul"),
+                (k, _) => k,
+            };
+            match &v.localisation {
+                Some(l) if kernel_of(&l.node) == want => {
+                    assert!(v.text().contains(&format!("first diverging point {}", l.point)), "{}", v.text())
+                }
+                other => why.push(format!("localisation: expected a point running {want:?}, got {other:?}")),
             }
         }
         if !failed.is_empty() || gen_failed {

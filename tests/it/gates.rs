@@ -301,6 +301,8 @@ fn example_engine_passes_every_gate(engine: Engine) {
     let again = profile(&ctx, &preq, &budget()).unwrap();
     let prev = again.previous.as_ref().expect("the first profile is in the ledger");
     assert_eq!(prev.decode_tok_s, p.decode_tok_s);
+    // Identical sources are never a regression, whatever the machine did between the calls.
+    assert!(prev.same_sources && !prev.regression && prev.interleaved.is_none(), "{prev:?}");
     // Requests beyond BabyLlama's context (config.json max_position_embeddings 256) or the run
     // limit are adjusted, each named with why, and the threads label follows the request.
     let clamped = profile(
@@ -322,6 +324,24 @@ fn example_engine_passes_every_gate(engine: Engine) {
     assert!(clamped.adjusted[1].starts_with("new_tokens 16 -> 1"), "{text}");
     assert!(clamped.adjusted[2].starts_with("runs 0 -> 1"), "{text}");
     assert!(text.contains("adjusted: new_tokens 16 -> 1") && text.contains("2-thread bandwidth roofline"), "{text}");
+
+    // An edit that makes decode slower (3 ms of sleep per token, where BabyLlama decodes a token
+    // in well under 3 ms): the kept previous build and this one decode alternately in the same
+    // call, and the slowdown is called a regression from those figures.
+    crate::inject(
+        &good,
+        "src/model.rs",
+        "    pub fn forward(&mut self, token: u32, pos: usize) -> &[f32] {\n",
+        "    pub fn forward(&mut self, token: u32, pos: usize) -> &[f32] {\n        std::thread::sleep(std::time::Duration::from_millis(3));\n",
+    );
+    let slow = profile(&ctx, &preq, &budget()).unwrap();
+    let text = metainfer::ops::Report::text(&slow);
+    let prev = slow.previous.as_ref().expect("the passing profiles are in the ledger");
+    let both = prev.interleaved.as_ref().unwrap_or_else(|| panic!("{text}"));
+    assert!(!prev.same_sources && both.pairs == 3, "{prev:?}");
+    assert!(both.now_tok_s.max < 1000.0 / 3.0 && both.before_tok_s.min > 1000.0 / 3.0, "{both:?}");
+    assert!(prev.regression && prev.change_pct < -10.0, "{text}");
+    assert!(text.contains("REGRESSION beyond the noise") && text.contains("alternately"), "{text}");
 }
 
 /// A malformed or ill-typed metainfer.toml is an error naming the key, in every gate and in

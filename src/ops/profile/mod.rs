@@ -218,10 +218,36 @@ pub struct PreviousProfile {
     pub decode_tok_s: Spread,
     /// Change of the decode median, percent (negative: slower now).
     pub change_pct: f64,
-    /// Slower beyond the noise: the two runs' decode ranges do not overlap and the median dropped
-    /// by more than the larger relative spread (max - min) / median of the two, and by at least 3%.
+    /// Slower beyond the noise measured in this call ([`is_regression`] on `interleaved`): only
+    /// called when both builds ran here, alternately; never for identical sources, and never from
+    /// figures of different calls alone (a loaded machine moves those by tens of percent).
     pub regression: bool,
+    /// Whether the previous profile ran on these exact sources (same source hash): any change is
+    /// the machine's noise.
+    #[serde(default)]
+    pub same_sources: bool,
+    /// Both builds timed in this call, alternately (this one, the previous one, ...), when the
+    /// previous build's harness was kept and the sources differ.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interleaved: Option<Interleaved>,
+    /// How the comparison was made, or why no regression can be called.
+    #[serde(default)]
+    pub note: String,
 }
+
+/// Decode speed of this build and the previous one, measured alternately in one call.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct Interleaved {
+    /// Alternating pairs run (one decode run of each build per pair).
+    pub pairs: usize,
+    /// This build's decode tokens/s over the pairs.
+    pub now_tok_s: Spread,
+    /// The previous build's decode tokens/s over the pairs.
+    pub before_tok_s: Spread,
+}
+
+/// Alternating pairs of decode runs for a regression check.
+pub const INTERLEAVED_PAIRS: usize = 3;
 
 /// The machine's load around a profile (see [`ProfileReport::machine_load`]).
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
@@ -322,6 +348,9 @@ impl ProfileReport {
                 p.change_pct,
                 if p.regression { " REGRESSION beyond the noise" } else { "" }
             );
+            if !p.note.is_empty() {
+                s += &format!("  {}\n", p.note);
+            }
         }
         if !self.points.is_empty() {
             s += &format!(
@@ -578,18 +607,18 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
         vec![(command, threads_env.clone()), (Command::Time { reps: runs.max(3), items }, threads_env.clone())];
     let grant = held.grant();
     let load_before = load_average();
-    let exchanged = gate.exchange(h, commands, Some(&held), &grant.paths())?;
+    let (h, exchanged) = gate.exchange(h, commands, Some(&held), &grant.paths())?;
     report.machine_load = load_before.zip(load_average()).map(|(before, after)| MachineLoad {
         before,
         after,
         cores: crate::probe::cores(),
     });
     let mut called = match exchanged {
-        (_, Exchange::Written(w)) => {
+        Exchange::Written(w) => {
             report.error = w.text(gate.tool.name());
             return Ok(report);
         }
-        (_, Exchange::Ran(c)) => c.into_iter(),
+        Exchange::Ran(c) => c.into_iter(),
     };
     let profile_called = called.next().expect("the first command always has a result");
     if let Some(why) = no_device(&profile_called) {
@@ -798,7 +827,15 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
             }
         }
     }
-    report.previous = previous_profile(ctx, &gate.engine, &model_dir, &report);
+    report.previous = previous_profile(ctx, &gate.engine, &model_dir, &report).map(|(mut prev, hash)| {
+        let reads = grant.paths();
+        let rerun = Rerun { model_dir: &model_dir, prompt_len, new_tokens, reads: &reads, env: &threads_env };
+        compare_with_previous(&gate, &h, &hash, &rerun, &mut prev);
+        prev
+    });
+    if !decode.is_empty() && problems.is_empty() && matches!(gate.mode, super::gate::Mode::Direct) {
+        keep_harness(ctx, &gate.engine, &h.exe);
+    }
     report.error = problems.join("; ");
     report.passed = !decode.is_empty() && problems.is_empty();
     let figures = ProfileFigures {
@@ -832,7 +869,7 @@ fn previous_profile(
     engine: &crate::harness::Engine,
     model_dir: &Path,
     now: &ProfileReport,
-) -> Option<PreviousProfile> {
+) -> Option<(PreviousProfile, String)> {
     let ledger = crate::ledger::Ledger::open(&ctx.ledger).ok()?;
     let dir = engine.dir.display().to_string();
     let model = model_dir.display().to_string();
@@ -849,13 +886,108 @@ fn previous_profile(
     })?;
     let (old, before) = old;
     let change_pct = if before.median > 0.0 { 100.0 * (now.decode_tok_s.median / before.median - 1.0) } else { 0.0 };
-    Some(PreviousProfile {
-        outcome: old.id,
-        time: old.time,
-        regression: is_regression(&before, &now.decode_tok_s),
-        decode_tok_s: before,
-        change_pct,
-    })
+    let hash = old.engine_hash.clone();
+    Some((
+        PreviousProfile {
+            outcome: old.id,
+            time: old.time,
+            regression: false,
+            decode_tok_s: before,
+            change_pct,
+            same_sources: hash == engine.hash,
+            interleaved: None,
+            note: String::new(),
+        },
+        hash,
+    ))
+}
+
+/// Where the harness of an engine directory's last passing profile is kept, by source hash:
+/// `<cache>/profiled/<engine key>/<source hash>`.
+fn kept_dir(ctx: &Ctx, engine: &crate::harness::Engine) -> std::path::PathBuf {
+    let key = crate::util::fnv1a(&engine.dir.display().to_string());
+    ctx.workshop.root.join("profiled").join(format!("{key:016x}"))
+}
+
+/// Keep the harness of a passing profile for the next call's interleaved comparison: one build per
+/// engine directory (the newest), copied, so later builds of the directory do not replace it.
+/// Best effort: a copy that fails only costs the next comparison.
+fn keep_harness(ctx: &Ctx, engine: &crate::harness::Engine, exe: &Path) {
+    let dir = kept_dir(ctx, engine);
+    let staged = dir.with_extension(format!("new-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&staged);
+    let ok = std::fs::create_dir_all(&staged).is_ok() && std::fs::copy(exe, staged.join(&engine.hash)).is_ok();
+    if ok {
+        let _ = std::fs::remove_dir_all(&dir);
+        if std::fs::rename(&staged, &dir).is_ok() {
+            return;
+        }
+    }
+    let _ = std::fs::remove_dir_all(&staged);
+}
+
+/// What an interleaved decode run needs: the profile's model, lengths, reads and environment.
+struct Rerun<'a> {
+    model_dir: &'a Path,
+    prompt_len: usize,
+    new_tokens: usize,
+    reads: &'a [&'a Path],
+    env: &'a [(&'a str, String)],
+}
+
+/// Compare with the previous passing profile in this call: identical sources are never a
+/// regression; otherwise, when the previous build's harness was kept, both builds decode
+/// alternately ([`INTERLEAVED_PAIRS`] pairs, one run each) and [`is_regression`] judges the two
+/// spreads measured here. Without a kept build no regression is called.
+fn compare_with_previous(
+    gate: &Gate<'_>,
+    h: &super::gate::Harness,
+    hash: &str,
+    rerun: &Rerun<'_>,
+    prev: &mut PreviousProfile,
+) {
+    if prev.same_sources {
+        prev.note =
+            "same sources as the previous profile: the change is the machine's noise between calls, not a regression"
+                .into();
+        return;
+    }
+    let old = kept_dir(gate.ctx, &gate.engine).join(hash);
+    if !old.is_file() || !matches!(gate.mode, super::gate::Mode::Direct) {
+        prev.note = "the previous build is not kept here, so both cannot be timed in this call; figures from different calls differ by the machine's noise, so no regression is called".into();
+        return;
+    }
+    let mut now = Vec::new();
+    let mut before = Vec::new();
+    for _ in 0..INTERLEAVED_PAIRS {
+        for (exe, out) in [(h.exe.as_path(), &mut now), (old.as_path(), &mut before)] {
+            let command = Command::Profile {
+                model: rerun.model_dir.to_path_buf(),
+                prompt_len: rerun.prompt_len,
+                new_tokens: rerun.new_tokens,
+                runs: 1,
+            };
+            match gate.call_exe(h, exe, command, rerun.env, rerun.reads).map(|c| c.ok("interleaved profile", 500)) {
+                Ok(Ok(Reply::Profile(t))) => out.extend(t.decode_s_per_token.iter().map(|s| 1.0 / s)),
+                Ok(Ok(other)) => {
+                    prev.note = format!("no comparison: a build answered the interleaved profile with {other:?}");
+                    return;
+                }
+                Ok(Err(why)) | Err(crate::error::Error { message: why, .. }) => {
+                    prev.note = format!("no comparison: {why}");
+                    return;
+                }
+            }
+        }
+    }
+    let (now, before) = (Spread::of(&now), Spread::of(&before));
+    prev.regression = is_regression(&before, &now);
+    prev.change_pct = if before.median > 0.0 { 100.0 * (now.median / before.median - 1.0) } else { 0.0 };
+    prev.note = format!(
+        "both builds timed here, alternately ({INTERLEAVED_PAIRS} pairs): this one {:.0} tok/s (min {:.0}, max {:.0}), the previous {:.0} tok/s (min {:.0}, max {:.0})",
+        now.median, now.min, now.max, before.median, before.min, before.max
+    );
+    prev.interleaved = Some(Interleaved { pairs: INTERLEAVED_PAIRS, now_tok_s: now, before_tok_s: before });
 }
 
 #[cfg(test)]
