@@ -329,7 +329,7 @@ fn agent_loop(ctx: &Ctx, engine_dir: &Path, reps: usize, budget: &Budget) -> Res
         edit(engine_dir, 3 * i + 2)?;
         let engine = ctx.workshop.engine(engine_dir)?;
         let t = Instant::now();
-        ctx.workshop.cargo_build(&engine.build_dir.join("Cargo.toml"), budget)?;
+        ctx.workshop.cargo_build_incremental(&engine.build_dir.join("Cargo.toml"), budget)?;
         raw_s.push(t.elapsed().as_secs_f64());
     }
     Ok(AgentLoop {

@@ -153,9 +153,14 @@ fn progress<T>(what: &str, note: &str, quiet: bool, f: impl FnOnce() -> T) -> T 
     r
 }
 
-/// What the first build of a cache adds to a progress line.
+/// What the first build of a cache adds to a progress line (the correctness gates build into the
+/// incremental target directory, profile into the optimised one; either may be the first).
 fn first_build_note(c: &Ctx) -> &'static str {
-    if c.workshop.target_dir().exists() { "" } else { " (the first build also compiles the engine's dependencies)" }
+    if c.workshop.target_dir().exists() && c.workshop.incremental_target_dir().exists() {
+        ""
+    } else {
+        " (the first build of each kind also compiles the engine's dependencies)"
+    }
 }
 
 /// `rope` names `kernel.rope`: kernel ids may be given without their kind.

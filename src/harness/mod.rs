@@ -438,6 +438,10 @@ pub struct HarnessSpec {
     /// Whether the engine has serving constraints: the harness then compiles its serving commands
     /// (template/serving.rs), which call the engine's block manager and batched step.
     pub serving: bool,
+    /// Build incrementally ([`Workshop::incremental_target_dir`]): for the correctness gates, where
+    /// a one-line edit should cost a second, not a full optimised rebuild. Timing gates build
+    /// without it.
+    pub incremental: bool,
 }
 
 impl HarnessSpec {
@@ -739,8 +743,32 @@ impl Workshop {
     /// and runs no code of the engine (no build script, no proc macro), so the builds that follow
     /// can run `--offline` in the sandbox with the registry read-only.
     fn fetch(&self, manifest: &Path, budget: &Budget) -> Result<Run> {
+        // Skipped when the manifest and its lock file are byte for byte those of this manifest's
+        // last successful fetch: nothing new to download (an edit to the engine's sources is the
+        // common case, and a fetch costs a cargo start and a resolve).
+        let dir = manifest.parent().unwrap_or(Path::new("."));
+        let state = || {
+            let mut h = Sha256::new();
+            h.update(std::fs::read(dir.join("Cargo.toml")).unwrap_or_default());
+            h.update(b"\0");
+            h.update(std::fs::read(dir.join("Cargo.lock")).unwrap_or_default());
+            format!("{:x}", h.finalize())
+        };
+        let before = state();
+        let marker =
+            self.root.join("fetched").join(format!("{:016x}", crate::util::fnv1a(&manifest.display().to_string())));
+        if std::fs::read_to_string(&marker).is_ok_and(|k| k.lines().any(|l| l == before)) {
+            let exit = Exit::Code(Some(0));
+            return Ok(Run { exit, stdout: String::new(), stderr: String::new(), seconds: 0.0, sandboxed: false });
+        }
         let args = vec!["fetch".into(), "--manifest-path".into(), manifest.as_os_str().to_owned()];
-        run(cargo(&self.cargo_cwd()?, args), budget)
+        let fetched = run(cargo(&self.cargo_cwd()?, args), budget)?;
+        if fetched.ok() {
+            // The state before the fetch and as it left it (it may have written a lock file).
+            let _ = std::fs::create_dir_all(self.root.join("fetched"));
+            let _ = std::fs::write(&marker, format!("{before}\n{}\n", state()));
+        }
+        Ok(fetched)
     }
 
     /// The cargo target directory shared by every build of this server, so dependencies compile once.
@@ -753,7 +781,25 @@ impl Workshop {
     /// # Errors
     /// When cargo cannot be started.
     pub fn cargo_build(&self, manifest: &Path, budget: &Budget) -> Result<Build> {
-        self.cargo_build_reading(manifest, &[], &[], budget)
+        self.cargo_build_reading(manifest, &[], &[], false, budget)
+    }
+
+    /// As [`Workshop::cargo_build`], built incrementally into [`Workshop::incremental_target_dir`]
+    /// (compile_engine: the same build kind as the correctness gates' harness builds, so the
+    /// engine's query cache is warm for both).
+    ///
+    /// # Errors
+    /// As [`Workshop::cargo_build`].
+    pub fn cargo_build_incremental(&self, manifest: &Path, budget: &Budget) -> Result<Build> {
+        self.cargo_build_reading(manifest, &[], &[], true, budget)
+    }
+
+    /// The target directory of incremental release builds (`profile.release.incremental`):
+    /// apart from [`Workshop::target_dir`], so the optimised builds timing gates measure are never
+    /// incremental ones and the two kinds do not evict each other's artifacts. Measured on the SIMD
+    /// example engine (2 cores): a one-line edit rebuilds in 1.5 s incrementally, 6.0 s without.
+    pub fn incremental_target_dir(&self) -> PathBuf {
+        self.root.join("target-incremental")
     }
 
     /// [`Workshop::cargo_build`] in the sandbox, which may read the manifest's directory and
@@ -765,6 +811,7 @@ impl Workshop {
         manifest: &Path,
         also_read: &[&Path],
         extra: &[std::ffi::OsString],
+        incremental: bool,
         budget: &Budget,
     ) -> Result<Build> {
         let fetched = self.fetch(manifest, budget)?;
@@ -772,7 +819,7 @@ impl Workshop {
             return Ok(Build { ok: false, diagnostics: vec![], executable: None, run: fetched });
         }
         let scratch = self.scratch()?;
-        let target = self.target_dir();
+        let target = if incremental { self.incremental_target_dir() } else { self.target_dir() };
         std::fs::create_dir_all(&target)
             .map_err(|e| Error::internal(format!("cannot create {}: {e}", target.display())))?;
         let mut grants = Grants::default().write(&target).write(scratch.path());
@@ -789,6 +836,10 @@ impl Workshop {
             manifest.as_os_str().to_owned(),
             "--target-dir".into(),
             target.into_os_string(),
+            // Given on the command line, so an engine's own [profile.release] cannot turn it on
+            // for the builds profile_engine times.
+            "--config".into(),
+            format!("profile.release.incremental={incremental}").into(),
         ];
         args.extend(extra.iter().cloned());
         let grants = self.with_cargo_config(grants);
@@ -991,7 +1042,7 @@ impl Workshop {
     /// When cargo cannot be started or the cache is not writable.
     pub fn build_harness(&self, engine: &Engine, spec: &HarnessSpec, budget: &Budget) -> Result<Build> {
         let manifest = self.write_harness(engine, spec)?;
-        self.cargo_build_reading(&manifest, &[&engine.build_dir], &[], budget)
+        self.cargo_build_reading(&manifest, &[&engine.build_dir], &[], spec.incremental, budget)
     }
 
     /// Build the binaries of an engine's snapshot (`cargo build --release --bins`, with `features`),
@@ -1030,7 +1081,7 @@ impl Workshop {
                 }
             }
         }
-        let mut build = self.cargo_build_reading(&engine.build_dir.join("Cargo.toml"), &[], &extra, budget)?;
+        let mut build = self.cargo_build_reading(&engine.build_dir.join("Cargo.toml"), &[], &extra, false, budget)?;
         let _ = crate::util::write_atomic(&marker, this.as_bytes());
         if let Some(exe) = build.executable.take().filter(|_| build.ok) {
             let copy = dest.join(exe.file_name().unwrap_or(std::ffi::OsStr::new("engine")));

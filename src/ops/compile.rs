@@ -132,7 +132,7 @@ pub fn compile(ctx: &Ctx, req: &CompileRequest, budget: &Budget) -> Result<Compi
         };
         return Ok(gate.stopped(&stop, report));
     }
-    let build = ctx.workshop.cargo_build(&gate.engine.build_dir.join("Cargo.toml"), budget)?;
+    let build = ctx.workshop.cargo_build_incremental(&gate.engine.build_dir.join("Cargo.toml"), budget)?;
     let mut report = report_of(ctx, &gate.engine, build, req.cursor.unwrap_or(0));
     report.rules = gate.findings.clone();
     let figures = CompileFigures {

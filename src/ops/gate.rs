@@ -558,6 +558,8 @@ impl<'a> Gate<'a> {
             return Ok(Ok(Harness { exe: dir.pinned().join(bundle::HARNESS), scratch: Scratch::Bundle(dir.clone()) }));
         }
         let mut spec = self.target.spec.clone();
+        // Correctness gates build incrementally; profile_engine measures an optimised build.
+        spec.incremental = !matches!(self.tool, Tool::Profile);
         for id in extra {
             if !spec.kernels.contains(id) {
                 spec.kernels.push(id.clone());

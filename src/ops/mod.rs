@@ -250,7 +250,15 @@ impl Ctx {
             dtype,
             target: m.target.clone(),
             platform: platform.map(|p| p.id.clone()),
-            spec: crate::harness::HarnessSpec { kernels, arms, features, items, api, serving: m.serving.is_some() },
+            spec: crate::harness::HarnessSpec {
+                kernels,
+                arms,
+                features,
+                items,
+                api,
+                serving: m.serving.is_some(),
+                incremental: false,
+            },
             serving: m.serving.clone(),
             components,
         })
