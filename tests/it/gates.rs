@@ -267,9 +267,13 @@ fn example_engine_passes_every_gate(engine: Engine) {
         assert!(p.points.iter().any(|x| x.point == point && x.layers == layers), "{point}: {:?}", p.points);
     }
     // The linear points read their weights: q's bytes are BabyLlama's q_proj, 5 layers of
-    // [8 heads x 16, 128] f32 (config.json).
+    // [8 heads x 16, 128] f32 (config.json), plus k_proj and v_proj ([4 heads x 16, 128] each) when
+    // the engine computes them in the same fused product (the SIMD engine): those are counted with q.
     let q = p.points.iter().find(|x| x.point == "q").expect("q is reported");
-    assert_eq!((q.kernel.as_str(), q.bytes), ("kernel.linear", 5.0 * 128.0 * 128.0 * 4.0), "{q:?}");
+    let fused = p.points.iter().filter(|x| x.fused_into == "q").count() as f64;
+    let want = 5.0 * 128.0 * 128.0 * 4.0 + fused * 5.0 * 64.0 * 128.0 * 4.0;
+    assert_eq!((q.kernel.as_str(), q.bytes), ("kernel.linear", want), "{q:?}");
+    assert!(p.points.iter().filter(|x| !x.fused_into.is_empty()).all(|x| x.roofline_fraction == 0.0));
     // The guidance, read from the platform contract's file itself.
     let platform: toml::Value = toml::from_str(
         &std::fs::read_to_string(

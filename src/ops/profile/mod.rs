@@ -365,16 +365,22 @@ impl ProfileReport {
                 }
             );
             for p in &self.points {
+                let roofline = if p.fused_into.is_empty() {
+                    format!("{:>7.1} GB/s  {:>4.0}% of roofline", p.gb_s, 100.0 * p.roofline_fraction)
+                } else {
+                    format!("fused: counted with {}", p.fused_into)
+                };
                 s += &format!(
-                    "  {:>5.1}%  {:<16} {:<20} x{:<3} {:>9.2} us  {:>7.1} GB/s  {:>4.0}% of roofline\n",
+                    "  {:>5.1}%  {:<16} {:<20} x{:<3} {:>9.2} us  {roofline}\n",
                     100.0 * p.share_of_decode,
                     p.point,
                     if p.kernel.is_empty() { "-" } else { &p.kernel },
                     p.layers.max(1),
                     p.time_us.median,
-                    p.gb_s,
-                    100.0 * p.roofline_fraction
                 );
+            }
+            if self.roofline_level.is_empty() && self.points.iter().any(|p| p.roofline_fraction > 1.0) {
+                s += "  (above 100%: the roofline is the platform contract's bandwidth, not this machine's; run probe_machine to measure it at the model's working set)\n";
             }
             s += &format!(
                 "  points add up to {:.0}% of the traced decode time\n",

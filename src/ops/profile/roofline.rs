@@ -390,8 +390,16 @@ pub struct PointProfile {
     pub bytes: f64,
     /// Achieved GB/s at the median time.
     pub gb_s: f64,
-    /// Roofline bound (`max(bytes / bandwidth, flops / peak)`) over the median time.
+    /// Roofline bound (`max(bytes / bandwidth, flops / peak)`) over the median time; 0 for a point
+    /// counted with another (`fused_into`).
     pub roofline_fraction: f64,
+    /// The point this one is counted with: the engine computed both in one fused step (its bytes
+    /// and FLOPs are added there); empty otherwise.
+    #[serde(default)]
+    pub fused_into: String,
+    /// FLOPs per token at this point (see [`PointCost`]), including fused points'.
+    #[serde(default)]
+    pub flops: f64,
 }
 
 /// Profiles of the points the engine reported, sorted by share, largest first. `traced_s` is the
@@ -404,27 +412,58 @@ pub fn analyse_points(
     bandwidth_gbs: f64,
     peak_gflops: f64,
 ) -> Vec<PointProfile> {
-    let total = Spread::of(traced_s).median;
+    // Shares are means over the runs: in each run the points' times add up to at most the call's,
+    // so their means do too (medians of parts need not add up to the median of the whole).
+    let mean = |v: &[f64]| if v.is_empty() { 0.0 } else { v.iter().sum::<f64>() / v.len() as f64 };
+    let total = mean(traced_s);
     let mut out: Vec<PointProfile> = points
         .iter()
         .map(|p| {
             let t = Spread::of(&p.seconds.iter().map(|x| x * 1e6).collect::<Vec<_>>());
-            let secs = t.median * 1e-6;
             let cost = costs.iter().find(|c| c.node == p.name);
             let (bytes, flops) = cost.map_or((0.0, 0.0), |c| (c.bytes, c.flops));
-            let bound = (bytes / (bandwidth_gbs * 1e9)).max(flops / (peak_gflops * 1e9));
             PointProfile {
                 point: p.name.clone(),
                 layers: p.layers,
                 kernel: cost.map(|c| c.kernel.clone()).unwrap_or_default(),
                 time_us: t,
-                share_of_decode: if total > 0.0 { secs / total } else { 0.0 },
+                share_of_decode: if total > 0.0 { mean(&p.seconds) / total } else { 0.0 },
                 bytes,
-                gb_s: if secs > 0.0 { bytes / secs / 1e9 } else { 0.0 },
-                roofline_fraction: if secs > 0.0 { bound / secs } else { 0.0 },
+                gb_s: 0.0,
+                roofline_fraction: 0.0,
+                fused_into: String::new(),
+                flops,
             }
         })
         .collect();
+    // A fused step (q, k and v from one product; gate and up) reports its points one after the
+    // other: the time lands on the first, the later ones take next to none. A point of the same
+    // kernel as the one before it, whose own time could not even read its bytes at the bandwidth,
+    // is counted with that one.
+    for k in 1..out.len() {
+        let secs = out[k].time_us.median * 1e-6;
+        let floor = out[k].bytes / (bandwidth_gbs * 1e9);
+        let lead = (0..k).rev().find(|&j| out[j].fused_into.is_empty());
+        if let Some(j) = lead
+            && !out[k].kernel.is_empty()
+            && out[k].kernel == out[j].kernel
+            && secs < floor
+        {
+            let (b, f) = (out[k].bytes, out[k].flops);
+            out[j].bytes += b;
+            out[j].flops += f;
+            out[k].fused_into = out[j].point.clone();
+        }
+    }
+    for p in &mut out {
+        let secs = p.time_us.median * 1e-6;
+        if !p.fused_into.is_empty() || secs <= 0.0 {
+            continue;
+        }
+        let bound = (p.bytes / (bandwidth_gbs * 1e9)).max(p.flops / (peak_gflops * 1e9));
+        p.gb_s = p.bytes / secs / 1e9;
+        p.roofline_fraction = bound / secs;
+    }
     out.sort_by(|a, b| b.share_of_decode.total_cmp(&a.share_of_decode));
     out
 }
