@@ -775,6 +775,15 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
         ),
         _ => (bw_kernels, peak_t),
     };
+    // The platform's guidance for a kernel (or for the kernel it is a variant of).
+    let guidance_for = |k: &str| -> Vec<String> {
+        let of = ctx.ckb.get(k).ok().and_then(|c| c.variant.as_ref()).map(|v| v.of.clone());
+        platform
+            .map(|p| &p.kernel_guidance)
+            .and_then(|g| g.get(k).or_else(|| of.as_ref().and_then(|o| g.get(o))))
+            .cloned()
+            .unwrap_or_default()
+    };
     let timed = match called.next() {
         Some(c) => c.ok("per-kernel timing", 1000),
         None => Err("the per-kernel timing did not run".to_string()),
@@ -790,12 +799,7 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
                     report.kernel_time_fraction = per_token * report.decode_tok_s.median;
                 }
                 if let Some((k, share)) = roofline::bounding_kernel(&report.kernels) {
-                    let guidance = platform.map(|p| &p.kernel_guidance);
-                    let of = ctx.ckb.get(&k).ok().and_then(|c| c.variant.as_ref()).map(|v| v.of.clone());
-                    report.guidance = guidance
-                        .and_then(|g| g.get(&k).or_else(|| of.as_ref().and_then(|o| g.get(o))))
-                        .cloned()
-                        .unwrap_or_default();
+                    report.guidance = guidance_for(&k);
                     report.bounding_kernel = k;
                     report.bounding_share = share;
                 }
@@ -821,12 +825,7 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
             }
             if let Some((k, share)) = roofline::bounding_kernel_of_points(&report.points) {
                 if k != report.bounding_kernel {
-                    let guidance = platform.map(|p| &p.kernel_guidance);
-                    let of = ctx.ckb.get(&k).ok().and_then(|c| c.variant.as_ref()).map(|v| v.of.clone());
-                    report.guidance = guidance
-                        .and_then(|g| g.get(&k).or_else(|| of.as_ref().and_then(|o| g.get(o))))
-                        .cloned()
-                        .unwrap_or_default();
+                    report.guidance = guidance_for(&k);
                 }
                 report.bounding_kernel = k;
                 report.bounding_share = share;
