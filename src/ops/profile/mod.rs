@@ -266,10 +266,16 @@ fn load_average() -> Option<f64> {
 }
 
 /// Whether `now` is slower than `before` beyond the noise (the rule of [`PreviousProfile::regression`]).
+///
+/// Both ranges must be apart (`now.max < before.min`) and the median must drop by more than the
+/// noise, at least 3%. The noise is twice the larger of the spreads that could close the gap: how
+/// far `before` fell below its median and how far `now` rose above its own. A fast outlier in the
+/// earlier runs (one lucky run at 4x the median) widens neither, so it cannot hide a slowdown.
 pub fn is_regression(before: &Spread, now: &Spread) -> bool {
-    let noise = |s: &Spread| if s.median > 0.0 { (s.max - s.min) / s.median } else { 0.0 };
-    let drop = if before.median > 0.0 { 1.0 - now.median / before.median } else { 0.0 };
-    now.max < before.min && drop > noise(before).max(noise(now)).max(0.03)
+    let rel = |d: f64, m: f64| if m > 0.0 { d / m } else { 0.0 };
+    let noise = 2.0 * rel(before.median - before.min, before.median).max(rel(now.max - now.median, now.median));
+    let drop = rel(before.median - now.median, before.median);
+    now.max < before.min && drop > noise.max(0.03)
 }
 
 impl Report for ProfileReport {
@@ -1046,6 +1052,12 @@ mod tests {
         assert!(!is_regression(&spread(1000.0, 900.0, 1010.0), &spread(950.0, 940.0, 960.0)));
         // 2% slower with tight ranges: below the 3% floor.
         assert!(!is_regression(&spread(1000.0, 999.0, 1001.0), &spread(980.0, 979.0, 981.0)));
+        // Ten times slower while one earlier run was an outlier at 4x its median (seen on a
+        // loaded 2-core machine): the outlier widens no gap, so the slowdown is still called.
+        assert!(is_regression(&spread(2545.0, 2432.0, 11347.0), &spread(281.0, 256.0, 283.0)));
+        // Ranges apart, but the earlier runs fell 7% below their median (noise 14%): a 10% drop
+        // is within it.
+        assert!(!is_regression(&spread(1000.0, 930.0, 1010.0), &spread(900.0, 890.0, 910.0)));
         // Faster is never a regression.
         assert!(!is_regression(&spread(1000.0, 990.0, 1010.0), &spread(1200.0, 1190.0, 1210.0)));
     }
