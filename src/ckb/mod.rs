@@ -424,11 +424,40 @@ impl Ckb {
                 refs.extend(f.applies_to.iter().map(|r| ("/failure/applies_to", r)));
                 // A rewrite names nodes of the graphs of the families it applies to.
                 if let Some(rw) = &f.rewrite {
-                    if rw.skip.is_empty() && rw.set.is_empty() {
-                        bad("/failure/rewrite", "the rewrite changes nothing: give skip or set".into());
+                    if rw.is_empty() {
+                        bad(
+                            "/failure/rewrite",
+                            "the rewrite changes nothing: give skip, set, swap, weights or op_weights".into(),
+                        );
                     }
                     for key in rw.set.keys().filter(|k| !k.contains('.')) {
                         bad("/failure/rewrite/set", format!("`{key}`: write node.param"));
+                    }
+                    for (field, map) in [("weights", &rw.weights), ("op_weights", &rw.op_weights)] {
+                        for (key, how) in map {
+                            if !WEIGHT_REWRITES.contains(&how.as_str()) {
+                                bad(
+                                    &format!("/failure/rewrite/{field}"),
+                                    format!("`{key}` = `{how}`: use one of {}", WEIGHT_REWRITES.join(", ")),
+                                );
+                            }
+                            let Some((head, slot)) = key.split_once('.') else {
+                                bad(
+                                    &format!("/failure/rewrite/{field}"),
+                                    format!("`{key}`: write <node or op>.<slot>"),
+                                );
+                                continue;
+                            };
+                            if field == "op_weights" {
+                                let slots = GRAPH_OPS.iter().find(|o| o.name == head).map(|o| o.weights);
+                                if !slots.is_some_and(|w| w.iter().any(|s| s.trim_end_matches('?') == slot)) {
+                                    bad(
+                                        "/failure/rewrite/op_weights",
+                                        format!("`{key}`: `{head}` is no graph op with a weight slot `{slot}`"),
+                                    );
+                                }
+                            }
+                        }
                     }
                     for fam in &f.applies_to {
                         let Some(g) =

@@ -364,16 +364,16 @@ pub const GRAPH_OPS: &[GraphOp] = &[
         name: "rope",
         inputs: &["x"],
         weights: &[],
-        params: &["heads"],
-        doc: "kernel.rope at the token's position over `heads` heads of head_dim, base rope_theta, with config.json's rope_scaling",
+        params: &["heads", "scaling?"],
+        doc: "kernel.rope at the token's position over `heads` heads of head_dim, base rope_theta, with config.json's rope_scaling (`scaling = 0`, a failure rewrite's: without it)",
         kernel: Some("kernel.rope"),
     },
     GraphOp {
         name: "attention",
         inputs: &["q", "k", "v"],
         weights: &[],
-        params: &["window?", "scale?", "softcap?"],
-        doc: "kernel.attention with this node's KV cache: q [n_heads*head_dim], k and v [n_kv_heads*head_dim] appended at the position; window > 0 sees only the last `window` positions; scores are q.k * scale (default 1/sqrt(head_dim)), then cap * tanh(score / cap) when softcap = cap > 0, before the softmax",
+        params: &["window?", "scale?", "softcap?", "kv_row?"],
+        doc: "kernel.attention with this node's KV cache: q [n_heads*head_dim], k and v [n_kv_heads*head_dim] appended at the position; window > 0 sees only the last `window` positions; scores are q.k * scale (default 1/sqrt(head_dim)), then cap * tanh(score / cap) when softcap = cap > 0, before the softmax; `kv_row = r` (a failure rewrite's): every step's k and v written at row min(r, position) of a zero-filled cache instead",
         kernel: Some("kernel.attention"),
     },
     GraphOp {
@@ -630,8 +630,9 @@ pub struct FailureMode {
 }
 
 /// A rewrite of a family's forward-pass graph (a model-level mutant): nodes skipped, parameters
-/// replaced. Node names are those of `[model.graph]` (in any block; in `layer`, every layer's).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+/// replaced, adjacent nodes computed in the opposite order, weights bound as a mistaken engine binds
+/// them. Node names are those of `[model.graph]` (in any block; in `layer`, every layer's).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct GraphRewrite {
     /// Nodes whose output is replaced by their first input (the node is not computed), e.g.
@@ -643,7 +644,28 @@ pub struct GraphRewrite {
     /// adding that parameter, e.g. `"attn.window" = "sliding_window + 1"`.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub set: BTreeMap<String, String>,
+    /// Pairs `[a, b]` of one-input nodes of the same block where b's input is a and nothing else
+    /// reads a, computed in the opposite order: b's op on a's input, then a's op on that (e.g.
+    /// `["q_norm", "q_rope"]`: the q norm applied after RoPE). Each output is traced under the
+    /// name of the op that made it, in the new order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub swap: Vec<[String; 2]>,
+    /// `node.slot` (a weight slot of the node's op: `weight`, `bias`, `table`) -> how a mistaken
+    /// engine holds that tensor, one of [`WEIGHT_REWRITES`]: `drop` (an optional slot left unbound:
+    /// a bias never added), `bf16` or `f16` (rounded to that format, nearest even), `raw` (the
+    /// checkpoint's values without the graph's `gain = "one_plus_w"`), `tied` (the node's `tied`
+    /// tensor, the input embedding, whatever config.json says; nodes without one are left as they
+    /// are).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub weights: BTreeMap<String, String>,
+    /// `op.slot` -> as `weights`, for every node of that op, e.g. `"rms_norm.weight" = "bf16"`
+    /// (every RMSNorm gain rounded to bf16, whatever the nodes are called).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub op_weights: BTreeMap<String, String>,
 }
+
+/// The weight rewrites a [`GraphRewrite`] may give in `weights` and `op_weights`.
+pub const WEIGHT_REWRITES: &[&str] = &["drop", "bf16", "f16", "raw", "tied"];
 
 impl GraphRewrite {
     /// The rewrite in words, for a diagnosis: `skip q_norm, k_norm; attn.window = sliding_window + 1`.
@@ -653,14 +675,28 @@ impl GraphRewrite {
             parts.push(format!("skip {}", self.skip.join(", ")));
         }
         parts.extend(self.set.iter().map(|(k, v)| format!("{k} = {v}")));
+        parts.extend(self.swap.iter().map(|[a, b]| format!("{b} before {a}")));
+        parts.extend(self.weights.iter().map(|(k, v)| format!("{k} {v}")));
+        parts.extend(self.op_weights.iter().map(|(k, v)| format!("every {k} {v}")));
         parts.join("; ")
     }
 
-    /// Node names it mentions, each once.
+    /// Whether it changes nothing (no part given).
+    pub fn is_empty(&self) -> bool {
+        self.skip.is_empty()
+            && self.set.is_empty()
+            && self.swap.is_empty()
+            && self.weights.is_empty()
+            && self.op_weights.is_empty()
+    }
+
+    /// Node names it mentions, each once (not the ops of `op_weights`).
     pub fn nodes(&self) -> Vec<&str> {
-        let mut out: Vec<&str> = self.skip.iter().map(String::as_str).collect();
-        for k in self.set.keys() {
-            let n = k.split_once('.').map_or(k.as_str(), |(n, _)| n);
+        let mut out: Vec<&str> = Vec::new();
+        let keyed =
+            self.set.keys().chain(self.weights.keys()).map(|k| k.split_once('.').map_or(k.as_str(), |(n, _)| n));
+        for n in self.skip.iter().map(String::as_str).chain(self.swap.iter().flatten().map(String::as_str)).chain(keyed)
+        {
             if !out.contains(&n) {
                 out.push(n);
             }

@@ -49,6 +49,11 @@ pub struct Localisation {
     pub unknown: Vec<String>,
     /// What this means, in words.
     pub note: String,
+    /// Failure modes whose model-level mutant, run traced over the same tokens, gives the engine's
+    /// values at the diverging point (within tolerance): `error_vs_mutant` is measured there
+    /// ([`crate::oracle::diagnose::at_point`]). Best match first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mutants: Vec<crate::oracle::diagnose::Diagnosis>,
 }
 
 impl Localisation {
@@ -69,7 +74,15 @@ impl Localisation {
                 format!(", after {} agreed", self.last_agreeing)
             },
             self.note
-        )
+        ) + &match self.mutants.first() {
+            Some(d) => format!(
+                "; there the engine matches the mutant of {} ({}; max abs error {} vs it)",
+                d.failure,
+                d.mutant,
+                super::sci(d.error_vs_mutant)
+            ),
+            None => String::new(),
+        }
     }
 }
 

@@ -766,10 +766,15 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         }
         None => None,
     };
-    let diagnosis = match &first_fail {
+    let mut diagnosis = match &first_fail {
         Some(f) => crate::oracle::diagnose::generation(&ctx.ckb, &mut reference, &f.ids, &f.tokens, &f.logits, &tol),
         None => vec![],
     };
+    if diagnosis.is_empty() {
+        // No mutant explains the logits (e.g. two mistakes): the one that explains the first
+        // diverging point still names the first.
+        diagnosis = localisation.as_ref().map(|l| l.mutants.clone()).unwrap_or_default();
+    }
     let mut report = VerifyReport {
         passed,
         seed,
@@ -921,6 +926,20 @@ fn localise_step(
         } else {
             ""
         };
+        // The mutants compared where the engine first differs: the one whose own value there is
+        // the engine's names the first mistake, whatever a later one does to the logits.
+        let got = engine.iter().find(|(p, _)| super::localise::point_name(p) == at.point).map(|(_, v)| v.as_slice());
+        if let Some(got) = got {
+            at.mutants = crate::oracle::diagnose::at_point(
+                &t.gate.ctx.ckb,
+                reference,
+                &run,
+                &at.point,
+                got,
+                at.max_abs_err,
+                tol,
+            );
+        }
         format!(
             "{prior}{what}: every earlier point the engine reported agrees, so the step into this point is where the engine differs{cache}{missing}"
         )

@@ -5,8 +5,8 @@
 //! `oracle::mutants`). When a kernel fails its test, the server recomputes the expected output of
 //! each mutant of that kernel's failure modes on the same drawn inputs; when generation fails, it
 //! reruns the reference forward pass with each model-level mutation, and each graph rewrite of a
-//! failure contract of the family (`rewrite`: nodes skipped, parameters replaced), on the engine's
-//! own tokens. A
+//! failure contract of the family (`rewrite`: nodes skipped, parameters replaced, chained nodes
+//! swapped, weights bound as a mistaken loader binds them), on the engine's own tokens. A
 //! mutant that reproduces the engine's output while the true oracle does not is reported as a
 //! [`Diagnosis`]: the failure id and the evidence. No mutant explaining it: no diagnosis.
 
@@ -117,11 +117,12 @@ pub const GENERATION_ROWS: usize = 8;
 
 /// Whether a model-level mutation can change this model's logits at all (a mutation that computes
 /// exactly the true forward pass for this config cannot be told apart and is not tried).
-fn distinguishable(m: Mutation, r: &Reference) -> bool {
+pub fn distinguishable(m: Mutation, r: &Reference) -> bool {
     let c = r.config();
     match m {
         Mutation::RopeThetaDefault => c.rope_theta != kernels::rope::DEFAULT_THETA,
         Mutation::GqaModulo => c.n_kv_heads > 1 && c.n_kv_heads < c.n_heads,
+        Mutation::GeluErf => r.has_op("gelu_tanh_and_mul"),
         _ => true,
     }
 }
@@ -198,39 +199,124 @@ pub fn generation(
         // to the reference and within ten times the tolerance.
         let explains =
             |e_m: f64, ok: bool, scale: f64| ok || (e_m * 10.0 <= e_ref && e_m <= 10.0 * (tol.atol + tol.rtol * scale));
-        for m in Mutation::ALL {
-            let Some(fc) = failure_of_mutant(ckb, m.name()) else { continue };
-            if !distinguishable(m, reference) {
+        for (fc, variant) in candidates(ckb, reference) {
+            if !variant.set(reference) {
                 continue;
             }
-            let mutant = Mutations::of(&[m]);
-            let Some((e_m, ok, scale)) = run_forced(reference, mutant, ids, tokens, logits, tol, e_ref / 10.0) else {
-                continue;
-            };
-            if explains(e_m, ok, scale) {
-                found.push(diagnosis(fc, m.name(), e_ref, e_m));
-            }
-        }
-        let family = reference.config().family.clone();
-        for fc in ckb.of_kind(Kind::Failure) {
-            let Some(rewrite) = fc.failure.as_ref().and_then(|f| f.rewrite.as_ref()) else { continue };
-            let listed = ckb.get(&family).is_ok_and(|c| c.failure_modes.contains(&fc.id));
-            if !listed && !fc.failure.as_ref().is_some_and(|f| f.applies_to.contains(&family)) {
-                continue;
-            }
-            if !matches!(reference.set_rewrite(Some(rewrite)), Ok(true)) {
-                continue;
-            }
-            let run = run_forced(reference, Mutations::NONE, ids, tokens, logits, tol, e_ref / 10.0);
+            let m = reference.mutations();
+            let run = run_forced(reference, m, ids, tokens, logits, tol, e_ref / 10.0);
+            variant.clear(reference);
             if let Some((e_m, ok, scale)) = run
                 && explains(e_m, ok, scale)
             {
-                found.push(diagnosis(fc, &format!("graph rewrite: {}", rewrite.describe()), e_ref, e_m));
+                found.push(diagnosis(fc, &variant.name(), e_ref, e_m));
             }
         }
-        let _ = reference.set_rewrite(None);
     }
     reference.set_mutations(before);
+    found.sort_by(|a, b| a.error_vs_mutant.total_cmp(&b.error_vs_mutant));
+    found
+}
+
+/// A model-level mutant of the reference: a mutation, or a failure contract's graph rewrite.
+enum Variant<'a> {
+    Mutation(Mutation),
+    Rewrite(&'a crate::ckb::GraphRewrite),
+}
+
+impl Variant<'_> {
+    /// The name a diagnosis gives it: the mutant's, or `graph rewrite: <the rewrite in words>`.
+    fn name(&self) -> String {
+        match self {
+            Variant::Mutation(m) => m.name().to_string(),
+            Variant::Rewrite(r) => format!("graph rewrite: {}", r.describe()),
+        }
+    }
+
+    /// Turn the reference into this mutant; false when it does not apply (nothing changed).
+    fn set(&self, reference: &mut Reference) -> bool {
+        match self {
+            Variant::Mutation(m) => {
+                reference.set_mutations(Mutations::of(&[*m]));
+                true
+            }
+            Variant::Rewrite(r) => matches!(reference.set_rewrite(Some(r)), Ok(true)),
+        }
+    }
+
+    /// The reference as it was before [`Variant::set`].
+    fn clear(&self, reference: &mut Reference) {
+        reference.set_mutations(Mutations::NONE);
+        let _ = reference.set_rewrite(None);
+    }
+}
+
+/// The model-level mutants tried, in order: each mutation with a failure contract that can change
+/// this model's logits, then the graph rewrites of the failure contracts that apply to the family
+/// (its `failure_modes`, or their `applies_to` naming it).
+fn candidates<'a>(ckb: &'a Ckb, reference: &Reference) -> Vec<(&'a Contract, Variant<'a>)> {
+    let mut out = Vec::new();
+    for m in Mutation::ALL {
+        if let Some(fc) = failure_of_mutant(ckb, m.name())
+            && distinguishable(m, reference)
+        {
+            out.push((fc, Variant::Mutation(m)));
+        }
+    }
+    let family = &reference.config().family;
+    let listed = |id: &str| ckb.get(family).is_ok_and(|c| c.failure_modes.iter().any(|f| f == id));
+    for fc in ckb.of_kind(Kind::Failure) {
+        let Some(f) = fc.failure.as_ref() else { continue };
+        let Some(rewrite) = f.rewrite.as_ref() else { continue };
+        if listed(&fc.id) || f.applies_to.contains(family) {
+            out.push((fc, Variant::Rewrite(rewrite)));
+        }
+    }
+    out
+}
+
+/// Diagnose at the first diverging point of a traced step (see `ops::localise`): `run` is every
+/// token the engine consumed up to and including the traced one, `point` the trace name where the
+/// engine first left the reference (`layers.0.q_norm`), `got` the engine's values there and
+/// `error_vs_oracle` their largest error against the reference.
+///
+/// Rule: a mutant explains the point when its own traced run over the same tokens gives values at
+/// that point within the tolerance of the engine's. This names the first mistake even when a later
+/// one (a second bug) keeps every mutant from matching the logits. Best match first; the reference
+/// is left as the true forward pass.
+pub fn at_point(
+    ckb: &Ckb,
+    reference: &mut Reference,
+    run: &[u32],
+    point: &str,
+    got: &[f32],
+    error_vs_oracle: f64,
+    tol: &Tolerance,
+) -> Vec<Diagnosis> {
+    let Some((last, before)) = run.split_last() else { return vec![] };
+    let mut found = Vec::new();
+    for (fc, variant) in candidates(ckb, reference) {
+        if !variant.set(reference) {
+            continue;
+        }
+        let mut traced = || -> crate::error::Result<Option<Vec<f64>>> {
+            for &t in before {
+                reference.step(t)?;
+            }
+            let (_, trace) = reference.step_traced(*last)?;
+            Ok(trace.into_iter().find(|(name, _)| name == point).map(|(_, v)| v))
+        };
+        let want = traced();
+        variant.clear(reference);
+        let Ok(Some(want)) = want else { continue };
+        if want.len() != got.len() {
+            continue;
+        }
+        let v = compare(got, &want, tol);
+        if v.ok {
+            found.push(diagnosis(fc, &format!("{} (at {point})", variant.name()), error_vs_oracle, v.max_abs_err));
+        }
+    }
     found.sort_by(|a, b| a.error_vs_mutant.total_cmp(&b.error_vs_mutant));
     found
 }

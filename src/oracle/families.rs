@@ -54,15 +54,28 @@ pub fn rope_inv_freq(head_dim: usize, theta: f64, scaling: Option<&RopeScaling>)
 /// Rotate-half RoPE of one token at `pos` with explicit inverse frequencies (length head_dim/2), in place.
 /// `x`: [n_heads, head_dim].
 pub fn rope_with_freqs(x: &mut [f64], pos: usize, n_heads: usize, head_dim: usize, inv_freq: &[f64]) {
+    rope_pairs_with_freqs(x, pos, n_heads, head_dim, inv_freq, false);
+}
+
+/// As [`rope_with_freqs`], rotating the pairs (2j, 2j + 1) instead of (j, j + head_dim / 2) when
+/// `adjacent` (the mutant `rope_adjacent` at scaled frequencies).
+pub fn rope_pairs_with_freqs(
+    x: &mut [f64],
+    pos: usize,
+    n_heads: usize,
+    head_dim: usize,
+    inv_freq: &[f64],
+    adjacent: bool,
+) {
     let half = head_dim / 2;
     for h in 0..n_heads {
         let base = h * head_dim;
         for (j, f) in inv_freq.iter().enumerate().take(half) {
             let (sin, cos) = (pos as f64 * f).sin_cos();
-            let a = x[base + j];
-            let b = x[base + j + half];
-            x[base + j] = a * cos - b * sin;
-            x[base + j + half] = a * sin + b * cos;
+            let (ia, ib) = if adjacent { (base + 2 * j, base + 2 * j + 1) } else { (base + j, base + j + half) };
+            let (a, b) = (x[ia], x[ib]);
+            x[ia] = a * cos - b * sin;
+            x[ib] = a * sin + b * cos;
         }
     }
 }

@@ -7,8 +7,8 @@
 
 use std::collections::BTreeMap;
 
-use super::families::{gelu_tanh_and_mul, rope_inv_freq, rope_with_freqs};
-use super::kernels::{attention, embedding, linear, rms_norm, rope, silu_and_mul};
+use super::families::{rope_inv_freq, rope_pairs_with_freqs};
+use super::kernels::{attention, embedding, gelu_tanh_and_mul, linear, rms_norm, rope, silu_and_mul};
 use super::mutants::{Mutation, Mutations};
 use super::{AttnShape, widen};
 use crate::ckb::graph::eval_expr;
@@ -71,6 +71,15 @@ struct Prepared {
     base: BTreeMap<String, f64>,
     /// Skipped by a rewrite: the output is the first input.
     skip: bool,
+    /// Swapped by a rewrite with the node at this index of the block: this node runs that node's op.
+    swap: Option<usize>,
+    /// The weight bindings as the graph gives them, kept while a rewrite replaces them.
+    base_weight: Option<Bound>,
+    base_bias: Option<Bound>,
+    /// Whether `weight` holds 1 + w (`gain = "one_plus_w"`).
+    one_plus: bool,
+    /// The tensor of the node's `tied` slot at this layer, if it has one.
+    tied: Option<String>,
 }
 
 /// Each node's output for one step, in order, by trace name (`embed`, `layers.<i>.<name>`, ..., `logits`).
@@ -91,6 +100,10 @@ pub struct GraphReference {
     len: usize,
     inv_freq: Option<Vec<f64>>,
     mutations: Mutations,
+    /// (tensor name, one_plus_w) -> (store index, shape) of every bound tensor.
+    keys: BTreeMap<(String, bool), (usize, Vec<usize>)>,
+    /// Store entries of the graph's own bindings; a rewrite's derived tensors follow them.
+    base_store: usize,
 }
 
 impl GraphReference {
@@ -145,6 +158,8 @@ impl GraphReference {
         let caches = b.caches;
         Ok(GraphReference {
             inv_freq: cfg.rope_scaling.as_ref().map(|s| rope_inv_freq(cfg.head_dim, cfg.rope_theta, Some(s))),
+            base_store: b.store.len(),
+            keys: b.keys,
             store: b.store,
             prologue,
             layers,
@@ -165,49 +180,117 @@ impl GraphReference {
 
     /// Apply a graph rewrite (a model-level mutant, [`GraphRewrite`]) or, with None, restore the
     /// graph as the contract gives it; forgets the cache either way. Returns whether the rewrite
-    /// applies: every node it names is in this graph (otherwise nothing changes).
+    /// applies: every node it names is in this graph, some node has each op of its `op_weights`,
+    /// and, when it rewrites only weights, some weight changes (otherwise nothing changes).
     ///
     /// # Errors
-    /// Input when a replaced parameter's expression does not evaluate at this config, or a skipped
-    /// node's output width differs from its first input's (it cannot be bypassed).
+    /// Input when a replaced parameter's expression does not evaluate at this config, a skipped
+    /// node's output width differs from its first input's (it cannot be bypassed), a swapped pair
+    /// is not two one-input nodes of a block where only the second reads the first, or a weight
+    /// rewrite is unknown, drops a required slot, or ties a node to a tensor of another shape.
     pub fn set_rewrite(&mut self, rewrite: Option<&GraphRewrite>) -> Result<bool> {
         self.reset();
+        self.restore();
+        let Some(r) = rewrite else { return Ok(true) };
         let cfg = self.cfg.clone();
         let nodes = || self.prologue.iter().chain(self.layers.iter().flatten()).chain(&self.epilogue);
-        if let Some(r) = rewrite
-            && !r.nodes().iter().all(|name| nodes().any(|n| n.name == *name))
+        let has_op = |op: &str| nodes().any(|n| n.op == op);
+        if !r.nodes().iter().all(|name| nodes().any(|n| n.name == *name))
+            || !r.op_weights.keys().all(|k| has_op(k.split_once('.').map_or(k.as_str(), |(op, _)| op)))
         {
             return Ok(false);
         }
+        let outcome = self.apply(r, &cfg);
+        if !matches!(outcome, Ok(true)) {
+            self.restore();
+        }
+        outcome
+    }
+
+    /// The graph's own parameters, bindings and order again, and no derived tensors.
+    fn restore(&mut self) {
+        self.store.truncate(self.base_store);
         for n in self.prologue.iter_mut().chain(self.layers.iter_mut().flatten()).chain(self.epilogue.iter_mut()) {
             n.params = n.base.clone();
             n.skip = false;
-            let Some(r) = rewrite else { continue };
-            n.skip = r.skip.contains(&n.name);
-            if n.skip && (n.inputs.is_empty() || matches!(n.op.as_str(), "linear" | "embedding" | "attention")) {
-                return Err(Error::input(format!(
-                    "rewrite skips node `{}` ({}): only a node whose output has its first input's width can be skipped",
-                    n.trace, n.op
-                )));
-            }
-            for (key, expr) in &r.set {
-                let Some((node, param)) = key.split_once('.') else {
-                    return Err(Error::input(format!("rewrite sets `{key}`: write node.param")));
-                };
-                if node != n.name {
+            n.swap = None;
+            n.weight = n.base_weight;
+            n.bias = n.base_bias;
+        }
+    }
+
+    /// [`GraphReference::set_rewrite`] on the restored graph: Ok(false) when only weights are
+    /// rewritten and none changes.
+    fn apply(&mut self, r: &GraphRewrite, cfg: &ResolvedConfig) -> Result<bool> {
+        let GraphReference { prologue, layers, epilogue, store, keys, .. } = self;
+        let mut weights_changed = false;
+        for block in std::iter::once(prologue).chain(layers.iter_mut()).chain(std::iter::once(epilogue)) {
+            for [a, b] in &r.swap {
+                let (Some(i), Some(j)) =
+                    (block.iter().position(|n| n.name == *a), block.iter().position(|n| n.name == *b))
+                else {
                     continue;
-                }
-                let layer = n.layer;
-                let role = |x: &str| match (x, layer) {
-                    ("layer", Some(i)) => Some(i as f64),
-                    _ => config_role(&cfg, x),
                 };
-                let v = eval_expr(expr, &role)
-                    .map_err(|m| Error::input(format!("rewrite sets `{key}` = `{expr}` at `{}`: {m}", n.trace)))?;
-                n.params.insert(param.to_string(), v);
+                let only_b_reads_a = block
+                    .iter()
+                    .enumerate()
+                    .all(|(k, n)| k == j || !n.inputs.iter().any(|s| matches!(s, Src::Node(x) if *x == i)));
+                if !(block[i].inputs.len() == 1
+                    && matches!(block[j].inputs[..], [Src::Node(x)] if x == i)
+                    && only_b_reads_a
+                    && block[i].op != "attention")
+                {
+                    return Err(Error::input(format!(
+                        "rewrite swaps `{a}` and `{b}` at `{}`: only two one-input nodes of a block, the second reading the first and nothing else reading it, can be swapped",
+                        block[i].trace
+                    )));
+                }
+                block[i].swap = Some(j);
+                block[j].swap = Some(i);
+            }
+            for n in block.iter_mut() {
+                n.skip = r.skip.contains(&n.name);
+                if n.skip && (n.inputs.is_empty() || matches!(n.op.as_str(), "linear" | "embedding" | "attention")) {
+                    return Err(Error::input(format!(
+                        "rewrite skips node `{}` ({}): only a node whose output has its first input's width can be skipped",
+                        n.trace, n.op
+                    )));
+                }
+                for (key, expr) in &r.set {
+                    let Some((node, param)) = key.split_once('.') else {
+                        return Err(Error::input(format!("rewrite sets `{key}`: write node.param")));
+                    };
+                    if node != n.name {
+                        continue;
+                    }
+                    let layer = n.layer;
+                    let role = |x: &str| match (x, layer) {
+                        ("layer", Some(i)) => Some(i as f64),
+                        _ => config_role(cfg, x),
+                    };
+                    let v = eval_expr(expr, &role)
+                        .map_err(|m| Error::input(format!("rewrite sets `{key}` = `{expr}` at `{}`: {m}", n.trace)))?;
+                    n.params.insert(param.to_string(), v);
+                }
+                let of_node = r.weights.iter().filter_map(|(k, how)| {
+                    let (node, slot) = k.split_once('.')?;
+                    (node == n.name).then_some((slot, how.as_str()))
+                });
+                let of_op = r.op_weights.iter().filter_map(|(k, how)| {
+                    let (op, slot) = k.split_once('.')?;
+                    (op == n.op).then_some((slot, how.as_str()))
+                });
+                for (slot, how) in of_node.chain(of_op).collect::<Vec<_>>() {
+                    weights_changed |= rebind(n, slot, how, store, keys)?;
+                }
             }
         }
-        Ok(true)
+        let structural = !(r.skip.is_empty() && r.set.is_empty() && r.swap.is_empty());
+        Ok(structural || weights_changed)
+    }
+    /// Whether some node of the graph runs `op` (a [`crate::ckb::GRAPH_OPS`] name).
+    pub fn has_op(&self, op: &str) -> bool {
+        self.prologue.iter().chain(self.layers.iter().flatten()).chain(&self.epilogue).any(|n| n.op == op)
     }
 
     /// The mutations in force; empty for the true forward pass.
@@ -341,6 +424,7 @@ impl Builder<'_> {
                 0
             };
             let base = params.clone();
+            let tied = n.weights.get("tied").map(|p| layer.map_or(p.clone(), |i| p.replace("{i}", &i.to_string())));
             out.push(Prepared {
                 trace,
                 op: n.op.clone(),
@@ -353,6 +437,11 @@ impl Builder<'_> {
                 layer,
                 base,
                 skip: false,
+                swap: None,
+                base_weight: weight,
+                base_bias: bias,
+                one_plus,
+                tied,
             });
             names.push(&n.name);
         }
@@ -436,9 +525,13 @@ impl Exec<'_> {
                     Src::Token => &[],
                 })
                 .collect();
-            let out = self.node(n, &ins);
+            // A swapped pair: the first runs the second's op on its own input, the second the
+            // first's op on that; each output is traced under the name of the op that made it (as
+            // an engine computing in that order reports it).
+            let by = n.swap.map_or(n, |j| &nodes[j]);
+            let out = self.node(by, &ins);
             if let Some(t) = trace.as_deref_mut() {
-                t.push((n.trace.clone(), out.clone()));
+                t.push((by.trace.clone(), out.clone()));
             }
             vals.push(out);
         }
@@ -502,14 +595,20 @@ impl Exec<'_> {
             "rope" => {
                 let heads = n.params["heads"] as usize;
                 let mut x = input(0).to_vec();
-                if let Some(f) = self.inv_freq {
-                    rope_with_freqs(&mut x, self.pos, heads, hd, f);
-                } else {
-                    let f = rope::Faults {
-                        adjacent: m.has(Mutation::RopeAdjacent),
-                        theta_default: m.has(Mutation::RopeThetaDefault),
-                    };
-                    rope::core(&mut x, &[self.pos], heads, hd, c.rope_theta, f);
+                // `scaling = 0` (a failure rewrite): config.json's rope_scaling ignored.
+                let scaled = self.inv_freq.filter(|_| n.params.get("scaling") != Some(&0.0));
+                let f = rope::Faults {
+                    adjacent: m.has(Mutation::RopeAdjacent),
+                    theta_default: m.has(Mutation::RopeThetaDefault),
+                };
+                match scaled {
+                    // Scaled frequencies, with the kernel's faults as the kernel core has them.
+                    Some(_) if f.theta_default => {
+                        let freqs = rope_inv_freq(hd, rope::DEFAULT_THETA, c.rope_scaling.as_ref());
+                        rope_pairs_with_freqs(&mut x, self.pos, heads, hd, &freqs, f.adjacent);
+                    }
+                    Some(freqs) => rope_pairs_with_freqs(&mut x, self.pos, heads, hd, freqs, f.adjacent),
+                    None => rope::core(&mut x, &[self.pos], heads, hd, c.rope_theta, f),
                 }
                 x
             }
@@ -517,8 +616,10 @@ impl Exec<'_> {
                 let (q, k, v) = (input(0), input(1), input(2));
                 let pos = self.pos;
                 let l = n.cache;
-                if m.has(Mutation::KvPositionOffByOne) {
-                    let (width, row) = (nkv * hd, pos.saturating_sub(1) * nkv * hd);
+                // `kv_row` (a failure rewrite): every step's K/V written at that row.
+                let fixed = n.params.get("kv_row").map(|r| (*r as usize).min(pos));
+                if m.has(Mutation::KvPositionOffByOne) || fixed.is_some() {
+                    let (width, row) = (nkv * hd, fixed.unwrap_or(pos.saturating_sub(1)) * nkv * hd);
                     for (cache, new) in [(&mut self.k_cache[l], k), (&mut self.v_cache[l], v)] {
                         cache.resize((pos + 1) * width, 0.0);
                         cache[row..row + width].copy_from_slice(new);
@@ -548,8 +649,71 @@ impl Exec<'_> {
             "silu_and_mul" => {
                 silu_and_mul::core(input(0), input(1), silu_and_mul::Faults { swapped: m.has(Mutation::SiluSwapped) })
             }
-            "gelu_tanh_and_mul" => gelu_tanh_and_mul(input(0), input(1)),
+            "gelu_tanh_and_mul" => {
+                gelu_tanh_and_mul::core(input(0), input(1), gelu_tanh_and_mul::Faults { erf: m.has(Mutation::GeluErf) })
+            }
             other => unreachable!("lint refuses op `{other}`"),
         }
     }
+}
+
+/// Rebind `slot` of node `n` as a mistaken engine holds it (`how`, one of
+/// [`crate::ckb::WEIGHT_REWRITES`]); derived tensors are appended to `store`. Returns whether the
+/// values the node computes with change.
+fn rebind(
+    n: &mut Prepared,
+    slot: &str,
+    how: &str,
+    store: &mut Vec<Vec<f64>>,
+    keys: &BTreeMap<(String, bool), (usize, Vec<usize>)>,
+) -> Result<bool> {
+    let err = |m: String| Error::input(format!("rewrite binds `{}.{slot}` `{how}` at `{}`: {m}", n.name, n.trace));
+    let is_bias = slot == "bias";
+    let Some(bound) = (if is_bias { n.bias } else { n.weight }) else {
+        // The node has no such binding (a family without biases): nothing to change.
+        return Ok(false);
+    };
+    let derive = |store: &mut Vec<Vec<f64>>, f: &dyn Fn(f64) -> f64| {
+        let derived: Vec<f64> = store[bound.at].iter().map(|&x| f(x)).collect();
+        let changed = derived != store[bound.at];
+        store.push(derived);
+        (Bound { at: store.len() - 1, ..bound }, changed)
+    };
+    let one_plus = n.one_plus && !is_bias;
+    let (new, changed) = match how {
+        "drop" if is_bias => {
+            n.bias = None;
+            return Ok(true);
+        }
+        "drop" => return Err(err("only the optional `bias` slot can be dropped".into())),
+        "bf16" | "f16" => {
+            // The checkpoint's value is rounded (for a (1 + w) gain, w, as an engine loading the
+            // tensor in that format and adding 1 computes).
+            let round = |x: f64| super::dtypes::as_stored(&[x as f32], 1, how)[0];
+            let off = if one_plus { 1.0 } else { 0.0 };
+            derive(store, &|x| round(x - off) + off)
+        }
+        "raw" if one_plus => derive(store, &|x| x - 1.0),
+        "raw" => return Ok(false),
+        "tied" if is_bias => return Err(err("a bias has no tied tensor".into())),
+        "tied" => {
+            // A node without a `tied` slot (every projection but the output one) has nothing to tie.
+            let Some(name) = &n.tied else { return Ok(false) };
+            let Some((at, shape)) = keys.get(&(name.clone(), false)) else { return Ok(false) };
+            if *at == bound.at {
+                return Ok(false);
+            }
+            if shape.get(1).copied().unwrap_or(1) != bound.cols || shape[0] < bound.offset + bound.rows {
+                return Err(err(format!("tensor `{name}` has shape {shape:?}, not the bound one's")));
+            }
+            (Bound { at: *at, ..bound }, true)
+        }
+        _ => return Err(err(format!("unknown; use one of {}", crate::ckb::WEIGHT_REWRITES.join(", ")))),
+    };
+    if is_bias {
+        n.bias = Some(new);
+    } else {
+        n.weight = Some(new);
+    }
+    Ok(changed)
 }

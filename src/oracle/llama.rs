@@ -6,7 +6,7 @@
 //! `sqrt(hidden)` embedding scale, RoPE scaling, and fused q/k/v and gate/up weight tensors (Phi-3's
 //! layout, split into their row blocks at load). Without features the numbers are plain Llama's.
 
-use super::families::{add_bias, gelu_tanh_and_mul, rope_inv_freq, rope_with_freqs};
+use super::families::{add_bias, rope_inv_freq, rope_pairs_with_freqs};
 use super::graph::{GraphReference, Trace};
 use super::kernels::{attention, embedding, linear, rms_norm, rope, silu_and_mul};
 use super::mutants::{Mutation, Mutations};
@@ -275,8 +275,17 @@ impl Handwritten {
                 k = norm(m, &k, kn, c.rms_norm_eps);
             }
             if let Some(f) = &self.inv_freq {
-                rope_with_freqs(&mut q, pos, nh, hd, f);
-                rope_with_freqs(&mut k, pos, nkv, hd, f);
+                // Scaled frequencies, with the RoPE kernel's faults as its core has them.
+                let adjacent = m.has(Mutation::RopeAdjacent);
+                let default;
+                let f = if m.has(Mutation::RopeThetaDefault) {
+                    default = rope_inv_freq(hd, super::kernels::rope::DEFAULT_THETA, c.rope_scaling.as_ref());
+                    &default
+                } else {
+                    f
+                };
+                rope_pairs_with_freqs(&mut q, pos, nh, hd, f, adjacent);
+                rope_pairs_with_freqs(&mut k, pos, nkv, hd, f, adjacent);
             } else {
                 rot(m, &mut q, pos, nh, hd, c.rope_theta);
                 rot(m, &mut k, pos, nkv, hd, c.rope_theta);
@@ -303,7 +312,8 @@ impl Handwritten {
             let g = lin(m, &xn, &w.w_gate, 1, h, c.intermediate);
             let u = lin(m, &xn, &w.w_up, 1, h, c.intermediate);
             let act = if c.has("gelu_tanh_mlp") {
-                gelu_tanh_and_mul(&g, &u)
+                let f = super::kernels::gelu_tanh_and_mul::Faults { erf: m.has(Mutation::GeluErf) };
+                super::kernels::gelu_tanh_and_mul::core(&g, &u, f)
             } else {
                 silu_and_mul::core(&g, &u, silu_and_mul::Faults { swapped: m.has(Mutation::SiluSwapped) })
             };
@@ -428,6 +438,17 @@ impl Reference {
         match &mut self.0 {
             Inner::Graph(r) => r.set_rewrite(rewrite),
             Inner::Handwritten(_) => Ok(false),
+        }
+    }
+
+    /// Whether the forward pass runs `op` (a [`crate::ckb::GRAPH_OPS`] name): the graph's nodes, or
+    /// for the hand-written Llama pass its fixed ops (no GeGLU, no soft-cap, no scale).
+    pub fn has_op(&self, op: &str) -> bool {
+        match &self.0 {
+            Inner::Graph(r) => r.has_op(op),
+            Inner::Handwritten(_) => {
+                matches!(op, "embedding" | "rms_norm" | "linear" | "rope" | "attention" | "silu_and_mul" | "add")
+            }
         }
     }
 

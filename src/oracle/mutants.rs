@@ -3,7 +3,9 @@
 //! one core per kernel with a faults struct); this module adds the model-level mutations of the
 //! reference forward pass ([`Mutation`], used by [`super::llama::Reference::set_mutations`]): each
 //! applies one kernel fault wherever the forward pass calls that kernel, except
-//! [`Mutation::KvPositionOffByOne`], which only exists at this level.
+//! [`Mutation::KvPositionOffByOne`], which only exists at this level. Mistakes that are not one
+//! kernel's fault (a node skipped or moved, a weight bound wrong) are graph rewrites carried by
+//! their failure contracts ([`crate::ckb::GraphRewrite`]).
 
 /// Whether a mutant of this name exists: a kernel mutant of the registry or a model-level mutation.
 pub fn mutant_exists(name: &str) -> bool {
@@ -46,11 +48,13 @@ pub enum Mutation {
     /// p - 1 (row 0 for p = 0, K still rotated at p), so attention at p reads the next token's K/V in
     /// row p - 1 and an unwritten (zero) row p.
     KvPositionOffByOne,
+    /// `gelu_erf` in the GeGLU MLP (no effect in a family without `gelu_tanh_and_mul`).
+    GeluErf,
 }
 
 impl Mutation {
     /// Every model-level mutation.
-    pub const ALL: [Mutation; 10] = [
+    pub const ALL: [Mutation; 11] = [
         Mutation::RopeAdjacent,
         Mutation::RopeThetaDefault,
         Mutation::RmsNormEpsOutside,
@@ -61,6 +65,7 @@ impl Mutation {
         Mutation::AttentionNoScale,
         Mutation::EmbeddingOffByOne,
         Mutation::KvPositionOffByOne,
+        Mutation::GeluErf,
     ];
 
     /// The mutant's name, as the failure contracts spell it.
@@ -76,6 +81,7 @@ impl Mutation {
             Mutation::AttentionNoScale => "attention_no_scale",
             Mutation::EmbeddingOffByOne => "embedding_off_by_one",
             Mutation::KvPositionOffByOne => "kv_position_off_by_one",
+            Mutation::GeluErf => "gelu_erf",
         }
     }
 

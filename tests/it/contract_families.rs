@@ -298,7 +298,12 @@ fn plain_engine_passes_every_gate_on_the_contract_families() {
 /// multiplier, OLMo 2 without its post-norms, Gemma 2 without the final soft-cap (on a checkpoint
 /// whose cap, 2, is small enough to matter; see the test above), Qwen3 without its q/k norms and
 /// Gemma without its sqrt(hidden) embedding scale, OLMo 2 with its q/k norms per head, Mistral
-/// with a window one position too wide.
+/// with a window one position too wide; Qwen3 with its q/k norms after RoPE, Llama with its norm
+/// gains rounded to bf16 as they load, Gemma multiplying by w for (1 + w), Qwen2 without its q/k/v
+/// biases, an untied Llama using the embedding as its output projection, Llama ignoring a linear
+/// rope_scaling, and Llama writing every token's K/V at row 0 (a one-sequence batch's index); and
+/// Qwen3 with two mistakes (q/k norms after RoPE, logits scaled), named from the first diverging
+/// point where no mutant matches the logits.
 #[test]
 fn plain_engine_without_a_family_difference_fails_verify_with_the_failure_named() {
     use metainfer::ops::Report;
@@ -310,7 +315,7 @@ fn plain_engine_without_a_family_difference_fails_verify_with_the_failure_named(
     // (family, failure contract, source edits, config edit, the first point beyond tolerance that
     // the traced rerun must name: the node the left-out step feeds, in layer 0 where in a layer).
     type Fault = (&'static str, &'static str, &'static [(&'static str, &'static str)], fn(&mut Value), &'static str);
-    let cases: [Fault; 7] = [
+    let cases: [Fault; 15] = [
         (
             "granite",
             "failure.granite-multipliers-ignored",
@@ -384,8 +389,103 @@ fn plain_engine_without_a_family_difference_fails_verify_with_the_failure_named(
             |_| {},
             "layers.0.attn",
         ),
+        (
+            "qwen3",
+            "failure.qk-norm-after-rope",
+            &[
+                (
+                    "kernels::rope_with_freqs(&mut s.q, &[pos], c.n_heads, rope_freqs);\n            kernels::rope_with_freqs(&mut s.k, &[pos], c.n_kv_heads, rope_freqs);\n",
+                    "",
+                ),
+                (
+                    "if let Some([q_norm, k_norm]) = &l.qk_norm {",
+                    "kernels::rope_with_freqs(&mut s.q, &[pos], c.n_heads, rope_freqs);\n            kernels::rope_with_freqs(&mut s.k, &[pos], c.n_kv_heads, rope_freqs);\n            if let Some([q_norm, k_norm]) = &l.qk_norm {",
+                ),
+            ],
+            |_| {},
+            "layers.0.q_norm",
+        ),
+        (
+            "llama",
+            "failure.norm-gain-rounded",
+            // Every gain rounded to bf16, nearest even, as it is loaded.
+            &[(
+                "let mut gain = w.take(name, &[dim])?;",
+                "let mut gain: Vec<f32> = w.take(name, &[dim])?.iter().map(|g| { let b = g.to_bits(); f32::from_bits((b + 0x7fff + ((b >> 16) & 1)) & 0xffff_0000) }).collect();",
+            )],
+            |_| {},
+            "layers.0.attn_norm",
+        ),
+        (
+            "gemma",
+            "failure.rmsnorm-one-plus-missing",
+            &[("if c.features.rmsnorm_one_plus_w {\n        gain", "if false {\n        gain")],
+            |_| {},
+            "layers.0.attn_norm",
+        ),
+        (
+            "qwen2",
+            "failure.qkv-bias-dropped",
+            &[(
+                "if let Some([bq, bk, bv]) = &l.qkv_bias {",
+                "if let Some([bq, bk, bv]) = l.qkv_bias.as_ref().filter(|_| false) {",
+            )],
+            |_| {},
+            "layers.0.q",
+        ),
+        (
+            "llama",
+            "failure.tied-head-on-untied",
+            &[("if !cfg.tied && w.has(\"lm_head.weight\")", "if false && w.has(\"lm_head.weight\")")],
+            |_| {},
+            "logits",
+        ),
+        (
+            "llama",
+            "failure.rope-scaling-ignored",
+            &[(
+                "Ok(Model { rope_freqs: cfg.rope_freqs(),",
+                "Ok(Model { rope_freqs: crate::kernels::rope_freqs(cfg.rope_theta, cfg.head_dim),",
+            )],
+            |c| c["rope_scaling"] = json!({"rope_type": "linear", "factor": 4.0}),
+            "layers.0.q_rope",
+        ),
+        (
+            "llama",
+            "failure.kv-cache-wrong-position",
+            // Every token's K/V written at row 0 (a one-sequence batch's index), in a zero-filled cache.
+            &[(
+                "cache.resize(pos * row.len(), 0.0);\n    cache.extend_from_slice(row);",
+                "cache.resize((pos + 1) * row.len(), 0.0);\n    cache[..row.len()].copy_from_slice(row);",
+            )],
+            |_| {},
+            "layers.0.attn",
+        ),
+        (
+            // Two mistakes: q/k norms after RoPE, and every logit 5% too large. No mutant matches
+            // the logits; at the first diverging point the after-RoPE mutant still names the first.
+            "qwen3",
+            "failure.qk-norm-after-rope",
+            &[
+                (
+                    "kernels::rope_with_freqs(&mut s.q, &[pos], c.n_heads, rope_freqs);\n            kernels::rope_with_freqs(&mut s.k, &[pos], c.n_kv_heads, rope_freqs);\n",
+                    "",
+                ),
+                (
+                    "if let Some([q_norm, k_norm]) = &l.qk_norm {",
+                    "kernels::rope_with_freqs(&mut s.q, &[pos], c.n_heads, rope_freqs);\n            kernels::rope_with_freqs(&mut s.k, &[pos], c.n_kv_heads, rope_freqs);\n            if let Some([q_norm, k_norm]) = &l.qk_norm {",
+                ),
+                (
+                    "kernels::linear(&s.normed, lm_head.as_deref().unwrap_or(embed), 1, h, c.vocab, &mut s.logits);",
+                    "kernels::linear(&s.normed, lm_head.as_deref().unwrap_or(embed), 1, h, c.vocab, &mut s.logits);\n        s.logits.iter_mut().for_each(|v| *v *= 1.05);",
+                ),
+            ],
+            |_| {},
+            "layers.0.q_norm",
+        ),
     ];
     let ckb = Ckb::embedded().unwrap();
+    let cases_len = cases.len();
     for (i, (fam, failure, faults, edit, point)) in cases.into_iter().enumerate() {
         let id = format!("model.{fam}");
         assert!(ckb.get(&id).unwrap().failure_modes.contains(&failure.to_string()), "{id} lists {failure}");
@@ -424,6 +524,16 @@ fn plain_engine_without_a_family_difference_fails_verify_with_the_failure_named(
         // At least `embed` agreed before it, and the error there is far beyond the tolerance.
         assert!(l.max_abs_err > 1e-3 && l.compared >= 2 && !l.last_agreeing.is_empty(), "{fam}: {l:?}");
         assert!(v.text().contains(&format!("first diverging point {point}")), "{}", v.text());
+        // The mutants compared at that point: the injected mistake's gives the engine's values there.
+        let at = l.mutants.first().unwrap_or_else(|| panic!("{fam}: {}", l.line()));
+        assert_eq!(at.failure, failure, "{fam}: {:?}", l.mutants);
+        assert!(at.mutant.ends_with(&format!("(at {point})")) && at.error_vs_mutant < at.error_vs_oracle, "{at:?}");
+        if i == cases_len - 1 {
+            // The two-mistake engine: named from the point, not the logits.
+            assert_eq!(v.diagnosis[0].mutant, at.mutant, "{}", v.text());
+        } else {
+            assert!(!v.diagnosis[0].mutant.contains("(at "), "{}", v.text());
+        }
         eprintln!("{fam}: {}", l.line());
     }
 }
@@ -547,9 +657,145 @@ fn a_graph_rewrite_is_the_hand_edited_graph() {
     assert!(bits(&rewritten[..5], &truth[..5]), "the first five positions see no more than the window");
 
     // Not applicable, and not allowed.
-    let missing = GraphRewrite { skip: vec!["embed_scale".into()], set: Default::default() };
+    let missing = GraphRewrite { skip: vec!["embed_scale".into()], ..Default::default() };
     assert!(!r.set_rewrite(Some(&missing)).unwrap(), "mistral has no embed_scale node");
-    let projection = GraphRewrite { skip: vec!["q".into()], set: Default::default() };
+    let projection = GraphRewrite { skip: vec!["q".into()], ..Default::default() };
     let e = r.set_rewrite(Some(&projection)).unwrap_err();
     assert!(e.message.contains("layers.0.q") && e.message.contains("linear"), "{}", e.message);
+}
+
+/// Every failure mode a model family lists that has a model-level mutant (a mutation of the
+/// reference, or a graph rewrite in its contract) is named by the generation diagnosis when an
+/// "engine" computes exactly that mutant's logits (the mutant reference, rounded to f32), and first;
+/// the true forward pass is named nothing. Each family runs on a synthetic checkpoint on which its
+/// mutants can show (untied where synth writes lm_head, Llama with linear rope_scaling, Gemma 2
+/// with a small final cap); a mutant that computes this config's true forward pass is skipped, and
+/// every listed failure mode with a mutant must be shown in some family.
+#[test]
+fn every_failure_mode_a_family_lists_is_named_from_its_own_logits() {
+    use metainfer::oracle::compare;
+    use metainfer::oracle::diagnose;
+    use metainfer::oracle::llama::Reference;
+    use metainfer::oracle::mutants::{Mutation, Mutations};
+    let t = tempfile::tempdir().unwrap();
+    let ckb = Ckb::embedded().unwrap();
+    // Detected by another gate, not by a mutant of the forward pass: tied-embeddings-ignored (the
+    // weight-loading gate's checkpoint without lm_head.weight).
+    let no_mutant = ["failure.tied-embeddings-ignored"];
+    let mut shown: Vec<String> = Vec::new();
+    let mut listed: Vec<String> = Vec::new();
+    let mut within: Vec<String> = Vec::new();
+    for fam in ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo2", "granite"] {
+        let id = format!("model.{fam}");
+        let contract = ckb.get(&id).unwrap();
+        let family = contract.model.clone().unwrap();
+        let dir = synth(t.path(), fam, fam, |c| match fam {
+            "llama" => c["rope_scaling"] = json!({"rope_type": "linear", "factor": 4.0}),
+            "gemma2" => c["final_logit_softcapping"] = json!(2.0),
+            _ => {}
+        });
+        let (cfg, tensors) = load(&dir);
+        let tol = family.logits_tolerance["f32"].clone();
+        let mut r = Reference::of_family(&family, &cfg, tensors, "f32").unwrap();
+        let prompt: Vec<u32> = (0..8u32).map(|i| (i * 7 + 3) % cfg.vocab as u32).collect();
+        let as_engine = |r: &mut Reference| {
+            let (rows, tokens) = r.greedy(&prompt, 6).unwrap();
+            (tokens, rows.iter().flatten().map(|&v| v as f32).collect::<Vec<f32>>())
+        };
+        let (tokens, logits) = as_engine(&mut r);
+        assert!(diagnose::generation(&ckb, &mut r, &prompt, &tokens, &logits, &tol).is_empty(), "{fam}");
+        for fid in &contract.failure_modes {
+            let f = ckb.get(fid).unwrap().failure.clone().unwrap();
+            listed.push(fid.clone());
+            if no_mutant.contains(&fid.as_str()) {
+                assert!(f.mutant.is_none() && f.rewrite.is_none(), "{fid} has a mutant now: take it off the list");
+                continue;
+            }
+            let mutation = f.mutant.as_deref().and_then(Mutation::from_name);
+            assert!(mutation.is_some() || f.rewrite.is_some(), "{id} lists {fid}, which has no model-level mutant");
+            // The mutation and the rewrite of a contract (kv-cache-wrong-position has both) are each
+            // shown on their own.
+            let mut variants: Vec<(String, Option<Mutation>)> = Vec::new();
+            variants.extend(mutation.map(|m| (m.name().to_string(), Some(m))));
+            variants.extend(f.rewrite.as_ref().map(|rw| (format!("graph rewrite: {}", rw.describe()), None)));
+            for (name, m) in variants {
+                let applied = match m {
+                    Some(m) => {
+                        r.set_mutations(Mutations::of(&[m]));
+                        true
+                    }
+                    None => r.set_rewrite(f.rewrite.as_ref()).unwrap(),
+                };
+                if !applied {
+                    eprintln!("{fam}: {fid} ({name}) does not apply at this config");
+                    continue;
+                }
+                let (tokens, logits) = as_engine(&mut r);
+                r.set_mutations(Mutations::NONE);
+                r.set_rewrite(None).unwrap();
+                let d = diagnose::generation(&ckb, &mut r, &prompt, &tokens, &logits, &tol);
+                if d.is_empty() && m.is_some_and(|m| !diagnose::distinguishable(m, &r)) {
+                    eprintln!("{fam}: {fid} ({name}) is this config's true forward pass");
+                    continue;
+                }
+                // The true forward pass over the mutant's own tokens: a mutant within the family's
+                // tolerance of it is no failure of generation here.
+                r.reset();
+                let fed: Vec<u32> = prompt.iter().chain(&tokens[..tokens.len() - 1]).copied().collect();
+                let rows: Vec<Vec<f64>> = fed.iter().map(|&t| r.step(t).unwrap()).skip(prompt.len() - 1).collect();
+                let vocab = cfg.vocab;
+                if rows.iter().enumerate().all(|(i, want)| compare(&logits[i * vocab..(i + 1) * vocab], want, &tol).ok)
+                {
+                    assert!(d.is_empty(), "{fam}: {fid}: {d:?}");
+                    within.push(fid.clone());
+                    eprintln!("{fam}: {fid} ({name}) stays within the f32 logits tolerance on this checkpoint");
+                    continue;
+                }
+                let named: Vec<(&str, &str)> = d.iter().map(|d| (d.failure.as_str(), d.mutant.as_str())).collect();
+                assert_eq!(named.first(), Some(&(fid.as_str(), name.as_str())), "{fam}: {fid}: {d:#?}");
+                assert!(d[0].error_vs_mutant < tol.atol && d[0].error_vs_oracle > tol.atol, "{fam}: {:?}", d[0]);
+                eprintln!("{fam}: {}", d[0].line());
+                shown.push(fid.clone());
+            }
+        }
+    }
+    listed.retain(|f| !no_mutant.contains(&f.as_str()) && !shown.contains(f));
+    // A mutant the logits tolerance cannot see on any family (GeGLU's exact erf: at most 4e-4 per
+    // activation) must be one its kernel's test names instead.
+    for fid in &listed {
+        let f = ckb.get(fid).unwrap().failure.clone().unwrap();
+        assert!(within.contains(fid), "{fid} is listed but never shown named");
+        let m =
+            f.mutant.as_deref().unwrap_or_else(|| panic!("{fid} is invisible in the logits and has no kernel mutant"));
+        assert!(
+            f.applies_to.iter().any(|k| metainfer::oracle::kernels::mutant(k, m).is_some()),
+            "{fid} is invisible in the logits and no kernel test names it"
+        );
+    }
+    assert_eq!(
+        listed.iter().map(String::as_str).collect::<std::collections::BTreeSet<_>>(),
+        ["failure.gelu-erf-vs-tanh"].into()
+    );
+    // Every family feature has a failure contract with a mutant (shown above), listed by each
+    // family with it.
+    let by_feature = [
+        ("qk_norm", "failure.qk-norm-after-rope"),
+        ("qkv_bias", "failure.qkv-bias-dropped"),
+        ("sliding_window", "failure.sliding-window-off-by-one"),
+        ("sliding_window", "failure.sliding-window-every-layer"),
+        ("gelu_tanh_mlp", "failure.gelu-erf-vs-tanh"),
+        ("rmsnorm_one_plus_w", "failure.rmsnorm-one-plus-missing"),
+        ("embed_scale_sqrt_hidden", "failure.embedding-scale-missing"),
+    ];
+    for c in ckb.of_kind(metainfer::ckb::Kind::Model) {
+        for feature in &c.model.as_ref().unwrap().features {
+            let ids: Vec<&str> = by_feature.iter().filter(|(f, _)| f == feature).map(|(_, id)| *id).collect();
+            assert!(!ids.is_empty(), "{}: feature {feature} has no failure contract here", c.id);
+            assert!(
+                c.failure_modes.iter().any(|f| ids.contains(&f.as_str())),
+                "{} has {feature} but lists none of {ids:?}",
+                c.id
+            );
+        }
+    }
 }
