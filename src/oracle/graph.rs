@@ -222,8 +222,9 @@ impl GraphReference {
     /// [`GraphReference::set_rewrite`] on the restored graph: Ok(false) when only weights are
     /// rewritten and none changes.
     fn apply(&mut self, r: &GraphRewrite, cfg: &ResolvedConfig) -> Result<bool> {
-        let GraphReference { prologue, layers, epilogue, store, keys, .. } = self;
+        let GraphReference { prologue, layers, epilogue, store, keys, base_store, .. } = self;
         let mut weights_changed = false;
+        let mut derived = Derived::new();
         for block in std::iter::once(prologue).chain(layers.iter_mut()).chain(std::iter::once(epilogue)) {
             for [a, b] in &r.swap {
                 let (Some(i), Some(j)) =
@@ -281,7 +282,7 @@ impl GraphReference {
                     (op == n.op).then_some((slot, how.as_str()))
                 });
                 for (slot, how) in of_node.chain(of_op).collect::<Vec<_>>() {
-                    weights_changed |= rebind(n, slot, how, store, keys)?;
+                    weights_changed |= rebind(n, slot, how, store, *base_store, keys, &mut derived)?;
                 }
             }
         }
@@ -657,6 +658,17 @@ impl Exec<'_> {
     }
 }
 
+/// Values a rewrite may derive in all (2^24: 128 MiB of f64).
+const MAX_DERIVED: usize = 1 << 24;
+
+/// Tensors derived by one rewrite: (source store index, how, one_plus) -> (store index, changed).
+type Derived = BTreeMap<(usize, String, bool), (usize, bool)>;
+
+/// Whether slot `bias` (or the weight) of `n` holds a (1 + w) gain.
+fn one_plus_of(n: &Prepared, is_bias: bool) -> bool {
+    n.one_plus && !is_bias
+}
+
 /// Rebind `slot` of node `n` as a mistaken engine holds it (`how`, one of
 /// [`crate::ckb::WEIGHT_REWRITES`]); derived tensors are appended to `store`. Returns whether the
 /// values the node computes with change.
@@ -665,7 +677,9 @@ fn rebind(
     slot: &str,
     how: &str,
     store: &mut Vec<Vec<f64>>,
+    base: usize,
     keys: &BTreeMap<(String, bool), (usize, Vec<usize>)>,
+    derived: &mut Derived,
 ) -> Result<bool> {
     let err = |m: String| Error::input(format!("rewrite binds `{}.{slot}` `{how}` at `{}`: {m}", n.name, n.trace));
     let is_bias = slot == "bias";
@@ -673,13 +687,27 @@ fn rebind(
         // The node has no such binding (a family without biases): nothing to change.
         return Ok(false);
     };
-    let derive = |store: &mut Vec<Vec<f64>>, f: &dyn Fn(f64) -> f64| {
-        let derived: Vec<f64> = store[bound.at].iter().map(|&x| f(x)).collect();
-        let changed = derived != store[bound.at];
-        store.push(derived);
-        (Bound { at: store.len() - 1, ..bound }, changed)
+    // Each tensor is derived once per rewrite (nodes sharing it share the copy), and the copies
+    // together stay under MAX_DERIVED values: weight rewrites are for gains and biases, and a
+    // rewrite of every matrix would double a large model's reference in memory.
+    let mut derive = |store: &mut Vec<Vec<f64>>, f: &dyn Fn(f64) -> f64| -> Result<(Bound, bool)> {
+        let key = (bound.at, how.to_string(), one_plus_of(n, is_bias));
+        if let Some(&(at, changed)) = derived.get(&key) {
+            return Ok((Bound { at, ..bound }, changed));
+        }
+        let total: usize = store[base..].iter().map(Vec::len).sum::<usize>() + store[bound.at].len();
+        if total > MAX_DERIVED {
+            return Err(err(format!(
+                "the rewritten tensors would hold {total} values, more than {MAX_DERIVED}: rewrite small tensors (gains, biases) only"
+            )));
+        }
+        let copy: Vec<f64> = store[bound.at].iter().map(|&x| f(x)).collect();
+        let changed = copy != store[bound.at];
+        store.push(copy);
+        derived.insert(key, (store.len() - 1, changed));
+        Ok((Bound { at: store.len() - 1, ..bound }, changed))
     };
-    let one_plus = n.one_plus && !is_bias;
+    let one_plus = one_plus_of(n, is_bias);
     let (new, changed) = match how {
         "drop" if is_bias => {
             n.bias = None;
@@ -691,9 +719,9 @@ fn rebind(
             // tensor in that format and adding 1 computes).
             let round = |x: f64| super::dtypes::as_stored(&[x as f32], 1, how)[0];
             let off = if one_plus { 1.0 } else { 0.0 };
-            derive(store, &|x| round(x - off) + off)
+            derive(store, &|x| round(x - off) + off)?
         }
-        "raw" if one_plus => derive(store, &|x| x - 1.0),
+        "raw" if one_plus => derive(store, &|x| x - 1.0)?,
         "raw" => return Ok(false),
         "tied" if is_bias => return Err(err("a bias has no tied tensor".into())),
         "tied" => {

@@ -664,6 +664,109 @@ fn a_graph_rewrite_is_the_hand_edited_graph() {
     assert!(e.message.contains("layers.0.q") && e.message.contains("linear"), "{}", e.message);
 }
 
+/// The swap and weight rewrites compute what the hand-edited graph or checkpoint computes: Qwen3
+/// with q_rope and k_rope moved before the norms (graph reordered by hand), Qwen2 with its q/k/v
+/// biases dropped (biases zeroed in the checkpoint), Llama with every norm gain rounded to bf16
+/// (rounded here with the bit formula of round-to-nearest-even), Gemma with (1 + w) taken raw (the
+/// `gain` parameter removed by hand), an untied Llama with the embedding as head (lm_head.weight
+/// replaced by the embedding). Each is restored to the true logits bit for bit; dropping a
+/// projection's weight or swapping nodes that are not a chain is refused with the node named.
+#[test]
+fn swap_and_weight_rewrites_are_the_hand_edited_graph_or_checkpoint() {
+    use metainfer::ckb::GraphRewrite;
+    let t = tempfile::tempdir().unwrap();
+    let ckb = Ckb::embedded().unwrap();
+    let rewrite_of = |id: &str| ckb.get(id).unwrap().failure.clone().unwrap().rewrite.unwrap();
+    let steps = |r: &mut GraphReference, vocab: usize| -> Vec<Vec<f64>> {
+        (0..12u32).map(|i| r.step((i * 7 + 3) % vocab as u32).unwrap()).collect()
+    };
+    let bits = |a: &[Vec<f64>], b: &[Vec<f64>]| {
+        a.iter().flatten().zip(b.iter().flatten()).all(|(x, y)| x.to_bits() == y.to_bits())
+    };
+    // The rewrite against the by-hand model, then restored.
+    let check = |fam: &ModelFamily,
+                 edited: &ModelFamily,
+                 cfg: &ResolvedConfig,
+                 tensors: &Tensors,
+                 by_hand_tensors: &Tensors,
+                 id: &str| {
+        let mut r = GraphReference::new(fam, cfg, tensors, "f32").unwrap();
+        let truth = steps(&mut r, cfg.vocab);
+        assert!(r.set_rewrite(Some(&rewrite_of(id))).unwrap(), "{id} applies");
+        let rewritten = steps(&mut r, cfg.vocab);
+        let by_hand = steps(&mut GraphReference::new(edited, cfg, by_hand_tensors, "f32").unwrap(), cfg.vocab);
+        let diff = max_diff(&rewritten, &by_hand);
+        assert!(diff == 0.0 && max_diff(&rewritten, &truth) > 1e-3, "{id}: {diff:e}");
+        assert!(r.set_rewrite(None).unwrap());
+        assert!(bits(&steps(&mut r, cfg.vocab), &truth), "{id}: restored");
+    };
+
+    // Qwen3: RoPE before the q/k norms, by hand.
+    let f = family("model.qwen3");
+    let (cfg, tensors) = load(&synth(t.path(), "qwen3", "qwen3", |_| {}));
+    let mut edited = f.clone();
+    let layer = &mut edited.graph.as_mut().unwrap().layer;
+    let take = |layer: &mut Vec<metainfer::ckb::GraphNode>, name: &str| {
+        let at = layer.iter().position(|n| n.name == name).unwrap();
+        layer.remove(at)
+    };
+    let (mut qn, mut kn) = (take(layer, "q_norm"), take(layer, "k_norm"));
+    let at = layer.iter().position(|n| n.name == "attn").unwrap();
+    for (n, input) in [("q_rope", "q"), ("k_rope", "k")] {
+        layer.iter_mut().find(|x| x.name == n).unwrap().inputs = vec![input.into()];
+    }
+    qn.inputs = vec!["q_rope".into()];
+    kn.inputs = vec!["k_rope".into()];
+    layer.insert(at, kn);
+    layer.insert(at, qn);
+    let attn = layer.iter_mut().find(|n| n.name == "attn").unwrap();
+    attn.inputs = vec!["q_norm".into(), "k_norm".into(), "v".into()];
+    check(&f, &edited, &cfg, &tensors, &tensors, "failure.qk-norm-after-rope");
+
+    // Qwen2: biases zeroed.
+    let f = family("model.qwen2");
+    let (cfg, tensors) = load(&synth(t.path(), "qwen2", "qwen2", |_| {}));
+    let mut zeroed = tensors.clone();
+    zeroed.iter_mut().filter(|(k, _)| k.ends_with("_proj.bias")).for_each(|(_, (_, v))| v.fill(0.0));
+    check(&f, &f, &cfg, &tensors, &zeroed, "failure.qkv-bias-dropped");
+
+    // Llama: gains rounded to bf16 (nearest even: add 0x7fff plus the lowest kept bit, cut 16 bits).
+    let f = family("model.llama");
+    let (cfg, tensors) = load(&synth(t.path(), "llama", "llama", |_| {}));
+    let mut rounded = tensors.clone();
+    let bf16 = |x: f32| f32::from_bits((x.to_bits() + 0x7fff + ((x.to_bits() >> 16) & 1)) & 0xffff_0000);
+    let gains = rounded.iter_mut().filter(|(k, _)| k.ends_with("norm.weight"));
+    gains.for_each(|(_, (_, v))| v.iter_mut().for_each(|x| *x = bf16(*x)));
+    check(&f, &f, &cfg, &tensors, &rounded, "failure.norm-gain-rounded");
+
+    // Llama (untied): the embedding as the head.
+    let mut head = tensors.clone();
+    let embed = head["model.embed_tokens.weight"].clone();
+    head.insert("lm_head.weight".into(), embed);
+    check(&f, &f, &cfg, &tensors, &head, "failure.tied-head-on-untied");
+
+    // Gemma: gains without (1 + w).
+    let f = family("model.gemma");
+    let (cfg, tensors) = load(&synth(t.path(), "gemma", "gemma", |_| {}));
+    let mut edited = f.clone();
+    let g = edited.graph.as_mut().unwrap();
+    for n in g.prologue.iter_mut().chain(g.layer.iter_mut()).chain(g.epilogue.iter_mut()) {
+        n.params.remove("gain");
+    }
+    check(&f, &edited, &cfg, &tensors, &tensors, "failure.rmsnorm-one-plus-missing");
+
+    // Refused, naming the node.
+    let mut r = GraphReference::new(&f, &cfg, &tensors, "f32").unwrap();
+    let weights = [("q.weight".to_string(), "drop".to_string())].into();
+    let e = r.set_rewrite(Some(&GraphRewrite { weights, ..Default::default() })).unwrap_err();
+    assert!(e.message.contains("layers.0.q") && e.message.contains("bias"), "{}", e.message);
+    let swap = vec![["q".to_string(), "k".to_string()]];
+    let e = r.set_rewrite(Some(&GraphRewrite { swap, ..Default::default() })).unwrap_err();
+    assert!(e.message.contains("`q` and `k`") && e.message.contains("layers.0.q"), "{}", e.message);
+    // A tied checkpoint: the head rewrite changes nothing and does not apply.
+    assert!(cfg.tied && !r.set_rewrite(Some(&rewrite_of("failure.tied-head-on-untied"))).unwrap());
+}
+
 /// Every failure mode a model family lists that has a model-level mutant (a mutation of the
 /// reference, or a graph rewrite in its contract) is named by the generation diagnosis when an
 /// "engine" computes exactly that mutant's logits (the mutant reference, rounded to f32), and first;
