@@ -292,6 +292,17 @@ fn plain_engine_passes_every_gate_on_the_contract_families() {
     }
 }
 
+/// The plain engine's RoPE calls taken out from after the q/k norms ...
+const ROPE_OUT_OF_PLACE: (&str, &str) = (
+    "kernels::rope_with_freqs(&mut s.q, &[pos], c.n_heads, rope_freqs);\n            kernels::rope_with_freqs(&mut s.k, &[pos], c.n_kv_heads, rope_freqs);\n",
+    "",
+);
+/// ... and put before them (q/k norm after RoPE).
+const ROPE_BEFORE_QK_NORM: (&str, &str) = (
+    "if let Some([q_norm, k_norm]) = &l.qk_norm {",
+    "kernels::rope_with_freqs(&mut s.q, &[pos], c.n_heads, rope_freqs);\n            kernels::rope_with_freqs(&mut s.k, &[pos], c.n_kv_heads, rope_freqs);\n            if let Some([q_norm, k_norm]) = &l.qk_norm {",
+);
+
 /// The plain engine with one of a family's differences left out (each a failure mode the family
 /// lists, whose contract carries the model-level mutant as a graph rewrite) fails verify_generation
 /// at the first step, and the diagnosis names that failure contract: Granite without the residual
@@ -389,22 +400,7 @@ fn plain_engine_without_a_family_difference_fails_verify_with_the_failure_named(
             |_| {},
             "layers.0.attn",
         ),
-        (
-            "qwen3",
-            "failure.qk-norm-after-rope",
-            &[
-                (
-                    "kernels::rope_with_freqs(&mut s.q, &[pos], c.n_heads, rope_freqs);\n            kernels::rope_with_freqs(&mut s.k, &[pos], c.n_kv_heads, rope_freqs);\n",
-                    "",
-                ),
-                (
-                    "if let Some([q_norm, k_norm]) = &l.qk_norm {",
-                    "kernels::rope_with_freqs(&mut s.q, &[pos], c.n_heads, rope_freqs);\n            kernels::rope_with_freqs(&mut s.k, &[pos], c.n_kv_heads, rope_freqs);\n            if let Some([q_norm, k_norm]) = &l.qk_norm {",
-                ),
-            ],
-            |_| {},
-            "layers.0.q_norm",
-        ),
+        ("qwen3", "failure.qk-norm-after-rope", &[ROPE_OUT_OF_PLACE, ROPE_BEFORE_QK_NORM], |_| {}, "layers.0.q_norm"),
         (
             "llama",
             "failure.norm-gain-rounded",
@@ -467,14 +463,8 @@ fn plain_engine_without_a_family_difference_fails_verify_with_the_failure_named(
             "qwen3",
             "failure.qk-norm-after-rope",
             &[
-                (
-                    "kernels::rope_with_freqs(&mut s.q, &[pos], c.n_heads, rope_freqs);\n            kernels::rope_with_freqs(&mut s.k, &[pos], c.n_kv_heads, rope_freqs);\n",
-                    "",
-                ),
-                (
-                    "if let Some([q_norm, k_norm]) = &l.qk_norm {",
-                    "kernels::rope_with_freqs(&mut s.q, &[pos], c.n_heads, rope_freqs);\n            kernels::rope_with_freqs(&mut s.k, &[pos], c.n_kv_heads, rope_freqs);\n            if let Some([q_norm, k_norm]) = &l.qk_norm {",
-                ),
+                ROPE_OUT_OF_PLACE,
+                ROPE_BEFORE_QK_NORM,
                 (
                     "kernels::linear(&s.normed, lm_head.as_deref().unwrap_or(embed), 1, h, c.vocab, &mut s.logits);",
                     "kernels::linear(&s.normed, lm_head.as_deref().unwrap_or(embed), 1, h, c.vocab, &mut s.logits);\n        s.logits.iter_mut().for_each(|v| *v *= 1.05);",
