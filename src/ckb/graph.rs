@@ -15,8 +15,14 @@ use super::types::{GRAPH_OPS, Graph, GraphNode, GraphOp, ModelFamily};
 /// # Errors
 /// A message naming the unknown role or the character that does not parse.
 pub fn eval_expr(expr: &str, role: &dyn Fn(&str) -> Option<f64>) -> Result<f64, String> {
+    if expr.len() > MAX_EXPR_BYTES {
+        return Err(format!(
+            "an expression of {} bytes; at most {MAX_EXPR_BYTES} (write it shorter, or add a config role)",
+            expr.len()
+        ));
+    }
     let chars: Vec<char> = expr.chars().filter(|c| !c.is_whitespace()).collect();
-    let mut p = Parser { s: &chars, at: 0, role };
+    let mut p = Parser { s: &chars, at: 0, role, depth: 0 };
     let v = p.sum()?;
     if p.at != chars.len() {
         return Err(format!("`{expr}`: unexpected `{}` at {}", chars[p.at], p.at));
@@ -24,10 +30,19 @@ pub fn eval_expr(expr: &str, role: &dyn Fn(&str) -> Option<f64>) -> Result<f64, 
     Ok(v)
 }
 
+/// Longest expression [`eval_expr`] reads, bytes: the longest in the shipped contracts is under 80.
+pub const MAX_EXPR_BYTES: usize = 1024;
+
+/// Deepest nesting [`eval_expr`] reads (parentheses, unary minus and function calls, each a level):
+/// the parser recurses once per level, so a bound here keeps a hostile contract from overflowing
+/// the server's stack. The shipped contracts nest at most 3 deep.
+pub const MAX_EXPR_DEPTH: usize = 32;
+
 struct Parser<'a> {
     s: &'a [char],
     at: usize,
     role: &'a dyn Fn(&str) -> Option<f64>,
+    depth: usize,
 }
 
 impl Parser<'_> {
@@ -57,6 +72,15 @@ impl Parser<'_> {
         Ok(v)
     }
     fn atom(&mut self) -> Result<f64, String> {
+        self.depth += 1;
+        if self.depth > MAX_EXPR_DEPTH {
+            return Err(format!("nested more than {MAX_EXPR_DEPTH} deep at {}", self.at));
+        }
+        let v = self.atom_inner();
+        self.depth -= 1;
+        v
+    }
+    fn atom_inner(&mut self) -> Result<f64, String> {
         match self.peek() {
             Some('(') => {
                 self.at += 1;

@@ -452,6 +452,40 @@ pub fn check_dtype_policy(
     Ok(())
 }
 
+/// Largest finite IEEE binary16 value; an f32 of magnitude at or beyond 65520 (half an ulp above)
+/// rounds to infinity (IEEE 754-2008, binary16: emax 15, 10 fraction bits).
+pub const F16_MAX: f32 = 65504.0;
+
+/// Check that every weight is finite, and that the weights an engine stores at `dtype` (the 2-D
+/// ones, which the reference rounds as the dtype policy says) stay finite when rounded to it: an
+/// f16 engine of a checkpoint holding 7e4 in a BF16 matrix would compute infinities and NaN, and
+/// so would the reference, and a gate would compare NaN with NaN.
+///
+/// # Errors
+/// [`crate::error::ErrorKind::Input`] naming the tensor, the element, its value and the dtype's
+/// range, with what to choose instead.
+pub fn check_weight_range(tensors: &Tensors, dtype: &str) -> Result<()> {
+    for (name, (shape, v)) in tensors {
+        if let Some(at) = v.iter().position(|x| !x.is_finite()) {
+            return Err(Error::input(format!(
+                "weight `{name}` holds {} at element {at}: the checkpoint is damaged (re-export it); no engine can be checked on it",
+                v[at]
+            )));
+        }
+        if dtype == "f16" && shape.len() == 2 {
+            if let Some(at) = v.iter().position(|x| half::f16::from_f32(*x).is_infinite()) {
+                return Err(Error::input(format!(
+                    "weight `{name}` holds {:e} at element {at} (row {}, column {}), beyond the f16 range (largest finite value {F16_MAX}; it rounds to infinity): an engine storing f16 weights computes infinities and NaN on this checkpoint; choose dtype bf16 or f32",
+                    v[at],
+                    at / shape[1].max(1),
+                    at % shape[1].max(1)
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// HF's tie rule: with `tie_word_embeddings` true the embedding matrix is the output matrix and any
 /// `lm_head.weight` in the checkpoint is ignored. A warning when such an ignored lm_head differs from
 /// the embedding (an engine that reads it computes other logits than HF).

@@ -95,6 +95,10 @@ pub struct KernelTestReport {
     /// the enforced sandbox; false where the kernel offers no Landlock ABI >= 6 or seccomp (the
     /// server logs why at start; `--require-sandbox` refuses to run instead).
     pub sandboxed: bool,
+    /// For a verdict judged from a bundle: whether a trusted runner signed the run, or why it is
+    /// unattested evidence (never enough for phase order); "" for a run made here.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub attestation: String,
 }
 
 impl Report for KernelTestReport {
@@ -112,6 +116,9 @@ impl Report for KernelTestReport {
         );
         if !self.build_error.is_empty() {
             s += &format!("harness build failed:\n{}\n", self.build_error);
+        }
+        if !self.attestation.is_empty() {
+            s += &format!("{}\n", self.attestation);
         }
         for k in &self.kernels {
             s += &format!(
@@ -209,7 +216,7 @@ fn judge_kernel(ckb: &crate::ckb::Ckb, c: &Contract, ran: &[&Ran], process_error
         let want = (k.oracle)(&r.case);
         let v = match &want {
             Some(w) => crate::oracle::judge(words, w, &tol),
-            None => Verdict { max_abs_err: UNWRITTEN, max_rel_err: UNWRITTEN, worst_index: 0, ok: false },
+            None => Verdict { max_abs_err: UNWRITTEN, max_rel_err: UNWRITTEN, worst_index: 0, ok: false, non_finite: None },
         };
         if !v.ok {
             kr.passed = false;
@@ -226,8 +233,13 @@ fn judge_kernel(ckb: &crate::ckb::Ckb, c: &Contract, ran: &[&Ran], process_error
                 Some(kernels::Expect::Index(w)) => {
                     format!("returned index {}, expected {w} (first maximum) on {}", v.worst_index, r.case.label)
                 }
+                _ if v.non_finite.is_some() => format!(
+                    "{} on {} (outputs start as NaN, so an unwritten element shows as NaN; a non-finite value never passes)",
+                    v.non_finite.map(|nf| nf.describe()).unwrap_or_default(),
+                    r.case.label
+                ),
                 _ if v.max_abs_err == UNWRITTEN => {
-                    format!("output has NaN/inf, unwritten or missing elements (NaN sentinel) on {}", r.case.label)
+                    format!("output has missing elements (a wrong length) on {}", r.case.label)
                 }
                 _ => format!("outside tolerance atol {} rtol {} on {}", tol.atol, tol.rtol, r.case.label),
             };
@@ -288,6 +300,7 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
         build_error: text,
         rules,
         sandboxed,
+        attestation: String::new(),
     };
     if let Err(stop) = gate.rules()? {
         return Ok(gate.stopped(&stop, failed(stop.text.clone(), stop.findings.clone())));
@@ -308,7 +321,7 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
             let case = kernels::draw(&c.id, tc, &mut rng)?;
             let n = drawn.len();
             let input = gate.input(&h, &format!("case{n}.in.safetensors"), &input_bytes(&case)?)?;
-            let output = h.path(&format!("case{n}.out.safetensors"));
+            let output = h.output(&format!("case{n}.out.safetensors"));
             cases.push(KernelCase { kernel: c.id.clone(), input, output });
             drawn.push(case);
         }
@@ -384,6 +397,7 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
         build_error: String::new(),
         rules: gate.findings.clone(),
         sandboxed,
+        attestation: gate.attestation_note(),
     };
     let figures = KernelTestFigures {
         gate: gate.common(),

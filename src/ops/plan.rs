@@ -1,7 +1,8 @@
 //! plan_engine: from constraints (model directory, target, dtype) to the phases in build order, each
 //! with its contracts and the gates that check it, and goals in the family's own terms. Reads
 //! config.json, generation_config.json, tokenizer.json (routed to a tokenizer contract) and the
-//! weight files' headers when present (layout and stored dtypes, never the values).
+//! weight files' headers when present (layout and stored dtypes; the values only for dtype f16, to find
+//! a weight beyond its range).
 
 use std::path::Path;
 
@@ -289,6 +290,14 @@ pub fn plan_only(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
         let layout = model::weight_layout(&dir)?;
         if let (Some(f), Some(cfg)) = (family, &resolved) {
             model::check_dtype_policy(f, cfg, &config, &layout)?;
+        }
+        // f16 is the one weight dtype narrower in range than the checkpoint's BF16/F32: the values
+        // are read (only then) to find a weight that would round to infinity.
+        if req.dtype == "f16" && layout.tensors.values().any(|t| t.dtype != "F16") {
+            let tensors = model::weights::read_layout(&dir, &layout)?;
+            if let Err(e) = model::check_weight_range(&tensors, &req.dtype) {
+                gaps.push(Gap { field: "dtype".into(), reason: e.message });
+            }
         }
         Some(WeightsSummary {
             sharded: layout.sharded,

@@ -17,7 +17,7 @@ use crate::ckb::{Ckb, Contract, Kind, Tolerance};
 use crate::oracle::kernels::{self, Case};
 use crate::oracle::llama::Reference;
 use crate::oracle::mutants::{Mutation, Mutations};
-use crate::oracle::{UNWRITTEN, Verdict, compare, judge};
+use crate::oracle::{UNWRITTEN, Verdict, compare_prediction, judge_prediction};
 
 /// A failure mode that explains a failed gate.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -97,7 +97,7 @@ pub fn kernel(ckb: &Ckb, contract: &Contract, cases: &[KernelCase], tol: &Tolera
                 all_ok = false;
                 break;
             };
-            let v = judge(c.out, &want, tol);
+            let v = judge_prediction(c.out, &want, tol);
             all_ok &= v.ok;
             err_m = err_m.max(v.max_abs_err);
             err_o = err_o.max(c.oracle.max_abs_err);
@@ -150,7 +150,7 @@ fn run_forced(
     let (mut max, mut ok, mut scale) = (0.0f64, true, 0.0f64);
     for (i, &t) in tokens.iter().enumerate() {
         let got = logits.get(i * vocab..(i + 1) * vocab)?;
-        let v = compare(got, &row, tol);
+        let v = compare_prediction(got, &row, tol);
         max = max.max(v.max_abs_err);
         ok &= v.ok;
         scale = row.iter().fold(scale, |a, v| a.max(v.abs()));
@@ -312,7 +312,7 @@ pub fn at_point(
         if want.len() != got.len() {
             continue;
         }
-        let v = compare(got, &want, tol);
+        let v = compare_prediction(got, &want, tol);
         if v.ok {
             found.push(diagnosis(fc, &format!("{} (at {point})", variant.name()), error_vs_oracle, v.max_abs_err));
         }

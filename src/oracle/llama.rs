@@ -514,7 +514,8 @@ impl Reference {
     /// one row per generated token, and the generated ids: `logits[i]` chose `tokens[i]`.
     ///
     /// # Errors
-    /// As [`Reference::step`]; an empty prompt.
+    /// As [`Reference::step`]; an empty prompt; Input when a logit row the choice is made from holds
+    /// NaN or an infinity (the reference proves nothing then: weights beyond the dtype's range).
     pub fn greedy(&mut self, prompt: &[u32], max_new: usize) -> Result<(Vec<Vec<f64>>, Vec<u32>)> {
         self.greedy_until(prompt, max_new, &[])
     }
@@ -536,6 +537,13 @@ impl Reference {
         let mut rows = Vec::new();
         let mut tokens = Vec::new();
         for i in 0..max_new {
+            if let Some(at) = logits.iter().position(|v| !v.is_finite()) {
+                return Err(Error::input(format!(
+                    "the reference computes a non-finite logit ({} at token {at}) at generation step {i} (position {}): its weights or activations overflow at this dtype, so no engine can be checked against it; check the checkpoint's weights for NaN/inf or values beyond the weight dtype's range, or choose a wider dtype",
+                    logits[at],
+                    self.position().saturating_sub(1)
+                )));
+            }
             let next = argmax(&logits) as u32;
             rows.push(logits);
             tokens.push(next);

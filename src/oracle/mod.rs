@@ -16,7 +16,7 @@ pub mod kernels;
 pub mod llama;
 pub mod mutants;
 
-pub use compare::{UNWRITTEN, Verdict, compare, judge};
+pub use compare::{NonFinite, Side, UNWRITTEN, Verdict, compare, compare_prediction, judge, judge_prediction};
 pub use families::gelu_tanh_and_mul;
 
 /// What the oracle implements, for the CKB's load, propose and check: every kernel with a registry
