@@ -393,7 +393,7 @@ pub enum Command {
     },
     /// Run a bundle written by a gate's --write-bundle, on the machine that has the device.
     #[command(
-        after_help = "Example (on the device machine):\n  metainfer bundle run kt-bundle\n  metainfer bundle run verify-1b --model /data/llama-1b"
+        after_help = "Example (on the device machine):\n  metainfer bundle run kt-bundle --key ~/runner/runner.key\n  metainfer bundle run verify-1b --model /data/llama-1b\nand here, once: metainfer bundle trust runner.pub --name gpu-box"
     )]
     Bundle {
         #[command(subcommand)]
@@ -702,10 +702,33 @@ pub enum BundleCmd {
         /// The model directory here, when the bundle does not include its model.
         #[arg(long, value_name = "DIR")]
         model: Option<PathBuf>,
+        /// A runner's secret key (`bundle keygen`): sign the run, so that a server trusting the key
+        /// counts its verdicts as evidence.
+        #[arg(long, value_name = "FILE")]
+        key: Option<PathBuf>,
         /// Print exactly the structured result as JSON.
         #[arg(long)]
         json: bool,
     },
+    /// Make a runner key pair in DIR: runner.key (secret, mode 0600: keep it where the device is,
+    /// out of the agent's reach) and runner.pub (give it to `bundle trust`).
+    Keygen {
+        /// The directory to write the two files into (created if needed).
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+    },
+    /// Trust a runner's public key: bundle runs it signs (`bundle run --key`) count as evidence
+    /// in this ledger; unsigned ones are recorded as unattested.
+    Trust {
+        /// The public key: runner.pub, or its 64 hex digits.
+        #[arg(value_name = "KEY")]
+        key: String,
+        /// The name outcomes record for the runner.
+        #[arg(long)]
+        name: String,
+    },
+    /// List the trusted runners of this ledger.
+    Runners,
 }
 
 #[derive(Subcommand)]

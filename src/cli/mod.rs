@@ -425,8 +425,40 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
             let req = ops::rules::RulesRequest { engine: s(&engine) };
             Ok(emit(&progress("check-rules", "", json, || ops::rules::check_rules(&c, &req, &budget()))?, json))
         }
-        Command::Bundle { action: BundleCmd::Run { dir, model, json } } => {
-            let req = ops::bundle::BundleRunRequest { dir: s(&dir), model: model.as_deref().map(s) };
+        Command::Bundle { action: BundleCmd::Keygen { out } } => {
+            let (secret, public, key) = metainfer::harness::attest::keygen(&out)?;
+            println!(
+                "runner key pair written:\n  {} (secret: keep it on the device machine, out of the agent's reach)\n  {} (public: {key})\ntrust it where gates judge bundles: metainfer bundle trust {} --name NAME",
+                secret.display(),
+                public.display(),
+                public.display()
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Bundle { action: BundleCmd::Trust { key, name } } => {
+            let c = ctx(g)?;
+            let key = metainfer::harness::attest::read_public(&key)?;
+            metainfer::ledger::Ledger::open(&c.ledger)?.trust_runner(&name, &key)?;
+            println!("runner {name:?} trusted in {}: bundle runs its key signs count as evidence", c.ledger.display());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Bundle { action: BundleCmd::Runners } => {
+            let c = ctx(g)?;
+            let runners = metainfer::ledger::Ledger::open(&c.ledger)?.runners()?;
+            if runners.is_empty() {
+                println!("no trusted runner in {}: every bundle verdict is unattested", c.ledger.display());
+            }
+            for (name, key) in runners {
+                println!("{name}\t{key}");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Bundle { action: BundleCmd::Run { dir, model, key, json } } => {
+            let req = ops::bundle::BundleRunRequest {
+                dir: s(&dir),
+                model: model.as_deref().map(s),
+                key: key.as_deref().map(s),
+            };
             let r = progress("bundle run", "", json, || ops::bundle::run(&req, &budget()))?;
             Ok(emit(&r, json))
         }

@@ -35,8 +35,9 @@ use super::{Budget, Exit, Run};
 use crate::beneath::{Dir, Entry, Files};
 use crate::error::{Error, Result};
 
-/// Version of the bundle layout.
-pub const FORMAT: u32 = 1;
+/// Version of the bundle layout (2: a nonce, mixed into every output file's name and signed by
+/// the runner's attestation).
+pub const FORMAT: u32 = 2;
 
 /// File name of the manifest in a bundle directory.
 pub const MANIFEST: &str = "bundle.json";
@@ -73,6 +74,10 @@ pub struct BundleManifest {
     /// Seed of the drawn inputs (kernel tests, random prompts).
     #[serde(default)]
     pub seed: Option<u64>,
+    /// 128 random bits (hex) drawn when the bundle was written: every output file's name carries it
+    /// ([`output_name`]), so outputs copied from another bundle are not this bundle's; a runner's
+    /// attestation signs it ([`super::attest`]).
+    pub nonce: String,
     /// Harness protocol version ([`protocol::VERSION`]).
     pub protocol: u32,
     /// sha256 of the harness executable.
@@ -149,6 +154,20 @@ impl RunRecord {
         };
         Run { exit, stdout: String::new(), stderr: self.stderr.clone(), seconds: self.seconds, sandboxed: false }
     }
+}
+
+/// The name a bundle gives the output file `name` of its requests: the bundle's nonce before the
+/// extension (`generate.safetensors` -> `generate.<nonce>.safetensors`).
+pub fn output_name(name: &str, nonce: &str) -> String {
+    match name.split_once('.') {
+        Some((stem, ext)) => format!("{stem}.{nonce}.{ext}"),
+        None => format!("{name}.{nonce}"),
+    }
+}
+
+/// A fresh nonce: 128 random bits, hex.
+pub fn fresh_nonce() -> String {
+    format!("{:032x}", rand::random::<u128>())
 }
 
 /// File name of request `i`.
@@ -276,7 +295,7 @@ pub fn relative(command: protocol::Command, root: &Path) -> protocol::Command {
 pub fn read_request(dir: &dyn Files, i: usize) -> Result<protocol::Request> {
     let path = dir.show(&request_file(i));
     let bytes = dir
-        .read(&request_file(i), &crate::util::HARNESS_OUTPUT)
+        .read(&request_file(i), &crate::util::HARNESS_REPLY)
         .map_err(|e| Error::usage(format!("{}; the bundle is incomplete, write it again", e.message)))?;
     serde_json::from_slice(&bytes).map_err(|e| Error::usage(format!("{}: not a harness request: {e}", path.display())))
 }
@@ -324,7 +343,7 @@ pub fn same_tensors(a: &[u8], b: &[u8]) -> bool {
 /// [`crate::error::ErrorKind::Usage`] when `dir` holds no readable manifest or one of another format.
 pub fn read_manifest(dir: &dyn Files) -> Result<BundleManifest> {
     let path = dir.show(MANIFEST);
-    let bytes = dir.read(MANIFEST, &crate::util::HARNESS_OUTPUT).map_err(|e| {
+    let bytes = dir.read(MANIFEST, &crate::util::HARNESS_REPLY).map_err(|e| {
         Error::usage(format!(
             "{} is not a bundle ({}); write one with a gate's write_bundle",
             dir.path().display(),
@@ -352,20 +371,29 @@ pub struct Ran {
     pub manifest: BundleManifest,
     /// One record per request run, in order; a failed request ends the run.
     pub runs: Vec<RunRecord>,
+    /// The runner's attestation, when run with a key.
+    pub attestation: Option<super::attest::Attestation>,
 }
 
 /// Run a bundle where the device is: check it (manifest, harness hash, model hash; with `model`,
 /// link that directory as the bundle's model after checking its hash), then run each request's
 /// harness process in the bundle directory within `budget`, writing its reply and `run.<i>.json`.
-/// Earlier replies and records are removed first. Stops at the first request that fails.
+/// Earlier replies, records and attestation are removed first. Stops at the first request that
+/// fails. With `key` (a runner's secret key), sign the run ([`super::attest::sign`]).
 ///
 /// # Errors
 /// [`crate::error::ErrorKind::Usage`] for a malformed bundle, a swapped harness, a missing or
 /// different model; Internal when a process cannot be started.
-pub fn run(dir: &Path, model: Option<&Path>, budget: &Budget) -> Result<Ran> {
+pub fn run(dir: &Path, model: Option<&Path>, key: Option<&ed25519_dalek::SigningKey>, budget: &Budget) -> Result<Ran> {
     let dir = dir.canonicalize().map_err(|e| Error::usage(format!("bundle {}: {e}", dir.display())))?;
     check_no_links(&dir)?;
     let manifest = read_manifest(&dir)?;
+    if manifest.requests.is_empty() {
+        return Err(Error::usage(format!(
+            "{}: the bundle's manifest lists no request, so there is nothing to run; write the bundle again with a gate's write_bundle",
+            dir.join(MANIFEST).display()
+        )));
+    }
     let exe = dir.join(HARNESS);
     if file_hash(&exe)? != manifest.harness_sha256 {
         return Err(Error::usage(format!(
@@ -434,7 +462,18 @@ pub fn run(dir: &Path, model: Option<&Path>, budget: &Budget) -> Result<Ran> {
             break;
         }
     }
-    Ok(Ran { manifest, runs })
+    let attestation = match key {
+        Some(k) => {
+            let _ = std::fs::remove_file(dir.join(super::attest::ATTESTATION));
+            Some(super::attest::sign(&dir, &manifest.nonce, k)?)
+        }
+        None => {
+            // An attestation of an earlier run no longer describes this directory.
+            let _ = std::fs::remove_file(dir.join(super::attest::ATTESTATION));
+            None
+        }
+    };
+    Ok(Ran { manifest, runs, attestation })
 }
 
 /// Read back request `i` of a run bundle: its process record and reply, as a harness call would
@@ -442,7 +481,7 @@ pub fn run(dir: &Path, model: Option<&Path>, budget: &Budget) -> Result<Ran> {
 ///
 /// # Errors
 /// [`crate::error::ErrorKind::Usage`] when the request has not been run (no `run.<i>.json`).
-pub fn called(dir: &dyn Files, i: usize) -> Result<super::Called> {
+pub fn called(dir: &dyn Files, i: usize, attested: Option<&super::attest::Attested>) -> Result<super::Called> {
     if !dir.has(&run_file(i)) {
         return Err(Error::usage(format!(
             "bundle {} has not been run (no {}): run `metainfer bundle run {}` on the machine with the device, then compare again",
@@ -451,10 +490,16 @@ pub fn called(dir: &dyn Files, i: usize) -> Result<super::Called> {
             dir.path().display()
         )));
     }
-    let record = dir.read(&run_file(i), &crate::util::HARNESS_OUTPUT)?;
+    let record = dir.read(&run_file(i), &crate::util::HARNESS_REPLY)?;
+    if let Some(a) = attested {
+        a.check(&run_file(i), &record)?;
+    }
     let record: RunRecord = serde_json::from_slice(&record)
         .map_err(|e| Error::usage(format!("{}: unreadable run record: {e}", dir.show(&run_file(i)).display())))?;
-    let reply = match dir.read(&reply_file(i), &crate::util::HARNESS_OUTPUT) {
+    let reply = match dir.read(&reply_file(i), &crate::util::HARNESS_REPLY) {
+        Ok(bytes) if attested.is_some_and(|a| a.check(&reply_file(i), &bytes).is_err()) => {
+            Err(format!("{} changed after the runner signed the run", reply_file(i)))
+        }
         Ok(bytes) => {
             serde_json::from_slice::<protocol::Reply>(&bytes).map_err(|e| format!("reply does not parse: {e}"))
         }

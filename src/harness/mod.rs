@@ -1,10 +1,14 @@
 //! Everything that spawns processes: cargo builds with JSON diagnostics, the generated harness crate,
 //! running it with a time limit and cancellation, and bounding what comes back.
 //!
-//! Invariant: every child is either waited for or killed and reaped before a function returns.
-//! Every live child's process group is in a registry, so that a signal to the server kills them
-//! all ([`shutdown`]); agent-written code runs only in the sandbox ([`sandbox`]).
+//! Invariant: every child is either waited for or killed and reaped before a function returns,
+//! and with it every process it started: a sandboxed child is its own reaper
+//! ([`sandbox::reaper`]), which kills every process of its sandbox (in whatever session or group)
+//! when the child ends, when the server asks it to, or when the server dies. Every live child is
+//! in a registry, so that a signal to the server ends them all ([`shutdown`]); agent-written code
+//! runs only in the sandbox ([`sandbox`]).
 
+pub mod attest;
 pub mod bundle;
 pub mod diagnostics;
 pub mod explain;
@@ -282,7 +286,8 @@ static LIVE: std::sync::Mutex<Vec<i32>> = std::sync::Mutex::new(Vec::new());
 /// Set once by [`shutdown`]: no further child is started.
 static SHUTTING_DOWN: AtomicBool = AtomicBool::new(false);
 
-/// Kill every live child process group and stop new ones from starting, then wait up to `grace`
+/// End every live child (SIGTERM to its reaper, then SIGKILL to its process group; see
+/// [`kill_group`]) and stop new ones from starting, then wait up to `grace`
 /// for the threads that own them to reap them. Returns the number of groups killed. Used when the
 /// server receives SIGTERM, SIGINT or SIGHUP ([`exit_on_signals`]).
 pub fn shutdown(grace: Duration) -> usize {
@@ -291,6 +296,18 @@ pub fn shutdown(grace: Duration) -> usize {
         SHUTTING_DOWN.store(true, Ordering::SeqCst);
         live.clone()
     };
+    // First each child (a sandboxed one is its reaper: it kills every process of its sandbox,
+    // wherever it moved, and exits; its owner reaps it), then whatever groups are left.
+    for g in &groups {
+        // SAFETY: kill(2) on a child this process started and has not reaped (it is in LIVE).
+        unsafe {
+            libc::kill(*g, libc::SIGTERM);
+        }
+    }
+    let until = Instant::now() + REAPER_GRACE.min(grace);
+    while Instant::now() < until && !LIVE.lock().unwrap_or_else(|p| p.into_inner()).is_empty() {
+        std::thread::sleep(Duration::from_millis(10));
+    }
     for g in &groups {
         // SAFETY: kill(2) with a negative pid signals a process group this process created.
         unsafe {
@@ -342,8 +359,27 @@ pub fn wait_if_terminating() {
     }
 }
 
-/// SIGKILL the child's whole process group, then reap the child.
+/// How long a child's reaper ([`sandbox::reaper`]) gets, after SIGTERM, to kill and reap every
+/// process of its sandbox before the server kills the process group itself.
+pub const REAPER_GRACE: Duration = Duration::from_secs(2);
+
+/// End a child and everything it started: SIGTERM to the child while it runs (a sandboxed child is
+/// its reaper, which then kills every process of its sandbox, in whatever session or group, and
+/// exits; waited for up to [`REAPER_GRACE`]), then SIGKILL to its whole process group (all there
+/// is to kill where no sandbox is enforced), then reap the child.
 fn kill_group(handle: &duct::Handle) {
+    if matches!(handle.try_wait(), Ok(None)) {
+        for pid in handle.pids() {
+            // SAFETY: kill(2) on our own child, which try_wait has not reaped.
+            unsafe {
+                libc::kill(pid as libc::pid_t, libc::SIGTERM);
+            }
+        }
+        let until = Instant::now() + REAPER_GRACE;
+        while Instant::now() < until && matches!(handle.try_wait(), Ok(None)) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
     for pid in handle.pids() {
         // SAFETY: kill(2) with a negative pid signals the process group led by `pid`, which this
         // function's caller created with process_group(0); no memory is touched.
@@ -378,6 +414,66 @@ impl ServerProcess {
     /// The last `max` bytes of its stderr.
     pub fn stderr_tail(&self, max: u64) -> String {
         read_tail(&self.err_path, max)
+    }
+}
+
+impl ServerProcess {
+    /// End it now (as dropping it does), from any thread: SIGTERM to its reaper, then its group.
+    pub fn stop(&self) {
+        kill_group(&self.handle);
+    }
+}
+
+/// Watches a call's budget on behalf of a running server ([`ServerProcess`]): when the deadline
+/// passes or the call is cancelled, it stops the server within about 20 ms, so every request to
+/// it fails at once instead of waiting out its own timeout. Dropping the watch ends it.
+pub struct Watch {
+    done: Arc<AtomicBool>,
+    fired: Arc<std::sync::Mutex<Option<&'static str>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Watch {
+    /// Start watching `budget` for `server`.
+    pub fn start(server: Arc<ServerProcess>, budget: &Budget) -> Watch {
+        let done = Arc::new(AtomicBool::new(false));
+        let fired = Arc::new(std::sync::Mutex::new(None));
+        let (d, f, b) = (done.clone(), fired.clone(), budget.clone());
+        let thread = std::thread::Builder::new()
+            .name("server-watch".into())
+            .spawn(move || {
+                while !d.load(Ordering::Relaxed) {
+                    let why = if b.cancel.load(Ordering::Relaxed) {
+                        Some("the call was cancelled")
+                    } else if Instant::now() >= b.deadline {
+                        Some("the call's time limit ran out")
+                    } else {
+                        None
+                    };
+                    if let Some(why) = why {
+                        *f.lock().unwrap_or_else(|p| p.into_inner()) = Some(why);
+                        server.stop();
+                        return;
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            })
+            .ok();
+        Watch { done, fired, thread }
+    }
+
+    /// Why the server was stopped (cancellation or the time limit), if it was.
+    pub fn fired(&self) -> Option<&'static str> {
+        *self.fired.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        self.done.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
     }
 }
 
@@ -703,7 +799,7 @@ impl Workshop {
             cmd = cmd.env(k, v);
         }
         let run = self.run_sandboxed(cmd, grants, budget)?;
-        let reply = match crate::util::read_regular(&reply_path, &crate::util::HARNESS_OUTPUT) {
+        let reply = match crate::util::read_regular(&reply_path, &crate::util::HARNESS_REPLY) {
             Ok(bytes) => {
                 serde_json::from_slice::<protocol::Reply>(&bytes).map_err(|e| format!("reply does not parse: {e}"))
             }

@@ -230,6 +230,9 @@ fn cargo_program_dir() -> Option<PathBuf> {
 pub struct Prepared {
     #[cfg(target_os = "linux")]
     ruleset: Option<Arc<std::os::fd::OwnedFd>>,
+    /// The signal-scope-only ruleset of the process's reaper (see [`reaper`]).
+    #[cfg(target_os = "linux")]
+    scope: Option<Arc<std::os::fd::OwnedFd>>,
     proc_self: bool,
     net: bool,
     env: Arc<Vec<(OsString, OsString)>>,
@@ -304,7 +307,8 @@ pub fn prepare(grants: &Grants, protected: &[PathBuf], require: bool) -> Result<
     #[cfg(target_os = "linux")]
     {
         let ruleset = if st.enforced { Some(Arc::new(linux::ruleset(grants, tc)?)) } else { None };
-        Ok(Prepared { ruleset, proc_self: grants.proc_self, net: grants.listen.is_some(), env: Arc::new(env) })
+        let scope = if st.enforced { Some(Arc::new(linux::scope_ruleset()?)) } else { None };
+        Ok(Prepared { ruleset, scope, proc_self: grants.proc_self, net: grants.listen.is_some(), env: Arc::new(env) })
     }
     #[cfg(not(target_os = "linux"))]
     {
@@ -327,11 +331,131 @@ pub fn apply(expr: duct::Expression, prepared: &Prepared) -> duct::Expression {
         cmd.envs(p.env.iter().cloned());
         cmd.envs(from_caller);
         #[cfg(target_os = "linux")]
-        if let Some(fd) = &p.ruleset {
-            linux::install(cmd, fd, p.proc_self, p.net);
+        if let (Some(fd), Some(scope)) = (&p.ruleset, &p.scope) {
+            linux::install(cmd, fd, scope, p.proc_self, p.net);
         }
         Ok(())
     })
+}
+
+/// # The reaper
+///
+/// A process group is no boundary: a process of the engine's (a build script, the harness, an
+/// engine's server) that calls `setsid` or makes its own group outlives a kill of the group, and
+/// one whose parent exits is adopted by init. So every sandboxed process is started as two: its
+/// *reaper* and the process proper. Between fork and exec the child the server forked restricts
+/// itself to a Landlock domain that scopes signals only, makes itself a child subreaper
+/// (`PR_SET_CHILD_SUBREAPER`: every orphan below it is adopted by it, not by init), and forks
+/// again: the new child goes on to the sandbox's restrictions and the exec (a Landlock domain
+/// nested in the reaper's), the parent stays behind as the reaper and never execs. The reaper
+/// waits; when the process proper exits, or the server sends it SIGTERM (a time limit, a
+/// cancellation, the server's own shutdown), or the thread that started it dies
+/// (`PR_SET_PDEATHSIG`: the server exited, e.g. at the end of its input), it sends SIGKILL to
+/// every process it may signal, `kill(-1)`, which Landlock's signal scope (ABI 6) limits to the
+/// processes of its own domain and the domains nested in it: exactly the processes that descend
+/// from it, wherever they moved (sessions, groups), and nothing else; processes of the engine
+/// cannot signal the reaper (its domain is outside theirs). It reaps them all and exits with the
+/// status of the process proper (or dies by its signal), so the server sees that status.
+///
+/// Without Landlock's signal scope there is no reaper (`kill(-1)` would reach every process of
+/// the user): the server kills the process group only, and [`status`] says the sandbox is not
+/// enforced.
+#[cfg(target_os = "linux")]
+pub mod reaper {
+    /// Split the calling child (forked by the server, before exec) into the reaper and the
+    /// process proper (see the module section above). Returns in the process proper only; the
+    /// reaper never returns. `scope`: the signal-scope ruleset; `server`: the server's pid.
+    /// Only system calls, no allocation: it runs between fork and exec.
+    pub(super) fn split(scope: i32, server: libc::pid_t) -> std::io::Result<()> {
+        // SAFETY: plain system calls on integers and stack memory.
+        unsafe {
+            if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::syscall(libc::SYS_landlock_restrict_self, scope, 0u32) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            let reaper = libc::getpid();
+            let child = libc::fork();
+            if child < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if child == 0 {
+                // The process proper dies with its reaper.
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
+                if libc::getppid() != reaper {
+                    libc::_exit(127);
+                }
+                return Ok(());
+            }
+            reap(child, server)
+        }
+    }
+
+    /// The reaper's life: wait for the process proper or a termination request, then kill and reap
+    /// everything of its domain and exit with the process proper's status. Never returns.
+    unsafe fn reap(child: libc::pid_t, server: libc::pid_t) -> ! {
+        // SAFETY: plain system calls on integers and stack memory.
+        unsafe {
+            // The spawning side waits for the exec's status pipe to close; the reaper never execs,
+            // so it closes every descriptor it inherited beyond stdio (the pipe among them).
+            libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, 0u32);
+            libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM, 0, 0, 0);
+            let mut set: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut set);
+            for sig in [libc::SIGCHLD, libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
+                libc::sigaddset(&mut set, sig);
+            }
+            libc::sigprocmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+            let mut status: Option<i32> = None;
+            // The server may have gone between the fork and the death signal's setting.
+            let mut stop = libc::getppid() != server;
+            while !stop {
+                loop {
+                    let mut st = 0;
+                    let r = libc::waitpid(-1, &mut st, libc::WNOHANG);
+                    if r <= 0 {
+                        break;
+                    }
+                    if r == child {
+                        status = Some(st);
+                    }
+                }
+                if status.is_some() {
+                    break;
+                }
+                let sig = libc::sigwaitinfo(&set, std::ptr::null_mut());
+                stop = sig == libc::SIGTERM || sig == libc::SIGINT || sig == libc::SIGHUP;
+            }
+            // Everything of this domain (Landlock's signal scope), then reap until no child is left.
+            loop {
+                libc::kill(-1, libc::SIGKILL);
+                let mut st = 0;
+                let r = libc::waitpid(-1, &mut st, 0);
+                if r == child {
+                    status = Some(st);
+                }
+                if r < 0 && *libc::__errno_location() == libc::ECHILD {
+                    break;
+                }
+            }
+            match status {
+                Some(st) if libc::WIFEXITED(st) => libc::_exit(libc::WEXITSTATUS(st)),
+                Some(st) if libc::WIFSIGNALED(st) => {
+                    let sig = libc::WTERMSIG(st);
+                    libc::signal(sig, libc::SIG_DFL);
+                    let mut one: libc::sigset_t = std::mem::zeroed();
+                    libc::sigemptyset(&mut one);
+                    libc::sigaddset(&mut one, sig);
+                    libc::sigprocmask(libc::SIG_UNBLOCK, &one, std::ptr::null_mut());
+                    libc::kill(libc::getpid(), sig);
+                    libc::_exit(128 + sig)
+                }
+                _ => libc::_exit(128 + libc::SIGTERM),
+            }
+        }
+    }
 }
 
 #[cfg(target_os = "linux")]
@@ -541,15 +665,51 @@ mod linux {
         Ok(())
     }
 
-    /// Install the restrictions on `cmd`, to run in the child before exec.
-    pub(super) fn install(cmd: &mut std::process::Command, fd: &Arc<OwnedFd>, proc_self: bool, net: bool) {
+    /// The ruleset of a reaper: signals scoped to its domain, and nothing else restricted (see
+    /// [`super::reaper`]). Landlock denies linking or renaming a file into another directory
+    /// (`REFER`) in every domain unless a rule grants it, even where the ruleset handles no other
+    /// filesystem access (kernel documentation, "Landlock: unprivileged access control",
+    /// LANDLOCK_ACCESS_FS_REFER), so the ruleset grants it beneath `/`: rustc's and cargo's renames
+    /// into their output directories stay possible (the sandbox's own ruleset decides them).
+    /// Built in the parent.
+    pub(super) fn scope_ruleset() -> Result<OwnedFd> {
+        let fail = |e: landlock::RulesetError| Error::internal(format!("Landlock scope ruleset: {e}"));
+        let root = PathFd::new("/").map_err(|e| Error::internal(format!("Landlock scope ruleset: /: {e}")))?;
+        let created = Ruleset::default()
+            .handle_access(AccessFs::Refer)
+            .map_err(fail)?
+            .scope(Scope::Signal)
+            .map_err(fail)?
+            .create()
+            .map_err(fail)?
+            .add_rule(PathBeneath::new(root, AccessFs::Refer))
+            .map_err(fail)?;
+        let fd: Option<OwnedFd> = created.into();
+        fd.ok_or_else(|| Error::internal("Landlock scope ruleset: the kernel returned no ruleset"))
+    }
+
+    /// Install the restrictions on `cmd`, to run in the child before exec: first the split into
+    /// the reaper and the process proper ([`super::reaper::split`]), then, in the process proper,
+    /// the restrictions of [`restrict`].
+    pub(super) fn install(
+        cmd: &mut std::process::Command,
+        fd: &Arc<OwnedFd>,
+        scope: &Arc<OwnedFd>,
+        proc_self: bool,
+        net: bool,
+    ) {
         let raw = fd.as_raw_fd();
+        let scope = scope.as_raw_fd();
         let prog = if net { program_net() } else { program() };
-        // SAFETY: the closure only makes system calls (see `restrict`); `fd` stays open in the
-        // parent until the process has started (the caller keeps the Prepared alive).
+        // SAFETY: `getpid` is a plain system call; it runs in the parent.
+        let server = unsafe { libc::getpid() };
+        // SAFETY: the closure only makes system calls (see `restrict` and `reaper::split`); the
+        // file descriptors stay open in the parent until the process has started (the caller
+        // keeps the Prepared alive).
         unsafe {
             cmd.pre_exec(move || {
                 let p = prog;
+                super::reaper::split(scope, server)?;
                 restrict(raw, &p.0, proc_self)
             });
         }

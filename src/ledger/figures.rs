@@ -36,7 +36,14 @@ pub struct GateFigures {
     /// The bundle whose run on another machine this outcome judges ("" for a direct run).
     #[serde(skip_serializing_if = "String::is_empty")]
     pub bundle: String,
+    /// For a bundle: `runner <name>` when a trusted runner signed the run
+    /// ([`crate::harness::attest`]), else `unattested: <why>` (shown and counted, never evidence).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub attestation: String,
 }
+
+/// How [`GateFigures::attestation`] begins for a run a trusted runner signed.
+pub const ATTESTED_PREFIX: &str = "runner ";
 
 /// `compile_engine`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

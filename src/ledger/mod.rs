@@ -23,7 +23,7 @@ use sha2::Sha256;
 use crate::error::{Error, Result};
 
 /// Schema version this build writes.
-pub const SCHEMA_VERSION: i64 = 6;
+pub const SCHEMA_VERSION: i64 = 7;
 
 /// One recorded result of a tool call.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -356,8 +356,75 @@ impl Ledger {
             )
             .map_err(fail)?;
         }
+        if version < 7 {
+            // Runners whose signed bundle runs count as evidence (harness::attest).
+            conn.execute_batch(
+                "BEGIN;
+                 CREATE TABLE IF NOT EXISTS runners (
+                    name TEXT PRIMARY KEY,
+                    public_key TEXT NOT NULL UNIQUE,
+                    added TEXT NOT NULL,
+                    mac TEXT NOT NULL
+                 );
+                 PRAGMA user_version = 7;
+                 COMMIT;",
+            )
+            .map_err(fail)?;
+        }
         let key = load_or_create_key(path)?;
         Ok(Ledger { conn, path: path.to_path_buf(), key })
+    }
+
+    fn runner_mac(&self, name: &str, public_key: &str, added: &str) -> String {
+        let mut m = <Hmac<Sha256> as Mac>::new_from_slice(&self.key).expect("HMAC takes keys of any length");
+        for part in ["runner", name, public_key, added] {
+            m.update(&(part.len() as u64).to_le_bytes());
+            m.update(part.as_bytes());
+        }
+        m.finalize().into_bytes().iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// Trust the runner key `public_key` (hex, [`crate::harness::attest::read_public`]) under
+    /// `name`: bundle runs it signs count as evidence. Replaces a runner of the same name.
+    ///
+    /// # Errors
+    /// [`crate::error::ErrorKind::Usage`] when another name holds the key; Internal when SQLite
+    /// fails.
+    pub fn trust_runner(&self, name: &str, public_key: &str) -> Result<()> {
+        if let Some((other, _)) = self.runners()?.into_iter().find(|(n, k)| k == public_key && n != name) {
+            return Err(Error::usage(format!("runner key already trusted as {other:?}")));
+        }
+        let added = now_rfc3339();
+        let mac = self.runner_mac(name, public_key, &added);
+        self.conn
+            .execute(
+                "INSERT OR REPLACE INTO runners (name, public_key, added, mac) VALUES (?1, ?2, ?3, ?4)",
+                params![name, public_key, added, mac],
+            )
+            .map_err(|e| Error::internal(format!("ledger {}: {e}", self.path.display())))?;
+        Ok(())
+    }
+
+    /// The trusted runners (name, public key hex) whose rows carry this ledger's HMAC (a row
+    /// inserted without the key is ignored).
+    ///
+    /// # Errors
+    /// When SQLite fails.
+    pub fn runners(&self) -> Result<Vec<(String, String)>> {
+        let fail = |e: rusqlite::Error| Error::internal(format!("ledger {}: {e}", self.path.display()));
+        let mut stmt =
+            self.conn.prepare("SELECT name, public_key, added, mac FROM runners ORDER BY name").map_err(fail)?;
+        let rows = stmt
+            .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, String>(2)?, r.get::<_, String>(3)?)))
+            .map_err(fail)?;
+        let mut out = Vec::new();
+        for row in rows {
+            let (name, key, added, mac) = row.map_err(fail)?;
+            if self.runner_mac(&name, &key, &added) == mac {
+                out.push((name, key));
+            }
+        }
+        Ok(out)
     }
 
     /// Store (replace) the machine probe of a fingerprint, as JSON.
@@ -563,7 +630,8 @@ impl Ledger {
 
     /// Whether `tool` last passed on exactly this engine source hash built for weight dtype `dtype`
     /// (outcomes whose constraints record no dtype count as f32), counting only outcomes this server
-    /// recorded itself (authenticated, not imported): the newest such outcome decides.
+    /// recorded itself (authenticated, not imported) from a run it made or a trusted runner signed
+    /// (not [`unattested`]): the newest such outcome decides.
     ///
     /// # Errors
     /// When SQLite fails.
@@ -579,12 +647,21 @@ impl Ledger {
         let rows = stmt.query_map(params![tool, engine_hash, dtype], |r| self.outcome_of(r)).map_err(fail)?;
         for o in rows {
             let o = o.map_err(fail)?;
-            if o.authenticated && !o.imported {
+            if o.authenticated && !o.imported && !unattested(&o) {
                 return Ok(o.passed);
             }
         }
         Ok(false)
     }
+}
+
+/// Whether an outcome judged a bundle run that no trusted runner signed (its figures' `bundle` is
+/// set and its `attestation` does not name a runner): shown and counted, never evidence for phase
+/// order or promotion (see [`crate::harness::attest`]).
+pub fn unattested(o: &Outcome) -> bool {
+    let f = &o.figures;
+    f["bundle"].as_str().is_some_and(|b| !b.is_empty())
+        && !f["attestation"].as_str().is_some_and(|a| a.starts_with(figures::ATTESTED_PREFIX))
 }
 
 /// A fresh random outcome id (128 bits, hex).

@@ -905,7 +905,7 @@ pub fn verify_batching(ctx: &Ctx, req: &BatchingRequest, budget: &Budget) -> Res
         });
         next += n;
     }
-    let tensors_path = h.path("batch.safetensors");
+    let tensors_path = h.output("batch.safetensors");
     let command = Command::Batch {
         model: model_dir.clone(),
         num_blocks: pool_size,
@@ -937,6 +937,7 @@ pub fn verify_batching(ctx: &Ctx, req: &BatchingRequest, budget: &Budget) -> Res
         Default::default()
     };
     let tensors = model::read_safetensors(&held)?;
+    model::check_weight_range(&tensors, &dtype)?;
     let mut reference = Reference::with_weight_dtype(&cfg, &tensors, &dtype)?;
     for (i, s) in seqs.iter().enumerate() {
         let (rows, want) = reference.greedy(&s.prompt, s.new_tokens)?;

@@ -22,6 +22,10 @@ pub struct BundleRunRequest {
     /// against the bundle's hash of it).
     #[serde(default)]
     pub model: Option<String>,
+    /// A runner's secret key file (`metainfer bundle keygen`): the run is then signed
+    /// (`attestation.json`), and a server that trusts the key counts its verdict as evidence.
+    #[serde(default)]
+    pub key: Option<String>,
 }
 
 /// One request's run.
@@ -53,6 +57,8 @@ pub struct BundleRunReport {
     pub tool: String,
     /// Per request, in order.
     pub runs: Vec<RequestRun>,
+    /// The public key (hex) of the runner that signed the run, "" when it was not signed.
+    pub signed_by: String,
 }
 
 impl Report for BundleRunReport {
@@ -69,6 +75,11 @@ impl Report for BundleRunReport {
             self.tool,
             self.dir
         );
+        s += &if self.signed_by.is_empty() {
+            "  not signed: a verdict judged from it is unattested evidence (run it with --key, a runner key the server trusts, for evidence)\n".to_string()
+        } else {
+            format!("  signed by runner key {}\n", self.signed_by)
+        };
         for r in &self.runs {
             s += &format!(
                 "  {} {} (code {}) in {:.2} s, reply {}{}\n",
@@ -91,10 +102,11 @@ impl Report for BundleRunReport {
 /// be started. A request that fails is a report (`passed: false`).
 pub fn run(req: &BundleRunRequest, budget: &Budget) -> Result<BundleRunReport> {
     let dir = Path::new(&req.dir);
-    let ran = bundle::run(dir, req.model.as_deref().map(Path::new), budget)?;
+    let key = req.key.as_deref().map(|k| crate::harness::attest::read_secret(Path::new(k))).transpose()?;
+    let ran = bundle::run(dir, req.model.as_deref().map(Path::new), key.as_ref(), budget)?;
     let mut runs = Vec::new();
     for (i, r) in ran.runs.iter().enumerate() {
-        let (reply, no_device) = match bundle::called(&dir, i).map(|c| c.reply) {
+        let (reply, no_device) = match bundle::called(&dir, i, None).map(|c| c.reply) {
             Ok(Ok(Reply::Kernel { .. })) => ("kernel", String::new()),
             Ok(Ok(Reply::Generate { .. })) => ("generate", String::new()),
             Ok(Ok(Reply::Profile(_))) => ("profile", String::new()),
@@ -119,5 +131,6 @@ pub fn run(req: &BundleRunRequest, budget: &Budget) -> Result<BundleRunReport> {
     }
     let passed = runs.len() == ran.manifest.requests.len()
         && runs.iter().all(|r| r.outcome == "exited" && r.code == 0 && !r.reply.is_empty() && r.no_device.is_empty());
-    Ok(BundleRunReport { passed, dir: dir.display().to_string(), tool: ran.manifest.tool, runs })
+    let signed_by = ran.attestation.map(|a| a.runner).unwrap_or_default();
+    Ok(BundleRunReport { passed, dir: dir.display().to_string(), tool: ran.manifest.tool, runs, signed_by })
 }

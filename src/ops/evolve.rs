@@ -460,6 +460,7 @@ pub fn evidence_gates(kind: Kind) -> &'static [&'static str] {
 fn is_evidence(o: &Outcome, tag: &str, kind: Kind) -> bool {
     o.authenticated
         && !o.imported
+        && !crate::ledger::unattested(o)
         && o.passed
         && o.contracts.iter().any(|c| c == tag)
         && evidence_gates(kind).contains(&o.tool.as_str())

@@ -202,6 +202,11 @@ pub struct Harness {
     pub exe: PathBuf,
     /// Scratch directory for requests, inputs and outputs.
     pub scratch: Scratch,
+    /// The bundle's nonce when writing or reading one (output names carry it).
+    pub nonce: Option<String>,
+    /// What a trusted runner signed, when reading back an attested bundle: every file read is
+    /// checked against it.
+    pub attested: Option<crate::harness::attest::Attested>,
 }
 
 impl Harness {
@@ -232,7 +237,13 @@ impl Harness {
     /// Input naming the file: missing, not a regular file, too large, or leading outside.
     pub fn read(&self, name: &str) -> Result<Vec<u8>> {
         match &self.scratch {
-            Scratch::Bundle(d) => d.read(Path::new(name), &crate::util::HARNESS_OUTPUT),
+            Scratch::Bundle(d) => {
+                let bytes = d.read(Path::new(name), &crate::util::HARNESS_OUTPUT)?;
+                if let Some(a) = &self.attested {
+                    a.check(name, &bytes)?;
+                }
+                Ok(bytes)
+            }
             _ => crate::util::read_regular(&self.path(name), &crate::util::HARNESS_OUTPUT).map_err(|e| self.unpin(e)),
         }
     }
@@ -296,6 +307,16 @@ impl Harness {
     /// A path in the scratch directory.
     pub fn path(&self, name: &str) -> PathBuf {
         self.dir().join(name)
+    }
+
+    /// The path of the output file `name` the harness is to write: in a bundle, its name carries
+    /// the bundle's nonce ([`bundle::output_name`]), so outputs copied from another bundle are not
+    /// found.
+    pub fn output(&self, name: &str) -> PathBuf {
+        match &self.nonce {
+            Some(n) => self.path(&bundle::output_name(name, n)),
+            None => self.path(name),
+        }
     }
 }
 
@@ -367,6 +388,11 @@ pub struct Gate<'a> {
     pub mode: Mode,
     /// The manifest of the bundle read back ([`Mode::Read`]).
     pub bundle: Option<bundle::BundleManifest>,
+    /// The bundle's nonce (written or read back).
+    pub nonce: Option<String>,
+    /// A bundle read back: the trusted runner's signature, or why there is none (the verdict is
+    /// then unattested evidence).
+    pub attestation: Option<std::result::Result<crate::harness::attest::Attested, String>>,
     started: Instant,
 }
 
@@ -392,6 +418,8 @@ impl<'a> Gate<'a> {
             findings: vec![],
             mode: Mode::Direct,
             bundle: None,
+            nonce: None,
+            attestation: None,
             started,
         })
     }
@@ -422,6 +450,7 @@ impl<'a> Gate<'a> {
                     )));
                 }
                 self.mode = Mode::Write(dest);
+                self.nonce = Some(bundle::fresh_nonce());
                 Ok(())
             }
             (None, Some(r)) => {
@@ -451,6 +480,17 @@ impl<'a> Gate<'a> {
                     )));
                 }
                 self.seed = m.seed;
+                let trusted = crate::ledger::Ledger::open(&self.ctx.ledger)?.runners()?;
+                let attestation = crate::harness::attest::verify(&held, &m.nonce, &trusted);
+                if let Ok(a) = &attestation {
+                    // A signed run whose files changed since is refused outright; each file is
+                    // checked again as it is read.
+                    for name in a.files.keys() {
+                        a.check_file(&held, name)?;
+                    }
+                }
+                self.attestation = Some(attestation);
+                self.nonce = Some(m.nonce.clone());
                 self.bundle = Some(m);
                 self.mode = Mode::Read(held);
                 Ok(())
@@ -531,7 +571,12 @@ impl<'a> Gate<'a> {
             Mode::Read(d) => d.path().display().to_string(),
             _ => String::new(),
         };
-        GateFigures { dtype: self.target.dtype.clone(), seed: self.seed, bundle, ..Default::default() }
+        let attestation = match &self.attestation {
+            Some(Ok(a)) => format!("{}{}", crate::ledger::figures::ATTESTED_PREFIX, a.runner),
+            Some(Err(why)) => format!("unattested: {why}"),
+            None => String::new(),
+        };
+        GateFigures { dtype: self.target.dtype.clone(), seed: self.seed, bundle, attestation, ..Default::default() }
     }
 
     /// Run the rules on the engine (check_rules); a blocking finding stops the gate.
@@ -555,7 +600,12 @@ impl<'a> Gate<'a> {
     pub fn build(&self, extra: &[String]) -> Result<std::result::Result<Harness, Stop>> {
         if let Mode::Read(dir) = &self.mode {
             // The bundle's harness already ran; nothing is built.
-            return Ok(Ok(Harness { exe: dir.pinned().join(bundle::HARNESS), scratch: Scratch::Bundle(dir.clone()) }));
+            return Ok(Ok(Harness {
+                exe: dir.pinned().join(bundle::HARNESS),
+                scratch: Scratch::Bundle(dir.clone()),
+                nonce: self.nonce.clone(),
+                attested: self.attested().cloned(),
+            }));
         }
         let mut spec = self.target.spec.clone();
         // Correctness gates build incrementally; profile_engine measures an optimised build.
@@ -577,7 +627,7 @@ impl<'a> Gate<'a> {
                     }
                     _ => Scratch::Temp(self.ctx.workshop.scratch()?),
                 };
-                Ok(Ok(Harness { exe, scratch }))
+                Ok(Ok(Harness { exe, scratch, nonce: self.nonce.clone(), attested: None }))
             }
             None => {
                 let compile = super::compile::report_of(self.ctx, &self.engine, build, 0);
@@ -686,9 +736,9 @@ impl<'a> Gate<'a> {
             }
             Mode::Read(held) => {
                 self.check_bundle(held, &commands, model)?;
-                let mut out = vec![bundle::called(held, 0)?];
+                let mut out = vec![bundle::called(held, 0, self.attested())?];
                 for i in 1..commands.len() {
-                    match bundle::called(held, i) {
+                    match bundle::called(held, i, self.attested()) {
                         Ok(c) => out.push(c),
                         Err(_) => break,
                     }
@@ -835,6 +885,7 @@ impl<'a> Gate<'a> {
             platform: self.target.platform.clone(),
             seed: self.seed,
             protocol: VERSION,
+            nonce: self.nonce.clone().ok_or_else(|| Error::internal("a bundle written without its nonce"))?,
             harness_sha256: hash(bundle::HARNESS, &crate::util::MODEL_FILE)?,
             requests,
             inputs,
@@ -871,7 +922,37 @@ impl<'a> Gate<'a> {
     /// After a passing, recorded outcome: promote each staged candidate it ran under (its family,
     /// its target platform) when this is the evidence promotion needs (`evolve::promote_on_evidence`).
     pub fn promote(&self) -> Vec<super::evolve::Promotion> {
+        if let Some(Err(why)) = &self.attestation {
+            // An unattested bundle verdict is never evidence (harness::attest).
+            return self
+                .contracts
+                .iter()
+                .filter(|tag| self.ctx.ckb.is_provisional(tag.split('@').next().unwrap_or(tag)))
+                .map(|tag| super::evolve::Promotion {
+                    contract: tag.clone(),
+                    promoted: false,
+                    message: format!("not promoted: the verdict judges a bundle run that is unattested ({why})"),
+                })
+                .collect();
+        }
         super::evolve::promote_on_evidence(self.ctx, self.tool.name(), &self.contracts)
+    }
+
+    /// The trusted runner's attestation of the bundle read back, when there is one.
+    pub fn attested(&self) -> Option<&crate::harness::attest::Attested> {
+        self.attestation.as_ref().and_then(|a| a.as_ref().ok())
+    }
+
+    /// A line for a report about what the verdict of a bundle read back proves; "" for a direct
+    /// run.
+    pub fn attestation_note(&self) -> String {
+        match &self.attestation {
+            Some(Ok(a)) => format!("bundle run attested by trusted runner {}", a.runner),
+            Some(Err(why)) => format!(
+                "unattested: {why}; this verdict is recorded and shown but is not evidence for phase order or promotion (README, Security: bundles)"
+            ),
+            None => String::new(),
+        }
     }
 
     /// Record the outcome of this gate in the ledger.

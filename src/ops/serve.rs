@@ -211,6 +211,39 @@ struct Expected {
 struct Client {
     agent: ureq::Agent,
     base: String,
+    /// The gate's deadline: every request's time limit is what is left of the call's budget.
+    deadline: Instant,
+}
+
+/// Largest plain (non-streaming) answer read, bytes: a completion of max_context tokens as JSON
+/// is far below it; an engine that sends more is answering wrongly, and is not read further.
+pub const MAX_ANSWER_BYTES: u64 = 4 << 20;
+
+/// Largest event stream read, bytes (one event per token, each well under a kilobyte).
+pub const MAX_STREAM_BYTES: u64 = 16 << 20;
+
+/// Longest line of an event stream read, bytes: an SSE `data:` line holds one chunk's JSON.
+pub const MAX_EVENT_LINE: usize = 64 << 10;
+
+/// Read one line of at most [`MAX_EVENT_LINE`] bytes (its newline included) into `buf`; Ok(false)
+/// at the end of the stream.
+///
+/// # Errors
+/// A line longer than the bound (named), or a transport error.
+fn read_event_line(reader: &mut impl std::io::BufRead, buf: &mut Vec<u8>) -> std::result::Result<bool, String> {
+    use std::io::Read;
+    buf.clear();
+    let n = reader
+        .by_ref()
+        .take(MAX_EVENT_LINE as u64 + 1)
+        .read_until(b'\n', buf)
+        .map_err(|e| format!("reading the event stream: {e}"))?;
+    if buf.len() > MAX_EVENT_LINE && !buf.ends_with(b"\n") {
+        return Err(format!(
+            "an event-stream line longer than {MAX_EVENT_LINE} bytes (component.openai_server: one `data:` line per chunk); not read further"
+        ));
+    }
+    Ok(n > 0)
 }
 
 /// A plain response: status and body text.
@@ -220,32 +253,58 @@ struct Answer {
 }
 
 impl Client {
-    fn new(port: u16, timeout: Duration) -> Client {
+    fn new(port: u16, deadline: Instant) -> Client {
         let agent = ureq::Agent::config_builder()
             .http_status_as_error(false)
-            .timeout_global(Some(timeout))
             .max_idle_connections_per_host(64)
             .build()
             .into();
-        Client { agent, base: format!("http://127.0.0.1:{port}") }
+        Client { agent, base: format!("http://127.0.0.1:{port}"), deadline }
+    }
+
+    /// What is left of the call's budget: the time limit of the next request.
+    fn remaining(&self) -> Duration {
+        self.deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))
+    }
+
+    /// A POST of JSON to `path` under the remaining budget.
+    fn post_request(&self, path: &str) -> ureq::RequestBuilder<ureq::typestate::WithBody> {
+        self.agent
+            .post(format!("{}{path}", self.base))
+            .config()
+            .timeout_global(Some(self.remaining()))
+            .build()
+            .header("content-type", "application/json")
     }
 
     fn get(&self, path: &str) -> std::result::Result<Answer, String> {
-        let mut r = self.agent.get(format!("{}{path}", self.base)).call().map_err(|e| format!("GET {path}: {e}"))?;
+        let mut r = self
+            .agent
+            .get(format!("{}{path}", self.base))
+            .config()
+            .timeout_global(Some(self.remaining()))
+            .build()
+            .call()
+            .map_err(|e| format!("GET {path}: {e}"))?;
         let status = r.status().as_u16();
-        let body = r.body_mut().read_to_string().map_err(|e| format!("GET {path}: reading the body: {e}"))?;
+        let body = r
+            .body_mut()
+            .with_config()
+            .limit(MAX_ANSWER_BYTES)
+            .read_to_string()
+            .map_err(|e| format!("GET {path}: reading the body (at most {MAX_ANSWER_BYTES} bytes): {e}"))?;
         Ok(Answer { status, body })
     }
 
     fn post(&self, path: &str, body: &str) -> std::result::Result<Answer, String> {
-        let mut r = self
-            .agent
-            .post(format!("{}{path}", self.base))
-            .header("content-type", "application/json")
-            .send(body)
-            .map_err(|e| format!("POST {path}: {e}"))?;
+        let mut r = self.post_request(path).send(body).map_err(|e| format!("POST {path}: {e}"))?;
         let status = r.status().as_u16();
-        let body = r.body_mut().read_to_string().map_err(|e| format!("POST {path}: reading the body: {e}"))?;
+        let body = r
+            .body_mut()
+            .with_config()
+            .limit(MAX_ANSWER_BYTES)
+            .read_to_string()
+            .map_err(|e| format!("POST {path}: reading the body (at most {MAX_ANSWER_BYTES} bytes): {e}"))?;
         Ok(Answer { status, body })
     }
 
@@ -254,13 +313,11 @@ impl Client {
     fn stream(&self, body: &Value) -> std::result::Result<Streamed, String> {
         let start = Instant::now();
         let mut r = self
-            .agent
-            .post(format!("{}/v1/completions", self.base))
-            .header("content-type", "application/json")
+            .post_request("/v1/completions")
             .send(body.to_string())
             .map_err(|e| format!("POST /v1/completions (stream): {e}"))?;
         if r.status().as_u16() != 200 {
-            let text = r.body_mut().read_to_string().unwrap_or_default();
+            let text = r.body_mut().with_config().limit(MAX_ANSWER_BYTES).read_to_string().unwrap_or_default();
             return Err(format!(
                 "streaming request answered {}: {}",
                 r.status().as_u16(),
@@ -268,10 +325,11 @@ impl Client {
             ));
         }
         let mut out = Streamed::default();
-        let reader = BufReader::new(r.body_mut().as_reader());
-        for line in reader.lines() {
-            let line = line.map_err(|e| format!("reading the event stream: {e}"))?;
-            let Some(data) = line.strip_prefix("data:") else { continue };
+        let mut reader = BufReader::new(r.body_mut().with_config().limit(MAX_STREAM_BYTES).reader());
+        let mut buf = Vec::new();
+        while read_event_line(&mut reader, &mut buf)? {
+            let line = String::from_utf8_lossy(&buf);
+            let Some(data) = line.trim_end_matches(['\r', '\n']).strip_prefix("data:") else { continue };
             let data = data.trim();
             if data == "[DONE]" {
                 out.done = true;
@@ -398,6 +456,7 @@ pub fn serve_engine(ctx: &Ctx, req: &ServeRequest, budget: &Budget) -> Result<Se
 
     // The reference's answers, computed before the server starts (it never sees them).
     let tensors = model::read_safetensors(&held)?;
+    model::check_weight_range(&tensors, &dtype)?;
     let mut reference = Reference::with_weight_dtype(&cfg, &tensors, &dtype)?;
     let tok = model::hf_tokenizer(&held)?;
     let eos: Vec<u32> = model::read_config(&held)
@@ -455,9 +514,12 @@ pub fn serve_engine(ctx: &Ctx, req: &ServeRequest, budget: &Budget) -> Result<Se
         "--port".into(),
         port.to_string().into(),
     ];
-    let server = ctx.workshop.start_server(&exe, &args, &grants, scratch.path())?;
+    let server = std::sync::Arc::new(ctx.workshop.start_server(&exe, &args, &grants, scratch.path())?);
     report.sandboxed = server.sandboxed;
-    let client = Client::new(port, Duration::from_secs(120));
+    // The server ends when the call's budget runs out or the call is cancelled, so no request of
+    // this gate waits past them (each request's own limit is also what is left of the budget).
+    let watch = crate::harness::Watch::start(server.clone(), budget);
+    let client = Client::new(port, budget.deadline);
     let died = |server: &crate::harness::ServerProcess| {
         server.exited().map(|e| {
             let why = match e {
@@ -728,6 +790,10 @@ pub fn serve_engine(ctx: &Ctx, req: &ServeRequest, budget: &Budget) -> Result<Se
             report.error = format!("the server died under load: {why}");
         }
     }
+    if let Some(why) = watch.fired() {
+        report.error = format!("{why}: the engine's server was stopped; checks after that point failed for that reason");
+    }
+    drop(watch);
     drop(server);
     Ok(finish(&gate, report))
 }
@@ -774,18 +840,12 @@ fn disconnect(client: &Client, prompt: &str, full: usize, slots: usize) -> Check
     std::thread::scope(|s| {
         for _ in 0..slots {
             s.spawn(|| {
-                let r = client
-                    .agent
-                    .post(format!("{}/v1/completions", client.base))
-                    .header("content-type", "application/json")
-                    .send(body.as_str());
+                let r = client.post_request("/v1/completions").send(body.as_str());
                 if let Some(mut r) = r.ok().filter(|r| r.status().as_u16() == 200) {
-                    let mut first = String::new();
-                    let mut reader = BufReader::new(r.body_mut().as_reader());
-                    while reader.read_line(&mut first).is_ok_and(|n| n > 0) && !first.starts_with("data:") {
-                        first.clear();
-                    }
-                    if first.starts_with("data:") {
+                    let mut first = Vec::new();
+                    let mut reader = BufReader::new(r.body_mut().with_config().limit(MAX_STREAM_BYTES).reader());
+                    while read_event_line(&mut reader, &mut first).unwrap_or(false) && !first.starts_with(b"data:") {}
+                    if first.starts_with(b"data:") {
                         running.fetch_add(1, Ordering::SeqCst);
                     }
                     // Every response is held until all have their first event, then dropped: the

@@ -455,6 +455,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     let layout = model::weight_layout(&held)?;
     model::check_dtype_policy(family, &cfg, &model::read_config(&held)?, &layout)?;
     let tensors = model::weights::read_layout(&held, &layout)?;
+    model::check_weight_range(&tensors, &target.dtype)?;
     let mut warnings: Vec<String> = model::tied_head_warning(&cfg, &tensors).into_iter().collect();
     let mut reference =
         Reference::of_family(family.model.as_ref().expect("model contract"), &cfg, tensors, &target.dtype)?;
@@ -465,6 +466,10 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     }
     gate.split(req.write_bundle.as_deref(), req.from_bundle.as_deref())?;
     let seed = gate.draw_seed(req.seed)?;
+    let note = gate.attestation_note();
+    if !note.is_empty() {
+        warnings.push(note);
+    }
     let mut prompts: Vec<(String, bool)> = req.prompts.iter().map(|p| (p.clone(), false)).collect();
     if prompts.is_empty() {
         prompts.push(("Once upon a time".into(), false));
@@ -525,7 +530,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         Ok(h) => h,
         Err(stop) => return Ok(gate.stopped(&stop, fail(stop.text.clone(), vec![], gate.findings.clone()))),
     };
-    let tensors_path = h.path("generate.safetensors");
+    let tensors_path = h.output("generate.safetensors");
     let items: Vec<Prompt> =
         prompts.iter().zip(&budgets).map(|((p, _), n)| Prompt { text: p.clone(), max_new_tokens: *n }).collect();
     let command = Command::Generate {
@@ -649,12 +654,17 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         let vocab = cfg.vocab;
         let mut logits_ok = got_logits.len() >= vocab * want_tokens.len().min(got_tokens.len()).max(1);
         let mut tokens_ok = got_tokens.len() == want_tokens.len();
+        // The first non-finite logit on either side (step, where): never a pass.
+        let mut non_finite = None;
         for (step, want_row) in rows.iter().enumerate() {
             let Some(got_row) = got_logits.get(step * vocab..(step + 1) * vocab) else {
                 break;
             };
             r.steps = step + 1;
             let v = crate::oracle::compare(got_row, want_row, &tol);
+            if non_finite.is_none() {
+                non_finite = v.non_finite.map(|nf| (step, nf));
+            }
             let ok = v.ok;
             r.max_abs_err = r.max_abs_err.max(v.max_abs_err);
             if !ok && r.first_divergence < 0 {
@@ -717,12 +727,19 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
                 ),
                 None => String::new(),
             };
-            why.push(format!(
-                "logits: max abs error {} exceeds atol {} rtol {} (or missing rows){at}",
-                super::sci(r.max_abs_err),
-                tol.atol,
-                tol.rtol
-            ));
+            match non_finite {
+                Some((step, nf)) => why.push(format!(
+                    "logits: {} of step {step} ({}); a non-finite logit never passes",
+                    nf.describe().replace("at index", "at token"),
+                    if step == 0 { "prefill" } else { "decode" }
+                )),
+                None => why.push(format!(
+                    "logits: max abs error {} exceeds atol {} rtol {} (or missing rows){at}",
+                    super::sci(r.max_abs_err),
+                    tol.atol,
+                    tol.rtol
+                )),
+            }
         }
         if !r.tokens_ok {
             why.push(format!(
@@ -866,7 +883,7 @@ fn localise_step(
     if run.is_empty() || run.len() > reference.config().max_seq {
         return not(at, format!("not localised: {} tokens to rerun", run.len()));
     }
-    let path = t.h.path("trace.safetensors");
+    let path = t.h.output("trace.safetensors");
     let command = Command::Trace { model: t.model.to_path_buf(), tokens: run.clone(), tensors: path.clone() };
     let called = t.gate.call(t.h, command, &[], t.reads)?;
     let points = match called.ok("engine's traced forward", 1500) {

@@ -34,13 +34,48 @@ pub(crate) fn kt(engine: &Path, seed: u64, write: Option<&Path>, read: Option<&P
 
 /// `metainfer bundle run DIR` in its own process, as on the device machine; its exit status.
 pub(crate) fn run_bundle(dir: &Path) -> std::process::Output {
-    std::process::Command::new(crate::bin())
-        .args(["bundle", "run"])
-        .arg(dir)
-        .arg("--json")
-        .env("METAINFER_LEDGER", dir.join("not-used.sqlite"))
+    run_bundle_with(dir, None)
+}
+
+/// `metainfer bundle run DIR [--key KEY]` in its own process.
+pub(crate) fn run_bundle_with(dir: &Path, key: Option<&Path>) -> std::process::Output {
+    let mut cmd = std::process::Command::new(crate::bin());
+    cmd.args(["bundle", "run"]).arg(dir).arg("--json").env("METAINFER_LEDGER", dir.join("not-used.sqlite"));
+    if let Some(k) = key {
+        cmd.arg("--key").arg(k);
+    }
+    cmd.output().unwrap()
+}
+
+/// A runner key pair in `dir` (`metainfer bundle keygen`), trusted by `ctx`'s ledger under `name`
+/// (`metainfer bundle trust`); the secret key's path.
+pub(crate) fn trusted_runner(ctx: &metainfer::ops::Ctx, dir: &Path, name: &str) -> std::path::PathBuf {
+    let out = std::process::Command::new(crate::bin()).args(["bundle", "keygen", "--out"]).arg(dir).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = std::process::Command::new(crate::bin())
+        .args(["bundle", "trust"])
+        .arg(dir.join("runner.pub"))
+        .args(["--name", name])
+        .env("METAINFER_LEDGER", &ctx.ledger)
         .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    dir.join("runner.key")
+}
+
+/// The one file of `dir` whose name starts with `prefix` and ends with `suffix` (an output file,
+/// whose name carries the bundle's nonce between them).
+pub(crate) fn the_file(dir: &Path, prefix: &str, suffix: &str) -> std::path::PathBuf {
+    let found: Vec<_> = std::fs::read_dir(dir)
         .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            let n = p.file_name().unwrap().to_string_lossy();
+            n.starts_with(prefix) && n.ends_with(suffix)
+        })
+        .collect();
+    assert_eq!(found.len(), 1, "{prefix}*{suffix} in {}: {found:?}", dir.display());
+    found[0].clone()
 }
 
 fn errors(r: &KernelTestReport) -> Vec<(String, bool, u64)> {
@@ -48,8 +83,9 @@ fn errors(r: &KernelTestReport) -> Vec<(String, bool, u64)> {
 }
 
 /// The whole split on the plain engine: kernel tests, verify and profile each written as a bundle,
-/// run in another process, read back and recorded; the kernel verdicts equal a direct run's with
-/// the same seed, error for error (the CPU kernels are deterministic).
+/// run in another process by a trusted runner (its key signs each run), read back and recorded as
+/// evidence; the kernel verdicts equal a direct run's with the same seed, error for error (the CPU
+/// kernels are deterministic).
 #[test]
 fn a_bundle_run_elsewhere_gives_the_direct_verdict() {
     let t = tempfile::tempdir().unwrap();
@@ -57,6 +93,8 @@ fn a_bundle_run_elsewhere_gives_the_direct_verdict() {
     let engine = t.path().join("engine");
     Engine::Plain.copy_to(&engine);
     let seed = 4242;
+    let key = trusted_runner(&ctx, &t.path().join("runner"), "test-runner");
+    let run_bundle = |dir: &Path| run_bundle_with(dir, Some(&key));
 
     let direct = kernel_test(&ctx, &kt(&engine, seed, None, None), &budget()).unwrap();
     assert!(direct.passed, "{direct:?}");
@@ -90,8 +128,10 @@ fn a_bundle_run_elsewhere_gives_the_direct_verdict() {
     assert_eq!(ran["tool"], "run_kernel_test");
     assert_eq!(ran["runs"][0]["reply"], "kernel");
 
+    assert!(dir.join("attestation.json").is_file());
     let read = kernel_test(&ctx, &kt(&engine, seed, None, Some(&dir)), &budget()).unwrap();
     assert!(read.passed, "{read:?}");
+    assert_eq!(read.attestation, "bundle run attested by trusted runner test-runner");
     assert_eq!(read.seed, seed);
     assert_eq!(errors(&read), errors(&direct));
     crate::assert_conforms(&read);
@@ -149,7 +189,16 @@ fn a_bundle_run_elsewhere_gives_the_direct_verdict() {
     assert!(p.decode_tok_s.median > 0.0 && !p.kernels.is_empty());
     crate::assert_conforms(&p);
 
-    // Each read-back outcome is recorded with its bundle; writing one records nothing.
+    // Each read-back outcome is recorded with its bundle and its runner; writing one records nothing.
+    assert!(
+        metainfer::ledger::Ledger::open(&ctx.ledger)
+            .unwrap()
+            .list(0, 20)
+            .unwrap()
+            .iter()
+            .filter(|o| o.figures.get("bundle").is_some())
+            .all(|o| o.figures["attestation"] == "runner test-runner")
+    );
     let ledger = metainfer::ledger::Ledger::open(&ctx.ledger).unwrap();
     let outcomes = ledger.list(0, 20).unwrap();
     let with_bundle: Vec<(String, String)> = outcomes
@@ -284,7 +333,7 @@ fn a_tampered_or_incomplete_bundle_is_refused_or_fails() {
     std::fs::write(&request, text).unwrap();
 
     // A reply or output replaced by a link to a file elsewhere.
-    let output = dir.join("case0.out.safetensors");
+    let output = the_file(&dir, "case0.", ".out.safetensors");
     let kept = std::fs::read(&output).unwrap();
     std::fs::remove_file(&output).unwrap();
     std::os::unix::fs::symlink(t.path().join("elsewhere"), &output).unwrap();
@@ -321,4 +370,116 @@ fn a_tampered_or_incomplete_bundle_is_refused_or_fails() {
     // Restored, it passes again: the refusals above were for the tampering.
     std::fs::write(&output, &kept).unwrap();
     assert!(read().unwrap().passed);
+}
+
+/// Regression (a forged verdict): outputs, reply and run record of a correct engine's bundle copied
+/// into a broken engine's bundle of the same seed read back as an authenticated "PASSED" for the
+/// broken engine, and phase order accepted the row. Now a plain copy is not found (every output's
+/// name carries its bundle's nonce); a copy renamed to the other nonce passes the comparison but is
+/// recorded `unattested`, and neither phase order nor promotion counts it; and a run a trusted runner
+/// signed refuses any file changed after the signature.
+#[test]
+fn outputs_copied_from_another_bundle_are_not_evidence() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let good = t.path().join("good");
+    let bad = t.path().join("bad");
+    Engine::Plain.copy_to(&good);
+    Engine::Plain.copy_to(&bad);
+    // The broken engine: eps outside the square root (failure.rmsnorm-eps-outside-sqrt).
+    crate::replace_body(
+        &bad,
+        "src/kernels.rs",
+        "pub fn rms_norm(",
+        "let dim = weight.len();
+        for (xr, or) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
+            let ms = xr.iter().map(|v| v * v).sum::<f32>() / dim as f32;
+            let inv = 1.0 / (ms.sqrt() + eps);
+            for ((o, v), w) in or.iter_mut().zip(xr).zip(weight) {
+                *o = v * inv * w;
+            }
+        }",
+    );
+    let req = |engine: &Path, write: Option<&Path>, read: Option<&Path>| KernelTestRequest {
+        engine: s(engine),
+        kernels: vec!["kernel.rms_norm".into()],
+        seed: Some(5),
+        dtype: None,
+        write_bundle: write.map(s),
+        from_bundle: read.map(s),
+    };
+    let (gdir, bdir) = (t.path().join("good-bundle"), t.path().join("bad-bundle"));
+    kernel_test(&ctx, &req(&good, Some(&gdir), None), &budget()).unwrap();
+    kernel_test(&ctx, &req(&bad, Some(&bdir), None), &budget()).unwrap();
+    assert!(run_bundle(&gdir).status.success());
+    // The honest verdict of the broken engine, for comparison: it fails.
+    let honest = t.path().join("bad-honest");
+    copy_dir(&bdir, &honest);
+    assert!(run_bundle(&honest).status.success());
+    assert!(!kernel_test(&ctx, &req(&bad, None, Some(&honest)), &budget()).unwrap().passed);
+
+    // 1. The good run's outputs, reply and run record copied as they are: not this bundle's files.
+    for f in ["reply.0.json", "run.0.json"] {
+        std::fs::copy(gdir.join(f), bdir.join(f)).unwrap();
+    }
+    let good_out = the_file(&gdir, "case0.", ".out.safetensors");
+    std::fs::copy(&good_out, bdir.join(good_out.file_name().unwrap())).unwrap();
+    let r = kernel_test(&ctx, &req(&bad, None, Some(&bdir)), &budget()).unwrap();
+    assert!(!r.passed && r.kernels[0].error.contains("no output for"), "{r:?}");
+
+    // 2. Renamed to this bundle's nonce: the comparison passes, but the verdict is unattested.
+    let nonce = |dir: &Path| -> String {
+        let m: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("bundle.json")).unwrap()).unwrap();
+        m["nonce"].as_str().unwrap().to_string()
+    };
+    let forged = good_out.file_name().unwrap().to_string_lossy().replace(&nonce(&gdir), &nonce(&bdir));
+    std::fs::rename(bdir.join(good_out.file_name().unwrap()), bdir.join(&forged)).unwrap();
+    let r = kernel_test(&ctx, &req(&bad, None, Some(&bdir)), &budget()).unwrap();
+    assert!(r.passed, "the forged outputs are the good engine's: {r:?}");
+    assert!(r.attestation.starts_with("unattested: no attestation.json"), "{}", r.attestation);
+    let ledger = metainfer::ledger::Ledger::open(&ctx.ledger).unwrap();
+    let bad_hash = metainfer::harness::source_hash(&bad).unwrap();
+    assert!(
+        !ledger.passed_on("run_kernel_test", &bad_hash, "f32").unwrap(),
+        "phase order must not accept an unattested row"
+    );
+    // verify_generation then refuses for phase order, not for the logits.
+    let v = verify(
+        &ctx,
+        &VerifyRequest {
+            engine: s(&bad),
+            model: s(&crate::babyllama()),
+            prompts: vec![],
+            max_new_tokens: Some(2),
+            seed: Some(1),
+            dtype: None,
+            write_bundle: None,
+            from_bundle: None,
+        },
+        &budget(),
+    )
+    .unwrap();
+    assert!(!v.passed, "{}", metainfer::ops::Report::text(&v));
+
+    // 3. A run a trusted runner signed: the honest bundle's files, then the forgery over them.
+    let key = trusted_runner(&ctx, &t.path().join("runner"), "device");
+    let signed = t.path().join("bad-signed");
+    kernel_test(&ctx, &req(&bad, Some(&signed), None), &budget()).unwrap();
+    assert!(run_bundle_with(&signed, Some(&key)).status.success());
+    let r = kernel_test(&ctx, &req(&bad, None, Some(&signed)), &budget()).unwrap();
+    assert!(!r.passed && r.attestation == "bundle run attested by trusted runner device", "{r:?}");
+    let out = the_file(&signed, "case0.", ".out.safetensors");
+    std::fs::write(&out, std::fs::read(&good_out).unwrap()).unwrap();
+    let e = kernel_test(&ctx, &req(&bad, None, Some(&signed)), &budget()).unwrap_err();
+    assert!(e.message.contains("changed after runner device signed the run"), "{}", e.message);
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(to.join("harness"), std::fs::Permissions::from_mode(0o755)).unwrap();
 }

@@ -198,7 +198,8 @@ async fn long_call_sends_progress_and_cancel_leaves_no_process() {
     let t = tempfile::tempdir().unwrap();
     let marker = format!("sleepy{}", std::process::id());
     let engine = t.path().join(&marker);
-    // A scaffold (so the rules pass: every gate signature is there) with a build script that sleeps.
+    // A scaffold (so the rules pass: every gate signature is there) with a build script that starts
+    // a daemon in its own session and sleeps: cancelling must end both.
     let out = Command::new(crate::bin())
         .args(["scaffold", "--name", &marker, "--model"])
         .arg(crate::babyllama())
@@ -208,8 +209,7 @@ async fn long_call_sends_progress_and_cancel_leaves_no_process() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    std::fs::write(engine.join("build.rs"), "fn main() { std::thread::sleep(std::time::Duration::from_secs(120)); }\n")
-        .unwrap();
+    std::fs::write(engine.join("build.rs"), crate::signals::daemon_build_script(&marker, 120)).unwrap();
 
     let counter = Counter::default();
     // Its own build cache, so that other tests' builds holding the shared target-dir lock cannot delay it.
@@ -230,6 +230,7 @@ async fn long_call_sends_progress_and_cancel_leaves_no_process() {
         assert!(start.elapsed() < Duration::from_secs(120), "the build script never started");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    crate::signals::wait_for_process(&format!("{marker}-daemon"));
     tokio::time::sleep(Duration::from_secs(7)).await;
     assert!(counter.0.load(Ordering::SeqCst) >= 1, "no progress notification in 7 s");
     // A second call on the engine being compiled is refused with a message that says what to do.

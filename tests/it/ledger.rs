@@ -437,7 +437,7 @@ fn a_version_4_ledger_migrates_and_its_rows_are_not_evidence() {
     let version: i64 =
         rusqlite::Connection::open(&path).unwrap().pragma_query_value(None, "user_version", |r| r.get(0)).unwrap();
     assert_eq!(version, metainfer::ledger::SCHEMA_VERSION);
-    assert_eq!(version, 6);
+    assert_eq!(version, 7);
     let rows = l.list(0, 10).unwrap();
     assert_eq!(rows.len(), 1);
     assert!(rows[0].passed && !rows[0].authenticated && !rows[0].imported, "{:?}", rows[0]);

@@ -26,7 +26,49 @@ fn processes_mentioning(marker: &str) -> Vec<String> {
     out
 }
 
-/// A scaffolded engine named `marker` in `dir` whose build script sleeps for two minutes.
+/// A build script that starts a daemon in a session of its own (`setsid`; its command line names
+/// `marker`), out of the build's process group, then sleeps `sleep_s` seconds.
+pub(crate) fn daemon_build_script(marker: &str, sleep_s: u64) -> String {
+    format!(
+        "fn main() {{
+    use std::os::unix::process::CommandExt;
+    let _ = std::process::Command::new(\"setsid\")
+        .args([\"sh\", \"-c\", \"sleep 987; : {marker}-daemon\"])
+        .process_group(0)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn();
+    std::thread::sleep(std::time::Duration::from_secs({sleep_s}));
+}}
+"
+    )
+}
+
+/// Wait until a process whose command line holds `text` runs.
+pub(crate) fn wait_for_process(text: &str) {
+    let start = Instant::now();
+    while processes_mentioning(text).is_empty() {
+        assert!(start.elapsed() < Duration::from_secs(240), "{text} never started");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Wait up to `within` for no process to mention `marker`.
+pub(crate) fn none_left(marker: &str, within: Duration, what: &str) {
+    let start = Instant::now();
+    loop {
+        let left = processes_mentioning(marker);
+        if left.is_empty() {
+            return;
+        }
+        assert!(start.elapsed() < within, "{what}: left running: {left:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A scaffolded engine named `marker` in `dir` whose build script starts a daemon in its own
+/// session ([`daemon_build_script`]) and sleeps for two minutes.
 fn sleepy_engine(dir: &Path, marker: &str) -> PathBuf {
     let engine = dir.join(marker);
     let out = Command::new(crate::bin())
@@ -38,18 +80,18 @@ fn sleepy_engine(dir: &Path, marker: &str) -> PathBuf {
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    std::fs::write(engine.join("build.rs"), "fn main() { std::thread::sleep(std::time::Duration::from_secs(120)); }\n")
-        .unwrap();
+    std::fs::write(engine.join("build.rs"), daemon_build_script(marker, 120)).unwrap();
     engine
 }
 
-/// Wait until the build script of `marker` runs.
+/// Wait until the build script of `marker` runs and its daemon has started.
 fn wait_for_build_script(marker: &str) {
     let start = Instant::now();
     while !processes_mentioning(&format!("{marker}-")).iter().any(|p| p.contains("build-script-build")) {
         assert!(start.elapsed() < Duration::from_secs(240), "the build script never started");
         std::thread::sleep(Duration::from_millis(100));
     }
+    wait_for_process(&format!("{marker}-daemon"));
 }
 
 /// Send `sig` to `child`, wait for it to exit (with 128 + sig), and find no process of `marker`.
@@ -125,6 +167,72 @@ fn each_signal_mid_build_kills_every_child_of_a_cli_command_and_of_serve() {
         signal_and_check(child, sig, &marker, "serve");
         drop(stdin);
     }
+}
+
+/// Regression: a process that left its group (a daemon in a session of its own, started by a build
+/// script) outlived its gate, and after the server's input closed the engine's processes lived on
+/// under init. Now no process of a gate survives its end: the build's normal end, its time limit,
+/// and the end of the server's input with a call in flight (signals and cancellation: the tests
+/// above and `client::long_call`, whose engines start the same daemon).
+#[test]
+fn no_process_of_a_gate_survives_its_end() {
+    let t = tempfile::tempdir().unwrap();
+    let marker = format!("reap{}", std::process::id());
+    let engine = sleepy_engine(t.path(), &marker);
+    let cache = t.path().join("cache");
+    let ledger = t.path().join("l.sqlite");
+    let compile = |time_limit: u64| {
+        Command::new(crate::bin())
+            .arg("--ledger")
+            .arg(&ledger)
+            .arg("--cache")
+            .arg(&cache)
+            .args(["--time-limit", &time_limit.to_string(), "compile", "--engine"])
+            .arg(&engine)
+            .output()
+            .unwrap()
+    };
+    // The time limit: the build script still sleeps when it runs out.
+    let start = Instant::now();
+    let out = compile(20);
+    assert!(start.elapsed() < Duration::from_secs(60), "the time limit did not hold");
+    assert!(!out.status.success() || String::from_utf8_lossy(&out.stdout).contains("time limit"));
+    none_left(&marker, Duration::from_secs(2), "after the time limit");
+
+    // A normal end: the build script returns at once, its daemon still running, and the build goes on.
+    std::fs::write(engine.join("build.rs"), daemon_build_script(&marker, 0)).unwrap();
+    let out = compile(600);
+    assert!(out.status.code().is_some(), "{}", String::from_utf8_lossy(&out.stderr));
+    none_left(&marker, Duration::from_secs(2), "after a normal end");
+
+    // The server's input ends with a call in flight.
+    std::fs::write(engine.join("build.rs"), daemon_build_script(&marker, 120)).unwrap();
+    let mut child = Command::new(crate::bin())
+        .arg("--ledger")
+        .arg(&ledger)
+        .arg("--cache")
+        .arg(&cache)
+        .arg("serve")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let call = serde_json::json!({"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+        "params": {"name": "compile_engine", "arguments": {"engine": engine}}});
+    let init = r#"{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-06-18","capabilities":{},"clientInfo":{"name":"signals-test","version":"1"}}}"#;
+    let initialized = r#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#;
+    writeln!(stdin, "{init}\n{initialized}\n{call}").unwrap();
+    stdin.flush().unwrap();
+    wait_for_build_script(&marker);
+    drop(stdin);
+    let start = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        assert!(start.elapsed() < Duration::from_secs(10), "serve did not exit at the end of its input");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    none_left(&marker, Duration::from_secs(2), "after the server's input ended");
 }
 
 #[test]

@@ -57,6 +57,10 @@ pub use crate::stats::Spread;
 pub struct ProfileReport {
     /// Whether the profile ran.
     pub passed: bool,
+    /// For figures judged from a bundle: whether a trusted runner signed the run, or why they are
+    /// unattested (recorded, never evidence); "" for a run made here.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub attestation: String,
     /// Weight dtype the engine was built for.
     pub dtype: String,
     /// Whether verify_generation last passed on exactly these sources (figures of an unverified
@@ -286,7 +290,10 @@ impl Report for ProfileReport {
         if !self.passed && self.decode_tok_s.median == 0.0 {
             return format!("profile FAILED: {}", self.error);
         }
-        let head = if self.passed { String::new() } else { format!("profile FAILED: {}\n", self.error) };
+        let mut head = if self.passed { String::new() } else { format!("profile FAILED: {}\n", self.error) };
+        if !self.attestation.is_empty() {
+            head += &format!("{}\n", self.attestation);
+        }
         head + &format!(
             "profile{}: decode {:.0} tok/s (min {:.0}, max {:.0}), prefill {:.0} tok/s (min {:.0}, max {:.0}) over {} runs\n\
              time to first token {:.2} ms ({} prompt tokens), load {:.1} ms; {}-thread bandwidth roofline {:.0} tok/s ({:.0}% of it)\n",
@@ -550,6 +557,7 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     let compute_bound = peak * 1e9 / (2.0 * weights as f64);
     let mut report = ProfileReport {
         passed: false,
+        attestation: gate.attestation_note(),
         adjusted,
         threads,
         kernels: vec![],
@@ -726,6 +734,7 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     // The timed runs' outputs: the first two are replayed through the reference forward pass.
     // Consumed while building: 8 bytes per parameter at the peak, not 12 (the 1B shapes).
     let tensors = crate::model::read_safetensors(&held)?;
+    crate::model::check_weight_range(&tensors, &target.dtype)?;
     let family = ctx.ckb.get(&cfg.family)?;
     let fam = family.model.as_ref().ok_or_else(|| Error::usage(format!("`{}` is not a model family", family.id)))?;
     let mut reference = crate::oracle::llama::Reference::of_family(fam, &cfg, tensors, &target.dtype)?;
