@@ -162,10 +162,10 @@ pub(crate) fn linear_bf16_into(
     accumulate: bool,
 ) -> Result<(), String> {
     product_shape(x.len(), w.len(), out.len(), m, k, n, "linear_bf16")?;
-    if k.is_multiple_of(8) && k > 0 && n > 0 && aligned16(dev, w) {
-        if m == 1 {
-            return mv_bf16(dev, x, w, k, n, out, accumulate);
-        }
+    if m == 1 && n > 0 && mv_fits(dev, w, k) {
+        return mv_bf16(dev, x, w, k, n, out, accumulate);
+    }
+    if m > 1 && n > 0 && k > 0 && k.is_multiple_of(8) && aligned16(dev, w) {
         // Several rows: the tensor-core product on the exact three-way bf16 split of x.
         let mut planes = dev
             .stream()
