@@ -1,7 +1,9 @@
 //! Phase 5, sampling (contract `component.sampler`): greedy decoding takes the argmax of the logits.
-//! The device loop (`model::Model::decode_greedy`) takes it on the device with `kernels::argmax`;
+//! The device loop (`model::Model::decode_greedy`) takes it on the device, fused into lm_head;
 //! this host function serves logits already copied to the host (verification, the first token).
 //! `stop_tokens` reads the ids that end generation from the model directory (component.sampler v2).
+
+use std::path::Path;
 
 /// Greedy sampler: the id of the largest logit (first on ties).
 pub fn sample_greedy(logits: &[f32]) -> u32 {
@@ -17,7 +19,7 @@ pub fn sample_greedy(logits: &[f32]) -> u32 {
 /// Token ids that end generation, from the model directory as HF reads them: generation_config.json
 /// `eos_token_id` (an int or a list), else config.json's; empty when neither names one. Errors name
 /// the file and key (a value that is not a token id, a file that does not parse).
-pub fn stop_tokens(dir: &std::path::Path) -> Result<Vec<u32>, String> {
+pub fn stop_tokens(dir: &Path) -> Result<Vec<u32>, String> {
     let generation = dir.join("generation_config.json");
     let path = if generation.exists() { generation } else { dir.join("config.json") };
     let text = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
