@@ -25,6 +25,17 @@ const FUNCTIONS: &[&str] = &[
     "attention",
     "argmax",
     "store_kv",
+    "mv_bf16",
+    "mv_bf16_norm",
+    "mv_bf16_silu",
+    "mv_bf16_qkv",
+    "mv_bf16_head",
+    "attn_decode",
+    "split3_bf16",
+    "gemm_bf16x3",
+    "rope_store_rows",
+    "silu_mul_rows",
+    "attn_prefill",
 ];
 
 /// The engine's CUDA state: context, one stream, its kernels compiled with NVRTC.
@@ -33,6 +44,7 @@ pub struct Device {
     stream: Arc<CudaStream>,
     _module: Arc<CudaModule>,
     functions: Vec<CudaFunction>,
+    sm_count: usize,
 }
 
 /// Whether the driver library can be loaded here (cudarc's dynamic loading panics otherwise).
@@ -72,6 +84,11 @@ impl Device {
             return Err(format!("no CUDA device: device {ordinal} asked for, the driver reports {n}"));
         }
         let ctx = CudaContext::new(ordinal).map_err(|e| format!("CUDA device {ordinal}: {e}"))?;
+        // One stream carries every operation of the engine in order, so cudarc's per-buffer events
+        // (cross-stream synchronisation) are not needed; without them a decode step can be captured
+        // as a CUDA graph (a wait on an event recorded outside a capture is not allowed in one).
+        // SAFETY: no buffer exists yet in this context object, and all work goes to `stream`.
+        unsafe { ctx.disable_event_tracking() };
         let (major, minor) = ctx.compute_capability().map_err(|e| format!("compute capability: {e}"))?;
         let arch: &'static str = Box::leak(format!("sm_{major}{minor}").into_boxed_str());
         let module = ctx.load_module(compile(arch)?).map_err(|e| format!("loading the kernels: {e}"))?;
@@ -79,8 +96,13 @@ impl Device {
             .iter()
             .map(|f| module.load_function(f).map_err(|e| format!("kernel {f}: {e}")))
             .collect::<Result<Vec<_>, _>>()?;
-        let stream = ctx.default_stream();
-        Ok(Device { ctx, stream, _module: module, functions })
+        // A stream of its own: the legacy default stream cannot be captured into a graph.
+        let stream = ctx.new_stream().map_err(|e| format!("creating a stream: {e}"))?;
+        let sm_count = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| format!("multiprocessor count: {e}"))?
+            .max(1) as usize;
+        Ok(Device { ctx, stream, _module: module, functions, sm_count })
     }
 
     /// The stream every kernel of this device is launched on, in order.
@@ -91,6 +113,12 @@ impl Device {
     /// The context (device name, memory).
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
+    }
+
+    /// Streaming multiprocessors of the device (132 on an H100 SXM or H200): grids of the
+    /// memory-bound kernels are sized from it.
+    pub fn sm_count(&self) -> usize {
+        self.sm_count
     }
 
     /// The compiled function `name` of [`SOURCE`].

@@ -329,4 +329,811 @@ __global__ void store_kv(const float* qkv, int k_off, int v_off, int kv_dim, flo
     }
 }
 
+}  // extern "C" (templates below have C++ linkage; the kernels that use them are extern "C" again)
+
+// =====================================================================================================
+// Decode-step kernels (the model's fused path; kernels.rs documents which contracts each one fuses).
+//
+// Decode at batch 1 streams every weight once per token, so each matrix-vector product must keep
+// HBM busy: by Little's law, ~4.3 TB/s x ~700 ns of latency is ~3 MB in flight over 132 SMs, about
+// 24 KB per SM. Here every lane issues U independent 16-byte loads (8 bf16 weights each) for R rows
+// before it uses any, and prefetches the next group's loads before reducing the current one: with
+// R * U = 8 a warp has 4 KB in flight, and 8 warps x 2 or more blocks per SM keep 64 KB or more in
+// flight. Weights are read with __ldcs (evict-first: each byte is used once per token). The input
+// vector (f32) is staged once per block in shared memory, transformed on the way (RMSNorm, or
+// SiLU(gate) * up), so the norms and the gated activation cost no launch and no HBM traffic.
+// =====================================================================================================
+
+#define PRO_PLAIN 0
+#define PRO_NORM 1
+#define PRO_SILU 2
+#define EPI_STORE 0
+#define EPI_ADD 1
+#define EPI_QKV 2
+#define EPI_ARGMAX 3
+#define MV_WARPS 8
+#define MV_THREADS (32 * MV_WARPS)
+
+// Everything the matrix-vector body needs; filled by each extern "C" kernel from its parameters.
+struct MvArgs {
+    const float* in;           // input vector (PRO_SILU: [gate (k), up (k)])
+    const float* gain;         // PRO_NORM: norm gain [k]
+    float eps;                 // PRO_NORM: epsilon inside the square root
+    const unsigned short* w;   // [n, k] bf16 bit patterns, 16-byte aligned, k % 8 == 0
+    int k, n;
+    float* out;                // EPI_STORE / EPI_ADD / EPI_ARGMAX: [n]
+    int accumulate;            // EPI_STORE with accumulate != 0 behaves as EPI_ADD
+    // EPI_QKV: rows are q heads, then k heads, then v heads, each head_dim rows
+    const unsigned int* ctl;   // ctl[0] = position, ctl[1] = step, ctl[2] = token
+    const double* freqs;       // [head_dim / 2]
+    int n_heads, n_kv_heads, head_dim;
+    float* q_out;              // [n_heads * head_dim]
+    float* kc;                 // key cache [max_seq, n_kv_heads * head_dim]
+    float* vc;                 // value cache, same shape
+    // EPI_ARGMAX
+    int mode;                  // 0: logits only; 1: also argmax, token, trail and ctl advanced
+    float* part_v;             // [gridDim.x] per-block best value
+    unsigned int* part_i;      // [gridDim.x] per-block best index
+    unsigned int* ticket;      // one counter, 0 between launches
+    unsigned int* trail;       // tokens of a decode_greedy call
+};
+
+// Stage the block's input vector in shared memory: xs[c] for c < k (blockDim.x == MV_THREADS).
+// PRO_NORM computes exactly what kernel rms_norm computes (same partition, same block_sum).
+template <int PRO>
+__device__ __forceinline__ void mv_stage(float* xs, float* red, const MvArgs& a) {
+    const int k = a.k;
+    if (PRO == PRO_PLAIN) {
+        for (int c = threadIdx.x; c < k; c += blockDim.x) xs[c] = a.in[c];
+    } else if (PRO == PRO_NORM) {
+        float s = 0.0f;
+        for (int c = threadIdx.x; c < k; c += blockDim.x) {
+            const float v = a.in[c];
+            xs[c] = v;
+            s = fmaf(v, v, s);
+        }
+        s = block_sum(s, red);
+        const float inv = 1.0f / sqrtf(s / (float)k + a.eps);
+        for (int c = threadIdx.x; c < k; c += blockDim.x) xs[c] = xs[c] * inv * a.gain[c];
+    } else {
+        for (int c = threadIdx.x; c < k; c += blockDim.x) {
+            const float g = a.in[c];
+            xs[c] = g / (1.0f + expf(-g)) * a.in[k + c];
+        }
+    }
+    __syncthreads();
+}
+
+// Row r of row group `grp` (EPI_QKV: the RoPE pair j, j + head_dim / 2 of one head), or -1.
+template <int EPI, int R>
+__device__ __forceinline__ int mv_row(const MvArgs& a, int grp, int r) {
+    if (EPI == EPI_QKV) {
+        const int half = a.head_dim >> 1;
+        const int head = grp / half, j = grp - head * half;
+        return head * a.head_dim + j + r * half;
+    }
+    const int row = grp * R + r;
+    return row < a.n ? row : -1;
+}
+
+template <int EPI, int R, int U>
+__device__ __forceinline__ void mv_load(const MvArgs& a, int grp, int cb, uint4 (&w)[R][U]) {
+    const int lane = threadIdx.x & 31, k8 = a.k >> 3;
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        const int row = mv_row<EPI, R>(a, grp, r);
+        const uint4* wr = (const uint4*)(a.w + (u64)(row < 0 ? 0 : row) * a.k);
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int c = cb * 32 * U + u * 32 + lane;
+            w[r][u] = (row >= 0 && c < k8) ? __ldcs(wr + c) : make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+}
+
+// The rows j and j + head_dim / 2 of one head of the qkv product: RoPE on q and k heads at position
+// ctl[0], then q to q_out, k and v into the caches at row ctl[0].
+__device__ __forceinline__ void mv_qkv_store(const MvArgs& a, int grp, float x0, float x1) {
+        const int half = a.head_dim >> 1;
+        const int head = grp / half, j = grp - head * half;
+        const unsigned int pos = a.ctl[0];
+        if (head < a.n_heads + a.n_kv_heads) {
+            // kernel.rope, rotate-half pairing, the angle in f64 as kernel rope computes it.
+            double sd, cd;
+            sincos((double)pos * a.freqs[j], &sd, &cd);
+            const float s = (float)sd, c = (float)cd;
+            const float r0 = x0 * c - x1 * s, r1 = x0 * s + x1 * c;
+            x0 = r0;
+            x1 = r1;
+        }
+        const int kv_dim = a.n_kv_heads * a.head_dim;
+        if (head < a.n_heads) {
+            float* o = a.q_out + head * a.head_dim + j;
+            o[0] = x0;
+            o[half] = x1;
+        } else if (head < a.n_heads + a.n_kv_heads) {
+            float* o = a.kc + (u64)pos * kv_dim + (head - a.n_heads) * a.head_dim + j;
+            o[0] = x0;
+            o[half] = x1;
+        } else {
+            float* o = a.vc + (u64)pos * kv_dim + (head - a.n_heads - a.n_kv_heads) * a.head_dim + j;
+            o[0] = x0;
+            o[half] = x1;
+        }
+}
+
+template <int EPI, int R>
+__device__ __forceinline__ void mv_epilogue(const MvArgs& a, int grp, const float (&acc)[R], float& bv, int& bi) {
+    const int lane = threadIdx.x & 31;
+    if (EPI == EPI_QKV) {
+        if (lane == 0) mv_qkv_store(a, grp, acc[0], acc[R - 1]);
+    } else {
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            const int row = mv_row<EPI, R>(a, grp, r);
+            if (row < 0) continue;
+            if (EPI == EPI_ARGMAX) {
+                // Rows come in increasing order per warp; the first maximum wins (kernel.argmax).
+                if (acc[r] > bv || (acc[r] == bv && row < bi)) {
+                    bv = acc[r];
+                    bi = row;
+                }
+            }
+            if (lane == r) {
+                if ((EPI == EPI_ADD) || (EPI == EPI_STORE && a.accumulate)) a.out[row] += acc[r];
+                else a.out[row] = acc[r];
+            }
+        }
+    }
+}
+
+// Better of two (value, index) pairs under kernel.argmax's rule: larger value, then smaller index.
+__device__ __forceinline__ void argmax_pick(float& bv, int& bi, float ov, int oi) {
+    if (ov > bv || (ov == bv && oi < bi)) {
+        bv = ov;
+        bi = oi;
+    }
+}
+
+// The matrix-vector product out = f(in) W^T for one token, f the staging transform (PRO_*), the
+// epilogue EPI_*. Grid-stride over row groups: warp gw of W takes groups gw, gw + W, ...; inside a
+// group, chunk blocks of 32 * U chunks of 8 weights; the next (group, chunk block)'s loads are issued
+// before the current one's multiply-adds.
+template <int PRO, int EPI, int R, int U>
+__device__ __forceinline__ void mv_run(const MvArgs& a) {
+    extern __shared__ float4 mv_smem4[];
+    float* xs = (float*)mv_smem4;  // k floats
+    __shared__ float red[32];
+    __shared__ float sv[MV_WARPS];
+    __shared__ int si[MV_WARPS];
+    __shared__ int last;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int k8 = a.k >> 3;
+    const int n_cb = (k8 + 32 * U - 1) / (32 * U);
+    const int groups = EPI == EPI_QKV ? a.n / 2 : (a.n + R - 1) / R;
+    const int stride = gridDim.x * MV_WARPS;
+    int grp = blockIdx.x * MV_WARPS + warp, cb = 0;
+    uint4 wn[R][U];
+    if (grp < groups) mv_load<EPI, R, U>(a, grp, 0, wn);  // in flight while the input is staged
+    mv_stage<PRO>(xs, red, a);
+    const float4* xs4 = (const float4*)xs;
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r] = 0.0f;
+    float bv = NEG_INF;
+    int bi = 0x7fffffff;
+    while (grp < groups) {
+        uint4 w[R][U];
+#pragma unroll
+        for (int r = 0; r < R; r++)
+#pragma unroll
+            for (int u = 0; u < U; u++) w[r][u] = wn[r][u];
+        int ngrp = grp, ncb = cb + 1;
+        if (ncb == n_cb) {
+            ncb = 0;
+            ngrp = grp + stride;
+        }
+        if (ngrp < groups) mv_load<EPI, R, U>(a, ngrp, ncb, wn);
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int c = cb * 32 * U + u * 32 + lane;
+            if (c < k8) {
+                const float4 xa = xs4[2 * c], xb = xs4[2 * c + 1];
+#pragma unroll
+                for (int r = 0; r < R; r++) {
+                    const uint4 q = w[r][u];
+                    float t = acc[r];
+                    t = fmaf(xa.x, bf16_lo(q.x), t);
+                    t = fmaf(xa.y, bf16_hi(q.x), t);
+                    t = fmaf(xa.z, bf16_lo(q.y), t);
+                    t = fmaf(xa.w, bf16_hi(q.y), t);
+                    t = fmaf(xb.x, bf16_lo(q.z), t);
+                    t = fmaf(xb.y, bf16_hi(q.z), t);
+                    t = fmaf(xb.z, bf16_lo(q.w), t);
+                    t = fmaf(xb.w, bf16_hi(q.w), t);
+                    acc[r] = t;
+                }
+            }
+        }
+        if (ncb == 0) {  // the group's rows are complete
+#pragma unroll
+            for (int r = 0; r < R; r++) acc[r] = warp_sum(acc[r]);
+            mv_epilogue<EPI, R>(a, grp, acc, bv, bi);
+#pragma unroll
+            for (int r = 0; r < R; r++) acc[r] = 0.0f;
+        }
+        grp = ngrp;
+        cb = ncb;
+    }
+    if (EPI == EPI_ARGMAX && a.mode == 1) {
+        // Every lane holds the warp's best; the block's best, then the grid's in the last block.
+        if (lane == 0) {
+            sv[warp] = bv;
+            si[warp] = bi;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            float v = sv[0];
+            int i = si[0];
+            for (int t = 1; t < MV_WARPS; t++) argmax_pick(v, i, sv[t], si[t]);
+            a.part_v[blockIdx.x] = v;
+            a.part_i[blockIdx.x] = (unsigned int)i;
+            __threadfence();
+            last = atomicAdd(a.ticket, 1u) == gridDim.x - 1;
+        }
+        __syncthreads();
+        if (last) {
+            __threadfence();
+            float v = NEG_INF;
+            int i = 0x7fffffff;
+            for (int b = threadIdx.x; b < (int)gridDim.x; b += blockDim.x)
+                argmax_pick(v, i, __ldcg(a.part_v + b), (int)__ldcg(a.part_i + b));
+            for (int o = 16; o > 0; o >>= 1) {
+                const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+                const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+                argmax_pick(v, i, ov, oi);
+            }
+            if (lane == 0) {
+                sv[warp] = v;
+                si[warp] = i;
+            }
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                v = sv[0];
+                i = si[0];
+                for (int t = 1; t < MV_WARPS; t++) argmax_pick(v, i, sv[t], si[t]);
+                const unsigned int idx = (i >= 0 && i < a.n) ? (unsigned int)i : 0u;
+                unsigned int* ctl = (unsigned int*)a.ctl;
+                a.trail[ctl[1]] = idx;
+                ctl[2] = idx;
+                ctl[0] += 1u;
+                ctl[1] += 1u;
+                *a.ticket = 0u;
+            }
+        }
+    }
+}
+
+extern "C" {
+
+// out = x W^T (+ out when accumulate) for one token; x: [k] f32, W: [n, k] bf16, k % 8 == 0, W
+// 16-byte aligned. kernel.linear_bf16 at m = 1, and the attention block's o projection with the
+// residual add fused (accumulate = 1).
+__global__ void __launch_bounds__(MV_THREADS, 2) mv_bf16(const float* x, const unsigned short* w, int k, int n, float* out,
+                                                      int accumulate) {
+    MvArgs a = {};
+    a.in = x;
+    a.w = w;
+    a.k = k;
+    a.n = n;
+    a.out = out;
+    a.accumulate = accumulate;
+    mv_run<PRO_PLAIN, EPI_STORE, 1, 8>(a);
+}
+
+// out = rms_norm(x, gain, eps) W^T: kernel.rms_norm fused into kernel.linear_bf16 (the MLP's gate
+// and up projections, one [2 intermediate, hidden] matrix).
+__global__ void __launch_bounds__(MV_THREADS, 2) mv_bf16_norm(const float* x, const float* gain, float eps,
+                                                           const unsigned short* w, int k, int n, float* out) {
+    MvArgs a = {};
+    a.in = x;
+    a.gain = gain;
+    a.eps = eps;
+    a.w = w;
+    a.k = k;
+    a.n = n;
+    a.out = out;
+    mv_run<PRO_NORM, EPI_STORE, 1, 8>(a);
+}
+
+// out += (silu(gate) * up) W^T with gate_up = [gate (k), up (k)]: kernel.silu_and_mul fused into
+// the down projection (kernel.linear_bf16) and the residual add.
+__global__ void __launch_bounds__(MV_THREADS, 2) mv_bf16_silu(const float* gate_up, const unsigned short* w, int k, int n,
+                                                           float* out) {
+    MvArgs a = {};
+    a.in = gate_up;
+    a.w = w;
+    a.k = k;
+    a.n = n;
+    a.out = out;
+    mv_run<PRO_SILU, EPI_ADD, 1, 8>(a);
+}
+
+// The attention block's input: rms_norm(x) [wq; wk; wv]^T, then RoPE (rotate-half, angle in f64)
+// on the q and k heads at position ctl[0], q to q_out, k and v into the caches at row ctl[0].
+// Fuses kernel.rms_norm, kernel.linear_bf16, kernel.rope and the KV-cache write (component.kv_cache).
+// W: [(n_heads + 2 n_kv_heads) head_dim, k]; each warp computes the rows j and j + head_dim / 2 of
+// one head together, so the rotation needs no exchange.
+__global__ void __launch_bounds__(MV_THREADS, 2) mv_bf16_qkv(const float* x, const float* gain, float eps,
+                                                          const unsigned short* w, int k, const unsigned int* ctl,
+                                                          const double* freqs, int n_heads, int n_kv_heads,
+                                                          int head_dim, float* q_out, float* kc, float* vc) {
+    MvArgs a = {};
+    a.in = x;
+    a.gain = gain;
+    a.eps = eps;
+    a.w = w;
+    a.k = k;
+    a.n = (n_heads + 2 * n_kv_heads) * head_dim;
+    a.ctl = ctl;
+    a.freqs = freqs;
+    a.n_heads = n_heads;
+    a.n_kv_heads = n_kv_heads;
+    a.head_dim = head_dim;
+    a.q_out = q_out;
+    a.kc = kc;
+    a.vc = vc;
+    mv_run<PRO_NORM, EPI_QKV, 2, 4>(a);
+}
+
+// logits = rms_norm(x) W^T (the final norm fused into lm_head); with mode = 1 also the argmax over
+// the logits (kernel.argmax: first maximum; per-block bests, the last block to finish reduces them),
+// written to ctl[2] and trail[ctl[1]], and the position ctl[0] and step ctl[1] advanced: the end of
+// one decode step, so that a captured step replays without host arguments.
+__global__ void __launch_bounds__(MV_THREADS, 2) mv_bf16_head(const float* x, const float* gain, float eps,
+                                                           const unsigned short* w, int k, int n, float* logits,
+                                                           int mode, float* part_v, unsigned int* part_i,
+                                                           unsigned int* ticket, unsigned int* ctl,
+                                                           unsigned int* trail) {
+    MvArgs a = {};
+    a.in = x;
+    a.gain = gain;
+    a.eps = eps;
+    a.w = w;
+    a.k = k;
+    a.n = n;
+    a.out = logits;
+    a.mode = mode;
+    a.part_v = part_v;
+    a.part_i = part_i;
+    a.ticket = ticket;
+    a.ctl = ctl;
+    a.trail = trail;
+    mv_run<PRO_NORM, EPI_ARGMAX, 1, 8>(a);
+}
+
+// ---- decode attention, split over the sequence (flash-decoding) ----
+// Grid (n_kv_heads, splits), 256 threads. Block (g, s) takes the query heads of KV head g (GQA
+// group, up to 8) and positions [s * per, min(kv_len, (s + 1) * per)), per = ceil(kv_len / splits),
+// kv_len = ctl[0] + 1 read on the device. Each warp keeps a running max, sum and weighted V sum
+// (online softmax) over its positions; the block merges its warps, writes its partial, and the last
+// block of the KV head (a ticket) merges the splits: out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M).
+// Scores are q.k / sqrt(head_dim) with f32 sums, as kernel attention computes them. head_dim <= 128.
+#define AD_WARPS 8
+#define AD_MAXG 8
+#define AD_MAXD 4
+
+__global__ void __launch_bounds__(32 * AD_WARPS) attn_decode(const float* q, const float* kc, const float* vc,
+                                                             const unsigned int* ctl, int n_heads, int n_kv_heads,
+                                                             int head_dim, int splits, float* part_ml,
+                                                             float* part_acc, unsigned int* ticket, float* out) {
+    __shared__ float sm_m[AD_WARPS][AD_MAXG], sm_l[AD_WARPS][AD_MAXG];
+    __shared__ float sm_acc[AD_WARPS][AD_MAXG * AD_MAXD * 32];
+    __shared__ int last;
+    const int g = blockIdx.x, s = blockIdx.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int grp = n_heads / n_kv_heads;
+    const int kv_len = (int)ctl[0] + 1;
+    const int per = (kv_len + splits - 1) / splits;
+    const int t0 = s * per, t1 = min(kv_len, t0 + per);
+    const u64 stride = (u64)n_kv_heads * head_dim;
+    const float scale = 1.0f / sqrtf((float)head_dim);
+    float qr[AD_MAXG][AD_MAXD], acc[AD_MAXG][AD_MAXD], m[AD_MAXG], l[AD_MAXG];
+#pragma unroll
+    for (int h = 0; h < AD_MAXG; h++) {
+        m[h] = NEG_INF;
+        l[h] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < AD_MAXD; i++) {
+            const int d = lane + 32 * i;
+            qr[h][i] = (h < grp && d < head_dim) ? q[(u64)(g * grp + h) * head_dim + d] : 0.0f;
+            acc[h][i] = 0.0f;
+        }
+    }
+    float kn[AD_MAXD], vn[AD_MAXD];
+    int t = t0 + warp;
+#pragma unroll
+    for (int i = 0; i < AD_MAXD; i++) {
+        const int d = lane + 32 * i;
+        const bool ok = t < t1 && d < head_dim;
+        kn[i] = ok ? kc[(u64)t * stride + (u64)g * head_dim + d] : 0.0f;
+        vn[i] = ok ? vc[(u64)t * stride + (u64)g * head_dim + d] : 0.0f;
+    }
+    for (; t < t1; t += AD_WARPS) {
+        float kd[AD_MAXD], vd[AD_MAXD];
+#pragma unroll
+        for (int i = 0; i < AD_MAXD; i++) {
+            kd[i] = kn[i];
+            vd[i] = vn[i];
+        }
+        const int tn = t + AD_WARPS;  // the next position's loads go out before this one's math
+#pragma unroll
+        for (int i = 0; i < AD_MAXD; i++) {
+            const int d = lane + 32 * i;
+            const bool ok = tn < t1 && d < head_dim;
+            kn[i] = ok ? kc[(u64)tn * stride + (u64)g * head_dim + d] : 0.0f;
+            vn[i] = ok ? vc[(u64)tn * stride + (u64)g * head_dim + d] : 0.0f;
+        }
+#pragma unroll
+        for (int h = 0; h < AD_MAXG; h++) {
+            if (h < grp) {
+                float dot = 0.0f;
+#pragma unroll
+                for (int i = 0; i < AD_MAXD; i++) dot = fmaf(qr[h][i], kd[i], dot);
+                const float sc = warp_sum(dot) * scale;
+                const float mn = fmaxf(m[h], sc);
+                const float corr = expf(m[h] - mn);
+                const float p = expf(sc - mn);
+                l[h] = l[h] * corr + p;
+#pragma unroll
+                for (int i = 0; i < AD_MAXD; i++) acc[h][i] = fmaf(p, vd[i], acc[h][i] * corr);
+                m[h] = mn;
+            }
+        }
+    }
+    // Merge the block's warps.
+#pragma unroll
+    for (int h = 0; h < AD_MAXG; h++) {
+        if (lane == 0) {
+            sm_m[warp][h] = m[h];
+            sm_l[warp][h] = l[h];
+        }
+#pragma unroll
+        for (int i = 0; i < AD_MAXD; i++) sm_acc[warp][h * AD_MAXD * 32 + i * 32 + lane] = acc[h][i];
+    }
+    __syncthreads();
+    const int base = (g * splits + s) * grp;  // this block's partials: (base + h)
+    for (int e = threadIdx.x; e < grp * head_dim; e += blockDim.x) {
+        const int h = e / head_dim, d = e - h * head_dim;
+        float mx = NEG_INF;
+        for (int w = 0; w < AD_WARPS; w++) mx = fmaxf(mx, sm_m[w][h]);
+        float sl = 0.0f, sa = 0.0f;
+        if (mx != NEG_INF) {
+            for (int w = 0; w < AD_WARPS; w++) {
+                const float f = expf(sm_m[w][h] - mx);
+                sl = fmaf(sm_l[w][h], f, sl);
+                sa = fmaf(sm_acc[w][h * AD_MAXD * 32 + d], f, sa);
+            }
+        }
+        part_acc[(u64)(base + h) * head_dim + d] = sa;
+        if (d == 0) {
+            part_ml[2 * (base + h)] = mx;
+            part_ml[2 * (base + h) + 1] = sl;
+        }
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(ticket + g, 1u) == (unsigned int)splits - 1u;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int e = threadIdx.x; e < grp * head_dim; e += blockDim.x) {
+        const int h = e / head_dim, d = e - h * head_dim;
+        float mx = NEG_INF;
+        for (int sp = 0; sp < splits; sp++) mx = fmaxf(mx, __ldcg(part_ml + 2 * ((g * splits + sp) * grp + h)));
+        float sl = 0.0f, sa = 0.0f;
+        for (int sp = 0; sp < splits; sp++) {
+            const int pi = (g * splits + sp) * grp + h;
+            const float f = expf(__ldcg(part_ml + 2 * pi) - mx);  // empty splits: e^-inf = 0
+            sl = fmaf(__ldcg(part_ml + 2 * pi + 1), f, sl);
+            sa = fmaf(__ldcg(part_acc + (u64)pi * head_dim + d), f, sa);
+        }
+        out[(u64)(g * grp + h) * head_dim + d] = sa / sl;
+    }
+    if (threadIdx.x == 0) ticket[g] = 0u;
+}
+
+// =====================================================================================================
+// Prefill kernels: a prompt of m tokens as matrix products on the tensor cores, batched RoPE and KV
+// writes, batched causal attention.
+// =====================================================================================================
+
+// f32 to bf16 bits, round to nearest even (the same rule as the engine's host conversion).
+__device__ __forceinline__ unsigned int bf16_rne(float v) {
+    const unsigned int b = __float_as_uint(v);
+    return (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+}
+
+// Split f32 activations into three bf16 planes, x = hi + mid + lo exactly (for finite x above the
+// f32 normal range's lower end / 2^16): hi = bf16(x), mid = bf16(x - hi), lo = bf16(x - hi - mid);
+// each difference is exact in f32 and leaves at most 16, then 8, significant bits, so lo is exact.
+// out: [3, len] (hi plane, mid plane, lo plane).
+__global__ void split3_bf16(const float* x, long long len, unsigned short* out) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < len; i += (long long)gridDim.x * blockDim.x) {
+        const float v = x[i];
+        const unsigned int hi = bf16_rne(v);
+        const float r1 = v - __uint_as_float(hi << 16);
+        const unsigned int mid = bf16_rne(r1);
+        const float r2 = r1 - __uint_as_float(mid << 16);
+        const unsigned int lo = bf16_rne(r2);
+        out[i] = (unsigned short)hi;
+        out[len + i] = (unsigned short)mid;
+        out[2 * len + i] = (unsigned short)lo;
+    }
+}
+
+// One m16n8k16 tensor-core product with f32 accumulation: d += a b (PTX ISA, warp-level matrix
+// multiply-accumulate; fragment layouts of .bf16 m16n8k16: a0..a3 rows g / g + 8, columns 2t, 2t + 1
+// and + 8; b0, b1 rows 2t, 2t + 1 and + 8 of column g; d0, d1 row g, d2, d3 row g + 8, columns 2t,
+// 2t + 1; g = lane / 4, t = lane % 4; the lower 16 bits hold the lower index).
+__device__ __forceinline__ void mma_bf16(float (&d)[4], unsigned int a0, unsigned int a1, unsigned int a2,
+                                         unsigned int a3, unsigned int b0, unsigned int b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// C[m, n] (=, += or atomically +=) A[m, k] W[n, k]^T with A given as its three bf16 planes
+// (split3_bf16: the f32 activations exactly) and W bf16: three tensor-core products per tile, f32
+// accumulation, so the result is the f32 product summed in f32 (kernel.linear_bf16's contract).
+// Block tile 64 x 64, k step 32, 4 warps of 32 x 32; grid (ceil(n / 64), ceil(m / 64), k splits);
+// blockIdx.z takes k in [z * kchunk, min(k, (z + 1) * kchunk)), kchunk % 32 == 0. k % 8 == 0, A
+// planes and W 16-byte aligned. mode 0: store, 1: add, 2: atomicAdd (k split over blocks).
+#define GB_M 64
+#define GB_N 64
+#define GB_K 32
+#define GB_LD (GB_K + 8)  // row stride in u16 of the shared tiles: 80 bytes, conflict-free fragments
+
+__global__ void __launch_bounds__(128) gemm_bf16x3(const unsigned short* a3, const unsigned short* w, int m, int k,
+                                                   int n, float* c, int mode, int kchunk) {
+    __shared__ __align__(16) unsigned short As[3][GB_M][GB_LD];
+    __shared__ __align__(16) unsigned short Bs[GB_N][GB_LD];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp >> 1, wn = warp & 1;
+    const int gq = lane >> 2, tq = lane & 3;
+    const int m0 = blockIdx.y * GB_M, n0 = blockIdx.x * GB_N;
+    const int kb = blockIdx.z * kchunk, ke = min(k, kb + kchunk);
+    const u64 plane = (u64)m * k;
+    float acc[2][4][4];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[i][j][e] = 0.0f;
+    // Global -> registers: A 3 x 64 rows x 4 chunks of 8 = 768 uint4 (6 per thread), W 64 x 4 = 256 (2).
+    uint4 ra[6], rb[2];
+    auto load = [&](int k0) {
+#pragma unroll
+        for (int i = 0; i < 6; i++) {
+            const int e = tid + i * 128;  // 0..767
+            const int p = e >> 8, row = (e >> 2) & 63, ch = e & 3;
+            const int gr = m0 + row, gc = k0 + ch * 8;
+            ra[i] = (gr < m && gc < ke) ? *(const uint4*)(a3 + p * plane + (u64)gr * k + gc) : make_uint4(0u, 0u, 0u, 0u);
+        }
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int e = tid + i * 128;  // 0..255
+            const int row = e >> 2, ch = e & 3;
+            const int gr = n0 + row, gc = k0 + ch * 8;
+            rb[i] = (gr < n && gc < ke) ? __ldcs((const uint4*)(w + (u64)gr * k + gc)) : make_uint4(0u, 0u, 0u, 0u);
+        }
+    };
+    if (kb < ke) load(kb);
+    for (int k0 = kb; k0 < ke; k0 += GB_K) {
+        __syncthreads();  // the previous tile's fragments have been read
+#pragma unroll
+        for (int i = 0; i < 6; i++) {
+            const int e = tid + i * 128;
+            const int p = e >> 8, row = (e >> 2) & 63, ch = e & 3;
+            *(uint4*)&As[p][row][ch * 8] = ra[i];
+        }
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int e = tid + i * 128;
+            const int row = e >> 2, ch = e & 3;
+            *(uint4*)&Bs[row][ch * 8] = rb[i];
+        }
+        __syncthreads();
+        if (k0 + GB_K < ke) load(k0 + GB_K);  // next tile in flight during the products
+#pragma unroll
+        for (int ks = 0; ks < GB_K; ks += 16) {
+            unsigned int bf[4][2];
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const unsigned short* br = &Bs[wn * 32 + j * 8 + gq][ks + 2 * tq];
+                bf[j][0] = *(const unsigned int*)br;
+                bf[j][1] = *(const unsigned int*)(br + 8);
+            }
+#pragma unroll
+            for (int p = 2; p >= 0; p--) {  // smallest plane first
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    const unsigned short* ar = &As[p][wm * 32 + i * 16 + gq][ks + 2 * tq];
+                    const unsigned int a0 = *(const unsigned int*)ar;
+                    const unsigned int a1 = *(const unsigned int*)(ar + 8 * GB_LD);
+                    const unsigned int a2 = *(const unsigned int*)(ar + 8);
+                    const unsigned int a3v = *(const unsigned int*)(ar + 8 * GB_LD + 8);
+#pragma unroll
+                    for (int j = 0; j < 4; j++) mma_bf16(acc[i][j], a0, a1, a2, a3v, bf[j][0], bf[j][1]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int row = m0 + wm * 32 + i * 16 + gq + (e >> 1) * 8;
+                const int col = n0 + wn * 32 + j * 8 + 2 * tq + (e & 1);
+                if (row < m && col < n) {
+                    float* o = c + (u64)row * n + col;
+                    if (mode == 0) *o = acc[i][j][e];
+                    else if (mode == 1) *o += acc[i][j][e];
+                    else atomicAdd(o, acc[i][j][e]);
+                }
+            }
+}
+
+// RoPE on the q and k heads of m rows of qkv ([m, (n_heads + 2 n_kv_heads) head_dim]) at positions
+// start + t, in place for q; the rotated k and the v rows written into the caches at start + t.
+// kernel.rope (rotate-half pairing, angle in f64 as kernel rope) fused with the KV-cache write.
+// One thread per (row, head, pair j).
+__global__ void rope_store_rows(float* qkv, int m, int start, const double* freqs, int n_heads, int n_kv_heads,
+                                int head_dim, float* kc, float* vc) {
+    const int half = head_dim / 2, heads = n_heads + 2 * n_kv_heads;
+    const long long total = (long long)m * heads * half;
+    const int width = heads * head_dim, kv_dim = n_kv_heads * head_dim;
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total;
+         e += (long long)gridDim.x * blockDim.x) {
+        const int j = (int)(e % half);
+        const long long th = e / half;
+        const int h = (int)(th % heads), t = (int)(th / heads);
+        const unsigned int pos = (unsigned int)(start + t);
+        float* r = qkv + (u64)t * width + h * head_dim;
+        float x0 = r[j], x1 = r[j + half];
+        if (h < n_heads + n_kv_heads) {
+            double sd, cd;
+            sincos((double)pos * freqs[j], &sd, &cd);
+            const float s = (float)sd, c = (float)cd;
+            const float r0 = x0 * c - x1 * s, r1 = x0 * s + x1 * c;
+            x0 = r0;
+            x1 = r1;
+        }
+        if (h < n_heads) {
+            r[j] = x0;
+            r[j + half] = x1;
+        } else if (h < n_heads + n_kv_heads) {
+            float* o = kc + (u64)pos * kv_dim + (h - n_heads) * head_dim + j;
+            o[0] = x0;
+            o[half] = x1;
+        } else {
+            float* o = vc + (u64)pos * kv_dim + (h - n_heads - n_kv_heads) * head_dim + j;
+            o[0] = x0;
+            o[half] = x1;
+        }
+    }
+}
+
+// out[t, i] = silu(gu[t, i]) * gu[t, inter + i] for m rows of gu = [m, 2 inter] (kernel.silu_and_mul
+// on the rows of a prompt); out: [m, inter].
+__global__ void silu_mul_rows(const float* gu, int m, int inter, float* out) {
+    const long long total = (long long)m * inter;
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total;
+         e += (long long)gridDim.x * blockDim.x) {
+        const long long t = e / inter, i = e - t * inter;
+        const float g = gu[t * 2 * inter + i];
+        out[e] = g / (1.0f + expf(-g)) * gu[t * 2 * inter + inter + i];
+    }
+}
+
+// Causal attention of n_q query rows at positions start .. start + n_q - 1 over the cache (keys 0..=p
+// for the row at p). q rows: q + t * ldq, heads of head_dim; out: [n_q, n_heads, head_dim].
+// Grid (ceil(n_q / (64 / grp)), n_kv_heads), 256 threads: a block takes 64 / grp queries and the grp
+// query heads of one KV head (64 rows, 8 per warp), key tiles of 32 positions in shared memory; scores
+// one key per lane (q.k / sqrt(head_dim), f32), online softmax per row, V weighted with lanes along
+// head_dim. grp divides 64, head_dim <= 64.
+#define AP_KT 32
+#define AP_ROWS 64
+#define AP_HD 64
+
+__global__ void __launch_bounds__(256) attn_prefill(const float* q, int ldq, const float* kc, const float* vc,
+                                                    int n_q, int start, int n_heads, int n_kv_heads, int head_dim,
+                                                    float* out) {
+    __shared__ float Qs[AP_ROWS][AP_HD];
+    __shared__ float Ks[AP_KT][AP_HD + 1];
+    __shared__ float Vs[AP_KT][AP_HD];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int grp = n_heads / n_kv_heads, qt = AP_ROWS / grp;
+    const int g = blockIdx.y, q0 = blockIdx.x * qt;
+    const u64 stride = (u64)n_kv_heads * head_dim;
+    const float scale = 1.0f / sqrtf((float)head_dim);
+    for (int e = threadIdx.x; e < AP_ROWS * AP_HD; e += blockDim.x) {
+        const int r = e / AP_HD, d = e - r * AP_HD;
+        const int qi = q0 + r / grp, h = g * grp + r % grp;
+        Qs[r][d] = (qi < n_q && d < head_dim) ? q[(u64)qi * ldq + h * head_dim + d] : 0.0f;
+    }
+    float m[8], l[8], acc[8][2];
+    int prow[8];
+#pragma unroll
+    for (int r = 0; r < 8; r++) {
+        const int qi = q0 + (warp * 8 + r) / grp;
+        prow[r] = qi < n_q ? start + qi : -1;  // the row's position; -1: no such query
+        m[r] = NEG_INF;
+        l[r] = 0.0f;
+        acc[r][0] = acc[r][1] = 0.0f;
+    }
+    const int qlast = min(n_q, q0 + qt) - 1;
+    const int kv_end = start + qlast + 1;  // keys this block needs: 0 .. kv_end - 1
+    for (int t0 = 0; t0 < kv_end; t0 += AP_KT) {
+        __syncthreads();
+        for (int e = threadIdx.x; e < AP_KT * AP_HD; e += blockDim.x) {
+            const int j = e / AP_HD, d = e - j * AP_HD;
+            const int t = t0 + j;
+            const bool ok = t < kv_end && d < head_dim;
+            Ks[j][d] = ok ? kc[(u64)t * stride + (u64)g * head_dim + d] : 0.0f;
+            Vs[j][d] = ok ? vc[(u64)t * stride + (u64)g * head_dim + d] : 0.0f;
+        }
+        __syncthreads();
+        float s[8];
+#pragma unroll
+        for (int r = 0; r < 8; r++) s[r] = 0.0f;
+        for (int d = 0; d < head_dim; d++) {
+            const float kd = Ks[lane][d];
+#pragma unroll
+            for (int r = 0; r < 8; r++) s[r] = fmaf(Qs[warp * 8 + r][d], kd, s[r]);
+        }
+        const int t = t0 + lane;
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            const float sc = t <= prow[r] ? s[r] * scale : NEG_INF;
+            const float mx = warp_max(sc);
+            const float mn = fmaxf(m[r], mx);
+            float p = 0.0f, corr = 1.0f;
+            if (mn != NEG_INF) {
+                p = expf(sc - mn);
+                corr = expf(m[r] - mn);
+            }
+            l[r] = l[r] * corr + warp_sum(p);
+            acc[r][0] *= corr;
+            acc[r][1] *= corr;
+            m[r] = mn;
+            s[r] = p;
+        }
+        for (int j = 0; j < AP_KT; j++) {
+            const float v0 = Vs[j][lane], v1 = Vs[j][lane + 32];
+#pragma unroll
+            for (int r = 0; r < 8; r++) {
+                const float pj = __shfl_sync(0xffffffffu, s[r], j);
+                acc[r][0] = fmaf(pj, v0, acc[r][0]);
+                acc[r][1] = fmaf(pj, v1, acc[r][1]);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 8; r++) {
+        const int row = warp * 8 + r;
+        const int qi = q0 + row / grp, h = g * grp + row % grp;
+        if (qi >= n_q) continue;
+        const float inv = 1.0f / l[r];
+        float* o = out + ((u64)qi * n_heads + h) * head_dim;
+        if (lane < head_dim) o[lane] = acc[r][0] * inv;
+        if (lane + 32 < head_dim) o[lane + 32] = acc[r][1] * inv;
+    }
+}
+
 }  // extern "C"

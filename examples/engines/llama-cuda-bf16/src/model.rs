@@ -4,12 +4,22 @@
 //! Weights: every 2-D tensor in bf16 on the device, rounded to nearest even at load
 //! (kernel.linear_bf16), q/k/v and gate/up each concatenated into one matrix so one product reads
 //! them; the embedding table also in f32 (the bf16-rounded values, widened) for the gather. Norm
-//! gains, activations, the KV cache and every accumulation are f32. One decode step is about
-//! 11 launches per layer on one stream; the host waits only where it reads logits or tokens.
+//! gains, activations, the KV cache and every accumulation are f32.
+//!
+//! Decode (`step_fused`): 2 + 5 * n_layers launches per token (34 + 48 at the Llama 3.2 1B shape:
+//! 82, down from about 164), the norms, RoPE, the cache write, SiLU-and-mul, the residual adds and
+//! the argmax fused into the matrix-vector products, the position and token kept in device memory
+//! (`ctl`) and advanced by the step's last kernel, so one step is captured as a CUDA graph and
+//! replayed per token (LLAMA_CUDA_GRAPH=0, or a failed capture: the same kernels launched one by
+//! one). Prefill (`prefill_batched`): per layer, each projection one tensor-core product over the
+//! prompt (exact three-plane bf16 split of the f32 activations), batched RoPE and cache writes,
+//! causal attention over key tiles. Shapes the fused kernels do not take (k not a multiple of 8, a
+//! GQA group above 8, head_dim above 128) run the per-contract kernels one token at a time (`step`).
 
 use std::path::Path;
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaGraph, CudaSlice};
 
 use crate::config::Config;
 use crate::device::Device;
@@ -46,7 +56,37 @@ struct Scratch {
     trail: CudaSlice<u32>,
     /// Positions 0..max_seq, so a step's position is a view and never a host copy.
     positions: CudaSlice<u32>,
+    /// The fused step's state on the device: [position, step, token, unused]. The fused kernels
+    /// read the position and token here, and the last kernel of a decode step advances them, so
+    /// one captured step replays for every token.
+    ctl: CudaSlice<u32>,
+    /// The rotated query of the fused step, [n_heads * head_dim].
+    q: CudaSlice<f32>,
+    /// lm_head's per-block argmax partials and its ticket.
+    part_v: CudaSlice<f32>,
+    part_i: CudaSlice<u32>,
+    head_ticket: CudaSlice<u32>,
+    /// Decode attention's per-split partials (max and sum, weighted V) and per-KV-head tickets.
+    attn_ml: CudaSlice<f32>,
+    attn_acc: CudaSlice<f32>,
+    attn_ticket: CudaSlice<u32>,
+    attn_splits: usize,
 }
+
+/// Device activations of a prompt chunk (up to `PREFILL_CHUNK` tokens), allocated once at load.
+struct PrefillScratch {
+    x: CudaSlice<f32>,
+    normed: CudaSlice<f32>,
+    qkv: CudaSlice<f32>,
+    attn: CudaSlice<f32>,
+    gate_up: CudaSlice<f32>,
+    act: CudaSlice<f32>,
+    /// The three bf16 planes of the activations a product reads (split3).
+    planes: CudaSlice<u16>,
+}
+
+/// Most tokens of a prompt run through the layers at once; longer prompts go in chunks.
+const PREFILL_CHUNK: usize = 512;
 
 /// Where a step's token id comes from.
 #[derive(Clone, Copy)]
@@ -70,8 +110,17 @@ pub struct Model {
     /// RoPE frequencies [head_dim / 2], scaled as config.json says.
     freqs: CudaSlice<f64>,
     s: Scratch,
+    /// Prompt activations, when the batched prefill takes this shape.
+    pf: Option<PrefillScratch>,
     prompt: CudaSlice<u32>,
     host_logits: Vec<f32>,
+    /// Whether the fused decode step takes this shape (every matrix's k a multiple of 8 within the
+    /// staged-vector limit, a GQA group of at most 8, head_dim <= 128); else the per-contract path.
+    fused: bool,
+    /// The fused decode step captured as a CUDA graph (first decode_greedy call), replayed per token.
+    graph: Option<CudaGraph>,
+    /// Capture was tried and failed (or LLAMA_CUDA_GRAPH=0): decode launches the step's kernels.
+    graph_off: bool,
 }
 
 /// f32 to bf16 bits, round to nearest, ties to even (contract kernel.linear_bf16); NaN stays NaN.
@@ -97,9 +146,7 @@ impl Model {
         let cfg = Config::load(dir)?;
         let f = cfg.features;
         if f.qkv_bias || f.qk_norm || f.gelu_tanh_mlp || f.rmsnorm_one_plus_w || f.embed_scale_sqrt_hidden || f.fused {
-            return Err(
-                "this engine covers model.llama only; the checkpoint's family has other features".into(),
-            );
+            return Err("this engine covers model.llama only; the checkpoint's family has other features".into());
         }
         if cfg.sliding_window > 0 {
             return Err("this engine has no sliding-window attention; config.json sets sliding_window".into());
@@ -142,6 +189,8 @@ impl Model {
         };
         let rounded: Vec<f32> = embed.iter().map(|&x| widen(bf16(x))).collect();
         let positions: Vec<u32> = (0..cfg.max_seq as u32).collect();
+        let group = cfg.n_heads / cfg.n_kv_heads.max(1);
+        let splits = kernels::attn_splits(cfg.max_seq);
         let s = Scratch {
             x: zeros(h, "x")?,
             normed: zeros(h, "normed")?,
@@ -153,7 +202,42 @@ impl Model {
             token: st.alloc_zeros::<u32>(1).map_err(dev_err("token"))?,
             trail: st.alloc_zeros::<u32>(cfg.max_seq.max(1)).map_err(dev_err("trail"))?,
             positions: st.clone_htod(&positions).map_err(dev_err("positions"))?,
+            ctl: st.alloc_zeros::<u32>(4).map_err(dev_err("ctl"))?,
+            q: zeros(q_dim, "q")?,
+            part_v: zeros(kernels::MV_MAX_BLOCKS, "part_v")?,
+            part_i: st.alloc_zeros::<u32>(kernels::MV_MAX_BLOCKS).map_err(dev_err("part_i"))?,
+            head_ticket: st.alloc_zeros::<u32>(1).map_err(dev_err("head_ticket"))?,
+            attn_ml: zeros(cfg.n_kv_heads * splits * group * 2, "attn_ml")?,
+            attn_acc: zeros(cfg.n_kv_heads * splits * group * hd, "attn_acc")?,
+            attn_ticket: st.alloc_zeros::<u32>(cfg.n_kv_heads.max(1)).map_err(dev_err("attn_ticket"))?,
+            attn_splits: splits,
         };
+        let lm_head_ok = kernels::mv_fits(&dev, &lm_head.as_view(), h);
+        let fused = lm_head_ok
+            && layers.iter().all(|l| {
+                kernels::mv_fits(&dev, &l.wqkv.as_view(), h)
+                    && kernels::mv_fits(&dev, &l.wo.as_view(), q_dim)
+                    && kernels::mv_fits(&dev, &l.w_gate_up.as_view(), h)
+                    && kernels::mv_fits(&dev, &l.w_down.as_view(), inter)
+            })
+            && kernels::decode_attention_fits(cfg.n_heads, cfg.n_kv_heads, hd)
+            && hd.is_multiple_of(2);
+        let pf = if fused && kernels::prefill_attention_fits(cfg.n_heads, cfg.n_kv_heads, hd) {
+            let c = PREFILL_CHUNK.min(cfg.max_seq).max(1);
+            let widest = h.max(q_dim).max(inter);
+            Some(PrefillScratch {
+                x: zeros(c * h, "prefill x")?,
+                normed: zeros(c * h, "prefill normed")?,
+                qkv: zeros(c * (q_dim + 2 * kv_dim), "prefill qkv")?,
+                attn: zeros(c * q_dim, "prefill attn")?,
+                gate_up: zeros(c * 2 * inter, "prefill gate_up")?,
+                act: zeros(c * inter, "prefill act")?,
+                planes: st.alloc_zeros::<u16>(3 * c * widest).map_err(dev_err("prefill planes"))?,
+            })
+        } else {
+            None
+        };
+        let graph_off = std::env::var("LLAMA_CUDA_GRAPH").is_ok_and(|v| v == "0");
         Ok(Model {
             embed: up32(&rounded, "embed")?,
             lm_head,
@@ -163,6 +247,10 @@ impl Model {
             host_logits: vec![0.0; v],
             layers,
             s,
+            pf,
+            fused,
+            graph: None,
+            graph_off,
             cfg,
             dev,
         })
@@ -188,6 +276,19 @@ impl Model {
     /// return the logits [vocab] of the last token.
     pub fn prefill(&mut self, tokens: &[u32], start_pos: usize) -> &[f32] {
         assert!(!tokens.is_empty(), "prefill: no tokens");
+        assert!(
+            start_pos + tokens.len() <= self.cfg.max_seq,
+            "prefill: positions up to {} beyond max_position_embeddings {}",
+            start_pos + tokens.len(),
+            self.cfg.max_seq
+        );
+        if tokens.len() > 1 && self.pf.is_some() {
+            self.prefill_batched(tokens, start_pos).unwrap_or_else(|e| panic!("prefill: {e}"));
+            return self.read_logits();
+        }
+        if tokens.len() == 1 && self.fused {
+            return self.forward(tokens[0], start_pos);
+        }
         self.prompt =
             self.dev.stream().clone_htod(tokens).unwrap_or_else(|e| panic!("prefill: uploading the prompt: {e}"));
         for i in 0..tokens.len() {
@@ -198,6 +299,19 @@ impl Model {
 
     /// Run one token at position `pos` (cache holds 0..pos), write its K/V at `pos`; return logits [vocab].
     pub fn forward(&mut self, token: u32, pos: usize) -> &[f32] {
+        if self.fused {
+            assert!(
+                pos < self.cfg.max_seq,
+                "forward: position {pos} beyond max_position_embeddings {}",
+                self.cfg.max_seq
+            );
+            self.dev
+                .stream()
+                .memcpy_htod(&[pos as u32, 0, token, 0], &mut self.s.ctl)
+                .unwrap_or_else(|e| panic!("forward: {e}"));
+            self.step_fused(false).unwrap_or_else(|e| panic!("forward: {e}"));
+            return self.read_logits();
+        }
         self.dev.stream().memcpy_htod(&[token], &mut self.s.token).unwrap_or_else(|e| panic!("forward: {e}"));
         self.step(Token::Current, pos).unwrap_or_else(|e| panic!("forward: {e}"));
         self.read_logits()
@@ -211,21 +325,276 @@ impl Model {
             pos + n,
             self.cfg.max_seq
         );
+        if n == 0 {
+            return Vec::new();
+        }
         let st = self.dev.stream().clone();
-        st.memcpy_htod(&[token], &mut self.s.token).unwrap_or_else(|e| panic!("decode_greedy: {e}"));
-        for step in 0..n {
-            self.step(Token::Current, pos + step).unwrap_or_else(|e| panic!("decode_greedy: {e}"));
-            let Scratch { logits, token, trail, .. } = &mut self.s;
-            kernels::argmax_into(
-                &self.dev,
-                &logits.as_view(),
-                &mut token.as_view_mut(),
-                Some(&mut trail.as_view_mut()),
-                step,
-            )
-            .unwrap_or_else(|e| panic!("decode_greedy: {e}"));
+        if self.fused {
+            // The step reads position and token from ctl and its last kernel advances them.
+            st.memcpy_htod(&[pos as u32, 0, token, 0], &mut self.s.ctl)
+                .unwrap_or_else(|e| panic!("decode_greedy: {e}"));
+            if self.graph.is_none() && !self.graph_off {
+                self.capture();
+            }
+            for _ in 0..n {
+                match &self.graph {
+                    Some(g) => g.launch().map_err(|e| format!("replaying the decode step: {e}")),
+                    None => self.step_fused(true),
+                }
+                .unwrap_or_else(|e| panic!("decode_greedy: {e}"));
+            }
+        } else {
+            st.memcpy_htod(&[token], &mut self.s.token).unwrap_or_else(|e| panic!("decode_greedy: {e}"));
+            for step in 0..n {
+                self.step(Token::Current, pos + step).unwrap_or_else(|e| panic!("decode_greedy: {e}"));
+                let Scratch { logits, token, trail, .. } = &mut self.s;
+                kernels::argmax_into(
+                    &self.dev,
+                    &logits.as_view(),
+                    &mut token.as_view_mut(),
+                    Some(&mut trail.as_view_mut()),
+                    step,
+                )
+                .unwrap_or_else(|e| panic!("decode_greedy: {e}"));
+            }
         }
         st.clone_dtoh(&self.s.trail.slice(0..n)).unwrap_or_else(|e| panic!("decode_greedy: reading the tokens: {e}"))
+    }
+
+    /// Capture one fused decode step (with argmax and the advance of ctl) as a CUDA graph. Nothing
+    /// runs during capture. On any failure the graph stays None and decoding launches the same
+    /// kernels one by one, with the same results.
+    fn capture(&mut self) {
+        let st = self.dev.stream().clone();
+        let captured = (|| -> Result<CudaGraph, String> {
+            st.synchronize().map_err(|e| format!("synchronize: {e}"))?;
+            st.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .map_err(|e| format!("begin_capture: {e}"))?;
+            let stepped = self.step_fused(true);
+            let graph = st.end_capture(CUgraphInstantiate_flags(0)).map_err(|e| format!("end_capture: {e}"));
+            stepped?;
+            let graph = graph?.ok_or("end_capture: an empty graph")?;
+            graph.upload().map_err(|e| format!("graph upload: {e}"))?;
+            Ok(graph)
+        })();
+        match captured {
+            Ok(g) => self.graph = Some(g),
+            Err(e) => {
+                eprintln!(
+                    "llama-cuda-bf16: decode step not captured as a CUDA graph ({e}); launching its kernels instead"
+                );
+                self.graph_off = true;
+                // A failed capture can leave an error on the stream; this reports it if so.
+                let _ = st.synchronize();
+            }
+        }
+    }
+
+    /// One token through the model with the fused kernels, position and token read from ctl on the
+    /// device: embedding, then per layer 5 launches (qkv with norm, RoPE and cache write; decode
+    /// attention; o projection with the residual; gate/up with norm; down with SiLU-and-mul and
+    /// the residual), then lm_head with the final norm (and with `argmax`, the argmax and ctl
+    /// advanced). 2 + 5 * n_layers launches; the host passes no per-token argument.
+    fn step_fused(&mut self, argmax: bool) -> Result<(), String> {
+        let Model { dev, cfg: c, layers, embed, lm_head, final_norm, freqs, s, .. } = self;
+        let (h, hd, eps, inter) = (c.hidden, c.head_dim, c.rms_norm_eps, c.intermediate);
+        let q_dim = c.n_heads * hd;
+        let ids = s.ctl.slice(2..3);
+        kernels::embedding(dev, &embed.as_view(), h, &ids, &mut s.x.as_view_mut())?;
+        let ctl = s.ctl.as_view();
+        for l in layers.iter_mut() {
+            kernels::mv_bf16_qkv(
+                dev,
+                &s.x.as_view(),
+                &l.attn_norm.as_view(),
+                eps,
+                &l.wqkv.as_view(),
+                &ctl,
+                &freqs.as_view(),
+                c.n_heads,
+                c.n_kv_heads,
+                hd,
+                &mut s.q.as_view_mut(),
+                &mut l.k_cache.as_view_mut(),
+                &mut l.v_cache.as_view_mut(),
+            )?;
+            kernels::attn_decode(
+                dev,
+                &s.q.as_view(),
+                &l.k_cache.as_view(),
+                &l.v_cache.as_view(),
+                &ctl,
+                c.n_heads,
+                c.n_kv_heads,
+                hd,
+                s.attn_splits,
+                &mut s.attn_ml.as_view_mut(),
+                &mut s.attn_acc.as_view_mut(),
+                &mut s.attn_ticket.as_view_mut(),
+                &mut s.attn.as_view_mut(),
+            )?;
+            kernels::mv_bf16(dev, &s.attn.as_view(), &l.wo.as_view(), q_dim, h, &mut s.x.as_view_mut(), true)?;
+            kernels::mv_bf16_norm(
+                dev,
+                &s.x.as_view(),
+                &l.ffn_norm.as_view(),
+                eps,
+                &l.w_gate_up.as_view(),
+                h,
+                2 * inter,
+                &mut s.gate_up.as_view_mut(),
+            )?;
+            kernels::mv_bf16_silu(dev, &s.gate_up.as_view(), &l.w_down.as_view(), inter, h, &mut s.x.as_view_mut())?;
+        }
+        let Scratch { x, logits, part_v, part_i, head_ticket, ctl, trail, .. } = s;
+        kernels::mv_bf16_head(
+            dev,
+            &x.as_view(),
+            &final_norm.as_view(),
+            eps,
+            &lm_head.as_view(),
+            c.vocab,
+            &mut logits.as_view_mut(),
+            argmax,
+            &mut part_v.as_view_mut(),
+            &mut part_i.as_view_mut(),
+            &mut head_ticket.as_view_mut(),
+            &mut ctl.as_view_mut(),
+            &mut trail.as_view_mut(),
+        )
+    }
+
+    /// A prompt through the model as matrix products: per chunk of up to PREFILL_CHUNK tokens,
+    /// every projection one tensor-core product over all its tokens (activations split exactly
+    /// into three bf16 planes, f32 accumulation), RoPE and the cache writes for all of them, causal
+    /// attention over the cache; then the final norm and lm_head for the last token only.
+    fn prefill_batched(&mut self, tokens: &[u32], start_pos: usize) -> Result<(), String> {
+        let Model { dev, cfg: c, layers, embed, lm_head, final_norm, freqs, s, pf, .. } = self;
+        let p = pf.as_mut().ok_or("prefill: no prompt scratch")?;
+        let (h, hd, eps, inter) = (c.hidden, c.head_dim, c.rms_norm_eps, c.intermediate);
+        let (q_dim, kv_dim) = (c.n_heads * hd, c.n_kv_heads * hd);
+        let width = q_dim + 2 * kv_dim;
+        let chunk = PREFILL_CHUNK.min(c.max_seq).max(1);
+        let mut start = start_pos;
+        let mut last_row = 0;
+        for ids in tokens.chunks(chunk) {
+            let m = ids.len();
+            let dev_ids = dev.stream().clone_htod(ids).map_err(|e| format!("uploading the prompt: {e}"))?;
+            kernels::embedding(dev, &embed.as_view(), h, &dev_ids.as_view(), &mut p.x.slice_mut(0..m * h))?;
+            for l in layers.iter_mut() {
+                // q, k, v for every token; RoPE and the cache rows start..start + m.
+                kernels::rms_norm(
+                    dev,
+                    &p.x.slice(0..m * h),
+                    &l.attn_norm.as_view(),
+                    eps,
+                    &mut p.normed.slice_mut(0..m * h),
+                )?;
+                kernels::split3(dev, &p.normed.slice(0..m * h), &mut p.planes.slice_mut(0..3 * m * h))?;
+                kernels::gemm_bf16x3(
+                    dev,
+                    &p.planes.slice(0..3 * m * h),
+                    &l.wqkv.as_view(),
+                    m,
+                    h,
+                    width,
+                    &mut p.qkv.slice_mut(0..m * width),
+                    false,
+                )?;
+                kernels::rope_store_rows(
+                    dev,
+                    &mut p.qkv.slice_mut(0..m * width),
+                    m,
+                    start,
+                    &freqs.as_view(),
+                    c.n_heads,
+                    c.n_kv_heads,
+                    hd,
+                    &mut l.k_cache.as_view_mut(),
+                    &mut l.v_cache.as_view_mut(),
+                )?;
+                kernels::attn_prefill(
+                    dev,
+                    &p.qkv.slice(0..m * width),
+                    width,
+                    &l.k_cache.as_view(),
+                    &l.v_cache.as_view(),
+                    m,
+                    start,
+                    c.n_heads,
+                    c.n_kv_heads,
+                    hd,
+                    &mut p.attn.slice_mut(0..m * q_dim),
+                )?;
+                // x += attn Wo^T
+                kernels::split3(dev, &p.attn.slice(0..m * q_dim), &mut p.planes.slice_mut(0..3 * m * q_dim))?;
+                kernels::gemm_bf16x3(
+                    dev,
+                    &p.planes.slice(0..3 * m * q_dim),
+                    &l.wo.as_view(),
+                    m,
+                    q_dim,
+                    h,
+                    &mut p.x.slice_mut(0..m * h),
+                    true,
+                )?;
+                // x += (silu(norm(x) Wgate^T) * norm(x) Wup^T) Wdown^T
+                kernels::rms_norm(
+                    dev,
+                    &p.x.slice(0..m * h),
+                    &l.ffn_norm.as_view(),
+                    eps,
+                    &mut p.normed.slice_mut(0..m * h),
+                )?;
+                kernels::split3(dev, &p.normed.slice(0..m * h), &mut p.planes.slice_mut(0..3 * m * h))?;
+                kernels::gemm_bf16x3(
+                    dev,
+                    &p.planes.slice(0..3 * m * h),
+                    &l.w_gate_up.as_view(),
+                    m,
+                    h,
+                    2 * inter,
+                    &mut p.gate_up.slice_mut(0..m * 2 * inter),
+                    false,
+                )?;
+                kernels::silu_mul_rows(
+                    dev,
+                    &p.gate_up.slice(0..m * 2 * inter),
+                    m,
+                    inter,
+                    &mut p.act.slice_mut(0..m * inter),
+                )?;
+                kernels::split3(dev, &p.act.slice(0..m * inter), &mut p.planes.slice_mut(0..3 * m * inter))?;
+                kernels::gemm_bf16x3(
+                    dev,
+                    &p.planes.slice(0..3 * m * inter),
+                    &l.w_down.as_view(),
+                    m,
+                    inter,
+                    h,
+                    &mut p.x.slice_mut(0..m * h),
+                    true,
+                )?;
+            }
+            start += m;
+            last_row = m - 1;
+        }
+        let Scratch { logits, part_v, part_i, head_ticket, ctl, trail, .. } = s;
+        kernels::mv_bf16_head(
+            dev,
+            &p.x.slice(last_row * h..(last_row + 1) * h),
+            &final_norm.as_view(),
+            eps,
+            &lm_head.as_view(),
+            c.vocab,
+            &mut logits.as_view_mut(),
+            false,
+            &mut part_v.as_view_mut(),
+            &mut part_i.as_view_mut(),
+            &mut head_ticket.as_view_mut(),
+            &mut ctl.as_view_mut(),
+            &mut trail.as_view_mut(),
+        )
     }
 
     /// Copy the logits to the host (the one wait of a host-driven step).
