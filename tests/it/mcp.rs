@@ -436,3 +436,69 @@ async fn the_clients_roots_become_the_workspace() {
     assert!(text.contains("outside the workspace") && text.contains("--model-dir"), "{text}");
     c.cancel().await.unwrap();
 }
+
+/// Regression: a line that is not JSON (invalid UTF-8, a lone surrogate escape, plain text) got no
+/// reply. JSON-RPC 2.0 (5.1) answers each with a Parse error, -32700, `id` null; the session goes on
+/// and the next request is answered as usual.
+#[test]
+fn lines_that_are_not_json_are_answered_with_a_parse_error() {
+    use std::io::{BufRead, Write};
+    let t = tempfile::tempdir().unwrap();
+    let mut child = std::process::Command::new(crate::bin())
+        .arg("--ledger")
+        .arg(t.path().join("l.sqlite"))
+        .arg("serve")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    stdin.write_all(b"\xff\xfe not utf-8\n").unwrap();
+    stdin.write_all(b"{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"ping\",\"params\":{\"s\":\"\\ud800\"}}\n").unwrap();
+    stdin.write_all(b"hello\n").unwrap();
+    let init = r#"{"jsonrpc":"2.0","id":7,"method":"initialize","params":{"protocolVersion":"2025-06-18","capabilities":{},"clientInfo":{"name":"t","version":"1"}}}"#;
+    writeln!(stdin, "{init}").unwrap();
+    stdin.flush().unwrap();
+    let mut replies = Vec::new();
+    for _ in 0..4 {
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        replies.push(serde_json::from_str::<Value>(&line).unwrap_or_else(|e| panic!("{e}: {line:?}")));
+    }
+    let parse_errors: Vec<&Value> = replies.iter().filter(|r| r["error"]["code"] == -32700).collect();
+    assert_eq!(parse_errors.len(), 3, "{replies:?}");
+    assert!(parse_errors.iter().all(|r| r.as_object().unwrap().contains_key("id") && r["id"].is_null()));
+    assert!(parse_errors[0]["error"]["message"].as_str().unwrap().contains("UTF-8"));
+    let init = replies.iter().find(|r| r["id"] == 7).expect("the initialize reply");
+    assert!(init["result"]["serverInfo"]["name"].is_string(), "{init}");
+    drop(stdin);
+    let start = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        assert!(start.elapsed() < std::time::Duration::from_secs(10), "serve did not exit at the end of its input");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// Regression: `lookup_contract {id: model.gemma2}` returned 21,501 characters of structured
+/// content at `--max-output 2000`. Each contract's TOML and graph are now cut to share the bound,
+/// saying how much was cut and where the whole contract is.
+#[test]
+fn lookup_keeps_its_structured_content_within_the_output_bound() {
+    let t = tempfile::tempdir().unwrap();
+    let mut ctx = crate::ctx(t.path());
+    ctx.max_output = 2000;
+    let req = metainfer::ops::lookup::LookupRequest { id: Some("model.gemma2".into()), ..Default::default() };
+    let r = metainfer::ops::lookup::lookup(&ctx, &req).unwrap();
+    let size = serde_json::to_string(&r).unwrap().chars().count();
+    assert!(size <= 2000, "{size} characters");
+    let c = &r.contracts[0];
+    assert!(c.cut > 10_000, "{}", c.cut);
+    assert!(c.toml.ends_with("the whole contract: resource ckb://contract/model.gemma2]"), "{}", c.toml);
+    // Unbounded, nothing is cut.
+    ctx.max_output = usize::MAX;
+    let whole = metainfer::ops::lookup::lookup(&ctx, &req).unwrap();
+    assert_eq!(whole.contracts[0].cut, 0);
+    assert!(serde_json::to_string(&whole).unwrap().chars().count() > 15_000);
+}
