@@ -150,6 +150,22 @@ pub struct Tolerance {
     pub reasoning: String,
 }
 
+/// A scale-aware logits tolerance: at each generation step the absolute tolerance is
+/// `max(atol, factor * d)`, where `d` is the largest |difference| between the reference's logits
+/// and the same reference's with every activation rounded to f32 (an engine's storage rounding),
+/// teacher-forced on the same tokens. On ordinary checkpoints `d` is far below atol and nothing
+/// changes; where large activations make f32 arithmetic inexact (a weight of 7e4, say), the
+/// tolerance grows with the error any f32 engine must make there, not with the engine's.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RoundingMargin {
+    /// The multiple of the reference's own f32 rounding error allowed (an engine also rounds
+    /// inside every reduction, and accumulates in another order).
+    pub factor: f64,
+    /// Why this factor.
+    pub reasoning: String,
+}
+
 /// One server-owned test case of a kernel: a named set of symbolic dimensions with their ranges.
 /// Each run draws concrete sizes within the ranges from a fresh seed.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
@@ -258,6 +274,10 @@ pub struct ModelFamily {
     /// Tolerance on logits of the end-to-end forward, per weight dtype (every one of
     /// [`WEIGHT_DTYPES`]; lint requires each, with its reasoning).
     pub logits_tolerance: BTreeMap<String, Tolerance>,
+    /// How the logits tolerance scales with this checkpoint's own f32 rounding error (absent: it
+    /// does not).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rounding_margin: Option<RoundingMargin>,
     /// Which weights an engine stores at its weight dtype and which stay f32, and what the reference
     /// rounds (lint requires it of every family).
     #[serde(default, skip_serializing_if = "Option::is_none")]

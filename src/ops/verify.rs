@@ -85,6 +85,10 @@ pub struct PromptResult {
     pub tie_at: i64,
     /// Largest |engine - reference| logit over compared steps.
     pub max_abs_err: f64,
+    /// The largest absolute tolerance a step was judged at when the family's rounding margin widened
+    /// it (this checkpoint's own activations make f32 inexact there); 0 when no step was widened.
+    #[serde(default)]
+    pub widened_atol: f64,
     /// First step whose logits are beyond tolerance, -1 when none. Step 0's logits are the prompt's
     /// last position (prefill); step k > 0 is the k-th decode step.
     #[serde(default = "minus_one")]
@@ -271,7 +275,7 @@ impl Report for VerifyReport {
         }
         for p in &self.prompts {
             s += &format!(
-                "{} {:?}{}: tokenizer {} tokens {} logits {} ({} steps, max abs {})\n   {:?}\n",
+                "{} {:?}{}: tokenizer {} tokens {} logits {} ({} steps, max abs {}{})\n   {:?}\n",
                 if p.error.is_empty() { "ok  " } else { "FAIL" },
                 p.prompt,
                 if p.random { " (random)" } else { "" },
@@ -280,6 +284,14 @@ impl Report for VerifyReport {
                 mark(p.logits_ok),
                 p.steps,
                 super::sci(p.max_abs_err),
+                if p.widened_atol > 0.0 {
+                    format!(
+                        "; atol widened to at most {} where this checkpoint's activations make f32 inexact",
+                        super::sci(p.widened_atol)
+                    )
+                } else {
+                    String::new()
+                },
                 p.text
             );
             if !p.error.is_empty() {
@@ -633,6 +645,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
             first_mismatch: -1,
             tie_at: -1,
             max_abs_err: 0.0,
+            widened_atol: 0.0,
             first_divergence: -1,
             divergence_phase: String::new(),
             divergence: None,
@@ -646,6 +659,22 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         let got_ids = tensors_out.get(&format!("prompt_ids.{i}")).cloned().unwrap_or_default();
         r.tokenizer_ok = got_ids == want_ids;
         let (rows, want_tokens) = reference.greedy_until(&want_ids, budgets[i], &generation.eos_token_ids)?;
+        // The family's rounding margin: each step's atol grows with the f32 rounding error of this
+        // checkpoint's own activations there (ckb::RoundingMargin).
+        let margins: Vec<f64> = match &m.rounding_margin {
+            Some(rm) if reference.set_f32_activations(true) => {
+                let mut seq = want_ids.clone();
+                seq.extend_from_slice(&want_tokens[..want_tokens.len().saturating_sub(1)]);
+                let rounded = reference.forced(&seq);
+                reference.set_f32_activations(false);
+                let rounded = rounded?;
+                rows.iter()
+                    .zip(&rounded[want_ids.len() - 1..])
+                    .map(|(a, b)| rm.factor * a.iter().zip(b).fold(0.0f64, |d, (x, y)| d.max((x - y).abs())))
+                    .collect()
+            }
+            _ => vec![],
+        };
         r.stopped_at_eos =
             want_tokens.len() < budgets[i] && want_tokens.last().is_some_and(|t| generation.eos_token_ids.contains(t));
         let got_tokens = tensors_out.get(&format!("tokens.{i}")).cloned().unwrap_or_default();
@@ -661,7 +690,14 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
                 break;
             };
             r.steps = step + 1;
-            let v = crate::oracle::compare(got_row, want_row, &tol);
+            let step_tol = match margins.get(step) {
+                Some(&w) if w > tol.atol => {
+                    r.widened_atol = r.widened_atol.max(w);
+                    Tolerance { atol: w, ..tol.clone() }
+                }
+                _ => tol.clone(),
+            };
+            let v = crate::oracle::compare(got_row, want_row, &step_tol);
             if non_finite.is_none() {
                 non_finite = v.non_finite.map(|nf| (step, nf));
             }
@@ -684,7 +720,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
                 // A near-tie in the reference: the engine's choice is within tolerance of the best.
                 let best = want_row[w as usize];
                 let theirs = want_row.get(g as usize).copied().unwrap_or(f64::NEG_INFINITY);
-                if ok && best - theirs <= tol.atol + tol.rtol * best.abs() {
+                if ok && best - theirs <= step_tol.atol + step_tol.rtol * best.abs() {
                     r.tie_at = step as i64;
                 } else {
                     tokens_ok = false;
