@@ -20,7 +20,8 @@ const GLOBAL: &str = "Global options";
         metainfer register --client claude --model-dir ../shared/models\n  \
         metainfer install-skills --client claude\n\n\
         Environment: METAINFER_LEDGER (ledger file), METAINFER_CACHE (build cache), METAINFER_MODEL \
-        (the demo's model), METAINFER_LOG (log filter, e.g. debug)."
+        (the demo's model; default: the BabyLlama-105 built into this binary), METAINFER_TOKENIZERS (tokenizer \
+        test vectors beyond the shipped ones; default ../shared/tokenizers), METAINFER_LOG (log filter, e.g. debug)."
 )]
 pub struct Cli {
     #[command(flatten)]
@@ -568,11 +569,12 @@ pub enum Command {
         after_help = "Examples:\n  metainfer demo\n  metainfer demo --model ~/models/babyllama-105 --keep /tmp/demo"
     )]
     Demo {
-        /// Model directory (default: $METAINFER_MODEL, else shared/models/babyllama-105 or
-        /// ../shared/models/babyllama-105 from the current directory).
+        /// Model directory (default: $METAINFER_MODEL, else the BabyLlama-105 checkpoint built into
+        /// this binary, written into the demo's workspace).
         #[arg(long, value_name = "DIR")]
         model: Option<PathBuf>,
-        /// Keep the workspace (scaffolded engine, and the demo's own ledger) in this directory.
+        /// Keep the workspace (scaffolded engine, the embedded model's copy, and the demo's own ledger
+        /// unless --ledger or $METAINFER_LEDGER names another) in this directory.
         #[arg(long, value_name = "DIR")]
         keep: Option<PathBuf>,
         /// Tokens to generate (103 reproduces the golden continuation of "Once upon a time").

@@ -16,6 +16,7 @@ pub use crate::beneath::Files;
 use crate::ckb::{Ckb, Contract, ModelFamily};
 use crate::error::{Error, Result};
 
+pub mod embedded;
 mod generation;
 mod scaling;
 pub mod tokenizer;
