@@ -50,7 +50,8 @@ pub const CODEX_TIMEOUT_MARGIN_S: u64 = 60;
 /// The server entry a client starts.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Entry {
-    /// Executable: `metainfer` when that name on PATH is this binary, else its absolute path.
+    /// Executable: the absolute, canonical path of the binary that registered it (a client started
+    /// from a desktop menu may not have `~/.cargo/bin` on its PATH).
     pub command: String,
     /// Arguments, starting with `serve`.
     pub args: Vec<String>,
@@ -147,10 +148,11 @@ impl Client {
         }
     }
 
-    /// The entry for a project: `exe serve --workspace <project> ...` with every option of `opts`
+    /// The entry for a project: `exe serve --workspace <project> ...` (`exe` as given: the caller
+    /// passes the running binary's canonical path) with every option of `opts`
     /// that differs from its default. Paths inside the project are written relative to the
     /// workspace where the client supports it (portable project files); others absolute.
-    pub fn entry(self, project: &Path, exe: &Path, on_path: bool, opts: &ServerOptions) -> Entry {
+    pub fn entry(self, project: &Path, exe: &Path, opts: &ServerOptions) -> Entry {
         let token = self.workspace_token();
         let rel = |p: &Path| -> PathBuf {
             let abs = std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
@@ -166,7 +168,7 @@ impl Client {
         o.ckb = opts.ckb.as_deref().map(rel);
         o.ledger = opts.ledger.as_deref().map(rel);
         o.cache = opts.cache.as_deref().map(rel);
-        let command = if on_path { "metainfer".to_string() } else { exe.display().to_string() };
+        let command = exe.display().to_string();
         let mut e = Entry { command, args: o.serve_args(), ..Entry::default() };
         if self == Client::Codex {
             e.env_vars = CODEX_ENV_VARS.iter().map(|s| s.to_string()).collect();
@@ -412,18 +414,6 @@ pub fn register(client: Client, project: &Path, name: &str, e: &Entry, replace: 
     Ok((path, merged))
 }
 
-/// Whether `metainfer` on PATH is the executable `exe` (then project files can name the command
-/// portably).
-pub fn on_path(exe: &Path) -> bool {
-    let Some(path) = std::env::var_os("PATH") else { return false };
-    let exe = exe.canonicalize().unwrap_or_else(|_| exe.to_path_buf());
-    std::env::split_paths(&path)
-        .map(|d| d.join("metainfer"))
-        .find(|c| c.is_file())
-        .and_then(|c| c.canonicalize().ok())
-        .is_some_and(|c| c == exe)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -540,8 +530,8 @@ mod tests {
             ledger: Some("/l.sqlite".into()),
             ..ServerOptions::default()
         };
-        let e = Client::Vscode.entry(project, Path::new("/bin/metainfer"), true, &opts);
-        assert_eq!(e.command, "metainfer");
+        let e = Client::Vscode.entry(project, Path::new("/bin/metainfer"), &opts);
+        assert_eq!(e.command, "/bin/metainfer");
         assert_eq!(
             e.args,
             [
@@ -558,7 +548,7 @@ mod tests {
                 "1200"
             ]
         );
-        let c = Client::Codex.entry(project, Path::new("/opt/x/metainfer"), false, &opts);
+        let c = Client::Codex.entry(project, Path::new("/opt/x/metainfer"), &opts);
         assert_eq!(c.command, "/opt/x/metainfer");
         assert_eq!(c.args[1..3], ["--workspace".to_string(), "/home/u/proj".to_string()]);
         assert_eq!(c.tool_timeout_s, Some(1200 + CODEX_TIMEOUT_MARGIN_S));

@@ -88,7 +88,7 @@ fn help_groups_global_options_documents_every_option_and_gives_examples() {
 }
 
 #[test]
-fn register_writes_every_server_option_and_asks_before_replacing() {
+fn register_writes_the_absolute_binary_and_every_server_option_and_asks_before_replacing() {
     let t = tempfile::tempdir().unwrap();
     let project = t.path().join("proj");
     let models = t.path().join("models");
@@ -118,6 +118,12 @@ fn register_writes_every_server_option_and_asks_before_replacing() {
     let args = v["mcpServers"]["metainfer"]["args"].as_array().unwrap().clone();
     assert_eq!(args[..3], [serde_json::json!("serve"), "--workspace".into(), ".".into()], "{v}");
     assert!(args.iter().any(|a| a == "--model-dir"), "{v}");
+    // The command is this binary's absolute, canonical path (a client started from a desktop menu
+    // may not have ~/.cargo/bin on its PATH), and register shows it.
+    let exe = crate::bin().canonicalize().unwrap().display().to_string();
+    assert_eq!(v["mcpServers"]["metainfer"]["command"], exe.as_str(), "{v}");
+    assert_eq!(e["command"].as_str(), Some(exe.as_str()));
+    assert!(text(&out.stdout).contains(&format!("the client starts {exe}")), "{}", text(&out.stdout));
     let out = run(&["register", "--client", "claude", "--dir", "proj", "--read-only"], t.path());
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out.stderr).contains("--replace"), "{}", text(&out.stderr));
