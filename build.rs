@@ -42,7 +42,9 @@ fn main() {
 
     let data = Path::new(&env::var("OUT_DIR").expect("cargo sets OUT_DIR")).join("embedded_data.rs");
     let mut code = String::new();
-    for (konst, folder) in [("BABYLLAMA", "examples/models/babyllama-105"), ("TOKENIZER_VECTORS", "examples/tokenizers")] {
+    for (konst, folder) in
+        [("BABYLLAMA", "examples/models/babyllama-105"), ("TOKENIZER_VECTORS", "examples/tokenizers")]
+    {
         let dir = Path::new(&root).join(folder);
         println!("cargo:rerun-if-changed={}", dir.display());
         let mut files: Vec<_> = walkdir::WalkDir::new(&dir)

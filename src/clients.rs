@@ -292,6 +292,74 @@ impl Client {
     }
 }
 
+impl Client {
+    /// The client's name as its users know it.
+    pub fn title(self) -> &'static str {
+        match self {
+            Client::Claude => "Claude Code",
+            Client::Cursor => "Cursor",
+            Client::Vscode => "VS Code",
+            Client::Codex => "Codex",
+            Client::Gemini => "Gemini CLI",
+        }
+    }
+
+    /// Whether the client starts servers with its own (the user's) environment plus the entry's
+    /// `env`; false for Codex, which passes only the variables the entry lists in `env_vars`.
+    pub fn inherits_environment(self) -> bool {
+        self != Client::Codex
+    }
+
+    /// The entry `name` in the text of this client's config file; None when there is none.
+    ///
+    /// # Errors
+    /// [`crate::error::ErrorKind::Input`] when the file is not valid JSON (with comments) or TOML,
+    /// or the entry has no string `command`.
+    pub fn read_entry(self, text: &str, name: &str) -> Result<Option<Entry>> {
+        let v: Value = if self == Client::Codex {
+            let t: toml::Table = toml::from_str(text)
+                .map_err(|e| Error::input(format!("not valid TOML: {e}; fix it by hand or register again")))?;
+            let v = serde_json::to_value(t).map_err(|e| Error::input(e.to_string()))?;
+            v.get("mcp_servers").and_then(|s| s.get(name)).cloned().unwrap_or(Value::Null)
+        } else {
+            let root = CstRootNode::parse(if text.trim().is_empty() { "{}" } else { text }, &ParseOptions::default())
+                .map_err(|e| Error::input(format!("not valid JSON (comments allowed): {e}; fix it by hand")))?;
+            let v = root.to_serde_value().unwrap_or(Value::Null);
+            let key = if self == Client::Vscode { "servers" } else { "mcpServers" };
+            v.get(key).and_then(|s| s.get(name)).cloned().unwrap_or(Value::Null)
+        };
+        if v.is_null() {
+            return Ok(None);
+        }
+        let strings = |x: &Value| -> Vec<String> {
+            x.as_array().map(|a| a.iter().filter_map(|s| s.as_str().map(str::to_string)).collect()).unwrap_or_default()
+        };
+        let command = v["command"].as_str().ok_or_else(|| {
+            Error::input(format!("entry `{name}` has no string `command`; register again with --replace"))
+        })?;
+        Ok(Some(Entry {
+            command: command.to_string(),
+            args: strings(&v["args"]),
+            env: v["env"]
+                .as_object()
+                .map(|o| o.iter().filter_map(|(k, x)| x.as_str().map(|s| (k.clone(), s.to_string()))).collect())
+                .unwrap_or_default(),
+            env_vars: strings(&v["env_vars"]),
+            tool_timeout_s: v["tool_timeout_sec"].as_u64(),
+        }))
+    }
+
+    /// A path argument of an entry as the client resolves it for `project`: the workspace tokens
+    /// (`${workspaceFolder}`, Claude Code's `.`) and relative paths from the project directory.
+    pub fn resolve_arg(self, project: &Path, arg: &str) -> PathBuf {
+        let arg = arg.replace("${workspaceFolder}", &project.display().to_string());
+        let p = PathBuf::from(arg);
+        let p = if p.is_absolute() { p } else { project.join(p) };
+        // `.` components dropped: `.` is the project itself.
+        p.components().collect()
+    }
+}
+
 /// A short account of an existing entry for messages: its command and arguments.
 fn describe(entry: &Value) -> String {
     let args: Vec<String> = entry["args"]

@@ -105,7 +105,19 @@ fn summary_line(tool: &str, v: &Value) -> String {
             let ps = v["prompts"].as_array().cloned().unwrap_or_default();
             let ok = ps.iter().filter(|p| p["error"] == "").count();
             let worst = ps.iter().filter_map(|p| p["max_abs_err"].as_f64()).fold(0.0, f64::max);
-            format!("{ok}/{} prompts exact, max logit err {worst:.1e}", ps.len())
+            let vocabularies: Vec<&str> = v["tokenizer_vectors"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|x| x["vocabulary"].as_str())
+                .collect();
+            let skipped = v["skipped"].as_array().map_or(0, Vec::len);
+            format!(
+                "{ok}/{} prompts exact, max logit err {worst:.1e}, tokenizer vectors {}{}",
+                ps.len(),
+                if vocabularies.is_empty() { "none".to_string() } else { vocabularies.join(", ") },
+                if skipped > 0 { format!(" ({skipped} skipped)") } else { String::new() }
+            )
         }
         "profile_engine" => format!(
             "decode {:.0} tok/s, prefill {:.0} tok/s (median of {})",
@@ -212,6 +224,7 @@ pub async fn run(opts: DemoOptions) -> Result<bool> {
     let e = engine.display().to_string();
     let mut steps: Vec<Step> = Vec::new();
     let mut text = String::new();
+    let mut skipped: Vec<String> = Vec::new();
     let calls: Vec<(&str, Value)> = vec![
         ("plan_engine", json!({"model": m, "target": "cpu", "dtype": "f32"})),
         ("lookup_contract", json!({"id": "kernel.rope"})),
@@ -270,6 +283,8 @@ pub async fn run(opts: DemoOptions) -> Result<bool> {
         };
         if tool == "verify_generation" {
             text = v["prompts"][0]["text"].as_str().unwrap_or_default().to_string();
+            skipped =
+                v["skipped"].as_array().into_iter().flatten().filter_map(Value::as_str).map(str::to_string).collect();
         }
         println!("  {tool:<18} {}  {seconds:>6.1} s  {detail}", if passed { "PASS" } else { "FAIL" });
         steps.push(Step { tool: tool.into(), passed, seconds, detail });
@@ -292,6 +307,9 @@ pub async fn run(opts: DemoOptions) -> Result<bool> {
             s.seconds,
             s.detail
         );
+    }
+    for k in &skipped {
+        println!("verify_generation skipped: {k}");
     }
     if !text.is_empty() {
         println!("\nGenerated (greedy, verified token by token against the reference):\n{text}\n");

@@ -499,6 +499,16 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
+        Command::Doctor { client: cl, dir, name, json } => {
+            let project = dir.canonicalize().map_err(|e| Error::usage(format!("--dir {}: {e}", dir.display())))?;
+            let r = metainfer::doctor::check(client(cl), &project, name)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&r).expect("report serialises"));
+            } else {
+                print!("{}", r.text());
+            }
+            Ok(if r.passed() { ExitCode::SUCCESS } else { ExitCode::from(1) })
+        }
         Command::Register { client: cl, print, dir, name, replace, serve } => {
             let cl = client(cl);
             let project = dir.canonicalize().map_err(|e| Error::usage(format!("--dir {}: {e}", dir.display())))?;

@@ -980,8 +980,12 @@ fn localise_step(
 /// ones shipped with the binary that were not found there (written into the cache); and each known
 /// vocabulary of that contract found in neither, with why it was not checked.
 fn vocabulary_sets(ctx: &Ctx, contract: &str) -> (Vec<model::tokenizer::VectorSet>, Vec<String>) {
-    let dir = model::tokenizer::vectors_dir();
-    let mut sets = model::tokenizer::vector_sets(&ctx.ckb, &dir);
+    vocabulary_sets_in(ctx, contract, &model::tokenizer::vectors_dir())
+}
+
+/// As [`vocabulary_sets`], with the vectors directory `dir`.
+pub fn vocabulary_sets_in(ctx: &Ctx, contract: &str, dir: &Path) -> (Vec<model::tokenizer::VectorSet>, Vec<String>) {
+    let mut sets = model::tokenizer::vector_sets(&ctx.ckb, dir);
     match model::embedded::write_shipped_vectors(&ctx.workshop.root) {
         Ok(shipped) => {
             for d in shipped {
