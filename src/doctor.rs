@@ -256,10 +256,12 @@ pub async fn run(client: Client, project: &Path, name: Option<String>) -> Result
         };
         let Some(v) = args.next() else { continue };
         let dir = client.resolve_arg(project, v);
+        let shown = if Path::new(v) == dir { v.clone() } else { format!("{v} = {}", dir.display()) };
         match readable_dir(&dir, &format!("{what} `{v}` ="), &again) {
-            Ok(n) => {
-                report.checks.push(pass(what, format!("{v} = {}: a readable directory ({n} entries)", dir.display())))
-            }
+            Ok(n) => report.checks.push(pass(
+                what,
+                format!("{shown}: a readable directory ({n} {})", if n == 1 { "entry" } else { "entries" }),
+            )),
             Err((detail, fix)) => {
                 dirs_ok = false;
                 report.checks.push(fail(what, detail, fix));
