@@ -6,7 +6,7 @@
 //! directory a gate confined, read through its handle so a swap after the check redirects nothing).
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -16,6 +16,7 @@ pub use crate::beneath::Files;
 use crate::ckb::{Ckb, Contract, ModelFamily};
 use crate::error::{Error, Result};
 
+pub mod embedded;
 mod generation;
 mod scaling;
 pub mod tokenizer;
@@ -547,13 +548,4 @@ pub fn hf_encode_plain(tok: &tokenizers::Tokenizer, text: &str) -> Result<Vec<u3
 /// When an id is outside the vocabulary.
 pub fn hf_decode(tok: &tokenizers::Tokenizer, ids: &[u32]) -> Result<String> {
     tok.decode(ids, true).map_err(|e| Error::input(format!("tokenizer cannot decode {ids:?}: {e}")))
-}
-
-/// The model directory used by the demo and tests: `../shared/models/babyllama-105` relative to the
-/// repository, or `$METAINFER_MODEL` when set.
-pub fn default_model_dir() -> PathBuf {
-    if let Ok(p) = std::env::var("METAINFER_MODEL") {
-        return PathBuf::from(p);
-    }
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/models/babyllama-105")
 }

@@ -205,9 +205,15 @@ pub struct VerifyReport {
     #[serde(default)]
     pub tokenizer: String,
     /// The engine's tokenizer on the real vocabularies of the same tokenizer contract (their
-    /// tests.json texts and ids); empty when no vectors are found (see `model::tokenizer::vectors_dir`).
+    /// tests.json texts and ids): those of `$METAINFER_TOKENIZERS` (default `../shared/tokenizers`)
+    /// and those shipped with the binary (`model::embedded::VOCABULARIES`).
     #[serde(default)]
     pub tokenizer_vectors: Vec<VectorResult>,
+    /// Every check this run skipped, each with why and what would run it: the real vocabularies of
+    /// the model's tokenizer contract that were neither found nor shipped; empty when nothing was
+    /// skipped.
+    #[serde(default)]
+    pub skipped: Vec<String>,
     /// Things the engine author should know that did not fail the gate (e.g. an ignored lm_head).
     #[serde(default)]
     pub warnings: Vec<String>,
@@ -260,6 +266,9 @@ impl Report for VerifyReport {
         }
         for w in &self.warnings {
             s += &format!("warning: {w}\n");
+        }
+        for k in &self.skipped {
+            s += &format!("skipped: {k}\n");
         }
         for v in &self.tokenizer_vectors {
             s += &format!(
@@ -535,6 +544,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         stop_tokens: generation.eos_token_ids.clone(),
         tokenizer: tokenizer_contract.clone(),
         tokenizer_vectors: vec![],
+        skipped: vec![],
         warnings: warnings.clone(),
         sandboxed: ctx.workshop.sandboxed(),
     };
@@ -553,7 +563,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     };
     // The engine's tokenizer on the real vocabularies of its tokenizer contract, in the same
     // exchange (a bundle holds both requests).
-    let sets = vocabulary_sets(ctx, &tokenizer_contract);
+    let (sets, vectors_skipped) = vocabulary_sets(ctx, &tokenizer_contract);
     let mut commands = vec![(command, vec![])];
     if let Some(c) = tokenize_command(&gate, &h, &sets)? {
         commands.push((c, vec![]));
@@ -844,6 +854,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         stop_tokens: generation.eos_token_ids.clone(),
         tokenizer: tokenizer_contract.clone(),
         tokenizer_vectors: vectors,
+        skipped: vectors_skipped,
         warnings,
         sandboxed: ctx.workshop.sandboxed(),
     };
@@ -1017,12 +1028,47 @@ fn localise_step(
     Ok(at)
 }
 
-/// The real vocabularies (see `model::tokenizer::vector_sets`) that route to tokenizer `contract`.
-fn vocabulary_sets(ctx: &Ctx, contract: &str) -> Vec<model::tokenizer::VectorSet> {
-    model::tokenizer::vector_sets(&ctx.ckb, &model::tokenizer::vectors_dir())
-        .into_iter()
-        .filter(|s| s.contract == contract)
-        .collect()
+/// The real vocabularies that route to tokenizer `contract`: those of
+/// `model::tokenizer::vectors_dir` (`$METAINFER_TOKENIZERS` or `../shared/tokenizers`), then the
+/// ones shipped with the binary that were not found there (written into the cache); and each known
+/// vocabulary of that contract found in neither, with why it was not checked.
+fn vocabulary_sets(ctx: &Ctx, contract: &str) -> (Vec<model::tokenizer::VectorSet>, Vec<String>) {
+    vocabulary_sets_in(ctx, contract, &model::tokenizer::vectors_dir())
+}
+
+/// As [`vocabulary_sets`], with the vectors directory `dir`.
+pub fn vocabulary_sets_in(ctx: &Ctx, contract: &str, dir: &Path) -> (Vec<model::tokenizer::VectorSet>, Vec<String>) {
+    let mut sets = model::tokenizer::vector_sets(&ctx.ckb, dir);
+    match model::embedded::write_shipped_vectors(&ctx.workshop.root) {
+        Ok(shipped) => {
+            for d in shipped {
+                let name = d.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+                if !sets.iter().any(|s| s.name == name)
+                    && let Ok(s) = model::tokenizer::read_vector_set(&ctx.ckb, &d)
+                {
+                    sets.push(s);
+                }
+            }
+        }
+        Err(e) => tracing::warn!("the shipped tokenizer vectors could not be written: {e}"),
+    }
+    sets.retain(|s| s.contract == contract);
+    sets.sort_by(|a, b| a.name.cmp(&b.name));
+    let skipped = model::embedded::VOCABULARIES
+        .iter()
+        .filter(|v| v.contract == contract && !sets.iter().any(|s| s.name == v.name))
+        .map(|v| {
+            format!(
+                "tokenizer vectors {} ({}): not found in {} ($METAINFER_TOKENIZERS) and not shipped with the binary ({}{})",
+                v.name,
+                v.contract,
+                dir.display(),
+                v.licence,
+                if v.shipped { "; writing the shipped copy failed" } else { "" }
+            )
+        })
+        .collect();
+    (sets, skipped)
 }
 
 /// The harness command `tokenize` over `sets`, None when there are none. Run here, it names the
