@@ -141,12 +141,26 @@ fn the_embedded_model_is_the_provenance_checkpoint() {
     let mut files: Vec<&str> = metainfer::model::embedded::babyllama_files().iter().map(|(n, _)| *n).collect();
     files.sort();
     assert_eq!(files, ["LICENSE", "PROVENANCE.md", "config.json", "model.safetensors", "tokenizer.json"]);
-    // The only checkpoint in the repository.
-    let weights: Vec<PathBuf> = walkdir::WalkDir::new(env!("CARGO_MANIFEST_DIR"))
+    // The only checkpoint in the repository (its committed files; a checkout's ignored files, such
+    // as build outputs, are not the repository's).
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let listed = std::process::Command::new("git").arg("-C").arg(root).args(["ls-files", "-z"]).output();
+    let files: Vec<PathBuf> = match listed {
+        Ok(o) if o.status.success() => o
+            .stdout
+            .split(|&b| b == 0)
+            .filter(|f| !f.is_empty())
+            .map(|f| root.join(String::from_utf8_lossy(f).as_ref()))
+            .collect(),
+        _ => walkdir::WalkDir::new(root)
+            .into_iter()
+            .filter_entry(|e| e.file_name() != "target" && e.file_name() != ".git")
+            .filter_map(Result::ok)
+            .map(|e| e.into_path())
+            .collect(),
+    };
+    let weights: Vec<PathBuf> = files
         .into_iter()
-        .filter_entry(|e| e.file_name() != "target" && e.file_name() != ".git")
-        .filter_map(Result::ok)
-        .map(|e| e.into_path())
         .filter(|p| p.extension().is_some_and(|x| x == "safetensors" || x == "bin" || x == "gguf"))
         .collect();
     assert_eq!(weights, [dir.join("model.safetensors")]);
