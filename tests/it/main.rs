@@ -29,6 +29,7 @@ mod sandbox;
 mod serving;
 mod signals;
 mod tidy;
+mod verdicts;
 
 use std::path::{Path, PathBuf};
 
