@@ -746,7 +746,10 @@ impl Ckb {
                     if !(r.factor.is_finite() && (1.0..=1000.0).contains(&r.factor)) {
                         bad(
                             "/model/rounding_margin/factor",
-                            format!("{} is no multiple of a rounding error: give a finite factor in 1..=1000", r.factor),
+                            format!(
+                                "{} is no multiple of a rounding error: give a finite factor in 1..=1000",
+                                r.factor
+                            ),
                         );
                     }
                     if r.reasoning.trim().is_empty() {

@@ -181,6 +181,12 @@ pub struct TestCase {
     /// What the case is meant to catch.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub doc: String,
+    /// The name of a mutant of the kernel (a failure mode's `mutant`) this case must expose: cases
+    /// are drawn again until that mutant's output differs from the oracle's (another index, or a
+    /// value off by more than 1e-3 of its size), so the failure mode is caught on every run, not on
+    /// the runs whose random draw happens to show it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exposes: Option<String>,
 }
 
 fn one() -> f64 {

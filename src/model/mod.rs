@@ -413,6 +413,29 @@ pub fn declared_dtype(config: &serde_json::Map<String, Value>) -> Option<&'stati
     }
 }
 
+/// Notes on stored dtypes that differ from the one config.json declares without being refused: a
+/// checkpoint declaring bfloat16 whose tensors are stored as F16 (or the reverse) was converted on
+/// export, through a format of another range and precision (F16: 5 exponent bits, largest 65504;
+/// BF16: 8 exponent bits, 7 fraction bits), so its values may not be the trained ones. Both widen
+/// exactly, and the reference and the engine compute with them as stored. Empty when they agree.
+pub fn dtype_notes(config: &serde_json::Map<String, Value>, layout: &WeightLayout) -> Vec<String> {
+    let Some(declared) = declared_dtype(config) else { return vec![] };
+    let other = match declared {
+        "BF16" => "F16",
+        "F16" => "BF16",
+        _ => return vec![],
+    };
+    let n = layout.tensors.values().filter(|t| t.dtype == other).count();
+    if n == 0 {
+        return vec![];
+    }
+    vec![format!(
+        "config.json declares {} but {n} of {} tensors are stored as {other}: they were converted on export through a format of another range and precision, so they may differ from the trained values (they are read exactly as stored; re-export in the declared dtype to check the model as trained)",
+        if declared == "BF16" { "bfloat16" } else { "float16" },
+        layout.tensors.len()
+    )]
+}
+
 /// Check the stored dtypes of a checkpoint against its family's dtype policy
 /// (`[model.dtype_policy]`): every tensor is F32, BF16 or F16, and when config.json declares float32,
 /// the tensors the policy keeps in f32 (norm gains, biases) are stored as F32.

@@ -450,6 +450,7 @@ pub fn serve_engine(ctx: &Ctx, req: &ServeRequest, budget: &Budget) -> Result<Se
     let held = ctx.confine_model(Path::new(&req.model))?;
     let model_dir = held.path().to_path_buf();
     let cfg = model::load_config(&ctx.ckb, &held)?;
+    super::preconditions::check(&ctx.ckb, held.path(), &cfg, &model::read_config(&held)?)?;
     gate.same_family(&model_dir, &cfg.family)?;
     let seed = req.seed.unwrap_or_else(crate::util::fresh_seed);
     gate.seed = Some(seed);

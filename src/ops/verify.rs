@@ -462,6 +462,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     let model_dir = held.path().to_path_buf();
     let target = gate.target.clone();
     let cfg = model::load_config(&ctx.ckb, &held)?;
+    super::preconditions::check(&ctx.ckb, held.path(), &cfg, &model::read_config(&held)?)?;
     gate.same_family(&model_dir, &cfg.family)?;
     let family = ctx.ckb.get(&cfg.family)?;
     let logits_tol = &family.model.as_ref().expect("model contract").logits_tolerance;
@@ -478,6 +479,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     let tensors = model::weights::read_layout(&held, &layout)?;
     model::check_weight_range(&tensors, &target.dtype)?;
     let mut warnings: Vec<String> = model::tied_head_warning(&cfg, &tensors).into_iter().collect();
+    warnings.extend(model::dtype_notes(&model::read_config(&held)?, &layout));
     let mut reference =
         Reference::of_family(family.model.as_ref().expect("model contract"), &cfg, tensors, &target.dtype)?;
     let tok = model::hf_tokenizer(&held)?;
@@ -666,6 +668,12 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
             error: String::new(),
         };
         let want_ids = model::hf_encode(&tok, prompt)?;
+        if want_ids.len() >= 2 && want_ids[0] == want_ids[1] && generation.bos_token_id == Some(want_ids[0]) {
+            warnings.push(format!(
+                "prompt {prompt:?} begins with the BOS token's text, and the tokenizer adds BOS too: it encodes with BOS twice ({:?}...); HF encodes it the same way, so it is checked as given, but a model rarely saw a doubled BOS in training: drop the typed one",
+                &want_ids[..2]
+            ));
+        }
         let got_ids = tensors_out.get(&format!("prompt_ids.{i}")).cloned().unwrap_or_default();
         r.tokenizer_ok = got_ids == want_ids;
         let (rows, want_tokens) = reference.greedy_until(&want_ids, budgets[i], &generation.eos_token_ids)?;
@@ -837,6 +845,21 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         // No mutant explains the logits (e.g. two mistakes): the one that explains the first
         // diverging point still names the first.
         diagnosis = localisation.as_ref().map(|l| l.mutants.clone()).unwrap_or_default();
+    }
+    if let (true, Some(f)) = (diagnosis.is_empty(), &first_fail) {
+        // Nothing reproduces the engine: the suspects are the mutants that first depart where it
+        // does (never an empty list for failing logits).
+        let point = localisation.as_ref().map(|l| l.point.as_str()).filter(|p| !p.is_empty());
+        diagnosis = crate::oracle::diagnose::where_it_departs(
+            &ctx.ckb,
+            &mut reference,
+            &f.ids,
+            &f.tokens,
+            &f.logits,
+            f.step,
+            point,
+            &tol,
+        );
     }
     let mut report = VerifyReport {
         passed,

@@ -654,6 +654,7 @@ impl Exec<'_> {
                     gqa_modulo: m.has(Mutation::GqaModulo),
                     no_mask: false,
                     no_scale: m.has(Mutation::AttentionNoScale),
+                    softmax_no_max: false,
                 };
                 let (keys, values) = (&self.k_cache[l][from..], &self.v_cache[l][from..]);
                 match (n.params.get("scale"), n.params.get("softcap")) {

@@ -353,6 +353,7 @@ fn attend(m: Mutations, q: &[f64], k: &[f64], v: &[f64], s: AttnShape) -> Vec<f6
         gqa_modulo: m.has(Mutation::GqaModulo),
         no_mask: false,
         no_scale: m.has(Mutation::AttentionNoScale),
+        softmax_no_max: false,
     };
     attention::core(q, k, v, s, f)
 }

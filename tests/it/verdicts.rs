@@ -81,7 +81,9 @@ fn a_weight_beyond_the_f16_range_is_named_at_plan_and_verify() {
     crate::Engine::Simd.copy_to(&engine);
     let e = verify(&ctx, &verify_req(&engine, &model, Some("f16")), &Budget::secs(60)).unwrap_err();
     assert!(
-        e.message.contains(WEIGHT.0) && e.message.contains("7.0144e4") && e.message.contains("choose dtype bf16 or f32"),
+        e.message.contains(WEIGHT.0)
+            && e.message.contains("7.0144e4")
+            && e.message.contains("choose dtype bf16 or f32"),
         "{}",
         e.message
     );
@@ -218,13 +220,19 @@ fn layer_types_that_contradict_the_graph_are_a_gap() {
     edit_json(&dir.join("config.json"), |c| c["layer_types"][0] = json!("full_attention"));
     let p = plan(&dir);
     let gap = p.gaps.iter().find(|g| g.field == "layer_types").expect("a layer_types gap");
-    assert!(gap.reason.starts_with("layer 0 is \"full_attention\", but model.gemma2's graph gives it a sliding window"), "{}", gap.reason);
+    assert!(
+        gap.reason.starts_with("layer 0 is \"full_attention\", but model.gemma2's graph gives it a sliding window"),
+        "{}",
+        gap.reason
+    );
     // A list of the wrong length, and a type no graph names.
     edit_json(&dir.join("config.json"), |c| {
         c["layer_types"][0] = json!("sliding_attention");
         c["layer_types"].as_array_mut().unwrap().pop();
     });
-    assert!(plan(&dir).gaps.iter().any(|g| g.field == "layer_types" && g.reason.contains("entries, but num_hidden_layers")));
+    assert!(
+        plan(&dir).gaps.iter().any(|g| g.field == "layer_types" && g.reason.contains("entries, but num_hidden_layers"))
+    );
     edit_json(&dir.join("config.json"), |c| c["layer_types"].as_array_mut().unwrap().push(json!("chunked_attention")));
     assert!(plan(&dir).gaps.iter().any(|g| g.field == "layer_types" && g.reason.contains("\"chunked_attention\"")));
 }
@@ -243,7 +251,11 @@ fn half_weights_stored_in_the_other_half_format_get_a_note() {
     let layout = metainfer::model::weight_layout(&dir).unwrap();
     let notes = metainfer::model::dtype_notes(&config, &layout);
     assert_eq!(notes.len(), 1);
-    assert!(notes[0].starts_with("config.json declares bfloat16 but 47 of 47 tensors are stored as F16"), "{}", notes[0]);
+    assert!(
+        notes[0].starts_with("config.json declares bfloat16 but 47 of 47 tensors are stored as F16"),
+        "{}",
+        notes[0]
+    );
     // Declared as stored: nothing to say.
     edit_json(&dir.join("config.json"), |c| c["torch_dtype"] = json!("float16"));
     assert!(metainfer::model::dtype_notes(&metainfer::model::read_config(&dir).unwrap(), &layout).is_empty());
