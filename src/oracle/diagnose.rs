@@ -366,8 +366,10 @@ fn first_departure(a: &Trace, b: &Trace, tol: &Tolerance) -> Option<String> {
 /// When no mutant reproduces the engine (two mistakes, or one the mutants make only in a simpler
 /// form, such as a KV row written at a wrong position into a cache that is not empty), name the
 /// suspects: the failure contracts whose mutants first depart from the reference where the engine
-/// does, at the same generation step `step` (earlier steps agreeing with the reference, as the
-/// engine's did) and, when the engine's traced forward located it, at the same trace point `point`.
+/// does: at generation step `step`, at the same trace point `point` when the engine's traced forward
+/// located it (whatever the mutant did at earlier steps: a mistake made only in decode, say, and the
+/// mutant's made everywhere, still first show at the same node), else first at that step (earlier
+/// steps agreeing with the reference, as the engine's did).
 /// Each is a [`Diagnosis`] with `exact: false`. When no mutant departs there first, one entry says
 /// where the engine departs and that the knowledge base has no name for that mistake yet: the list is
 /// never empty, unless the engine's logits at `step`, teacher-forced on its own tokens, agree with
@@ -422,14 +424,19 @@ pub fn where_it_departs(
             let got: Vec<f32> = rows[k].iter().map(|&v| v as f32).collect();
             !compare_prediction(&got, &truth[k], tol).ok
         };
-        // Earlier steps agree (the engine's did), this one departs.
-        if (0..step).any(departs) || !departs(step) {
-            continue;
-        }
-        if let Some(p) = point
-            && first_departure(&trace, &true_trace, tol).as_deref() != Some(p)
-        {
-            continue;
+        match point {
+            // Located: at this step the mutant's forward first departs at the engine's point.
+            Some(p) => {
+                if first_departure(&trace, &true_trace, tol).as_deref() != Some(p) {
+                    continue;
+                }
+            }
+            // Not located: earlier steps agree (the engine's did) and this one departs.
+            None => {
+                if (0..step).any(departs) || !departs(step) {
+                    continue;
+                }
+            }
         }
         let err = |want: &[f64]| {
             engine_row.map_or(UNWRITTEN, |g| g.iter().zip(want).fold(0.0f64, |m, (a, b)| m.max((*a as f64 - b).abs())))

@@ -260,3 +260,78 @@ fn half_weights_stored_in_the_other_half_format_get_a_note() {
     edit_json(&dir.join("config.json"), |c| c["torch_dtype"] = json!("float16"));
     assert!(metainfer::model::dtype_notes(&metainfer::model::read_config(&dir).unwrap(), &layout).is_empty());
 }
+
+/// Busy threads on every core (twice the core count, spinning) until dropped.
+struct Load {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Load {
+    fn start() -> Load {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let n = 2 * std::thread::available_parallelism().map_or(2, |n| n.get());
+        let threads = (0..n)
+            .map(|i| {
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    let mut x = i as u64 + 1;
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        for _ in 0..10_000 {
+                            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                        }
+                        std::hint::black_box(x);
+                    }
+                })
+            })
+            .collect();
+        Load { stop, threads }
+    }
+}
+
+impl Drop for Load {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The timing-based verdicts do not flip on a loaded machine: profile_engine timed on a quiet machine
+/// and then, after a change that does not touch the computation (a comment), timed again with busy
+/// threads on every core calls no regression (both builds are timed alternately in the loaded call,
+/// so the load slows both) and never calls the engine faster than the compute bound.
+#[test]
+fn timing_verdicts_do_not_flip_under_load() {
+    use metainfer::ops::profile::{ProfileRequest, profile};
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let engine = t.path().join("engine");
+    crate::Engine::Simd.copy_to(&engine);
+    let req = ProfileRequest {
+        engine: s(&engine),
+        model: s(&crate::babyllama()),
+        prompt_len: Some(8),
+        new_tokens: Some(32),
+        runs: Some(5),
+        dtype: None,
+        threads: None,
+        write_bundle: None,
+        from_bundle: None,
+    };
+    let quiet = profile(&ctx, &req, &Budget::secs(900)).unwrap();
+    assert!(quiet.passed, "{}", metainfer::ops::Report::text(&quiet));
+    let lib = engine.join("src/lib.rs");
+    let text = std::fs::read_to_string(&lib).unwrap();
+    std::fs::write(&lib, format!("{text}\n// A comment: the same computation.\n")).unwrap();
+    let loaded = {
+        let _load = Load::start();
+        profile(&ctx, &req, &Budget::secs(1800)).unwrap()
+    };
+    let text = metainfer::ops::Report::text(&loaded);
+    assert!(loaded.passed, "{text}");
+    let prev = loaded.previous.as_ref().expect("the quiet profile is the previous one");
+    assert!(!prev.same_sources && !prev.regression, "{text}");
+    assert!(loaded.decode_tok_s.max <= loaded.compute_bound_tok_s, "{text}");
+}
