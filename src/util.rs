@@ -136,8 +136,11 @@ pub const HARNESS_OUTPUT: Limit =
 /// A JSON file a harness or a bundle run wrote or a bundle holds (a reply, a run record, a request,
 /// a bundle manifest): bulk tensors travel as safetensors files, so a reply is kilobytes; a larger
 /// one is refused unread (a sparse 4 GB reply.json costs no memory).
-pub const HARNESS_REPLY: Limit =
-    Limit { what: "harness reply", max: 16 << 20, hint: "replies carry no tensors; the engine's process wrote far more than a reply" };
+pub const HARNESS_REPLY: Limit = Limit {
+    what: "harness reply",
+    max: 16 << 20,
+    hint: "replies carry no tensors; the engine's process wrote far more than a reply",
+};
 /// An engine's metainfer.toml (written by scaffold; under 1 KiB).
 pub const METAINFER_TOML: Limit =
     Limit { what: "metainfer.toml", max: 1 << 20, hint: "keep metainfer.toml to the scaffold's keys" };

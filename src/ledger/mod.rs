@@ -415,7 +415,9 @@ impl Ledger {
         let mut stmt =
             self.conn.prepare("SELECT name, public_key, added, mac FROM runners ORDER BY name").map_err(fail)?;
         let rows = stmt
-            .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, String>(2)?, r.get::<_, String>(3)?)))
+            .query_map([], |r| {
+                Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, String>(2)?, r.get::<_, String>(3)?))
+            })
             .map_err(fail)?;
         let mut out = Vec::new();
         for row in rows {

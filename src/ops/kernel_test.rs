@@ -216,7 +216,9 @@ fn judge_kernel(ckb: &crate::ckb::Ckb, c: &Contract, ran: &[&Ran], process_error
         let want = (k.oracle)(&r.case);
         let v = match &want {
             Some(w) => crate::oracle::judge(words, w, &tol),
-            None => Verdict { max_abs_err: UNWRITTEN, max_rel_err: UNWRITTEN, worst_index: 0, ok: false, non_finite: None },
+            None => {
+                Verdict { max_abs_err: UNWRITTEN, max_rel_err: UNWRITTEN, worst_index: 0, ok: false, non_finite: None }
+            }
         };
         if !v.ok {
             kr.passed = false;

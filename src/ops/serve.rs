@@ -254,11 +254,8 @@ struct Answer {
 
 impl Client {
     fn new(port: u16, deadline: Instant) -> Client {
-        let agent = ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .max_idle_connections_per_host(64)
-            .build()
-            .into();
+        let agent =
+            ureq::Agent::config_builder().http_status_as_error(false).max_idle_connections_per_host(64).build().into();
         Client { agent, base: format!("http://127.0.0.1:{port}"), deadline }
     }
 
@@ -791,7 +788,8 @@ pub fn serve_engine(ctx: &Ctx, req: &ServeRequest, budget: &Budget) -> Result<Se
         }
     }
     if let Some(why) = watch.fired() {
-        report.error = format!("{why}: the engine's server was stopped; checks after that point failed for that reason");
+        report.error =
+            format!("{why}: the engine's server was stopped; checks after that point failed for that reason");
     }
     drop(watch);
     drop(server);
