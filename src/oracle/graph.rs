@@ -261,6 +261,24 @@ impl GraphReference {
                     let v = eval_expr(expr, &role)
                         .map_err(|m| Error::input(format!("rewrite sets `{key}` = `{expr}` at `{}`: {m}", n.trace)))?;
                     n.params.insert(param.to_string(), v);
+                    // A row block set anew binds the weight's other rows (a fused tensor split
+                    // wrong).
+                    if matches!(param, "row_offset" | "rows")
+                        && let Some(w) = n.weight.as_mut()
+                    {
+                        let total = store[w.at].len() / w.cols.max(1);
+                        let off = n.params.get("row_offset").map_or(0, |v| *v as usize);
+                        let rows = n.params.get("rows").map_or(total.saturating_sub(off), |v| *v as usize);
+                        if off + rows > total {
+                            return Err(Error::input(format!(
+                                "rewrite sets `{key}` at `{}`: rows {off}..{} outside the tensor's {total} rows",
+                                n.trace,
+                                off + rows
+                            )));
+                        }
+                        w.offset = off;
+                        w.rows = rows;
+                    }
                 }
                 let of_node = r.weights.iter().filter_map(|(k, how)| {
                     let (node, slot) = k.split_once('.')?;

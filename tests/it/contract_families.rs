@@ -882,6 +882,8 @@ fn every_failure_mode_a_family_lists_is_named_from_its_own_logits() {
         ("gelu_tanh_mlp", "failure.gelu-erf-vs-tanh"),
         ("rmsnorm_one_plus_w", "failure.rmsnorm-one-plus-missing"),
         ("embed_scale_sqrt_hidden", "failure.embedding-scale-missing"),
+        ("fused_qkv", "failure.fused-qkv-order"),
+        ("fused_gate_up", "failure.silu-gate-up-swapped"),
     ];
     for c in ckb.of_kind(metainfer::ckb::Kind::Model) {
         for feature in &c.model.as_ref().unwrap().features {
