@@ -1,6 +1,8 @@
 //! Embeds the shipped knowledge (contracts/, skills/, prompts/) into the binary, so that
 //! `metainfer serve` works from any directory. Writes `$OUT_DIR/embedded.rs`: a list of
-//! (relative path, contents) pairs per folder.
+//! (relative path, contents) pairs per folder. Writes `$OUT_DIR/embedded_data.rs`: the demo's model
+//! (examples/models/babyllama-105) and the shipped tokenizer test vectors (examples/tokenizers), as
+//! (relative path, bytes) pairs.
 use std::{env, fs, path::Path};
 
 fn main() {
@@ -37,4 +39,28 @@ fn main() {
         code.push_str("];\n");
     }
     fs::write(out, code).expect("OUT_DIR is writable");
+
+    let data = Path::new(&env::var("OUT_DIR").expect("cargo sets OUT_DIR")).join("embedded_data.rs");
+    let mut code = String::new();
+    for (konst, folder) in
+        [("BABYLLAMA", "examples/models/babyllama-105"), ("TOKENIZER_VECTORS", "examples/tokenizers")]
+    {
+        let dir = Path::new(&root).join(folder);
+        println!("cargo:rerun-if-changed={}", dir.display());
+        let mut files: Vec<_> = walkdir::WalkDir::new(&dir)
+            .into_iter()
+            .filter_map(Result::ok)
+            .filter(|e| e.file_type().is_file())
+            .map(|e| e.into_path())
+            .collect();
+        files.sort();
+        code.push_str(&format!("/// Embedded `{folder}/` files: (path relative to `{folder}/`, bytes).\n"));
+        code.push_str(&format!("pub static {konst}: &[(&str, &[u8])] = &[\n"));
+        for f in files {
+            let rel = f.strip_prefix(&dir).unwrap().to_string_lossy().replace('\\', "/");
+            code.push_str(&format!("    ({rel:?}, include_bytes!({:?})),\n", f.display().to_string()));
+        }
+        code.push_str("];\n");
+    }
+    fs::write(data, code).expect("OUT_DIR is writable");
 }

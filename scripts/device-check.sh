@@ -77,6 +77,12 @@ prepare)
         exit 2
     fi
     mkdir -p "$dir/logs" "$dir/bin" "$dir/models"
+    # A runner key pair for this check: the device machine signs each run (`bundle run --key`), and
+    # the ledger judge records into trusts the public key, so the verdicts count as evidence. The
+    # secret key travels in DIR: it proves what a key kept out of the agent's reach would only as far
+    # as DIR itself is out of its reach (README, Security: bundles).
+    "$bin" bundle keygen --out "$dir/runner" >/dev/null || exit 2
+    "$bin" bundle trust "$dir/runner/runner.pub" --name "device-check-$(date -u +%Y%m%dT%H%M%S)" || exit 2
     # Debug information is most of the binary's size; the code is the same.
     objcopy --strip-debug "$bin" "$dir/bin/metainfer" || cp "$bin" "$dir/bin/metainfer"
     cp -r "$baby" "$dir/models/babyllama-105"
@@ -115,19 +121,21 @@ prepare)
     ;;
 run)
     cd "$dir" || exit 2
+    chmod 600 runner/runner.key
+    key=(--key "$dir/runner/runner.key")
     dir=$(pwd)
     mkdir -p logs
     bin=$dir/bin/metainfer
     nvidia-smi --query-gpu=name,compute_cap,memory.total,driver_version --format=csv >logs/device.csv 2>&1
     log "device: $(tail -n +2 logs/device.csv | head -1)"
     for b in kt verify-baby; do
-        [[ -d "$b" ]] && step_run "run-$b" "$bin" bundle run "$b" --json
+        [[ -d "$b" ]] && step_run "run-$b" "$bin" bundle run "$b" "${key[@]}" --json
     done
     if [[ -f synth-1b.args ]]; then
         model_1b=${MODEL_1B:-/tmp/metainfer-llama-1b}
         mapfile -t args <synth-1b.args
         if [[ -d "$model_1b" ]] || step_run synth-1b "$bin" synth "${args[@]}" --out "$model_1b" --json; then
-            [[ -d verify-1b ]] && step_run run-verify-1b "$bin" bundle run verify-1b --model "$model_1b" --json
+            [[ -d verify-1b ]] && step_run run-verify-1b "$bin" bundle run verify-1b --model "$model_1b" "${key[@]}" --json
         fi
     fi
     model_1b_long=${MODEL_1B_LONG:-/tmp/metainfer-llama-1b-640}
@@ -137,10 +145,10 @@ run)
             if [[ -d profile-1b ]]; then
                 # The same bundle with the CUDA graph off first (its copy is judged like the original).
                 cp -r profile-1b profile-1b-nograph
-                step_run run-profile-1b-nograph env LLAMA_CUDA_GRAPH=0 "$bin" bundle run profile-1b-nograph --model "$model_1b_long" --json
-                step_run run-profile-1b "$bin" bundle run profile-1b --model "$model_1b_long" --json
+                step_run run-profile-1b-nograph env LLAMA_CUDA_GRAPH=0 "$bin" bundle run profile-1b-nograph --model "$model_1b_long" "${key[@]}" --json
+                step_run run-profile-1b "$bin" bundle run profile-1b --model "$model_1b_long" "${key[@]}" --json
             fi
-            [[ -d profile-1b-512 ]] && step_run run-profile-1b-512 "$bin" bundle run profile-1b-512 --model "$model_1b_long" --json
+            [[ -d profile-1b-512 ]] && step_run run-profile-1b-512 "$bin" bundle run profile-1b-512 --model "$model_1b_long" "${key[@]}" --json
             # transformers' own Llama on the same GPU, shape and weights (bf16, eager), as the baseline.
             step_run hf-1b-eager timeout 200 python3 "$dir/hf-bench.py" "$model_1b_long" eager
             step_run hf-1b-compiled timeout 150 python3 "$dir/hf-bench.py" "$model_1b_long" compiled

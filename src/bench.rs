@@ -199,8 +199,12 @@ pub fn run(ctx: &Ctx, o: &BenchOptions, work: &Path) -> Result<BenchReport> {
     if !s15.exists() {
         crate::ops::synth::write_checkpoint(&s15, &stories15m_config(), 0)?;
     }
-    let models: Vec<(String, PathBuf)> =
-        vec![("babyllama-105".into(), crate::model::default_model_dir()), ("stories15M shape".into(), s15)];
+    // BabyLlama: $METAINFER_MODEL, else the copy built into the binary (as the demo runs it).
+    let baby = match std::env::var_os("METAINFER_MODEL") {
+        Some(m) => PathBuf::from(m),
+        None => crate::model::embedded::write_babyllama(work)?,
+    };
+    let models: Vec<(String, PathBuf)> = vec![("babyllama-105".into(), baby.clone()), ("stories15M shape".into(), s15)];
     let engine = ctx.workshop.engine(&engine_dir)?;
     let table: toml::Table = std::fs::read_to_string(engine_dir.join("metainfer.toml"))
         .ok()
@@ -267,7 +271,8 @@ pub fn run(ctx: &Ctx, o: &BenchOptions, work: &Path) -> Result<BenchReport> {
             }
         }
     }
-    let agent_loop = if o.agent_loop { Some(agent_loop(ctx, &engine_dir, o.reps.max(3), &budget)?) } else { None };
+    let agent_loop =
+        if o.agent_loop { Some(agent_loop(ctx, &engine_dir, &baby, o.reps.max(3), &budget)?) } else { None };
     Ok(BenchReport { machine: crate::probe::fingerprint(), threads: o.threads.clone(), rows, agent_loop, candle })
 }
 
@@ -279,9 +284,9 @@ fn edit(engine_dir: &Path, n: usize) -> Result<()> {
     std::fs::write(&p, s).map_err(|e| Error::internal(format!("{}: {e}", p.display())))
 }
 
-fn agent_loop(ctx: &Ctx, engine_dir: &Path, reps: usize, budget: &Budget) -> Result<AgentLoop> {
+fn agent_loop(ctx: &Ctx, engine_dir: &Path, model: &Path, reps: usize, budget: &Budget) -> Result<AgentLoop> {
     let e = engine_dir.display().to_string();
-    let model = crate::model::default_model_dir().display().to_string();
+    let model = model.display().to_string();
     let compile_req = ops::compile::CompileRequest { engine: e.clone(), cursor: None };
     let kernels_req = ops::kernel_test::KernelTestRequest {
         engine: e.clone(),

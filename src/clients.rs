@@ -50,7 +50,8 @@ pub const CODEX_TIMEOUT_MARGIN_S: u64 = 60;
 /// The server entry a client starts.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Entry {
-    /// Executable: `metainfer` when that name on PATH is this binary, else its absolute path.
+    /// Executable: the absolute, canonical path of the binary that registered it (a client started
+    /// from a desktop menu may not have `~/.cargo/bin` on its PATH).
     pub command: String,
     /// Arguments, starting with `serve`.
     pub args: Vec<String>,
@@ -147,10 +148,11 @@ impl Client {
         }
     }
 
-    /// The entry for a project: `exe serve --workspace <project> ...` with every option of `opts`
+    /// The entry for a project: `exe serve --workspace <project> ...` (`exe` as given: the caller
+    /// passes the running binary's canonical path) with every option of `opts`
     /// that differs from its default. Paths inside the project are written relative to the
     /// workspace where the client supports it (portable project files); others absolute.
-    pub fn entry(self, project: &Path, exe: &Path, on_path: bool, opts: &ServerOptions) -> Entry {
+    pub fn entry(self, project: &Path, exe: &Path, opts: &ServerOptions) -> Entry {
         let token = self.workspace_token();
         let rel = |p: &Path| -> PathBuf {
             let abs = std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
@@ -166,7 +168,7 @@ impl Client {
         o.ckb = opts.ckb.as_deref().map(rel);
         o.ledger = opts.ledger.as_deref().map(rel);
         o.cache = opts.cache.as_deref().map(rel);
-        let command = if on_path { "metainfer".to_string() } else { exe.display().to_string() };
+        let command = exe.display().to_string();
         let mut e = Entry { command, args: o.serve_args(), ..Entry::default() };
         if self == Client::Codex {
             e.env_vars = CODEX_ENV_VARS.iter().map(|s| s.to_string()).collect();
@@ -287,6 +289,74 @@ impl Client {
             out.push('\n');
         }
         Ok((out, merged))
+    }
+}
+
+impl Client {
+    /// The client's name as its users know it.
+    pub fn title(self) -> &'static str {
+        match self {
+            Client::Claude => "Claude Code",
+            Client::Cursor => "Cursor",
+            Client::Vscode => "VS Code",
+            Client::Codex => "Codex",
+            Client::Gemini => "Gemini CLI",
+        }
+    }
+
+    /// Whether the client starts servers with its own (the user's) environment plus the entry's
+    /// `env`; false for Codex, which passes only the variables the entry lists in `env_vars`.
+    pub fn inherits_environment(self) -> bool {
+        self != Client::Codex
+    }
+
+    /// The entry `name` in the text of this client's config file; None when there is none.
+    ///
+    /// # Errors
+    /// [`crate::error::ErrorKind::Input`] when the file is not valid JSON (with comments) or TOML,
+    /// or the entry has no string `command`.
+    pub fn read_entry(self, text: &str, name: &str) -> Result<Option<Entry>> {
+        let v: Value = if self == Client::Codex {
+            let t: toml::Table = toml::from_str(text)
+                .map_err(|e| Error::input(format!("not valid TOML: {e}; fix it by hand or register again")))?;
+            let v = serde_json::to_value(t).map_err(|e| Error::input(e.to_string()))?;
+            v.get("mcp_servers").and_then(|s| s.get(name)).cloned().unwrap_or(Value::Null)
+        } else {
+            let root = CstRootNode::parse(if text.trim().is_empty() { "{}" } else { text }, &ParseOptions::default())
+                .map_err(|e| Error::input(format!("not valid JSON (comments allowed): {e}; fix it by hand")))?;
+            let v = root.to_serde_value().unwrap_or(Value::Null);
+            let key = if self == Client::Vscode { "servers" } else { "mcpServers" };
+            v.get(key).and_then(|s| s.get(name)).cloned().unwrap_or(Value::Null)
+        };
+        if v.is_null() {
+            return Ok(None);
+        }
+        let strings = |x: &Value| -> Vec<String> {
+            x.as_array().map(|a| a.iter().filter_map(|s| s.as_str().map(str::to_string)).collect()).unwrap_or_default()
+        };
+        let command = v["command"].as_str().ok_or_else(|| {
+            Error::input(format!("entry `{name}` has no string `command`; register again with --replace"))
+        })?;
+        Ok(Some(Entry {
+            command: command.to_string(),
+            args: strings(&v["args"]),
+            env: v["env"]
+                .as_object()
+                .map(|o| o.iter().filter_map(|(k, x)| x.as_str().map(|s| (k.clone(), s.to_string()))).collect())
+                .unwrap_or_default(),
+            env_vars: strings(&v["env_vars"]),
+            tool_timeout_s: v["tool_timeout_sec"].as_u64(),
+        }))
+    }
+
+    /// A path argument of an entry as the client resolves it for `project`: the workspace tokens
+    /// (`${workspaceFolder}`, Claude Code's `.`) and relative paths from the project directory.
+    pub fn resolve_arg(self, project: &Path, arg: &str) -> PathBuf {
+        let arg = arg.replace("${workspaceFolder}", &project.display().to_string());
+        let p = PathBuf::from(arg);
+        let p = if p.is_absolute() { p } else { project.join(p) };
+        // `.` components dropped: `.` is the project itself.
+        p.components().collect()
     }
 }
 
@@ -412,18 +482,6 @@ pub fn register(client: Client, project: &Path, name: &str, e: &Entry, replace: 
     Ok((path, merged))
 }
 
-/// Whether `metainfer` on PATH is the executable `exe` (then project files can name the command
-/// portably).
-pub fn on_path(exe: &Path) -> bool {
-    let Some(path) = std::env::var_os("PATH") else { return false };
-    let exe = exe.canonicalize().unwrap_or_else(|_| exe.to_path_buf());
-    std::env::split_paths(&path)
-        .map(|d| d.join("metainfer"))
-        .find(|c| c.is_file())
-        .and_then(|c| c.canonicalize().ok())
-        .is_some_and(|c| c == exe)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -540,8 +598,8 @@ mod tests {
             ledger: Some("/l.sqlite".into()),
             ..ServerOptions::default()
         };
-        let e = Client::Vscode.entry(project, Path::new("/bin/metainfer"), true, &opts);
-        assert_eq!(e.command, "metainfer");
+        let e = Client::Vscode.entry(project, Path::new("/bin/metainfer"), &opts);
+        assert_eq!(e.command, "/bin/metainfer");
         assert_eq!(
             e.args,
             [
@@ -558,7 +616,7 @@ mod tests {
                 "1200"
             ]
         );
-        let c = Client::Codex.entry(project, Path::new("/opt/x/metainfer"), false, &opts);
+        let c = Client::Codex.entry(project, Path::new("/opt/x/metainfer"), &opts);
         assert_eq!(c.command, "/opt/x/metainfer");
         assert_eq!(c.args[1..3], ["--workspace".to_string(), "/home/u/proj".to_string()]);
         assert_eq!(c.tool_timeout_s, Some(1200 + CODEX_TIMEOUT_MARGIN_S));

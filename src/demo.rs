@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 /// Options of the demo.
 #[derive(Debug, Clone)]
 pub struct DemoOptions {
-    /// Model directory; None: [`default_model`].
+    /// Model directory; None: `$METAINFER_MODEL`, else the embedded BabyLlama-105 ([`choose_model`]).
     pub model: Option<PathBuf>,
     /// Keep the workspace here instead of a temporary directory.
     pub keep: Option<PathBuf>,
@@ -29,33 +29,30 @@ pub struct DemoOptions {
     pub progress: bool,
 }
 
-/// Where the demo looks for its model when none is given, in order: `$METAINFER_MODEL`, then
-/// `shared/models/babyllama-105` and `../shared/models/babyllama-105` from the current directory
-/// (the repository's root, or a directory beside `shared/`).
-pub fn model_candidates() -> Vec<PathBuf> {
-    let mut c = Vec::new();
-    if let Some(m) = std::env::var_os("METAINFER_MODEL") {
-        c.push(PathBuf::from(m));
-    }
-    c.push(PathBuf::from("shared/models/babyllama-105"));
-    c.push(PathBuf::from("../shared/models/babyllama-105"));
-    c
+/// The model the demo runs on: `--model DIR`, else `$METAINFER_MODEL`, else the BabyLlama-105
+/// checkpoint built into the binary (see [`crate::model::embedded`]), which the demo writes into its
+/// workspace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DemoModel {
+    /// A directory given by `--model` or `$METAINFER_MODEL`.
+    Given(PathBuf),
+    /// The embedded BabyLlama-105.
+    Embedded,
 }
 
-/// The demo's default model: the first of [`model_candidates`] with a config.json.
-///
-/// # Errors
-/// None found: the message lists every place it looked.
-pub fn default_model() -> Result<PathBuf> {
-    let candidates = model_candidates();
-    candidates.iter().find(|c| c.join("config.json").is_file()).cloned().ok_or_else(|| {
-        let cwd = std::env::current_dir().map(|d| d.display().to_string()).unwrap_or_default();
-        Error::usage(format!(
-            "no model for the demo: looked for config.json in {} (from {cwd}). Pass --model DIR with a Hugging Face \
-             Llama-family directory (config.json, model.safetensors, tokenizer.json), or set METAINFER_MODEL",
-            candidates.iter().map(|c| c.display().to_string()).collect::<Vec<_>>().join(", ")
-        ))
-    })
+/// Which model the demo runs on when `--model` is `given` (see [`DemoModel`]).
+pub fn choose_model(given: Option<&Path>) -> DemoModel {
+    match given.map(Path::to_path_buf).or_else(|| std::env::var_os("METAINFER_MODEL").map(PathBuf::from)) {
+        Some(m) => DemoModel::Given(m),
+        None => DemoModel::Embedded,
+    }
+}
+
+/// The build cache the demo's server uses: `--cache`, else `$METAINFER_CACHE`, else None (the
+/// server's per-user default). Passed to the server as `--cache`, since the server's environment
+/// carries no `METAINFER_*` settings.
+pub fn cache_of(opts: &crate::options::ServerOptions) -> Option<PathBuf> {
+    opts.cache.clone().or_else(|| std::env::var_os("METAINFER_CACHE").filter(|c| !c.is_empty()).map(PathBuf::from))
 }
 
 /// One row of the demo's table.
@@ -108,7 +105,19 @@ fn summary_line(tool: &str, v: &Value) -> String {
             let ps = v["prompts"].as_array().cloned().unwrap_or_default();
             let ok = ps.iter().filter(|p| p["error"] == "").count();
             let worst = ps.iter().filter_map(|p| p["max_abs_err"].as_f64()).fold(0.0, f64::max);
-            format!("{ok}/{} prompts exact, max logit err {worst:.1e}", ps.len())
+            let vocabularies: Vec<&str> = v["tokenizer_vectors"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|x| x["vocabulary"].as_str())
+                .collect();
+            let skipped = v["skipped"].as_array().map_or(0, Vec::len);
+            format!(
+                "{ok}/{} prompts exact, max logit err {worst:.1e}, tokenizer vectors {}{}",
+                ps.len(),
+                if vocabularies.is_empty() { "none".to_string() } else { vocabularies.join(", ") },
+                if skipped > 0 { format!(" ({skipped} skipped)") } else { String::new() }
+            )
         }
         "profile_engine" => format!(
             "decode {:.0} tok/s, prefill {:.0} tok/s (median of {})",
@@ -126,18 +135,17 @@ fn summary_line(tool: &str, v: &Value) -> String {
 /// # Errors
 /// Missing model directory, or the server cannot be started.
 pub async fn run(opts: DemoOptions) -> Result<bool> {
-    let model = match &opts.model {
-        Some(m) => m.clone(),
-        None => default_model()?,
-    };
-    if !model.join("config.json").is_file() {
+    let chosen = choose_model(opts.model.as_deref());
+    if let DemoModel::Given(model) = &chosen
+        && !model.join("config.json").is_file()
+    {
         return Err(Error::usage(format!(
             "model directory {} has no config.json. Pass --model DIR with a Hugging Face Llama-family directory \
-             (config.json, model.safetensors, tokenizer.json), e.g. --model ../shared/models/babyllama-105",
+             (config.json, model.safetensors, tokenizer.json), or leave --model and $METAINFER_MODEL unset to \
+             run on the BabyLlama-105 checkpoint built into this binary",
             model.display()
         )));
     }
-    let model = model.canonicalize().map_err(|e| Error::usage(format!("{}: {e}", model.display())))?;
     let temp;
     let workspace = match &opts.keep {
         Some(k) => {
@@ -153,6 +161,27 @@ pub async fn run(opts: DemoOptions) -> Result<bool> {
     if engine.exists() {
         return Err(Error::usage(format!("{} already exists; pass an empty --keep directory", engine.display())));
     }
+    let (model, origin) = match chosen {
+        DemoModel::Given(m) => {
+            let m = m.canonicalize().map_err(|e| Error::usage(format!("{}: {e}", m.display())))?;
+            let origin = format!("model {}", m.display());
+            (m, origin)
+        }
+        DemoModel::Embedded => {
+            // Private to this run: inside the workspace (a fresh temporary directory unless --keep).
+            let m = crate::model::embedded::write_babyllama(&workspace)?;
+            let sha = crate::model::embedded::babyllama_files()
+                .iter()
+                .find(|(n, _)| *n == "model.safetensors")
+                .map(|(_, b)| crate::model::embedded::sha256_hex(b))
+                .unwrap_or_default();
+            let origin = format!(
+                "model BabyLlama-105 built into this binary (MIT; model.safetensors sha256 {sha}), written to {}",
+                m.display()
+            );
+            (m, origin)
+        }
+    };
     let exe = std::env::current_exe().map_err(|e| Error::internal(format!("cannot find own executable: {e}")))?;
     // The demo's own ledger unless one was named, so its engines never enter the user's record.
     let ledger = opts
@@ -166,12 +195,13 @@ pub async fn run(opts: DemoOptions) -> Result<bool> {
         workspace: Some(workspace.clone()),
         model_dirs: vec![model.clone()],
         ledger: Some(ledger.clone()),
-        cache: opts.server.cache.as_ref().map(|c| std::path::absolute(c).unwrap_or(c.clone())),
+        cache: cache_of(&opts.server).map(|c| std::path::absolute(&c).unwrap_or(c)),
         ckb: opts.server.ckb.as_ref().map(|c| std::path::absolute(c).unwrap_or(c.clone())),
         ..opts.server.clone()
     };
     let args = server.serve_args();
     println!("metainfer demo: serving {} over MCP stdio, workspace {}", exe.display(), workspace.display());
+    println!("  {origin}");
     println!("  server: metainfer {}", args.join(" "));
     let transport = TokioChildProcess::new(crate::harness::server_command(&exe).configure(|cmd| {
         cmd.args(&args);
@@ -194,6 +224,7 @@ pub async fn run(opts: DemoOptions) -> Result<bool> {
     let e = engine.display().to_string();
     let mut steps: Vec<Step> = Vec::new();
     let mut text = String::new();
+    let mut skipped: Vec<String> = Vec::new();
     let calls: Vec<(&str, Value)> = vec![
         ("plan_engine", json!({"model": m, "target": "cpu", "dtype": "f32"})),
         ("lookup_contract", json!({"id": "kernel.rope"})),
@@ -252,6 +283,8 @@ pub async fn run(opts: DemoOptions) -> Result<bool> {
         };
         if tool == "verify_generation" {
             text = v["prompts"][0]["text"].as_str().unwrap_or_default().to_string();
+            skipped =
+                v["skipped"].as_array().into_iter().flatten().filter_map(Value::as_str).map(str::to_string).collect();
         }
         println!("  {tool:<18} {}  {seconds:>6.1} s  {detail}", if passed { "PASS" } else { "FAIL" });
         steps.push(Step { tool: tool.into(), passed, seconds, detail });
@@ -274,6 +307,9 @@ pub async fn run(opts: DemoOptions) -> Result<bool> {
             s.seconds,
             s.detail
         );
+    }
+    for k in &skipped {
+        println!("verify_generation skipped: {k}");
     }
     if !text.is_empty() {
         println!("\nGenerated (greedy, verified token by token against the reference):\n{text}\n");

@@ -10,6 +10,7 @@ pub mod beneath;
 pub mod ckb;
 pub mod clients;
 pub mod demo;
+pub mod doctor;
 pub mod error;
 pub mod guard;
 pub mod guide;

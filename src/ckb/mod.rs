@@ -757,6 +757,20 @@ impl Ckb {
                         bad(&format!("/model/logits_tolerance/{d}/reasoning"), "say why these numbers".into());
                     }
                 }
+                if let Some(r) = &m.rounding_margin {
+                    if !(r.factor.is_finite() && (1.0..=1000.0).contains(&r.factor)) {
+                        bad(
+                            "/model/rounding_margin/factor",
+                            format!(
+                                "{} is no multiple of a rounding error: give a finite factor in 1..=1000",
+                                r.factor
+                            ),
+                        );
+                    }
+                    if r.reasoning.trim().is_empty() {
+                        bad("/model/rounding_margin/reasoning", "say why this factor".into());
+                    }
+                }
                 match &m.dtype_policy {
                     None => bad(
                         "/model/dtype_policy",

@@ -150,6 +150,22 @@ pub struct Tolerance {
     pub reasoning: String,
 }
 
+/// A scale-aware logits tolerance: at each generation step the absolute tolerance is
+/// `max(atol, factor * d)`, where `d` is the largest |difference| between the reference's logits
+/// and the same reference's with every activation rounded to f32 (an engine's storage rounding),
+/// teacher-forced on the same tokens. On ordinary checkpoints `d` is far below atol and nothing
+/// changes; where large activations make f32 arithmetic inexact (a weight of 7e4, say), the
+/// tolerance grows with the error any f32 engine must make there, not with the engine's.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RoundingMargin {
+    /// The multiple of the reference's own f32 rounding error allowed (an engine also rounds
+    /// inside every reduction, and accumulates in another order).
+    pub factor: f64,
+    /// Why this factor.
+    pub reasoning: String,
+}
+
 /// One server-owned test case of a kernel: a named set of symbolic dimensions with their ranges.
 /// Each run draws concrete sizes within the ranges from a fresh seed.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
@@ -165,6 +181,12 @@ pub struct TestCase {
     /// What the case is meant to catch.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub doc: String,
+    /// The name of a mutant of the kernel (a failure mode's `mutant`) this case must expose: cases
+    /// are drawn again until that mutant's output differs from the oracle's (another index, or a
+    /// value off by more than 1e-3 of its size), so the failure mode is caught on every run, not on
+    /// the runs whose random draw happens to show it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exposes: Option<String>,
 }
 
 fn one() -> f64 {
@@ -276,6 +298,10 @@ pub struct ModelFamily {
     /// its reasoning; absent: the f32 logits tolerance, and the report says so.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub conformance: Option<Tolerance>,
+    /// How the logits tolerance scales with this checkpoint's own f32 rounding error (absent: it
+    /// does not).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rounding_margin: Option<RoundingMargin>,
     /// Which weights an engine stores at its weight dtype and which stay f32, and what the reference
     /// rounds (lint requires it of every family).
     #[serde(default, skip_serializing_if = "Option::is_none")]

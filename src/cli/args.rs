@@ -18,9 +18,11 @@ const GLOBAL: &str = "Global options";
         Exit status: 0 the check passed, 1 it ran and failed, 2 bad usage or input.",
     after_help = "Quick start:\n  metainfer demo                                   the whole loop on BabyLlama\n  \
         metainfer register --client claude --model-dir ../shared/models\n  \
-        metainfer install-skills --client claude\n\n\
+        metainfer install-skills --client claude\n  \
+        metainfer doctor --client claude                 does the client see the server and its tools?\n\n\
         Environment: METAINFER_LEDGER (ledger file), METAINFER_CACHE (build cache), METAINFER_MODEL \
-        (the demo's model), METAINFER_LOG (log filter, e.g. debug)."
+        (the demo's model; default: the BabyLlama-105 built into this binary), METAINFER_TOKENIZERS (tokenizer \
+        test vectors beyond the shipped ones; default ../shared/tokenizers), METAINFER_LOG (log filter, e.g. debug)."
 )]
 pub struct Cli {
     #[command(flatten)]
@@ -538,6 +540,26 @@ pub enum Command {
         #[arg(long)]
         force: bool,
     },
+    /// Check the setup an agent client sees: its config entry, the binary it starts, the workspace
+    /// and model directories, cargo in the environment the client passes, and the server answering
+    /// MCP with its tools, started as the client starts it; each failure with its fix.
+    #[command(
+        after_help = "Examples:\n  metainfer doctor --client claude\n  metainfer doctor --client codex --dir ~/myproject"
+    )]
+    Doctor {
+        /// Client whose config to check: claude, codex, gemini, cursor, vscode.
+        #[arg(long, value_enum, default_value = "claude")]
+        client: ClientArg,
+        /// Project directory (default: the current directory).
+        #[arg(long, value_name = "DIR", default_value = ".")]
+        dir: PathBuf,
+        /// Entry name (default: the one `register` writes: `metainfer`, or `metainfer-<project>` for Codex).
+        #[arg(long, value_name = "NAME")]
+        name: Option<String>,
+        /// Print the findings as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Register the server in an agent client's config, with every server option given (merged:
     /// other servers, settings, comments and key order are kept).
     #[command(after_help = "Examples:\n  metainfer register --client claude --model-dir ../shared/models\n  \
@@ -568,11 +590,12 @@ pub enum Command {
         after_help = "Examples:\n  metainfer demo\n  metainfer demo --model ~/models/babyllama-105 --keep /tmp/demo"
     )]
     Demo {
-        /// Model directory (default: $METAINFER_MODEL, else shared/models/babyllama-105 or
-        /// ../shared/models/babyllama-105 from the current directory).
+        /// Model directory (default: $METAINFER_MODEL, else the BabyLlama-105 checkpoint built into
+        /// this binary, written into the demo's workspace).
         #[arg(long, value_name = "DIR")]
         model: Option<PathBuf>,
-        /// Keep the workspace (scaffolded engine, and the demo's own ledger) in this directory.
+        /// Keep the workspace (scaffolded engine, the embedded model's copy, and the demo's own ledger
+        /// unless --ledger or $METAINFER_LEDGER names another) in this directory.
         #[arg(long, value_name = "DIR")]
         keep: Option<PathBuf>,
         /// Tokens to generate (103 reproduces the golden continuation of "Once upon a time").

@@ -67,6 +67,12 @@ fn ctx(g: &Global) -> Result<Ctx> {
     options(g, None, None).ctx("cli")
 }
 
+/// This binary's absolute, canonical path (what `register` writes and `doctor` compares with).
+fn own_exe() -> Result<PathBuf> {
+    let exe = std::env::current_exe().map_err(|e| Error::internal(format!("own executable: {e}")))?;
+    Ok(exe.canonicalize().unwrap_or(exe))
+}
+
 fn s(p: &Path) -> String {
     p.display().to_string()
 }
@@ -529,10 +535,20 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
+        Command::Doctor { client: cl, dir, name, json } => {
+            let project = dir.canonicalize().map_err(|e| Error::usage(format!("--dir {}: {e}", dir.display())))?;
+            let r = metainfer::doctor::check(client(cl), &project, name)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&r).expect("report serialises"));
+            } else {
+                print!("{}", r.text());
+            }
+            Ok(if r.passed() { ExitCode::SUCCESS } else { ExitCode::from(1) })
+        }
         Command::Register { client: cl, print, dir, name, replace, serve } => {
             let cl = client(cl);
             let project = dir.canonicalize().map_err(|e| Error::usage(format!("--dir {}: {e}", dir.display())))?;
-            let exe = std::env::current_exe().map_err(|e| Error::internal(format!("own executable: {e}")))?;
+            let exe = own_exe()?;
             let mut serve = serve;
             serve.model_dirs = serve.model_dirs.iter().map(|m| std::path::absolute(m).unwrap_or(m.clone())).collect();
             for m in &serve.model_dirs {
@@ -544,7 +560,7 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
             o.ckb = o.ckb.map(|p| std::path::absolute(&p).unwrap_or(p));
             o.ledger = o.ledger.map(|p| std::path::absolute(&p).unwrap_or(p));
             o.cache = o.cache.map(|p| std::path::absolute(&p).unwrap_or(p));
-            let entry = cl.entry(&project, &exe, metainfer::clients::on_path(&exe), &o);
+            let entry = cl.entry(&project, &exe, &o);
             let name = name.unwrap_or_else(|| cl.default_name(&project));
             if print {
                 let path = cl.config_path(&project);
@@ -560,6 +576,12 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
                 Merged::Unchanged => "already registered, unchanged:",
             };
             println!("{what} `{name}` in {}: {} {}", path.display(), entry.command, entry.args.join(" "));
+            println!(
+                "the client starts {} (this binary's absolute path, so it is found without ~/.cargo/bin on the \
+                 client's PATH; register again after moving it); check the setup with `metainfer doctor --client {}`",
+                entry.command,
+                cl.name()
+            );
             if cl == Client::Codex {
                 println!(
                     "note: Codex reads this one user-wide file for every project, so the entry is named `{name}` \

@@ -256,6 +256,36 @@ pub fn server_command(program: &Path) -> tokio::process::Command {
     cmd
 }
 
+/// A command that starts `program` with `args` as an agent client starts an MCP server: in `dir`,
+/// with exactly the environment `env` (nothing inherited), its own process group, killed when
+/// dropped. For `doctor`, which checks the setup a client sees.
+pub fn client_command(
+    program: &Path,
+    args: &[String],
+    env: &[(String, String)],
+    dir: &Path,
+) -> tokio::process::Command {
+    let mut cmd = tokio::process::Command::new(program);
+    cmd.args(args).env_clear().envs(env.iter().cloned()).current_dir(dir).process_group(0).kill_on_drop(true);
+    cmd
+}
+
+/// Run `program` with `args` in `dir` with exactly the environment `env` (nothing inherited), to
+/// completion within `budget`, as [`run`] does.
+///
+/// # Errors
+/// As [`run`].
+pub fn run_with_env(
+    program: &Path,
+    args: &[&str],
+    env: &[(String, String)],
+    dir: &Path,
+    budget: &Budget,
+) -> Result<Run> {
+    let vars: std::collections::HashMap<String, String> = env.iter().cloned().collect();
+    run(duct::cmd(program, args).full_env(vars).dir(dir), budget)
+}
+
 /// Read at most `max` bytes of a file (lossy UTF-8); "" when it is missing.
 fn read_bounded(path: &Path, max: u64) -> String {
     use std::io::Read;
@@ -767,6 +797,15 @@ impl Workshop {
         let mut r = run(sandbox::apply(expr, &prepared), budget)?;
         r.sandboxed = prepared.enforced();
         Ok(r)
+    }
+
+    /// Run the agent-written executable `exe` with `args` to completion, sandboxed with `grants`,
+    /// within `budget` (e.g. an engine binary's `--help`).
+    ///
+    /// # Errors
+    /// As [`Workshop::run_sandboxed`].
+    pub fn run_program_sandboxed(&self, exe: &Path, args: &[&str], grants: &Grants, budget: &Budget) -> Result<Run> {
+        self.run_sandboxed(duct::cmd(exe, args), grants, budget)
     }
 
     /// Run a harness executable on one command (see [`protocol`]), sandboxed with `grants` (the

@@ -10,6 +10,7 @@
               (Claude Code, Gemini CLI, VS Code, Cursor) still rely on them"
 )]
 
+pub mod framing;
 pub mod schema;
 
 use std::sync::Arc;
@@ -1013,11 +1014,18 @@ impl Server {
 pub async fn serve_stdio(ctx: Ctx, exposure: Exposure) -> crate::error::Result<()> {
     let server = Server::new(ctx, exposure);
     let running = server.running.clone();
+    // rmcp reads and writes in-process pipes; `framing` sits between them and stdio, answering
+    // lines that are not JSON with JSON-RPC's parse error.
+    let (rmcp_in, to_rmcp) = tokio::io::duplex(1 << 20);
+    let (from_rmcp, rmcp_out) = tokio::io::duplex(1 << 20);
+    let framing = tokio::spawn(framing::run(tokio::io::stdin(), tokio::io::stdout(), from_rmcp, to_rmcp));
     let service = server
-        .serve(rmcp::transport::stdio())
+        .serve((rmcp_in, rmcp_out))
         .await
         .map_err(|e| crate::error::Error::internal(format!("MCP stdio transport: {e}")))?;
     let result = service.waiting().await;
+    // rmcp's output is closed: the framing copies what is left and ends.
+    let _ = tokio::time::timeout(Duration::from_secs(2), framing).await;
     // The client is gone: stop every call still in flight (their children are killed and reaped).
     for c in running.lock().expect("not poisoned").iter() {
         c.store(true, std::sync::atomic::Ordering::Relaxed);

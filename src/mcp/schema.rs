@@ -1,5 +1,5 @@
 //! Portable JSON Schemas for tool inputs and outputs. Several clients reject `$ref`/`$defs`,
-//! `$schema`, `type: [T, "null"]`, top-level `anyOf` and arrays without `items`, and warn on
+//! `$schema`, `type: [T, "null"]`, top-level `anyOf`, `oneOf` and arrays without `items`, and warn on
 //! `format` values JSON Schema does not define (schemars writes `uint`, `uint32`, `uint64`, `int64`,
 //! `double`, ...: Gemini CLI printed a warning per field); these schemas have none of them:
 //! subschemas are inlined, nullability is expressed by leaving a field out of `required`, and only
@@ -50,6 +50,45 @@ fn strip_formats(v: &mut Value) {
     }
 }
 
+/// Turn a `oneOf` whose every branch is a documented string constant (what schemars writes for a
+/// unit enum with doc comments) into `type: string` with an `enum`, the branches' descriptions
+/// appended to the field's (`blocking: stops the gate; ...`). `oneOf` asks a validator to prove
+/// exactly one branch matches; several clients handle it poorly or not at all, and a plain `enum`
+/// says the same for constants.
+fn enums_of_constants(v: &mut Value) {
+    match v {
+        Value::Object(o) => {
+            let constants: Option<Vec<(String, String)>> = o.get("oneOf").and_then(Value::as_array).and_then(|bs| {
+                bs.iter()
+                    .map(|b| {
+                        let c = b.get("const")?.as_str()?.to_string();
+                        let d = b.get("description").and_then(Value::as_str).unwrap_or("").to_string();
+                        Some((c, d))
+                    })
+                    .collect()
+            });
+            if let Some(cs) = constants.filter(|cs| !cs.is_empty()) {
+                o.remove("oneOf");
+                o.insert("type".into(), Value::String("string".into()));
+                o.insert("enum".into(), Value::Array(cs.iter().map(|(c, _)| Value::String(c.clone())).collect()));
+                let each: Vec<String> = cs
+                    .iter()
+                    .filter(|(_, d)| !d.is_empty())
+                    .map(|(c, d)| format!("`{c}`: {}", d.trim_end_matches('.')))
+                    .collect();
+                if !each.is_empty() {
+                    let head = o.get("description").and_then(Value::as_str).unwrap_or("").trim_end().to_string();
+                    let sep = if head.is_empty() { "" } else { " " };
+                    o.insert("description".into(), Value::String(format!("{head}{sep}{}.", each.join("; "))));
+                }
+            }
+            o.values_mut().for_each(enums_of_constants);
+        }
+        Value::Array(a) => a.iter_mut().for_each(enums_of_constants),
+        _ => {}
+    }
+}
+
 fn generate<T: JsonSchema>(for_output: bool) -> Value {
     let mut settings = SchemaSettings::draft2020_12();
     settings.inline_subschemas = true;
@@ -61,6 +100,7 @@ fn generate<T: JsonSchema>(for_output: bool) -> Value {
     let mut v = serde_json::to_value(schema).expect("schemas serialise");
     crate::ckb::portable(&mut v);
     strip_formats(&mut v);
+    enums_of_constants(&mut v);
     if let Value::Object(o) = &mut v {
         o.remove("title");
         o.remove("description");
@@ -108,6 +148,9 @@ pub fn portability_problems(schema: &Value) -> Vec<String> {
                 }
                 if o.get("type").and_then(Value::as_str) == Some("array") && !o.contains_key("items") {
                     out.push(format!("{path}: array without items"));
+                }
+                if o.contains_key("oneOf") {
+                    out.push(format!("{path}: oneOf (write an enum, or anyOf)"));
                 }
                 for (k, child) in o {
                     walk(child, format!("{path}/{k}"), out);

@@ -6,7 +6,7 @@
 //! directory a gate confined, read through its handle so a swap after the check redirects nothing).
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -16,6 +16,7 @@ pub use crate::beneath::Files;
 use crate::ckb::{Ckb, Contract, ModelFamily};
 use crate::error::{Error, Result};
 
+pub mod embedded;
 mod generation;
 mod scaling;
 pub mod tokenizer;
@@ -565,6 +566,29 @@ pub fn declared_dtype(config: &serde_json::Map<String, Value>) -> Option<&'stati
     }
 }
 
+/// Notes on stored dtypes that differ from the one config.json declares without being refused: a
+/// checkpoint declaring bfloat16 whose tensors are stored as F16 (or the reverse) was converted on
+/// export, through a format of another range and precision (F16: 5 exponent bits, largest 65504;
+/// BF16: 8 exponent bits, 7 fraction bits), so its values may not be the trained ones. Both widen
+/// exactly, and the reference and the engine compute with them as stored. Empty when they agree.
+pub fn dtype_notes(config: &serde_json::Map<String, Value>, layout: &WeightLayout) -> Vec<String> {
+    let Some(declared) = declared_dtype(config) else { return vec![] };
+    let other = match declared {
+        "BF16" => "F16",
+        "F16" => "BF16",
+        _ => return vec![],
+    };
+    let n = layout.tensors.values().filter(|t| t.dtype == other).count();
+    if n == 0 {
+        return vec![];
+    }
+    vec![format!(
+        "config.json declares {} but {n} of {} tensors are stored as {other}: they were converted on export through a format of another range and precision, so they may differ from the trained values (they are read exactly as stored; re-export in the declared dtype to check the model as trained)",
+        if declared == "BF16" { "bfloat16" } else { "float16" },
+        layout.tensors.len()
+    )]
+}
+
 /// Check the stored dtypes of a checkpoint against its family's dtype policy
 /// (`[model.dtype_policy]`): every tensor is F32, BF16 or F16, and when config.json declares float32,
 /// the tensors the policy keeps in f32 (norm gains, biases) are stored as F32.
@@ -701,13 +725,4 @@ pub fn hf_encode_plain(tok: &tokenizers::Tokenizer, text: &str) -> Result<Vec<u3
 /// When an id is outside the vocabulary.
 pub fn hf_decode(tok: &tokenizers::Tokenizer, ids: &[u32]) -> Result<String> {
     tok.decode(ids, true).map_err(|e| Error::input(format!("tokenizer cannot decode {ids:?}: {e}")))
-}
-
-/// The model directory used by the demo and tests: `../shared/models/babyllama-105` relative to the
-/// repository, or `$METAINFER_MODEL` when set.
-pub fn default_model_dir() -> PathBuf {
-    if let Ok(p) = std::env::var("METAINFER_MODEL") {
-        return PathBuf::from(p);
-    }
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/models/babyllama-105")
 }

@@ -772,6 +772,7 @@ pub fn verify_batching(ctx: &Ctx, req: &BatchingRequest, budget: &Budget) -> Res
     let held = ctx.confine_model(Path::new(&req.model))?;
     let model_dir = held.path().to_path_buf();
     let cfg = model::load_config(&ctx.ckb, &held)?;
+    super::preconditions::check(&ctx.ckb, held.path(), &cfg, &model::read_config(&held)?)?;
     let family = ctx.ckb.get(&cfg.family)?;
     let logits_tol = &family.model.as_ref().expect("model contract").logits_tolerance;
     let tol = logits_tol.get(&gate.target.dtype).or_else(|| logits_tol.get("f32")).cloned().unwrap_or(Tolerance {

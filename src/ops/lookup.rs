@@ -72,6 +72,52 @@ pub struct ContractFull {
     /// param=value`, by block); absent for other kinds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub graph: Option<String>,
+    /// Characters cut from `toml` and `graph` to keep the result within the server's output bound
+    /// (`--max-output`); 0 when whole. The whole contract is the resource `ckb://contract/{id}`.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub cut: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
+}
+
+/// Keep `text` to `max` characters, ending with a line that says how much was cut and where the
+/// whole is; returns the characters cut.
+fn cut_to(text: &mut String, max: usize, id: &str) -> usize {
+    let n = text.chars().count();
+    if n <= max {
+        return 0;
+    }
+    let keep: String = text.chars().take(max).collect();
+    *text = format!("{keep}\n# [... {} characters cut; the whole contract: resource ckb://contract/{id}]", n - max);
+    n - max
+}
+
+/// Bound a report's structured size to about `max` characters: each contract's `toml` and `graph`
+/// get an equal share of what the rest leaves (at least 200 characters each).
+fn bound(report: &mut LookupReport, max: usize) {
+    if super::page::json_len(&*report) <= max {
+        return;
+    }
+    let texts = report.contracts.iter().map(|c| 1 + usize::from(c.graph.is_some())).sum::<usize>().max(1);
+    let fixed = {
+        let mut bare = report.clone();
+        for c in &mut bare.contracts {
+            c.toml.clear();
+            c.graph = c.graph.as_ref().map(|_| String::new());
+        }
+        super::page::json_len(&bare)
+    };
+    // JSON escapes (quotes, newlines) make a text longer than its characters: leave a margin.
+    let share = (max.saturating_sub(fixed) * 3 / 4 / texts).saturating_sub(120).max(200);
+    for c in &mut report.contracts {
+        let id = c.id.clone();
+        c.cut = cut_to(&mut c.toml, share, &id);
+        if let Some(g) = &mut c.graph {
+            c.cut += cut_to(g, share, &id);
+        }
+    }
 }
 
 /// Lookup result.
@@ -101,6 +147,12 @@ impl Report for LookupReport {
             );
             for c in &self.contracts {
                 s += &format!("- {} (v{}, {}): {}\n", c.id, c.version, c.kind, c.summary);
+                if c.cut > 0 {
+                    s += &format!(
+                        "  {} characters of its TOML and graph cut to the output bound; read it whole as resource ckb://contract/{}\n",
+                        c.cut, c.id
+                    );
+                }
                 if !c.failure_modes.is_empty() {
                     s += &format!("  failure modes: {}\n", c.failure_modes.join(", "));
                 }
@@ -138,6 +190,7 @@ fn full(c: &Contract) -> Result<ContractFull> {
         requires: c.requires.clone(),
         toml: toml::to_string_pretty(c).map_err(|e| Error::internal(format!("cannot render {}: {e}", c.id)))?,
         graph: c.model.as_ref().and_then(|m| m.graph.as_ref()).map(crate::ckb::graph::render_graph),
+        cut: 0,
     })
 }
 
@@ -147,7 +200,8 @@ fn full(c: &Contract) -> Result<ContractFull> {
 /// Unknown id, family or phase, none of id/ids/phase/query given, or a stale cursor.
 pub fn lookup(ctx: &Ctx, req: &LookupRequest) -> Result<LookupReport> {
     let started = std::time::Instant::now();
-    let report = lookup_only(ctx, req)?;
+    let mut report = lookup_only(ctx, req)?;
+    bound(&mut report, ctx.max_output);
     let ids: Vec<&str> =
         report.matches.iter().map(|m| m.id.as_str()).chain(report.contracts.iter().map(|c| c.id.as_str())).collect();
     ctx.record(

@@ -17,6 +17,7 @@ pub mod machine;
 pub mod outcomes;
 pub mod page;
 pub mod plan;
+pub mod preconditions;
 pub mod profile;
 pub mod reference;
 pub mod report;

@@ -256,6 +256,12 @@ pub fn plan_only(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
             None
         }
     });
+    // What config.json says about each layer must be what the family's graph computes.
+    if let (Some(f), Some(cfg)) = (family, &resolved)
+        && let Some(m) = f.model.as_ref()
+    {
+        gaps.extend(super::preconditions::gaps(&f.id, m, cfg, &config));
+    }
     // tokenizer.json: routed to a tokenizer contract before any code is written; its ids checked
     // against the vocabulary.
     // A directory without tokenizer.json (config only) plans without it, as without weights: a

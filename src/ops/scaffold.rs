@@ -81,6 +81,10 @@ impl Report for ScaffoldReport {
     }
 }
 
+/// The template of a serving engine's binary (`src/main.rs`): `generate` and `serve` with their
+/// flags, `--help` on every command, unknown flags refused by name (component.openai_server).
+pub const ENGINE_MAIN: &str = include_str!("template/engine_main.rs");
+
 /// Files as (path relative to the crate, contents).
 pub type Files = Vec<(String, String)>;
 
@@ -174,6 +178,11 @@ pub fn render(ctx: &Ctx, req: &ScaffoldRequest) -> Result<(Files, Vec<String>)> 
         lib += &format!("pub mod {m};\n");
     }
     files.push(("src/lib.rs".into(), lib));
+    // A serving engine's binary: the flag parsing done (help, unknown flags refused by name, the
+    // served model and address printed), `generate` and `serve` left to the agent.
+    if report.phases.iter().any(|p| p.contracts.iter().any(|c| c == "component.openai_server")) {
+        files.push(("src/main.rs".into(), ENGINE_MAIN.to_string()));
+    }
     for m in &order {
         let body = modules[m].join("\n");
         // Skeletons that refer to paths bring their own `use` lines; hoist them to the top.

@@ -372,6 +372,43 @@ fn percentile(xs: &mut [f64], p: f64) -> f64 {
     xs[rank.min(xs.len()) - 1]
 }
 
+/// The check `help`: `exe --help` and `exe serve --help` exit 0 and print the commands and serve's
+/// flags (`--model`, `--port`), as component.openai_server asks. Run sandboxed, with no model and
+/// no network, within 30 s each.
+///
+/// # Errors
+/// When the process cannot be started or the sandbox refuses.
+fn help_check(ctx: &Ctx, exe: &std::path::Path, scratch: &std::path::Path, budget: &Budget) -> Result<Check> {
+    let grants = Grants::harness(exe, scratch);
+    for (args, wants) in [(&["--help"][..], &["serve"][..]), (&["serve", "--help"][..], &["--model", "--port"][..])] {
+        let limit =
+            Budget { deadline: budget.deadline.min(Instant::now() + Duration::from_secs(30)), ..budget.clone() };
+        let run = ctx.workshop.run_program_sandboxed(exe, args, &grants, &limit)?;
+        let shown = format!("`{} {}`", exe.file_name().unwrap_or_default().to_string_lossy(), args.join(" "));
+        if !run.ok() {
+            return Ok(check(
+                "help",
+                false,
+                format!(
+                    "{shown} {}; it must print the commands and flags to stdout and exit 0 (component.openai_server)",
+                    run.failure_text(600)
+                ),
+            ));
+        }
+        if let Some(w) = wants.iter().find(|w| !run.stdout.contains(**w)) {
+            return Ok(check(
+                "help",
+                false,
+                format!(
+                    "{shown} exited 0 but does not mention `{w}`; stdout (tail): {}",
+                    crate::harness::tail(&run.stdout, 400)
+                ),
+            ));
+        }
+    }
+    Ok(check("help", true, "`--help` and `serve --help` exit 0 and list the commands and serve's flags"))
+}
+
 fn check(name: &str, passed: bool, detail: impl Into<String>) -> Check {
     Check { name: name.into(), passed, detail: detail.into() }
 }
@@ -413,6 +450,7 @@ pub fn serve_engine(ctx: &Ctx, req: &ServeRequest, budget: &Budget) -> Result<Se
     let held = ctx.confine_model(Path::new(&req.model))?;
     let model_dir = held.path().to_path_buf();
     let cfg = model::load_config(&ctx.ckb, &held)?;
+    super::preconditions::check(&ctx.ckb, held.path(), &cfg, &model::read_config(&held)?)?;
     gate.same_family(&model_dir, &cfg.family)?;
     let seed = req.seed.unwrap_or_else(crate::util::fresh_seed);
     gate.seed = Some(seed);
@@ -450,6 +488,15 @@ pub fn serve_engine(ctx: &Ctx, req: &ServeRequest, budget: &Budget) -> Result<Se
         Ok(exe) => exe,
         Err(s) => return Ok(stop(&gate, &mut report, s)),
     };
+
+    // component.openai_server: the binary explains itself before it is asked to serve.
+    let help = help_check(ctx, &exe, scratch.path(), budget)?;
+    let help_ok = help.passed;
+    report.checks.push(help);
+    if !help_ok {
+        report.error = format!("the engine's binary does not explain itself: {}", report.checks[0].detail);
+        return Ok(finish(&gate, report));
+    }
 
     // The reference's answers, computed before the server starts (it never sees them).
     let tensors = model::read_safetensors(&held)?;

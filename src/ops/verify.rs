@@ -85,6 +85,10 @@ pub struct PromptResult {
     pub tie_at: i64,
     /// Largest |engine - reference| logit over compared steps.
     pub max_abs_err: f64,
+    /// The largest absolute tolerance a step was judged at when the family's rounding margin widened
+    /// it (this checkpoint's own activations make f32 inexact there); 0 when no step was widened.
+    #[serde(default)]
+    pub widened_atol: f64,
     /// First step whose logits are beyond tolerance, -1 when none. Step 0's logits are the prompt's
     /// last position (prefill); step k > 0 is the k-th decode step.
     #[serde(default = "minus_one")]
@@ -201,9 +205,15 @@ pub struct VerifyReport {
     #[serde(default)]
     pub tokenizer: String,
     /// The engine's tokenizer on the real vocabularies of the same tokenizer contract (their
-    /// tests.json texts and ids); empty when no vectors are found (see `model::tokenizer::vectors_dir`).
+    /// tests.json texts and ids): those of `$METAINFER_TOKENIZERS` (default `../shared/tokenizers`)
+    /// and those shipped with the binary (`model::embedded::VOCABULARIES`).
     #[serde(default)]
     pub tokenizer_vectors: Vec<VectorResult>,
+    /// Every check this run skipped, each with why and what would run it: the real vocabularies of
+    /// the model's tokenizer contract that were neither found nor shipped; empty when nothing was
+    /// skipped.
+    #[serde(default)]
+    pub skipped: Vec<String>,
     /// Things the engine author should know that did not fail the gate (e.g. an ignored lm_head).
     #[serde(default)]
     pub warnings: Vec<String>,
@@ -257,6 +267,9 @@ impl Report for VerifyReport {
         for w in &self.warnings {
             s += &format!("warning: {w}\n");
         }
+        for k in &self.skipped {
+            s += &format!("skipped: {k}\n");
+        }
         for v in &self.tokenizer_vectors {
             s += &format!(
                 "{} tokenizer vectors {}: encode {}/{} decode {}/{}{}\n",
@@ -271,7 +284,7 @@ impl Report for VerifyReport {
         }
         for p in &self.prompts {
             s += &format!(
-                "{} {:?}{}: tokenizer {} tokens {} logits {} ({} steps, max abs {})\n   {:?}\n",
+                "{} {:?}{}: tokenizer {} tokens {} logits {} ({} steps, max abs {}{})\n   {:?}\n",
                 if p.error.is_empty() { "ok  " } else { "FAIL" },
                 p.prompt,
                 if p.random { " (random)" } else { "" },
@@ -280,6 +293,14 @@ impl Report for VerifyReport {
                 mark(p.logits_ok),
                 p.steps,
                 super::sci(p.max_abs_err),
+                if p.widened_atol > 0.0 {
+                    format!(
+                        "; atol widened to at most {} where this checkpoint's activations make f32 inexact",
+                        super::sci(p.widened_atol)
+                    )
+                } else {
+                    String::new()
+                },
                 p.text
             );
             if !p.error.is_empty() {
@@ -441,6 +462,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     let model_dir = held.path().to_path_buf();
     let target = gate.target.clone();
     let cfg = model::load_config(&ctx.ckb, &held)?;
+    super::preconditions::check(&ctx.ckb, held.path(), &cfg, &model::read_config(&held)?)?;
     gate.same_family(&model_dir, &cfg.family)?;
     let family = ctx.ckb.get(&cfg.family)?;
     let logits_tol = &family.model.as_ref().expect("model contract").logits_tolerance;
@@ -457,6 +479,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     let tensors = model::weights::read_layout(&held, &layout)?;
     model::check_weight_range(&tensors, &target.dtype)?;
     let mut warnings: Vec<String> = model::tied_head_warning(&cfg, &tensors).into_iter().collect();
+    warnings.extend(model::dtype_notes(&model::read_config(&held)?, &layout));
     let mut reference =
         Reference::of_family(family.model.as_ref().expect("model contract"), &cfg, tensors, &target.dtype)?;
     let tok = model::hf_tokenizer(&held)?;
@@ -523,6 +546,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         stop_tokens: generation.eos_token_ids.clone(),
         tokenizer: tokenizer_contract.clone(),
         tokenizer_vectors: vec![],
+        skipped: vec![],
         warnings: warnings.clone(),
         sandboxed: ctx.workshop.sandboxed(),
     };
@@ -541,7 +565,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     };
     // The engine's tokenizer on the real vocabularies of its tokenizer contract, in the same
     // exchange (a bundle holds both requests).
-    let sets = vocabulary_sets(ctx, &tokenizer_contract);
+    let (sets, vectors_skipped) = vocabulary_sets(ctx, &tokenizer_contract);
     let mut commands = vec![(command, vec![])];
     if let Some(c) = tokenize_command(&gate, &h, &sets)? {
         commands.push((c, vec![]));
@@ -633,6 +657,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
             first_mismatch: -1,
             tie_at: -1,
             max_abs_err: 0.0,
+            widened_atol: 0.0,
             first_divergence: -1,
             divergence_phase: String::new(),
             divergence: None,
@@ -643,9 +668,31 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
             error: String::new(),
         };
         let want_ids = model::hf_encode(&tok, prompt)?;
+        if want_ids.len() >= 2 && want_ids[0] == want_ids[1] && generation.bos_token_id == Some(want_ids[0]) {
+            warnings.push(format!(
+                "prompt {prompt:?} begins with the BOS token's text, and the tokenizer adds BOS too: it encodes with BOS twice ({:?}...); HF encodes it the same way, so it is checked as given, but a model rarely saw a doubled BOS in training: drop the typed one",
+                &want_ids[..2]
+            ));
+        }
         let got_ids = tensors_out.get(&format!("prompt_ids.{i}")).cloned().unwrap_or_default();
         r.tokenizer_ok = got_ids == want_ids;
         let (rows, want_tokens) = reference.greedy_until(&want_ids, budgets[i], &generation.eos_token_ids)?;
+        // The family's rounding margin: each step's atol grows with the f32 rounding error of this
+        // checkpoint's own activations there (ckb::RoundingMargin).
+        let margins: Vec<f64> = match &m.rounding_margin {
+            Some(rm) if reference.set_f32_activations(true) => {
+                let mut seq = want_ids.clone();
+                seq.extend_from_slice(&want_tokens[..want_tokens.len().saturating_sub(1)]);
+                let rounded = reference.forced(&seq);
+                reference.set_f32_activations(false);
+                let rounded = rounded?;
+                rows.iter()
+                    .zip(&rounded[want_ids.len() - 1..])
+                    .map(|(a, b)| rm.factor * a.iter().zip(b).fold(0.0f64, |d, (x, y)| d.max((x - y).abs())))
+                    .collect()
+            }
+            _ => vec![],
+        };
         r.stopped_at_eos =
             want_tokens.len() < budgets[i] && want_tokens.last().is_some_and(|t| generation.eos_token_ids.contains(t));
         let got_tokens = tensors_out.get(&format!("tokens.{i}")).cloned().unwrap_or_default();
@@ -661,7 +708,14 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
                 break;
             };
             r.steps = step + 1;
-            let v = crate::oracle::compare(got_row, want_row, &tol);
+            let step_tol = match margins.get(step) {
+                Some(&w) if w > tol.atol => {
+                    r.widened_atol = r.widened_atol.max(w);
+                    Tolerance { atol: w, ..tol.clone() }
+                }
+                _ => tol.clone(),
+            };
+            let v = crate::oracle::compare(got_row, want_row, &step_tol);
             if non_finite.is_none() {
                 non_finite = v.non_finite.map(|nf| (step, nf));
             }
@@ -684,7 +738,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
                 // A near-tie in the reference: the engine's choice is within tolerance of the best.
                 let best = want_row[w as usize];
                 let theirs = want_row.get(g as usize).copied().unwrap_or(f64::NEG_INFINITY);
-                if ok && best - theirs <= tol.atol + tol.rtol * best.abs() {
+                if ok && best - theirs <= step_tol.atol + step_tol.rtol * best.abs() {
                     r.tie_at = step as i64;
                 } else {
                     tokens_ok = false;
@@ -792,6 +846,21 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         // diverging point still names the first.
         diagnosis = localisation.as_ref().map(|l| l.mutants.clone()).unwrap_or_default();
     }
+    if let (true, Some(f)) = (diagnosis.is_empty(), &first_fail) {
+        // Nothing reproduces the engine: the suspects are the mutants that first depart where it
+        // does (never an empty list for failing logits).
+        let point = localisation.as_ref().map(|l| l.point.as_str()).filter(|p| !p.is_empty());
+        diagnosis = crate::oracle::diagnose::where_it_departs(
+            &ctx.ckb,
+            &mut reference,
+            &f.ids,
+            &f.tokens,
+            &f.logits,
+            f.step,
+            point,
+            &tol,
+        );
+    }
     let mut report = VerifyReport {
         passed,
         seed,
@@ -808,6 +877,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         stop_tokens: generation.eos_token_ids.clone(),
         tokenizer: tokenizer_contract.clone(),
         tokenizer_vectors: vectors,
+        skipped: vectors_skipped,
         warnings,
         sandboxed: ctx.workshop.sandboxed(),
     };
@@ -981,12 +1051,47 @@ fn localise_step(
     Ok(at)
 }
 
-/// The real vocabularies (see `model::tokenizer::vector_sets`) that route to tokenizer `contract`.
-fn vocabulary_sets(ctx: &Ctx, contract: &str) -> Vec<model::tokenizer::VectorSet> {
-    model::tokenizer::vector_sets(&ctx.ckb, &model::tokenizer::vectors_dir())
-        .into_iter()
-        .filter(|s| s.contract == contract)
-        .collect()
+/// The real vocabularies that route to tokenizer `contract`: those of
+/// `model::tokenizer::vectors_dir` (`$METAINFER_TOKENIZERS` or `../shared/tokenizers`), then the
+/// ones shipped with the binary that were not found there (written into the cache); and each known
+/// vocabulary of that contract found in neither, with why it was not checked.
+fn vocabulary_sets(ctx: &Ctx, contract: &str) -> (Vec<model::tokenizer::VectorSet>, Vec<String>) {
+    vocabulary_sets_in(ctx, contract, &model::tokenizer::vectors_dir())
+}
+
+/// As [`vocabulary_sets`], with the vectors directory `dir`.
+pub fn vocabulary_sets_in(ctx: &Ctx, contract: &str, dir: &Path) -> (Vec<model::tokenizer::VectorSet>, Vec<String>) {
+    let mut sets = model::tokenizer::vector_sets(&ctx.ckb, dir);
+    match model::embedded::write_shipped_vectors(&ctx.workshop.root) {
+        Ok(shipped) => {
+            for d in shipped {
+                let name = d.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+                if !sets.iter().any(|s| s.name == name)
+                    && let Ok(s) = model::tokenizer::read_vector_set(&ctx.ckb, &d)
+                {
+                    sets.push(s);
+                }
+            }
+        }
+        Err(e) => tracing::warn!("the shipped tokenizer vectors could not be written: {e}"),
+    }
+    sets.retain(|s| s.contract == contract);
+    sets.sort_by(|a, b| a.name.cmp(&b.name));
+    let skipped = model::embedded::VOCABULARIES
+        .iter()
+        .filter(|v| v.contract == contract && !sets.iter().any(|s| s.name == v.name))
+        .map(|v| {
+            format!(
+                "tokenizer vectors {} ({}): not found in {} ($METAINFER_TOKENIZERS) and not shipped with the binary ({}{})",
+                v.name,
+                v.contract,
+                dir.display(),
+                v.licence,
+                if v.shipped { "; writing the shipped copy failed" } else { "" }
+            )
+        })
+        .collect();
+    (sets, skipped)
 }
 
 /// The harness command `tokenize` over `sets`, None when there are none. Run here, it names the

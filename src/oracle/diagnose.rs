@@ -14,6 +14,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::ckb::{Ckb, Contract, Kind, Tolerance};
+use crate::oracle::graph::Trace;
 use crate::oracle::kernels::{self, Case};
 use crate::oracle::llama::Reference;
 use crate::oracle::mutants::{Mutation, Mutations};
@@ -33,11 +34,23 @@ pub struct Diagnosis {
     pub error_vs_mutant: f64,
     /// The failure in one line: what is wrong and how to fix it.
     pub summary: String,
+    /// Whether the mutant reproduces the engine's output (true), or only first departs from the
+    /// reference where the engine does, at the same step and point, without reproducing its values
+    /// (false: a suspect, see [`where_it_departs`]).
+    #[serde(default = "exact_default")]
+    pub exact: bool,
+}
+
+fn exact_default() -> bool {
+    true
 }
 
 impl Diagnosis {
     /// One line for text reports.
     pub fn line(&self) -> String {
+        if !self.exact {
+            return format!("diagnosis (suspect): {} ({}). {}", self.failure, self.mutant, self.summary);
+        }
         format!(
             "diagnosis: {} (output matches mutant {}: max abs error {:.2e} vs it, {:.2e} vs the oracle). {}",
             self.failure, self.mutant, self.error_vs_mutant, self.error_vs_oracle, self.summary
@@ -55,6 +68,7 @@ fn diagnosis(c: &Contract, mutant: &str, error_vs_oracle: f64, error_vs_mutant: 
         error_vs_oracle: finite(error_vs_oracle),
         error_vs_mutant: finite(error_vs_mutant),
         summary,
+        exact: true,
     }
 }
 
@@ -320,5 +334,127 @@ pub fn at_point(
         }
     }
     found.sort_by(|a, b| a.error_vs_mutant.total_cmp(&b.error_vs_mutant));
+    found
+}
+
+/// The reference's logit rows of steps 0..=`step` and its trace at the last token, teacher-forced on
+/// `ids` then `tokens[..step]` (step k's row is the logits after the prompt's last token and k
+/// generated ones). None when the reference refuses a token.
+fn forced_rows(reference: &mut Reference, ids: &[u32], tokens: &[u32], step: usize) -> Option<(Vec<Vec<f64>>, Trace)> {
+    let run: Vec<u32> = ids.iter().chain(&tokens[..step.min(tokens.len())]).copied().collect();
+    let (last, before) = run.split_last()?;
+    reference.reset();
+    let mut rows = Vec::new();
+    for (i, &t) in before.iter().enumerate() {
+        let row = reference.step(t).ok()?;
+        if i + 1 >= ids.len() {
+            rows.push(row);
+        }
+    }
+    let (row, trace) = reference.step_traced(*last).ok()?;
+    rows.push(row);
+    reference.reset();
+    Some((rows, trace))
+}
+
+/// The first point, in the trace's (graph) order, where `a` departs from `b` beyond `tol`.
+fn first_departure(a: &Trace, b: &Trace, tol: &Tolerance) -> Option<String> {
+    a.iter()
+        .zip(b)
+        .find(|((_, x), (_, y))| !compare_prediction(&x.iter().map(|&v| v as f32).collect::<Vec<_>>(), y, tol).ok)
+        .map(|((n, _), _)| n.clone())
+}
+
+/// When no mutant reproduces the engine (two mistakes, or one the mutants make only in a simpler
+/// form, such as a KV row written at a wrong position into a cache that is not empty), name the
+/// suspects: the failure contracts whose mutants first depart from the reference where the engine
+/// does: at generation step `step`, at the same trace point `point` when the engine's traced forward
+/// located it (whatever the mutant did at earlier steps: a mistake made only in decode, say, and the
+/// mutant's made everywhere, still first show at the same node), else first at that step (earlier
+/// steps agreeing with the reference, as the engine's did).
+/// Each is a [`Diagnosis`] with `exact: false`. When no mutant departs there first, one entry says
+/// where the engine departs and that the knowledge base has no name for that mistake yet: the list is
+/// never empty, unless the engine's logits at `step`, teacher-forced on its own tokens, agree with
+/// the reference's (the mismatch is then not in the forward pass: its prompt ids). `ids`, `tokens`,
+/// `logits` as in [`generation`]; the reference is left as it was given.
+#[allow(clippy::too_many_arguments)]
+pub fn where_it_departs(
+    ckb: &Ckb,
+    reference: &mut Reference,
+    ids: &[u32],
+    tokens: &[u32],
+    logits: &[f32],
+    step: usize,
+    point: Option<&str>,
+    tol: &Tolerance,
+) -> Vec<Diagnosis> {
+    let vocab = reference.config().vocab;
+    let phase = if step == 0 { "prefill".to_string() } else { format!("decode step {step}") };
+    let at = match point {
+        Some(p) => format!("{phase}, at {p}"),
+        None => phase.clone(),
+    };
+    let unnamed = || Diagnosis {
+        failure: String::new(),
+        mutant: String::new(),
+        error_vs_oracle: 0.0,
+        error_vs_mutant: 0.0,
+        summary: format!(
+            "the engine first departs from the reference at {at}, and no failure contract's mutant departs there first: a mistake the knowledge base has no name for yet (look at what this step computes there; evolve_knowledge clusters such outcomes by point)"
+        ),
+        exact: false,
+    };
+    let before = reference.mutations();
+    reference.set_mutations(Mutations::NONE);
+    let Some((truth, true_trace)) = forced_rows(reference, ids, tokens, step) else { return vec![unnamed()] };
+    let engine_row = logits.get(step * vocab..(step + 1) * vocab);
+    // On its own tokens the engine may agree with the reference (the prompt's ids differ: the
+    // tokenizer): then nothing in the forward pass is suspect.
+    if engine_row.is_some_and(|g| compare_prediction(g, &truth[step], tol).ok) {
+        reference.set_mutations(before);
+        return vec![];
+    }
+    let mut found = Vec::new();
+    for (fc, variant) in candidates(ckb, reference) {
+        if !variant.set(reference) {
+            continue;
+        }
+        let rows = forced_rows(reference, ids, tokens, step);
+        variant.clear(reference);
+        let Some((rows, trace)) = rows else { continue };
+        let departs = |k: usize| {
+            let got: Vec<f32> = rows[k].iter().map(|&v| v as f32).collect();
+            !compare_prediction(&got, &truth[k], tol).ok
+        };
+        match point {
+            // Located: at this step the mutant's forward first departs at the engine's point.
+            Some(p) => {
+                if first_departure(&trace, &true_trace, tol).as_deref() != Some(p) {
+                    continue;
+                }
+            }
+            // Not located: earlier steps agree (the engine's did) and this one departs.
+            None => {
+                if (0..step).any(departs) || !departs(step) {
+                    continue;
+                }
+            }
+        }
+        let err = |want: &[f64]| {
+            engine_row.map_or(UNWRITTEN, |g| g.iter().zip(want).fold(0.0f64, |m, (a, b)| m.max((*a as f64 - b).abs())))
+        };
+        let mut d = diagnosis(fc, &variant.name(), err(&truth[step]), err(&rows[step]));
+        d.exact = false;
+        d.summary = format!(
+            "first departs from the reference where the engine does ({at}) without reproducing its values: a suspect, not a match. {}",
+            d.summary
+        );
+        found.push(d);
+    }
+    reference.set_mutations(before);
+    found.sort_by(|a, b| a.error_vs_mutant.total_cmp(&b.error_vs_mutant));
+    if found.is_empty() {
+        found.push(unnamed());
+    }
     found
 }

@@ -93,6 +93,10 @@ pub struct GraphReference {
     keys: BTreeMap<(String, bool), (usize, Vec<usize>)>,
     /// Store entries of the graph's own bindings; a rewrite's derived tensors follow them.
     base_store: usize,
+    /// Round every node's output to f32 (as an engine computing in f32 holds its activations):
+    /// the scale of the rounding error this checkpoint's activations cause (see
+    /// `oracle::llama::Reference::set_f32_activations`).
+    f32_activations: bool,
 }
 
 impl GraphReference {
@@ -158,7 +162,15 @@ impl GraphReference {
             len: 0,
             mutations: Mutations::NONE,
             cfg: cfg.clone(),
+            f32_activations: false,
         })
+    }
+
+    /// Round every node's output to the nearest f32 (true) or keep f64 (false, the reference);
+    /// forget the cache.
+    pub fn set_f32_activations(&mut self, on: bool) {
+        self.f32_activations = on;
+        self.reset();
     }
 
     /// Turn this reference into a mutant (or back with [`Mutations::NONE`]) and forget the cache.
@@ -368,6 +380,7 @@ impl GraphReference {
             token,
             inv_freq: self.inv_freq.as_deref(),
             m: self.mutations,
+            f32_activations: self.f32_activations,
         };
         let mut stream = ctx.block(&self.prologue, Vec::new(), &mut trace);
         for layer in &self.layers {
@@ -527,6 +540,7 @@ struct Exec<'a> {
     token: u32,
     inv_freq: Option<&'a [f64]>,
     m: Mutations,
+    f32_activations: bool,
 }
 
 impl Exec<'_> {
@@ -547,7 +561,10 @@ impl Exec<'_> {
             // first's op on that; each output is traced under the name of the op that made it (as
             // an engine computing in that order reports it).
             let by = n.swap.map_or(n, |j| &nodes[j]);
-            let out = self.node(by, &ins);
+            let mut out = self.node(by, &ins);
+            if self.f32_activations {
+                out.iter_mut().for_each(|v| *v = *v as f32 as f64);
+            }
             if let Some(t) = trace.as_deref_mut() {
                 t.push((by.trace.clone(), out.clone()));
             }
@@ -697,6 +714,7 @@ impl Exec<'_> {
                     gqa_modulo: m.has(Mutation::GqaModulo),
                     no_mask: false,
                     no_scale: m.has(Mutation::AttentionNoScale),
+                    softmax_no_max: false,
                 };
                 let (keys, values) = (&self.k_cache[l][from..], &self.v_cache[l][from..]);
                 match (n.params.get("scale"), n.params.get("softcap")) {

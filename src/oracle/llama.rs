@@ -353,6 +353,7 @@ fn attend(m: Mutations, q: &[f64], k: &[f64], v: &[f64], s: AttnShape) -> Vec<f6
         gqa_modulo: m.has(Mutation::GqaModulo),
         no_mask: false,
         no_scale: m.has(Mutation::AttentionNoScale),
+        softmax_no_max: false,
     };
     attention::core(q, k, v, s, f)
 }
@@ -417,6 +418,33 @@ impl Reference {
     /// Whether this reference interprets the family's graph (and so can trace).
     pub fn is_graph(&self) -> bool {
         matches!(self.0, Inner::Graph(_))
+    }
+
+    /// Round every activation (each graph node's output, the KV cache with them) to f32 as an engine
+    /// computing in f32 holds it (true), or compute in f64 (false, the reference); forget the cache.
+    /// The difference between the two is the rounding error this checkpoint's activations cause in
+    /// f32, which scales the logits tolerance where a family states a
+    /// [`crate::ckb::RoundingMargin`]. Ok(false) for the hand-written reference (no graph).
+    pub fn set_f32_activations(&mut self, on: bool) -> bool {
+        match &mut self.0 {
+            Inner::Graph(r) => {
+                r.set_f32_activations(on);
+                true
+            }
+            Inner::Handwritten(_) => false,
+        }
+    }
+
+    /// The logits of `tokens` fed one after another from position 0 (teacher-forced), one row per
+    /// token; the reference is reset first and after.
+    ///
+    /// # Errors
+    /// As [`Reference::step`].
+    pub fn forced(&mut self, tokens: &[u32]) -> Result<Vec<Vec<f64>>> {
+        self.reset();
+        let rows = tokens.iter().map(|&t| self.step(t)).collect::<Result<Vec<_>>>();
+        self.reset();
+        rows
     }
 
     /// Turn this reference into a mutant of the forward pass (or back into the true one with

@@ -422,8 +422,15 @@ fn outputs_copied_from_another_bundle_are_not_evidence() {
     for f in ["reply.0.json", "run.0.json"] {
         std::fs::copy(gdir.join(f), bdir.join(f)).unwrap();
     }
-    let good_out = the_file(&gdir, "case0.", ".out.safetensors");
-    std::fs::copy(&good_out, bdir.join(good_out.file_name().unwrap())).unwrap();
+    let outputs: Vec<std::path::PathBuf> = std::fs::read_dir(&gdir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.to_string_lossy().ends_with(".out.safetensors"))
+        .collect();
+    assert!(!outputs.is_empty());
+    for o in &outputs {
+        std::fs::copy(o, bdir.join(o.file_name().unwrap())).unwrap();
+    }
     let r = kernel_test(&ctx, &req(&bad, None, Some(&bdir)), &budget()).unwrap();
     assert!(!r.passed && r.kernels[0].error.contains("no output for"), "{r:?}");
 
@@ -432,8 +439,11 @@ fn outputs_copied_from_another_bundle_are_not_evidence() {
         let m: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("bundle.json")).unwrap()).unwrap();
         m["nonce"].as_str().unwrap().to_string()
     };
-    let forged = good_out.file_name().unwrap().to_string_lossy().replace(&nonce(&gdir), &nonce(&bdir));
-    std::fs::rename(bdir.join(good_out.file_name().unwrap()), bdir.join(&forged)).unwrap();
+    for o in &outputs {
+        let name = o.file_name().unwrap().to_string_lossy().into_owned();
+        std::fs::rename(bdir.join(&name), bdir.join(name.replace(&nonce(&gdir), &nonce(&bdir)))).unwrap();
+    }
+    let good_out = the_file(&gdir, "case0.", ".out.safetensors");
     let r = kernel_test(&ctx, &req(&bad, None, Some(&bdir)), &budget()).unwrap();
     assert!(r.passed, "the forged outputs are the good engine's: {r:?}");
     assert!(r.attestation.starts_with("unattested: no attestation.json"), "{}", r.attestation);

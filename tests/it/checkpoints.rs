@@ -22,7 +22,7 @@ fn s(p: &Path) -> String {
 }
 
 /// BabyLlama's config.json, tokenizer.json and LICENSE copied into `dir` (no weights).
-fn babyllama_without_weights(dir: &Path) {
+pub(crate) fn babyllama_without_weights(dir: &Path) {
     std::fs::create_dir_all(dir).unwrap();
     for f in ["config.json", "tokenizer.json", "LICENSE"] {
         std::fs::copy(crate::babyllama().join(f), dir.join(f)).unwrap();
@@ -31,7 +31,7 @@ fn babyllama_without_weights(dir: &Path) {
 
 /// Store `tensors` in `dir` at `dtype` (F32, BF16 or F16, rounded to nearest even) in `shards` files
 /// (with an index when more than one), as an HF exporter would.
-fn store(dir: &Path, tensors: &Tensors, dtype: safetensors::Dtype, shards: usize) {
+pub(crate) fn store(dir: &Path, tensors: &Tensors, dtype: safetensors::Dtype, shards: usize) {
     let bytes = |v: &[f32]| -> Vec<u8> {
         match dtype {
             safetensors::Dtype::BF16 => v.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect(),
@@ -65,13 +65,13 @@ fn store(dir: &Path, tensors: &Tensors, dtype: safetensors::Dtype, shards: usize
     }
 }
 
-fn edit_json(path: &Path, edit: impl FnOnce(&mut Value)) {
+pub(crate) fn edit_json(path: &Path, edit: impl FnOnce(&mut Value)) {
     let mut v: Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
     edit(&mut v);
     std::fs::write(path, serde_json::to_string_pretty(&v).unwrap()).unwrap();
 }
 
-fn babyllama_tensors() -> Tensors {
+pub(crate) fn babyllama_tensors() -> Tensors {
     model::read_safetensors(&crate::babyllama()).unwrap()
 }
 

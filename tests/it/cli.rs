@@ -65,6 +65,7 @@ fn help_groups_global_options_documents_every_option_and_gives_examples() {
         "report",
         "install-skills",
         "register",
+        "doctor",
         "demo",
         "bench",
     ] {
@@ -88,7 +89,7 @@ fn help_groups_global_options_documents_every_option_and_gives_examples() {
 }
 
 #[test]
-fn register_writes_every_server_option_and_asks_before_replacing() {
+fn register_writes_the_absolute_binary_and_every_server_option_and_asks_before_replacing() {
     let t = tempfile::tempdir().unwrap();
     let project = t.path().join("proj");
     let models = t.path().join("models");
@@ -118,6 +119,12 @@ fn register_writes_every_server_option_and_asks_before_replacing() {
     let args = v["mcpServers"]["metainfer"]["args"].as_array().unwrap().clone();
     assert_eq!(args[..3], [serde_json::json!("serve"), "--workspace".into(), ".".into()], "{v}");
     assert!(args.iter().any(|a| a == "--model-dir"), "{v}");
+    // The command is this binary's absolute, canonical path (a client started from a desktop menu
+    // may not have ~/.cargo/bin on its PATH), and register shows it.
+    let exe = crate::bin().canonicalize().unwrap().display().to_string();
+    assert_eq!(v["mcpServers"]["metainfer"]["command"], exe.as_str(), "{v}");
+    assert_eq!(e["command"].as_str(), Some(exe.as_str()));
+    assert!(text(&out.stdout).contains(&format!("the client starts {exe}")), "{}", text(&out.stdout));
     let out = run(&["register", "--client", "claude", "--dir", "proj", "--read-only"], t.path());
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out.stderr).contains("--replace"), "{}", text(&out.stderr));
@@ -155,21 +162,31 @@ fn skills_install_into_each_clients_folder_and_edited_ones_are_kept_without_forc
     assert!(!std::fs::read_to_string(&skill).unwrap().contains("my notes"));
 }
 
+/// A `--model` (or `$METAINFER_MODEL`) that is not a model directory is refused before anything
+/// starts, saying what a model directory holds and that without one the built-in model runs.
 #[test]
-fn demo_without_a_model_says_where_it_looked() {
-    // Two levels down, so that neither `shared/` nor `../shared/` from the working directory can exist.
+fn demo_with_a_wrong_model_names_the_fix() {
     let t = tempfile::tempdir().unwrap();
-    let cwd = t.path().join("a/b");
-    std::fs::create_dir_all(&cwd).unwrap();
-    let out = Command::new(crate::bin()).arg("demo").env_remove("METAINFER_MODEL").current_dir(&cwd).output().unwrap();
-    assert_eq!(out.status.code(), Some(2));
-    let err = text(&out.stderr);
-    assert!(
-        err.contains("shared/models/babyllama-105")
-            && err.contains("../shared/models/babyllama-105")
-            && err.contains("--model"),
-        "{err}"
-    );
+    let missing = t.path().join("no-model");
+    for (flag, env) in [(true, None), (false, Some(&missing))] {
+        let mut c = Command::new(crate::bin());
+        c.arg("demo").env_remove("METAINFER_MODEL").current_dir(t.path());
+        if flag {
+            c.arg("--model").arg(&missing);
+        }
+        if let Some(m) = env {
+            c.env("METAINFER_MODEL", m);
+        }
+        let out = c.output().unwrap();
+        assert_eq!(out.status.code(), Some(2));
+        let err = text(&out.stderr);
+        assert!(
+            err.contains(&format!("model directory {} has no config.json", missing.display()))
+                && err.contains("BabyLlama-105 checkpoint built into this binary"),
+            "{err}"
+        );
+        assert!(text(&out.stdout).is_empty(), "nothing started");
+    }
 }
 
 #[test]

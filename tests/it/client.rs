@@ -289,9 +289,11 @@ async fn output_is_bounded_and_outcomes_are_paginated() {
         .unwrap();
     let text = &r.content[0].as_text().unwrap().text;
     assert!(text.chars().count() < 500 && text.contains("kernel.attention"), "{text}");
-    // One contract larger than the bound is still given whole (a page always holds one item).
+    // One contract larger than the bound: its TOML is cut to the bound, saying so and naming the
+    // resource that holds it whole (a page always holds one item).
     let v = r.structured_content.unwrap();
-    assert!(v["contracts"][0]["toml"].as_str().unwrap().len() > 300, "structured content is whole");
+    assert!(v["contracts"][0]["cut"].as_u64().unwrap() > 0, "{v}");
+    assert!(v["contracts"][0]["toml"].as_str().unwrap().ends_with("resource ckb://contract/kernel.attention]"));
     assert!(v.get("next_cursor").is_none());
     for _ in 0..3 {
         c.call_tool(

@@ -16,6 +16,7 @@ mod evolution;
 mod evolve;
 mod families;
 mod faults;
+mod first_hour;
 mod gates;
 mod graph;
 mod ledger;
@@ -23,11 +24,13 @@ mod mcp;
 mod model;
 mod oracle;
 mod race;
+mod readme;
 mod rules;
 mod sandbox;
 mod serving;
 mod signals;
 mod tidy;
+mod verdicts;
 
 use std::path::{Path, PathBuf};
 

@@ -98,3 +98,49 @@ fn the_same_seed_draws_the_same_rich_prompts() {
         assert_eq!(rich_prompts(7, 2, &again), prompts);
     }
 }
+
+/// Every failure mode a kernel contract lists is caught by the cases its test cases draw: over 100
+/// seeds, the mutant that reproduces the mode predicts, on at least one drawn case, an output
+/// outside the contract's f32 tolerance of the oracle's (or another index), on at least 99 seeds.
+/// An engine that makes the mistake therefore fails run_kernel_test on nearly every run, not only
+/// on lucky ones (regression: the repetition-penalty sign passed 6 of 7 seeds).
+#[test]
+fn each_failure_mode_is_caught_on_99_of_100_seeds() {
+    use metainfer::oracle::kernels::{self, Expect};
+    use rand::SeedableRng;
+    use rand_chacha::ChaCha8Rng;
+    let ckb = metainfer::ckb::Ckb::embedded().unwrap();
+    let mut weak = Vec::new();
+    let mut checked = 0;
+    for c in ckb.of_kind(metainfer::ckb::Kind::Kernel) {
+        let Some(k) = kernels::get(&c.id) else { continue };
+        let tol = c.tolerance.get("f32").cloned().unwrap();
+        for fid in &c.failure_modes {
+            let Some(name) = ckb.get(fid).ok().and_then(|f| f.failure.as_ref()?.mutant.clone()) else { continue };
+            let Some(m) = kernels::mutant(&c.id, &name) else { continue };
+            checked += 1;
+            let mut caught = 0;
+            for seed in 0..100u64 {
+                let hit = c.test_cases.iter().enumerate().any(|(ci, tc)| {
+                    // As run_kernel_test draws them.
+                    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ metainfer::util::fnv1a(&c.id) ^ (ci as u64) << 48);
+                    let case = kernels::draw(&c.id, tc, &mut rng).unwrap();
+                    match ((k.oracle)(&case), (m.expect)(&case)) {
+                        (Some(Expect::Values(want)), Some(Expect::Values(got))) => {
+                            let got: Vec<f32> = got.iter().map(|&v| v as f32).collect();
+                            !metainfer::oracle::compare(&got, &want, &tol).ok
+                        }
+                        (Some(Expect::Index(a)), Some(Expect::Index(b))) => a != b,
+                        _ => false,
+                    }
+                });
+                caught += usize::from(hit);
+            }
+            if caught < 99 {
+                weak.push(format!("{} {fid} ({name}): caught on {caught}/100 seeds", c.id));
+            }
+        }
+    }
+    assert!(checked >= 20, "only {checked} failure modes with mutants");
+    assert!(weak.is_empty(), "failure modes the drawn cases miss:\n{}", weak.join("\n"));
+}

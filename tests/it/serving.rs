@@ -324,11 +324,37 @@ fn serve_engine_fails_without_a_binary_on_a_dying_server_and_on_a_constant_sampl
         reference_level: Default::default(),
         serving: Some(serving(4, 128)),
     };
-    scaffold(&ctx, &req).unwrap();
+    let scaffolded = scaffold(&ctx, &req).unwrap();
+    assert!(scaffolded.files.contains(&"src/main.rs".to_string()), "{:?}", scaffolded.files);
+    // The scaffold's binary explains itself, then its serve stops at the todo!() left to the agent.
     let r = serve_engine(&ctx, &serve_req(&bare), &Budget::secs(900)).unwrap();
     crate::assert_conforms(&r);
+    let text = metainfer::ops::Report::text(&r);
+    assert!(!r.passed && r.checks[0].name == "help" && r.checks[0].passed, "{text}");
+    assert!(r.error.contains("exited before answering /health") && r.error.contains("not yet implemented"), "{text}");
+    assert!(r.error.contains("serving model babyllama-105 from "), "serve prints its model and address: {text}");
+    assert!(r.levels.is_empty());
+
+    // An engine without a binary at all.
+    std::fs::remove_file(bare.join("src/main.rs")).unwrap();
+    let r = serve_engine(&ctx, &serve_req(&bare), &Budget::secs(900)).unwrap();
     assert!(!r.passed && r.error.contains("the engine has no binary"), "{}", r.error);
     assert!(r.checks.is_empty() && r.levels.is_empty());
+
+    // A binary whose --help is a usage error (exit 2): serve_engine stops before serving.
+    let mute = t.path().join("mute");
+    Engine::Simd.copy_to(&mute);
+    crate::replace_body(
+        &mute,
+        "src/main.rs",
+        "fn usage() -> String",
+        "eprintln!(\"error: usage: llama-cpu-simd generate | serve\");\n    std::process::exit(2)",
+    );
+    let r = serve_engine(&ctx, &serve_req(&mute), &Budget::secs(900)).unwrap();
+    let text = metainfer::ops::Report::text(&r);
+    assert!(!r.passed && r.checks.len() == 1 && !r.checks[0].passed, "{text}");
+    assert!(r.checks[0].detail.contains("`llama-cpu-simd --help` exited with status 2"), "{text}");
+    assert!(r.error.contains("does not explain itself"), "{text}");
 
     let dying = t.path().join("dying");
     Engine::Simd.copy_to(&dying);
@@ -340,7 +366,10 @@ fn serve_engine_fails_without_a_binary_on_a_dying_server_and_on_a_constant_sampl
         "{}",
         r.error
     );
-    assert_eq!(r.checks.len(), 1);
+    assert_eq!(
+        r.checks.iter().map(|c| (c.name.as_str(), c.passed)).collect::<Vec<_>>(),
+        [("help", true), ("health", false)]
+    );
 
     let constant = t.path().join("constant");
     Engine::Simd.copy_to(&constant);
@@ -403,11 +432,23 @@ fn simd_engine_passes_serve_engine() {
     let names: Vec<&str> = r.checks.iter().map(|c| c.name.as_str()).collect();
     assert_eq!(
         names,
-        ["health", "models", "greedy", "streaming", "stop", "chat", "bad_requests", "burst", "alive", "disconnect"],
+        [
+            "help",
+            "health",
+            "models",
+            "greedy",
+            "streaming",
+            "stop",
+            "chat",
+            "bad_requests",
+            "burst",
+            "alive",
+            "disconnect"
+        ],
         "{text}"
     );
     // component.openai_server: 1,000 requests at once are each answered or refused with a 4xx.
-    let burst = &r.checks[7];
+    let burst = &r.checks[8];
     assert!(burst.detail.starts_with("1000 requests at once: "), "{text}");
     assert_eq!(r.levels.iter().map(|l| l.concurrency).collect::<Vec<_>>(), [1, 4, 16]);
     for l in &r.levels {
@@ -421,11 +462,55 @@ fn simd_engine_passes_serve_engine() {
     eprintln!("{text}");
 }
 
+/// The scaffold's template of a serving engine's binary (src/main.rs), compiled on its own (it needs
+/// only std): `--help` and each command's `--help` exit 0 with the flags, an unknown flag exits 2
+/// naming it, and `serve` prints the model and the bound address before the agent's todo!().
+#[test]
+fn the_scaffolds_engine_binary_explains_itself() {
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("main.rs");
+    std::fs::write(&src, metainfer::ops::scaffold::ENGINE_MAIN).unwrap();
+    let exe = t.path().join("engine");
+    let out = std::process::Command::new("rustc")
+        .args(["--edition", "2024", "-o"])
+        .arg(&exe)
+        .arg(&src)
+        .env("CARGO_PKG_NAME", "engine")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let cmd = |args: &[&str]| std::process::Command::new(&exe).args(args).output().unwrap();
+    let top = cmd(&["--help"]);
+    assert_eq!(top.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&top.stdout).contains("usage: engine <command>"));
+    for (sub, flags) in [
+        ("generate", &["--model", "--prompt", "--max-tokens", "--temperature", "--top-p", "--top-k", "--seed"][..]),
+        ("serve", &["--model", "--host", "--port"][..]),
+    ] {
+        let h = cmd(&[sub, "--help"]);
+        assert_eq!(h.status.code(), Some(0), "{sub} --help");
+        let h = String::from_utf8_lossy(&h.stdout);
+        assert!(flags.iter().all(|f| h.contains(f)), "{sub} --help:\n{h}");
+        let unknown = cmd(&[sub, "--bogus", "1"]);
+        assert_eq!(unknown.status.code(), Some(2));
+        assert!(String::from_utf8_lossy(&unknown.stderr).contains("unknown flag `--bogus` for `"), "{sub}");
+    }
+    let missing = cmd(&["serve"]);
+    assert_eq!(missing.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("serve needs --model"));
+    let model = crate::babyllama();
+    let served = cmd(&["serve", "--model", model.to_str().unwrap(), "--port", "0"]);
+    let err = String::from_utf8_lossy(&served.stderr);
+    let want = format!("serving model babyllama-105 from {} on http://127.0.0.1:", model.display());
+    assert!(err.starts_with(&want) && err.contains("not yet implemented"), "{err}");
+}
+
 /// The SIMD engine's binary, `generate`: greedy on BabyLlama prints the golden continuation of the
 /// golden prompt (agreed by four independent implementations, ../shared/golden), a seeded sampled
-/// run prints the same text twice, and a bad flag exits 2 naming it.
+/// run prints the same text twice, and a bad flag exits 2 naming it; `--help` on the binary and its
+/// commands lists every flag, an unknown flag or command exits 2, `serve` prints model and address.
 #[test]
-fn simd_binary_generate_prints_the_golden_continuation() {
+fn simd_binary_explains_itself_and_generate_prints_the_golden_continuation() {
     let t = tempfile::tempdir().unwrap();
     let ctx = crate::ctx(t.path());
     let dir = t.path().join("simd");
@@ -459,6 +544,52 @@ fn simd_binary_generate_prints_the_golden_continuation() {
     let bad = run(&["--temperature", "warm"]);
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--temperature"), "{}", String::from_utf8_lossy(&bad.stderr));
+
+    // It explains itself (component.openai_server): help on the binary and on each command exits 0
+    // with the flags; an unknown flag or command exits 2 naming it.
+    let cmd = |args: &[&str]| std::process::Command::new(&exe).args(args).output().unwrap();
+    let top = cmd(&["--help"]);
+    assert_eq!(top.status.code(), Some(0));
+    let top_text = String::from_utf8_lossy(&top.stdout);
+    assert!(top_text.contains("generate") && top_text.contains("serve"), "{top_text}");
+    for (sub, flags) in [
+        (
+            "generate",
+            &["--model", "--prompt", "--max-tokens", "--temperature", "--top-p", "--top-k", "--min-p", "--seed"][..],
+        ),
+        (
+            "serve",
+            &["--model", "--host", "--port", "--max-seqs", "--block-size", "--kv-blocks", "--max-batch-tokens"][..],
+        ),
+    ] {
+        let h = cmd(&[sub, "--help"]);
+        assert_eq!(h.status.code(), Some(0), "{sub} --help");
+        let h = String::from_utf8_lossy(&h.stdout);
+        for f in flags {
+            assert!(h.contains(f), "{sub} --help lacks {f}:\n{h}");
+        }
+        let unknown = cmd(&[sub, "--bogus", "1"]);
+        assert_eq!(unknown.status.code(), Some(2), "{sub} --bogus");
+        assert!(String::from_utf8_lossy(&unknown.stderr).contains("unknown flag `--bogus`"), "{sub}");
+    }
+    let unknown = cmd(&["train"]);
+    assert_eq!(unknown.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&unknown.stderr).contains("unknown command `train`"));
+
+    // serve says which model it serves on which address once it listens (port 0: a free one).
+    let mut server = std::process::Command::new(&exe)
+        .args(["serve", "--model", model.to_str().unwrap(), "--port", "0"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(server.stderr.take().unwrap()), &mut line).unwrap();
+    server.kill().unwrap();
+    server.wait().unwrap();
+    let want = format!("serving model babyllama-105 from {} on http://127.0.0.1:", model.display());
+    assert!(line.starts_with(&want), "{line:?}");
+    let port: u16 = line.trim().rsplit(':').next().unwrap().parse().unwrap();
+    assert_ne!(port, 0, "{line:?}");
 }
 
 /// The SIMD engine's server passes serve_engine at the stories15M shape too (a synthetic checkpoint

@@ -27,17 +27,22 @@ fn processes_mentioning(marker: &str) -> Vec<String> {
 }
 
 /// A build script that starts a daemon in a session of its own (`setsid`; its command line names
-/// `marker`), out of the build's process group, then sleeps `sleep_s` seconds.
+/// `marker`), out of the build's process group, then sleeps `sleep_s` seconds. It is written past
+/// the static build-script rule (which refuses `std::process` in build.rs), as a hostile engine
+/// would write it, so that what is tested is the sandbox's own defence: the daemon runs, and must
+/// not outlive the gate.
 pub(crate) fn daemon_build_script(marker: &str, sleep_s: u64) -> String {
     format!(
-        "fn main() {{
-    use std::os::unix::process::CommandExt;
-    let _ = std::process::Command::new(\"setsid\")
+        "use std::os::unix::{{process as u}};
+use std::{{process as q}};
+use u::CommandExt;
+fn main() {{
+    let _ = <q::Command>::new(\"setsid\")
         .args([\"sh\", \"-c\", \"sleep 987; : {marker}-daemon\"])
         .process_group(0)
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
+        .stdin(q::Stdio::null())
+        .stdout(q::Stdio::null())
+        .stderr(q::Stdio::null())
         .spawn();
     std::thread::sleep(std::time::Duration::from_secs({sleep_s}));
 }}

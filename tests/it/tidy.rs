@@ -75,8 +75,9 @@ fn processes(files: &Files) -> Vec<String> {
 }
 
 /// ops modules every ops module may use: the gate skeleton, and pagination (the shared shape of
-/// every list a tool returns); `mod.rs` holds the shared types.
-const SHARED: &[&str] = &["gate", "page"];
+/// every list a tool returns), and preconditions (what config.json may contradict in a graph, which
+/// plan and every gate check alike); `mod.rs` holds the shared types.
+const SHARED: &[&str] = &["gate", "page", "preconditions"];
 
 /// The ops modules one ops module may name besides [`SHARED`] and `mod`, with why.
 const OPS_EDGES: &[(&str, &str, &str)] = &[

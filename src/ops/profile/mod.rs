@@ -451,6 +451,7 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     let model_dir = held.path().to_path_buf();
     let target = gate.target.clone();
     let cfg = crate::model::load_config(&ctx.ckb, &held)?;
+    crate::ops::preconditions::check(&ctx.ckb, held.path(), &cfg, &crate::model::read_config(&held)?)?;
     gate.same_family(&model_dir, &cfg.family)?;
     // Requests beyond the model's context or the run limit are adjusted, and the report says so.
     let max_seq = cfg.max_seq;

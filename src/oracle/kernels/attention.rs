@@ -21,6 +21,9 @@ pub struct Faults {
     pub no_mask: bool,
     /// Scores not scaled by 1/sqrt(head_dim) (equal when head_dim = 1).
     pub no_scale: bool,
+    /// The softmax over scores without the row maximum subtracted, in f32 (see
+    /// [`super::softmax::Faults::no_max`]): scores above about 88.7 overflow to NaN.
+    pub softmax_no_max: bool,
 }
 
 /// Attention with `f`'s mistakes. `q`: [n_q, n_heads, head_dim]; `k`, `v`: [kv_len, n_kv_heads,
@@ -49,7 +52,7 @@ pub fn core_with(q: &[f64], k: &[f64], v: &[f64], s: AttnShape, f: Faults, scale
                     if softcap > 0.0 { softcap * (score / softcap).tanh() } else { score }
                 })
                 .collect();
-            let p = super::softmax::core(&scores, scores.len(), super::softmax::Faults::default());
+            let p = super::softmax::core(&scores, scores.len(), super::softmax::Faults { no_max: f.softmax_no_max });
             let o = &mut out[(i * n_heads + h) * head_dim..][..head_dim];
             for (t, pt) in p.iter().enumerate() {
                 let vv = &v[(t * n_kv_heads + kvh) * head_dim..][..head_dim];
@@ -116,6 +119,7 @@ pub static KERNEL: Kernel = Kernel {
         Mutant { name: "gqa_modulo", expect: |c| eval(c, Faults { gqa_modulo: true, ..Faults::default() }) },
         Mutant { name: "attention_no_mask", expect: |c| eval(c, Faults { no_mask: true, ..Faults::default() }) },
         Mutant { name: "attention_no_scale", expect: |c| eval(c, Faults { no_scale: true, ..Faults::default() }) },
+        Mutant { name: "softmax_no_max", expect: |c| eval(c, Faults { softmax_no_max: true, ..Faults::default() }) },
     ],
     cost,
     test_arm: r#"{

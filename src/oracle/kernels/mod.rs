@@ -246,9 +246,45 @@ pub fn draw(kernel: &str, case: &TestCase, rng: &mut ChaCha8Rng) -> Result<Case>
             ids().collect::<Vec<_>>().join(", ")
         ))
     })?;
-    let mut c = (k.draw)(case, rng)?;
+    let mut c = match &case.exposes {
+        None => (k.draw)(case, rng)?,
+        Some(name) => {
+            let m = mutant(kernel, name).ok_or_else(|| {
+                Error::input(format!("test case `{}` exposes `{name}`, which is no mutant of {kernel}", case.name))
+            })?;
+            let mut found = None;
+            for _ in 0..EXPOSE_DRAWS {
+                let c = (k.draw)(case, rng)?;
+                if differs((k.oracle)(&c), (m.expect)(&c)) {
+                    found = Some(c);
+                    break;
+                }
+            }
+            found.ok_or_else(|| {
+                Error::input(format!(
+                    "test case `{}`: no case in {EXPOSE_DRAWS} draws on which mutant `{name}` differs from the oracle; widen its ranges",
+                    case.name
+                ))
+            })?
+        }
+    };
     c.label = format!("{}: {}", case.name, c.label);
     Ok(c)
+}
+
+/// Draws tried for a test case with `exposes` before giving up.
+pub const EXPOSE_DRAWS: usize = 500;
+
+/// Whether a mutant's prediction differs from the oracle's beyond any kernel tolerance: another
+/// index, another length, or a value off by more than 1e-3 of max(1, |oracle|).
+fn differs(oracle: Option<Expect>, mutant: Option<Expect>) -> bool {
+    match (oracle, mutant) {
+        (Some(Expect::Index(a)), Some(Expect::Index(b))) => a != b,
+        (Some(Expect::Values(a)), Some(Expect::Values(b))) => {
+            a.len() != b.len() || a.iter().zip(&b).any(|(x, y)| !((x - y).abs() <= 1e-3 * x.abs().max(1.0)))
+        }
+        _ => false,
+    }
 }
 
 /// Uniform f32 values in [-scale, scale).

@@ -1,10 +1,13 @@
 //! Phase 7 (serving): the engine's binary (component.openai_server).
 //!
+//! `llama-cpu-simd --help` and `llama-cpu-simd <command> --help` list the commands and their flags;
+//! an unknown command or flag is refused by name with exit status 2 (a failure while running: 1).
 //! `llama-cpu-simd generate --model DIR --prompt TEXT [--max-tokens N] [--temperature T] [--top-p P]
 //! [--top-k K] [--min-p P] [--seed S]` streams the new text to stdout;
 //! `llama-cpu-simd serve --model DIR [--host 127.0.0.1] [--port 8000] [--max-seqs 16] [--block-size 16]
 //! [--kv-blocks N] [--max-batch-tokens N]` serves the OpenAI-compatible API (`/health`, `/v1/models`,
-//! `/v1/completions`, `/v1/chat/completions`, streaming as server-sent events ending with `[DONE]`).
+//! `/v1/completions`, `/v1/chat/completions`, streaming as server-sent events ending with `[DONE]`),
+//! and says on stderr which model it serves on which address once it listens.
 //!
 //! One engine thread owns the model, the paged KV cache and the scheduler; HTTP handlers (axum on
 //! tokio) validate and tokenise a request and send it to that thread with a channel for its text.
@@ -68,16 +71,141 @@ struct Loaded {
     max_context: usize,
 }
 
+/// One flag of a subcommand: name, value placeholder, what it does (with its default).
+struct Flag {
+    name: &'static str,
+    value: &'static str,
+    help: &'static str,
+}
+
+const GENERATE_FLAGS: &[Flag] = &[
+    Flag {
+        name: "--model",
+        value: "DIR",
+        help: "Hugging Face model directory (config.json, model.safetensors, tokenizer.json); required",
+    },
+    Flag { name: "--prompt", value: "TEXT", help: "the prompt; required" },
+    Flag { name: "--max-tokens", value: "N", help: "tokens to generate, at most the context left (default 64)" },
+    Flag { name: "--temperature", value: "T", help: "sampling temperature; 0 is greedy (default 0)" },
+    Flag { name: "--top-p", value: "P", help: "nucleus sampling mass in (0, 1] (default 1)" },
+    Flag { name: "--top-k", value: "K", help: "keep the K most likely tokens; 0 keeps all (default 0)" },
+    Flag { name: "--min-p", value: "P", help: "drop tokens below P times the top token's probability (default 0)" },
+    Flag { name: "--seed", value: "S", help: "seed of the sampler's random numbers (default 0)" },
+];
+
+const SERVE_FLAGS: &[Flag] = &[
+    Flag {
+        name: "--model",
+        value: "DIR",
+        help: "Hugging Face model directory; its name is the served model id; required",
+    },
+    Flag { name: "--host", value: "ADDR", help: "address to listen on (default 127.0.0.1)" },
+    Flag { name: "--port", value: "PORT", help: "port to listen on (default 8000)" },
+    Flag { name: "--max-seqs", value: "N", help: "sequences running at once (default 16)" },
+    Flag { name: "--block-size", value: "N", help: "tokens per KV-cache block (default 16)" },
+    Flag { name: "--kv-blocks", value: "N", help: "KV-cache blocks (default: max-seqs full contexts)" },
+    Flag { name: "--max-batch-tokens", value: "N", help: "tokens per batched step (default 256)" },
+];
+
+/// Subcommands: name, what it does, its flags.
+const COMMANDS: &[(&str, &str, &[Flag])] = &[
+    ("generate", "generate text for one prompt and stream it to stdout", GENERATE_FLAGS),
+    (
+        "serve",
+        "serve the OpenAI-compatible API (/health, /v1/models, /v1/completions, /v1/chat/completions)",
+        SERVE_FLAGS,
+    ),
+];
+
+/// Why the binary stops: bad usage (exit status 2) or a failure while running (exit status 1).
+enum Fail {
+    Usage(String),
+    Run(String),
+}
+
+impl From<String> for Fail {
+    fn from(s: String) -> Fail {
+        Fail::Run(s)
+    }
+}
+
+impl From<&str> for Fail {
+    fn from(s: &str) -> Fail {
+        Fail::Run(s.to_string())
+    }
+}
+
+fn usage() -> String {
+    let mut s = String::from("usage: llama-cpu-simd <command> [flags]\n\ncommands:\n");
+    for (name, what, _) in COMMANDS {
+        s += &format!("  {name:<10} {what}\n");
+    }
+    s += "\n`llama-cpu-simd <command> --help` lists the command's flags.\n";
+    s
+}
+
+fn command_help(name: &str, what: &str, flags: &[Flag]) -> String {
+    let mut s = format!("usage: llama-cpu-simd {name} [flags]\n\n{what}\n\nflags:\n");
+    for f in flags {
+        s += &format!("  {:<24} {}\n", format!("{} {}", f.name, f.value), f.help);
+    }
+    s += &format!("  {:<24} print this help\n", "-h, --help");
+    s
+}
+
+/// Check `args` against the command's flags: every flag known and followed by a value. Ok(false)
+/// when help was asked for (and printed).
+fn check_flags(name: &str, what: &str, flags: &[Flag], args: &[String]) -> Result<bool, Fail> {
+    let mut i = 0;
+    while i < args.len() {
+        let a = args[i].as_str();
+        if a == "--help" || a == "-h" {
+            print!("{}", command_help(name, what, flags));
+            return Ok(false);
+        }
+        if !flags.iter().any(|f| f.name == a) {
+            let known: Vec<&str> = flags.iter().map(|f| f.name).collect();
+            return Err(Fail::Usage(format!(
+                "unknown flag `{a}` for `{name}`; its flags: {}, --help",
+                known.join(", ")
+            )));
+        }
+        if args.get(i + 1).is_none() {
+            return Err(Fail::Usage(format!("`{a}` needs a value")));
+        }
+        i += 2;
+    }
+    Ok(true)
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let code = match args.first().map(String::as_str) {
-        Some("generate") => generate(&args[1..]),
-        Some("serve") => serve(&args[1..]),
-        _ => Err("usage: llama-cpu-simd generate --model DIR --prompt TEXT | serve --model DIR".into()),
+    let result = match args.first().map(String::as_str) {
+        Some("--help" | "-h" | "help") => {
+            print!("{}", usage());
+            Ok(())
+        }
+        Some(cmd) => match COMMANDS.iter().find(|(name, _, _)| *name == cmd) {
+            Some((name, what, flags)) => match check_flags(name, what, flags, &args[1..]) {
+                Ok(true) if *name == "generate" => generate(&args[1..]),
+                Ok(true) => serve(&args[1..]),
+                Ok(false) => Ok(()),
+                Err(e) => Err(e),
+            },
+            None => Err(Fail::Usage(format!("unknown command `{cmd}`\n{}", usage()))),
+        },
+        None => Err(Fail::Usage(format!("no command given\n{}", usage()))),
     };
-    if let Err(e) = code {
-        eprintln!("error: {e}");
-        std::process::exit(2);
+    match result {
+        Ok(()) => {}
+        Err(Fail::Usage(e)) => {
+            eprintln!("error: {e}");
+            std::process::exit(2);
+        }
+        Err(Fail::Run(e)) => {
+            eprintln!("error: {e}");
+            std::process::exit(1);
+        }
     }
 }
 
@@ -85,10 +213,15 @@ fn flag<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
     args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).map(String::as_str)
 }
 
-fn parsed<T: std::str::FromStr>(args: &[String], name: &str, default: T) -> Result<T, String> {
+fn required<'a>(args: &'a [String], name: &str, cmd: &str, value: &str) -> Result<&'a str, Fail> {
+    flag(args, name)
+        .ok_or_else(|| Fail::Usage(format!("{cmd} needs {name} {value} (see `llama-cpu-simd {cmd} --help`)")))
+}
+
+fn parsed<T: std::str::FromStr>(args: &[String], name: &str, default: T) -> Result<T, Fail> {
     match flag(args, name) {
         None => Ok(default),
-        Some(v) => v.parse().map_err(|_| format!("{name}: cannot parse {v:?}")),
+        Some(v) => v.parse().map_err(|_| Fail::Usage(format!("{name}: cannot parse {v:?}"))),
     }
 }
 
@@ -288,26 +421,25 @@ fn engine_loop(
     }
 }
 
-fn sizes(args: &[String]) -> Result<Sizes, String> {
+fn sizes(args: &[String]) -> Result<Sizes, Fail> {
+    let optional = |name: &str| -> Result<Option<usize>, Fail> {
+        flag(args, name).map(|v| v.parse().map_err(|_| Fail::Usage(format!("{name}: cannot parse {v:?}")))).transpose()
+    };
     let s = Sizes {
         max_seqs: parsed(args, "--max-seqs", 16)?,
         block_size: parsed(args, "--block-size", 16)?,
-        kv_blocks: flag(args, "--kv-blocks")
-            .map(|v| v.parse().map_err(|_| format!("--kv-blocks: cannot parse {v:?}")))
-            .transpose()?,
-        max_batch_tokens: flag(args, "--max-batch-tokens")
-            .map(|v| v.parse().map_err(|_| format!("--max-batch-tokens: cannot parse {v:?}")))
-            .transpose()?,
+        kv_blocks: optional("--kv-blocks")?,
+        max_batch_tokens: optional("--max-batch-tokens")?,
     };
     if s.max_seqs == 0 || s.block_size == 0 {
-        return Err("--max-seqs and --block-size must be positive".into());
+        return Err(Fail::Usage("--max-seqs and --block-size must be positive".into()));
     }
     Ok(s)
 }
 
-fn generate(args: &[String]) -> Result<(), String> {
-    let dir = PathBuf::from(flag(args, "--model").ok_or("generate needs --model DIR")?);
-    let prompt = flag(args, "--prompt").ok_or("generate needs --prompt TEXT")?;
+fn generate(args: &[String]) -> Result<(), Fail> {
+    let dir = PathBuf::from(required(args, "--model", "generate", "DIR")?);
+    let prompt = required(args, "--prompt", "generate", "TEXT")?;
     let tok = Arc::new(Tokenizer::load(&dir)?);
     let (tx, loaded) = start_engine(
         dir.clone(),
@@ -353,11 +485,13 @@ struct App {
     _vocab: usize,
 }
 
-fn serve(args: &[String]) -> Result<(), String> {
-    let dir = PathBuf::from(flag(args, "--model").ok_or("serve needs --model DIR")?);
+fn serve(args: &[String]) -> Result<(), Fail> {
+    let dir = PathBuf::from(required(args, "--model", "serve", "DIR")?);
     let host = flag(args, "--host").unwrap_or("127.0.0.1");
     let port: u16 = parsed(args, "--port", 8000)?;
-    let addr: SocketAddr = format!("{host}:{port}").parse().map_err(|_| format!("bad --host/--port: {host}:{port}"))?;
+    let addr: SocketAddr =
+        format!("{host}:{port}").parse().map_err(|_| Fail::Usage(format!("bad --host/--port: {host}:{port}")))?;
+    let sizes = sizes(args)?;
     let tok = Arc::new(Tokenizer::load(&dir)?);
     let template = std::fs::read_to_string(dir.join("tokenizer_config.json"))
         .ok()
@@ -370,7 +504,8 @@ fn serve(args: &[String]) -> Result<(), String> {
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "model".into());
     let eos = eos_ids(&dir);
-    let (tx, loaded) = start_engine(dir, tok.clone(), sizes(args)?)?;
+    let shown = format!("{} from {}", model_id, dir.display());
+    let (tx, loaded) = start_engine(dir, tok.clone(), sizes)?;
     let app = Arc::new(App {
         model_id,
         tok,
@@ -397,9 +532,11 @@ fn serve(args: &[String]) -> Result<(), String> {
     rt.block_on(async move {
         let listener =
             tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("cannot listen on {addr}: {e}"))?;
-        eprintln!("listening on http://{addr}");
+        let bound = listener.local_addr().map_err(|e| e.to_string())?;
+        eprintln!("serving model {shown} on http://{bound}");
         axum::serve(listener, router).await.map_err(|e| e.to_string())
     })
+    .map_err(Fail::Run)
 }
 
 /// An OpenAI-shaped error: {"error": {"message", "type", "param", "code"}}.

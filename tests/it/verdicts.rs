@@ -1,0 +1,337 @@
+//! Verdicts that cannot pass a wrong engine and do pass a right one, on a checkpoint whose
+//! activations are extreme: BabyLlama stored as BF16 with one q_proj weight of 7e4 (layer 1, row 0,
+//! column 9; 70144 once rounded to bf16). Attention scores near 1e4 there, where one f32 ulp is
+//! 1e-3, so every correct f32 engine differs from the f64 reference by more than the bf16 atol of
+//! 1e-4; and the weight is beyond the f16 range, so an f16 engine computes infinities.
+
+use std::path::{Path, PathBuf};
+
+use metainfer::harness::Budget;
+use metainfer::ops::kernel_test::{KernelTestRequest, kernel_test};
+use metainfer::ops::verify::{VerifyReport, VerifyRequest, verify};
+use serde_json::json;
+
+use crate::checkpoints::{babyllama_tensors, babyllama_without_weights, edit_json, store};
+
+/// The weight set to 7e4 and its flat index.
+const WEIGHT: (&str, usize) = ("model.layers.1.self_attn.q_proj.weight", 9);
+
+/// The checkpoint described above, in `dir`.
+fn large_activations(dir: &Path) -> PathBuf {
+    babyllama_without_weights(dir);
+    let mut t = babyllama_tensors();
+    t.get_mut(WEIGHT.0).unwrap().1[WEIGHT.1] = 7.0e4;
+    store(dir, &t, safetensors::Dtype::BF16, 1);
+    edit_json(&dir.join("config.json"), |c| c["torch_dtype"] = json!("bfloat16"));
+    dir.to_path_buf()
+}
+
+fn s(p: &Path) -> String {
+    p.display().to_string()
+}
+
+fn verify_req(engine: &Path, model: &Path, dtype: Option<&str>) -> VerifyRequest {
+    VerifyRequest {
+        engine: s(engine),
+        model: s(model),
+        prompts: vec!["Once upon a time".into()],
+        max_new_tokens: Some(8),
+        seed: Some(17),
+        dtype: dtype.map(str::to_string),
+        write_bundle: None,
+        from_bundle: None,
+    }
+}
+
+/// Regression: verify --dtype f16 on this checkpoint passed with "max abs 0.0": both sides computed
+/// NaN and the comparison skipped them. Now plan names the weight as a dtype gap and verify refuses
+/// before running, naming the weight, its value and the f16 range.
+#[test]
+fn a_weight_beyond_the_f16_range_is_named_at_plan_and_verify() {
+    let t = tempfile::tempdir().unwrap();
+    let model = large_activations(&t.path().join("model"));
+    let ctx = crate::ctx(t.path());
+    let plan = metainfer::ops::plan::plan_only(
+        &ctx,
+        &metainfer::ops::plan::PlanRequest {
+            model: s(&model),
+            target: "cpu".into(),
+            dtype: "f16".into(),
+            platform: None,
+            serving: None,
+        },
+    )
+    .unwrap();
+    let gap = plan.gaps.iter().find(|g| g.field == "dtype").expect("a dtype gap");
+    assert!(gap.reason.contains(WEIGHT.0) && gap.reason.contains("65504"), "{}", gap.reason);
+    // bf16 keeps f32's range: no gap.
+    let plan = metainfer::ops::plan::plan_only(
+        &ctx,
+        &metainfer::ops::plan::PlanRequest {
+            model: s(&model),
+            target: "cpu".into(),
+            dtype: "bf16".into(),
+            platform: None,
+            serving: None,
+        },
+    )
+    .unwrap();
+    assert!(plan.gaps.iter().all(|g| g.field != "dtype"), "{:?}", plan.gaps);
+    let engine = t.path().join("engine");
+    crate::Engine::Simd.copy_to(&engine);
+    let e = verify(&ctx, &verify_req(&engine, &model, Some("f16")), &Budget::secs(60)).unwrap_err();
+    assert!(
+        e.message.contains(WEIGHT.0)
+            && e.message.contains("7.0144e4")
+            && e.message.contains("choose dtype bf16 or f32"),
+        "{}",
+        e.message
+    );
+}
+
+fn passes(ctx: &metainfer::ops::Ctx, engine: &Path, model: &Path, dtype: Option<&str>) -> VerifyReport {
+    let budget = Budget::secs(900);
+    let k = kernel_test(
+        ctx,
+        &KernelTestRequest {
+            engine: s(engine),
+            kernels: vec![],
+            seed: Some(3),
+            dtype: dtype.map(str::to_string),
+            write_bundle: None,
+            from_bundle: None,
+        },
+        &budget,
+    )
+    .unwrap();
+    assert!(k.passed, "{}", metainfer::ops::Report::text(&k));
+    verify(ctx, &verify_req(engine, model, dtype), &budget).unwrap()
+}
+
+/// A correct engine passes on this checkpoint at f32 (the plain engine) and at bf16 (the SIMD
+/// engine), because each step's atol grows with the checkpoint's own f32 rounding error
+/// (model.llama's rounding margin); without the margin the same bf16 engine fails, its error beyond
+/// 1e-4 though its arithmetic is right.
+#[test]
+fn a_correct_engine_passes_where_large_activations_make_f32_inexact() {
+    let t = tempfile::tempdir().unwrap();
+    let model = large_activations(&t.path().join("model"));
+    let ctx = crate::ctx(t.path());
+    let plain = t.path().join("plain");
+    crate::Engine::Plain.copy_to(&plain);
+    let v = passes(&ctx, &plain, &model, None);
+    assert!(v.passed, "{}", metainfer::ops::Report::text(&v));
+    // A prompt that types the BOS token's text encodes with BOS twice: checked as given, with a note.
+    let mut req = verify_req(&plain, &model, None);
+    req.prompts = vec!["<s>Once upon a time".into()];
+    let v = verify(&ctx, &req, &Budget::secs(900)).unwrap();
+    assert!(v.warnings.iter().any(|w| w.contains("encodes with BOS twice")), "{}", metainfer::ops::Report::text(&v));
+    let simd = t.path().join("simd");
+    crate::Engine::Simd.copy_to(&simd);
+    let v = passes(&ctx, &simd, &model, Some("bf16"));
+    assert!(v.passed, "{}", metainfer::ops::Report::text(&v));
+    let p = &v.prompts[0];
+    assert!(p.max_abs_err > 1e-4 && p.widened_atol > p.max_abs_err, "{}", metainfer::ops::Report::text(&v));
+
+    // The same family without its rounding margin: the correct engine fails.
+    let ckb = t.path().join("ckb");
+    for (p, text) in metainfer::ckb::embedded_files() {
+        let path = ckb.join(&p);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        let text = if p == "models/llama.toml" {
+            let start = text.find("[model.rounding_margin]").unwrap();
+            let end = start + text[start..].find("[model.dtype_policy]").unwrap();
+            format!("{}{}", &text[..start], &text[end..])
+        } else {
+            text
+        };
+        std::fs::write(path, text).unwrap();
+    }
+    let mut strict = crate::ctx(&t.path().join("strict"));
+    std::fs::create_dir_all(t.path().join("strict")).unwrap();
+    strict.ckb = metainfer::ckb::Ckb::from_dir(&ckb).unwrap();
+    let v = passes(&strict, &simd, &model, Some("bf16"));
+    assert!(!v.passed && v.prompts[0].widened_atol == 0.0, "{}", metainfer::ops::Report::text(&v));
+}
+
+/// Regression: an engine whose decode steps write a K/V row at the wrong position (prefill right)
+/// failed verify with an empty diagnosis: the fixed-row mutant assumes an empty cache, so no mutant
+/// reproduced its logits. Now the failure contracts whose mutants first depart from the reference
+/// where the engine does are named as suspects, the KV-cache one among them.
+#[test]
+fn a_kv_row_written_at_the_wrong_position_in_decode_is_named_as_a_suspect() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let engine = t.path().join("engine");
+    crate::Engine::Simd.copy_to(&engine);
+    // After RoPE, a one-token step also copies its K/V row over the previous position's: the
+    // previous token's key and value are lost (prefill, several rows at once, stays right).
+    let src = engine.join("src/model.rs");
+    let text = std::fs::read_to_string(&src).unwrap();
+    let anchor = "            trace(at, \"q_rope\", q);";
+    assert!(text.contains(anchor));
+    let bug = "            if rows == 1 && start > 0 {
+                layer.k_cache.copy_within(start * kvd..kv_len * kvd, (start - 1) * kvd);
+                layer.v_cache.copy_within(start * kvd..kv_len * kvd, (start - 1) * kvd);
+            }
+";
+    std::fs::write(&src, text.replacen(anchor, &format!("{bug}{anchor}"), 1)).unwrap();
+    let mut req = verify_req(&engine, &crate::babyllama(), None);
+    req.prompts = vec!["Once upon a time there was".into()];
+    let v = verify(&ctx, &req, &Budget::secs(900)).unwrap();
+    let text = metainfer::ops::Report::text(&v);
+    assert!(!v.passed && v.prompts[0].first_divergence >= 1, "{text}");
+    assert!(!v.diagnosis.is_empty(), "{text}");
+    assert!(v.diagnosis.iter().any(|d| d.failure == "failure.kv-cache-wrong-position"), "{text}");
+}
+
+/// Regression: a Gemma 2 config whose `layer_types` disagreed with the family's even/odd window
+/// rule planned as covered, and the reference, computing the rule, failed a correct engine with no
+/// diagnosis. The list transformers wrote agrees with the graph; a changed one is a gap at plan and
+/// refused by the gates, naming the layer.
+#[test]
+fn layer_types_that_contradict_the_graph_are_a_gap() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let plan = |dir: &Path| {
+        metainfer::ops::plan::plan_only(
+            &ctx,
+            &metainfer::ops::plan::PlanRequest {
+                model: s(dir),
+                target: "cpu".into(),
+                dtype: "f32".into(),
+                platform: None,
+                serving: None,
+            },
+        )
+        .unwrap()
+    };
+    let written = crate::shared().join("conformance/gemma2");
+    let p = plan(&written);
+    assert_eq!(p.family, "model.gemma2");
+    assert!(p.gaps.iter().all(|g| g.field != "layer_types"), "{:?}", p.gaps);
+    // Layer 0 made full attention where the graph windows it.
+    let dir = t.path().join("gemma2");
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in std::fs::read_dir(&written).unwrap() {
+        let f = f.unwrap();
+        std::fs::copy(f.path(), dir.join(f.file_name())).unwrap();
+    }
+    edit_json(&dir.join("config.json"), |c| c["layer_types"][0] = json!("full_attention"));
+    let p = plan(&dir);
+    let gap = p.gaps.iter().find(|g| g.field == "layer_types").expect("a layer_types gap");
+    assert!(
+        gap.reason.starts_with("layer 0 is \"full_attention\", but model.gemma2's graph gives it a sliding window"),
+        "{}",
+        gap.reason
+    );
+    // A list of the wrong length, and a type no graph names.
+    edit_json(&dir.join("config.json"), |c| {
+        c["layer_types"][0] = json!("sliding_attention");
+        c["layer_types"].as_array_mut().unwrap().pop();
+    });
+    assert!(
+        plan(&dir).gaps.iter().any(|g| g.field == "layer_types" && g.reason.contains("entries, but num_hidden_layers"))
+    );
+    edit_json(&dir.join("config.json"), |c| c["layer_types"].as_array_mut().unwrap().push(json!("chunked_attention")));
+    assert!(plan(&dir).gaps.iter().any(|g| g.field == "layer_types" && g.reason.contains("\"chunked_attention\"")));
+}
+
+/// Regression: F16-stored weights under `torch_dtype: bfloat16` passed without a note, while BF16
+/// under float32 is refused. They widen exactly and are checked as stored, with a note saying they
+/// were converted on export.
+#[test]
+fn half_weights_stored_in_the_other_half_format_get_a_note() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("model");
+    babyllama_without_weights(&dir);
+    store(&dir, &babyllama_tensors(), safetensors::Dtype::F16, 1);
+    edit_json(&dir.join("config.json"), |c| c["torch_dtype"] = json!("bfloat16"));
+    let config = metainfer::model::read_config(&dir).unwrap();
+    let layout = metainfer::model::weight_layout(&dir).unwrap();
+    let notes = metainfer::model::dtype_notes(&config, &layout);
+    assert_eq!(notes.len(), 1);
+    assert!(
+        notes[0].starts_with("config.json declares bfloat16 but 47 of 47 tensors are stored as F16"),
+        "{}",
+        notes[0]
+    );
+    // Declared as stored: nothing to say.
+    edit_json(&dir.join("config.json"), |c| c["torch_dtype"] = json!("float16"));
+    assert!(metainfer::model::dtype_notes(&metainfer::model::read_config(&dir).unwrap(), &layout).is_empty());
+}
+
+/// Busy threads on every core (twice the core count, spinning) until dropped.
+struct Load {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Load {
+    fn start() -> Load {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let n = 2 * std::thread::available_parallelism().map_or(2, |n| n.get());
+        let threads = (0..n)
+            .map(|i| {
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    let mut x = i as u64 + 1;
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        for _ in 0..10_000 {
+                            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                        }
+                        std::hint::black_box(x);
+                    }
+                })
+            })
+            .collect();
+        Load { stop, threads }
+    }
+}
+
+impl Drop for Load {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The timing-based verdicts do not flip on a loaded machine: profile_engine timed on a quiet machine
+/// and then, after a change that does not touch the computation (a comment), timed again with busy
+/// threads on every core calls no regression (both builds are timed alternately in the loaded call,
+/// so the load slows both) and never calls the engine faster than the compute bound.
+#[test]
+fn timing_verdicts_do_not_flip_under_load() {
+    use metainfer::ops::profile::{ProfileRequest, profile};
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let engine = t.path().join("engine");
+    crate::Engine::Simd.copy_to(&engine);
+    let req = ProfileRequest {
+        engine: s(&engine),
+        model: s(&crate::babyllama()),
+        prompt_len: Some(8),
+        new_tokens: Some(32),
+        runs: Some(5),
+        dtype: None,
+        threads: None,
+        write_bundle: None,
+        from_bundle: None,
+    };
+    let quiet = profile(&ctx, &req, &Budget::secs(900)).unwrap();
+    assert!(quiet.passed, "{}", metainfer::ops::Report::text(&quiet));
+    let lib = engine.join("src/lib.rs");
+    let text = std::fs::read_to_string(&lib).unwrap();
+    std::fs::write(&lib, format!("{text}\n// A comment: the same computation.\n")).unwrap();
+    let loaded = {
+        let _load = Load::start();
+        profile(&ctx, &req, &Budget::secs(1800)).unwrap()
+    };
+    let text = metainfer::ops::Report::text(&loaded);
+    assert!(loaded.passed, "{text}");
+    let prev = loaded.previous.as_ref().expect("the quiet profile is the previous one");
+    assert!(!prev.same_sources && !prev.regression, "{text}");
+    assert!(loaded.decode_tok_s.max <= loaded.compute_bound_tok_s, "{text}");
+}
