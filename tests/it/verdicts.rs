@@ -320,11 +320,14 @@ fn timing_verdicts_do_not_flip_under_load() {
         write_bundle: None,
         from_bundle: None,
     };
+    // Phase order: profile counts on sources whose kernels and generation passed.
+    assert!(passes(&ctx, &engine, &crate::babyllama(), None).passed);
     let quiet = profile(&ctx, &req, &Budget::secs(900)).unwrap();
     assert!(quiet.passed, "{}", metainfer::ops::Report::text(&quiet));
     let lib = engine.join("src/lib.rs");
     let text = std::fs::read_to_string(&lib).unwrap();
     std::fs::write(&lib, format!("{text}\n// A comment: the same computation.\n")).unwrap();
+    assert!(passes(&ctx, &engine, &crate::babyllama(), None).passed);
     let loaded = {
         let _load = Load::start();
         profile(&ctx, &req, &Budget::secs(1800)).unwrap()
