@@ -7,139 +7,36 @@ use std::collections::BTreeMap;
 
 use super::types::{GRAPH_OPS, Graph, GraphNode, GraphOp, ModelFamily};
 
-/// Evaluate a parameter or shape expression: numbers, config roles (looked up by `role`), `+ - * /`
-/// and `%` (remainder, e.g. `layer % 2` for every other layer) with the usual precedence,
-/// parentheses, `sqrt(e)` and `f32(e)` (round to the nearest f32, as an engine computing in f32
-/// holds the value).
+/// Evaluate a parameter or shape expression to a number ([`super::expr`]: numbers, strings,
+/// config roles typed as config.json types them, indexing of lists and objects, `+ - * / %`,
+/// comparisons, `&& || !`, `if(c, a, b)`, `sqrt`, `f32`, `floor`, `min`, `max`, `len`); a boolean
+/// result is 1 or 0.
 ///
 /// # Errors
-/// A message naming the unknown role or the character that does not parse.
-pub fn eval_expr(expr: &str, role: &dyn Fn(&str) -> Option<f64>) -> Result<f64, String> {
-    if expr.len() > MAX_EXPR_BYTES {
-        return Err(format!(
-            "an expression of {} bytes; at most {MAX_EXPR_BYTES} (write it shorter, or add a config role)",
-            expr.len()
-        ));
-    }
-    let chars: Vec<char> = expr.chars().filter(|c| !c.is_whitespace()).collect();
-    let mut p = Parser { s: &chars, at: 0, role, depth: 0 };
-    let v = p.sum()?;
-    if p.at != chars.len() {
-        return Err(format!("`{expr}`: unexpected `{}` at {}", chars[p.at], p.at));
-    }
-    Ok(v)
+/// A message naming the unknown role, the character that does not parse, the division by zero,
+/// the index past a list or the key an object lacks.
+pub fn eval_expr(expr: &str, role: &Roles<'_>) -> Result<f64, String> {
+    super::expr::eval_number(expr, role)
 }
 
-/// Longest expression [`eval_expr`] reads, bytes: the longest in the shipped contracts is under 80.
-pub const MAX_EXPR_BYTES: usize = 1024;
-
-/// Deepest nesting [`eval_expr`] reads (parentheses, unary minus and function calls, each a level):
-/// the parser recurses once per level, so a bound here keeps a hostile contract from overflowing
-/// the server's stack. The shipped contracts nest at most 3 deep.
-pub const MAX_EXPR_DEPTH: usize = 32;
-
-struct Parser<'a> {
-    s: &'a [char],
-    at: usize,
-    role: &'a dyn Fn(&str) -> Option<f64>,
-    depth: usize,
-}
-
-impl Parser<'_> {
-    fn peek(&self) -> Option<char> {
-        self.s.get(self.at).copied()
-    }
-    fn sum(&mut self) -> Result<f64, String> {
-        let mut v = self.product()?;
-        while let Some(c @ ('+' | '-')) = self.peek() {
-            self.at += 1;
-            let r = self.product()?;
-            v = if c == '+' { v + r } else { v - r };
-        }
-        Ok(v)
-    }
-    fn product(&mut self) -> Result<f64, String> {
-        let mut v = self.atom()?;
-        while let Some(c @ ('*' | '/' | '%')) = self.peek() {
-            self.at += 1;
-            let r = self.atom()?;
-            v = match c {
-                '*' => v * r,
-                '/' => v / r,
-                _ => v % r,
-            };
-        }
-        Ok(v)
-    }
-    fn atom(&mut self) -> Result<f64, String> {
-        self.depth += 1;
-        if self.depth > MAX_EXPR_DEPTH {
-            return Err(format!("nested more than {MAX_EXPR_DEPTH} deep at {}", self.at));
-        }
-        let v = self.atom_inner();
-        self.depth -= 1;
-        v
-    }
-    fn atom_inner(&mut self) -> Result<f64, String> {
-        match self.peek() {
-            Some('(') => {
-                self.at += 1;
-                let v = self.sum()?;
-                if self.peek() != Some(')') {
-                    return Err("missing `)`".into());
-                }
-                self.at += 1;
-                Ok(v)
-            }
-            Some('-') => {
-                self.at += 1;
-                Ok(-self.atom()?)
-            }
-            Some(c) if c.is_ascii_digit() || c == '.' => {
-                let start = self.at;
-                while self.peek().is_some_and(|c| c.is_ascii_alphanumeric() || c == '.')
-                    || (self.at > start
-                        && matches!(self.peek(), Some('+' | '-'))
-                        && matches!(self.s[self.at - 1], 'e' | 'E'))
-                {
-                    self.at += 1;
-                }
-                let text: String = self.s[start..self.at].iter().collect();
-                text.parse::<f64>().map_err(|_| format!("`{text}` is not a number"))
-            }
-            Some(c) if c.is_ascii_alphabetic() || c == '_' => {
-                let start = self.at;
-                while self.peek().is_some_and(|c| c.is_ascii_alphanumeric() || c == '_') {
-                    self.at += 1;
-                }
-                let name: String = self.s[start..self.at].iter().collect();
-                if self.peek() == Some('(') {
-                    let v = self.atom()?;
-                    return match name.as_str() {
-                        "sqrt" => Ok(v.sqrt()),
-                        "f32" => Ok(v as f32 as f64),
-                        _ => Err(format!("unknown function `{name}` (known: sqrt, f32)")),
-                    };
-                }
-                (self.role)(&name).ok_or_else(|| format!("unknown config role `{name}`"))
-            }
-            Some(c) => Err(format!("unexpected `{c}`")),
-            None => Err("expression ends early".into()),
-        }
-    }
-}
+pub use super::expr::{MAX_EXPR_BYTES, MAX_EXPR_DEPTH, Roles, Val};
 
 /// Config values the lint checks shapes with: distinct sizes (n_heads * head_dim differs from
 /// hidden, n_kv_heads from n_heads), so that a graph confusing two of them is caught; `layer` is 1.
 /// Roles a family declares beyond these are [`family_sample_role`]'s.
-pub fn sample_role(name: &str) -> Option<f64> {
+pub fn sample_role(name: &str) -> Option<Val> {
+    sample_number(name).map(Val::Num)
+}
+
+/// [`sample_role`]'s numbers.
+fn sample_number(name: &str) -> Option<f64> {
     Some(match name {
         "hidden" => 40.0,
         "intermediate" => 56.0,
         "n_layers" => 2.0,
         "n_heads" => 4.0,
         "n_kv_heads" => 2.0,
-        "head_dim" => 12.0,
+        "head_dim" => 16.0,
         "vocab" => 70.0,
         "max_seq" => 16.0,
         "rms_norm_eps" => 1e-5,
@@ -151,12 +48,105 @@ pub fn sample_role(name: &str) -> Option<f64> {
 }
 
 /// [`sample_role`], then any other role the family's `[[model.config]]` declares, at its
-/// `example`, else its `default` when that is a number, else 1.
-pub fn family_sample_role(family: &ModelFamily, name: &str) -> Option<f64> {
+/// `example`, else its `default`, read as JSON (a number, a boolean, a string in quotes, a list, an
+/// object); a `per_layer` list is its example repeated to the sample's 2 layers; else 1.
+pub fn family_sample_role(family: &ModelFamily, name: &str) -> Option<Val> {
     sample_role(name).or_else(|| {
         let f = family.config.iter().find(|f| f.role == name)?;
-        let num = |t: &Option<String>| t.as_deref().and_then(|d| d.trim().parse::<f64>().ok());
-        Some(num(&f.example).or_else(|| num(&f.default)).unwrap_or(1.0))
+        let json =
+            |t: &Option<String>| t.as_deref().and_then(|d| serde_json::from_str::<serde_json::Value>(d.trim()).ok());
+        let v = json(&f.example).or_else(|| json(&f.default)).map(|v| Val::from_json(&v)).unwrap_or(Val::Num(1.0));
+        Some(match v {
+            Val::List(l) if f.per_layer && !l.is_empty() => {
+                let n = sample_number("n_layers").unwrap_or(2.0) as usize;
+                Val::List(l.iter().cycle().take(n).cloned().collect())
+            }
+            v => v,
+        })
+    })
+}
+
+/// Conditions an op puts on its evaluated parameters, checked at lint (sample config) and at plan
+/// (every layer of the real config): a base theta above 0, an even rotary_dim from 2 to head_dim,
+/// `interleaved` 0 or 1, a window a whole number from 0, an eps above 0, a limit from 0.
+///
+/// # Errors
+/// A message naming the parameter and its value.
+pub fn check_params(op: &str, p: &BTreeMap<String, f64>, head_dim: usize) -> Result<(), String> {
+    let get = |k: &str| p.get(k).copied();
+    if let Some(t) = get("theta").filter(|_| matches!(op, "rope" | "rotary"))
+        && t <= 0.0
+    {
+        return Err(format!("theta = {t}: a RoPE base must be above 0"));
+    }
+    if let Some(r) = get("rotary_dim").filter(|_| op == "rotary")
+        && (r.fract() != 0.0 || r < 2.0 || r as usize > head_dim || !(r as usize).is_multiple_of(2))
+    {
+        return Err(format!(
+            "rotary_dim = {r}: the rotated entries of a head must be an even whole number from 2 to head_dim ({head_dim}); a partial rotary factor that leaves an odd number of dimensions cannot be paired"
+        ));
+    }
+    if let Some(i) = get("interleaved")
+        && i != 0.0
+        && i != 1.0
+    {
+        return Err(format!("interleaved = {i}: 1 (pairs 2j, 2j + 1) or 0 (pairs j, j + rotary_dim/2)"));
+    }
+    if let Some(w) = get("window").filter(|_| op == "attention")
+        && (w < 0.0 || w.fract() != 0.0)
+    {
+        return Err(format!("window = {w}: a whole number of positions from 0 (0: no window)"));
+    }
+    if let Some(e) = get("eps")
+        && e <= 0.0
+    {
+        return Err(format!("eps = {e}: must be above 0 (it keeps the square root from 0)"));
+    }
+    if let Some(g) = get("group")
+        && (g < 1.0 || g.fract() != 0.0)
+    {
+        return Err(format!("group = {g}: a whole number of entries from 1"));
+    }
+    if let Some(l) = get("limit")
+        && l < 0.0
+    {
+        return Err(format!("limit = {l}: from 0 (0: no clamp)"));
+    }
+    Ok(())
+}
+
+/// The graph language as data, for `ckb schema` and lookup: every op of [`GRAPH_OPS`] with its
+/// inputs, weight slots, parameters (`?`: optional), what it computes and its kernel contract; the
+/// expression grammar with its functions and an example each; the fixed config roles.
+pub fn language() -> serde_json::Value {
+    use serde_json::json;
+    let ops: Vec<serde_json::Value> = GRAPH_OPS
+        .iter()
+        .map(|o| {
+            json!({"op": o.name, "inputs": o.inputs, "weights": o.weights, "params": o.params, "doc": o.doc,
+                   "kernel": o.kernel})
+        })
+        .collect();
+    let functions: Vec<serde_json::Value> =
+        super::expr::FUNCTIONS.iter().map(|(n, a, d)| json!({"name": n, "arity": a, "doc": d})).collect();
+    json!({
+        "blocks": "prologue (once; inputs `token`), layer (n_layers times; `stream` is the residual stream in, `{i}` in weight names and `layer` in expressions the layer index), epilogue (once; its last node is the logits [vocab])",
+        "ops": ops,
+        "expressions": {
+            "grammar": "expr := and ('||' and)*; and := cmp ('&&' cmp)*; cmp := sum [('=='|'!='|'<'|'<='|'>'|'>=') sum]; sum := product (('+'|'-') product)*; product := unary (('*'|'/'|'%') unary)*; unary := ('-'|'!') unary | postfix; postfix := atom ('[' expr ']' | '.' name)*; atom := number | string ('...' or \"...\") | name | name '(' args ')' | '(' expr ')'",
+            "values": "config values typed as config.json types them: numbers, booleans, strings, lists, objects, null; a parameter's value is a number (a boolean counts 1 or 0)",
+            "names": "config roles of the family's [[model.config]] (fixed: hidden, intermediate, n_layers, n_heads, n_kv_heads, head_dim, vocab, max_seq, rms_norm_eps, rope_theta, sliding_window, tied; any other declared role, numeric or typed with `type`), `layer` (layer nodes), true, false, null",
+            "functions": functions,
+            "errors": "an unknown role, arithmetic on a non-number, a division or remainder by zero, an index past a list, a key an object lacks, a comparison of different types (any value may be compared with null), a non-finite result: each refused by name at lint (sample config) or plan (every layer of the real config)",
+            "bounds": format!("at most {MAX_EXPR_BYTES} bytes and {MAX_EXPR_DEPTH} levels of nesting"),
+            "examples": [
+                "1 / sqrt(query_pre_attn_scalar)",
+                "sliding_window * (1 - layer % 2)",
+                "if(layer_types[layer] == 'sliding_attention', sliding_window, 0)",
+                "rope_parameters[layer_types[layer]].rope_theta",
+                "floor(head_dim * partial_rotary_factor)"
+            ]
+        }
     })
 }
 
@@ -184,7 +174,7 @@ pub fn lint_graph(g: &Graph, family: &ModelFamily) -> Vec<GraphFinding> {
         let w = weights.iter().find(|w| w.name == name)?;
         w.shape.iter().map(|d| eval_expr(d, &role).ok().map(|v| v as usize)).collect()
     };
-    let dim = |r: &str| sample_role(r).unwrap_or(0.0) as usize;
+    let dim = |r: &str| sample_number(r).unwrap_or(0.0) as usize;
     let mut stream = None;
     for (block, nodes) in [("prologue", &g.prologue), ("layer", &g.layer), ("epilogue", &g.epilogue)] {
         let mut env: BTreeMap<String, Option<usize>> = BTreeMap::new();
@@ -347,18 +337,31 @@ fn lint_node(
             Some(e) if block != "layer" && mentions_layer(e) => {
                 bad(format!("parameter `{name}` = `{e}` uses `layer` outside the layer block"))
             }
-            Some(e) => match eval_expr(e, role) {
-                Ok(v) => {
-                    p.insert(name, v);
+            Some(e) => {
+                // Every sample layer (a list read at the layer index is read at each).
+                let layer0 = |r: &str| if r == "layer" { Some(Val::Num(0.0)) } else { role(r) };
+                if block == "layer"
+                    && let Err(m) = eval_expr(e, &layer0)
+                {
+                    bad(format!("parameter `{name}` at layer 0: {m}"));
                 }
-                Err(m) => bad(format!("parameter `{name}`: {m}")),
-            },
+                match eval_expr(e, role) {
+                    Ok(v) => {
+                        p.insert(name, v);
+                    }
+                    Err(m) => bad(format!("parameter `{name}`: {m}")),
+                }
+            }
         }
     }
     for s in node.params.keys() {
         if !params.iter().any(|k| k.trim_end_matches('?') == s) {
             bad(format!("op `{op}` has no parameter `{s}` (parameters: {})", params.join(", ")));
         }
+    }
+    let owned: BTreeMap<String, f64> = p.iter().map(|(k, v)| (k.to_string(), *v)).collect();
+    if let Err(m) = check_params(op, &owned, dim("head_dim")) {
+        bad(m);
     }
     let x = widths.first().copied().flatten();
     let mut mismatch = |m: String| bad(format!("shape mismatch: {m}"));
@@ -403,7 +406,21 @@ fn lint_node(
             }
             Some(rows)
         }
-        "rope" => {
+        "layer_norm" => {
+            let g = w.get("weight").or(w.get("bias")).and_then(|s| s.first().copied());
+            if let (Some(a), Some(b)) = (w.get("weight"), w.get("bias"))
+                && a != b
+            {
+                mismatch(format!("gain shape {a:?} and bias shape {b:?} differ"));
+            }
+            if let (Some(x), Some(g)) = (x, g.or(p.get("group").map(|v| *v as usize)))
+                && (g == 0 || x % g != 0)
+            {
+                mismatch(format!("input width {x} is not a multiple of the normalised group's {g}"));
+            }
+            x
+        }
+        "rope" | "rotary" => {
             let want = p.get("heads").map(|h| *h as usize * dim("head_dim"));
             if let (Some(x), Some(want)) = (x, want)
                 && x != want
@@ -437,7 +454,7 @@ fn lint_node(
 
 /// Whether an expression names the `layer` role.
 fn mentions_layer(e: &str) -> bool {
-    e.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).any(|w| w == "layer")
+    super::expr::parse(e).is_ok_and(|x| super::expr::names(&x).iter().any(|n| n == "layer"))
 }
 
 /// The graph as text, one node a line: `name = op(inputs) slot=tensor param=value`, by block.

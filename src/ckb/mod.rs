@@ -2,6 +2,7 @@
 //!
 //! Knows nothing of MCP, processes or the ledger.
 
+pub mod expr;
 pub mod graph;
 mod types;
 
@@ -679,6 +680,20 @@ impl Ckb {
                                 ),
                             );
                         }
+                    }
+                    if let Some(t) = f.value_type.as_deref()
+                        && !CONFIG_TYPES.contains(&t)
+                    {
+                        bad(
+                            &format!("/model/config/{j}/type"),
+                            format!("config key `{}` has type {t:?}; use one of {}", f.key, CONFIG_TYPES.join(", ")),
+                        );
+                    }
+                    if f.per_layer && f.value_type.as_deref() != Some("list") {
+                        bad(
+                            &format!("/model/config/{j}/per_layer"),
+                            format!("config key `{}` is per_layer but not of type \"list\"", f.key),
+                        );
                     }
                     if let Some(d) = &f.default
                         && !f.supported.is_empty()

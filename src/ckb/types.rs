@@ -231,7 +231,20 @@ pub struct ConfigField {
     /// `residual_multiplier` = 0.22, where the default 1.0 would hide a missing multiply).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub example: Option<String>,
+    /// The JSON type config.json gives the key, when the role is not one of the fixed ones
+    /// (`number`, the default: a number or null, null read as 0; `boolean`, `string`, `list`,
+    /// `object`: read as typed by graph expressions). A value of another type is a gap at plan.
+    #[serde(default, rename = "type", skip_serializing_if = "Option::is_none")]
+    pub value_type: Option<String>,
+    /// A `list` with one entry per decoder layer (e.g. `layer_types`): a list of another length
+    /// is refused at plan; its `example` is a repeating pattern (lint and synth repeat it to the
+    /// number of layers).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub per_layer: bool,
 }
+
+/// The JSON types a [`ConfigField`]'s `type` may name.
+pub const CONFIG_TYPES: &[&str] = &["number", "boolean", "string", "list", "object"];
 
 /// A weight tensor of a model family. `{i}` stands for the layer index.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
@@ -280,6 +293,11 @@ pub struct ModelFamily {
     /// Tolerance on logits of the end-to-end forward, per weight dtype (every one of
     /// [`WEIGHT_DTYPES`]; lint requires each, with its reasoning).
     pub logits_tolerance: BTreeMap<String, Tolerance>,
+    /// The bound `ckb conformance` holds the reference's logits to against an independent
+    /// implementation's (conformance vectors: transformers in f32 against this f64 reference), with
+    /// its reasoning; absent: the f32 logits tolerance, and the report says so.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conformance: Option<Tolerance>,
     /// How the logits tolerance scales with this checkpoint's own f32 rounding error (absent: it
     /// does not).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -390,9 +408,33 @@ pub const GRAPH_OPS: &[GraphOp] = &[
         name: "rope",
         inputs: &["x"],
         weights: &[],
-        params: &["heads", "scaling?"],
-        doc: "kernel.rope at the token's position over `heads` heads of head_dim, base rope_theta, with config.json's rope_scaling (`scaling = 0`, a failure rewrite's: without it)",
+        params: &["heads", "theta?", "scaling?"],
+        doc: "kernel.rope at the token's position over `heads` heads of head_dim, half-split pairs (j, j + head_dim/2), base `theta` (default rope_theta; per node, e.g. `rope_parameters[layer_types[layer]].rope_theta` for a base per layer type), with config.json's rope_scaling (`scaling = 0`, a failure rewrite's: without it)",
         kernel: Some("kernel.rope"),
+    },
+    GraphOp {
+        name: "rotary",
+        inputs: &["x"],
+        weights: &[],
+        params: &["heads", "theta?", "rotary_dim?", "interleaved?", "scaling?"],
+        doc: "kernel.rotary: RoPE over the first `rotary_dim` entries of each of `heads` heads (default head_dim; even; the rest passes through: partial rotary), pairs (j, j + rotary_dim/2) or, with `interleaved = 1`, (2j, 2j + 1), frequencies theta^(-2j/rotary_dim), base `theta` (default rope_theta), with config.json's rope_scaling over rotary_dim (`scaling = 0`: without it)",
+        kernel: Some("kernel.rotary"),
+    },
+    GraphOp {
+        name: "layer_norm",
+        inputs: &["x"],
+        weights: &["weight?", "bias?"],
+        params: &["eps", "group?"],
+        doc: "kernel.layer_norm over groups of len(weight) entries (or `group`, or the whole input when neither): (x - mean) / sqrt(biased variance + eps), times the gain and plus the bias when bound (neither: a non-parametric LayerNorm)",
+        kernel: Some("kernel.layer_norm"),
+    },
+    GraphOp {
+        name: "gelu_tanh",
+        inputs: &["x"],
+        weights: &[],
+        params: &[],
+        doc: "kernel.gelu_tanh: the tanh-approximated GELU of every element (a non-gated MLP's activation)",
+        kernel: Some("kernel.gelu_tanh"),
     },
     GraphOp {
         name: "attention",
@@ -440,6 +482,14 @@ pub const GRAPH_OPS: &[GraphOp] = &[
         weights: &[],
         params: &["cap"],
         doc: "elementwise cap * tanh(x / cap); the identity when cap <= 0 (a null config value)",
+        kernel: None,
+    },
+    GraphOp {
+        name: "clamp",
+        inputs: &["x"],
+        weights: &[],
+        params: &["limit"],
+        doc: "elementwise min(max(x, -limit), limit) (OLMo's clip_qkv); the identity when limit <= 0 (a null config value)",
         kernel: None,
     },
 ];
@@ -904,6 +954,11 @@ pub fn contract_schema() -> serde_json::Value {
     let schema = settings.into_generator().into_root_schema_for::<Contract>();
     let mut v = serde_json::to_value(schema).expect("a generated schema serialises");
     portable(&mut v);
+    // The graph language (ops, parameters, expression grammar) as an annotation JSON Schema
+    // validators ignore: what `[model.graph]` may say, beyond its types.
+    if let Some(o) = v.as_object_mut() {
+        o.insert("x-graph-language".into(), super::graph::language());
+    }
     v
 }
 

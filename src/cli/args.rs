@@ -764,6 +764,17 @@ pub enum CkbCmd {
     },
     /// Print the JSON Schema of a contract file.
     Schema,
+    /// Check family contracts against an independent implementation's numbers: each DIR holds a
+    /// checkpoint, config.json and vectors.json (logits at every prompt position, greedy ids).
+    #[command(after_help = "Example:\n  metainfer ckb conformance ../shared/conformance/*")]
+    Conformance {
+        /// Conformance directories (config.json, model.safetensors, vectors.json).
+        #[arg(value_name = "DIR", required = true)]
+        dirs: Vec<PathBuf>,
+        /// Print exactly the structured result as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Validate a new or amended contract file and stage it as a candidate (tool propose_contract).
     Propose {
         /// The contract file (TOML).

@@ -281,6 +281,10 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Ckb { action: CkbCmd::Check { json } } => Ok(emit(&ops::ckb_check::check(g.ckb.as_deref())?, json)),
+        Command::Ckb { action: CkbCmd::Conformance { dirs, json } } => {
+            let dirs: Vec<String> = dirs.iter().map(|d| s(d)).collect();
+            Ok(emit(&ops::conformance::conformance(&ctx(g)?, &dirs)?, json))
+        }
         Command::Ckb { action: CkbCmd::Schema } => {
             println!(
                 "{}",

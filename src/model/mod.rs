@@ -68,9 +68,39 @@ pub struct ResolvedConfig {
     /// the default) or absent without a default: the graph's ops read 0 as off (no soft-cap).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub extra: BTreeMap<String, f64>,
+    /// Every declared role whose value is not a number, typed as config.json gives it (booleans,
+    /// strings, lists such as `layer_types`, objects such as `rope_parameters`; null when a typed
+    /// role is absent): graph expressions index them by the layer.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub values: BTreeMap<String, Value>,
 }
 
 impl ResolvedConfig {
+    /// The value of a config role for graph expressions (`hidden`, `n_heads`, `head_dim`,
+    /// `sliding_window`, `rms_norm_eps`, `tied`, ..., then the family's other numeric roles,
+    /// [`ResolvedConfig::extra`], then its typed ones, [`ResolvedConfig::values`]).
+    pub fn role(&self, name: &str) -> Option<crate::ckb::graph::Val> {
+        use crate::ckb::graph::Val;
+        Some(Val::Num(match name {
+            "hidden" => self.hidden as f64,
+            "intermediate" => self.intermediate as f64,
+            "n_layers" => self.n_layers as f64,
+            "n_heads" => self.n_heads as f64,
+            "n_kv_heads" => self.n_kv_heads as f64,
+            "head_dim" => self.head_dim as f64,
+            "vocab" => self.vocab as f64,
+            "max_seq" => self.max_seq as f64,
+            "rms_norm_eps" => self.rms_norm_eps,
+            "rope_theta" => self.rope_theta,
+            "sliding_window" => self.sliding_window as f64,
+            "tied" => return Some(Val::Bool(self.tied)),
+            _ => match self.extra.get(name) {
+                Some(x) => *x,
+                None => return self.values.get(name).map(Val::from_json),
+            },
+        }))
+    }
+
     /// Whether the forward pass has this feature (one of [`crate::ckb::FAMILY_FEATURES`], e.g.
     /// `qkv_bias`, `qk_norm`, `gelu_tanh_mlp`, `fused_qkv`).
     pub fn has(&self, feature: &str) -> bool {
@@ -230,7 +260,21 @@ pub fn resolve(
         };
         match v {
             Some(v) => {
-                if !f.supported.is_empty() {
+                if let (false, Some(list)) = (f.supported.is_empty(), v.as_array()) {
+                    // A list's entries are each one of the covered values (layer types the graph names).
+                    for (i, e) in list.iter().enumerate() {
+                        let s = e.as_str().map(str::to_owned).unwrap_or_else(|| e.to_string());
+                        if !f.supported.contains(&s) {
+                            gaps.push(Gap {
+                                field: f.key.clone(),
+                                reason: format!(
+                                    "entry {i} is {s:?}, which {}'s graph does not name; covered: {:?}",
+                                    contract.id, f.supported
+                                ),
+                            });
+                        }
+                    }
+                } else if !f.supported.is_empty() {
                     let s = v.as_str().map(str::to_owned).unwrap_or_else(|| v.to_string());
                     if !f.supported.contains(&s) {
                         gaps.push(Gap {
@@ -290,6 +334,7 @@ pub fn resolve(
         rope_scaling: None,
         features: family.features.clone(),
         extra: BTreeMap::new(),
+        values: BTreeMap::new(),
     };
     let mut cfg = cfg;
     for f in &family.features {
@@ -305,6 +350,10 @@ pub fn resolve(
         }
     }
     for f in family.config.iter().filter(|f| role_type(&f.role).is_none()) {
+        if let Some(ty) = f.value_type.as_deref().filter(|t| *t != "number") {
+            typed_role(contract, f, ty, roles.get(f.role.as_str()), cfg.n_layers, &mut cfg, &mut gaps);
+            continue;
+        }
         // An explicit null is "off" (HF: no soft-cap), whatever the default.
         let explicit_null = config.get(&f.key).is_some_and(Value::is_null);
         match roles.get(f.role.as_str()).filter(|_| !explicit_null) {
@@ -325,7 +374,19 @@ pub fn resolve(
             },
         }
     }
+    for f in family.config.iter().filter(|f| role_type(&f.role).is_some()) {
+        // The fixed roles that are not numbers (an activation's name, rope_parameters) are typed
+        // values of the graph's expressions too, where the graph reads them (null when absent).
+        if !matches!(role_type(&f.role), Some("number" | "number or null")) && scaling::graph_reads(family, &f.key) {
+            cfg.values.insert(f.role.clone(), roles.get(f.role.as_str()).cloned().unwrap_or(Value::Null));
+        }
+    }
     scaling::resolve_extras(contract, config, &roles, &mut cfg, &mut gaps);
+    if gaps.is_empty()
+        && let Some(g) = &family.graph
+    {
+        check_graph(g, &cfg, &mut gaps);
+    }
     if gaps.is_empty() {
         if !cfg.n_heads.is_multiple_of(cfg.n_kv_heads) {
             gaps.push(Gap {
@@ -342,7 +403,8 @@ pub fn resolve(
                 reason: format!("head_dim {} must be even for RoPE", cfg.head_dim),
             });
         }
-        if cfg.rms_norm_eps.is_nan() || cfg.rms_norm_eps <= 0.0 {
+        let declares = |role: &str| family.config.iter().any(|f| f.role == role);
+        if declares("rms_norm_eps") && (cfg.rms_norm_eps.is_nan() || cfg.rms_norm_eps <= 0.0) {
             gaps.push(Gap { field: "rms_norm_eps".into(), reason: "must be a positive number".into() });
         }
         if cfg.rope_theta.is_nan() || cfg.rope_theta <= 0.0 {
@@ -350,6 +412,97 @@ pub fn resolve(
         }
     }
     if gaps.is_empty() { Ok(cfg) } else { Err(gaps) }
+}
+
+/// A role of a declared JSON type (`boolean`, `string`, `list`, `object`): kept as typed in
+/// `cfg.values` (null when absent), or a gap when config.json gives another type, or a
+/// `per_layer` list of another length than the layers.
+fn typed_role(
+    contract: &Contract,
+    f: &crate::ckb::ConfigField,
+    ty: &str,
+    v: Option<&Value>,
+    n_layers: usize,
+    cfg: &mut ResolvedConfig,
+    gaps: &mut Vec<Gap>,
+) {
+    let v = v.cloned().unwrap_or(Value::Null);
+    let fits = match ty {
+        "boolean" => v.is_boolean(),
+        "string" => v.is_string(),
+        "list" => v.is_array(),
+        "object" => v.is_object(),
+        _ => false,
+    };
+    if !fits && !v.is_null() {
+        gaps.push(Gap {
+            field: f.key.clone(),
+            reason: format!(
+                "must be a JSON {ty} (role `{}`, read by {}'s forward-pass graph), got {}",
+                f.role,
+                contract.id,
+                json_type(&v)
+            ),
+        });
+        return;
+    }
+    if let (true, Some(list)) = (f.per_layer, v.as_array())
+        && list.len() != n_layers
+    {
+        gaps.push(Gap {
+            field: f.key.clone(),
+            reason: format!("has {} entries, one per layer is needed: num_hidden_layers is {n_layers}", list.len()),
+        });
+        return;
+    }
+    cfg.values.insert(f.role.clone(), v);
+}
+
+/// Evaluate every parameter of the family's graph at this config, at every layer, so that a
+/// contract expression that cannot be evaluated here (a division by zero, an index past a list, a
+/// layer type the graph does not name, a value of the wrong type) is a gap naming the node and
+/// layer at plan, never a panic or a NaN in the reference; and each op's own conditions on its
+/// evaluated parameters ([`crate::ckb::graph::check_params`]).
+fn check_graph(g: &crate::ckb::Graph, cfg: &ResolvedConfig, gaps: &mut Vec<Gap>) {
+    type Block<'a> = (&'a str, &'a [crate::ckb::GraphNode], Vec<Option<usize>>);
+    let blocks: [Block<'_>; 3] = [
+        ("prologue", &g.prologue, vec![None]),
+        ("layer", &g.layer, (0..cfg.n_layers).map(Some).collect()),
+        ("epilogue", &g.epilogue, vec![None]),
+    ];
+    for (block, nodes, layers) in blocks {
+        for layer in layers {
+            let role = |r: &str| match (r, layer) {
+                ("layer", Some(i)) => Some(crate::ckb::graph::Val::Num(i as f64)),
+                _ => cfg.role(r),
+            };
+            for n in nodes {
+                let at = layer.map_or(n.name.clone(), |i| format!("layers.{i}.{}", n.name));
+                let mut params = BTreeMap::new();
+                for (k, e) in n.params.iter().filter(|(k, _)| *k != "gain") {
+                    match crate::ckb::graph::eval_expr(e, &role) {
+                        Ok(v) => {
+                            params.insert(k.clone(), v);
+                        }
+                        Err(m) => {
+                            gaps.push(Gap {
+                                field: format!("model.graph.{block}.{}", n.name),
+                                reason: format!("node `{at}`: parameter `{k}` = `{e}`: {m}"),
+                            });
+                            return;
+                        }
+                    }
+                }
+                if let Err(m) = crate::ckb::graph::check_params(&n.op, &params, cfg.head_dim) {
+                    gaps.push(Gap {
+                        field: format!("model.graph.{block}.{}", n.name),
+                        reason: format!("node `{at}`: {m}"),
+                    });
+                    return;
+                }
+            }
+        }
+    }
 }
 
 /// Read config.json, route it and resolve it in one step.
@@ -496,15 +649,16 @@ pub fn check_weight_range(tensors: &Tensors, dtype: &str) -> Result<()> {
                 v[at]
             )));
         }
-        if dtype == "f16" && shape.len() == 2 {
-            if let Some(at) = v.iter().position(|x| half::f16::from_f32(*x).is_infinite()) {
-                return Err(Error::input(format!(
-                    "weight `{name}` holds {:e} at element {at} (row {}, column {}), beyond the f16 range (largest finite value {F16_MAX}; it rounds to infinity): an engine storing f16 weights computes infinities and NaN on this checkpoint; choose dtype bf16 or f32",
-                    v[at],
-                    at / shape[1].max(1),
-                    at % shape[1].max(1)
-                )));
-            }
+        if dtype == "f16"
+            && shape.len() == 2
+            && let Some(at) = v.iter().position(|x| half::f16::from_f32(*x).is_infinite())
+        {
+            return Err(Error::input(format!(
+                "weight `{name}` holds {:e} at element {at} (row {}, column {}), beyond the f16 range (largest finite value {F16_MAX}; it rounds to infinity): an engine storing f16 weights computes infinities and NaN on this checkpoint; choose dtype bf16 or f32",
+                v[at],
+                at / shape[1].max(1),
+                at % shape[1].max(1)
+            )));
         }
     }
     Ok(())

@@ -132,6 +132,37 @@ fn resolve_rope(
         )));
         return;
     };
+    if obj.values().any(Value::is_object) && graph_reads(family, field) {
+        // Per-layer-type parameters the family's graph reads itself (a RoPE base per layer type):
+        // each must be plain RoPE with a positive base; the full-attention one is the config's.
+        for (kind, sub) in obj {
+            let Some(o) = sub.as_object() else {
+                gaps.push(gap(format!("{field}.{kind} must be an object (the RoPE of layers of type {kind})")));
+                continue;
+            };
+            let t = o.get("rope_type").or_else(|| o.get("type")).and_then(Value::as_str).unwrap_or("default");
+            if t != "default" {
+                gaps.push(gap(format!(
+                    "{field}.{kind}.rope_type {t:?}: per-layer-type RoPE scaling is not covered by {}; only \"default\" is",
+                    contract.id
+                )));
+            }
+            if let Some(k) = o.keys().find(|k| !ROPE_COMMON_KEYS.contains(&k.as_str())) {
+                gaps.push(gap(format!(
+                    "{field}.{kind}.{k} is not a key of rope_type \"default\"; the reference would ignore it"
+                )));
+            }
+            match o.get("rope_theta").and_then(number) {
+                Some(x) if x > 0.0 && x.is_finite() => {
+                    if kind == "full_attention" {
+                        cfg.rope_theta = x;
+                    }
+                }
+                _ => gaps.push(gap(format!("{field}.{kind}.rope_theta must be a positive number"))),
+            }
+        }
+        return;
+    }
     if obj.values().any(Value::is_object) {
         let layer_types: Vec<&String> = obj.iter().filter(|(_, v)| v.is_object()).map(|(k, _)| k).collect();
         gaps.push(gap(format!(
@@ -180,9 +211,26 @@ fn resolve_rope(
     let mut unknown = false;
     for (k, v) in obj {
         let known = ROPE_COMMON_KEYS.contains(&k.as_str()) || allowed.contains(&k.as_str());
-        // v5 moves partial_rotary_factor into rope_parameters; 1.0 rotates every pair, as the oracle does.
+        // v5 moves partial_rotary_factor into rope_parameters; 1.0 rotates every pair, as the
+        // oracle's `rope` does; another factor is the family graph's to read (its `rotary` nodes),
+        // from the top-level key, which must then agree.
         let full_rotary = k == "partial_rotary_factor" && number(v) == Some(1.0);
-        if !known && !full_rotary {
+        let partial_read = k == "partial_rotary_factor" && graph_reads(family, "partial_rotary_factor");
+        if partial_read
+            && let Some(top) = config.get("partial_rotary_factor").filter(|t| !t.is_null())
+            && number(top) != number(v)
+        {
+            gaps.push(gap(format!(
+                "{field}.partial_rotary_factor {v} and partial_rotary_factor {top} disagree; transformers v5 reads rope_parameters: make them equal"
+            )));
+        }
+        if partial_read
+            && config.get("partial_rotary_factor").is_none_or(Value::is_null)
+            && let (Some(x), Some(f)) = (number(v), family.config.iter().find(|f| f.key == "partial_rotary_factor"))
+        {
+            cfg.extra.insert(f.role.clone(), x);
+        }
+        if !known && !full_rotary && !partial_read {
             unknown = true;
             gaps.push(gap(format!(
                 "{field}.{k} is not a key of rope_type {rope_type:?} (its keys: {}); the oracle would ignore it, so it is refused: remove it or use a covered rope_type",
@@ -246,4 +294,17 @@ fn resolve_rope(
         }
         _ => {}
     }
+}
+
+/// Whether some parameter of the family's graph reads config role `key` (as the role of the
+/// `[[model.config]]` entry with that key).
+pub(super) fn graph_reads(family: &crate::ckb::ModelFamily, key: &str) -> bool {
+    let Some(role) = family.config.iter().find(|f| f.key == key).map(|f| f.role.as_str()) else { return false };
+    let Some(g) = &family.graph else { return false };
+    g.prologue
+        .iter()
+        .chain(&g.layer)
+        .chain(&g.epilogue)
+        .flat_map(|n| n.params.values())
+        .any(|e| crate::ckb::expr::parse(e).is_ok_and(|x| crate::ckb::expr::names(&x).iter().any(|n| n == role)))
 }

@@ -7,6 +7,7 @@ pub mod batching;
 pub mod bundle;
 pub mod ckb_check;
 pub mod compile;
+pub mod conformance;
 pub mod evolve;
 pub mod gate;
 pub mod kernel_test;

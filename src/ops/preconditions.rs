@@ -55,7 +55,8 @@ pub fn gaps(
             )));
             continue;
         };
-        let role = |r: &str| if r == "layer" { Some(i as f64) } else { config_role(cfg, r) };
+        let role =
+            |r: &str| if r == "layer" { Some(crate::ckb::graph::Val::Num(i as f64)) } else { config_role(cfg, r) };
         let Ok(w) = crate::ckb::graph::eval_expr(window, &role) else { continue };
         if (w > 0.0) != windowed {
             out.push(gap(format!(

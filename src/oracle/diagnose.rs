@@ -136,7 +136,9 @@ pub fn distinguishable(m: Mutation, r: &Reference) -> bool {
     match m {
         Mutation::RopeThetaDefault => c.rope_theta != kernels::rope::DEFAULT_THETA,
         Mutation::GqaModulo => c.n_kv_heads > 1 && c.n_kv_heads < c.n_heads,
-        Mutation::GeluErf => r.has_op("gelu_tanh_and_mul"),
+        Mutation::GeluErf => r.has_op("gelu_tanh_and_mul") || r.has_op("gelu_tanh"),
+        Mutation::LayerNormNoMean => r.has_op("layer_norm"),
+        Mutation::RotaryFreqOverHeadDim => r.has_partial_rotary(),
         _ => true,
     }
 }

@@ -8,32 +8,21 @@
 use std::collections::BTreeMap;
 
 use super::families::{rope_inv_freq, rope_pairs_with_freqs};
-use super::kernels::{attention, embedding, gelu_tanh_and_mul, linear, rms_norm, rope, silu_and_mul};
+use super::kernels::{
+    attention, embedding, gelu_tanh, gelu_tanh_and_mul, layer_norm, linear, rms_norm, rope, rotary, silu_and_mul,
+};
 use super::mutants::{Mutation, Mutations};
 use super::{AttnShape, widen};
-use crate::ckb::graph::eval_expr;
+use crate::ckb::graph::{Val, eval_expr};
 use crate::ckb::{GraphNode, GraphRewrite, ModelFamily};
 use crate::error::{Error, Result};
 use crate::model::{ResolvedConfig, Tensors};
 
 /// The value of a config role for parameter expressions (`hidden`, `n_heads`, `head_dim`,
-/// `sliding_window`, `rms_norm_eps`, ..., then the family's other numeric roles,
-/// [`ResolvedConfig::extra`]), as the resolved config holds it.
-pub fn config_role(cfg: &ResolvedConfig, name: &str) -> Option<f64> {
-    Some(match name {
-        "hidden" => cfg.hidden as f64,
-        "intermediate" => cfg.intermediate as f64,
-        "n_layers" => cfg.n_layers as f64,
-        "n_heads" => cfg.n_heads as f64,
-        "n_kv_heads" => cfg.n_kv_heads as f64,
-        "head_dim" => cfg.head_dim as f64,
-        "vocab" => cfg.vocab as f64,
-        "max_seq" => cfg.max_seq as f64,
-        "rms_norm_eps" => cfg.rms_norm_eps,
-        "rope_theta" => cfg.rope_theta,
-        "sliding_window" => cfg.sliding_window as f64,
-        _ => return cfg.extra.get(name).copied(),
-    })
+/// `sliding_window`, `rms_norm_eps`, ..., then the family's other roles, numeric and typed), as
+/// the resolved config holds it: [`ResolvedConfig::role`].
+pub fn config_role(cfg: &ResolvedConfig, name: &str) -> Option<Val> {
+    cfg.role(name)
 }
 
 /// Where a node input comes from.
@@ -278,12 +267,30 @@ impl GraphReference {
                     }
                     let layer = n.layer;
                     let role = |x: &str| match (x, layer) {
-                        ("layer", Some(i)) => Some(i as f64),
+                        ("layer", Some(i)) => Some(Val::Num(i as f64)),
                         _ => config_role(cfg, x),
                     };
                     let v = eval_expr(expr, &role)
                         .map_err(|m| Error::input(format!("rewrite sets `{key}` = `{expr}` at `{}`: {m}", n.trace)))?;
                     n.params.insert(param.to_string(), v);
+                    // A row block set anew binds the weight's other rows (a fused tensor split
+                    // wrong).
+                    if matches!(param, "row_offset" | "rows")
+                        && let Some(w) = n.weight.as_mut()
+                    {
+                        let total = store[w.at].len() / w.cols.max(1);
+                        let off = n.params.get("row_offset").map_or(0, |v| *v as usize);
+                        let rows = n.params.get("rows").map_or(total.saturating_sub(off), |v| *v as usize);
+                        if off + rows > total {
+                            return Err(Error::input(format!(
+                                "rewrite sets `{key}` at `{}`: rows {off}..{} outside the tensor's {total} rows",
+                                n.trace,
+                                off + rows
+                            )));
+                        }
+                        w.offset = off;
+                        w.rows = rows;
+                    }
                 }
                 let of_node = r.weights.iter().filter_map(|(k, how)| {
                     let (node, slot) = k.split_once('.')?;
@@ -301,6 +308,16 @@ impl GraphReference {
         let structural = !(r.skip.is_empty() && r.set.is_empty() && r.swap.is_empty());
         Ok(structural || weights_changed)
     }
+    /// Whether some rotary node rotates fewer entries than the head has (partial rotary).
+    pub fn has_partial_rotary(&self) -> bool {
+        let hd = self.cfg.head_dim as f64;
+        self.prologue
+            .iter()
+            .chain(self.layers.iter().flatten())
+            .chain(&self.epilogue)
+            .any(|n| n.op == "rotary" && n.params.get("rotary_dim").is_some_and(|r| *r < hd))
+    }
+
     /// Whether some node of the graph runs `op` (a [`crate::ckb::GRAPH_OPS`] name).
     pub fn has_op(&self, op: &str) -> bool {
         self.prologue.iter().chain(self.layers.iter().flatten()).chain(&self.epilogue).any(|n| n.op == op)
@@ -408,7 +425,7 @@ impl Builder<'_> {
                     continue;
                 }
                 let role = |r: &str| match (r, layer) {
-                    ("layer", Some(i)) => Some(i as f64),
+                    ("layer", Some(i)) => Some(Val::Num(i as f64)),
                     _ => config_role(self.cfg, r),
                 };
                 let v =
@@ -612,6 +629,7 @@ impl Exec<'_> {
             }
             "rope" => {
                 let heads = n.params["heads"] as usize;
+                let theta = n.params.get("theta").copied().unwrap_or(c.rope_theta);
                 let mut x = input(0).to_vec();
                 // `scaling = 0` (a failure rewrite): config.json's rope_scaling ignored.
                 let scaled = self.inv_freq.filter(|_| n.params.get("scaling") != Some(&0.0));
@@ -621,14 +639,56 @@ impl Exec<'_> {
                 };
                 match scaled {
                     // Scaled frequencies, with the kernel's faults as the kernel core has them.
-                    Some(_) if f.theta_default => {
-                        let freqs = rope_inv_freq(hd, rope::DEFAULT_THETA, c.rope_scaling.as_ref());
+                    Some(_) if f.theta_default || theta != c.rope_theta => {
+                        let base = if f.theta_default { rope::DEFAULT_THETA } else { theta };
+                        let freqs = rope_inv_freq(hd, base, c.rope_scaling.as_ref());
                         rope_pairs_with_freqs(&mut x, self.pos, heads, hd, &freqs, f.adjacent);
                     }
                     Some(freqs) => rope_pairs_with_freqs(&mut x, self.pos, heads, hd, freqs, f.adjacent),
-                    None => rope::core(&mut x, &[self.pos], heads, hd, c.rope_theta, f),
+                    None => rope::core(&mut x, &[self.pos], heads, hd, theta, f),
                 }
                 x
+            }
+            "rotary" => {
+                let heads = n.params["heads"] as usize;
+                let theta = n.params.get("theta").copied().unwrap_or(c.rope_theta);
+                let rot = n.params.get("rotary_dim").map_or(hd, |r| *r as usize);
+                let interleaved = n.params.get("interleaved").is_some_and(|v| *v != 0.0);
+                let mut x = input(0).to_vec();
+                let scaling = c.rope_scaling.as_ref().filter(|_| n.params.get("scaling") != Some(&0.0));
+                let base = if m.has(Mutation::RopeThetaDefault) { rope::DEFAULT_THETA } else { theta };
+                // kernel.rope's adjacent-pairs mutation is not this kernel's: a wrong pairing
+                // here is failure.rope-pairing-swapped's rewrite (`interleaved` set).
+                let f = rotary::Faults {
+                    freq_over_head_dim: m.has(Mutation::RotaryFreqOverHeadDim),
+                    ..rotary::Faults::default()
+                };
+                match scaling {
+                    Some(s) => {
+                        let freqs = rope_inv_freq(rot, base, Some(s));
+                        rotary::rotate(&mut x, self.pos, heads, hd, &freqs, interleaved != f.pairing_swapped);
+                    }
+                    None => rotary::core(&mut x, &[self.pos], heads, hd, rot, base, interleaved, f),
+                }
+                x
+            }
+            "layer_norm" => {
+                let eps = n.params["eps"];
+                let f =
+                    layer_norm::Faults { no_mean: m.has(Mutation::LayerNormNoMean), ..layer_norm::Faults::default() };
+                let gain = n.weight.map(|w| slice(&w));
+                let bias = n.bias.map(|b| &self.store[b.at][b.offset..b.offset + b.rows]);
+                let width = gain
+                    .map(<[f64]>::len)
+                    .or(bias.map(<[f64]>::len))
+                    .or(n.params.get("group").map(|g| *g as usize))
+                    .unwrap_or(input(0).len());
+                layer_norm::core(input(0), width, gain.unwrap_or(&[]), bias.unwrap_or(&[]), eps, f)
+            }
+            "gelu_tanh" => gelu_tanh::core(input(0), gelu_tanh::Faults { erf: m.has(Mutation::GeluErf) }),
+            "clamp" => {
+                let l = n.params["limit"];
+                if l > 0.0 { input(0).iter().map(|v| v.clamp(-l, l)).collect() } else { input(0).to_vec() }
             }
             "attention" => {
                 let (q, k, v) = (input(0), input(1), input(2));

@@ -480,6 +480,14 @@ impl Reference {
         }
     }
 
+    /// Whether the forward pass rotates only part of each head (a graph's partial rotary node).
+    pub fn has_partial_rotary(&self) -> bool {
+        match &self.0 {
+            Inner::Graph(r) => r.has_partial_rotary(),
+            Inner::Handwritten(_) => false,
+        }
+    }
+
     /// The mutations in force; empty for the true forward pass.
     pub fn mutations(&self) -> Mutations {
         match &self.0 {

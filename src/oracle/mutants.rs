@@ -48,13 +48,19 @@ pub enum Mutation {
     /// p - 1 (row 0 for p = 0, K still rotated at p), so attention at p reads the next token's K/V in
     /// row p - 1 and an unwritten (zero) row p.
     KvPositionOffByOne,
-    /// `gelu_erf` in the GeGLU MLP (no effect in a family without `gelu_tanh_and_mul`).
+    /// `gelu_erf` in the GeGLU MLP and the non-gated GELU (no effect in a family without
+    /// `gelu_tanh_and_mul` or `gelu_tanh`).
     GeluErf,
+    /// `layernorm_no_mean` in every LayerNorm (no effect in a family without `layer_norm`).
+    LayerNormNoMean,
+    /// `rotary_freq_over_head_dim` in every partial rotary node (no effect where rotary_dim is
+    /// head_dim, or in a family without `rotary`).
+    RotaryFreqOverHeadDim,
 }
 
 impl Mutation {
     /// Every model-level mutation.
-    pub const ALL: [Mutation; 11] = [
+    pub const ALL: [Mutation; 13] = [
         Mutation::RopeAdjacent,
         Mutation::RopeThetaDefault,
         Mutation::RmsNormEpsOutside,
@@ -66,6 +72,8 @@ impl Mutation {
         Mutation::EmbeddingOffByOne,
         Mutation::KvPositionOffByOne,
         Mutation::GeluErf,
+        Mutation::LayerNormNoMean,
+        Mutation::RotaryFreqOverHeadDim,
     ];
 
     /// The mutant's name, as the failure contracts spell it.
@@ -82,6 +90,8 @@ impl Mutation {
             Mutation::EmbeddingOffByOne => "embedding_off_by_one",
             Mutation::KvPositionOffByOne => "kv_position_off_by_one",
             Mutation::GeluErf => "gelu_erf",
+            Mutation::LayerNormNoMean => "layernorm_no_mean",
+            Mutation::RotaryFreqOverHeadDim => "rotary_freq_over_head_dim",
         }
     }
 
@@ -133,6 +143,6 @@ mod tests {
         let set = Mutations::of(&[Mutation::SiluSwapped, Mutation::GqaModulo]);
         assert!(set.has(Mutation::SiluSwapped) && set.has(Mutation::GqaModulo) && !set.has(Mutation::LinearXw));
         assert!(Mutations::NONE.is_empty() && !set.is_empty());
-        assert_eq!(names().len(), 25);
+        assert_eq!(names().len(), 30);
     }
 }

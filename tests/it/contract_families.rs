@@ -552,23 +552,26 @@ fn proposed_graphs_are_dry_run_and_missing_ops_named() {
         let toml = twin.replace(from, to).replace("model.granite-twin", "model.granite-twin2");
         propose(&ctx, &ProposeRequest { toml }).unwrap()
     };
+    // A division by zero is refused by name at lint, before any dry run could meet an infinity.
     let r = edit("factor = \"1 / logits_scaling\"", "factor = \"1 / (logits_scaling - logits_scaling)\"");
     assert!(!r.staged && r.findings.len() == 1, "{r:?}");
     let f = &r.findings[0];
+    assert_eq!(f.field, "/model/graph/epilogue/2");
+    assert!(f.message.contains("node `logits`") && f.message.contains("divides by zero"), "{}", f.message);
+    // An overflow the lint's sample config cannot see is the dry run's.
+    let r = edit("factor = \"1 / logits_scaling\"", "factor = \"1e307 * logits_scaling\"");
+    assert!(!r.staged && r.findings.len() == 1, "{r:?}");
+    let f = &r.findings[0];
     assert_eq!(f.field, "/model/graph");
-    assert!(
-        f.message.contains("dry run") && f.message.contains("step 0") && f.message.contains("inf"),
-        "{}",
-        f.message
-    );
+    assert!(f.message.contains("dry run") && f.message.contains("step 0"), "{}", f.message);
 
-    let r = edit("name = \"attn_norm\"\nop = \"rms_norm\"", "name = \"attn_norm\"\nop = \"layer_norm\"");
+    let r = edit("name = \"attn_norm\"\nop = \"rms_norm\"", "name = \"attn_norm\"\nop = \"router_topk\"");
     assert!(!r.staged, "{r:?}");
     let m: Vec<&str> = r.findings.iter().map(|f| f.message.as_str()).collect();
     assert!(
         m.iter().any(|m| m.contains("node `attn_norm` (layer)")
-            && m.contains("unknown op `layer_norm`")
-            && m.contains("kernel.layer_norm")),
+            && m.contains("unknown op `router_topk`")
+            && m.contains("kernel.router_topk")),
         "{m:?}"
     );
 
@@ -879,6 +882,8 @@ fn every_failure_mode_a_family_lists_is_named_from_its_own_logits() {
         ("gelu_tanh_mlp", "failure.gelu-erf-vs-tanh"),
         ("rmsnorm_one_plus_w", "failure.rmsnorm-one-plus-missing"),
         ("embed_scale_sqrt_hidden", "failure.embedding-scale-missing"),
+        ("fused_qkv", "failure.fused-qkv-order"),
+        ("fused_gate_up", "failure.silu-gate-up-swapped"),
     ];
     for c in ckb.of_kind(metainfer::ckb::Kind::Model) {
         for feature in &c.model.as_ref().unwrap().features {

@@ -160,9 +160,9 @@ fn malformed_graphs_are_refused_with_the_node_named() {
         &["node `o`", "undefined input `attn_out`"],
     );
     one(
-        refused(|g| g.layer[k].op = "rotary".into()),
+        refused(|g| g.layer[k].op = "yarn_rope".into()),
         format!("/model/graph/layer/{k}"),
-        &["node `k_rope`", "unknown op `rotary`"],
+        &["node `k_rope`", "unknown op `yarn_rope`"],
     );
     one(
         refused(|g| {

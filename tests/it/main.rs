@@ -6,6 +6,7 @@ mod checkpoints;
 mod ckb;
 mod cli;
 mod client;
+mod conformance;
 mod contract_families;
 mod corpus;
 mod cuda;

@@ -16,7 +16,9 @@
 pub mod argmax;
 pub mod attention;
 pub mod embedding;
+pub mod gelu_tanh;
 pub mod gelu_tanh_and_mul;
+pub mod layer_norm;
 pub mod linear;
 pub mod linear_bf16;
 pub mod linear_f16;
@@ -24,6 +26,7 @@ pub mod linear_int8;
 pub mod paged_attention;
 pub mod rms_norm;
 pub mod rope;
+pub mod rotary;
 pub mod sample;
 pub mod silu_and_mul;
 pub mod softmax;
@@ -194,13 +197,16 @@ pub struct Kernel {
 pub static REGISTRY: &[&Kernel] = &[
     &embedding::KERNEL,
     &rms_norm::KERNEL,
+    &layer_norm::KERNEL,
     &rope::KERNEL,
+    &rotary::KERNEL,
     &linear::KERNEL,
     &linear_bf16::KERNEL,
     &linear_f16::KERNEL,
     &linear_int8::KERNEL,
     &silu_and_mul::KERNEL,
     &gelu_tanh_and_mul::KERNEL,
+    &gelu_tanh::KERNEL,
     &softmax::KERNEL,
     &attention::KERNEL,
     &paged_attention::KERNEL,

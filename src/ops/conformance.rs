@@ -1,0 +1,301 @@
+//! `ckb conformance`: a family contract checked against an independent implementation's numbers.
+//! Each directory holds a tiny checkpoint another implementation wrote (config.json, the weights,
+//! tokenizer.json) and `vectors.json` (the format of `../shared/conformance`: per prompt the token
+//! ids, that implementation's logits at every prompt position, and its greedy continuation). The
+//! config is routed to a family contract as plan routes it, the reference is built from the
+//! family's graph (`oracle::llama::Reference::of_family`, f32 weights as stored), run
+//! teacher-forced on every prompt's ids, and its logits at every position are compared with the
+//! vectors' at the family's conformance bound (`[model.conformance]`, else its f32 logits
+//! tolerance, said so); then the reference's own greedy ids are compared with the vectors'. A
+//! directory whose config no contract covers is reported as not covered, with the reason.
+
+use std::path::Path;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::{Ctx, Report};
+use crate::ckb::Tolerance;
+use crate::error::{Error, Result};
+use crate::model::{self, Files};
+use crate::oracle::llama::Reference;
+
+/// A `vectors.json` file (the format `../shared/conformance/make_vectors.py` writes).
+#[derive(Debug, Clone, Deserialize)]
+pub struct Vectors {
+    /// The family's name there (transformers' `model_type`).
+    #[serde(default)]
+    pub family: String,
+    /// The implementation's class, e.g. `LlamaForCausalLM`.
+    #[serde(default)]
+    pub class: String,
+    /// The implementation's version, e.g. transformers `5.17.0`.
+    #[serde(default)]
+    pub transformers: String,
+    /// The prompts with their numbers.
+    pub prompts: Vec<VectorPrompt>,
+}
+
+/// One prompt of a [`Vectors`] file.
+#[derive(Debug, Clone, Deserialize)]
+pub struct VectorPrompt {
+    /// The prompt text.
+    #[serde(default)]
+    pub text: String,
+    /// Its token ids, special tokens included.
+    pub ids: Vec<u32>,
+    /// Logits at every position: [ids.len()][vocab], f32 values.
+    pub logits: Vec<Vec<f32>>,
+    /// The implementation's greedy continuation after the prompt.
+    pub greedy_ids: Vec<u32>,
+}
+
+/// Largest vectors.json read (the shipped ones are about 200 KiB: vocabulary 105, 30 positions).
+pub const VECTORS_JSON: crate::util::Limit = crate::util::Limit {
+    what: "conformance vectors (vectors.json)",
+    max: 256 << 20,
+    hint: "fewer prompts or a smaller vocabulary",
+};
+
+/// Where logits first left the bound.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Beyond {
+    /// Prompt index in vectors.json.
+    pub prompt: usize,
+    /// Position in that prompt (0 = the first token).
+    pub position: usize,
+    /// Vocabulary index of the element furthest outside the bound there.
+    pub token: usize,
+    /// |reference - vectors| there.
+    pub diff: f64,
+    /// The decoder layer where the reference first departs, when the vectors carry per-layer
+    /// hidden states; null when they hold logits only (as `make_vectors.py` writes them).
+    pub layer: Option<usize>,
+}
+
+/// The check of one directory.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct FamilyConformance {
+    /// The directory checked.
+    pub dir: String,
+    /// The family as the vectors name it (`model_type`), and the implementation that wrote them.
+    pub family: String,
+    /// e.g. `transformers 5.17.0 (LlamaForCausalLM)`.
+    pub source: String,
+    /// The contract config.json routes to; null when none does.
+    pub contract: Option<String>,
+    /// Whether a contract covers this config (routed and resolved without gaps, the reference built).
+    pub covered: bool,
+    /// Why not covered: each config field at fault with its reason (empty when covered).
+    pub not_covered: Vec<model::Gap>,
+    /// The bound each logit is held to: |reference - vectors| <= atol + rtol |reference|.
+    pub bound: Option<Tolerance>,
+    /// Where the bound comes from: `[model.conformance]` or the f32 logits tolerance.
+    pub bound_from: String,
+    /// Prompts and positions compared.
+    pub prompts: usize,
+    /// Logit rows compared (one per prompt position).
+    pub positions: usize,
+    /// Largest |reference - vectors| over every logit of every position.
+    pub max_abs_diff: f64,
+    /// The first position (prompt by prompt, in order) with a logit beyond the bound.
+    pub first_beyond: Option<Beyond>,
+    /// Whether the reference's greedy ids equal the vectors' on every prompt.
+    pub greedy_equal: bool,
+    /// The first prompt whose greedy ids differ: (prompt index, reference ids, vectors' ids).
+    pub greedy_mismatch: Option<(usize, Vec<u32>, Vec<u32>)>,
+    /// Covered, every logit within the bound and the greedy ids equal.
+    pub passed: bool,
+}
+
+/// The result of `ckb conformance`.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct ConformanceReport {
+    /// One entry per directory, in the order given.
+    pub families: Vec<FamilyConformance>,
+    /// Directories covered by a contract.
+    pub covered: usize,
+    /// Whether every covered directory passed (a directory not covered does not fail the report;
+    /// it is listed as such).
+    pub passed: bool,
+}
+
+impl Report for ConformanceReport {
+    fn passed(&self) -> bool {
+        self.passed
+    }
+    fn text(&self) -> String {
+        let mut s = format!(
+            "ckb conformance: {} of {} directories covered, {}\n",
+            self.covered,
+            self.families.len(),
+            if self.passed { "every covered one passed" } else { "FAILED" }
+        );
+        for f in &self.families {
+            if !f.covered {
+                let why: Vec<String> = f.not_covered.iter().map(|g| format!("{}: {}", g.field, g.reason)).collect();
+                s += &format!("  {:<14} not covered: {}\n", f.family, why.join("; "));
+                continue;
+            }
+            s += &format!(
+                "  {:<14} {} {}: max |logit diff| {:.2e} over {} positions ({}), greedy ids {}",
+                f.family,
+                if f.passed { "passed" } else { "FAILED" },
+                f.contract.as_deref().unwrap_or(""),
+                f.max_abs_diff,
+                f.positions,
+                f.bound.as_ref().map_or(String::new(), |b| format!("bound atol {:e} + rtol {:e}", b.atol, b.rtol)),
+                if f.greedy_equal { "equal" } else { "DIFFER" },
+            );
+            if let Some(b) = &f.first_beyond {
+                s += &format!(
+                    "; first beyond the bound: prompt {} position {} token {} (diff {:.2e})",
+                    b.prompt, b.position, b.token, b.diff
+                );
+            }
+            if let Some((p, ours, theirs)) = &f.greedy_mismatch {
+                s += &format!("; prompt {p} greedy: reference {ours:?}, vectors {theirs:?}");
+            }
+            s.push('\n');
+        }
+        s
+    }
+}
+
+/// Check each directory (see the module doc).
+///
+/// # Errors
+/// A directory outside the workspace, or one without a readable vectors.json or config.json. A
+/// family not covered, or outside its bound, is a result.
+pub fn conformance(ctx: &Ctx, dirs: &[String]) -> Result<ConformanceReport> {
+    if dirs.is_empty() {
+        return Err(Error::usage("name at least one conformance directory (config.json, weights, vectors.json)"));
+    }
+    let live = ctx.live();
+    let ctx = &*live;
+    let mut families = Vec::new();
+    for d in dirs {
+        let held = ctx.confine_model(Path::new(d))?;
+        families.push(check_dir(ctx, &held)?);
+    }
+    let covered = families.iter().filter(|f| f.covered).count();
+    let passed = families.iter().filter(|f| f.covered).all(|f| f.passed);
+    Ok(ConformanceReport { families, covered, passed })
+}
+
+/// Read and parse `vectors.json` of a directory.
+///
+/// # Errors
+/// Input naming the file when it is missing, too large or malformed, or when a prompt's logits do
+/// not have one row per id.
+pub fn read_vectors(dir: &(impl Files + ?Sized)) -> Result<Vectors> {
+    let path = dir.show("vectors.json");
+    let text = dir.read_text("vectors.json", &VECTORS_JSON)?;
+    let v: Vectors = serde_json::from_str(&text)
+        .map_err(|e| Error::input(format!("{}: not a conformance vectors file ({e})", path.display())))?;
+    for (i, p) in v.prompts.iter().enumerate() {
+        if p.ids.is_empty() || p.logits.len() != p.ids.len() {
+            return Err(Error::input(format!(
+                "{}: prompt {i} has {} ids and {} logit rows; one row per position is needed",
+                path.display(),
+                p.ids.len(),
+                p.logits.len()
+            )));
+        }
+    }
+    Ok(v)
+}
+
+fn check_dir(ctx: &Ctx, dir: &(impl Files + ?Sized)) -> Result<FamilyConformance> {
+    let vectors = read_vectors(dir)?;
+    let config = model::read_config(dir)?;
+    let name = config.get("model_type").and_then(Value::as_str).unwrap_or(&vectors.family).to_string();
+    let mut out = FamilyConformance {
+        dir: dir.path().display().to_string(),
+        family: name,
+        source: format!("transformers {} ({})", vectors.transformers, vectors.class),
+        contract: None,
+        covered: false,
+        not_covered: Vec::new(),
+        bound: None,
+        bound_from: String::new(),
+        prompts: vectors.prompts.len(),
+        positions: 0,
+        max_abs_diff: 0.0,
+        first_beyond: None,
+        greedy_equal: false,
+        greedy_mismatch: None,
+        passed: false,
+    };
+    let contract = match model::route(&ctx.ckb, &config) {
+        Ok(c) => c,
+        Err(gaps) => {
+            out.not_covered = gaps;
+            return Ok(out);
+        }
+    };
+    out.contract = Some(contract.id.clone());
+    let cfg = match model::resolve(contract, &config) {
+        Ok(c) => c,
+        Err(gaps) => {
+            out.not_covered = gaps;
+            return Ok(out);
+        }
+    };
+    let family = contract.model.as_ref().expect("model contract");
+    let (bound, from) = match (&family.conformance, family.logits_tolerance.get("f32")) {
+        (Some(b), _) => (b.clone(), "[model.conformance]".to_string()),
+        (None, Some(t)) => (
+            t.clone(),
+            format!("{}'s f32 logits tolerance (the family states no [model.conformance] bound)", contract.id),
+        ),
+        (None, None) => {
+            out.not_covered.push(model::Gap {
+                field: "model.conformance".into(),
+                reason: format!("{} states no conformance bound and no f32 logits tolerance", contract.id),
+            });
+            return Ok(out);
+        }
+    };
+    out.bound = Some(bound.clone());
+    out.bound_from = from;
+    let tensors = model::read_safetensors(dir)?;
+    let mut reference = match Reference::of_family(family, &cfg, tensors, "f32") {
+        Ok(r) => r,
+        Err(e) => {
+            out.not_covered.push(model::Gap { field: "model.graph".into(), reason: e.message });
+            return Ok(out);
+        }
+    };
+    out.covered = true;
+    let mut all_within = true;
+    out.greedy_equal = true;
+    for (pi, p) in vectors.prompts.iter().enumerate() {
+        reference.reset();
+        for (pos, (&id, want)) in p.ids.iter().zip(&p.logits).enumerate() {
+            let ours = reference.step(id)?;
+            out.positions += 1;
+            let v = crate::oracle::compare::compare(want, &ours, &bound);
+            out.max_abs_diff = out.max_abs_diff.max(v.max_abs_err);
+            if !v.ok {
+                all_within = false;
+                if out.first_beyond.is_none() {
+                    let t = v.worst_index;
+                    let diff = match (want.get(t), ours.get(t)) {
+                        (Some(a), Some(b)) => (*a as f64 - b).abs(),
+                        _ => crate::oracle::compare::UNWRITTEN,
+                    };
+                    out.first_beyond = Some(Beyond { prompt: pi, position: pos, token: t, diff, layer: None });
+                }
+            }
+        }
+        let (_, ids) = reference.greedy(&p.ids, p.greedy_ids.len())?;
+        if ids != p.greedy_ids && out.greedy_mismatch.is_none() {
+            out.greedy_equal = false;
+            out.greedy_mismatch = Some((pi, ids, p.greedy_ids.clone()));
+        }
+    }
+    out.passed = all_within && out.greedy_equal;
+    Ok(out)
+}
