@@ -72,6 +72,30 @@ pub(crate) fn none_left(marker: &str, within: Duration, what: &str) {
     }
 }
 
+/// `metainfer serve` with a compile_engine call on `engine` in flight (raw JSON-RPC); its stdin stays
+/// open until the returned handle is dropped.
+fn serve_compiling(ledger: &Path, cache: &Path, engine: &Path) -> (std::process::Child, std::process::ChildStdin) {
+    let mut child = Command::new(crate::bin())
+        .arg("--ledger")
+        .arg(ledger)
+        .arg("--cache")
+        .arg(cache)
+        .arg("serve")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let call = serde_json::json!({"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+        "params": {"name": "compile_engine", "arguments": {"engine": engine}}});
+    let init = r#"{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-06-18","capabilities":{},"clientInfo":{"name":"signals-test","version":"1"}}}"#;
+    let initialized = r#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#;
+    writeln!(stdin, "{init}\n{initialized}\n{call}").unwrap();
+    stdin.flush().unwrap();
+    (child, stdin)
+}
+
 /// A scaffolded engine named `marker` in `dir` whose build script starts a daemon in its own
 /// session ([`daemon_build_script`]) and sleeps for two minutes.
 fn sleepy_engine(dir: &Path, marker: &str) -> PathBuf {
@@ -150,24 +174,7 @@ fn each_signal_mid_build_kills_every_child_of_a_cli_command_and_of_serve() {
         signal_and_check(child, sig, &marker, "compile");
 
         // serve, with a compile_engine call in flight (raw JSON-RPC; stdin stays open).
-        let mut child = Command::new(crate::bin())
-            .arg("--ledger")
-            .arg(&ledger)
-            .arg("--cache")
-            .arg(&cache)
-            .arg("serve")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut stdin = child.stdin.take().unwrap();
-        let call = serde_json::json!({"jsonrpc": "2.0", "id": 2, "method": "tools/call",
-            "params": {"name": "compile_engine", "arguments": {"engine": engine}}});
-        let init = r#"{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-06-18","capabilities":{},"clientInfo":{"name":"signals-test","version":"1"}}}"#;
-        let initialized = r#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#;
-        writeln!(stdin, "{init}\n{initialized}\n{call}").unwrap();
-        stdin.flush().unwrap();
+        let (child, stdin) = serve_compiling(&ledger, &cache, &engine);
         wait_for_build_script(&marker);
         signal_and_check(child, sig, &marker, "serve");
         drop(stdin);
@@ -212,24 +219,7 @@ fn no_process_of_a_gate_survives_its_end() {
 
     // The server's input ends with a call in flight.
     std::fs::write(engine.join("build.rs"), daemon_build_script(&marker, 120)).unwrap();
-    let mut child = Command::new(crate::bin())
-        .arg("--ledger")
-        .arg(&ledger)
-        .arg("--cache")
-        .arg(&cache)
-        .arg("serve")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut stdin = child.stdin.take().unwrap();
-    let call = serde_json::json!({"jsonrpc": "2.0", "id": 2, "method": "tools/call",
-        "params": {"name": "compile_engine", "arguments": {"engine": engine}}});
-    let init = r#"{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-06-18","capabilities":{},"clientInfo":{"name":"signals-test","version":"1"}}}"#;
-    let initialized = r#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#;
-    writeln!(stdin, "{init}\n{initialized}\n{call}").unwrap();
-    stdin.flush().unwrap();
+    let (mut child, stdin) = serve_compiling(&ledger, &cache, &engine);
     wait_for_build_script(&marker);
     drop(stdin);
     let start = Instant::now();

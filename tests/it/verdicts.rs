@@ -26,6 +26,21 @@ fn large_activations(dir: &Path) -> PathBuf {
     dir.to_path_buf()
 }
 
+/// plan_engine on `model` for the CPU at `dtype`.
+fn plan_at(ctx: &metainfer::ops::Ctx, model: &Path, dtype: &str) -> metainfer::ops::plan::PlanReport {
+    metainfer::ops::plan::plan_only(
+        ctx,
+        &metainfer::ops::plan::PlanRequest {
+            model: s(model),
+            target: "cpu".into(),
+            dtype: dtype.into(),
+            platform: None,
+            serving: None,
+        },
+    )
+    .unwrap()
+}
+
 fn s(p: &Path) -> String {
     p.display().to_string()
 }
@@ -51,31 +66,11 @@ fn a_weight_beyond_the_f16_range_is_named_at_plan_and_verify() {
     let t = tempfile::tempdir().unwrap();
     let model = large_activations(&t.path().join("model"));
     let ctx = crate::ctx(t.path());
-    let plan = metainfer::ops::plan::plan_only(
-        &ctx,
-        &metainfer::ops::plan::PlanRequest {
-            model: s(&model),
-            target: "cpu".into(),
-            dtype: "f16".into(),
-            platform: None,
-            serving: None,
-        },
-    )
-    .unwrap();
+    let plan = plan_at(&ctx, &model, "f16");
     let gap = plan.gaps.iter().find(|g| g.field == "dtype").expect("a dtype gap");
     assert!(gap.reason.contains(WEIGHT.0) && gap.reason.contains("65504"), "{}", gap.reason);
     // bf16 keeps f32's range: no gap.
-    let plan = metainfer::ops::plan::plan_only(
-        &ctx,
-        &metainfer::ops::plan::PlanRequest {
-            model: s(&model),
-            target: "cpu".into(),
-            dtype: "bf16".into(),
-            platform: None,
-            serving: None,
-        },
-    )
-    .unwrap();
+    let plan = plan_at(&ctx, &model, "bf16");
     assert!(plan.gaps.iter().all(|g| g.field != "dtype"), "{:?}", plan.gaps);
     let engine = t.path().join("engine");
     crate::Engine::Simd.copy_to(&engine);
@@ -193,19 +188,7 @@ fn a_kv_row_written_at_the_wrong_position_in_decode_is_named_as_a_suspect() {
 fn layer_types_that_contradict_the_graph_are_a_gap() {
     let t = tempfile::tempdir().unwrap();
     let ctx = crate::ctx(t.path());
-    let plan = |dir: &Path| {
-        metainfer::ops::plan::plan_only(
-            &ctx,
-            &metainfer::ops::plan::PlanRequest {
-                model: s(dir),
-                target: "cpu".into(),
-                dtype: "f32".into(),
-                platform: None,
-                serving: None,
-            },
-        )
-        .unwrap()
-    };
+    let plan = |dir: &Path| plan_at(&ctx, dir, "f32");
     let written = crate::shared().join("conformance/gemma2");
     let p = plan(&written);
     assert_eq!(p.family, "model.gemma2");
