@@ -338,6 +338,19 @@ fn example_engine_passes_every_gate(engine: Engine) {
         "    pub fn forward(&mut self, token: u32, pos: usize) -> &[f32] {\n",
         "    pub fn forward(&mut self, token: u32, pos: usize) -> &[f32] {\n        std::thread::sleep(std::time::Duration::from_millis(3));\n",
     );
+    // Phase order: profile counts on sources whose kernels and generation passed.
+    let kreq = KernelTestRequest {
+        engine: s(&good),
+        kernels: vec![],
+        seed: None,
+        dtype: None,
+        write_bundle: None,
+        from_bundle: None,
+    };
+    let k = kernel_test(&ctx, &kreq, &budget()).unwrap();
+    assert!(k.passed, "{}", metainfer::ops::Report::text(&k));
+    let v = verify(&ctx, &verify_req(&good), &budget()).unwrap();
+    assert!(v.passed, "{}", metainfer::ops::Report::text(&v));
     let slow = profile(&ctx, &preq, &budget()).unwrap();
     let text = metainfer::ops::Report::text(&slow);
     let prev = slow.previous.as_ref().expect("the passing profiles are in the ledger");
