@@ -8,10 +8,11 @@
 //! finish_reason "stop"; chat completions answer in OpenAI's shape; bad requests (malformed JSON,
 //! negative or absurd max_tokens, temperature, top_p, an unknown model, a prompt longer than the
 //! context) are answered 4xx with an `{"error": {"message", "type"}}` body; the server is alive
-//! afterwards and still answers greedy requests correctly.
+//! afterwards and still answers greedy requests correctly; streaming requests on reused keep-alive
+//! connections are answered as fast as on fresh ones (TCP_NODELAY, [`KEEP_ALIVE_EXCESS_MS`]).
 //!
 //! The load test: at each concurrency level, that many clients send streaming greedy completions of
-//! drawn prompts back to back; it reports output tokens/s, requests/s, time to first token (TTFT) and
+//! drawn prompts back to back over pooled keep-alive connections, as real clients send them; it reports output tokens/s, requests/s, time to first token (TTFT) and
 //! inter-token latency (ITL: time between successive text chunks) at p50 and p99 (nearest rank), and
 //! checks every output under load against the reference. Figures are measurements of this machine
 //! under its current load; no test asserts them.
@@ -64,7 +65,8 @@ pub struct ServeRequest {
 /// One check of the conformance battery.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 pub struct Check {
-    /// Short name (health, models, greedy, streaming, stop, chat, bad_requests, burst, alive).
+    /// Short name (help, health, models, greedy, streaming, stop, chat, bad_requests, burst, alive,
+    /// disconnect, keep_alive).
     pub name: String,
     /// Whether it passed.
     pub passed: bool,
@@ -222,6 +224,18 @@ pub const MAX_ANSWER_BYTES: u64 = 4 << 20;
 /// Largest event stream read, bytes (one event per token, each well under a kilobyte).
 pub const MAX_STREAM_BYTES: u64 = 16 << 20;
 
+/// Bytes read after `data: [DONE]` to reach the end of a streamed body (a chunked terminator is 5).
+const STREAM_TAIL_BYTES: u64 = 4096;
+
+/// Largest excess of the median time to first token on reused keep-alive connections over the one
+/// on fresh connections, milliseconds: half of Linux's minimum delayed-ACK time (TCP_DELACK_MIN =
+/// 40 ms, include/net/tcp.h), the wait Nagle's algorithm (RFC 896) adds to a response's second small
+/// write on a reused connection of a server without TCP_NODELAY.
+pub const KEEP_ALIVE_EXCESS_MS: f64 = 20.0;
+
+/// Streaming requests timed on each kind of connection by the keep-alive check.
+pub const KEEP_ALIVE_ROUNDS: usize = 7;
+
 /// Longest line of an event stream read, bytes: an SSE `data:` line holds one chunk's JSON.
 pub const MAX_EVENT_LINE: usize = 64 << 10;
 
@@ -253,9 +267,21 @@ struct Answer {
 }
 
 impl Client {
+    /// A client that pools keep-alive connections (up to 64 idle), as the official openai package does.
     fn new(port: u16, deadline: Instant) -> Client {
         let agent =
             ureq::Agent::config_builder().http_status_as_error(false).max_idle_connections_per_host(64).build().into();
+        Client { agent, base: format!("http://127.0.0.1:{port}"), deadline }
+    }
+
+    /// A client that keeps no connection: every request opens a new one.
+    fn fresh(port: u16, deadline: Instant) -> Client {
+        let agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .max_idle_connections(0)
+            .max_idle_connections_per_host(0)
+            .build()
+            .into();
         Client { agent, base: format!("http://127.0.0.1:{port}"), deadline }
     }
 
@@ -330,6 +356,9 @@ impl Client {
             let data = data.trim();
             if data == "[DONE]" {
                 out.done = true;
+                // Read the body's end (the chunked terminator), so the connection goes back to the
+                // pool and the next request reuses it; a server that sends more is not read further.
+                let _ = std::io::copy(&mut std::io::Read::take(&mut reader, STREAM_TAIL_BYTES), &mut std::io::sink());
                 break;
             }
             let v: Value = serde_json::from_str(data).map_err(|e| format!("an event is not JSON ({e}): {data}"))?;
@@ -503,14 +532,8 @@ pub fn serve_engine(ctx: &Ctx, req: &ServeRequest, budget: &Budget) -> Result<Se
     model::check_weight_range(&tensors, &dtype)?;
     let mut reference = Reference::with_weight_dtype(&cfg, &tensors, &dtype)?;
     let tok = model::hf_tokenizer(&held)?;
-    let eos: Vec<u32> = model::read_config(&held)
-        .ok()
-        .map(|c| match c.get("eos_token_id") {
-            Some(Value::Number(n)) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
-            Some(Value::Array(a)) => a.iter().filter_map(Value::as_u64).map(|v| v as u32).collect(),
-            _ => vec![],
-        })
-        .unwrap_or_default();
+    // The stop tokens verify uses too: generation_config.json's eos_token_id, else config.json's.
+    let eos = model::read_generation_config(&held, cfg.vocab)?.eos_token_ids;
     let max_context = cfg.max_seq;
     let mut rng = ChaCha8Rng::seed_from_u64(seed ^ crate::util::fnv1a("serve_engine"));
     let mut expect = |prompt: String, n: usize| -> Result<Expected> {
@@ -818,7 +841,14 @@ pub fn serve_engine(ctx: &Ctx, req: &ServeRequest, budget: &Budget) -> Result<Se
         }
     }
 
-    // 11. load.
+    // 11. reused connections answer as fast as fresh ones.
+    if alive_ok && died(&server).is_none() {
+        let fresh = Client::fresh(port, budget.deadline);
+        let body = json!({"prompt": e0.prompt, "max_tokens": e0.max_tokens.min(4), "temperature": 0, "stream": true});
+        report.checks.push(keep_alive(&client, &fresh, &body));
+    }
+
+    // 12. load.
     if alive_ok {
         report.load_average = load_average();
         for &c in &levels {
@@ -926,6 +956,44 @@ fn disconnect(client: &Client, prompt: &str, full: usize, slots: usize) -> Check
                 "{detail}: it waited behind the dropped requests (component.openai_server: a client disconnect cancels its request and frees its slot)"
             ),
         )
+    }
+}
+
+/// The keep-alive check (component.openai_server: TCP_NODELAY on every accepted connection). One
+/// streaming request `body` opens a pooled connection; then [`KEEP_ALIVE_ROUNDS`] times, alternating,
+/// one request on a new connection (`fresh`) and one on the pooled one (`pooled`), each timed from
+/// sending to its first text event. Passes when the reused connections' median TTFT exceeds the
+/// fresh ones' by at most [`KEEP_ALIVE_EXCESS_MS`]; a request that fails fails the check.
+fn keep_alive(pooled: &Client, fresh: &Client, body: &Value) -> Check {
+    let ttft = |client: &Client| -> std::result::Result<f64, String> {
+        let s = client.stream(body)?;
+        if !s.done {
+            return Err("the event stream ended without [DONE]".into());
+        }
+        s.pieces.first().map(|(t, _)| t.as_secs_f64() * 1e3).ok_or_else(|| "no text event".to_string())
+    };
+    let run = || -> std::result::Result<(Vec<f64>, Vec<f64>), String> {
+        ttft(pooled).map_err(|e| format!("opening a keep-alive connection: {e}"))?;
+        let (mut f, mut r) = (Vec::new(), Vec::new());
+        for _ in 0..KEEP_ALIVE_ROUNDS {
+            f.push(ttft(fresh).map_err(|e| format!("on a fresh connection: {e}"))?);
+            r.push(ttft(pooled).map_err(|e| format!("on a reused connection: {e}"))?);
+        }
+        Ok((f, r))
+    };
+    match run() {
+        Err(why) => check("keep_alive", false, why),
+        Ok((mut f, mut r)) => {
+            let (fm, rm) = (percentile(&mut f, 50.0), percentile(&mut r, 50.0));
+            let passed = rm - fm <= KEEP_ALIVE_EXCESS_MS;
+            let mut detail = format!(
+                "median TTFT over {KEEP_ALIVE_ROUNDS} streaming requests each: {rm:.1} ms on a reused keep-alive connection, {fm:.1} ms on fresh connections (bound: at most {KEEP_ALIVE_EXCESS_MS} ms more)"
+            );
+            if !passed {
+                detail += "; the server waits on reused connections, the signature of Nagle's algorithm against delayed ACKs: set TCP_NODELAY on every accepted connection (component.openai_server)";
+            }
+            check("keep_alive", passed, detail)
+        }
     }
 }
 
@@ -1111,6 +1179,77 @@ mod tests {
         assert_eq!(percentile(&mut xs, 99.0), 99.0);
         assert_eq!(percentile(&mut [7.0], 99.0), 7.0);
         assert_eq!(percentile(&mut [], 50.0), 0.0);
+    }
+
+    /// A minimal HTTP/1.1 server on a loopback port that answers every request of a connection with a
+    /// streamed completion, writing the header block and each event as its own small write (as an
+    /// HTTP stack does); `nodelay` sets TCP_NODELAY on each accepted connection. Returns the port and
+    /// the count of accepted connections.
+    fn sse_server(nodelay: bool) -> (u16, std::sync::Arc<AtomicUsize>) {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let accepted = std::sync::Arc::new(AtomicUsize::new(0));
+        let count = accepted.clone();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut out) = conn else { continue };
+                count.fetch_add(1, Ordering::SeqCst);
+                out.set_nodelay(nodelay).unwrap();
+                std::thread::spawn(move || {
+                    let mut input = BufReader::new(out.try_clone().unwrap());
+                    loop {
+                        let mut length = 0usize;
+                        let mut line = String::new();
+                        loop {
+                            line.clear();
+                            if input.read_line(&mut line).unwrap_or(0) == 0 {
+                                return;
+                            }
+                            if line == "\r\n" {
+                                break;
+                            }
+                            if let Some((k, v)) = line.split_once(':')
+                                && k.eq_ignore_ascii_case("content-length")
+                            {
+                                length = v.trim().parse().unwrap();
+                            }
+                        }
+                        let mut body = vec![0u8; length];
+                        input.read_exact(&mut body).unwrap();
+                        let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
+                        let events = [
+                            r#"data: {"choices":[{"index":0,"text":" once","finish_reason":null}]}"#,
+                            r#"data: {"choices":[{"index":0,"text":"","finish_reason":"length"}],"usage":{"completion_tokens":1}}"#,
+                            "data: [DONE]",
+                        ];
+                        let mut writes = vec![head.to_string()];
+                        writes.extend(events.iter().map(|e| format!("{:x}\r\n{e}\n\n\r\n", e.len() + 2)));
+                        writes.push("0\r\n\r\n".to_string());
+                        for w in writes {
+                            if out.write_all(w.as_bytes()).is_err() {
+                                return;
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        (port, accepted)
+    }
+
+    #[test]
+    fn keep_alive_fails_a_nagle_bound_server_and_passes_one_with_nodelay() {
+        let body = json!({"prompt": "Once", "max_tokens": 1, "temperature": 0, "stream": true});
+        let deadline = Instant::now() + Duration::from_secs(60);
+        for nodelay in [true, false] {
+            let (port, accepted) = sse_server(nodelay);
+            let c = keep_alive(&Client::new(port, deadline), &Client::fresh(port, deadline), &body);
+            // One connection per fresh request, one kept by the pooled client for all of its requests.
+            assert_eq!(accepted.load(Ordering::SeqCst), KEEP_ALIVE_ROUNDS + 1, "nodelay {nodelay}: {}", c.detail);
+            assert_eq!(c.passed, nodelay, "nodelay {nodelay}: {}", c.detail);
+            assert_eq!(c.detail.contains("set TCP_NODELAY"), !nodelay, "{}", c.detail);
+        }
     }
 
     #[test]

@@ -416,6 +416,27 @@ fn a_server_that_dies_under_a_burst_fails_serve_engine() {
     assert!(r.levels.is_empty(), "{text}");
 }
 
+/// The SIMD engine's server with Nagle's algorithm left on (TCP_NODELAY not set on accepted
+/// connections) answers every request right but waits for the client's delayed ACK on reused
+/// keep-alive connections: it fails the keep_alive check (component.openai_server), and only it.
+#[test]
+fn a_server_that_leaves_nagle_on_fails_serve_engine() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let engine = t.path().join("nagle");
+    Engine::Simd.copy_to(&engine);
+    crate::inject(&engine, "src/main.rs", "tcp.set_nodelay(true)", "tcp.set_nodelay(false)");
+    let req = ServeRequest { concurrency: Some(vec![1]), requests: Some(2), ..serve_req(&engine) };
+    let r = serve_engine(&ctx, &req, &Budget::secs(900)).unwrap();
+    let text = metainfer::ops::Report::text(&r);
+    assert!(!r.passed, "{text}");
+    for c in &r.checks {
+        assert_eq!(c.passed, c.name != "keep_alive", "{}: {text}", c.name);
+    }
+    let k = r.checks.iter().find(|c| c.name == "keep_alive").expect("a keep_alive check");
+    assert!(k.detail.contains("set TCP_NODELAY on every accepted connection"), "{text}");
+}
+
 /// The SIMD example engine's server passes serve_engine on BabyLlama at concurrency 1, 4 and 16,
 /// and the outcome is recorded with its figures.
 #[test]
@@ -443,7 +464,8 @@ fn simd_engine_passes_serve_engine() {
             "bad_requests",
             "burst",
             "alive",
-            "disconnect"
+            "disconnect",
+            "keep_alive"
         ],
         "{text}"
     );

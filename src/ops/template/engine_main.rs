@@ -154,5 +154,7 @@ fn serve(args: &[String]) -> Result<(), Fail> {
         std::net::TcpListener::bind((host, port)).map_err(|e| Fail::Run(format!("cannot listen on {host}:{port}: {e}")))?;
     let bound = listener.local_addr().map_err(|e| Fail::Run(e.to_string()))?;
     eprintln!("serving model {id} from {} on http://{bound}", model.display());
+    // component.openai_server: set TCP_NODELAY on every accepted connection (`stream.set_nodelay(true)`;
+    // with axum, `axum::serve::ListenerExt::tap_io`), or pooled clients wait for a delayed ACK per request.
     todo!("component.openai_server: answer /health, /v1/models, /v1/completions and /v1/chat/completions")
 }

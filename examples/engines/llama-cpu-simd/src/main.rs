@@ -29,6 +29,7 @@ use axum::http::StatusCode;
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::serve::ListenerExt;
 use llama_cpu_simd::batch::{self, SeqChunk};
 use llama_cpu_simd::kernels::{self, SamplingParams};
 use llama_cpu_simd::model::Model;
@@ -222,18 +223,6 @@ fn parsed<T: std::str::FromStr>(args: &[String], name: &str, default: T) -> Resu
     match flag(args, name) {
         None => Ok(default),
         Some(v) => v.parse().map_err(|_| Fail::Usage(format!("{name}: cannot parse {v:?}"))),
-    }
-}
-
-fn eos_ids(dir: &Path) -> Vec<u32> {
-    let cfg: Value = std::fs::read_to_string(dir.join("config.json"))
-        .ok()
-        .and_then(|t| serde_json::from_str(&t).ok())
-        .unwrap_or(Value::Null);
-    match &cfg["eos_token_id"] {
-        Value::Number(n) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
-        Value::Array(a) => a.iter().filter_map(Value::as_u64).map(|v| v as u32).collect(),
-        _ => vec![],
     }
 }
 
@@ -456,7 +445,7 @@ fn generate(args: &[String]) -> Result<(), Fail> {
     let ids = tok.encode(prompt);
     let max_tokens = parsed(args, "--max-tokens", 64usize)?.min(loaded.max_context.saturating_sub(ids.len()));
     let (out, mut rx) = unbounded_channel();
-    let req = Request { id: 0, prompt: ids, max_tokens, eos: eos_ids(&dir) };
+    let req = Request { id: 0, prompt: ids, max_tokens, eos: llama_cpu_simd::generate::stop_tokens(&dir)? };
     let seed = parsed(args, "--seed", 0)?;
     tx.send(Job { req, params, seed, stop: vec![], out }).map_err(|_| "the engine thread is gone")?;
     let mut stdout = std::io::stdout();
@@ -503,7 +492,8 @@ fn serve(args: &[String]) -> Result<(), Fail> {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "model".into());
-    let eos = eos_ids(&dir);
+    // The stop tokens every gate uses: generation_config.json's eos_token_id, else config.json's.
+    let eos = llama_cpu_simd::generate::stop_tokens(&dir)?;
     let shown = format!("{} from {}", model_id, dir.display());
     let (tx, loaded) = start_engine(dir, tok.clone(), sizes)?;
     let app = Arc::new(App {
@@ -534,6 +524,14 @@ fn serve(args: &[String]) -> Result<(), Fail> {
             tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("cannot listen on {addr}: {e}"))?;
         let bound = listener.local_addr().map_err(|e| e.to_string())?;
         eprintln!("serving model {shown} on http://{bound}");
+        // component.openai_server: TCP_NODELAY on every accepted connection. With Nagle's algorithm a
+        // response's second small write (the first event after the headers) waits for the client's
+        // delayed ACK (40 ms minimum on Linux) on every reused keep-alive connection.
+        let listener = listener.tap_io(|tcp| {
+            if let Err(e) = tcp.set_nodelay(true) {
+                eprintln!("cannot set TCP_NODELAY on an accepted connection: {e}");
+            }
+        });
         axum::serve(listener, router).await.map_err(|e| e.to_string())
     })
     .map_err(Fail::Run)
