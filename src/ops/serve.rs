@@ -1217,7 +1217,8 @@ mod tests {
                         }
                         let mut body = vec![0u8; length];
                         input.read_exact(&mut body).unwrap();
-                        let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
+                        let head =
+                            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
                         let events = [
                             r#"data: {"choices":[{"index":0,"text":" once","finish_reason":null}]}"#,
                             r#"data: {"choices":[{"index":0,"text":"","finish_reason":"length"}],"usage":{"completion_tokens":1}}"#,
