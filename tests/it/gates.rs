@@ -194,19 +194,15 @@ fn example_engine_passes_every_gate(engine: Engine) {
 
     let good = t.path().join("good");
     engine.copy_to(&good);
-    let k = kernel_test(
-        &ctx,
-        &KernelTestRequest {
-            engine: s(&good),
-            kernels: vec![],
-            seed: None,
-            dtype: None,
-            write_bundle: None,
-            from_bundle: None,
-        },
-        &budget(),
-    )
-    .unwrap();
+    let kreq = KernelTestRequest {
+        engine: s(&good),
+        kernels: vec![],
+        seed: None,
+        dtype: None,
+        write_bundle: None,
+        from_bundle: None,
+    };
+    let k = kernel_test(&ctx, &kreq, &budget()).unwrap();
     assert!(k.passed, "{}", metainfer::ops::Report::text(&k));
     crate::assert_conforms(&k);
     let v = verify(&ctx, &verify_req(&good), &budget()).unwrap();
@@ -339,14 +335,6 @@ fn example_engine_passes_every_gate(engine: Engine) {
         "    pub fn forward(&mut self, token: u32, pos: usize) -> &[f32] {\n        std::thread::sleep(std::time::Duration::from_millis(3));\n",
     );
     // Phase order: profile counts on sources whose kernels and generation passed.
-    let kreq = KernelTestRequest {
-        engine: s(&good),
-        kernels: vec![],
-        seed: None,
-        dtype: None,
-        write_bundle: None,
-        from_bundle: None,
-    };
     let k = kernel_test(&ctx, &kreq, &budget()).unwrap();
     assert!(k.passed, "{}", metainfer::ops::Report::text(&k));
     let v = verify(&ctx, &verify_req(&good), &budget()).unwrap();
