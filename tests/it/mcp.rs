@@ -109,7 +109,18 @@ async fn tools_list_is_portable_annotated_and_matches_snapshot() {
         std::fs::write(&path, &snapshot).unwrap();
     }
     let want = std::fs::read_to_string(&path).expect("snapshot exists; create it with METAINFER_UPDATE_SNAPSHOTS=1");
-    assert!(want == snapshot, "tools/list changed; if intended, refresh with METAINFER_UPDATE_SNAPSHOTS=1");
+    if want != snapshot {
+        let (line, (w, g)) = want
+            .lines()
+            .zip(snapshot.lines())
+            .enumerate()
+            .find(|(_, (w, g))| w != g)
+            .unwrap_or((want.lines().count().min(snapshot.lines().count()), ("<end>", "<end>")));
+        panic!(
+            "tools/list changed at line {}; if intended, refresh with METAINFER_UPDATE_SNAPSHOTS=1\n  snapshot: {w}\n  now:      {g}",
+            line + 1
+        );
+    }
     c.cancel().await.unwrap();
 }
 

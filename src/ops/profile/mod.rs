@@ -272,14 +272,19 @@ fn load_average() -> Option<f64> {
 /// Whether `now` is slower than `before` beyond the noise (the rule of [`PreviousProfile::regression`]).
 ///
 /// Both ranges must be apart (`now.max < before.min`) and the median must drop by more than the
-/// noise, at least 3%. The noise is twice the larger of the spreads that could close the gap: how
-/// far `before` fell below its median and how far `now` rose above its own. A fast outlier in the
-/// earlier runs (one lucky run at 4x the median) widens neither, so it cannot hide a slowdown.
+/// noise, at least 3%. Throughput noise is multiplicative (a loaded core slows every token by a
+/// factor), so spreads and the drop are compared as log ratios: the noise is twice the larger of
+/// the spreads that could close the gap, ln(before.median / before.min) and
+/// ln(now.max / now.median); the drop is ln(before.median / now.median). A fast outlier in the
+/// earlier runs (one lucky run at 4x the median) widens neither, so it cannot hide a slowdown; and
+/// earlier runs that fell to a third of their median on a loaded machine hide a 3x drop but not a
+/// 30x one (a fractional drop can never exceed 100%, a log ratio can).
 pub fn is_regression(before: &Spread, now: &Spread) -> bool {
-    let rel = |d: f64, m: f64| if m > 0.0 { d / m } else { 0.0 };
-    let noise = 2.0 * rel(before.median - before.min, before.median).max(rel(now.max - now.median, now.median));
-    let drop = rel(before.median - now.median, before.median);
-    now.max < before.min && drop > noise.max(0.03)
+    let ln_ratio = |a: f64, b: f64| if a > 0.0 && b > 0.0 { (a / b).ln() } else { 0.0 };
+    let noise = 2.0 * ln_ratio(before.median, before.min).max(ln_ratio(now.max, now.median));
+    let drop = ln_ratio(before.median, now.median);
+    let floor = (1.0 / (1.0 - 0.03f64)).ln();
+    now.max < before.min && drop > noise.max(floor)
 }
 
 impl Report for ProfileReport {
@@ -1068,6 +1073,11 @@ mod tests {
         // Ranges apart, but the earlier runs fell 7% below their median (noise 14%): a 10% drop
         // is within it.
         assert!(!is_regression(&spread(1000.0, 930.0, 1010.0), &spread(900.0, 890.0, 910.0)));
+        // Thirty times slower on a loaded 2-core machine where the earlier build's runs fell to
+        // a third of their median (CI, 2026-12-05: before 9268 tok/s, min 2848; now 304, max
+        // 306): a spread of 3.3x hides a 3x drop, not a 30x one.
+        assert!(is_regression(&spread(9268.0, 2848.0, 16695.0), &spread(304.0, 299.0, 306.0)));
+        assert!(!is_regression(&spread(9268.0, 2848.0, 16695.0), &spread(2800.0, 2700.0, 2840.0)));
         // Faster is never a regression.
         assert!(!is_regression(&spread(1000.0, 990.0, 1010.0), &spread(1200.0, 1190.0, 1210.0)));
     }
