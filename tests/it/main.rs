@@ -12,6 +12,7 @@ mod corpus;
 mod cuda;
 mod diagnose;
 mod dtypes;
+mod engine_units;
 mod evolution;
 mod evolve;
 mod families;

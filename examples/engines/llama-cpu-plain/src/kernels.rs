@@ -217,3 +217,114 @@ pub fn argmax(x: &[f32]) -> usize {
     }
     best
 }
+
+#[cfg(test)]
+mod tests {
+    //! Each kernel against values worked out by hand from its contract's formula (the expected
+    //! numbers were computed independently in f64, e.g. with Python's math module).
+    use super::*;
+
+    fn close(got: &[f32], want: &[f64], tol: f64) {
+        assert_eq!(got.len(), want.len(), "lengths differ: {got:?} against {want:?}");
+        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+            assert!((g as f64 - w).abs() <= tol, "element {i}: {g} against {w}");
+        }
+    }
+
+    #[test]
+    fn embedding_copies_the_rows_of_the_ids() {
+        let table = [0.0, 1.0, 10.0, 11.0, 20.0, 21.0];
+        let mut out = [0.0; 6];
+        embedding(&table, 2, &[2, 0, 2], &mut out);
+        assert_eq!(out, [20.0, 21.0, 0.0, 1.0, 20.0, 21.0]);
+    }
+
+    #[test]
+    fn rms_norm_divides_by_the_root_mean_square_and_scales() {
+        // mean(1, 4, 9, 16) = 7.5; out = x / sqrt(7.5) * w.
+        let mut out = [0.0; 4];
+        rms_norm(&[1.0, 2.0, 3.0, 4.0], &[1.0, 1.0, 2.0, 0.5], 0.0, &mut out);
+        close(&out, &[0.365_148_371_670_110_7, 0.730_296_743_340_221_4, 2.190_890_230_020_664, 0.730_296_743_340_221_4], 1e-6);
+        // eps sits inside the root: a zero row stays zero (0 / sqrt(eps)).
+        rms_norm(&[0.0; 4], &[1.0; 4], 1e-6, &mut out);
+        assert_eq!(out, [0.0; 4]);
+    }
+
+    #[test]
+    fn rope_rotates_element_j_with_element_j_plus_half() {
+        // head_dim 4, theta 10000: frequencies 1 and 10000^(-1/2) = 0.01. At position 1 the pair
+        // (x0, x2) = (1, 3) turns by 1 rad and (x1, x3) = (2, 4) by 0.01 rad.
+        let mut x = [1.0, 2.0, 3.0, 4.0];
+        rope(&mut x, &[1], 1, 4, 10000.0);
+        close(&x, &[-1.984_110_648_555_549_5, 1.959_900_667_496_664, 2.462_377_902_412_315_6, 4.019_799_668_334_994], 1e-6);
+        // Position 0 is the identity.
+        let mut y = [1.0, 2.0, 3.0, 4.0];
+        rope(&mut y, &[0], 1, 4, 10000.0);
+        assert_eq!(y, [1.0, 2.0, 3.0, 4.0]);
+    }
+
+    #[test]
+    fn linear_is_x_times_w_transposed() {
+        // x [2, 2], w [3, 2] (nn.Linear layout): out [2, 3].
+        let mut out = [0.0; 6];
+        linear(&[1.0, 2.0, 3.0, -1.0], &[1.0, 0.0, 0.0, 1.0, 1.0, 1.0], 2, 2, 3, &mut out);
+        assert_eq!(out, [1.0, 2.0, 3.0, 3.0, -1.0, 2.0]);
+        // Longer than the 8 partial sums, with a tail: sum of 1..=11 = 66.
+        let x: Vec<f32> = (1..=11).map(|v| v as f32).collect();
+        let mut one = [0.0];
+        linear(&x, &[1.0; 11], 1, 11, 1, &mut one);
+        assert_eq!(one, [66.0]);
+    }
+
+    #[test]
+    fn activations_follow_their_formulas() {
+        // silu(1) * 2, silu(-1) * 3, silu(0) * 5 with silu(g) = g / (1 + e^-g).
+        let mut out = [0.0; 3];
+        silu_and_mul(&[1.0, -1.0, 0.0], &[2.0, 3.0, 5.0], &mut out);
+        close(&out, &[1.462_117_157_260_009_8, -0.806_824_264_109_985_3, 0.0], 1e-6);
+        // gelu_tanh(1) * 1 and gelu_tanh(-2) * 0.5.
+        let mut out = [0.0; 2];
+        gelu_tanh_and_mul(&[1.0, -2.0], &[1.0, 0.5], &mut out);
+        close(&out, &[0.841_191_990_608_276_8, -0.022_701_152_956_112_47], 1e-6);
+    }
+
+    #[test]
+    fn softmax_is_exp_over_the_sum_and_stable_for_large_inputs() {
+        let want = [0.090_030_573_170_380_46, 0.244_728_471_054_797_67, 0.665_240_955_774_821_9];
+        let mut x = [1.0, 2.0, 3.0, 1001.0, 1002.0, 1003.0];
+        softmax(&mut x, 3);
+        close(&x[..3], &want, 1e-6);
+        // Without subtracting the maximum, e^1001 overflows f32 and the row would be NaN.
+        close(&x[3..], &want, 1e-6);
+    }
+
+    #[test]
+    fn attention_is_causal_scaled_and_grouped() {
+        // head_dim 2, scale 1/sqrt(2): with k1 = (sqrt(2) ln 3, 0) and q = (1, 0) the scores are
+        // (0, ln 3), so the weights are (1/4, 3/4) and out = v0 / 4 + 3 v1 / 4.
+        let k = [0.0, 0.0, std::f32::consts::SQRT_2 * 3f32.ln(), 0.0];
+        let v = [4.0, 0.0, 0.0, 8.0];
+        let mut out = [0.0; 2];
+        attention(&[1.0, 0.0], &k, &v, 1, 2, 1, 1, 2, &mut out);
+        close(&out, &[1.0, 6.0], 1e-5);
+        // Two new queries over two positions: the first sees position 0 only (causal).
+        let mut out = [0.0; 4];
+        attention(&[1.0, 0.0, 1.0, 0.0], &k, &v, 2, 2, 1, 1, 2, &mut out);
+        close(&out, &[4.0, 0.0, 1.0, 6.0], 1e-5);
+        // GQA: two query heads share the one KV head.
+        let mut out = [0.0; 4];
+        attention(&[1.0, 0.0, 0.0, 0.0], &k, &v, 1, 2, 2, 1, 2, &mut out);
+        close(&out, &[1.0, 6.0, 2.0, 4.0], 1e-5);
+        // A softcap of 1 bounds the scores to (-1, 1): tanh(ln 3) = 0.8, weights e^0 : e^0.8.
+        let mut out = [0.0; 2];
+        attention_with(&[1.0, 0.0], &k, &v, 1, 2, 1, 1, 2, std::f32::consts::FRAC_1_SQRT_2, Some(1.0), &mut out);
+        let w1 = 0.8f64.exp() / (1.0 + 0.8f64.exp());
+        close(&out, &[4.0 * (1.0 - w1), 8.0 * w1], 1e-5);
+    }
+
+    #[test]
+    fn argmax_takes_the_first_of_equal_maxima() {
+        assert_eq!(argmax(&[1.0, 3.0, 3.0, -1.0]), 1);
+        assert_eq!(argmax(&[-5.0]), 0);
+    }
+}

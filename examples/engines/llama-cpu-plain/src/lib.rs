@@ -16,3 +16,5 @@ pub mod kernels;
 pub mod model;
 pub mod tokenizer;
 mod weights;
+#[cfg(test)]
+mod tests;

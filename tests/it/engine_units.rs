@@ -1,0 +1,65 @@
+//! The example engines' own unit tests (`cargo test` in the engine's crate: kernels against values
+//! worked out by hand, the tokenizer and greedy decoding against BabyLlama's golden output), run on
+//! a copy of each engine in the shared build cache, and shown to fail when a kernel is broken.
+
+use std::path::Path;
+use std::process::Command;
+
+use crate::Engine;
+
+/// `cargo test --release` of the engine crate at `dir`, into the gates' shared target directory (the
+/// flags of the gates' builds, so compiled dependencies are shared); BabyLlama from the repository.
+/// Returns (success, stdout + stderr).
+fn cargo_test(dir: &Path) -> (bool, String) {
+    let out = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
+        .args(["test", "--release", "--config", "profile.release.incremental=false", "--manifest-path"])
+        .arg(dir.join("Cargo.toml"))
+        .arg("--target-dir")
+        .arg(crate::cache().join("target"))
+        .env("BABYLLAMA_DIR", Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/models/babyllama-105"))
+        .env_remove("RUSTFLAGS")
+        .output()
+        .expect("cargo runs");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success(), text)
+}
+
+/// The number of passed tests cargo reports, summed over the test binaries.
+fn passed(text: &str) -> usize {
+    text.lines()
+        .filter_map(|l| l.strip_prefix("test result: ")?.split("; ").next()?.split(' ').nth(1)?.parse::<usize>().ok())
+        .sum()
+}
+
+#[test]
+fn plain_engine_unit_tests_pass_and_catch_a_broken_kernel() {
+    let t = tempfile::tempdir().unwrap();
+    let engine = t.path().join("llama-cpu-plain");
+    Engine::Plain.copy_to(&engine);
+    let (ok, text) = cargo_test(&engine);
+    assert!(ok, "{text}");
+    // 8 kernel tests and 3 whole-engine tests (src/kernels.rs, src/tests.rs).
+    assert_eq!(passed(&text), 11, "{text}");
+    // RMSNorm without its gain: the hand-worked case names the kernel.
+    crate::inject(
+        &engine,
+        "src/kernels.rs",
+        "out[r * dim + i] = row[i] * inv * weight[i];",
+        "out[r * dim + i] = row[i] * inv;",
+    );
+    let (ok, text) = cargo_test(&engine);
+    assert!(!ok, "a RMSNorm without its weight passed the engine's own tests:\n{text}");
+    assert!(text.contains("rms_norm_divides_by_the_root_mean_square_and_scales") && text.contains("FAILED"), "{text}");
+}
+
+#[test]
+fn simd_engine_unit_tests_pass() {
+    let t = tempfile::tempdir().unwrap();
+    let engine = t.path().join("llama-cpu-simd");
+    Engine::Simd.copy_to(&engine);
+    let (ok, text) = cargo_test(&engine);
+    assert!(ok, "{text}");
+    // src/matmul.rs, kernels.rs, quant.rs and model.rs (the binary's server, feature `server`, is
+    // tested by serving.rs).
+    assert_eq!(passed(&text), 17, "{text}");
+}
