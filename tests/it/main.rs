@@ -170,7 +170,7 @@ pub fn replace_body(dir: &Path, rel: &str, signature: &str, body: &str) {
 }
 
 /// The index of the `}` that closes the `{` at `open`.
-fn matching_brace(s: &str, open: usize) -> Option<usize> {
+pub(crate) fn matching_brace(s: &str, open: usize) -> Option<usize> {
     let (b, mut depth, mut i) = (s.as_bytes(), 0usize, open);
     while i < b.len() {
         match b[i] {

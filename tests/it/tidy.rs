@@ -6,7 +6,9 @@
 //! the edges listed in [`OPS_EDGES`]; the top-level modules form no cycle; every module is named in
 //! ARCHITECTURE.md; every dependency in Cargo.toml is used; every kernel contract has a registry
 //! entry and the harness template takes its kernel arms from the registry only; the fast tier's skip
-//! list (`.ci/engine-tests`) names existing tests.
+//! list (`.ci/engine-tests`) names existing tests; code one example engine copies from another is
+//! identical to it ([`COPIES`]), and a module derived from another but deliberately different is
+//! declared with its reason ([`DERIVED`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -307,6 +309,100 @@ fn fast_tier_skips(list: &str, tests: &Files) -> Vec<String> {
     out
 }
 
+/// What of a file a copy holds: the whole file, or the one function whose declaration starts so.
+#[derive(Clone, Copy)]
+enum Part {
+    Whole,
+    Function(&'static str),
+}
+
+/// Code an example engine copies from another (copy, original, part), each held identical so the
+/// copies cannot drift apart.
+const COPIES: &[(&str, &str, Part)] = &[
+    (
+        "examples/engines/llama-cuda-bf16/src/tokenizer.rs",
+        "examples/engines/llama-cpu-plain/src/tokenizer.rs",
+        Part::Whole,
+    ),
+    (
+        "examples/engines/llama-cuda-bf16/src/generate.rs",
+        "examples/engines/llama-cpu-plain/src/generate.rs",
+        Part::Function("pub fn stop_tokens("),
+    ),
+    (
+        "examples/engines/llama-cpu-simd/src/generate.rs",
+        "examples/engines/llama-cpu-plain/src/generate.rs",
+        Part::Function("pub fn stop_tokens("),
+    ),
+];
+
+/// Modules derived from another engine's and deliberately different (module, origin, reason): checked
+/// to still differ, so a declaration whose reason is gone becomes an entry of [`COPIES`].
+const DERIVED: &[(&str, &str, &str)] = &[
+    (
+        "examples/engines/llama-cuda-bf16/src/config.rs",
+        "examples/engines/llama-cpu-plain/src/config.rs",
+        "the CUDA engine runs plain Llama only; the plain engine's config maps every family of the CKB",
+    ),
+    (
+        "examples/engines/llama-cuda-bf16/src/weights.rs",
+        "examples/engines/llama-cpu-plain/src/weights.rs",
+        "the CUDA engine reads a single model.safetensors; the plain engine also reads sharded checkpoints",
+    ),
+];
+
+/// The text of `part` of `text`, or None when the function is not there exactly once.
+fn part_of(text: &str, part: Part) -> Option<&str> {
+    match part {
+        Part::Whole => Some(text),
+        Part::Function(signature) => {
+            if text.matches(signature).count() != 1 {
+                return None;
+            }
+            let start = text.find(signature)?;
+            let open = start + text[start..].find('{')?;
+            Some(&text[start..=crate::matching_brace(text, open)?])
+        }
+    }
+}
+
+/// Rule: every entry of `copies` is identical to its original, and every entry of `derived` differs.
+/// `read` gives a file's text (None when missing).
+fn copies_agree(
+    copies: &[(&str, &str, Part)],
+    derived: &[(&str, &str, &str)],
+    read: &dyn Fn(&str) -> Option<String>,
+) -> Vec<String> {
+    let mut out = Vec::new();
+    for &(copy, original, part) in copies {
+        let (Some(c), Some(o)) = (read(copy), read(original)) else {
+            out.push(format!("{copy} or {original} is missing; update COPIES in tests/it/tidy.rs"));
+            continue;
+        };
+        let what = match part {
+            Part::Whole => "the file".to_string(),
+            Part::Function(f) => format!("`{f}`"),
+        };
+        match (part_of(&c, part), part_of(&o, part)) {
+            (Some(a), Some(b)) if a == b => {}
+            (Some(_), Some(_)) => out.push(format!(
+                "{copy}: {what} differs from {original}, of which it is a copy; make them equal again, or declare the difference in DERIVED with its reason"
+            )),
+            _ => out.push(format!("{copy} or {original}: {what} is not there exactly once")),
+        }
+    }
+    for &(module, origin, reason) in derived {
+        match (read(module), read(origin)) {
+            (Some(a), Some(b)) if a == b => out.push(format!(
+                "{module} is now identical to {origin} (declared different: {reason}); move it to COPIES"
+            )),
+            (Some(_), Some(_)) => {}
+            _ => out.push(format!("{module} or {origin} is missing; update DERIVED in tests/it/tidy.rs")),
+        }
+    }
+    out
+}
+
 fn all_files() -> Files {
     let mut f = rust_files("src");
     f.extend(rust_files("tests"));
@@ -340,6 +436,7 @@ fn the_sources_keep_the_architecture() {
         .map(|k| k.id.to_string())
         .collect();
     problems.extend(cuda_agreement(&cuda_contracts, &cuda_arms));
+    problems.extend(copies_agree(COPIES, DERIVED, &|p| std::fs::read_to_string(root().join(p)).ok()));
     assert!(problems.is_empty(), "tidy:\n{}", problems.join("\n"));
 }
 
@@ -393,6 +490,24 @@ fn each_rule_catches_a_planted_violation() {
     assert!(cuda_agreement(&set(&["kernel.a"]), &set(&["kernel.a"])).is_empty());
     assert_eq!(cuda_agreement(&set(&["kernel.a", "kernel.b"]), &set(&["kernel.a"])).len(), 1);
     assert_eq!(cuda_agreement(&set(&[]), &set(&["kernel.a"])).len(), 1);
+
+    let files = |v: &[(&str, &str)]| -> BTreeMap<String, String> {
+        v.iter().map(|(p, t)| (p.to_string(), t.to_string())).collect()
+    };
+    let stop = "pub fn stop_tokens(d: &Path) -> R { read(d) }";
+    let tree = files(&[
+        ("a.rs", "x"),
+        ("b.rs", "x"),
+        ("c.rs", &format!("// c\n{stop}\n")),
+        ("d.rs", &format!("{stop}\nfn other() {{}}")),
+    ]);
+    let read = |p: &str| tree.get(p).cloned();
+    let copies = [("b.rs", "a.rs", Part::Whole), ("c.rs", "d.rs", Part::Function("pub fn stop_tokens("))];
+    assert!(copies_agree(&copies, &[], &read).is_empty(), "{:?}", copies_agree(&copies, &[], &read));
+    // A copy that drifted, a function that is gone, a declared difference that is gone.
+    let drifted = files(&[("a.rs", "x"), ("b.rs", "y"), ("c.rs", "fn f() {}"), ("d.rs", stop)]);
+    let read = |p: &str| drifted.get(p).cloned();
+    assert_eq!(copies_agree(&copies, &[("a.rs", "a.rs", "why")], &read).len(), 3);
 
     // The assembled harness of every registry kernel has exactly one arm per kernel in each match,
     // for the host and for CUDA engines (whose arms call the `device` module).
