@@ -8,7 +8,8 @@
 //! entry and the harness template takes its kernel arms from the registry only; the fast tier's skip
 //! list (`.ci/engine-tests`) names existing tests; code one example engine copies from another is
 //! identical to it ([`COPIES`]), and a module derived from another but deliberately different is
-//! declared with its reason ([`DERIVED`]).
+//! declared with its reason ([`DERIVED`]); every invariant of ARCHITECTURE.md is (tidy) or names
+//! tests that exist; clap stays in the binary; the oracle and the example engines share no code.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -403,6 +404,88 @@ fn copies_agree(
     out
 }
 
+/// Rule: every bullet of ARCHITECTURE.md's `## Invariants` is marked (tidy) or names at least one
+/// test, `(test: `module::function`, ...)`, and every test named is a function of `tests/it/<module>.rs`.
+fn invariants_name_tests(architecture: &str, tests: &Files) -> Vec<String> {
+    let Some(start) = architecture.find("## Invariants") else {
+        return vec!["ARCHITECTURE.md has no `## Invariants` section".into()];
+    };
+    let section = &architecture[start..];
+    let section = &section[..section[3..].find("\n## ").map_or(section.len(), |e| e + 3)];
+    let mut bullets: Vec<String> = Vec::new();
+    for line in section.lines() {
+        if let Some(b) = line.strip_prefix("- ") {
+            bullets.push(b.to_string());
+        } else if line.starts_with("  ")
+            && let Some(b) = bullets.last_mut()
+        {
+            b.push(' ');
+            b.push_str(line.trim());
+        }
+    }
+    let mut out = Vec::new();
+    for b in &bullets {
+        let head: String = b.chars().take(60).collect();
+        let named: Vec<&str> = b
+            .split("(test: ")
+            .skip(1)
+            .flat_map(|t| t.split(')').next().unwrap_or("").split(','))
+            .map(|t| t.trim().trim_matches('`'))
+            .filter(|t| !t.is_empty())
+            .collect();
+        if named.is_empty() && !b.starts_with("(tidy)") {
+            out.push(format!("ARCHITECTURE.md invariant \"{head}...\" names no test: add (test: `module::function`)"));
+        }
+        for t in named {
+            let Some((module, function)) = t.split_once("::") else {
+                out.push(format!("ARCHITECTURE.md invariant \"{head}...\": `{t}` is not module::function"));
+                continue;
+            };
+            let file = format!("tests/it/{module}.rs");
+            let found = tests.iter().any(|(p, text)| {
+                *p == file
+                    && text.lines().any(|l| {
+                        let l = l.trim_start();
+                        let l = l.strip_prefix("async ").unwrap_or(l);
+                        l.strip_prefix("fn ")
+                            .is_some_and(|f| f.strip_prefix(function).is_some_and(|r| r.starts_with('(')))
+                    })
+            });
+            if !found {
+                out.push(format!("ARCHITECTURE.md invariant \"{head}...\": test `{t}` is not a function of {file}"));
+            }
+        }
+    }
+    out
+}
+
+/// Rule: clap is the binary's (src/main.rs and src/cli/): no library module names it.
+fn clap_only_in_the_binary(files: &Files) -> Vec<String> {
+    own(files)
+        .filter(|(p, _)| p.starts_with("src/") && p != "src/main.rs" && !p.starts_with("src/cli/"))
+        .filter(|(_, text)| text.lines().any(|l| code(l).contains("clap::") || code(l).contains("clap ::")))
+        .map(|(p, _)| format!("{p}: names clap; argument types live in the binary's cli module"))
+        .collect()
+}
+
+/// Rule: the oracle and the example engines share no code: no oracle file names an engine's sources,
+/// and no example engine depends on this crate.
+fn oracle_apart_from_engines(oracle: &Files, engine_manifests: &Files) -> Vec<String> {
+    let mut out: Vec<String> = oracle
+        .iter()
+        // String literals included (a path to an engine's file is one); comments left out.
+        .filter(|(_, text)| text.lines().any(|l| l.split("//").next().unwrap_or("").contains("examples/engines")))
+        .map(|(p, _)| format!("{p}: reads an example engine's sources; the oracle is written from the contracts"))
+        .collect();
+    for (p, text) in engine_manifests {
+        let manifest: toml::Table = toml::from_str(text).unwrap_or_default();
+        if manifest.get("dependencies").and_then(|d| d.as_table()).is_some_and(|d| d.contains_key("metainfer")) {
+            out.push(format!("{p}: depends on metainfer; an example engine is written from the contracts"));
+        }
+    }
+    out
+}
+
 fn all_files() -> Files {
     let mut f = rust_files("src");
     f.extend(rust_files("tests"));
@@ -437,6 +520,18 @@ fn the_sources_keep_the_architecture() {
         .collect();
     problems.extend(cuda_agreement(&cuda_contracts, &cuda_arms));
     problems.extend(copies_agree(COPIES, DERIVED, &|p| std::fs::read_to_string(root().join(p)).ok()));
+    problems.extend(invariants_name_tests(&architecture, &rust_files("tests")));
+    problems.extend(clap_only_in_the_binary(&src));
+    let manifests: Files = ["llama-cpu-plain", "llama-cpu-simd", "llama-cuda-bf16"]
+        .iter()
+        .map(|e| {
+            let p = format!("examples/engines/{e}/Cargo.toml");
+            let text = std::fs::read_to_string(root().join(&p)).unwrap();
+            (p, text)
+        })
+        .collect();
+    let oracle: Files = src.iter().filter(|(p, _)| p.starts_with("src/oracle/")).cloned().collect();
+    problems.extend(oracle_apart_from_engines(&oracle, &manifests));
     assert!(problems.is_empty(), "tidy:\n{}", problems.join("\n"));
 }
 
@@ -508,6 +603,28 @@ fn each_rule_catches_a_planted_violation() {
     let drifted = files(&[("a.rs", "x"), ("b.rs", "y"), ("c.rs", "fn f() {}"), ("d.rs", stop)]);
     let read = |p: &str| drifted.get(p).cloned();
     assert_eq!(copies_agree(&copies, &[("a.rs", "a.rs", "why")], &read).len(), 3);
+
+    let it = f("tests/it/gates.rs", "#[test]\nfn example_engine_passes() {}");
+    let doc =
+        |bullet: &str| format!("# A\n## Invariants\n\n- (tidy) held by tidy.\n{bullet}\n## Next\n- not an invariant\n");
+    assert!(invariants_name_tests(&doc("- Held. (test: `gates::example_engine_passes`)"), &it).is_empty());
+    assert_eq!(invariants_name_tests(&doc("- Held by nothing."), &it).len(), 1);
+    assert_eq!(invariants_name_tests(&doc("- Held,\n  wrapped. (test: `gates::example_engine`)"), &it).len(), 1);
+    assert_eq!(invariants_name_tests(&doc("- Held. (test: `nowhere::x`, `gates`)"), &it).len(), 2);
+
+    assert_eq!(clap_only_in_the_binary(&f("src/ops/x.rs", "//! d\nuse clap::Parser;")).len(), 1);
+    assert!(clap_only_in_the_binary(&f("src/cli/args.rs", "//! d\nuse clap::Parser;")).is_empty());
+    assert!(clap_only_in_the_binary(&f("src/ops/x.rs", "//! d\n// clap::Parser is the binary's")).is_empty());
+
+    let manifest = f("examples/engines/e/Cargo.toml", "[dependencies]\nmetainfer = { path = \"../../..\" }\n");
+    assert_eq!(oracle_apart_from_engines(&Files::new(), &manifest).len(), 1);
+    let oracle =
+        f("src/oracle/x.rs", "//! d\nconst K: &str = include_str!(\"../../examples/engines/e/src/kernels.rs\");");
+    assert_eq!(oracle_apart_from_engines(&oracle, &Files::new()).len(), 1);
+    assert!(
+        oracle_apart_from_engines(&f("src/oracle/x.rs", "//! d"), &f("e/Cargo.toml", "[dependencies]\nserde = \"1\""))
+            .is_empty()
+    );
 
     // The assembled harness of every registry kernel has exactly one arm per kernel in each match,
     // for the host and for CUDA engines (whose arms call the `device` module).
