@@ -939,7 +939,8 @@ pub fn verify_batching(ctx: &Ctx, req: &BatchingRequest, budget: &Budget) -> Res
     };
     let tensors = model::read_safetensors(&held)?;
     model::check_weight_range(&tensors, &dtype)?;
-    let mut reference = Reference::with_weight_dtype(&cfg, &tensors, &dtype)?;
+    // The reference is the family's graph, as every gate builds it.
+    let mut reference = Reference::of_family(family.model.as_ref().expect("model contract"), &cfg, tensors, &dtype)?;
     for (i, s) in seqs.iter().enumerate() {
         let (rows, want) = reference.greedy(&s.prompt, s.new_tokens)?;
         let got_tokens = out.get(&format!("tokens.{i}")).cloned().unwrap_or_default();

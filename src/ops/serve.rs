@@ -530,7 +530,10 @@ pub fn serve_engine(ctx: &Ctx, req: &ServeRequest, budget: &Budget) -> Result<Se
     // The reference's answers, computed before the server starts (it never sees them).
     let tensors = model::read_safetensors(&held)?;
     model::check_weight_range(&tensors, &dtype)?;
-    let mut reference = Reference::with_weight_dtype(&cfg, &tensors, &dtype)?;
+    // The reference is the family's graph, as every gate builds it.
+    let family = ctx.ckb.get(&cfg.family)?;
+    let fam = family.model.as_ref().ok_or_else(|| Error::usage(format!("`{}` is not a model family", family.id)))?;
+    let mut reference = Reference::of_family(fam, &cfg, tensors, &dtype)?;
     let tok = model::hf_tokenizer(&held)?;
     // The stop tokens verify uses too: generation_config.json's eos_token_id, else config.json's.
     let eos = model::read_generation_config(&held, cfg.vocab)?.eos_token_ids;

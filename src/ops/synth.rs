@@ -1342,10 +1342,9 @@ pub fn synth_config_for(contract: &crate::ckb::Contract, req: &SynthRequest) -> 
         .model
         .as_ref()
         .ok_or_else(|| Error::usage(format!("{} is not a model-family contract", contract.id)))?;
-    let literal = |d: Option<&str>| -> Option<serde_json::Value> {
-        let d = d?.trim();
-        d.parse::<f64>().ok().map(|x| json!(x)).or_else(|| d.parse::<bool>().ok().map(serde_json::Value::Bool))
-    };
+    // A literal keeps its written form: "256" is the integer transformers' configuration classes
+    // type it as (transformers 5 refuses 256.0 for query_pre_attn_scalar), "10000.0" a float.
+    let literal = |d: Option<&str>| -> Option<serde_json::Value> { literal_value(d?) };
     let tied_default = m.config.iter().find(|f| f.role == "tied").and_then(|f| literal(f.default.as_deref()));
     let tied = tied_default.and_then(|v| v.as_bool()).unwrap_or(false);
     let storage = Storage::of(req)?;
@@ -1373,10 +1372,17 @@ pub fn synth_config_for(contract: &crate::ckb::Contract, req: &SynthRequest) -> 
             "rope_theta" => literal(f.default.as_deref()).unwrap_or(json!(10_000.0)),
             _ => match (literal(f.example.as_deref()), f.supported.first(), literal(f.default.as_deref())) {
                 (Some(v), _, _) => v,
-                (None, Some(s), _) => s.parse::<f64>().map_or_else(|_| json!(s), |x| json!(x)),
+                (None, Some(s), _) => literal_value(s).unwrap_or_else(|| json!(s)),
                 (None, None, Some(v)) => v,
                 (None, None, None) => continue,
             },
+        };
+        // A per-layer list (layer_types) has one entry per layer: the example's pattern repeated.
+        let v = match v {
+            serde_json::Value::Array(pattern) if f.per_layer && !pattern.is_empty() => {
+                json!(pattern.iter().cycle().take(z.layers).collect::<Vec<_>>())
+            }
+            v => v,
         };
         c.insert(f.key.clone(), v);
     }
@@ -1401,6 +1407,14 @@ pub fn synth_config_for(contract: &crate::ckb::Contract, req: &SynthRequest) -> 
             gaps.iter().map(|g| format!("  {}: {}", g.field, g.reason)).collect::<Vec<_>>().join("\n")
         ))),
     }
+}
+
+/// A contract's default, example or supported value as config.json writes it, read as JSON: an
+/// integer when written without a fraction or exponent ("256"), a float ("1e-6", "10000.0"), a
+/// boolean, a list or an object (`layer_types`, `rope_parameters` examples); `None` for text that
+/// is not JSON (a bare word such as `silu`, which the caller writes as a string).
+fn literal_value(text: &str) -> Option<serde_json::Value> {
+    serde_json::from_str(text.trim()).ok()
 }
 
 /// The forward-pass features of a built-in family by its model_type, as its contract lists them

@@ -212,3 +212,166 @@ fn configs_the_graph_cannot_run_are_gaps_naming_the_field() {
     let g = gaps(&c);
     assert!(g.contains("partial_rotary_factor 0.5 and partial_rotary_factor 0.25 disagree"), "{g}");
 }
+
+/// The plain example engine, declared for each covered family in turn, passes the gates on the
+/// checkpoint transformers wrote for it: check_rules, compile_engine, run_kernel_test (the family's
+/// kernels: kernel.layer_norm, kernel.rotary, kernel.gelu_tanh where it lists them) and
+/// verify_generation on the four prompts of vectors.json with 16 new tokens, every step's logits
+/// and tokens equal to the reference's (whose own logits and greedy ids equal transformers', above).
+#[test]
+fn plain_engine_passes_the_gates_on_every_covered_conformance_checkpoint() {
+    use metainfer::ops::Report;
+    use metainfer::ops::compile::{CompileRequest, compile};
+    use metainfer::ops::kernel_test::{KernelTestRequest, kernel_test};
+    use metainfer::ops::rules::{RulesRequest, check_rules};
+    use metainfer::ops::verify::{VerifyRequest, verify};
+    let t = tempfile::tempdir().unwrap();
+    let c = ctx(t.path());
+    let budget = metainfer::harness::Budget::secs(900);
+    let engine = t.path().join("engine");
+    crate::Engine::Plain.copy_to(&engine);
+    let manifest = std::fs::read_to_string(engine.join("metainfer.toml")).unwrap();
+    let e = engine.display().to_string();
+    let mut kernel_sets = std::collections::BTreeSet::new();
+    for (name, dir) in folders().into_iter().filter(|(n, _)| COVERED.contains(&n.as_str())) {
+        let (contract, _, _) = checkpoint(&name);
+        let declared: String = manifest
+            .lines()
+            .map(|l| if l.starts_with("family = ") { format!("family = {:?}", contract.id) } else { l.to_string() })
+            .collect::<Vec<_>>()
+            .join("\n");
+        std::fs::write(engine.join("metainfer.toml"), declared).unwrap();
+        let r = check_rules(&c, &RulesRequest { engine: e.clone() }, &budget).unwrap();
+        assert!(r.passed, "{name}: {}", r.text());
+        let k = compile(&c, &CompileRequest { engine: e.clone(), cursor: None }, &budget).unwrap();
+        assert!(k.passed, "{name}: {}", k.text());
+        // Phase order: verify counts on sources (metainfer.toml's family included) whose kernels passed.
+        let kernels = contract.model.as_ref().unwrap().kernels.clone();
+        kernel_sets.insert(kernels.clone());
+        {
+            let req = KernelTestRequest {
+                engine: e.clone(),
+                kernels: vec![],
+                seed: Some(5),
+                dtype: None,
+                write_bundle: None,
+                from_bundle: None,
+            };
+            let k = kernel_test(&c, &req, &budget).unwrap();
+            assert!(k.passed, "{name}: {}", k.text());
+            for id in &kernels {
+                assert!(k.text().contains(id.as_str()), "{name}: {id} was not tested: {}", k.text());
+            }
+        }
+        let vectors: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("vectors.json")).unwrap()).unwrap();
+        let prompts: Vec<String> =
+            vectors["prompts"].as_array().unwrap().iter().map(|p| p["text"].as_str().unwrap().to_string()).collect();
+        let req = VerifyRequest {
+            engine: e.clone(),
+            model: dir.display().to_string(),
+            prompts: prompts.clone(),
+            max_new_tokens: Some(16),
+            seed: Some(5),
+            dtype: None,
+            write_bundle: None,
+            from_bundle: None,
+        };
+        let v = verify(&c, &req, &budget).unwrap();
+        assert!(v.passed && v.family == contract.id, "{name}: {}", v.text());
+        for text in &prompts {
+            let p = v.prompts.iter().find(|p| &p.prompt == text).unwrap_or_else(|| panic!("{name}: {text:?} not run"));
+            assert!(p.tokenizer_ok && p.tokens_ok && p.logits_ok && p.steps >= 1, "{name}: {}", v.text());
+            assert_eq!(p.text, p.reference_text, "{name}");
+        }
+        eprintln!("{name}: {}", v.text().lines().next().unwrap_or(""));
+    }
+    assert!(kernel_sets.len() >= 5, "the families' kernel sets: {kernel_sets:?}");
+}
+
+/// synth writes every config.json value with the JSON type transformers' own save_pretrained wrote
+/// for it (integer, float, boolean, string, list, object) in the conformance folder of each covered
+/// family: transformers 5 refuses a float where its configuration class types an integer (e.g.
+/// Gemma 2's query_pre_attn_scalar = 256.0).
+#[test]
+fn synth_writes_config_values_with_the_types_transformers_writes() {
+    use serde_json::Value;
+    let kind = |v: &Value| match v {
+        Value::Number(n) if n.is_f64() => "float",
+        Value::Number(_) => "integer",
+        Value::Bool(_) => "boolean",
+        Value::String(_) => "string",
+        Value::Array(_) => "list",
+        Value::Object(_) => "object",
+        Value::Null => "null",
+    };
+    let mut compared = 0;
+    for name in COVERED {
+        let (contract, _, _) = checkpoint(name);
+        let req = metainfer::ops::synth::SynthRequest { family: name.to_string(), ..Default::default() };
+        let ours = metainfer::ops::synth::synth_config_for(&contract, &req).unwrap();
+        let theirs = metainfer::model::read_config(shared().join("conformance").join(name).as_path()).unwrap();
+        for (key, v) in ours.as_object().unwrap() {
+            let Some(t) = theirs.get(key).filter(|t| !t.is_null() && !v.is_null()) else { continue };
+            assert_eq!(kind(v), kind(t), "{name}: `{key}` is {v} here, {t} as transformers writes it");
+            compared += 1;
+        }
+    }
+    assert!(compared >= 14 * 10, "{compared} values compared");
+}
+
+/// synth writes, for every covered family at the sizes of its conformance checkpoint, exactly the
+/// tensors transformers' save_pretrained wrote there (names and shapes), a config.json that plan
+/// covers, and a checkpoint the family's reference runs: a family added as a contract gets test
+/// checkpoints shaped as the real ones.
+#[test]
+fn synth_writes_the_tensors_transformers_writes_for_every_covered_family() {
+    use metainfer::ops::plan::{PlanRequest, plan_only};
+    use metainfer::ops::synth::{SynthRequest, synth_in};
+    let t = tempfile::tempdir().unwrap();
+    let c = ctx(t.path());
+    let ckb = metainfer::ckb::Ckb::embedded().unwrap();
+    for name in COVERED {
+        let dir = shared().join("conformance").join(name);
+        let theirs = metainfer::model::read_config(dir.as_path()).unwrap();
+        let size = |key: &str| theirs.get(key).and_then(|v| v.as_u64()).map(|v| v as usize);
+        let out = t.path().join(name);
+        let req = SynthRequest {
+            family: name.to_string(),
+            out: out.clone(),
+            seed: 3,
+            hidden: size("hidden_size"),
+            layers: size("num_hidden_layers"),
+            heads: size("num_attention_heads"),
+            kv_heads: size("num_key_value_heads"),
+            head_dim: size("head_dim"),
+            vocab: size("vocab_size"),
+            intermediate: size("intermediate_size"),
+            max_seq: size("max_position_embeddings"),
+            sliding_window: size("sliding_window"),
+            ..Default::default()
+        };
+        synth_in(&ckb, &req).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let shapes = |d: &std::path::Path| -> Vec<(String, Vec<usize>)> {
+            metainfer::model::read_safetensors(d).unwrap().into_iter().map(|(n, (s, _))| (n, s)).collect()
+        };
+        assert_eq!(shapes(&out), shapes(&dir), "{name}: synth's tensors against transformers'");
+        let plan = PlanRequest {
+            model: out.display().to_string(),
+            target: "cpu".into(),
+            dtype: "f32".into(),
+            platform: None,
+            serving: None,
+        };
+        let r = plan_only(&c, &plan).unwrap();
+        assert!(r.covered && r.family == format!("model.{name}"), "{name}: {:?}", r.gaps);
+        let cfg = metainfer::model::load_config(&ckb, out.as_path()).unwrap();
+        let contract = ckb.get(&cfg.family).unwrap();
+        let tensors = metainfer::model::read_safetensors(out.as_path()).unwrap();
+        let mut reference =
+            metainfer::oracle::llama::Reference::of_family(contract.model.as_ref().unwrap(), &cfg, tensors, "f32")
+                .unwrap();
+        let logits = reference.step(1).unwrap();
+        assert!(logits.len() == cfg.vocab && logits.iter().all(|v| v.is_finite()), "{name}");
+    }
+}

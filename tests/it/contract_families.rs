@@ -294,13 +294,13 @@ fn plain_engine_passes_every_gate_on_the_contract_families() {
 
 /// The plain engine's RoPE calls taken out from after the q/k norms ...
 const ROPE_OUT_OF_PLACE: (&str, &str) = (
-    "kernels::rope_with_freqs(&mut s.q, &[pos], c.n_heads, rope_freqs);\n            kernels::rope_with_freqs(&mut s.k, &[pos], c.n_kv_heads, rope_freqs);\n",
+    "rotate(c, &mut s.q, pos, c.n_heads, rope_freqs);\n            rotate(c, &mut s.k, pos, c.n_kv_heads, rope_freqs);\n",
     "",
 );
 /// ... and put before them (q/k norm after RoPE).
 const ROPE_BEFORE_QK_NORM: (&str, &str) = (
     "if let Some([q_norm, k_norm]) = &l.qk_norm {",
-    "kernels::rope_with_freqs(&mut s.q, &[pos], c.n_heads, rope_freqs);\n            kernels::rope_with_freqs(&mut s.k, &[pos], c.n_kv_heads, rope_freqs);\n            if let Some([q_norm, k_norm]) = &l.qk_norm {",
+    "rotate(c, &mut s.q, pos, c.n_heads, rope_freqs);\n            rotate(c, &mut s.k, pos, c.n_kv_heads, rope_freqs);\n            if let Some([q_norm, k_norm]) = &l.qk_norm {",
 );
 
 /// The plain engine with one of a family's differences left out (each a failure mode the family

@@ -8,7 +8,8 @@ use std::process::Command;
 use crate::Engine;
 
 /// `cargo test --release` of the engine crate at `dir`, into the gates' shared target directory (the
-/// flags of the gates' builds, so compiled dependencies are shared); BabyLlama from the repository.
+/// flags of the gates' builds, so compiled dependencies are shared); BabyLlama from the repository,
+/// the conformance checkpoints from ../shared.
 /// Returns (success, stdout + stderr).
 fn cargo_test(dir: &Path) -> (bool, String) {
     let out = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
@@ -17,6 +18,7 @@ fn cargo_test(dir: &Path) -> (bool, String) {
         .arg("--target-dir")
         .arg(crate::cache().join("target"))
         .env("BABYLLAMA_DIR", Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/models/babyllama-105"))
+        .env("CONFORMANCE_DIR", crate::shared().join("conformance"))
         .env_remove("RUSTFLAGS")
         .output()
         .expect("cargo runs");
@@ -38,8 +40,9 @@ fn plain_engine_unit_tests_pass_and_catch_a_broken_kernel() {
     Engine::Plain.copy_to(&engine);
     let (ok, text) = cargo_test(&engine);
     assert!(ok, "{text}");
-    // 8 kernel tests and 3 whole-engine tests (src/kernels.rs, src/tests.rs).
-    assert_eq!(passed(&text), 11, "{text}");
+    // 10 kernel tests and 4 whole-engine tests (src/kernels.rs, src/tests.rs).
+    assert_eq!(passed(&text), 14, "{text}");
+    assert!(text.contains("every_family_equals_transformers_on_its_conformance_checkpoint ... ok"), "{text}");
     // RMSNorm without its gain: the hand-worked case names the kernel.
     crate::inject(
         &engine,

@@ -1,6 +1,7 @@
 //! Phase 2, configuration: config.json read as the model-family contracts map it (`model.llama`,
-//! `model.mistral`, `model.qwen2`, `model.qwen3`, `model.gemma`, Phi-3's fused layout, OLMo-2,
-//! Granite and Gemma 2). A family
+//! `model.mistral`, `model.qwen2`, `model.qwen3`, `model.gemma`, `model.phi3`, `model.olmo2`,
+//! `model.granite`, `model.gemma2`, `model.gemma3_text`, `model.cohere`, `model.stablelm`,
+//! `model.starcoder2` and `model.olmo`). A family
 //! is data here: its HF configuration class defaults, the keys it refuses and its forward-pass
 //! features (the contracts' `features`). A value of the wrong type, or a setting no family here
 //! covers, is an error that names the key.
@@ -46,7 +47,27 @@ pub struct Features {
     pub softcapping: bool,
     /// Gemma 2: the sliding window applies to the layers config.json's `layer_types` calls
     /// "sliding_attention", by default the even ones (0, 2, ...); the others attend to all positions.
+    /// Gemma 3 likewise, by default every layer but each sixth (`Family::window_pattern`).
     pub alternating_window: bool,
+    /// Gemma 3: `rope_parameters` holds one RoPE dict per layer type (`full_attention`,
+    /// `sliding_attention`); each layer rotates with its type's rope_theta.
+    pub rope_by_layer_type: bool,
+    /// Cohere, StableLM, StarCoder2, OLMo: every norm is a LayerNorm (kernel.layer_norm: the mean
+    /// subtracted, divided by sqrt(biased variance + eps)) instead of an RMSNorm.
+    pub layer_norm: bool,
+    /// StableLM, StarCoder2: every LayerNorm also adds its bias (`<norm>.bias`).
+    pub norm_bias: bool,
+    /// OLMo: the LayerNorms are non-parametric (no gain, no bias, eps fixed at 1e-5); the checkpoint
+    /// holds no norm tensors.
+    pub norm_no_gain: bool,
+    /// Cohere: attention and the MLP both read the same normed input (input_layernorm), and the
+    /// layer's output is h + attention output + MLP output; no post_attention_layernorm.
+    pub parallel_block: bool,
+    /// Cohere: RoPE rotates the interleaved pairs (2j, 2j + 1) of each head (kernel.rotary).
+    pub interleaved_rope: bool,
+    /// StarCoder2: the MLP is not gated, c_proj(gelu_tanh(c_fc(x))) with biases on both, and o_proj
+    /// has a bias too.
+    pub fc_mlp: bool,
 }
 
 /// A model family: how its config.json is read.
@@ -60,12 +81,24 @@ struct Family {
     /// head_dim when absent; `None`: hidden_size / num_attention_heads.
     head_dim: Option<usize>,
     max_seq: usize,
-    rms_norm_eps: f64,
     tied: bool,
     /// sliding_window when absent (families with the feature); 0: no window.
     window: usize,
     /// Keys the family does not cover unless absent, null or false.
     refused: &'static [&'static str],
+    /// Boolean keys the family covers only at the value given (when present and not null).
+    fixed: &'static [(&'static str, bool)],
+    /// The config key of the norms' epsilon and its default; `None`: fixed at the default (OLMo).
+    norm_eps: (Option<&'static str>, f64),
+    /// The activation key and the one value covered.
+    activation: (&'static str, &'static str),
+    /// With `alternating_window` and no `layer_types`: layer i slides unless (i + 1) is a multiple
+    /// of this (Gemma 2: 2, the even layers; Gemma 3: 6, five local layers to one global).
+    window_pattern: usize,
+    /// With `softcapping`: attn_logit_softcapping and final_logit_softcapping when absent.
+    softcaps: (Option<f64>, Option<f64>),
+    /// The default of `partial_rotary_factor`, the share of each head RoPE rotates (StableLM 0.25).
+    partial_rotary_factor: f64,
 }
 
 /// Plain Llama (model.llama): no features, LlamaConfig's defaults. The other families state how
@@ -87,14 +120,26 @@ const LLAMA: Family = Family {
         multipliers: false,
         softcapping: false,
         alternating_window: false,
+        rope_by_layer_type: false,
+        layer_norm: false,
+        norm_bias: false,
+        norm_no_gain: false,
+        parallel_block: false,
+        interleaved_rope: false,
+        fc_mlp: false,
     },
     n_kv_heads: None,
     head_dim: None,
     max_seq: 2048,
-    rms_norm_eps: 1e-6,
     tied: false,
     window: 0,
     refused: &["attention_bias", "mlp_bias", "sliding_window"],
+    fixed: &[],
+    norm_eps: (Some("rms_norm_eps"), 1e-6),
+    activation: ("hidden_act", "silu"),
+    window_pattern: 0,
+    softcaps: (None, None),
+    partial_rotary_factor: 1.0,
 };
 
 /// The families, with the defaults their contracts state (`[[model.config]]` defaults).
@@ -140,6 +185,7 @@ const FAMILIES: &[Family] = &[
         max_seq: 8192,
         tied: true,
         refused: &["rope_scaling", "attention_bias"],
+        activation: ("hidden_activation", "gelu_pytorch_tanh"),
         ..LLAMA
     },
     Family {
@@ -147,7 +193,7 @@ const FAMILIES: &[Family] = &[
         architecture: "Phi3ForCausalLM",
         features: Features { fused: true, sliding_window: true, ..LLAMA.features },
         max_seq: 4096,
-        rms_norm_eps: 1e-5,
+        norm_eps: (Some("rms_norm_eps"), 1e-5),
         refused: &["rope_scaling"],
         ..LLAMA
     },
@@ -155,7 +201,7 @@ const FAMILIES: &[Family] = &[
         model_type: "olmo2",
         architecture: "Olmo2ForCausalLM",
         features: Features { qk_norm_whole: true, post_norms: true, no_pre_norms: true, ..LLAMA.features },
-        rms_norm_eps: 1e-5,
+        norm_eps: (Some("rms_norm_eps"), 1e-5),
         refused: &["rope_scaling", "attention_bias"],
         ..LLAMA
     },
@@ -184,14 +230,89 @@ const FAMILIES: &[Family] = &[
         tied: true,
         window: 4096,
         refused: &["rope_scaling", "attention_bias"],
+        activation: ("hidden_activation", "gelu_pytorch_tanh"),
+        window_pattern: 2,
+        softcaps: (Some(50.0), Some(30.0)),
+        ..LLAMA
+    },
+    Family {
+        model_type: "gemma3_text",
+        architecture: "Gemma3ForCausalLM",
+        features: Features {
+            gelu_tanh_mlp: true,
+            rmsnorm_one_plus_w: true,
+            embed_scale_sqrt_hidden: true,
+            qk_norm: true,
+            post_norms: true,
+            softcapping: true,
+            sliding_window: true,
+            alternating_window: true,
+            rope_by_layer_type: true,
+            ..LLAMA.features
+        },
+        head_dim: Some(256),
+        max_seq: 131072,
+        tied: true,
+        window: 4096,
+        refused: &["rope_scaling", "attention_bias", "use_bidirectional_attention"],
+        activation: ("hidden_activation", "gelu_pytorch_tanh"),
+        window_pattern: 6,
+        ..LLAMA
+    },
+    Family {
+        model_type: "cohere",
+        architecture: "CohereForCausalLM",
+        features: Features { layer_norm: true, parallel_block: true, interleaved_rope: true, ..LLAMA.features },
+        max_seq: 8192,
+        tied: true,
+        refused: &["rope_scaling", "attention_bias", "use_qk_norm"],
+        norm_eps: (Some("layer_norm_eps"), 1e-5),
+        ..LLAMA
+    },
+    Family {
+        model_type: "stablelm",
+        architecture: "StableLmForCausalLM",
+        features: Features { layer_norm: true, norm_bias: true, qkv_bias: true, ..LLAMA.features },
+        max_seq: 4096,
+        refused: &["rope_scaling", "qk_layernorm", "use_parallel_residual"],
+        fixed: &[("use_qkv_bias", true)],
+        norm_eps: (Some("layer_norm_eps"), 1e-5),
+        partial_rotary_factor: 0.25,
+        ..LLAMA
+    },
+    Family {
+        model_type: "starcoder2",
+        architecture: "Starcoder2ForCausalLM",
+        features: Features {
+            layer_norm: true,
+            norm_bias: true,
+            qkv_bias: true,
+            fc_mlp: true,
+            sliding_window: true,
+            ..LLAMA.features
+        },
+        max_seq: 4096,
+        tied: true,
+        refused: &["rope_scaling"],
+        fixed: &[("use_bias", true)],
+        norm_eps: (Some("norm_epsilon"), 1e-5),
+        activation: ("hidden_act", "gelu_pytorch_tanh"),
+        ..LLAMA
+    },
+    Family {
+        model_type: "olmo",
+        architecture: "OlmoForCausalLM",
+        features: Features { layer_norm: true, norm_no_gain: true, ..LLAMA.features },
+        refused: &["rope_scaling", "attention_bias"],
+        norm_eps: (None, 1e-5),
         ..LLAMA
     },
 ];
 
-/// Gemma2Config's defaults of the `softcapping` keys.
-const GEMMA2_QUERY_PRE_ATTN_SCALAR: f64 = 256.0;
-const GEMMA2_ATTN_LOGIT_SOFTCAPPING: f64 = 50.0;
-const GEMMA2_FINAL_LOGIT_SOFTCAPPING: f64 = 30.0;
+/// Gemma2Config's and Gemma3TextConfig's default query_pre_attn_scalar.
+const GEMMA_QUERY_PRE_ATTN_SCALAR: f64 = 256.0;
+/// CohereConfig's default logit_scale.
+const COHERE_LOGIT_SCALE: f64 = 0.0625;
 
 /// RoPE frequency scaling from config.json `rope_scaling` (contract model.llama).
 #[derive(Debug, Clone, PartialEq)]
@@ -221,10 +342,15 @@ pub struct Config {
     pub vocab: usize,
     /// max_position_embeddings: the most positions the KV cache holds.
     pub max_seq: usize,
-    /// RMSNorm epsilon, inside the square root.
+    /// The norms' epsilon, inside the square root (rms_norm_eps; layer_norm_eps or norm_epsilon in
+    /// the LayerNorm families).
     pub rms_norm_eps: f32,
-    /// RoPE base theta.
+    /// RoPE base theta (of the full-attention layers where the layer types differ).
     pub rope_theta: f64,
+    /// Gemma 3: the RoPE base of the sliding-window layers (`rope_parameters.sliding_attention`).
+    pub sliding_rope_theta: Option<f64>,
+    /// The leading entries of each head RoPE rotates: head_dim * partial_rotary_factor, even.
+    pub rotary_dim: usize,
     /// The output projection is the embedding matrix.
     pub tied: bool,
     /// Attention window in positions; 0: full causal attention.
@@ -247,6 +373,10 @@ pub struct Config {
     pub residual_multiplier: Option<f32>,
     /// Granite's logits_scaling: the logits are divided by it.
     pub logits_scaling: Option<f32>,
+    /// Cohere's logit_scale: the logits are multiplied by it.
+    pub logit_scale: Option<f32>,
+    /// OLMo's clip_qkv: q, k and v are clamped to [-clip_qkv, clip_qkv].
+    pub clip_qkv: Option<f32>,
 }
 
 impl Config {
@@ -268,14 +398,17 @@ impl Config {
                 return Err(format!("`{key}` = {} is not covered for {}", c[*key], family.model_type));
             }
         }
-        let activation = if family.features.gelu_tanh_mlp { "hidden_activation" } else { "hidden_act" };
-        let want = if family.features.gelu_tanh_mlp { "gelu_pytorch_tanh" } else { "silu" };
+        for (key, want) in family.fixed {
+            match c.get(*key) {
+                None | Some(Value::Null) => {}
+                Some(v) if v == &Value::Bool(*want) => {}
+                Some(v) => return Err(format!("`{key}` = {v} is not covered for {} (only {want})", family.model_type)),
+            }
+        }
+        let (activation, want) = family.activation;
         match text(c, activation)? {
             Some(act) if act != want => return Err(format!("`{activation}` = {act:?} is not covered (only {want:?})")),
             _ => {}
-        }
-        if number(c, "partial_rotary_factor")?.is_some_and(|f| f != 1.0) {
-            return Err("`partial_rotary_factor` other than 1.0 is not covered".into());
         }
         let hidden = required(c, "hidden_size")?;
         let n_heads = required(c, "num_attention_heads")?;
@@ -286,7 +419,8 @@ impl Config {
                 "num_attention_heads {n_heads} must be a multiple of num_key_value_heads {n_kv_heads}, and head_dim {head_dim} even"
             ));
         }
-        let (rope_theta, rope_scaling) = rope(c)?;
+        let (rope_theta, sliding_rope_theta, rope_scaling) = rope(c, family.features.rope_by_layer_type)?;
+        let rotary_dim = rotary_dim(c, head_dim, family.partial_rotary_factor)?;
         if rope_scaling.is_some() && family.refused.contains(&"rope_scaling") {
             return Err(format!("RoPE scaling {rope_scaling:?} is not covered for {}", family.model_type));
         }
@@ -297,21 +431,22 @@ impl Config {
         };
         let n_layers = required(c, "num_hidden_layers")?;
         let f = family.features;
-        let sliding_layers = if f.alternating_window { Some(sliding_layers(c, n_layers)?) } else { None };
+        let sliding_layers =
+            if f.alternating_window { Some(sliding_layers(c, n_layers, family.window_pattern)?) } else { None };
         // Granite's multipliers, each default 1.0.
         let multiplier = |key: &str| -> Result<Option<f32>, String> {
             Ok(if f.multipliers { Some(positive(c, key)?.unwrap_or(1.0) as f32) } else { None })
         };
-        // Gemma 2's caps: absent, the default; null, no cap.
-        let cap = |key: &str, default: f64| -> Result<Option<f32>, String> {
+        // Gemma 2's and 3's caps: absent, the family's default; null, no cap.
+        let cap = |key: &str, default: Option<f64>| -> Result<Option<f32>, String> {
             Ok(match c.get(key) {
                 _ if !f.softcapping => None,
-                None => Some(default as f32),
+                None => default.map(|d| d as f32),
                 Some(_) => positive(c, key)?.map(|v| v as f32),
             })
         };
         let attention_scale = if f.softcapping {
-            let scalar = positive(c, "query_pre_attn_scalar")?.unwrap_or(GEMMA2_QUERY_PRE_ATTN_SCALAR);
+            let scalar = positive(c, "query_pre_attn_scalar")?.unwrap_or(GEMMA_QUERY_PRE_ATTN_SCALAR);
             Some(scalar.powf(-0.5) as f32)
         } else {
             multiplier("attention_multiplier")?
@@ -325,8 +460,13 @@ impl Config {
             head_dim,
             vocab: required(c, "vocab_size")?,
             max_seq: count(c, "max_position_embeddings")?.unwrap_or(family.max_seq),
-            rms_norm_eps: number(c, "rms_norm_eps")?.unwrap_or(family.rms_norm_eps) as f32,
+            rms_norm_eps: match family.norm_eps {
+                (Some(key), default) => positive(c, key)?.unwrap_or(default) as f32,
+                (None, fixed) => fixed as f32,
+            },
             rope_theta,
+            sliding_rope_theta,
+            rotary_dim,
             tied: match c.get("tie_word_embeddings") {
                 None | Some(Value::Null) => family.tied,
                 Some(v) => {
@@ -338,12 +478,24 @@ impl Config {
             rope_scaling,
             features: family.features,
             attention_scale,
-            attn_softcap: cap("attn_logit_softcapping", GEMMA2_ATTN_LOGIT_SOFTCAPPING)?,
-            final_softcap: cap("final_logit_softcapping", GEMMA2_FINAL_LOGIT_SOFTCAPPING)?,
+            attn_softcap: cap("attn_logit_softcapping", family.softcaps.0)?,
+            final_softcap: cap("final_logit_softcapping", family.softcaps.1)?,
             embedding_multiplier: multiplier("embedding_multiplier")?,
             residual_multiplier: multiplier("residual_multiplier")?,
             logits_scaling: multiplier("logits_scaling")?,
+            logit_scale: if f.parallel_block {
+                Some(number(c, "logit_scale")?.unwrap_or(COHERE_LOGIT_SCALE) as f32)
+            } else {
+                None
+            },
+            clip_qkv: if f.norm_no_gain { positive(c, "clip_qkv")?.map(|v| v as f32) } else { None },
         })
+    }
+
+    /// Whether layer `layer` is a sliding-window layer (`layer_types`); false in families whose
+    /// layers are all of one kind.
+    pub fn sliding(&self, layer: usize) -> bool {
+        self.sliding_layers.as_ref().is_some_and(|s| s[layer])
     }
 
     /// The attention window of layer `layer` in positions; 0: full causal attention.
@@ -354,10 +506,10 @@ impl Config {
         }
     }
 
-    /// RoPE frequencies [head_dim / 2]: theta^(-2j / head_dim) (kernel.rope), then scaled as
-    /// `rope_scaling` says (contract model.llama, math).
+    /// RoPE frequencies [rotary_dim / 2]: theta^(-2j / rotary_dim) (kernel.rope, kernel.rotary),
+    /// then scaled as `rope_scaling` says (contract model.llama, math).
     pub fn rope_freqs(&self) -> Vec<f64> {
-        let plain = crate::kernels::rope_freqs(self.rope_theta, self.head_dim);
+        let plain = crate::kernels::rope_freqs(self.rope_theta, self.rotary_dim);
         match self.rope_scaling {
             None => plain,
             Some(RopeScaling::Linear { factor }) => plain.iter().map(|f| f / factor).collect(),
@@ -405,19 +557,43 @@ fn family_of(c: &Map<String, Value>) -> Result<&'static Family, String> {
         })
 }
 
+/// Gemma3TextConfig's RoPE bases when config.json gives none: the global (full-attention) layers'
+/// and the local (sliding-window) layers'.
+const GEMMA3_ROPE_THETA: (f64, f64) = (1_000_000.0, 10_000.0);
+
 /// RoPE's base and scaling as HF reads them (contract model.llama): transformers v5's
 /// `rope_parameters` (`{rope_type, rope_theta, ...}`) first, its rope_theta winning over a top-level
 /// one; else `rope_scaling` (legacy `type` for `rope_type`) with the top-level `rope_theta` (default
 /// 10000). Absent, null or rope_type "default" is no scaling; "linear" and "llama3" are read; another
-/// type, a key the type does not read, or the two forms disagreeing is refused by name.
-fn rope(c: &Map<String, Value>) -> Result<(f64, Option<RopeScaling>), String> {
+/// type, a key the type does not read, or the two forms disagreeing is refused by name. With
+/// `by_layer_type` (Gemma 3), `rope_parameters` holds one such dict per layer type and the second
+/// value is the sliding layers' base; unscaled types only.
+fn rope(c: &Map<String, Value>, by_layer_type: bool) -> Result<(f64, Option<f64>, Option<RopeScaling>), String> {
+    if by_layer_type {
+        let Some(p) = c.get("rope_parameters").filter(|v| !v.is_null()) else {
+            let (global, local) = GEMMA3_ROPE_THETA;
+            return Ok((number(c, "rope_theta")?.unwrap_or(global), Some(local), None));
+        };
+        let p = p.as_object().ok_or("`rope_parameters` must be an object or null")?;
+        let theta = |kind: &str| -> Result<f64, String> {
+            let t = p.get(kind).and_then(Value::as_object).ok_or_else(|| {
+                format!("`rope_parameters.{kind}` must be an object (one RoPE dict per layer type)")
+            })?;
+            let (theta, _, scaling) = rope(t, false)?;
+            match scaling {
+                None => Ok(theta),
+                Some(s) => Err(format!("`rope_parameters.{kind}` scaling {s:?} is not covered")),
+            }
+        };
+        return Ok((theta("full_attention")?, Some(theta("sliding_attention")?), None));
+    }
     let params = c.get("rope_parameters").filter(|v| !v.is_null());
     let legacy = c.get("rope_scaling").filter(|v| !v.is_null());
     let top_theta = number(c, "rope_theta")?.unwrap_or(10000.0);
     let (name, s) = match (params, legacy) {
         (Some(p), _) => ("rope_parameters", p),
         (None, Some(l)) => ("rope_scaling", l),
-        (None, None) => return Ok((top_theta, None)),
+        (None, None) => return Ok((top_theta, None, None)),
     };
     let s = s.as_object().ok_or_else(|| format!("`{name}` must be an object or null"))?;
     if s.values().any(Value::is_object) {
@@ -443,7 +619,10 @@ fn rope(c: &Map<String, Value>) -> Result<(f64, Option<RopeScaling>), String> {
         _ => &[],
     };
     if let Some(k) =
-        s.keys().find(|k| !["rope_type", "type", "rope_theta"].contains(&k.as_str()) && !allowed.contains(&k.as_str()))
+        s.keys().find(|k| {
+            !["rope_type", "type", "rope_theta", "partial_rotary_factor"].contains(&k.as_str())
+                && !allowed.contains(&k.as_str())
+        })
     {
         return Err(format!("`{name}.{k}` is not a key of rope_type {kind:?}"));
     }
@@ -461,14 +640,44 @@ fn rope(c: &Map<String, Value>) -> Result<(f64, Option<RopeScaling>), String> {
         })),
         other => Err(format!("`{name}` type {other:?} is not covered (default, linear, llama3)")),
     }?;
-    Ok((theta, scaling))
+    Ok((theta, None, scaling))
 }
 
-/// Gemma 2's sliding layers: config.json's `layer_types` ("sliding_attention" or "full_attention"
-/// per layer) when present, else Gemma2Config's default, the even layers.
-fn sliding_layers(c: &Map<String, Value>, n_layers: usize) -> Result<Vec<bool>, String> {
+/// The leading entries of each head that RoPE rotates (kernel.rotary): int(head_dim *
+/// partial_rotary_factor), the factor read at the top level or in `rope_parameters` (transformers
+/// v5 writes both; they must agree), default the family's. Refused unless even and at least 2.
+fn rotary_dim(c: &Map<String, Value>, head_dim: usize, default: f64) -> Result<usize, String> {
+    let top = number(c, "partial_rotary_factor")?;
+    let nested = match c.get("rope_parameters") {
+        Some(Value::Object(p)) => number(p, "partial_rotary_factor")?,
+        _ => None,
+    };
+    if let (Some(a), Some(b)) = (top, nested)
+        && a != b
+    {
+        return Err(format!("`partial_rotary_factor` {a} and `rope_parameters.partial_rotary_factor` {b} disagree"));
+    }
+    let factor = top.or(nested).unwrap_or(default);
+    if !(factor > 0.0 && factor <= 1.0) {
+        return Err(format!("`partial_rotary_factor` must be in (0, 1], got {factor}"));
+    }
+    let dim = (head_dim as f64 * factor) as usize;
+    if dim < 2 || !dim.is_multiple_of(2) {
+        return Err(format!(
+            "head_dim {head_dim} * partial_rotary_factor {factor} = {dim} rotated entries; RoPE needs an even number, at least 2"
+        ));
+    }
+    Ok(dim)
+}
+
+/// Gemma 2's and 3's sliding layers: config.json's `layer_types` ("sliding_attention" or
+/// "full_attention" per layer) when present, else the configuration class's default: layer i slides
+/// unless (i + 1) is a multiple of `pattern` (Gemma2Config: the even layers; Gemma3TextConfig:
+/// `_sliding_window_pattern` 6, or as config.json gives it).
+fn sliding_layers(c: &Map<String, Value>, n_layers: usize, pattern: usize) -> Result<Vec<bool>, String> {
     let Some(types) = c.get("layer_types").filter(|v| !v.is_null()) else {
-        return Ok((0..n_layers).map(|i| i % 2 == 0).collect());
+        let pattern = count(c, "_sliding_window_pattern")?.unwrap_or(pattern);
+        return Ok((0..n_layers).map(|i| !(i + 1).is_multiple_of(pattern)).collect());
     };
     let types = types
         .as_array()

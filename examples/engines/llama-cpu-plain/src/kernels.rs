@@ -29,6 +29,34 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
+/// Contract `kernel.layer_norm`. LayerNorm over rows of `dim` entries. `x`: [rows, dim]; `weight`,
+/// `bias`: [dim] or empty (absent: gain 1, bias 0); `out`: [rows, dim].
+/// out[r, i] = (x[r, i] - mean_r) / sqrt(var_r + eps) * weight[i] + bias[i], var_r the biased
+/// variance of row r (divided by dim), computed in two passes over the row.
+pub fn layer_norm(x: &[f32], dim: usize, weight: &[f32], bias: &[f32], eps: f32, out: &mut [f32]) {
+    assert!(dim > 0 && x.len().is_multiple_of(dim) && out.len() == x.len(), "layer_norm: x and out must be [rows, dim]");
+    assert!(
+        (weight.is_empty() || weight.len() == dim) && (bias.is_empty() || bias.len() == dim),
+        "layer_norm: weight and bias must each be empty or [dim]"
+    );
+    for r in 0..x.len() / dim {
+        let row = &x[r * dim..(r + 1) * dim];
+        let mean = row.iter().sum::<f32>() / dim as f32;
+        let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / dim as f32;
+        let inv = 1.0 / (var + eps).sqrt();
+        for i in 0..dim {
+            let mut y = (row[i] - mean) * inv;
+            if !weight.is_empty() {
+                y *= weight[i];
+            }
+            if !bias.is_empty() {
+                y += bias[i];
+            }
+            out[r * dim + i] = y;
+        }
+    }
+}
+
 /// Contract `kernel.rope`. Rotary position embedding, rotate-half pairing (HF Llama), in place.
 /// `x`: [n_tokens, n_heads, head_dim]; `positions`: [n_tokens]; head_dim even; half = head_dim / 2.
 /// For j in 0..half: freq = theta^(-2j / head_dim); angle = positions[t] * freq;
@@ -61,6 +89,55 @@ pub fn rope_with_freqs(x: &mut [f32], positions: &[usize], n_heads: usize, freqs
                 let (a, b) = (x[base + j], x[base + j + half]);
                 x[base + j] = a * cos - b * sin;
                 x[base + j + half] = a * sin + b * cos;
+            }
+        }
+    }
+}
+
+/// Contract `kernel.rotary`. Partial rotary RoPE, in place. `x`: [n_tokens, n_heads, head_dim];
+/// `positions`: [n_tokens]. The first `rotary_dim` entries of each head are rotated, pairs
+/// (j, j + rotary_dim/2) or, when `interleaved`, (2j, 2j + 1), by pos * theta^(-2j/rotary_dim);
+/// the rest are unchanged.
+pub fn rotary(
+    x: &mut [f32],
+    positions: &[usize],
+    n_heads: usize,
+    head_dim: usize,
+    rotary_dim: usize,
+    theta: f32,
+    interleaved: bool,
+) {
+    assert!(
+        rotary_dim.is_multiple_of(2) && (2..=head_dim).contains(&rotary_dim),
+        "rotary: rotary_dim must be even and in 2..=head_dim"
+    );
+    rotary_with_freqs(x, positions, n_heads, head_dim, &rope_freqs(theta as f64, rotary_dim), interleaved);
+}
+
+/// The rotation of contract `kernel.rotary` with given frequencies [rotary_dim / 2], in place:
+/// `x`: [n_tokens, n_heads, head_dim], the first 2 * freqs.len() entries of each head rotated,
+/// rotate-half pairs (j, j + freqs.len()) or interleaved pairs (2j, 2j + 1); the angle in f64.
+pub fn rotary_with_freqs(
+    x: &mut [f32],
+    positions: &[usize],
+    n_heads: usize,
+    head_dim: usize,
+    freqs: &[f64],
+    interleaved: bool,
+) {
+    let half = freqs.len();
+    assert!(half >= 1 && 2 * half <= head_dim, "rotary: 2 * freqs.len() must be in 2..=head_dim");
+    assert_eq!(x.len(), positions.len() * n_heads * head_dim, "rotary: x must be [n_tokens, n_heads, head_dim]");
+    for (t, &pos) in positions.iter().enumerate() {
+        for (j, &freq) in freqs.iter().enumerate() {
+            let (sin, cos) = (pos as f64 * freq).sin_cos();
+            let (sin, cos) = (sin as f32, cos as f32);
+            for h in 0..n_heads {
+                let base = (t * n_heads + h) * head_dim;
+                let (ia, ib) = if interleaved { (base + 2 * j, base + 2 * j + 1) } else { (base + j, base + j + half) };
+                let (a, b) = (x[ia], x[ib]);
+                x[ia] = a * cos - b * sin;
+                x[ib] = a * sin + b * cos;
             }
         }
     }
@@ -112,6 +189,16 @@ pub fn gelu_tanh_and_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
     for i in 0..out.len() {
         let g = gate[i];
         out[i] = 0.5 * g * (1.0 + (SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)).tanh()) * up[i];
+    }
+}
+
+/// Contract `kernel.gelu_tanh`. GELU, tanh approximation: out[i] = 0.5 x (1 + tanh(sqrt(2/pi)
+/// (x + 0.044715 x^3))), x = x[i]. Both: [len].
+pub fn gelu_tanh(x: &[f32], out: &mut [f32]) {
+    assert_eq!(x.len(), out.len(), "gelu_tanh: x and out must have one length");
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    for (o, &g) in out.iter_mut().zip(x) {
+        *o = 0.5 * g * (1.0 + (SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)).tanh());
     }
 }
 
@@ -264,6 +351,33 @@ mod tests {
     }
 
     #[test]
+    fn layer_norm_subtracts_the_mean_divides_by_the_deviation_then_scales_and_shifts() {
+        // mean(1, 2, 3, 4) = 2.5, biased variance 1.25: (x - 2.5) / sqrt(1.25) * w + b.
+        let mut out = [0.0; 4];
+        layer_norm(&[1.0, 2.0, 3.0, 4.0], 4, &[1.0, 1.0, 2.0, 0.5], &[0.0, 1.0, 0.0, -1.0], 0.0, &mut out);
+        close(&out, &[-1.341_640_786_499_873_8, 0.552_786_404_500_042_1, 0.894_427_190_999_915_9, -0.329_179_606_750_063_1], 1e-6);
+        // No gain and no bias (OLMo's non-parametric LayerNorm).
+        layer_norm(&[1.0, 2.0, 3.0, 4.0], 4, &[], &[], 0.0, &mut out);
+        close(&out, &[-1.341_640_786_499_873_8, -0.447_213_595_499_957_9, 0.447_213_595_499_957_9, 1.341_640_786_499_873_8], 1e-6);
+        // A constant row is all mean: zero (an RMSNorm would give ones).
+        layer_norm(&[5.0; 4], 4, &[], &[], 1e-5, &mut out);
+        assert_eq!(out, [0.0; 4]);
+    }
+
+    #[test]
+    fn rotary_turns_the_first_rotary_dim_entries_in_half_split_or_interleaved_pairs() {
+        // head_dim 6, rotary_dim 4, theta 10000: frequencies 1 and 10000^(-2/4) = 0.01, over the
+        // rotated width. Half-split pairs (x0, x2), (x1, x3); entries 4 and 5 stay as they are.
+        let mut x = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
+        rotary(&mut x, &[1], 1, 6, 4, 10000.0, false);
+        close(&x, &[-1.984_110_648_555_549_5, 1.959_900_667_496_664, 2.462_377_902_412_315_6, 4.019_799_668_334_994, 5.0, 6.0], 1e-6);
+        // Interleaved pairs (x0, x1) by 1 rad and (x2, x3) by 0.01 rad.
+        let mut y = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
+        rotary(&mut y, &[1], 1, 6, 4, 10000.0, true);
+        close(&y, &[-1.142_639_663_747_653_2, 1.922_075_596_544_176, 2.959_850_667_913_329_4, 4.029_799_501_669_161, 5.0, 6.0], 1e-6);
+    }
+
+    #[test]
     fn linear_is_x_times_w_transposed() {
         // x [2, 2], w [3, 2] (nn.Linear layout): out [2, 3].
         let mut out = [0.0; 6];
@@ -286,6 +400,10 @@ mod tests {
         let mut out = [0.0; 2];
         gelu_tanh_and_mul(&[1.0, -2.0], &[1.0, 0.5], &mut out);
         close(&out, &[0.841_191_990_608_276_8, -0.022_701_152_956_112_47], 1e-6);
+        // gelu_tanh alone (not gated) at 1, -2 and 0.5.
+        let mut out = [0.0; 3];
+        gelu_tanh(&[1.0, -2.0, 0.5], &mut out);
+        close(&out, &[0.841_191_990_608_276_8, -0.045_402_305_912_224_94, 0.345_714_009_825_143_94], 1e-6);
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! Phases 3 and 4, the decoder (contract `model.llama` and the families that refine it: `model.mistral`,
-//! `model.qwen2`, `model.qwen3`, `model.gemma`, Phi-3, OLMo-2, Granite, Gemma 2) with its KV cache
-//! (`component.kv_cache`).
+//! `model.qwen2`, `model.qwen3`, `model.gemma`, Phi-3, OLMo-2, Granite, Gemma 2 and 3, Cohere,
+//! StableLM, StarCoder2, OLMo) with its KV cache (`component.kv_cache`).
 //! One token at a time: `forward` is the contracts' `math` line by line, calling the kernels;
 //! `prefill` runs `forward` over the prompt. Weights, activations and the cache are f32.
 
@@ -10,10 +10,17 @@ use crate::config::Config;
 use crate::kernels;
 use crate::weights::{self, Tensors};
 
+/// One norm's parameters: an RMSNorm's gain, or a LayerNorm's gain and bias (`layer_norm`), each
+/// [dim] or empty where the family has none (OLMo's non-parametric LayerNorm has neither).
+struct Norm {
+    gain: Vec<f32>,
+    bias: Vec<f32>,
+}
+
 /// One decoder layer's weights ([out_features, in_features] matrices) and its KV cache.
 struct Layer {
     /// input_layernorm; `None` in families with `no_pre_norms` (OLMo-2).
-    attn_norm: Option<Vec<f32>>,
+    attn_norm: Option<Norm>,
     wq: Vec<f32>,
     wk: Vec<f32>,
     wv: Vec<f32>,
@@ -23,15 +30,21 @@ struct Layer {
     /// and key projections (`qk_norm_whole`), [n_heads * head_dim] and [n_kv_heads * head_dim].
     qk_norm: Option<[Vec<f32>; 2]>,
     wo: Vec<f32>,
+    /// o_proj's bias (`fc_mlp`: StarCoder2).
+    o_bias: Option<Vec<f32>>,
     /// The MLP's pre-norm: post_attention_layernorm, or pre_feedforward_layernorm in families with
-    /// `post_norms`; `None` with `no_pre_norms`.
-    ffn_norm: Option<Vec<f32>>,
+    /// `post_norms`; `None` with `no_pre_norms` or `parallel_block` (the MLP reads attn_norm's output).
+    ffn_norm: Option<Norm>,
     /// RMSNorm gains of the attention and MLP outputs (`post_norms`): post_attention_layernorm and
     /// post_feedforward_layernorm.
     post_norms: Option<[Vec<f32>; 2]>,
+    /// gate_proj, or c_fc in families with `fc_mlp` (then `w_up` is empty).
     w_gate: Vec<f32>,
     w_up: Vec<f32>,
+    /// down_proj, or c_proj with `fc_mlp`.
     w_down: Vec<f32>,
+    /// c_fc's and c_proj's biases (`fc_mlp`), [intermediate] and [hidden].
+    fc_bias: Option<[Vec<f32>; 2]>,
     /// Keys after RoPE and values of positions 0..len, [len, n_kv_heads, head_dim] each.
     k_cache: Vec<f32>,
     v_cache: Vec<f32>,
@@ -58,11 +71,14 @@ pub struct Model {
     cfg: Config,
     embed: Vec<f32>,
     layers: Vec<Layer>,
-    final_norm: Vec<f32>,
+    final_norm: Norm,
     /// [vocab, hidden]; `None`: the embedding matrix is the output projection (tied).
     lm_head: Option<Vec<f32>>,
-    /// RoPE frequencies [head_dim / 2], scaled as config.json says.
+    /// RoPE frequencies [rotary_dim / 2], scaled as config.json says (of the full-attention layers
+    /// where the layer types differ).
     rope_freqs: Vec<f64>,
+    /// Gemma 3: the sliding-window layers' RoPE frequencies (their own base).
+    sliding_rope_freqs: Option<Vec<f64>>,
     s: Scratch,
 }
 
@@ -74,7 +90,7 @@ impl Model {
         let (h, v) = (cfg.hidden, cfg.vocab);
         let layers = (0..cfg.n_layers).map(|i| load_layer(&mut w, &cfg, i)).collect::<Result<Vec<_>, _>>()?;
         let embed = w.take("model.embed_tokens.weight", &[v, h])?;
-        let final_norm = norm(&mut w, &cfg, "model.norm.weight", h)?;
+        let final_norm = norm_of(&mut w, &cfg, "model.norm", h)?;
         // HF ties when the config says so; an untied checkpoint without lm_head also uses the embedding.
         let lm_head =
             if !cfg.tied && w.has("lm_head.weight") { Some(w.take("lm_head.weight", &[v, h])?) } else { None };
@@ -93,7 +109,8 @@ impl Model {
             act: vec![0.0; cfg.intermediate],
             logits: vec![0.0; v],
         };
-        Ok(Model { rope_freqs: cfg.rope_freqs(), cfg, embed, layers, final_norm, lm_head, s })
+        let sliding_rope_freqs = cfg.sliding_rope_theta.map(|theta| kernels::rope_freqs(theta, cfg.rotary_dim));
+        Ok(Model { rope_freqs: cfg.rope_freqs(), cfg, embed, layers, final_norm, lm_head, sliding_rope_freqs, s })
     }
 
     /// Vocabulary size (length of the logits vector).
@@ -140,7 +157,7 @@ impl Model {
         pos: usize,
         trace: &mut dyn FnMut(Option<usize>, &str, &[f32]),
     ) -> &[f32] {
-        let Model { cfg: c, embed, layers, final_norm, lm_head, rope_freqs, s } = self;
+        let Model { cfg: c, embed, layers, final_norm, lm_head, rope_freqs, sliding_rope_freqs, s } = self;
         assert!(pos < c.max_seq, "forward: position {pos} is beyond max_position_embeddings {}", c.max_seq);
         assert!((token as usize) < c.vocab, "forward: token {token} is outside the vocabulary ({})", c.vocab);
         let (h, inter, eps) = (c.hidden, c.intermediate, c.rms_norm_eps);
@@ -160,7 +177,7 @@ impl Model {
         for (i, l) in layers.iter_mut().enumerate() {
             let at = Some(i);
             // Attention block: x += o_proj(attention(rope(q), cache(rope(k), v))).
-            let input = pre_norm(&s.x, l.attn_norm.as_deref(), eps, &mut s.normed);
+            let input = pre_norm(c, &s.x, l.attn_norm.as_ref(), &mut s.normed);
             if l.attn_norm.is_some() {
                 trace(at, "attn_norm", input);
             }
@@ -175,14 +192,25 @@ impl Model {
             trace(at, "q", &s.q);
             trace(at, "k", &s.k);
             trace(at, "v", &s.v);
+            if let Some(limit) = c.clip_qkv {
+                // OLMo: q, k and v clamped to [-clip_qkv, clip_qkv].
+                for (x, name) in [(&mut s.q, "q_clip"), (&mut s.k, "k_clip"), (&mut s.v, "v_clip")] {
+                    x.iter_mut().for_each(|v| *v = v.clamp(-limit, limit));
+                    trace(at, name, x);
+                }
+            }
             if let Some([q_norm, k_norm]) = &l.qk_norm {
                 norm_heads(&mut s.q, q_norm, eps, &mut s.heads);
                 norm_heads(&mut s.k, k_norm, eps, &mut s.heads);
                 trace(at, "q_norm", &s.q);
                 trace(at, "k_norm", &s.k);
             }
-            kernels::rope_with_freqs(&mut s.q, &[pos], c.n_heads, rope_freqs);
-            kernels::rope_with_freqs(&mut s.k, &[pos], c.n_kv_heads, rope_freqs);
+            let rope_freqs = match sliding_rope_freqs {
+                Some(local) if c.sliding(i) => &local[..],
+                _ => &rope_freqs[..],
+            };
+            rotate(c, &mut s.q, pos, c.n_heads, rope_freqs);
+            rotate(c, &mut s.k, pos, c.n_kv_heads, rope_freqs);
             trace(at, "q_rope", &s.q);
             trace(at, "k_rope", &s.k);
             store(&mut l.k_cache, pos, &s.k);
@@ -213,38 +241,62 @@ impl Model {
             }
             trace(at, "attn", &s.attn);
             kernels::linear(&s.attn, &l.wo, 1, q_dim, h, &mut s.out);
+            if let Some(b) = &l.o_bias {
+                add(&mut s.out, b);
+            }
             trace(at, "o", &s.out);
             let [post_attn, post_ffn] =
                 l.post_norms.as_ref().map(|[a, f]| [Some(&a[..]), Some(&f[..])]).unwrap_or_default();
             let names = ["o_norm", "o_scaled", "attn_residual"];
             let mut point = |name: &str, v: &[f32]| trace(at, name, v);
             residual(&mut s.x, &mut s.out, post_attn, c.residual_multiplier, eps, &mut s.normed, names, &mut point);
-            // MLP block: x += down_proj(act(gate_proj(x)) * up_proj(x)).
-            let input = pre_norm(&s.x, l.ffn_norm.as_deref(), eps, &mut s.normed);
+            // MLP block: x += down_proj(act(gate_proj(x)) * up_proj(x)). In the parallel block
+            // (Cohere) it reads attention's normed input, still in s.normed.
+            let input = if c.features.parallel_block {
+                &s.normed[..]
+            } else {
+                pre_norm(c, &s.x, l.ffn_norm.as_ref(), &mut s.normed)
+            };
             if l.ffn_norm.is_some() {
                 trace(at, "mlp_norm", input);
             }
-            kernels::linear(input, &l.w_gate, 1, h, inter, &mut s.gate);
-            kernels::linear(input, &l.w_up, 1, h, inter, &mut s.up);
-            trace(at, "gate", &s.gate);
-            trace(at, "up", &s.up);
-            glu(c.features.gelu_tanh_mlp, &s.gate, &s.up, &mut s.act);
-            trace(at, "act", &s.act);
-            kernels::linear(&s.act, &l.w_down, 1, inter, h, &mut s.out);
-            trace(at, "down", &s.out);
+            if let Some([b_fc, b_proj]) = &l.fc_bias {
+                // StarCoder2: c_proj(gelu_tanh(c_fc(x) + b_fc)) + b_proj, not gated.
+                kernels::linear(input, &l.w_gate, 1, h, inter, &mut s.gate);
+                add(&mut s.gate, b_fc);
+                trace(at, "fc", &s.gate);
+                kernels::gelu_tanh(&s.gate, &mut s.act);
+                trace(at, "act", &s.act);
+                kernels::linear(&s.act, &l.w_down, 1, inter, h, &mut s.out);
+                add(&mut s.out, b_proj);
+                trace(at, "proj", &s.out);
+            } else {
+                kernels::linear(input, &l.w_gate, 1, h, inter, &mut s.gate);
+                kernels::linear(input, &l.w_up, 1, h, inter, &mut s.up);
+                trace(at, "gate", &s.gate);
+                trace(at, "up", &s.up);
+                glu(c.features.gelu_tanh_mlp, &s.gate, &s.up, &mut s.act);
+                trace(at, "act", &s.act);
+                kernels::linear(&s.act, &l.w_down, 1, inter, h, &mut s.out);
+                trace(at, "down", &s.out);
+            }
             let names = ["down_norm", "down_scaled", "mlp_residual"];
             let mut point = |name: &str, v: &[f32]| trace(at, name, v);
             residual(&mut s.x, &mut s.out, post_ffn, c.residual_multiplier, eps, &mut s.normed, names, &mut point);
         }
-        kernels::rms_norm(&s.x, final_norm, eps, &mut s.normed);
+        apply_norm(c, &s.x, final_norm, &mut s.normed);
         trace(None, "final_norm", &s.normed);
         kernels::linear(&s.normed, lm_head.as_deref().unwrap_or(embed), 1, h, c.vocab, &mut s.logits);
-        if c.logits_scaling.is_some() || c.final_softcap.is_some() {
-            // Granite and Gemma 2 name the projection `lm_head` and its scaled or capped output `logits`.
+        if c.logits_scaling.is_some() || c.final_softcap.is_some() || c.logit_scale.is_some() {
+            // Granite, Gemma 2 and Cohere name the projection `lm_head` and its scaled or capped
+            // output `logits`.
             trace(None, "lm_head", &s.logits);
         }
         if let Some(d) = c.logits_scaling {
             s.logits.iter_mut().for_each(|x| *x /= d);
+        }
+        if let Some(m) = c.logit_scale {
+            s.logits.iter_mut().for_each(|x| *x *= m);
         }
         if let Some(cap) = c.final_softcap {
             s.logits.iter_mut().for_each(|x| *x = (*x / cap).tanh() * cap);
@@ -259,7 +311,13 @@ fn load_layer(w: &mut Tensors, c: &Config, i: usize) -> Result<Layer, String> {
     let name = |n: &str| format!("model.layers.{i}.{n}");
     let (h, inter, hd) = (c.hidden, c.intermediate, c.head_dim);
     let (q_dim, kv_dim) = (c.n_heads * hd, c.n_kv_heads * hd);
-    let ([wq, wk, wv], [w_gate, w_up]) = if c.features.fused {
+    let ([wq, wk, wv], [w_gate, w_up]) = if c.features.fc_mlp {
+        // StarCoder2: c_fc and c_proj, not gated (w_up stays empty).
+        let wq = w.take(&name("self_attn.q_proj.weight"), &[q_dim, h])?;
+        let wk = w.take(&name("self_attn.k_proj.weight"), &[kv_dim, h])?;
+        let wv = w.take(&name("self_attn.v_proj.weight"), &[kv_dim, h])?;
+        ([wq, wk, wv], [w.take(&name("mlp.c_fc.weight"), &[inter, h])?, Vec::new()])
+    } else if c.features.fused {
         // Phi-3: the rows of qkv_proj are q, then k, then v; those of gate_up_proj are gate, then up.
         let qkv = w.take(&name("self_attn.qkv_proj.weight"), &[q_dim + 2 * kv_dim, h])?;
         let gate_up = w.take(&name("mlp.gate_up_proj.weight"), &[2 * inter, h])?;
@@ -291,17 +349,27 @@ fn load_layer(w: &mut Tensors, c: &Config, i: usize) -> Result<Layer, String> {
         }
         None => None,
     };
-    let attn_norm = if c.features.no_pre_norms { None } else { Some(norm(w, c, &name("input_layernorm.weight"), h)?) };
-    let (ffn_norm, post_norms) = if c.features.post_norms {
+    let attn_norm = if c.features.no_pre_norms { None } else { Some(norm_of(w, c, &name("input_layernorm"), h)?) };
+    let (ffn_norm, post_norms) = if c.features.parallel_block {
+        (None, None)
+    } else if c.features.post_norms {
         let ffn_norm = if c.features.no_pre_norms {
             None
         } else {
-            Some(norm(w, c, &name("pre_feedforward_layernorm.weight"), h)?)
+            Some(norm_of(w, c, &name("pre_feedforward_layernorm"), h)?)
         };
         let post_attn = norm(w, c, &name("post_attention_layernorm.weight"), h)?;
         (ffn_norm, Some([post_attn, norm(w, c, &name("post_feedforward_layernorm.weight"), h)?]))
     } else {
-        (Some(norm(w, c, &name("post_attention_layernorm.weight"), h)?), None)
+        (Some(norm_of(w, c, &name("post_attention_layernorm"), h)?), None)
+    };
+    let (w_down, fc_bias, o_bias) = if c.features.fc_mlp {
+        let w_down = w.take(&name("mlp.c_proj.weight"), &[h, inter])?;
+        let b_fc = w.take(&name("mlp.c_fc.bias"), &[inter])?;
+        let fc_bias = Some([b_fc, w.take(&name("mlp.c_proj.bias"), &[h])?]);
+        (w_down, fc_bias, Some(w.take(&name("self_attn.o_proj.bias"), &[h])?))
+    } else {
+        (w.take(&name("mlp.down_proj.weight"), &[h, inter])?, None, None)
     };
     Ok(Layer {
         attn_norm,
@@ -311,11 +379,13 @@ fn load_layer(w: &mut Tensors, c: &Config, i: usize) -> Result<Layer, String> {
         qkv_bias,
         qk_norm,
         wo: w.take(&name("self_attn.o_proj.weight"), &[h, q_dim])?,
+        o_bias,
         ffn_norm,
         post_norms,
         w_gate,
         w_up,
-        w_down: w.take(&name("mlp.down_proj.weight"), &[h, inter])?,
+        w_down,
+        fc_bias,
         k_cache: Vec::new(),
         v_cache: Vec::new(),
     })
@@ -329,6 +399,35 @@ fn norm(w: &mut Tensors, c: &Config, name: &str, dim: usize) -> Result<Vec<f32>,
         gain.iter_mut().for_each(|g| *g += 1.0);
     }
     Ok(gain)
+}
+
+/// The norm `prefix` ("model.layers.{i}.input_layernorm", "model.norm"): its gain `prefix.weight`
+/// (none in families with `norm_no_gain`) and, in families with `norm_bias`, its bias `prefix.bias`.
+fn norm_of(w: &mut Tensors, c: &Config, prefix: &str, dim: usize) -> Result<Norm, String> {
+    let gain = if c.features.norm_no_gain { Vec::new() } else { norm(w, c, &format!("{prefix}.weight"), dim)? };
+    let bias = if c.features.norm_bias { w.take(&format!("{prefix}.bias"), &[dim])? } else { Vec::new() };
+    Ok(Norm { gain, bias })
+}
+
+/// `x` [hidden] normed into `out`: a LayerNorm (kernel.layer_norm) in families with `layer_norm`,
+/// else an RMSNorm (kernel.rms_norm), with the config's epsilon.
+fn apply_norm(c: &Config, x: &[f32], n: &Norm, out: &mut [f32]) {
+    if c.features.layer_norm {
+        kernels::layer_norm(x, x.len(), &n.gain, &n.bias, c.rms_norm_eps, out);
+    } else {
+        kernels::rms_norm(x, &n.gain, c.rms_norm_eps, out);
+    }
+}
+
+/// RoPE of one token's heads `x` [n_heads, head_dim] at `pos` with the layer's frequencies
+/// [rotary_dim / 2]: kernel.rope's rotation, or kernel.rotary's where the family rotates only the
+/// first rotary_dim entries of each head (StableLM) or interleaved pairs (Cohere).
+fn rotate(c: &Config, x: &mut [f32], pos: usize, n_heads: usize, freqs: &[f64]) {
+    if c.rotary_dim == c.head_dim && !c.features.interleaved_rope {
+        kernels::rope_with_freqs(x, &[pos], n_heads, freqs);
+    } else {
+        kernels::rotary_with_freqs(x, &[pos], n_heads, c.head_dim, freqs, c.features.interleaved_rope);
+    }
 }
 
 /// Consecutive row blocks of a row-major matrix with `cols` columns, `rows[j]` rows each.
@@ -347,12 +446,12 @@ fn add(x: &mut [f32], y: &[f32]) {
     }
 }
 
-/// The input of an attention or MLP block: `x` RMSNormed with `gain` into `normed`, or `x` itself
+/// The input of an attention or MLP block: `x` normed with `norm` into `normed`, or `x` itself
 /// in families without pre-norms (`no_pre_norms`).
-fn pre_norm<'a>(x: &'a [f32], gain: Option<&[f32]>, eps: f32, normed: &'a mut [f32]) -> &'a [f32] {
-    match gain {
-        Some(gain) => {
-            kernels::rms_norm(x, gain, eps, normed);
+fn pre_norm<'a>(c: &Config, x: &'a [f32], norm: Option<&Norm>, normed: &'a mut [f32]) -> &'a [f32] {
+    match norm {
+        Some(n) => {
+            apply_norm(c, x, n, normed);
             normed
         }
         None => x,

@@ -1,9 +1,13 @@
 //! The whole engine on BabyLlama (examples/models/babyllama-105 in the metainfer repository, or the
 //! directory in `$BABYLLAMA_DIR`): the tokenizer, the stop tokens and greedy decoding against the
 //! golden output that four independent implementations agreed on (numpy, llama2.c, candle,
-//! llama.cpp; metainfer's ../shared/golden/babyllama-105-once-upon-a-time.json).
+//! llama.cpp; metainfer's ../shared/golden/babyllama-105-once-upon-a-time.json). And every family
+//! on the conformance checkpoints transformers wrote (metainfer's ../shared/conformance, or
+//! `$CONFORMANCE_DIR`): the logits at every prompt position and 16 greedy tokens equal transformers'.
 
 use std::path::PathBuf;
+
+use serde_json::Value;
 
 use crate::{generate, model::Model, tokenizer::Tokenizer};
 
@@ -72,4 +76,90 @@ fn stop_tokens_read_generation_config_first_then_config() {
     let e = generate::stop_tokens(&t).unwrap_err();
     assert!(e.contains("config.json") && e.contains("eos_token_id"), "{e}");
     let _ = std::fs::remove_dir_all(&t);
+}
+
+/// The conformance folders the engine covers, one per family it reads (config.json's model_type).
+const CONFORMANCE_FAMILIES: [&str; 14] = [
+    "cohere",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "granite",
+    "llama",
+    "mistral",
+    "olmo",
+    "olmo2",
+    "phi3",
+    "qwen2",
+    "qwen3",
+    "stablelm",
+    "starcoder2",
+];
+
+fn conformance() -> PathBuf {
+    let dir = std::env::var_os("CONFORMANCE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../../shared/conformance")));
+    assert!(
+        dir.join("llama/vectors.json").is_file(),
+        "{}: no conformance checkpoints here; set CONFORMANCE_DIR to metainfer's ../shared/conformance",
+        dir.display()
+    );
+    dir
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+/// Every family on the checkpoint transformers 5 wrote for it (random weights, config.json as
+/// transformers writes it): teacher-forced on each prompt of vectors.json, every logit within
+/// 1e-4 + 1e-4 |x| of transformers' float32 logits (both compute in f32; the measured difference is
+/// below 1e-5), and 16 greedy tokens after the prompt equal to transformers'. A folder whose family
+/// the engine does not read (mixture of experts) must be refused by name, never skipped.
+#[test]
+fn every_family_equals_transformers_on_its_conformance_checkpoint() {
+    let root = conformance();
+    let mut seen = Vec::new();
+    for entry in std::fs::read_dir(&root).unwrap() {
+        let dir = entry.unwrap().path();
+        let Ok(text) = std::fs::read_to_string(dir.join("vectors.json")) else { continue };
+        let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+        let model = Model::load(&dir);
+        if !CONFORMANCE_FAMILIES.contains(&name.as_str()) {
+            let e = model.err().unwrap_or_else(|| panic!("{name}: loaded, but is not listed as covered"));
+            assert!(e.contains("not a covered family"), "{name}: {e}");
+            continue;
+        }
+        let mut model = model.unwrap_or_else(|e| panic!("{name}: {e}"));
+        let vectors: Value = serde_json::from_str(&text).unwrap();
+        let mut worst = 0.0f64;
+        for p in vectors["prompts"].as_array().unwrap() {
+            let prompt = ids(&p["ids"]);
+            model.reset();
+            for (pos, (&token, want)) in prompt.iter().zip(p["logits"].as_array().unwrap()).enumerate() {
+                let got = model.forward(token, pos);
+                let want = want.as_array().unwrap();
+                assert_eq!(got.len(), want.len(), "{name}: vocabulary");
+                for (j, (&g, w)) in got.iter().zip(want).enumerate() {
+                    let (g, w) = (g as f64, w.as_f64().unwrap());
+                    assert!((g - w).abs() <= 1e-4 + 1e-4 * w.abs(), "{name} {:?} position {pos} logit {j}: {g} against transformers' {w}", p["text"]);
+                    worst = worst.max((g - w).abs());
+                }
+            }
+            let want = ids(&p["greedy_ids"]);
+            model.reset();
+            let mut next = generate::sample_greedy(model.prefill(&prompt, 0));
+            let mut got = vec![next];
+            while got.len() < want.len() {
+                next = generate::sample_greedy(model.forward(next, prompt.len() + got.len() - 1));
+                got.push(next);
+            }
+            assert_eq!(got, want, "{name} {:?}: greedy tokens against transformers'", p["text"]);
+        }
+        eprintln!("{name}: max |logit - transformers'| {worst:.1e}");
+        seen.push(name);
+    }
+    seen.sort();
+    assert_eq!(seen, CONFORMANCE_FAMILIES, "{}: every covered family has its folder", root.display());
 }
