@@ -216,6 +216,28 @@ pub struct PlanFigures {
     pub gaps: Vec<String>,
 }
 
+/// `ckb_conformance`: one family's reference against an independent implementation's vectors.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ConformanceFigures {
+    /// The directory checked (checkpoint and vectors.json).
+    pub dir: String,
+    /// The implementation that wrote the vectors, e.g. `transformers 5.17.0 (Gemma3ForCausalLM)`.
+    pub source: String,
+    /// sha256 of vectors.json, hex: which numbers the family was held to.
+    pub vectors_sha256: String,
+    /// Logit rows compared (one per prompt position).
+    pub positions: usize,
+    /// Largest |reference - vectors| over every logit.
+    pub max_abs_diff: f64,
+    /// The bound each logit was held to: atol and rtol.
+    pub bound: (f64, f64),
+    /// (prompt, position) of the first logit beyond the bound; null when none.
+    pub first_beyond: Option<(usize, usize)>,
+    /// Whether the reference's greedy ids equal the vectors'.
+    pub greedy_equal: bool,
+}
+
 /// The figures of one outcome, by tool.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Figures {
@@ -235,6 +257,8 @@ pub enum Figures {
     Rules(RulesFigures),
     /// `plan_engine`.
     Plan(PlanFigures),
+    /// `ckb_conformance`.
+    Conformance(ConformanceFigures),
     /// Any other tool: whatever it stored.
     Other(serde_json::Value),
 }
@@ -251,6 +275,7 @@ impl Figures {
             Figures::Serve(f) => serde_json::to_value(f),
             Figures::Rules(f) => serde_json::to_value(f),
             Figures::Plan(f) => serde_json::to_value(f),
+            Figures::Conformance(f) => serde_json::to_value(f),
             Figures::Other(v) => Ok(v.clone()),
         };
         v.unwrap_or_else(|_| serde_json::json!({}))
@@ -271,6 +296,7 @@ impl Figures {
             "serve_engine" => parse(v, Figures::Serve),
             "check_rules" => parse(v, Figures::Rules),
             "plan_engine" => parse(v, Figures::Plan),
+            "ckb_conformance" => parse(v, Figures::Conformance),
             _ => Figures::Other(v.clone()),
         }
     }

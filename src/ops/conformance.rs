@@ -8,6 +8,12 @@
 //! vectors' at the family's conformance bound (`[model.conformance]`, else its f32 logits
 //! tolerance, said so); then the reference's own greedy ids are compared with the vectors'. A
 //! directory whose config no contract covers is reported as not covered, with the reason.
+//!
+//! Each covered directory's check is recorded in the ledger as an outcome of `ckb_conformance`
+//! under the family's `id@version`, with the vectors' source and sha256. For a model family this is
+//! the evidence that counts (`evolve::evidence_gates`): numbers from an implementation its authors
+//! wrote, not an engine written to the same contract. A staged family whose check passes is
+//! promoted into the CKB working copy; one that fails stays provisional.
 
 use std::path::Path;
 
@@ -107,6 +113,50 @@ pub struct FamilyConformance {
     pub greedy_mismatch: Option<(usize, Vec<u32>, Vec<u32>)>,
     /// Covered, every logit within the bound and the greedy ids equal.
     pub passed: bool,
+    /// sha256 of the directory's vectors.json, hex (recorded with the outcome).
+    pub vectors_sha256: String,
+    /// What this check did about the family when it is a staged candidate: promoted it (passed),
+    /// or why not.
+    pub promotions: Vec<super::evolve::Promotion>,
+}
+
+impl FamilyConformance {
+    /// One line: the verdict, the largest difference, where the bound was first left.
+    pub fn line(&self) -> String {
+        if !self.covered {
+            let why: Vec<String> = self.not_covered.iter().map(|g| format!("{}: {}", g.field, g.reason)).collect();
+            return format!("{:<14} not covered: {}", self.family, why.join("; "));
+        }
+        let mut s = format!(
+            "{:<14} {} {}: max |logit diff| {:.2e} over {} positions ({}), greedy ids {}",
+            self.family,
+            if self.passed { "passed" } else { "FAILED" },
+            self.contract.as_deref().unwrap_or(""),
+            self.max_abs_diff,
+            self.positions,
+            self.bound.as_ref().map_or(String::new(), |b| format!("bound atol {:e} + rtol {:e}", b.atol, b.rtol)),
+            if self.greedy_equal { "equal" } else { "DIFFER" },
+        );
+        if let Some(b) = &self.first_beyond {
+            s += &format!(
+                "; first beyond the bound: prompt {} position {} token {} (diff {:.2e})",
+                b.prompt, b.position, b.token, b.diff
+            );
+        }
+        if let Some((p, ours, theirs)) = &self.greedy_mismatch {
+            s += &format!("; prompt {p} greedy: reference {ours:?}, vectors {theirs:?}");
+        }
+        s
+    }
+}
+
+impl Report for FamilyConformance {
+    fn passed(&self) -> bool {
+        self.passed
+    }
+    fn text(&self) -> String {
+        format!("ckb conformance {}", self.line())
+    }
 }
 
 /// The result of `ckb conformance`.
@@ -133,37 +183,17 @@ impl Report for ConformanceReport {
             if self.passed { "every covered one passed" } else { "FAILED" }
         );
         for f in &self.families {
-            if !f.covered {
-                let why: Vec<String> = f.not_covered.iter().map(|g| format!("{}: {}", g.field, g.reason)).collect();
-                s += &format!("  {:<14} not covered: {}\n", f.family, why.join("; "));
-                continue;
+            s += &format!("  {}\n", f.line());
+            for p in &f.promotions {
+                s += &format!("    {}: {}\n", p.contract, p.message);
             }
-            s += &format!(
-                "  {:<14} {} {}: max |logit diff| {:.2e} over {} positions ({}), greedy ids {}",
-                f.family,
-                if f.passed { "passed" } else { "FAILED" },
-                f.contract.as_deref().unwrap_or(""),
-                f.max_abs_diff,
-                f.positions,
-                f.bound.as_ref().map_or(String::new(), |b| format!("bound atol {:e} + rtol {:e}", b.atol, b.rtol)),
-                if f.greedy_equal { "equal" } else { "DIFFER" },
-            );
-            if let Some(b) = &f.first_beyond {
-                s += &format!(
-                    "; first beyond the bound: prompt {} position {} token {} (diff {:.2e})",
-                    b.prompt, b.position, b.token, b.diff
-                );
-            }
-            if let Some((p, ours, theirs)) = &f.greedy_mismatch {
-                s += &format!("; prompt {p} greedy: reference {ours:?}, vectors {theirs:?}");
-            }
-            s.push('\n');
         }
         s
     }
 }
 
-/// Check each directory (see the module doc).
+/// Check each directory (see the module doc), record each covered one's outcome and promote a
+/// staged family that passed.
 ///
 /// # Errors
 /// A directory outside the workspace, or one without a readable vectors.json or config.json. A
@@ -176,8 +206,35 @@ pub fn conformance(ctx: &Ctx, dirs: &[String]) -> Result<ConformanceReport> {
     let ctx = &*live;
     let mut families = Vec::new();
     for d in dirs {
+        let started = std::time::Instant::now();
         let held = ctx.confine_model(Path::new(d))?;
-        families.push(check_dir(ctx, &held)?);
+        let mut f = check_dir(ctx, &held)?;
+        if let (true, Some(id)) = (f.covered, f.contract.clone()) {
+            let tag = ctx.versioned(&[id.as_str()]);
+            let figures = crate::ledger::figures::Figures::Conformance(crate::ledger::figures::ConformanceFigures {
+                dir: f.dir.clone(),
+                source: f.source.clone(),
+                vectors_sha256: f.vectors_sha256.clone(),
+                positions: f.positions,
+                max_abs_diff: f.max_abs_diff,
+                bound: f.bound.as_ref().map_or((0.0, 0.0), |b| (b.atol, b.rtol)),
+                first_beyond: f.first_beyond.as_ref().map(|b| (b.prompt, b.position)),
+                greedy_equal: f.greedy_equal,
+            });
+            ctx.record(TOOL, None, tag.clone(), &f, figures, started);
+            if f.passed {
+                f.promotions = super::evolve::promote_on_evidence(ctx, TOOL, &tag);
+            } else if ctx.ckb.is_provisional(&id) {
+                f.promotions.push(super::evolve::Promotion {
+                    contract: tag.join(", "),
+                    promoted: false,
+                    message: "not promoted: its reference disagrees with the independent implementation's vectors; \
+                              fix the contract where the report says, propose it again, and check again"
+                        .into(),
+                });
+            }
+        }
+        families.push(f);
     }
     let covered = families.iter().filter(|f| f.covered).count();
     let passed = families.iter().filter(|f| f.covered).all(|f| f.passed);
@@ -207,8 +264,12 @@ pub fn read_vectors(dir: &(impl Files + ?Sized)) -> Result<Vectors> {
     Ok(v)
 }
 
+/// The ledger's name for a conformance check (an outcome's `tool`).
+pub const TOOL: &str = super::evolve::CONFORMANCE;
+
 fn check_dir(ctx: &Ctx, dir: &(impl Files + ?Sized)) -> Result<FamilyConformance> {
     let vectors = read_vectors(dir)?;
+    let vectors_sha256 = crate::model::embedded::sha256_hex(dir.read_text("vectors.json", &VECTORS_JSON)?.as_bytes());
     let config = model::read_config(dir)?;
     let name = config.get("model_type").and_then(Value::as_str).unwrap_or(&vectors.family).to_string();
     let mut out = FamilyConformance {
@@ -227,6 +288,8 @@ fn check_dir(ctx: &Ctx, dir: &(impl Files + ?Sized)) -> Result<FamilyConformance
         greedy_equal: false,
         greedy_mismatch: None,
         passed: false,
+        vectors_sha256,
+        promotions: Vec::new(),
     };
     let contract = match model::route(&ctx.ckb, &config) {
         Ok(c) => c,

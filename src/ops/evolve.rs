@@ -446,14 +446,32 @@ fn dry_run(contract: &Contract) -> Option<String> {
     }
 }
 
-/// The gates whose passing outcome is evidence for a contract of `kind`: a model family or a
-/// platform is exercised only by verify_generation (real weights through the whole forward pass) and
-/// by a verified profile_engine; kernels and the rest by any gate that ran the engine.
+/// The gates whose passing outcome is evidence for a contract of `kind`. A model family: only
+/// `ckb conformance`, its reference equal to numbers an independent implementation wrote (an engine
+/// written to the same contract agrees with its reference by construction, so verify_generation is
+/// no evidence about the model). A platform: verify_generation (real weights through the whole
+/// forward pass) and a verified profile_engine; kernels and the rest: any gate that ran the engine.
 pub fn evidence_gates(kind: Kind) -> &'static [&'static str] {
     match kind {
-        Kind::Model | Kind::Platform => &["verify_generation", "profile_engine"],
+        Kind::Model => &[CONFORMANCE],
+        Kind::Platform => &["verify_generation", "profile_engine"],
         _ => &["compile_engine", "run_kernel_test", "verify_generation", "profile_engine"],
     }
+}
+
+/// The ledger's name for a `ckb conformance` check (an outcome's `tool`): a model family's evidence.
+pub const CONFORMANCE: &str = "ckb_conformance";
+
+/// What a staged model family still needs to be promoted: said by the gates that pass under it
+/// (which are not its evidence), by plan and by `ckb promote`.
+pub fn family_evidence_needed(id: &str) -> String {
+    format!(
+        "{id} stays provisional until its reference equals numbers an independent implementation wrote: \
+         run `metainfer ckb conformance DIR` on a directory with a tiny checkpoint of the family and its \
+         vectors.json (the logits the model's own implementation, e.g. transformers, gives at every \
+         position of a few prompts, and its greedy ids); a passing check promotes it. An engine's passing verify is not evidence: it was written to the \
+         same contract"
+    )
 }
 
 /// Whether outcome `o` is evidence for the contract `tag` (`id@version`) of `kind`.
@@ -503,8 +521,12 @@ pub fn promote(ctx: &Ctx, id: &str, force: bool) -> Result<String> {
         )));
     };
     if evidence.is_none() && !force {
+        let how = match contract.kind {
+            Kind::Model => family_evidence_needed(&tag),
+            _ => "build an engine that passes the gates using it".to_string(),
+        };
         return Err(Error::usage(format!(
-            "no evidence for {tag}: no passing {} outcome ran under it; build an engine that passes the gates using it, or promote by hand with --force",
+            "no evidence for {tag}: no passing {} outcome ran under it; {how}; or promote by hand with --force",
             evidence_gates(contract.kind).join(" or ")
         )));
     }
@@ -563,7 +585,17 @@ pub fn promote_on_evidence(ctx: &Ctx, gate: &str, contracts: &[String]) -> Vec<P
     for tag in contracts {
         let id = tag.split('@').next().unwrap_or(tag);
         let Ok(c) = ctx.ckb.get(id) else { continue };
-        if !ctx.ckb.is_provisional(id) || !evidence_gates(c.kind).contains(&gate) {
+        if !ctx.ckb.is_provisional(id) {
+            continue;
+        }
+        if !evidence_gates(c.kind).contains(&gate) {
+            if c.kind == Kind::Model && evidence_gates(Kind::Platform).contains(&gate) {
+                out.push(Promotion {
+                    contract: tag.clone(),
+                    promoted: false,
+                    message: format!("not promoted by {gate}: {}", family_evidence_needed(tag)),
+                });
+            }
             continue;
         }
         let (promoted, message) = match promote(ctx, id, false) {

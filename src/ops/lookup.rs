@@ -76,6 +76,10 @@ pub struct ContractFull {
     /// (`--max-output`); 0 when whole. The whole contract is the resource `ckb://contract/{id}`.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub cut: usize,
+    /// A staged candidate (proposed, not promoted): plan and scaffold route through it
+    /// provisionally; what would promote it is in plan's `provisional` description.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub staged: bool,
 }
 
 fn is_zero(n: &usize) -> bool {
@@ -146,7 +150,8 @@ impl Report for LookupReport {
                 ids.join(", ")
             );
             for c in &self.contracts {
-                s += &format!("- {} (v{}, {}): {}\n", c.id, c.version, c.kind, c.summary);
+                let staged = if c.staged { ", staged: proposed, not promoted" } else { "" };
+                s += &format!("- {} (v{}, {}{staged}): {}\n", c.id, c.version, c.kind, c.summary);
                 if c.cut > 0 {
                     s += &format!(
                         "  {} characters of its TOML and graph cut to the output bound; read it whole as resource ckb://contract/{}\n",
@@ -180,7 +185,7 @@ fn brief(c: &Contract) -> ContractBrief {
     ContractBrief { id: c.id.clone(), kind: c.kind.prefix().into(), version: c.version, summary: c.summary.clone() }
 }
 
-fn full(c: &Contract) -> Result<ContractFull> {
+fn full(c: &Contract, staged: bool) -> Result<ContractFull> {
     Ok(ContractFull {
         id: c.id.clone(),
         kind: c.kind.prefix().into(),
@@ -191,6 +196,7 @@ fn full(c: &Contract) -> Result<ContractFull> {
         toml: toml::to_string_pretty(c).map_err(|e| Error::internal(format!("cannot render {}: {e}", c.id)))?,
         graph: c.model.as_ref().and_then(|m| m.graph.as_ref()).map(crate::ckb::graph::render_graph),
         cut: 0,
+        staged,
     })
 }
 
@@ -200,6 +206,9 @@ fn full(c: &Contract) -> Result<ContractFull> {
 /// Unknown id, family or phase, none of id/ids/phase/query given, or a stale cursor.
 pub fn lookup(ctx: &Ctx, req: &LookupRequest) -> Result<LookupReport> {
     let started = std::time::Instant::now();
+    // Staged candidates too: the contract a new family's engine is written from.
+    let live = ctx.live();
+    let ctx = &*live;
     let mut report = lookup_only(ctx, req)?;
     bound(&mut report, ctx.max_output);
     let ids: Vec<&str> =
@@ -288,7 +297,10 @@ fn lookup_only(ctx: &Ctx, req: &LookupRequest) -> Result<LookupReport> {
         }
         seen
     };
-    let contracts = ids.iter().map(|id| ctx.ckb.get(id).and_then(full)).collect::<Result<Vec<_>>>()?;
+    let contracts = ids
+        .iter()
+        .map(|id| ctx.ckb.get(id).and_then(|c| full(c, ctx.ckb.is_provisional(id))))
+        .collect::<Result<Vec<_>>>()?;
     let rest = super::page::after(contracts, req.cursor.as_deref(), |c| c.id.clone())?;
     let (page, cut) = super::page::fit(rest, budget);
     let next_cursor = cut.then(|| page.last().map(|c| c.id.clone())).flatten();

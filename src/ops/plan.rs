@@ -76,7 +76,9 @@ pub struct PlanReport {
     pub gaps: Vec<Gap>,
     /// Staged candidates (`id@version`) the plan routes through because no promoted contract covers
     /// the constraints: the engine can be scaffolded and gated under them, and a passing
-    /// verify_generation (or verified profile_engine) promotes them. Empty when covered.
+    /// verify_generation (or verified profile_engine) promotes a platform, and a passing `ckb
+    /// conformance` on an independent implementation's vectors promotes a model family. Empty when
+    /// covered.
     pub provisional: Vec<String>,
     /// Phases in build order.
     pub phases: Vec<PhasePlan>,
@@ -139,7 +141,7 @@ impl Report for PlanReport {
             format!("covered: {} on {} in {}\n", self.family, self.platform, self.dtype)
         } else if self.gaps.is_empty() {
             format!(
-                "covered provisionally: {} on {} in {}, through staged candidate(s) {}; a passing verify_generation under them promotes them\n",
+                "covered provisionally: {} on {} in {}, through staged candidate(s) {}; a staged platform is promoted by a passing verify_generation under it, a staged model family only by a passing `ckb conformance` on vectors its own implementation wrote (its engine's verify is no evidence)\n",
                 self.family,
                 self.platform,
                 self.dtype,
@@ -571,27 +573,48 @@ impl Goals {
             if has("fused_gate_up") { ", gate and up from one fused gate_up_proj" } else { "" }
         );
         let listed: Vec<String> = m.features.iter().map(|f| feature_text(f)).filter(|t| !t.is_empty()).collect();
-        let decoder_layer = format!(
-            "one {} decoder layer: {}, residual; {mlp}, residual{}",
-            family.id,
-            attn.join(", "),
-            if listed.is_empty() { String::new() } else { format!(". Family features: {}", listed.join("; ")) }
-        );
+        let tolerance = m
+            .logits_tolerance
+            .get(dtype)
+            .map(|t| format!("atol {} rtol {}", t.atol, t.rtol))
+            .unwrap_or_else(|| "no tolerance stated".into());
         let tied = cfg.map(|c| c.tied).unwrap_or(false);
-        let full_forward = format!(
-            "all layers of {}: embedding{}, the layers, final {norm}, then {}: Model::forward and Model::prefill give logits within the family's tolerance at {dtype} ({})",
-            family.id,
-            if has("embed_scale_sqrt_hidden") { " scaled by sqrt(hidden) rounded to f32" } else { "" },
-            if tied {
-                "the embedding matrix as the output matrix (tie_word_embeddings: an lm_head.weight in the file is ignored)"
-            } else {
-                "lm_head.weight"
-            },
-            m.logits_tolerance
-                .get(dtype)
-                .map(|t| format!("atol {} rtol {}", t.atol, t.rtol))
-                .unwrap_or_else(|| "no tolerance stated".into())
-        );
+        let head = if tied {
+            "the embedding matrix as the output matrix (tie_word_embeddings: an lm_head.weight in the file is ignored)"
+        } else {
+            "lm_head.weight"
+        };
+        // The family's graph is what it computes: the goals are rendered from it where it has one.
+        let (decoder_layer, full_forward) = match &m.graph {
+            Some(g) => (
+                format!(
+                    "one {} decoder layer as its graph computes it, node by node (`stream` = the residual stream in; \
+                     the last node's output goes on): {}",
+                    family.id,
+                    graph_line(&g.layer)
+                ),
+                format!(
+                    "all layers of {}: the prologue {}, the layers, the epilogue {} (tied: {head}): Model::forward and \
+                     Model::prefill give logits within the family's tolerance at {dtype} ({tolerance})",
+                    family.id,
+                    graph_line(&g.prologue),
+                    graph_line(&g.epilogue),
+                ),
+            ),
+            None => (
+                format!(
+                    "one {} decoder layer: {}, residual; {mlp}, residual{}",
+                    family.id,
+                    attn.join(", "),
+                    if listed.is_empty() { String::new() } else { format!(". Family features: {}", listed.join("; ")) }
+                ),
+                format!(
+                    "all layers of {}: embedding{}, the layers, final {norm}, then {head}: Model::forward and Model::prefill give logits within the family's tolerance at {dtype} ({tolerance})",
+                    family.id,
+                    if has("embed_scale_sqrt_hidden") { " scaled by sqrt(hidden) rounded to f32" } else { "" },
+                ),
+            ),
+        };
         let layout = match weights {
             Some(w) if w.sharded => format!("the {} shards model.safetensors.index.json names", w.files.len()),
             Some(_) => "model.safetensors".into(),
@@ -630,6 +653,19 @@ impl Goals {
             format!("tokenizer matches HF tokenizers exactly: {tok}; greedy tokens match the reference exactly{stops}");
         Goals { weight_loading, decoder_layer, full_forward, generation }
     }
+}
+
+/// Graph nodes on one line, in order: `name = op(inputs) param=expression`, joined by "; " (the
+/// weights each node reads are in the contract's graph, `lookup_contract`).
+fn graph_line(nodes: &[crate::ckb::GraphNode]) -> String {
+    nodes
+        .iter()
+        .map(|n| {
+            let params: String = n.params.iter().map(|(k, v)| format!(" {k}={v}")).collect();
+            format!("{} = {}({}){params}", n.name, n.op, n.inputs.join(", "))
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// The constraints as a scaffold records them in the engine's `metainfer.toml`.

@@ -1417,6 +1417,29 @@ fn literal_value(text: &str) -> Option<serde_json::Value> {
     serde_json::from_str(text.trim()).ok()
 }
 
+/// The parameters a family's graph binds on a config: (every bound tensor's elements, the
+/// elements of the embedding table the prologue's `embedding` node reads), from the same plan synth
+/// writes checkpoints by (each weight's declared shape evaluated on the config; a tied head is the
+/// table itself, counted once). What a decoded token streams is the total less the table when the
+/// head is untied (one embedding row is read), the total when tied (the table is the head).
+///
+/// # Errors
+/// As [`synth_config_for`]'s resolution: not a model family with a graph, or a config that does not
+/// resolve against it.
+pub fn graph_parameters(contract: &crate::ckb::Contract, config: &serde_json::Value) -> Result<(usize, usize)> {
+    let plan = graph_plan(contract, config)?;
+    let graph = contract.model.as_ref().and_then(|m| m.graph.as_ref());
+    let tables: Vec<&String> = graph
+        .into_iter()
+        .flat_map(|g| g.prologue.iter())
+        .filter(|n| n.op == "embedding")
+        .flat_map(|n| n.weights.values())
+        .collect();
+    let total = plan.iter().map(PlannedTensor::len).sum();
+    let table = plan.iter().filter(|t| tables.contains(&&t.name)).map(PlannedTensor::len).sum();
+    Ok((total, table))
+}
+
 /// The forward-pass features of a built-in family by its model_type, as its contract lists them
 /// (what [`synth_tensors`] writes tensors for).
 pub fn builtin_features(model_type: &str) -> Vec<String> {

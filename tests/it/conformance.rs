@@ -375,3 +375,59 @@ fn synth_writes_the_tensors_transformers_writes_for_every_covered_family() {
         assert!(logits.len() == cfg.vocab && logits.iter().all(|v| v.is_finite()), "{name}");
     }
 }
+
+/// plan's phase goals say what the family's graph computes, not a Llama layer with its features
+/// listed: Cohere's layer is a LayerNorm feeding attention and the MLP (parallel) with interleaved
+/// RoPE and its logits scaled (transformers' CohereForCausalLM), Gemma 3's RoPE base is chosen by
+/// the layer's type.
+#[test]
+fn plan_goals_are_rendered_from_the_family_graph() {
+    use metainfer::ops::plan::{PlanRequest, plan_only};
+    let t = tempfile::tempdir().unwrap();
+    let c = ctx(t.path());
+    let goal = |name: &str, phase: &str| -> String {
+        let req = PlanRequest {
+            model: shared().join("conformance").join(name).display().to_string(),
+            target: "cpu".into(),
+            dtype: "f32".into(),
+            platform: None,
+            serving: None,
+        };
+        let r = plan_only(&c, &req).unwrap();
+        assert!(r.covered, "{name}: {:?}", r.gaps);
+        r.phases.iter().find(|p| p.phase == phase).unwrap_or_else(|| panic!("{name}: no {phase}")).goal.clone()
+    };
+    let layer = goal("cohere", "decoder_layer");
+    assert!(layer.contains("attn_norm = layer_norm(stream) eps=layer_norm_eps"), "{layer}");
+    assert!(layer.contains("gate = linear(attn_norm)") && layer.contains("interleaved=1"), "{layer}");
+    assert!(!layer.contains("RMSNorm") && !layer.contains("rms_norm"), "{layer}");
+    let forward = goal("cohere", "full_forward");
+    assert!(forward.contains("logits = scale(lm_head) factor=logit_scale"), "{forward}");
+    let layer = goal("gemma3_text", "decoder_layer");
+    assert!(layer.contains("theta=rope_parameters[layer_types[layer]].rope_theta"), "{layer}");
+}
+
+/// The parameters a family's graph binds (what profile_engine's roofline streams per token) equal
+/// transformers' own count for every covered family: the `parameters` column of
+/// ../shared/conformance/README.md (transformers' num_parameters, a tied head counted once).
+#[test]
+fn graph_parameters_equal_transformers_parameter_counts() {
+    let readme = std::fs::read_to_string(shared().join("conformance/README.md")).unwrap();
+    let published: std::collections::BTreeMap<String, usize> = readme
+        .lines()
+        .filter_map(|l| {
+            let cells: Vec<&str> = l.split('|').map(str::trim).collect();
+            let n = cells.get(3)?.replace(',', "").parse::<usize>().ok()?;
+            Some((cells.get(1)?.to_string(), n))
+        })
+        .collect();
+    for name in COVERED {
+        let (contract, cfg, _) = checkpoint(name);
+        let config = serde_json::Value::Object(
+            metainfer::model::read_config(shared().join("conformance").join(name).as_path()).unwrap(),
+        );
+        let (total, table) = metainfer::ops::synth::graph_parameters(&contract, &config).unwrap();
+        assert_eq!(Some(&total), published.get(*name), "{name}: parameters the graph binds");
+        assert_eq!(table, cfg.vocab * cfg.hidden, "{name}: the embedding table");
+    }
+}

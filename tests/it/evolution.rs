@@ -6,8 +6,11 @@
 //!
 //! Each goes: plan reports the gap -> an agent's proposal is staged (a broken one is refused, nothing
 //! staged) -> the gates run an engine under the staged contract, which routes provisionally and is
-//! recorded as `id@version` -> the passing gate promotes it into the CKB working copy (a temporary copy
-//! of contracts/) -> plan covers the target. The engine is the plain example engine, which reads
+//! recorded as `id@version` -> the evidence promotes it into the CKB working copy (a temporary copy of
+//! contracts/) -> plan covers the target. For the platform the evidence is the passing gate; for the
+//! family it is `ckb conformance` against transformers' own numbers (../shared/conformance/phi3): an
+//! engine agreeing with the contract it was written from proves nothing about the model, and a
+//! family whose engine agrees with a wrong contract is not promoted. The engine is the plain example engine, which reads
 //! fused layouts (`fused_qkv`, `fused_gate_up`), with a metainfer.toml naming the new family or
 //! target.
 //!
@@ -20,13 +23,14 @@ use metainfer::ckb::Ckb;
 use metainfer::harness::Budget;
 use metainfer::ledger::Ledger;
 use metainfer::model;
-use metainfer::ops::Ctx;
+use metainfer::ops::conformance::conformance;
 use metainfer::ops::evolve::{ProposeRequest, promote, propose};
 use metainfer::ops::kernel_test::{KernelTestRequest, kernel_test};
 use metainfer::ops::plan::{PlanRequest, plan};
 use metainfer::ops::profile::{ProfileRequest, profile};
 use metainfer::ops::synth::{SynthRequest, synth_config, synth_config_for, write_checkpoint, write_checkpoint_with};
 use metainfer::ops::verify::{VerifyRequest, verify};
+use metainfer::ops::{Ctx, Report};
 use metainfer::oracle::llama::Reference;
 
 use crate::Engine;
@@ -169,6 +173,15 @@ fn phi3_fused_layout_family_is_proposed_gated_and_promoted() {
     assert!(r.gaps.is_empty(), "{:?}", r.gaps);
     let cfg = r.config.unwrap();
     assert_eq!(cfg.features, ["fused_qkv", "fused_gate_up"], "a null sliding_window drops that feature");
+    // lookup_contract reads the staged candidate, marked staged (the engine is written from it).
+    let req = metainfer::ops::lookup::LookupRequest { id: Some("model.phi3".into()), ..Default::default() };
+    let l = metainfer::ops::lookup::lookup(&ctx, &req).unwrap();
+    assert!(l.contracts.len() == 1 && l.contracts[0].staged && l.contracts[0].version == 1, "{:?}", l.contracts);
+    assert!(
+        Report::text(&l).contains("model.phi3 (v1, model, staged: proposed, not promoted)"),
+        "{}",
+        Report::text(&l)
+    );
     // No evidence yet: no promotion without --force.
     let e = promote(&ctx, "model.phi3", false).unwrap_err();
     assert!(e.message.contains("no evidence for model.phi3@1"), "{}", e.message);
@@ -205,11 +218,31 @@ fn phi3_fused_layout_family_is_proposed_gated_and_promoted() {
     let o = last_outcome(&ctx, "verify_generation");
     assert!(o.passed && o.contracts.contains(&"model.phi3@1".to_string()), "{:?}", o.contracts);
 
-    // 5. The passing verify is the evidence: it promoted the candidate into the working copy.
+    // 5. The passing verify is not evidence for a family (the engine was written to the same
+    // contract): it says what is, and the candidate stays staged.
     assert_eq!(v.promotions.len(), 1, "{:?}", v.promotions);
     let p = &v.promotions[0];
-    assert!(p.promoted && p.contract == "model.phi3@1", "{p:?}");
-    assert!(p.message.contains(&format!("evidence: outcome {} of verify_generation", o.id)), "{}", p.message);
+    assert!(!p.promoted && p.contract == "model.phi3@1", "{p:?}");
+    assert!(p.message.contains("ckb conformance") && p.message.contains("not evidence"), "{}", p.message);
+    assert!(!wc.join("models/phi3.toml").exists() && ctx.candidates_dir().join("models/phi3.toml").is_file());
+    let e = promote(&ctx, "model.phi3", false).unwrap_err();
+    assert!(
+        e.message.contains("no evidence for model.phi3@1") && e.message.contains("ckb conformance"),
+        "{}",
+        e.message
+    );
+    // transformers' own numbers are: the conformance check passes, is recorded, and promotes.
+    let vectors = crate::shared().join("conformance/phi3");
+    let c = conformance(&ctx, &[s(&vectors)]).unwrap();
+    assert!(c.passed && c.families[0].contract.as_deref() == Some("model.phi3"), "{}", Report::text(&c));
+    let o = last_outcome(&ctx, "ckb_conformance");
+    assert!(o.passed && o.authenticated && o.contracts == ["model.phi3@1"], "{o:?}");
+    let sha = metainfer::model::embedded::sha256_hex(&std::fs::read(vectors.join("vectors.json")).unwrap());
+    assert_eq!(o.figures["vectors_sha256"].as_str(), Some(sha.as_str()));
+    assert!(o.figures["source"].as_str().unwrap().starts_with("transformers 5."), "{}", o.figures);
+    let p = &c.families[0].promotions;
+    assert!(p.len() == 1 && p[0].promoted && p[0].contract == "model.phi3@1", "{p:?}");
+    assert!(p[0].message.contains(&format!("evidence: outcome {} of ckb_conformance", o.id)), "{}", p[0].message);
     assert!(wc.join("models/phi3.toml").is_file());
     assert!(!ctx.candidates_dir().join("models/phi3.toml").exists());
     let promoted = Ckb::from_dir(&wc).unwrap();
@@ -251,7 +284,7 @@ fn phi3_fused_layout_family_is_proposed_gated_and_promoted() {
     let out = cli(&["ckb", "promote", "model.phi3"]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(text.contains("evidence: outcome") && text.contains("verify_generation"), "{text}");
+    assert!(text.contains("evidence: outcome") && text.contains("ckb_conformance"), "{text}");
     assert!(wc2.join("models/phi3.toml").is_file());
 
     // ...while the built-in CKB ships Phi-3 (model.phi3, held to transformers' own logits by
@@ -410,4 +443,65 @@ fn synth_output_of_the_builtin_families_is_unchanged() {
         );
         assert_eq!(got, (tensors, config), "{family}");
     }
+}
+
+/// A family proposed with a wrong detail (Phi-3 with the k and v row blocks of qkv_proj exchanged)
+/// and an engine written to it (the plain engine, splitting k and v the same wrong way) agree: every
+/// gate passes, on transformers' own Phi-3 checkpoint too. That agreement is not evidence, so nothing
+/// is promoted; transformers' vectors disagree (the report names the first prompt position beyond
+/// the bound) and the family stays provisional. The same family with the detail right passes the
+/// same check and is promoted, its vectors' source and hash recorded as the evidence.
+#[test]
+fn an_engine_agreeing_with_a_wrong_family_is_no_evidence_the_vectors_decide() {
+    let t = tempfile::tempdir().unwrap();
+    let (ctx, wc) = working_copy_ctx(t.path());
+    let right = fixture("model.phi3.toml");
+    let k = r#"row_offset = "n_heads*head_dim", rows = "n_kv_heads*head_dim""#;
+    let v = r#"row_offset = "n_heads*head_dim+n_kv_heads*head_dim", rows = "n_kv_heads*head_dim""#;
+    assert!(right.contains(k) && right.contains(v));
+    let wrong = right.replace(k, "K_ROWS").replace(v, k).replace("K_ROWS", v);
+    let r = propose(&ctx, &ProposeRequest { toml: wrong }).unwrap();
+    assert!(r.staged, "{r:?}");
+    let vectors = crate::shared().join("conformance/phi3");
+
+    // An engine written to the wrong contract: k and v taken from each other's rows.
+    let engine = t.path().join("engine");
+    engine_for(Engine::Plain, &engine, "model.phi3", "cpu");
+    crate::inject(
+        &engine,
+        "src/model.rs",
+        "(split_rows(&qkv, [q_dim, kv_dim, kv_dim], h), split_rows(&gate_up, [inter, inter], h))",
+        "({ let [q, k, v] = split_rows(&qkv, [q_dim, kv_dim, kv_dim], h); [q, v, k] }, split_rows(&gate_up, [inter, inter], h))",
+    );
+    let kt = kernel_test(&ctx, &kernels_req(&engine), &budget()).unwrap();
+    assert!(kt.passed, "{}", Report::text(&kt));
+    let ver = verify(&ctx, &verify_req(&engine, &vectors), &budget()).unwrap();
+    assert!(ver.passed && ver.family == "model.phi3", "engine and contract agree: {}", Report::text(&ver));
+    assert!(ver.promotions.len() == 1 && !ver.promotions[0].promoted, "{:?}", ver.promotions);
+
+    // The vectors decide: the reference disagrees with transformers' logits (the first prompt
+    // position beyond the bound is named), and nothing is promoted.
+    let c = conformance(&ctx, &[s(&vectors)]).unwrap();
+    let f = &c.families[0];
+    assert!(f.covered && !f.passed && !c.passed, "{}", Report::text(&c));
+    let b = f.first_beyond.as_ref().unwrap_or_else(|| panic!("{}", Report::text(&c)));
+    assert!(b.prompt == 0 && b.diff > 1e-2, "{b:?}");
+    assert!(Report::text(&c).contains(&format!("first beyond the bound: prompt 0 position {}", b.position)));
+    assert!(f.promotions.len() == 1 && !f.promotions[0].promoted, "{:?}", f.promotions);
+    let o = last_outcome(&ctx, "ckb_conformance");
+    assert!(!o.passed && o.contracts == ["model.phi3@1"], "{o:?}");
+    assert_eq!(o.figures["first_beyond"], serde_json::json!([b.prompt, b.position]));
+    assert!(promote(&ctx, "model.phi3", false).is_err());
+    assert!(!wc.join("models/phi3.toml").exists() && ctx.candidates_dir().join("models/phi3.toml").is_file());
+
+    // The detail right, as version 2: the same check passes and promotes it.
+    let r = propose(&ctx, &ProposeRequest { toml: right.replacen("version = 1", "version = 2", 1) }).unwrap();
+    assert!(r.staged, "{r:?}");
+    let c = conformance(&ctx, &[s(&vectors)]).unwrap();
+    assert!(c.passed, "{}", Report::text(&c));
+    let p = &c.families[0].promotions;
+    assert!(p.len() == 1 && p[0].promoted && p[0].contract == "model.phi3@2", "{p:?}");
+    assert!(wc.join("models/phi3.toml").is_file() && !ctx.candidates_dir().join("models/phi3.toml").exists());
+    let promoted = Ckb::from_dir(&wc).unwrap();
+    assert_eq!(promoted.get("model.phi3").unwrap().version, 2);
 }

@@ -89,6 +89,12 @@ const OPS_EDGES: &[(&str, &str, &str)] = &[
     ("gate", "compile", "a harness build failure is reported as compile_engine reports it"),
     ("gate", "evolve", "a passing gate promotes the candidates it ran under"),
     ("evolve", "synth", "a proposed family's graph is dry-run on a checkpoint synth writes from the proposal"),
+    (
+        "profile",
+        "synth",
+        "the roofline's bytes per token are the tensors the family's graph binds, as synth plans them",
+    ),
+    ("conformance", "evolve", "a passing conformance check is a model family's evidence and promotes it"),
     ("verify", "localise", "verify_generation localises a failing step by comparing traces"),
 ];
 

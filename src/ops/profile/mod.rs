@@ -484,14 +484,12 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     let verified = crate::ledger::Ledger::open(&ctx.ledger)
         .and_then(|l| l.passed_on("verify_generation", &gate.engine.hash, &target.dtype))
         .unwrap_or(false);
-    let weights = (cfg.vocab * cfg.hidden * if cfg.tied { 1 } else { 2 })
-        + cfg.n_layers
-            * (cfg.hidden * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
-                + 3 * cfg.hidden * cfg.intermediate
-                + 2 * cfg.hidden)
-        + cfg.hidden;
-    // The embedding row read per token is negligible; lm_head (or the tied table) is read in full.
-    let streamed = (weights - if cfg.tied { 0 } else { cfg.vocab * cfg.hidden }) as f64;
+    // The weights the family's graph binds on this config (no Llama shape assumed): the embedding
+    // row read per token is negligible; lm_head (or the tied table) is read in full.
+    let family = ctx.ckb.get(&cfg.family)?;
+    let config = serde_json::Value::Object(crate::model::read_config(&held)?);
+    let (weights, table) = crate::ops::synth::graph_parameters(family, &config)?;
+    let streamed = (weights - if cfg.tied { 0 } else { table }) as f64;
     let bytes_per_token = match target.dtype.as_str() {
         "bf16" | "f16" => 2.0 * streamed,
         // One f32 scale per row of hidden (or intermediate) weights: about 4 / hidden bytes each.
