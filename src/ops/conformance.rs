@@ -251,6 +251,11 @@ pub fn read_vectors(dir: &(impl Files + ?Sized)) -> Result<Vectors> {
     let text = dir.read_text("vectors.json", &VECTORS_JSON)?;
     let v: Vectors = serde_json::from_str(&text)
         .map_err(|e| Error::input(format!("{}: not a conformance vectors file ({e})", path.display())))?;
+    // Evidence needs numbers: an empty file would pass every comparison vacuously.
+    if v.prompts.is_empty() {
+        return Err(Error::input(format!("{}: holds no prompts; evidence needs at least one", path.display())));
+    }
+    let width = v.prompts[0].logits.first().map_or(0, Vec::len);
     for (i, p) in v.prompts.iter().enumerate() {
         if p.ids.is_empty() || p.logits.len() != p.ids.len() {
             return Err(Error::input(format!(
@@ -258,6 +263,19 @@ pub fn read_vectors(dir: &(impl Files + ?Sized)) -> Result<Vectors> {
                 path.display(),
                 p.ids.len(),
                 p.logits.len()
+            )));
+        }
+        if p.greedy_ids.is_empty() {
+            return Err(Error::input(format!(
+                "{}: prompt {i} has no greedy_ids; the implementation's greedy continuation is part of the evidence",
+                path.display()
+            )));
+        }
+        if let Some(j) = p.logits.iter().position(|row| row.len() != width || row.is_empty()) {
+            return Err(Error::input(format!(
+                "{}: prompt {i} position {j} has {} logits where the first row has {width}; every row holds the whole vocabulary",
+                path.display(),
+                p.logits[j].len()
             )));
         }
     }
@@ -331,6 +349,24 @@ fn check_dir(ctx: &Ctx, dir: &(impl Files + ?Sized)) -> Result<FamilyConformance
             return Ok(out);
         }
     };
+    let width = vectors.prompts[0].logits[0].len();
+    if width != cfg.vocab {
+        return Err(Error::input(format!(
+            "{}: the vectors' logit rows hold {width} values and config.json's vocab_size is {}; they were not written for this checkpoint",
+            dir.show("vectors.json").display(),
+            cfg.vocab
+        )));
+    }
+    if let Some((i, p)) =
+        vectors.prompts.iter().enumerate().find(|(_, p)| p.ids.iter().any(|&t| t as usize >= cfg.vocab))
+    {
+        return Err(Error::input(format!(
+            "{}: prompt {i} ({:?}) holds a token id outside the vocabulary of {}",
+            dir.show("vectors.json").display(),
+            p.text,
+            cfg.vocab
+        )));
+    }
     out.covered = true;
     let mut all_within = true;
     out.greedy_equal = true;

@@ -861,6 +861,13 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
             &tol,
         );
     }
+    if ctx.ckb.is_provisional(&family.id) {
+        // A mutant of a staged contract is no evidence about the model: the contract may be what is
+        // wrong. Name where engine and contract part, never a change to the engine.
+        for d in &mut diagnosis {
+            d.summary = staged_summary(&d.summary, &family.id);
+        }
+    }
     let mut report = VerifyReport {
         passed,
         seed,
@@ -894,6 +901,17 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         report.promotions = gate.promote();
     }
     Ok(report)
+}
+
+/// A diagnosis's summary under a staged family `id` (no conformance evidence yet): what the failure
+/// contract describes, without its fix, and why not.
+fn staged_summary(summary: &str, id: &str) -> String {
+    let what = summary.split(" Fix: ").next().unwrap_or(summary);
+    format!(
+        "{what} Not a fix: {id} is staged without conformance evidence, so the engine may be right and the \
+         contract wrong (this mutant only departs from the contract as the engine does). Compare this point \
+         with the model's own implementation (`ckb conformance` on its vectors) before changing either."
+    )
 }
 
 /// The first prompt whose logits failed, as the engine ran it: for the diagnosis and the traced rerun.

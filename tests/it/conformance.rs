@@ -431,3 +431,44 @@ fn graph_parameters_equal_transformers_parameter_counts() {
         assert_eq!(table, cfg.vocab * cfg.hidden, "{name}: the embedding table");
     }
 }
+
+/// vectors.json is evidence only with numbers in it: no prompts, a prompt without greedy ids, a
+/// logit row shorter than the vocabulary, or a token id outside it is refused by name (an empty
+/// file would otherwise pass every comparison vacuously and promote a staged family).
+#[test]
+fn vectors_without_numbers_are_refused_by_name() {
+    let t = tempfile::tempdir().unwrap();
+    let c = ctx(t.path());
+    let original = shared().join("conformance/llama");
+    let vectors: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(original.join("vectors.json")).unwrap()).unwrap();
+    type Case = (&'static str, fn(&mut serde_json::Value), &'static str);
+    let cases: [Case; 4] = [
+        ("empty", |v| v["prompts"] = serde_json::json!([]), "holds no prompts"),
+        ("no-greedy", |v| v["prompts"][1]["greedy_ids"] = serde_json::json!([]), "prompt 1 has no greedy_ids"),
+        (
+            "short-row",
+            |v| {
+                v["prompts"][0]["logits"][2].as_array_mut().unwrap().pop();
+            },
+            "prompt 0 position 2 has 104 logits where the first row has 105",
+        ),
+        (
+            "id",
+            |v| v["prompts"][3]["ids"][0] = serde_json::json!(105),
+            "prompt 3 (\"Tom and Sue went to the park\") holds a token id outside the vocabulary of 105",
+        ),
+    ];
+    for (name, edit, want) in cases {
+        let dir = t.path().join(name);
+        std::fs::create_dir(&dir).unwrap();
+        for f in ["config.json", "model.safetensors", "tokenizer.json"] {
+            std::fs::copy(original.join(f), dir.join(f)).unwrap();
+        }
+        let mut v = vectors.clone();
+        edit(&mut v);
+        std::fs::write(dir.join("vectors.json"), v.to_string()).unwrap();
+        let e = conformance(&c, &[dir.display().to_string()]).unwrap_err();
+        assert!(e.message.contains(want), "{name}: {}", e.message);
+    }
+}

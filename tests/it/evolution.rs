@@ -448,7 +448,7 @@ fn synth_output_of_the_builtin_families_is_unchanged() {
 /// A family proposed with a wrong detail (Phi-3 with the k and v row blocks of qkv_proj exchanged)
 /// and an engine written to it (the plain engine, splitting k and v the same wrong way) agree: every
 /// gate passes, on transformers' own Phi-3 checkpoint too. That agreement is not evidence, so nothing
-/// is promoted; transformers' vectors disagree (the report names the first prompt position beyond
+/// is promoted; a right engine fails verify under it and is told where, not to change; transformers' vectors disagree (the report names the first prompt position beyond
 /// the bound) and the family stays provisional. The same family with the detail right passes the
 /// same check and is promoted, its vectors' source and hash recorded as the evidence.
 #[test]
@@ -478,6 +478,18 @@ fn an_engine_agreeing_with_a_wrong_family_is_no_evidence_the_vectors_decide() {
     let ver = verify(&ctx, &verify_req(&engine, &vectors), &budget()).unwrap();
     assert!(ver.passed && ver.family == "model.phi3", "engine and contract agree: {}", Report::text(&ver));
     assert!(ver.promotions.len() == 1 && !ver.promotions[0].promoted, "{:?}", ver.promotions);
+
+    // An engine that is right fails verify under the wrong staged contract: its diagnosis names
+    // where the two part but advises no change to the engine (the contract may be what is wrong).
+    let honest = t.path().join("honest");
+    engine_for(Engine::Plain, &honest, "model.phi3", "cpu");
+    assert!(kernel_test(&ctx, &kernels_req(&honest), &budget()).unwrap().passed);
+    let hv = verify(&ctx, &verify_req(&honest, &vectors), &budget()).unwrap();
+    assert!(!hv.passed && !hv.diagnosis.is_empty(), "{}", Report::text(&hv));
+    for d in &hv.diagnosis {
+        assert!(d.summary.contains("Not a fix: model.phi3 is staged without conformance evidence"), "{d:?}");
+        assert!(!d.summary.contains(" Fix: "), "{d:?}");
+    }
 
     // The vectors decide: the reference disagrees with transformers' logits (the first prompt
     // position beyond the bound is named), and nothing is promoted.
