@@ -80,6 +80,14 @@ impl Ckb {
                         bad(&format!("/model/logits_tolerance/{d}/reasoning"), "say why these numbers".into());
                     }
                 }
+                if let Some(t) = &m.conformance {
+                    if !(t.atol >= 0.0 && t.rtol >= 0.0 && t.atol.is_finite() && t.rtol.is_finite()) {
+                        bad("/model/conformance", "atol and rtol must be finite and >= 0".into());
+                    }
+                    if t.reasoning.trim().is_empty() {
+                        bad("/model/conformance/reasoning", "say why these numbers".into());
+                    }
+                }
                 if let Some(r) = &m.rounding_margin {
                     if !(r.factor.is_finite() && (1.0..=1000.0).contains(&r.factor)) {
                         bad(

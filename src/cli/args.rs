@@ -767,7 +767,9 @@ pub enum CkbCmd {
     /// Check family contracts against an independent implementation's numbers: each DIR holds a
     /// checkpoint, config.json and vectors.json (logits at every prompt position, greedy ids). Each
     /// covered check is recorded in the ledger; a staged family that passes is promoted.
-    #[command(after_help = "Example (every folder, the trailing slash matching folders only):\n  metainfer ckb conformance ../shared/conformance/*/")]
+    #[command(
+        after_help = "Example (every folder, the trailing slash matching folders only):\n  metainfer ckb conformance ../shared/conformance/*/"
+    )]
     Conformance {
         /// Conformance directories (config.json, model.safetensors, vectors.json).
         #[arg(value_name = "DIR", required = true)]

@@ -226,6 +226,9 @@ pub struct ConformanceFigures {
     pub source: String,
     /// sha256 of vectors.json, hex: which numbers the family was held to.
     pub vectors_sha256: String,
+    /// sha256 of the contract checked (its TOML as the CKB renders it), hex: the text this outcome is
+    /// evidence for.
+    pub contract_sha256: String,
     /// Logit rows compared (one per prompt position).
     pub positions: usize,
     /// Largest |reference - vectors| over every logit.

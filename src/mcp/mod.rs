@@ -532,9 +532,11 @@ impl Server {
 
     /// Propose a new or amended contract (a model family, kernel, component, platform or failure mode) as TOML.
     /// It is validated (schema and lint, against the knowledge base) and staged; an amendment must bump the
-    /// version. A new model family or platform routes provisionally at once: plan, scaffold and the gates use it,
-    /// and a passing verify_generation (or verified profile_engine) under it promotes it into the CKB working copy
-    /// (--ckb DIR). Other proposals are promoted once the ledger holds evidence, or by a person.
+    /// version. A new model family or platform routes provisionally at once: plan, lookup, scaffold and the gates
+    /// use it. A platform is promoted into the CKB working copy (--ckb DIR) by a passing verify_generation (or
+    /// verified profile_engine) under it; a model family only by a passing `metainfer ckb conformance DIR` on
+    /// vectors its own implementation wrote (an engine written to the same contract is no evidence). Other
+    /// proposals are promoted once the ledger holds evidence, or by a person.
     #[tool(
         name = "propose_contract",
         title = "Propose a contract",
@@ -607,8 +609,8 @@ impl Server {
 
     /// Verify end-to-end generation on a real checkpoint: the engine's tokenizer against HF tokenizers, greedy
     /// tokens exactly and per-step logits within tolerance against the reference forward pass. Some prompts are
-    /// drawn at random on every run. A pass under a staged model-family or platform proposal promotes it into the
-    /// CKB working copy.
+    /// drawn at random on every run. A pass under a staged platform proposal promotes it into the CKB working copy;
+    /// under a staged model family it says what evidence would (`ckb conformance`).
     #[tool(
         name = "verify_generation",
         title = "Verify generation on a real model",
@@ -688,8 +690,8 @@ impl Server {
     }
 
     /// Measure prefill and decode tokens/s (median, min, max over several runs), time to first token and load
-    /// time, against the platform's bandwidth roofline. A verified pass under a staged model-family or platform
-    /// proposal promotes it into the CKB working copy.
+    /// time, against the platform's bandwidth roofline. A verified pass under a staged platform proposal promotes it
+    /// into the CKB working copy.
     #[tool(
         name = "profile_engine",
         title = "Profile tokens per second",

@@ -5,8 +5,9 @@
 //!   schema-valid candidate failure-mode contract per cluster, with the outcome ids as evidence.
 //! - propose_contract: validates a new or amended contract (schema + lint, against the CKB) and
 //!   stages it; nothing is staged when it fails.
-//! - promote: moves a staged contract into the CKB working copy when the ledger holds evidence (a
-//!   passing gate outcome that ran under it) or when a person forces it.
+//! - promote: moves a staged contract into the CKB working copy when the ledger holds evidence (for
+//!   a model family, a passing `ckb conformance` of exactly its text; for the others, a passing gate
+//!   outcome that ran under it) or when a person forces it.
 //!
 //! Nothing enters the CKB without promotion: candidates live in `Ctx::candidates_dir`.
 
@@ -289,7 +290,7 @@ impl Report for ProposeReport {
     fn text(&self) -> String {
         if self.staged {
             format!(
-                "staged {} v{} ({}) in {}; promote it with evidence (a passing gate that used it) or `metainfer ckb promote {}`",
+                "staged {} v{} ({}) in {}; promote it with evidence (a model family: a passing `ckb conformance` on its own implementation's vectors; otherwise a passing gate that used it) or `metainfer ckb promote {}`",
                 self.id,
                 self.version,
                 if self.amendment { "amendment" } else { "new" },
@@ -474,25 +475,35 @@ pub fn family_evidence_needed(id: &str) -> String {
     )
 }
 
-/// Whether outcome `o` is evidence for the contract `tag` (`id@version`) of `kind`.
-fn is_evidence(o: &Outcome, tag: &str, kind: Kind) -> bool {
+/// Whether outcome `o` is evidence for the contract `c` (its `id@version`, and for a model family
+/// exactly its text: a conformance pass of another proposal at the same version does not count).
+fn is_evidence(o: &Outcome, c: &Contract) -> bool {
+    let tag = format!("{}@{}", c.id, c.version);
     o.authenticated
         && !o.imported
         && !crate::ledger::unattested(o)
         && o.passed
-        && o.contracts.iter().any(|c| c == tag)
-        && evidence_gates(kind).contains(&o.tool.as_str())
+        && o.contracts.contains(&tag)
+        && evidence_gates(c.kind).contains(&o.tool.as_str())
         && match Figures::read(&o.tool, &o.figures) {
             Figures::Profile(f) => f.verified,
-            _ => true,
+            Figures::Conformance(f) => f.contract_sha256 == contract_sha256(c),
+            _ => c.kind != Kind::Model,
         }
+}
+
+/// sha256 (hex) of a contract's TOML as the CKB renders it: what a `ckb conformance` outcome records
+/// and is evidence for.
+pub fn contract_sha256(c: &Contract) -> String {
+    crate::model::embedded::sha256_hex(toml::to_string(c).unwrap_or_default().as_bytes())
 }
 
 /// Promote a staged contract into the CKB working copy.
 ///
 /// Evidence: a passing outcome this server recorded itself (authenticated, not imported) in the ledger of a gate in [`evidence_gates`] for the contract's kind
-/// that ran under exactly `id@version` (a model family: a passing verify_generation on a checkpoint it
-/// routed). Without evidence only `force` (a person's decision) promotes. The contract is written into
+/// that ran under exactly `id@version` (a model family: a passing `ckb conformance` on a directory it
+/// routed, of exactly this contract's text, [`contract_sha256`]). Without evidence only `force` (a
+/// person's decision) promotes. The contract is written into
 /// the working copy (beside the contract it amends, or under its kind's folder) and its candidate
 /// file is removed.
 ///
@@ -509,7 +520,7 @@ pub fn promote(ctx: &Ctx, id: &str, force: bool) -> Result<String> {
     let contract: Contract = toml::from_str(&text).map_err(|e| Error::input(format!("candidate {rel}: {e}")))?;
     let tag = format!("{}@{}", contract.id, contract.version);
     let ledger = Ledger::open(&ctx.ledger)?;
-    let evidence = ledger.list(0, ledger.count()?)?.into_iter().find(|o| is_evidence(o, &tag, contract.kind));
+    let evidence = ledger.list(0, ledger.count()?)?.into_iter().find(|o| is_evidence(o, &contract));
     let Some(ckb_dir) = ctx.ckb_dir.as_ref() else {
         let has = match &evidence {
             Some(o) => format!("the ledger holds evidence for {tag} (outcome {} of {}), but ", o.id, o.tool),

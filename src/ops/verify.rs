@@ -822,7 +822,7 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         passed = false;
         error = "phase order: generation matches the reference, but run_kernel_test has not passed on these exact sources; run it, then verify again".into();
     }
-    let localisation = match &first_fail {
+    let mut localisation = match &first_fail {
         Some(f) => {
             let at = Localisation {
                 prompt: f.prompt,
@@ -864,7 +864,8 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     if ctx.ckb.is_provisional(&family.id) {
         // A mutant of a staged contract is no evidence about the model: the contract may be what is
         // wrong. Name where engine and contract part, never a change to the engine.
-        for d in &mut diagnosis {
+        let at_point = localisation.iter_mut().flat_map(|l| l.mutants.iter_mut());
+        for d in diagnosis.iter_mut().chain(at_point) {
             d.summary = staged_summary(&d.summary, &family.id);
         }
     }

@@ -471,4 +471,7 @@ fn vectors_without_numbers_are_refused_by_name() {
         let e = conformance(&c, &[dir.display().to_string()]).unwrap_err();
         assert!(e.message.contains(want), "{name}: {}", e.message);
     }
+    // Folders no contract covers show nothing: the report does not pass.
+    let r = conformance(&c, &[shared().join("conformance/gpt_oss").display().to_string()]).unwrap();
+    assert!(r.covered == 0 && !r.passed, "{}", metainfer::ops::Report::text(&r));
 }

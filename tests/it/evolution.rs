@@ -459,10 +459,24 @@ fn an_engine_agreeing_with_a_wrong_family_is_no_evidence_the_vectors_decide() {
     let k = r#"row_offset = "n_heads*head_dim", rows = "n_kv_heads*head_dim""#;
     let v = r#"row_offset = "n_heads*head_dim+n_kv_heads*head_dim", rows = "n_kv_heads*head_dim""#;
     assert!(right.contains(k) && right.contains(v));
-    let wrong = right.replace(k, "K_ROWS").replace(v, k).replace("K_ROWS", v);
+    // The wrong proposal also states a bound that would pass anything.
+    let wrong = right.replace(k, "K_ROWS").replace(v, k).replace("K_ROWS", v)
+        + "\n[model.conformance]\natol = 1e30\nrtol = 1e30\nreasoning = \"anything goes\"\n";
+    let vectors = crate::shared().join("conformance/phi3");
+
+    // Another working copy sharing the ledger holds a passing check of the right Phi-3 at version 1:
+    // that is evidence for the right text only, never for another proposal at the same version.
+    let (mut other, other_wc) = working_copy_ctx(&t.path().join("other"));
+    other.ledger = ctx.ledger.clone();
+    assert!(propose(&other, &ProposeRequest { toml: right.clone() }).unwrap().staged);
+    let c = conformance(&other, &[s(&vectors)]).unwrap();
+    assert!(c.passed && c.families[0].promotions[0].promoted, "{}", Report::text(&c));
+    assert!(other_wc.join("models/phi3.toml").is_file());
+
     let r = propose(&ctx, &ProposeRequest { toml: wrong }).unwrap();
     assert!(r.staged, "{r:?}");
-    let vectors = crate::shared().join("conformance/phi3");
+    let e = promote(&ctx, "model.phi3", false).unwrap_err();
+    assert!(e.message.contains("no evidence for model.phi3@1"), "{}", e.message);
 
     // An engine written to the wrong contract: k and v taken from each other's rows.
     let engine = t.path().join("engine");
@@ -486,7 +500,8 @@ fn an_engine_agreeing_with_a_wrong_family_is_no_evidence_the_vectors_decide() {
     assert!(kernel_test(&ctx, &kernels_req(&honest), &budget()).unwrap().passed);
     let hv = verify(&ctx, &verify_req(&honest, &vectors), &budget()).unwrap();
     assert!(!hv.passed && !hv.diagnosis.is_empty(), "{}", Report::text(&hv));
-    for d in &hv.diagnosis {
+    let at_point = hv.localisation.iter().flat_map(|l| l.mutants.iter());
+    for d in hv.diagnosis.iter().chain(at_point) {
         assert!(d.summary.contains("Not a fix: model.phi3 is staged without conformance evidence"), "{d:?}");
         assert!(!d.summary.contains(" Fix: "), "{d:?}");
     }
@@ -496,6 +511,9 @@ fn an_engine_agreeing_with_a_wrong_family_is_no_evidence_the_vectors_decide() {
     let c = conformance(&ctx, &[s(&vectors)]).unwrap();
     let f = &c.families[0];
     assert!(f.covered && !f.passed && !c.passed, "{}", Report::text(&c));
+    // Held at most as loosely as the shipped families, whatever it states.
+    assert_eq!(f.bound.as_ref().map(|b| (b.atol, b.rtol)), Some((1e-4, 1e-4)));
+    assert!(f.bound_from.contains("capped"), "{}", f.bound_from);
     let b = f.first_beyond.as_ref().unwrap_or_else(|| panic!("{}", Report::text(&c)));
     assert!(b.prompt == 0 && b.diff > 1e-2, "{b:?}");
     assert!(Report::text(&c).contains(&format!("first beyond the bound: prompt 0 position {}", b.position)));
