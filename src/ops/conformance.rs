@@ -233,7 +233,8 @@ pub fn conformance(ctx: &Ctx, dirs: &[String]) -> Result<ConformanceReport> {
                     contract: tag.join(", "),
                     promoted: false,
                     message: "not promoted: its reference disagrees with the independent implementation's vectors; \
-                              fix the contract where the report says, propose it again, and check again"
+                              compare the contract with the model at the prompt position the report names, \
+                              propose it again with the version bumped, and check again"
                         .into(),
                 });
             }

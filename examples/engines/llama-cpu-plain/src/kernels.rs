@@ -77,21 +77,10 @@ pub fn rope_freqs(theta: f64, head_dim: usize) -> Vec<f64> {
 /// with element j + head_dim / 2. The angle is formed in f64 (exact enough at any position), then
 /// cos and sin are rounded to f32.
 pub fn rope_with_freqs(x: &mut [f32], positions: &[usize], n_heads: usize, freqs: &[f64]) {
-    let half = freqs.len();
-    let head_dim = 2 * half;
+    let head_dim = 2 * freqs.len();
     assert_eq!(x.len(), positions.len() * n_heads * head_dim, "rope: x must be [n_tokens, n_heads, head_dim]");
-    for (t, &pos) in positions.iter().enumerate() {
-        for (j, &freq) in freqs.iter().enumerate() {
-            let (sin, cos) = (pos as f64 * freq).sin_cos();
-            let (sin, cos) = (sin as f32, cos as f32);
-            for h in 0..n_heads {
-                let base = (t * n_heads + h) * head_dim;
-                let (a, b) = (x[base + j], x[base + j + half]);
-                x[base + j] = a * cos - b * sin;
-                x[base + j + half] = a * sin + b * cos;
-            }
-        }
-    }
+    // kernel.rotary's rotation over the whole head, half-split pairs.
+    rotary_with_freqs(x, positions, n_heads, head_dim, freqs, false);
 }
 
 /// Contract `kernel.rotary`. Partial rotary RoPE, in place. `x`: [n_tokens, n_heads, head_dim];
