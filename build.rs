@@ -1,4 +1,5 @@
-//! Embeds the shipped knowledge (contracts/, skills/, prompts/) into the binary, so that
+//! Embeds the shipped knowledge (contracts/, skills/, prompts/, and the two example engines: the
+//! SIMD one the demo builds, the plain one the skills name as the template) into the binary, so that
 //! `metainfer serve` works from any directory. Writes `$OUT_DIR/embedded.rs`: a list of
 //! (relative path, contents) pairs per folder. Writes `$OUT_DIR/embedded_data.rs`: the demo's model
 //! (examples/models/babyllama-105) and the shipped tokenizer test vectors (examples/tokenizers), as
@@ -14,6 +15,7 @@ fn main() {
         ("SKILLS", "skills", &["md"][..]),
         ("PROMPTS", "prompts", &["toml"][..]),
         ("EXAMPLE_ENGINE", "examples/engines/llama-cpu-simd", &["toml", "rs"][..]),
+        ("PLAIN_ENGINE", "examples/engines/llama-cpu-plain", &["toml", "rs"][..]),
     ] {
         let dir = Path::new(&root).join(folder);
         println!("cargo:rerun-if-changed={}", dir.display());
@@ -27,6 +29,7 @@ fn main() {
                     // Candidates are staged knowledge, never shipped.
                     && !p.strip_prefix(&dir).unwrap().starts_with("candidates")
                     && !p.strip_prefix(&dir).unwrap().starts_with("target")
+                    && p.file_name().is_some_and(|n| n != "Cargo.lock")
             })
             .collect();
         files.sort();

@@ -112,6 +112,22 @@ pub fn check_params(op: &str, p: &BTreeMap<String, f64>, head_dim: usize) -> Res
     {
         return Err(format!("limit = {l}: from 0 (0: no clamp)"));
     }
+    if let Some(k) = get("top_k")
+        && (k < 1.0 || k.fract() != 0.0)
+    {
+        return Err(format!("top_k = {k}: a whole number of experts from 1"));
+    }
+    if let Some(e) = get("experts")
+        && (e < 1.0 || e.fract() != 0.0)
+    {
+        return Err(format!("experts = {e}: a whole number of experts from 1"));
+    }
+    if let Some(r) = get("renormalize")
+        && r != 0.0
+        && r != 1.0
+    {
+        return Err(format!("renormalize = {r}: 1 (true: divide the kept weights by their sum) or 0 (false)"));
+    }
     Ok(())
 }
 
@@ -308,6 +324,11 @@ fn lint_node(
                 if pattern.contains("{i}") && block != "layer" {
                     bad(format!("weight `{pattern}` uses {{i}} outside the layer block"));
                 }
+                if pattern.contains("{e}") != (*op == "moe_experts") {
+                    bad(format!(
+                        "weight `{pattern}`: the expert index {{e}} belongs in the weights of a `moe_experts` node, and each of them names it"
+                    ));
+                }
                 match shape_of(pattern) {
                     None => bad(format!(
                         "unbound weight: `{pattern}` (slot `{name}`) is not a [[model.weights]] name of this family"
@@ -439,6 +460,33 @@ fn lint_node(
                 }
             }
             Some(q)
+        }
+        "moe_route" => {
+            if let (Some(x), Some(&k)) = (x, p.get("top_k"))
+                && k as usize > x
+            {
+                mismatch(format!("top_k {k} is more than the {x} experts the router scores"));
+            }
+            x
+        }
+        "moe_experts" => {
+            let (g, u, d) = (w.get("gate")?, w.get("up")?, w.get("down")?);
+            if g != u || d.len() != 2 || g.len() != 2 || d[0] != g[1] || d[1] != g[0] {
+                mismatch(format!(
+                    "expert gate {g:?}, up {u:?} and down {d:?}: want [inter, hidden] twice and [hidden, inter]"
+                ));
+            }
+            if let Some(x) = x
+                && x != g[1]
+            {
+                mismatch(format!("input width {x} but the experts take {}", g[1]));
+            }
+            if let (Some(r), Some(&e)) = (widths[1], p.get("experts"))
+                && r != e as usize
+            {
+                mismatch(format!("route has width {r}, experts = {e}"));
+            }
+            x
         }
         "silu_and_mul" | "gelu_tanh_and_mul" | "add" => {
             if let (Some(a), Some(b)) = (widths[0], widths[1])

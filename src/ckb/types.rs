@@ -274,7 +274,7 @@ pub struct ModelFamily {
     pub model_types: Vec<String>,
     /// config.json fields the family reads.
     pub config: Vec<ConfigField>,
-    /// config.json keys whose presence (non-null, non-false) means a feature this contract does not cover.
+    /// config.json keys whose presence (non-null, non-false, not an empty list) means a feature this contract does not cover.
     #[serde(default)]
     pub unsupported_keys: Vec<String>,
     /// Forward-pass features beyond the Llama baseline that the family always has, each one of
@@ -459,6 +459,22 @@ pub const GRAPH_OPS: &[GraphOp] = &[
         params: &[],
         doc: "kernel.gelu_tanh_and_mul: gelu_tanh(gate) * up",
         kernel: Some("kernel.gelu_tanh_and_mul"),
+    },
+    GraphOp {
+        name: "moe_route",
+        inputs: &["scores"],
+        weights: &[],
+        params: &["top_k", "renormalize"],
+        doc: "kernel.moe_route: a mixture-of-experts router's weights from its logits `scores` [n_experts] (a `linear` node on the normed stream): softmax over all experts, the `top_k` largest kept (equal scores: lower index first), divided by their sum when `renormalize` is 1 (true); [n_experts], 0 for the experts not kept",
+        kernel: Some("kernel.moe_route"),
+    },
+    GraphOp {
+        name: "moe_experts",
+        inputs: &["x", "route"],
+        weights: &["gate", "up", "down"],
+        params: &["experts"],
+        doc: "kernel.moe_experts: sum over the experts e with route[e] != 0 of route[e] * down_e(silu(gate_e x) * up_e x); `experts` experts, whose weight names give the expert index as `{e}` (one tensor per expert: gate and up [inter, hidden], down [hidden, inter]); `route` is a moe_route node",
+        kernel: Some("kernel.moe_experts"),
     },
     GraphOp {
         name: "add",

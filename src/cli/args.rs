@@ -196,6 +196,16 @@ pub enum Command {
         /// sliding_window (mistral).
         #[arg(long = "sliding-window", value_name = "N")]
         sliding_window: Option<usize>,
+        /// Mixture of experts: the expert count (num_local_experts).
+        #[arg(long, value_name = "N")]
+        experts: Option<usize>,
+        /// Mixture of experts: experts per token (num_experts_per_tok).
+        #[arg(long = "experts-per-token", value_name = "N")]
+        experts_per_token: Option<usize>,
+        /// Mixture of experts: one expert's width where the family gives it apart (qwen3_moe's
+        /// moe_intermediate_size).
+        #[arg(long = "expert-intermediate", value_name = "N")]
+        expert_intermediate: Option<usize>,
         /// Stored weight dtype: f32, bf16 or f16 (default the preset's, else f32).
         #[arg(long, value_name = "DTYPE")]
         dtype: Option<String>,

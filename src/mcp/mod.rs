@@ -754,9 +754,14 @@ impl Server {
 /// Resource URI of the coverage report.
 pub const COVERAGE_URI: &str = "ckb://coverage";
 
+/// Resource URI prefix of the plain example engine's files (`examples/engines/llama-cpu-plain`):
+/// the template an engine of any covered family imitates, one plain function per kernel contract.
+pub const PLAIN_ENGINE_URI: &str = "example://llama-cpu-plain/";
+
 impl Server {
     /// Read one resource by URI: `ckb://contract/{id}` (TOML), `ckb://coverage` (Markdown),
-    /// `skill://{name}` (SKILL.md text).
+    /// `skill://{name}` (SKILL.md text), `example://llama-cpu-plain/{path}` (the plain example
+    /// engine's sources).
     fn resource(&self, uri: &str) -> Result<(String, &'static str), ErrorData> {
         if uri == COVERAGE_URI {
             return Ok((self.ctx().live().ckb.coverage_report(), "text/markdown"));
@@ -774,8 +779,24 @@ impl Server {
                 ErrorData::resource_not_found(format!("no skill `{name}`; resources/list names them"), None)
             });
         }
+        if let Some(path) = uri.strip_prefix(PLAIN_ENGINE_URI) {
+            return crate::ckb::embedded::PLAIN_ENGINE
+                .iter()
+                .find(|(p, _)| *p == path)
+                .map(|(p, text)| {
+                    (text.to_string(), if p.ends_with(".toml") { "application/toml" } else { "text/x-rust" })
+                })
+                .ok_or_else(|| {
+                    ErrorData::resource_not_found(
+                        format!("the plain example engine has no file `{path}`; resources/list names them"),
+                        None,
+                    )
+                });
+        }
         Err(ErrorData::resource_not_found(
-            format!("unknown resource `{uri}`; use ckb://contract/{{id}}, {COVERAGE_URI} or skill://{{name}}"),
+            format!(
+                "unknown resource `{uri}`; use ckb://contract/{{id}}, {COVERAGE_URI}, skill://{{name}} or {PLAIN_ENGINE_URI}{{path}}"
+            ),
             None,
         ))
     }
@@ -810,6 +831,15 @@ impl ServerHandler for Server {
                     .with_mime_type("text/markdown"),
             );
         }
+        for (path, _) in crate::ckb::embedded::PLAIN_ENGINE {
+            out.push(
+                Resource::new(format!("{PLAIN_ENGINE_URI}{path}"), format!("llama-cpu-plain/{path}"))
+                    .with_description(
+                        "The plain example engine (every covered family, f32, one function per kernel contract): the template to imitate",
+                    )
+                    .with_mime_type(if path.ends_with(".toml") { "application/toml" } else { "text/x-rust" }),
+            );
+        }
         Ok(ListResourcesResult::with_all_items(out))
     }
 
@@ -825,6 +855,10 @@ impl ServerHandler for Server {
             ResourceTemplate::new("skill://{name}", "skill")
                 .with_description("An agent skill (SKILL.md), e.g. skill://generate-engine")
                 .with_mime_type("text/markdown"),
+            ResourceTemplate::new(format!("{PLAIN_ENGINE_URI}{{path}}"), "plain-engine")
+                .with_description(
+                    "A source file of the plain example engine, the template engine, e.g. example://llama-cpu-plain/src/model.rs",
+                ),
         ]))
     }
 

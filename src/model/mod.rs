@@ -296,9 +296,11 @@ pub fn resolve(
         }
     }
     for key in &family.unsupported_keys {
+        // Absent, null, false or an empty list (Qwen3-MoE's mlp_only_layers: []) leave it off.
         if let Some(v) = config.get(key)
             && !v.is_null()
             && v != &Value::Bool(false)
+            && v.as_array().is_none_or(|a| !a.is_empty())
         {
             gaps.push(Gap {
                 field: key.clone(),
@@ -476,6 +478,8 @@ fn check_graph(g: &crate::ckb::Graph, cfg: &ResolvedConfig, gaps: &mut Vec<Gap>)
                 ("layer", Some(i)) => Some(crate::ckb::graph::Val::Num(i as f64)),
                 _ => cfg.role(r),
             };
+            // (node, top_k) of the block's routers and the experts its experts nodes hold.
+            let (mut routers, mut experts) = (Vec::new(), Vec::new());
             for n in nodes {
                 let at = layer.map_or(n.name.clone(), |i| format!("layers.{i}.{}", n.name));
                 let mut params = BTreeMap::new();
@@ -500,6 +504,22 @@ fn check_graph(g: &crate::ckb::Graph, cfg: &ResolvedConfig, gaps: &mut Vec<Gap>)
                     });
                     return;
                 }
+                match (n.op.as_str(), params.get("top_k"), params.get("experts")) {
+                    ("moe_route", Some(k), _) => routers.push((at, n.name.clone(), n.params["top_k"].clone(), *k)),
+                    ("moe_experts", _, Some(e)) => experts.push(*e),
+                    _ => {}
+                }
+            }
+            if let Some(&fewest) = experts.iter().min_by(|a, b| a.total_cmp(b))
+                && let Some((at, name, expr, k)) = routers.into_iter().find(|r| r.3 > fewest)
+            {
+                gaps.push(Gap {
+                    field: format!("model.graph.{block}.{name}"),
+                    reason: format!(
+                        "node `{at}` keeps top_k = {k} experts per token (`{expr}`), more than the {fewest} experts the layer has: the config is inconsistent (num_experts_per_tok must be at most the expert count)"
+                    ),
+                });
+                return;
             }
         }
     }

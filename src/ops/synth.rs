@@ -226,6 +226,18 @@ pub struct SynthRequest {
     /// mistral: sliding_window (default 8).
     #[serde(default)]
     pub sliding_window: Option<usize>,
+    /// Mixture-of-experts families: the expert count (num_local_experts; default the family's
+    /// example, 4).
+    #[serde(default)]
+    pub experts: Option<usize>,
+    /// Mixture-of-experts families: experts per token (num_experts_per_tok; default the family's
+    /// example or default, 2).
+    #[serde(default)]
+    pub experts_per_token: Option<usize>,
+    /// Mixture-of-experts families whose experts have their own width (Qwen3-MoE's
+    /// moe_intermediate_size; Mixtral's experts are intermediate_size wide).
+    #[serde(default)]
+    pub expert_intermediate: Option<usize>,
     /// Stored weight dtype: `f32`, `bf16` or `f16` (default the preset's, else f32). Values are drawn
     /// in f32 and rounded to nearest even.
     #[serde(default)]
@@ -623,6 +635,8 @@ fn graph_plan(contract: &crate::ckb::Contract, config: &serde_json::Value) -> Re
     // tensor pattern -> the draws of its row blocks, in node order (row offset, rows or all, mean, std).
     type RowBlocks = Vec<(usize, Option<usize>, f32, f32)>;
     let mut uses: std::collections::BTreeMap<&str, RowBlocks> = Default::default();
+    // Expert weight pattern (`{e}`) -> the expert count of the moe_experts node binding it.
+    let mut experts: std::collections::BTreeMap<&str, usize> = Default::default();
     let last = graph.epilogue.last().map(|n| n.name.as_str());
     for (block, nodes) in [("prologue", &graph.prologue), ("layer", &graph.layer), ("epilogue", &graph.epilogue)] {
         for n in nodes.iter() {
@@ -651,6 +665,9 @@ fn graph_plan(contract: &crate::ckb::Contract, config: &serde_json::Value) -> Re
                     _ if block == "epilogue" && Some(n.name.as_str()) == last => (0.0, 0.2),
                     _ => (0.0, 1.0 / (cols.unwrap_or(1.0) as f32).sqrt()),
                 };
+                if n.op == "moe_experts" {
+                    experts.insert(pattern.as_str(), param("experts")?.unwrap_or(0));
+                }
                 let rows = param("rows")?;
                 let offset = param("row_offset")?.unwrap_or(0);
                 let entry = uses.entry(pattern.as_str()).or_default();
@@ -684,12 +701,22 @@ fn graph_plan(contract: &crate::ckb::Contract, config: &serde_json::Value) -> Re
         let per_row: usize = shape[1..].iter().product();
         let mut blocks = blocks.clone();
         blocks.sort_by_key(|b| b.0);
-        let draws = blocks
-            .iter()
-            .map(|&(offset, rows, mean, std)| (rows.unwrap_or(total - offset.min(total)) * per_row, mean, std))
-            .collect();
+        let draws_of = |blocks: &[(usize, Option<usize>, f32, f32)]| -> Vec<(usize, f32, f32)> {
+            blocks
+                .iter()
+                .map(|&(offset, rows, mean, std)| (rows.unwrap_or(total - offset.min(total)) * per_row, mean, std))
+                .collect()
+        };
         let name = layer.map_or(w.name.clone(), |i| w.name.replace("{i}", &i.to_string()));
-        out.push(PlannedTensor { name, shape, draws });
+        match experts.get(w.name.as_str()) {
+            // One tensor per expert, in expert order.
+            Some(&count) => out.extend((0..count).map(|e| PlannedTensor {
+                name: name.replace("{e}", &e.to_string()),
+                shape: shape.clone(),
+                draws: draws_of(&blocks),
+            })),
+            None => out.push(PlannedTensor { name, shape, draws: draws_of(&blocks) }),
+        }
     }
     Ok(out)
 }
@@ -1370,6 +1397,9 @@ pub fn synth_config_for(contract: &crate::ckb::Contract, req: &SynthRequest) -> 
             "rope_scaling" => serde_json::Value::Null,
             "rms_norm_eps" => literal(f.default.as_deref()).unwrap_or(json!(1e-6)),
             "rope_theta" => literal(f.default.as_deref()).unwrap_or(json!(10_000.0)),
+            "n_experts" if req.experts.is_some() => json!(req.experts),
+            "n_experts_per_tok" if req.experts_per_token.is_some() => json!(req.experts_per_token),
+            "moe_intermediate" if req.expert_intermediate.is_some() => json!(req.expert_intermediate),
             _ => match (literal(f.example.as_deref()), f.supported.first(), literal(f.default.as_deref())) {
                 (Some(v), _, _) => v,
                 (None, Some(s), _) => literal_value(s).unwrap_or_else(|| json!(s)),
@@ -1417,18 +1447,40 @@ fn literal_value(text: &str) -> Option<serde_json::Value> {
     serde_json::from_str(text.trim()).ok()
 }
 
-/// The parameters a family's graph binds on a config: (every bound tensor's elements, the
-/// elements of the embedding table the prologue's `embedding` node reads), from the same plan synth
+/// The parameters a family's graph binds on a config, counted in elements, from the same plan synth
 /// writes checkpoints by (each weight's declared shape evaluated on the config; a tied head is the
-/// table itself, counted once). What a decoded token streams is the total less the table when the
-/// head is untied (one embedding row is read), the total when tied (the table is the head).
+/// table itself, counted once).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GraphParameters {
+    /// Every bound tensor's elements (transformers' `num_parameters`).
+    pub total: usize,
+    /// The embedding table the prologue's `embedding` node reads.
+    pub table: usize,
+    /// Expert weights a decoded token does not read: per `moe_experts` node and layer, the
+    /// (experts - top_k) experts its router (`moe_route`, `top_k`) leaves out. 0 for a dense family.
+    pub idle_experts: usize,
+    /// The share of the expert weights one token reads (top_k / experts; Qwen3-30B-A3B: 8 / 128);
+    /// None for a dense family.
+    pub expert_fraction: Option<f64>,
+}
+
+impl GraphParameters {
+    /// The weights one decoded token reads: the total less the idle experts, less the table when
+    /// the head is untied (one embedding row is read; tied, the table is the head).
+    pub fn streamed(&self, tied: bool) -> usize {
+        self.total - self.idle_experts - if tied { 0 } else { self.table }
+    }
+}
+
+/// The parameters a family's graph binds on `config` ([`GraphParameters`]).
 ///
 /// # Errors
 /// As [`synth_config_for`]'s resolution: not a model family with a graph, or a config that does not
 /// resolve against it.
-pub fn graph_parameters(contract: &crate::ckb::Contract, config: &serde_json::Value) -> Result<(usize, usize)> {
+pub fn graph_parameters(contract: &crate::ckb::Contract, config: &serde_json::Value) -> Result<GraphParameters> {
     let plan = graph_plan(contract, config)?;
-    let graph = contract.model.as_ref().and_then(|m| m.graph.as_ref());
+    let family = contract.model.as_ref();
+    let graph = family.and_then(|m| m.graph.as_ref());
     let tables: Vec<&String> = graph
         .into_iter()
         .flat_map(|g| g.prologue.iter())
@@ -1437,7 +1489,33 @@ pub fn graph_parameters(contract: &crate::ckb::Contract, config: &serde_json::Va
         .collect();
     let total = plan.iter().map(PlannedTensor::len).sum();
     let table = plan.iter().filter(|t| tables.contains(&&t.name)).map(PlannedTensor::len).sum();
-    Ok((total, table))
+    let (mut idle_experts, mut expert_fraction) = (0, None);
+    if let (Some(family), Some(graph)) = (family, graph) {
+        let map = config.as_object().ok_or_else(|| Error::usage("config.json is not an object"))?;
+        let cfg = crate::model::resolve(contract, map)
+            .map_err(|_| Error::usage(format!("the config does not resolve against {}", contract.id)))?;
+        let role = |r: &str| crate::oracle::graph::config_role(&cfg, r);
+        let eval = |n: &crate::ckb::GraphNode, k: &str| {
+            n.params.get(k).and_then(|e| crate::ckb::graph::eval_expr(e, &role).ok()).map(|v| v as usize)
+        };
+        for n in graph.layer.iter().filter(|n| n.op == "moe_experts") {
+            let router = n.inputs.get(1).and_then(|r| graph.layer.iter().find(|x| &x.name == r));
+            let (Some(count), Some(k)) = (eval(n, "experts"), router.and_then(|r| eval(r, "top_k"))) else {
+                continue;
+            };
+            let per_expert: usize = n
+                .weights
+                .values()
+                .filter_map(|p| family.weights.iter().find(|w| &w.name == p))
+                .map(|w| -> usize {
+                    w.shape.iter().map(|d| crate::ckb::graph::eval_expr(d, &role).unwrap_or(0.0) as usize).product()
+                })
+                .sum();
+            idle_experts += count.saturating_sub(k) * per_expert * cfg.n_layers;
+            expert_fraction = Some(k.min(count) as f64 / count.max(1) as f64);
+        }
+    }
+    Ok(GraphParameters { total, table, idle_experts, expert_fraction })
 }
 
 /// The forward-pass features of a built-in family by its model_type, as its contract lists them

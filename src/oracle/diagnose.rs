@@ -139,6 +139,10 @@ pub fn distinguishable(m: Mutation, r: &Reference) -> bool {
         Mutation::GeluErf => r.has_op("gelu_tanh_and_mul") || r.has_op("gelu_tanh"),
         Mutation::LayerNormNoMean => r.has_op("layer_norm"),
         Mutation::RotaryFreqOverHeadDim => r.has_partial_rotary(),
+        Mutation::MoeNoRenorm => r.has_router(true),
+        Mutation::MoeSoftmaxOverTopk => r.has_router(false),
+        Mutation::MoeExpertOffByOne => r.has_op("moe_route"),
+        Mutation::MoeUnweighted => r.has_op("moe_experts"),
         _ => true,
     }
 }

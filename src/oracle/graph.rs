@@ -9,7 +9,8 @@ use std::collections::BTreeMap;
 
 use super::families::{rope_inv_freq, rope_pairs_with_freqs};
 use super::kernels::{
-    attention, embedding, gelu_tanh, gelu_tanh_and_mul, layer_norm, linear, rms_norm, rope, rotary, silu_and_mul,
+    attention, embedding, gelu_tanh, gelu_tanh_and_mul, layer_norm, linear, moe_experts, moe_route, rms_norm, rope,
+    rotary, silu_and_mul,
 };
 use super::mutants::{Mutation, Mutations};
 use super::{AttnShape, widen};
@@ -69,6 +70,8 @@ struct Prepared {
     one_plus: bool,
     /// The tensor of the node's `tied` slot at this layer, if it has one.
     tied: Option<String>,
+    /// A `moe_experts` node's gate, up and down weights, each every expert's tensor stacked.
+    experts: Option<[Bound; 3]>,
 }
 
 /// Each node's output for one step, in order, by trace name (`embed`, `layers.<i>.<name>`, ..., `logits`).
@@ -318,6 +321,16 @@ impl GraphReference {
             .any(|n| n.op == "rotary" && n.params.get("rotary_dim").is_some_and(|r| *r < hd))
     }
 
+    /// Whether some `moe_route` node renormalises its kept weights (`renormalize` true) or keeps
+    /// them as the softmax gives them (false).
+    pub fn has_router(&self, renormalize: bool) -> bool {
+        self.prologue
+            .iter()
+            .chain(self.layers.iter().flatten())
+            .chain(&self.epilogue)
+            .any(|n| n.op == "moe_route" && (n.params.get("renormalize").is_some_and(|v| *v != 0.0) == renormalize))
+    }
+
     /// Whether some node of the graph runs `op` (a [`crate::ckb::GRAPH_OPS`] name).
     pub fn has_op(&self, op: &str) -> bool {
         self.prologue.iter().chain(self.layers.iter().flatten()).chain(&self.epilogue).any(|n| n.op == op)
@@ -440,7 +453,20 @@ impl Builder<'_> {
             } else {
                 "weight"
             };
-            let weight = match n.weights.get(slot) {
+            let experts = if n.op == "moe_experts" {
+                let count = params.get("experts").map_or(0, |e| *e as usize);
+                let mut bind = |slot: &str| -> Result<Bound> {
+                    let pattern = n
+                        .weights
+                        .get(slot)
+                        .ok_or_else(|| Error::input(format!("node `{trace}`: no `{slot}` weight")))?;
+                    self.bind_experts(&trace, pattern, layer, count)
+                };
+                Some([bind("gate")?, bind("up")?, bind("down")?])
+            } else {
+                None
+            };
+            let weight = match n.weights.get(slot).filter(|_| experts.is_none()) {
                 Some(p) => Some(self.bind(&trace, p, layer, one_plus, &params)?),
                 None => None,
             };
@@ -473,10 +499,49 @@ impl Builder<'_> {
                 base_bias: bias,
                 one_plus,
                 tied,
+                experts,
             });
             names.push(&n.name);
         }
         Ok(out)
+    }
+
+    /// Load every expert's tensor of `pattern` (`{e}` = 0..count) at `layer`, each of the family's
+    /// shape, and bind them stacked by expert as one tensor [count * rows, cols].
+    fn bind_experts(&mut self, node: &str, pattern: &str, layer: Option<usize>, count: usize) -> Result<Bound> {
+        let name = layer.map_or(pattern.to_string(), |i| pattern.replace("{i}", &i.to_string()));
+        let key = (name.clone(), false);
+        if !self.keys.contains_key(&key) {
+            let spec = self.family.weights.iter().find(|w| w.name == pattern);
+            let want: Option<Vec<usize>> = spec.and_then(|s| {
+                s.shape.iter().map(|d| eval_expr(d, &|r| config_role(self.cfg, r)).ok().map(|v| v as usize)).collect()
+            });
+            let mut stacked = Vec::new();
+            let mut shape = Vec::new();
+            for e in 0..count {
+                let one = name.replace("{e}", &e.to_string());
+                let (s, v) = (self.take)(&one).ok_or_else(|| {
+                    Error::input(format!(
+                        "the checkpoint has no tensor `{one}` (expert {e} of {count}, required by {}, node `{node}`)",
+                        self.cfg.family
+                    ))
+                })?;
+                if s.len() != 2 || want.as_ref().is_some_and(|w| w != &s) {
+                    return Err(Error::input(format!("tensor `{one}` has shape {s:?}, config.json implies {want:?}")));
+                }
+                stacked.extend(super::dtypes::as_stored(&v, s[1], self.weight_dtype));
+                shape = s;
+            }
+            if count == 0 {
+                return Err(Error::input(format!(
+                    "node `{node}`: `experts` is 0; the family needs at least one expert"
+                )));
+            }
+            self.store.push(stacked);
+            self.keys.insert(key.clone(), (self.store.len() - 1, vec![count * shape[0], shape[1]]));
+        }
+        let (at, shape) = &self.keys[&key];
+        Ok(Bound { at: *at, cols: shape[1], offset: 0, rows: shape[0] })
     }
 
     /// Load (once) the tensor of `pattern` at `layer` and bind the node's row block of it.
@@ -724,6 +789,27 @@ impl Exec<'_> {
                         attention::core_with(q, keys, values, shape, f, scale, cap.copied().unwrap_or(0.0))
                     }
                 }
+            }
+            "moe_route" => {
+                let f = moe_route::Faults {
+                    no_renorm: m.has(Mutation::MoeNoRenorm),
+                    softmax_over_topk: m.has(Mutation::MoeSoftmaxOverTopk),
+                    ties_last: false,
+                    off_by_one: m.has(Mutation::MoeExpertOffByOne),
+                };
+                let renormalize = n.params.get("renormalize").is_some_and(|r| *r != 0.0);
+                moe_route::core(input(0), n.params["top_k"] as usize, renormalize, f)
+            }
+            "moe_experts" => {
+                let [g, u, d] = n.experts.expect("experts bound");
+                let count = n.params["experts"] as usize;
+                let inter = g.rows / count.max(1);
+                let f = moe_experts::Faults {
+                    unweighted: m.has(Mutation::MoeUnweighted),
+                    linear: linear::Faults { xw: m.has(Mutation::LinearXw) },
+                    silu: silu_and_mul::Faults { swapped: m.has(Mutation::SiluSwapped) },
+                };
+                moe_experts::core(input(0), input(1), &self.store[g.at], &self.store[u.at], &self.store[d.at], inter, f)
             }
             "silu_and_mul" => {
                 silu_and_mul::core(input(0), input(1), silu_and_mul::Faults { swapped: m.has(Mutation::SiluSwapped) })

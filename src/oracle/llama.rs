@@ -480,6 +480,15 @@ impl Reference {
         }
     }
 
+    /// Whether some router of the forward pass (a graph's `moe_route` node) renormalises its kept
+    /// weights (`renormalize` true) or keeps them as the softmax gives them (false).
+    pub fn has_router(&self, renormalize: bool) -> bool {
+        match &self.0 {
+            Inner::Graph(r) => r.has_router(renormalize),
+            Inner::Handwritten(_) => false,
+        }
+    }
+
     /// Whether the forward pass rotates only part of each head (a graph's partial rotary node).
     pub fn has_partial_rotary(&self) -> bool {
         match &self.0 {

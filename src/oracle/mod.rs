@@ -14,6 +14,7 @@ pub mod families;
 pub mod graph;
 pub mod kernels;
 pub mod llama;
+pub mod moe;
 pub mod mutants;
 
 pub use compare::{NonFinite, Side, UNWRITTEN, Verdict, compare, compare_prediction, judge, judge_prediction};

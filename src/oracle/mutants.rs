@@ -56,11 +56,19 @@ pub enum Mutation {
     /// `rotary_freq_over_head_dim` in every partial rotary node (no effect where rotary_dim is
     /// head_dim, or in a family without `rotary`).
     RotaryFreqOverHeadDim,
+    /// `moe_no_renorm` in every router (no effect in a family that does not renormalise).
+    MoeNoRenorm,
+    /// `moe_softmax_over_topk` in every router (no effect in a family that renormalises).
+    MoeSoftmaxOverTopk,
+    /// `moe_expert_off_by_one` in every router.
+    MoeExpertOffByOne,
+    /// `moe_unweighted` in every experts node.
+    MoeUnweighted,
 }
 
 impl Mutation {
     /// Every model-level mutation.
-    pub const ALL: [Mutation; 13] = [
+    pub const ALL: [Mutation; 17] = [
         Mutation::RopeAdjacent,
         Mutation::RopeThetaDefault,
         Mutation::RmsNormEpsOutside,
@@ -74,6 +82,10 @@ impl Mutation {
         Mutation::GeluErf,
         Mutation::LayerNormNoMean,
         Mutation::RotaryFreqOverHeadDim,
+        Mutation::MoeNoRenorm,
+        Mutation::MoeSoftmaxOverTopk,
+        Mutation::MoeExpertOffByOne,
+        Mutation::MoeUnweighted,
     ];
 
     /// The mutant's name, as the failure contracts spell it.
@@ -92,6 +104,10 @@ impl Mutation {
             Mutation::GeluErf => "gelu_erf",
             Mutation::LayerNormNoMean => "layernorm_no_mean",
             Mutation::RotaryFreqOverHeadDim => "rotary_freq_over_head_dim",
+            Mutation::MoeNoRenorm => "moe_no_renorm",
+            Mutation::MoeSoftmaxOverTopk => "moe_softmax_over_topk",
+            Mutation::MoeExpertOffByOne => "moe_expert_off_by_one",
+            Mutation::MoeUnweighted => "moe_unweighted",
         }
     }
 
@@ -143,6 +159,6 @@ mod tests {
         let set = Mutations::of(&[Mutation::SiluSwapped, Mutation::GqaModulo]);
         assert!(set.has(Mutation::SiluSwapped) && set.has(Mutation::GqaModulo) && !set.has(Mutation::LinearXw));
         assert!(Mutations::NONE.is_empty() && !set.is_empty());
-        assert_eq!(names().len(), 30);
+        assert_eq!(names().len(), 35, "30 before the five mixture-of-experts mutants");
     }
 }

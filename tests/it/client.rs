@@ -48,6 +48,17 @@ async fn resources_prompts_and_skills_are_served() {
         cov.contains("| model.llama | LlamaForCausalLM | platform.cpu-x86_64 | cpu | f32, bf16, f16, int8 |"),
         "{cov}"
     );
+    // The plain example engine, the template the skills name, is served file by file as on disk.
+    assert!(uris.contains(&"example://llama-cpu-plain/src/model.rs"), "{uris:?}");
+    let on_disk = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/engines/llama-cpu-plain/src/kernels.rs"),
+    )
+    .unwrap();
+    let kernels = text(
+        c.read_resource(ReadResourceRequestParams::new("example://llama-cpu-plain/src/kernels.rs")).await.unwrap(),
+    );
+    assert_eq!(kernels, on_disk);
+    assert!(c.read_resource(ReadResourceRequestParams::new("example://llama-cpu-plain/src/nope.rs")).await.is_err());
     let skill = text(c.read_resource(ReadResourceRequestParams::new("skill://engine-verifier")).await.unwrap());
     assert!(skill.starts_with("---\nname: engine-verifier\n"));
     assert!(c.read_resource(ReadResourceRequestParams::new("ckb://contract/kernel.nope")).await.is_err());

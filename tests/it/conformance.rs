@@ -22,8 +22,8 @@ fn folders() -> Vec<(String, PathBuf)> {
     out
 }
 
-/// The dense families whose contracts ship, each of which must pass; the others (mixture of
-/// experts) are reported not covered, with the reason.
+/// The families whose contracts ship, each of which must pass; the others (gpt_oss: attention
+/// sinks, YaRN, clamped SwiGLU experts) are reported not covered, with the reason.
 const COVERED: &[&str] = &[
     "cohere",
     "gemma",
@@ -32,11 +32,13 @@ const COVERED: &[&str] = &[
     "granite",
     "llama",
     "mistral",
+    "mixtral",
     "olmo",
     "olmo2",
     "phi3",
     "qwen2",
     "qwen3",
+    "qwen3_moe",
     "stablelm",
     "starcoder2",
 ];
@@ -84,7 +86,7 @@ fn checkpoint(name: &str) -> (metainfer::ckb::Contract, metainfer::model::Resolv
 }
 
 /// Each failure mode the families added from contracts alone list (Gemma 3, Cohere, StableLM,
-/// StarCoder2, OLMo, Phi-3) has a model-level mutant or a graph rewrite, and diagnosis names it from
+/// StarCoder2, OLMo, Phi-3, Qwen3-MoE, Mixtral) has a model-level mutant or a graph rewrite, and diagnosis names it from
 /// that mutant's own logits on the checkpoint transformers wrote.
 #[test]
 fn every_failure_mode_of_the_new_families_is_named_from_its_own_logits() {
@@ -96,7 +98,7 @@ fn every_failure_mode_of_the_new_families_is_named_from_its_own_logits() {
     // Detected by the weight-loading gate (a checkpoint without lm_head.weight), not by a mutant.
     let no_mutant = ["failure.tied-embeddings-ignored"];
     let mut shown = Vec::new();
-    for name in ["gemma3_text", "cohere", "stablelm", "starcoder2", "olmo", "phi3"] {
+    for name in ["gemma3_text", "cohere", "stablelm", "starcoder2", "olmo", "phi3", "qwen3_moe", "mixtral"] {
         let (contract, cfg, tensors) = checkpoint(name);
         let family = contract.model.clone().unwrap();
         let tol = family.logits_tolerance["f32"].clone();
@@ -349,6 +351,9 @@ fn synth_writes_the_tensors_transformers_writes_for_every_covered_family() {
             intermediate: size("intermediate_size"),
             max_seq: size("max_position_embeddings"),
             sliding_window: size("sliding_window"),
+            experts: size("num_local_experts"),
+            experts_per_token: size("num_experts_per_tok"),
+            expert_intermediate: size("moe_intermediate_size"),
             ..Default::default()
         };
         synth_in(&ckb, &req).unwrap_or_else(|e| panic!("{name}: {e}"));
@@ -426,9 +431,9 @@ fn graph_parameters_equal_transformers_parameter_counts() {
         let config = serde_json::Value::Object(
             metainfer::model::read_config(shared().join("conformance").join(name).as_path()).unwrap(),
         );
-        let (total, table) = metainfer::ops::synth::graph_parameters(&contract, &config).unwrap();
-        assert_eq!(Some(&total), published.get(*name), "{name}: parameters the graph binds");
-        assert_eq!(table, cfg.vocab * cfg.hidden, "{name}: the embedding table");
+        let p = metainfer::ops::synth::graph_parameters(&contract, &config).unwrap();
+        assert_eq!(Some(&p.total), published.get(*name), "{name}: parameters the graph binds");
+        assert_eq!(p.table, cfg.vocab * cfg.hidden, "{name}: the embedding table");
     }
 }
 

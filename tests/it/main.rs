@@ -23,6 +23,7 @@ mod graph;
 mod ledger;
 mod mcp;
 mod model;
+mod moe;
 mod oracle;
 mod race;
 mod readme;

@@ -97,6 +97,11 @@ pub struct ProfileReport {
     /// Bytes of weights read per decoded token at the engine's weight dtype (4 per f32 weight, 2 per
     /// bf16/f16, 1 per int8 plus one f32 scale per row; the embedding row itself is negligible).
     pub bytes_per_token: f64,
+    /// For a mixture of experts, the share of the expert weights one decoded token reads (top_k of
+    /// the experts per layer: Qwen3-30B-A3B 8 / 128); `bytes_per_token` counts only those. None for
+    /// a dense family.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expert_fraction: Option<f64>,
     /// Decode roofline: bandwidth at the run's thread count / `bytes_per_token`, tokens/s. The
     /// bandwidth is the machine probe's (`metainfer machine`) best read figure at the memory level
     /// that holds the decode working set (`roofline_level`: a model of a few MB is cache-resident
@@ -326,6 +331,16 @@ impl Report for ProfileReport {
             self.peak_rss_mb
         ) + &format!("figures from {}\n", self.figures_from)
             + &self
+                .expert_fraction
+                .map(|f| {
+                    format!(
+                        "mixture of experts: a decoded token reads {:.1}% of the expert weights; {:.2} MB of weights per token\n",
+                        100.0 * f,
+                        self.bytes_per_token / 1e6
+                    )
+                })
+                .unwrap_or_default()
+            + &self
                 .machine_load
                 .as_ref()
                 .map(|l| {
@@ -488,8 +503,9 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     // row read per token is negligible; lm_head (or the tied table) is read in full.
     let family = ctx.ckb.get(&cfg.family)?;
     let config = serde_json::Value::Object(crate::model::read_config(&held)?);
-    let (weights, table) = crate::ops::synth::graph_parameters(family, &config)?;
-    let streamed = (weights - if cfg.tied { 0 } else { table }) as f64;
+    // A mixture of experts reads only the experts its router selects (top_k of them per layer).
+    let parameters = crate::ops::synth::graph_parameters(family, &config)?;
+    let streamed = parameters.streamed(cfg.tied) as f64;
     let bytes_per_token = match target.dtype.as_str() {
         "bf16" | "f16" => 2.0 * streamed,
         // One f32 scale per row of hidden (or intermediate) weights: about 4 / hidden bytes each.
@@ -558,7 +574,7 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     let mut contract_ids: Vec<&str> = vec![cfg.family.as_str()];
     contract_ids.extend(target.platform.as_deref());
     gate.contracts(&contract_ids);
-    let compute_bound = peak * 1e9 / (2.0 * weights as f64);
+    let compute_bound = peak * 1e9 / (2.0 * (parameters.total - parameters.idle_experts) as f64);
     let mut report = ProfileReport {
         passed: false,
         attestation: gate.attestation_note(),
@@ -575,6 +591,7 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
         previous: None,
         dtype: target.dtype.clone(),
         bytes_per_token,
+        expert_fraction: parameters.expert_fraction,
         verified,
         prompt_len,
         new_tokens,
@@ -680,7 +697,7 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
         }
         // The compute bound must never understate: the largest peak the device has (tensor cores).
         if let Some(peak) = gpu.peak_tflops.values().map(|f| f.value).reduce(f64::max) {
-            report.compute_bound_tok_s = peak * 1e12 / (2.0 * weights as f64);
+            report.compute_bound_tok_s = peak * 1e12 / (2.0 * (parameters.total - parameters.idle_experts) as f64);
         }
         if hbm == 0.0 {
             problems.push(format!(

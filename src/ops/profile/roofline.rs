@@ -70,6 +70,14 @@ pub fn decode_calls(
     };
     let mut calls = Vec::new();
     let wb = weight_bytes(dtype) as usize;
+    // A mixture of experts (the shipped MoE families' roles): (experts, top_k, expert width).
+    let role = |r: &str| match cfg.role(r) {
+        Some(crate::ckb::graph::Val::Num(v)) => Some(v as usize),
+        _ => None,
+    };
+    let moe = has("kernel.moe_experts").then(|| {
+        (role("n_experts").unwrap_or(1), role("n_experts_per_tok").unwrap_or(1), role("moe_intermediate").unwrap_or(ff))
+    });
     if has("kernel.embedding") {
         let dims = [("vocab", vocab), ("dim", h), ("weight_bytes", wb)];
         calls.extend(call("kernel.embedding", format!("embed_tokens row [{h}]"), &dims, 1, 1));
@@ -102,16 +110,18 @@ pub fn decode_calls(
         // (role, n, k, per token); projections with one shape are timed once.
         let mut shapes: Vec<(Vec<&str>, usize, usize, usize)> = Vec::new();
         let lm = if cfg.tied { "lm_head (tied embed_tokens)" } else { "lm_head" };
-        for (role, n, k, per) in [
+        let mlp: &[(&str, usize, usize, usize)] = match moe {
+            // The experts are kernel.moe_experts' call; the router is a linear.
+            Some((e, _, _)) => &[("router", e, h, l)],
+            None => &[("gate_proj", ff, h, l), ("up_proj", ff, h, l), ("down_proj", h, ff, l)],
+        };
+        let attn = [
             ("q_proj", nh * hd, h, l),
             ("k_proj", nkv * hd, h, l),
             ("v_proj", nkv * hd, h, l),
             ("o_proj", h, nh * hd, l),
-            ("gate_proj", ff, h, l),
-            ("up_proj", ff, h, l),
-            ("down_proj", h, ff, l),
-            (lm, vocab, h, 1),
-        ] {
+        ];
+        for &(role, n, k, per) in attn.iter().chain(mlp).chain(&[(lm, vocab, h, 1)]) {
             match shapes.iter_mut().find(|s| s.1 == n && s.2 == k) {
                 Some(s) => {
                     s.0.push(role);
@@ -130,8 +140,19 @@ pub fn decode_calls(
             calls.push(c);
         }
     }
+    if let Some((e, k, inter)) = moe {
+        calls.extend(call(
+            "kernel.moe_route",
+            format!("router weights [{e}], top {k}"),
+            &[("n_experts", e), ("top_k", k)],
+            l,
+            1,
+        ));
+        let dims = [("hidden", h), ("inter", inter), ("n_experts", e), ("top_k", k)];
+        calls.extend(call("kernel.moe_experts", format!("{k} of {e} experts [{inter} x {h}]"), &dims, l, 1));
+    }
     for act in ["kernel.silu_and_mul", "kernel.gelu_tanh_and_mul"] {
-        if has(act) {
+        if has(act) && moe.is_none() {
             calls.extend(call(act, format!("mlp activation [{ff}]"), &[("len", ff)], l, 1));
         }
     }
@@ -307,7 +328,8 @@ pub struct PointCost {
 /// The cost of each node of `graph` per decoded token at context length `kv_len`, in graph order,
 /// summed over the `n_layers` layers for layer nodes. Shapes are the family's `[[model.weights]]`
 /// at `cfg`; a linear that reads a row block (`rows` parameter: Phi-3's fused projections) counts
-/// those rows. Unknown shapes count as 0 bytes.
+/// those rows; a `moe_experts` node counts the top_k experts its router keeps. Unknown shapes count
+/// as 0 bytes.
 pub fn point_costs(
     graph: &crate::ckb::Graph,
     family: &crate::ckb::ModelFamily,
@@ -356,6 +378,19 @@ pub fn point_costs(
             if n.op == "attention" {
                 bytes += 2.0 * kv_len as f64 * nkv * hd * 4.0;
                 flops += 4.0 * kv_len as f64 * nh * hd;
+            }
+            if n.op == "moe_experts" {
+                // The weights above are one expert's; a token reads the top_k its router keeps
+                // (the `moe_route` node named as the second input), 2 FLOPs per weight read.
+                let top_k = n
+                    .inputs
+                    .get(1)
+                    .and_then(|r| nodes.iter().find(|x| &x.name == r))
+                    .and_then(|r| r.params.get("top_k"))
+                    .and_then(|e| eval_expr(e, &role).ok())
+                    .unwrap_or(1.0);
+                bytes *= top_k;
+                flops = 2.0 * bytes / weight_bytes(dtype);
             }
             if flops == 0.0 {
                 flops = cfg.hidden as f64;

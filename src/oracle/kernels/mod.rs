@@ -23,6 +23,8 @@ pub mod linear;
 pub mod linear_bf16;
 pub mod linear_f16;
 pub mod linear_int8;
+pub mod moe_experts;
+pub mod moe_route;
 pub mod paged_attention;
 pub mod rms_norm;
 pub mod rope;
@@ -207,6 +209,8 @@ pub static REGISTRY: &[&Kernel] = &[
     &silu_and_mul::KERNEL,
     &gelu_tanh_and_mul::KERNEL,
     &gelu_tanh::KERNEL,
+    &moe_route::KERNEL,
+    &moe_experts::KERNEL,
     &softmax::KERNEL,
     &attention::KERNEL,
     &paged_attention::KERNEL,

@@ -1,7 +1,8 @@
 //! Phase 2, configuration: config.json read as the model-family contracts map it (`model.llama`,
 //! `model.mistral`, `model.qwen2`, `model.qwen3`, `model.gemma`, `model.phi3`, `model.olmo2`,
 //! `model.granite`, `model.gemma2`, `model.gemma3_text`, `model.cohere`, `model.stablelm`,
-//! `model.starcoder2` and `model.olmo`). A family
+//! `model.starcoder2`, `model.olmo` and the mixture-of-experts families `model.qwen3_moe` and
+//! `model.mixtral`). A family
 //! is data here: its HF configuration class defaults, the keys it refuses and its forward-pass
 //! features (the contracts' `features`). A value of the wrong type, or a setting no family here
 //! covers, is an error that names the key.
@@ -99,6 +100,52 @@ struct Family {
     softcaps: (Option<f64>, Option<f64>),
     /// The default of `partial_rotary_factor`, the share of each head RoPE rotates (StableLM 0.25).
     partial_rotary_factor: f64,
+    /// rope_theta when config.json gives none (the configuration class's `default_theta`).
+    rope_theta: f64,
+    /// Mixture-of-experts families: how their MLP is named and configured; `None`: a dense MLP.
+    moe: Option<MoeFamily>,
+}
+
+/// How a mixture-of-experts family (contracts `model.qwen3_moe`, `model.mixtral`) names its MLP
+/// and reads its configuration: every layer's MLP is a router `model.layers.{i}.{module}.gate.weight`
+/// [n_experts, hidden] over the SwiGLU experts `model.layers.{i}.{module}.experts.{e}.{name}.weight`,
+/// `names` = (gate, up, down).
+#[derive(Clone, Copy)]
+struct MoeFamily {
+    module: &'static str,
+    names: [&'static str; 3],
+    /// The config key of one expert's intermediate width and its default; `None`: intermediate_size.
+    inter: Option<(&'static str, usize)>,
+    /// The expert count when config.json gives none (num_local_experts, alias num_experts).
+    n_experts: usize,
+    /// num_experts_per_tok when absent.
+    top_k: usize,
+    /// `None`: the kept routing weights are always renormalised (Mixtral); else the boolean key that
+    /// says so and its default (Qwen3-MoE: norm_topk_prob, false).
+    renormalize: Option<(&'static str, bool)>,
+    /// Qwen3-MoE: config.json's decoder_sparse_step and mlp_only_layers can make some layers dense;
+    /// only every layer sparse (step 1, no MLP-only layers) is covered.
+    sparse_step: bool,
+}
+
+/// A mixture-of-experts MLP as config.json sets it (Qwen3-MoE, Mixtral): the router's logits over
+/// `n_experts` experts, softmax, the `top_k` largest kept (kernel.moe_route) and their SwiGLU
+/// experts of width `inter` summed with those weights (kernel.moe_experts).
+#[derive(Debug, Clone)]
+pub struct Moe {
+    /// num_local_experts (num_experts in published Qwen3-MoE configs).
+    pub n_experts: usize,
+    /// num_experts_per_tok: the experts run per token.
+    pub top_k: usize,
+    /// The kept weights are divided by their sum (Mixtral always; Qwen3-MoE: norm_topk_prob).
+    pub renormalize: bool,
+    /// One expert's intermediate width (Qwen3-MoE: moe_intermediate_size; Mixtral: intermediate_size).
+    pub inter: usize,
+    /// The MLP's module name in tensor names ("mlp", "block_sparse_moe").
+    pub module: &'static str,
+    /// The expert projections' names: gate, up, down ("gate_proj", "up_proj", "down_proj"; Mixtral
+    /// "w1", "w3", "w2").
+    pub names: [&'static str; 3],
 }
 
 /// Plain Llama (model.llama): no features, LlamaConfig's defaults. The other families state how
@@ -140,6 +187,8 @@ const LLAMA: Family = Family {
     window_pattern: 0,
     softcaps: (None, None),
     partial_rotary_factor: 1.0,
+    rope_theta: 10000.0,
+    moe: None,
 };
 
 /// The families, with the defaults their contracts state (`[[model.config]]` defaults).
@@ -307,6 +356,48 @@ const FAMILIES: &[Family] = &[
         norm_eps: (None, 1e-5),
         ..LLAMA
     },
+    Family {
+        // Qwen3MoeConfig: Qwen3's attention (head_dim from config.json, else hidden / heads as
+        // Qwen3MoeAttention reads it), 4 KV heads, 128 experts of width 768, 8 per token.
+        model_type: "qwen3_moe",
+        architecture: "Qwen3MoeForCausalLM",
+        features: Features { qk_norm: true, ..LLAMA.features },
+        n_kv_heads: Some(4),
+        max_seq: 32768,
+        refused: &["rope_scaling", "use_sliding_window", "attention_bias"],
+        moe: Some(MoeFamily {
+            module: "mlp",
+            names: ["gate_proj", "up_proj", "down_proj"],
+            inter: Some(("moe_intermediate_size", 768)),
+            n_experts: 128,
+            top_k: 8,
+            renormalize: Some(("norm_topk_prob", false)),
+            sparse_step: true,
+        }),
+        ..LLAMA
+    },
+    Family {
+        // MixtralConfig: Mistral's attention (sliding_window default null), rope_theta 1e6,
+        // rms_norm_eps 1e-5, 8 experts of width intermediate_size, 2 per token, renormalised.
+        model_type: "mixtral",
+        architecture: "MixtralForCausalLM",
+        features: Features { sliding_window: true, ..LLAMA.features },
+        n_kv_heads: Some(8),
+        max_seq: 131072,
+        refused: &["rope_scaling", "attention_bias", "mlp_bias"],
+        norm_eps: (Some("rms_norm_eps"), 1e-5),
+        rope_theta: 1_000_000.0,
+        moe: Some(MoeFamily {
+            module: "block_sparse_moe",
+            names: ["w1", "w3", "w2"],
+            inter: None,
+            n_experts: 8,
+            top_k: 2,
+            renormalize: None,
+            sparse_step: false,
+        }),
+        ..LLAMA
+    },
 ];
 
 /// Gemma2Config's and Gemma3TextConfig's default query_pre_attn_scalar.
@@ -377,6 +468,8 @@ pub struct Config {
     pub logit_scale: Option<f32>,
     /// OLMo's clip_qkv: q, k and v are clamped to [-clip_qkv, clip_qkv].
     pub clip_qkv: Option<f32>,
+    /// Qwen3-MoE and Mixtral: every layer's MLP is a mixture of experts; `None`: a dense MLP.
+    pub moe: Option<Moe>,
 }
 
 impl Config {
@@ -419,7 +512,8 @@ impl Config {
                 "num_attention_heads {n_heads} must be a multiple of num_key_value_heads {n_kv_heads}, and head_dim {head_dim} even"
             ));
         }
-        let (rope_theta, sliding_rope_theta, rope_scaling) = rope(c, family.features.rope_by_layer_type)?;
+        let (rope_theta, sliding_rope_theta, rope_scaling) =
+            rope(c, family.features.rope_by_layer_type, family.rope_theta)?;
         let rotary_dim = rotary_dim(c, head_dim, family.partial_rotary_factor)?;
         if rope_scaling.is_some() && family.refused.contains(&"rope_scaling") {
             return Err(format!("RoPE scaling {rope_scaling:?} is not covered for {}", family.model_type));
@@ -430,6 +524,11 @@ impl Config {
             (true, Some(_)) => required(c, "sliding_window")?,
         };
         let n_layers = required(c, "num_hidden_layers")?;
+        let intermediate = required(c, "intermediate_size")?;
+        let moe = match &family.moe {
+            Some(m) => Some(moe(c, m, intermediate)?),
+            None => None,
+        };
         let f = family.features;
         let sliding_layers =
             if f.alternating_window { Some(sliding_layers(c, n_layers, family.window_pattern)?) } else { None };
@@ -453,7 +552,7 @@ impl Config {
         };
         Ok(Config {
             hidden,
-            intermediate: required(c, "intermediate_size")?,
+            intermediate,
             n_layers,
             n_heads,
             n_kv_heads,
@@ -489,6 +588,7 @@ impl Config {
                 None
             },
             clip_qkv: if f.norm_no_gain { positive(c, "clip_qkv")?.map(|v| v as f32) } else { None },
+            moe,
         })
     }
 
@@ -564,11 +664,15 @@ const GEMMA3_ROPE_THETA: (f64, f64) = (1_000_000.0, 10_000.0);
 /// RoPE's base and scaling as HF reads them (contract model.llama): transformers v5's
 /// `rope_parameters` (`{rope_type, rope_theta, ...}`) first, its rope_theta winning over a top-level
 /// one; else `rope_scaling` (legacy `type` for `rope_type`) with the top-level `rope_theta` (default
-/// 10000). Absent, null or rope_type "default" is no scaling; "linear" and "llama3" are read; another
+/// `default_theta`: 10000, Mixtral's 1e6). Absent, null or rope_type "default" is no scaling; "linear" and "llama3" are read; another
 /// type, a key the type does not read, or the two forms disagreeing is refused by name. With
 /// `by_layer_type` (Gemma 3), `rope_parameters` holds one such dict per layer type and the second
 /// value is the sliding layers' base; unscaled types only.
-fn rope(c: &Map<String, Value>, by_layer_type: bool) -> Result<(f64, Option<f64>, Option<RopeScaling>), String> {
+fn rope(
+    c: &Map<String, Value>,
+    by_layer_type: bool,
+    default_theta: f64,
+) -> Result<(f64, Option<f64>, Option<RopeScaling>), String> {
     if by_layer_type {
         let Some(p) = c.get("rope_parameters").filter(|v| !v.is_null()) else {
             let (global, local) = GEMMA3_ROPE_THETA;
@@ -576,10 +680,11 @@ fn rope(c: &Map<String, Value>, by_layer_type: bool) -> Result<(f64, Option<f64>
         };
         let p = p.as_object().ok_or("`rope_parameters` must be an object or null")?;
         let theta = |kind: &str| -> Result<f64, String> {
-            let t = p.get(kind).and_then(Value::as_object).ok_or_else(|| {
-                format!("`rope_parameters.{kind}` must be an object (one RoPE dict per layer type)")
-            })?;
-            let (theta, _, scaling) = rope(t, false)?;
+            let t = p
+                .get(kind)
+                .and_then(Value::as_object)
+                .ok_or_else(|| format!("`rope_parameters.{kind}` must be an object (one RoPE dict per layer type)"))?;
+            let (theta, _, scaling) = rope(t, false, default_theta)?;
             match scaling {
                 None => Ok(theta),
                 Some(s) => Err(format!("`rope_parameters.{kind}` scaling {s:?} is not covered")),
@@ -589,7 +694,7 @@ fn rope(c: &Map<String, Value>, by_layer_type: bool) -> Result<(f64, Option<f64>
     }
     let params = c.get("rope_parameters").filter(|v| !v.is_null());
     let legacy = c.get("rope_scaling").filter(|v| !v.is_null());
-    let top_theta = number(c, "rope_theta")?.unwrap_or(10000.0);
+    let top_theta = number(c, "rope_theta")?.unwrap_or(default_theta);
     let (name, s) = match (params, legacy) {
         (Some(p), _) => ("rope_parameters", p),
         (None, Some(l)) => ("rope_scaling", l),
@@ -618,12 +723,10 @@ fn rope(c: &Map<String, Value>, by_layer_type: bool) -> Result<(f64, Option<f64>
         "llama3" => &["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"],
         _ => &[],
     };
-    if let Some(k) =
-        s.keys().find(|k| {
-            !["rope_type", "type", "rope_theta", "partial_rotary_factor"].contains(&k.as_str())
-                && !allowed.contains(&k.as_str())
-        })
-    {
+    if let Some(k) = s.keys().find(|k| {
+        !["rope_type", "type", "rope_theta", "partial_rotary_factor"].contains(&k.as_str())
+            && !allowed.contains(&k.as_str())
+    }) {
         return Err(format!("`{name}.{k}` is not a key of rope_type {kind:?}"));
     }
     let theta = if name == "rope_parameters" { number(s, "rope_theta")?.unwrap_or(top_theta) } else { top_theta };
@@ -668,6 +771,52 @@ fn rotary_dim(c: &Map<String, Value>, head_dim: usize, default: f64) -> Result<u
         ));
     }
     Ok(dim)
+}
+
+/// A mixture-of-experts family's MLP settings (contracts `model.qwen3_moe`, `model.mixtral`,
+/// `[[model.config]]`): the expert count from num_local_experts (transformers 5 writes it) or
+/// num_experts (its alias, in published Qwen3-MoE configs), which must agree when both are given;
+/// num_experts_per_tok in 1..=that count; the expert width; whether the kept weights are
+/// renormalised. Qwen3-MoE layers made dense by decoder_sparse_step or mlp_only_layers are refused.
+fn moe(c: &Map<String, Value>, m: &MoeFamily, intermediate: usize) -> Result<Moe, String> {
+    let n_experts = match (count(c, "num_local_experts")?, count(c, "num_experts")?) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(format!("`num_local_experts` {a} and `num_experts` {b} disagree"));
+        }
+        (a, b) => a.or(b).unwrap_or(m.n_experts),
+    };
+    let top_k = match c.get("num_experts_per_tok") {
+        None | Some(Value::Null) => m.top_k,
+        Some(v) => v
+            .as_u64()
+            .map(|k| k as usize)
+            .ok_or_else(|| format!("`num_experts_per_tok` must be an integer, got {v}"))?,
+    };
+    if top_k == 0 || top_k > n_experts {
+        return Err(format!("`num_experts_per_tok` = {top_k} must be in 1..={n_experts} (the expert count)"));
+    }
+    if m.sparse_step {
+        if let Some(step) = count(c, "decoder_sparse_step")?.filter(|&s| s != 1) {
+            return Err(format!("`decoder_sparse_step` = {step} is not covered (only 1: every layer sparse)"));
+        }
+        match c.get("mlp_only_layers") {
+            None | Some(Value::Null) => {}
+            Some(Value::Array(a)) if a.is_empty() => {}
+            Some(v) => return Err(format!("`mlp_only_layers` = {v} is not covered (dense MLP layers; only [])")),
+        }
+    }
+    let inter = match m.inter {
+        Some((key, default)) => count(c, key)?.unwrap_or(default),
+        None => intermediate,
+    };
+    let renormalize = match m.renormalize {
+        None => true,
+        Some((key, default)) => match c.get(key) {
+            None | Some(Value::Null) => default,
+            Some(v) => v.as_bool().ok_or_else(|| format!("`{key}` must be true or false, got {v}"))?,
+        },
+    };
+    Ok(Moe { n_experts, top_k, renormalize, inter, module: m.module, names: m.names })
 }
 
 /// Gemma 2's and 3's sliding layers: config.json's `layer_types` ("sliding_attention" or

@@ -34,7 +34,10 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 /// out[r, i] = (x[r, i] - mean_r) / sqrt(var_r + eps) * weight[i] + bias[i], var_r the biased
 /// variance of row r (divided by dim), computed in two passes over the row.
 pub fn layer_norm(x: &[f32], dim: usize, weight: &[f32], bias: &[f32], eps: f32, out: &mut [f32]) {
-    assert!(dim > 0 && x.len().is_multiple_of(dim) && out.len() == x.len(), "layer_norm: x and out must be [rows, dim]");
+    assert!(
+        dim > 0 && x.len().is_multiple_of(dim) && out.len() == x.len(),
+        "layer_norm: x and out must be [rows, dim]"
+    );
     assert!(
         (weight.is_empty() || weight.len() == dim) && (bias.is_empty() || bias.len() == dim),
         "layer_norm: weight and bias must each be empty or [dim]"
@@ -283,6 +286,65 @@ pub fn attention_with(
     }
 }
 
+/// Contract `kernel.moe_route`.
+/// Router weights of one token: softmax over `scores` [n_experts], the `top_k` largest kept (ties: lower index first), renormalised to sum 1 when `renormalize`; `out` [n_experts]: the kept weights at their expert index, 0 elsewhere.
+///
+/// p[e] = exp(s[e] - max s) / sum_j exp(s[j] - max s) over all experts (kernel.softmax); K = the
+/// top_k experts of largest score, by a stable sort (equal scores: the lower index first);
+/// out[e] = p[e] / sum_{j in K} p[j] when `renormalize` (Mixtral; Qwen3-MoE with norm_topk_prob),
+/// else p[e], for e in K; out[e] = 0 for the others (Jiang et al. 2024, Mixtral of Experts, eq. 1-2;
+/// transformers' Qwen3MoeSparseMoeBlock: softmax, topk, division by the sum). Scores must be finite.
+pub fn moe_route(scores: &[f32], top_k: usize, renormalize: bool, out: &mut [f32]) {
+    let n = scores.len();
+    assert!(n >= 1 && out.len() == n, "moe_route: scores and out must be [n_experts], n_experts >= 1");
+    assert!((1..=n).contains(&top_k), "moe_route: top_k {top_k} must be in 1..=n_experts ({n})");
+    assert!(scores.iter().all(|s| s.is_finite()), "moe_route: router scores must be finite, got {scores:?}");
+    let mut p = scores.to_vec();
+    softmax(&mut p, n);
+    // Experts by score, largest first; the sort is stable, so equal scores keep index order.
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&a, &b| scores[b].partial_cmp(&scores[a]).expect("finite scores are ordered"));
+    let kept = &order[..top_k];
+    let total: f32 = kept.iter().map(|&e| p[e]).sum();
+    out.fill(0.0);
+    for &e in kept {
+        out[e] = if renormalize { p[e] / total } else { p[e] };
+    }
+}
+
+/// Contract `kernel.moe_experts`.
+/// SwiGLU experts of one token weighted by `route` [n_experts] (only experts with route[e] != 0 are computed): out = sum_e route[e] * (silu(x G_e^T) * (x U_e^T)) D_e^T. x, out: [hidden]; gate, up: [n_experts, inter, hidden]; down: [n_experts, hidden, inter].
+///
+/// Expert e's matrices are the e-th blocks: G_e = gate[e * inter * hidden..][..inter * hidden]
+/// ([inter, hidden], nn.Linear layout), likewise U_e, and D_e = down[e * hidden * inter..] ([hidden,
+/// inter]). For each e with route[e] != 0, in index order: g = x G_e^T, u = x U_e^T (kernel.linear),
+/// a = silu(g) * u (kernel.silu_and_mul), y = a D_e^T, out += route[e] * y (Jiang et al. 2024,
+/// eq. 2; Shazeer 2020, SwiGLU). An expert of weight 0 is never read.
+pub fn moe_experts(x: &[f32], route: &[f32], gate: &[f32], up: &[f32], down: &[f32], inter: usize, out: &mut [f32]) {
+    let (hidden, n_experts) = (x.len(), route.len());
+    let size = inter * hidden;
+    assert_eq!(out.len(), hidden, "moe_experts: x and out must be [hidden]");
+    assert!(
+        gate.len() == n_experts * size && up.len() == gate.len() && down.len() == gate.len(),
+        "moe_experts: gate, up, down must hold n_experts * inter * hidden"
+    );
+    let (mut g, mut u, mut a, mut y) = (vec![0.0; inter], vec![0.0; inter], vec![0.0; inter], vec![0.0; hidden]);
+    out.fill(0.0);
+    for (e, &weight) in route.iter().enumerate() {
+        if weight == 0.0 {
+            continue;
+        }
+        let block = e * size..(e + 1) * size;
+        linear(x, &gate[block.clone()], 1, hidden, inter, &mut g);
+        linear(x, &up[block.clone()], 1, hidden, inter, &mut u);
+        silu_and_mul(&g, &u, &mut a);
+        linear(&a, &down[block], 1, inter, hidden, &mut y);
+        for (o, v) in out.iter_mut().zip(&y) {
+            *o += weight * v;
+        }
+    }
+}
+
 /// Contract `kernel.argmax`. Index of the largest element; the first one on ties. `x`: [n], n >= 1.
 pub fn argmax(x: &[f32]) -> usize {
     let mut best = 0;
@@ -320,7 +382,11 @@ mod tests {
         // mean(1, 4, 9, 16) = 7.5; out = x / sqrt(7.5) * w.
         let mut out = [0.0; 4];
         rms_norm(&[1.0, 2.0, 3.0, 4.0], &[1.0, 1.0, 2.0, 0.5], 0.0, &mut out);
-        close(&out, &[0.365_148_371_670_110_7, 0.730_296_743_340_221_4, 2.190_890_230_020_664, 0.730_296_743_340_221_4], 1e-6);
+        close(
+            &out,
+            &[0.365_148_371_670_110_7, 0.730_296_743_340_221_4, 2.190_890_230_020_664, 0.730_296_743_340_221_4],
+            1e-6,
+        );
         // eps sits inside the root: a zero row stays zero (0 / sqrt(eps)).
         rms_norm(&[0.0; 4], &[1.0; 4], 1e-6, &mut out);
         assert_eq!(out, [0.0; 4]);
@@ -332,7 +398,11 @@ mod tests {
         // (x0, x2) = (1, 3) turns by 1 rad and (x1, x3) = (2, 4) by 0.01 rad.
         let mut x = [1.0, 2.0, 3.0, 4.0];
         rope(&mut x, &[1], 1, 4, 10000.0);
-        close(&x, &[-1.984_110_648_555_549_5, 1.959_900_667_496_664, 2.462_377_902_412_315_6, 4.019_799_668_334_994], 1e-6);
+        close(
+            &x,
+            &[-1.984_110_648_555_549_5, 1.959_900_667_496_664, 2.462_377_902_412_315_6, 4.019_799_668_334_994],
+            1e-6,
+        );
         // Position 0 is the identity.
         let mut y = [1.0, 2.0, 3.0, 4.0];
         rope(&mut y, &[0], 1, 4, 10000.0);
@@ -344,10 +414,18 @@ mod tests {
         // mean(1, 2, 3, 4) = 2.5, biased variance 1.25: (x - 2.5) / sqrt(1.25) * w + b.
         let mut out = [0.0; 4];
         layer_norm(&[1.0, 2.0, 3.0, 4.0], 4, &[1.0, 1.0, 2.0, 0.5], &[0.0, 1.0, 0.0, -1.0], 0.0, &mut out);
-        close(&out, &[-1.341_640_786_499_873_8, 0.552_786_404_500_042_1, 0.894_427_190_999_915_9, -0.329_179_606_750_063_1], 1e-6);
+        close(
+            &out,
+            &[-1.341_640_786_499_873_8, 0.552_786_404_500_042_1, 0.894_427_190_999_915_9, -0.329_179_606_750_063_1],
+            1e-6,
+        );
         // No gain and no bias (OLMo's non-parametric LayerNorm).
         layer_norm(&[1.0, 2.0, 3.0, 4.0], 4, &[], &[], 0.0, &mut out);
-        close(&out, &[-1.341_640_786_499_873_8, -0.447_213_595_499_957_9, 0.447_213_595_499_957_9, 1.341_640_786_499_873_8], 1e-6);
+        close(
+            &out,
+            &[-1.341_640_786_499_873_8, -0.447_213_595_499_957_9, 0.447_213_595_499_957_9, 1.341_640_786_499_873_8],
+            1e-6,
+        );
         // A constant row is all mean: zero (an RMSNorm would give ones).
         layer_norm(&[5.0; 4], 4, &[], &[], 1e-5, &mut out);
         assert_eq!(out, [0.0; 4]);
@@ -359,11 +437,33 @@ mod tests {
         // rotated width. Half-split pairs (x0, x2), (x1, x3); entries 4 and 5 stay as they are.
         let mut x = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
         rotary(&mut x, &[1], 1, 6, 4, 10000.0, false);
-        close(&x, &[-1.984_110_648_555_549_5, 1.959_900_667_496_664, 2.462_377_902_412_315_6, 4.019_799_668_334_994, 5.0, 6.0], 1e-6);
+        close(
+            &x,
+            &[
+                -1.984_110_648_555_549_5,
+                1.959_900_667_496_664,
+                2.462_377_902_412_315_6,
+                4.019_799_668_334_994,
+                5.0,
+                6.0,
+            ],
+            1e-6,
+        );
         // Interleaved pairs (x0, x1) by 1 rad and (x2, x3) by 0.01 rad.
         let mut y = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
         rotary(&mut y, &[1], 1, 6, 4, 10000.0, true);
-        close(&y, &[-1.142_639_663_747_653_2, 1.922_075_596_544_176, 2.959_850_667_913_329_4, 4.029_799_501_669_161, 5.0, 6.0], 1e-6);
+        close(
+            &y,
+            &[
+                -1.142_639_663_747_653_2,
+                1.922_075_596_544_176,
+                2.959_850_667_913_329_4,
+                4.029_799_501_669_161,
+                5.0,
+                6.0,
+            ],
+            1e-6,
+        );
     }
 
     #[test]
@@ -427,6 +527,57 @@ mod tests {
         attention_with(&[1.0, 0.0], &k, &v, 1, 2, 1, 1, 2, std::f32::consts::FRAC_1_SQRT_2, Some(1.0), &mut out);
         let w1 = 0.8f64.exp() / (1.0 + 0.8f64.exp());
         close(&out, &[4.0 * (1.0 - w1), 8.0 * w1], 1e-5);
+    }
+
+    #[test]
+    fn moe_route_softmaxes_all_scores_keeps_the_top_k_and_renormalises_on_request() {
+        // Scores ln 1..ln 4: the softmax over all four is (1, 2, 3, 4) / 10. The two largest are
+        // experts 3 and 2, kept at their own index with p = 0.4 and 0.3, or 4/7 and 3/7 renormalised.
+        let scores = [1f32.ln(), 2f32.ln(), 3f32.ln(), 4f32.ln()];
+        let mut out = [9.0; 4];
+        moe_route(&scores, 2, false, &mut out);
+        close(&out, &[0.0, 0.0, 0.3, 0.4], 1e-6);
+        moe_route(&scores, 2, true, &mut out);
+        close(&out, &[0.0, 0.0, 3.0 / 7.0, 4.0 / 7.0], 1e-6);
+        // Every expert kept and renormalised is the plain softmax.
+        moe_route(&scores, 4, true, &mut out);
+        close(&out, &[0.1, 0.2, 0.3, 0.4], 1e-6);
+    }
+
+    #[test]
+    fn moe_route_keeps_the_lower_index_among_equal_scores() {
+        // Scores (1, 2, 2, 0), top_k 1: experts 1 and 2 tie; expert 1 is kept with
+        // p = e^2 / (e + 2 e^2 + 1), or 1 renormalised.
+        let mut out = [0.0; 4];
+        moe_route(&[1.0, 2.0, 2.0, 0.0], 1, false, &mut out);
+        close(&out, &[0.0, 0.399_486_304_650_302_77, 0.0, 0.0], 1e-6);
+        moe_route(&[1.0, 2.0, 2.0, 0.0], 1, true, &mut out);
+        assert_eq!(out, [0.0, 1.0, 0.0, 0.0]);
+        // Scores (2, 1, 2, 2), top_k 2: three experts tie for two places; 0 and 2 are kept, 1/2 each.
+        moe_route(&[2.0, 1.0, 2.0, 2.0], 2, true, &mut out);
+        close(&out, &[0.5, 0.0, 0.5, 0.0], 1e-6);
+    }
+
+    #[test]
+    fn moe_experts_sums_the_selected_swiglu_experts_with_their_weights() {
+        // hidden 1, inter 1, two experts, x = 2, weights (1/4, 3/4):
+        // expert 0: g = 1 * 2, u = 3 * 2, y = 0.5 silu(2) 6; expert 1: g = 0.5 * 2, u = -1 * 2,
+        // y = 2 silu(1) (-2); out = y0 / 4 + 3 y1 / 4 = 1.3211956... - 2.1931757... with silu(g) = g / (1 + e^-g).
+        let mut out = [0.0];
+        moe_experts(&[2.0], &[0.25, 0.75], &[1.0, 0.5], &[3.0, -1.0], &[0.5, 2.0], 1, &mut out);
+        close(&out, &[-0.871_980_118_923_191_3], 1e-6);
+        // hidden 2, inter 2, three experts, expert 1 unselected and full of NaN: it is never read.
+        // Expert 0: g = (1, -2), u = (-1, 2), a = silu(g) u, y = (a0, a0 + a1); expert 2:
+        // g = (-0.5, 3), u = (-1, -1), y = (2 a1, a0); out = y_0 / 2 + y_2 / 4 (f64 by hand).
+        let gate = [1.0, 0.0, 0.0, 1.0, f32::NAN, f32::NAN, f32::NAN, f32::NAN, 0.5, 0.5, 1.0, -1.0];
+        let up = [1.0, 1.0, 2.0, 0.0, f32::NAN, f32::NAN, f32::NAN, f32::NAN, -1.0, 0.0, 0.0, 0.5];
+        let down = [1.0, 0.0, 1.0, 1.0, f32::NAN, f32::NAN, f32::NAN, f32::NAN, 0.0, 2.0, 1.0, 0.0];
+        let mut out = [7.0; 2];
+        moe_experts(&[1.0, -2.0], &[0.5, 0.0, 0.25], &gate, &up, &down, 2, &mut out);
+        close(&out, &[-1.794_390_479_548_652_3, -0.556_742_549_759_469_4], 1e-6);
+        // No expert selected: zero.
+        moe_experts(&[1.0, -2.0], &[0.0; 3], &gate, &up, &down, 2, &mut out);
+        assert_eq!(out, [0.0, 0.0]);
     }
 
     #[test]

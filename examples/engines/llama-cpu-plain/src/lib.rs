@@ -14,7 +14,7 @@ mod config;
 pub mod generate;
 pub mod kernels;
 pub mod model;
-pub mod tokenizer;
-mod weights;
 #[cfg(test)]
 mod tests;
+pub mod tokenizer;
+mod weights;

@@ -1,12 +1,13 @@
 //! Phases 3 and 4, the decoder (contract `model.llama` and the families that refine it: `model.mistral`,
 //! `model.qwen2`, `model.qwen3`, `model.gemma`, Phi-3, OLMo-2, Granite, Gemma 2 and 3, Cohere,
-//! StableLM, StarCoder2, OLMo) with its KV cache (`component.kv_cache`).
+//! StableLM, StarCoder2, OLMo, and the mixture-of-experts `model.qwen3_moe` and `model.mixtral`)
+//! with its KV cache (`component.kv_cache`).
 //! One token at a time: `forward` is the contracts' `math` line by line, calling the kernels;
 //! `prefill` runs `forward` over the prompt. Weights, activations and the cache are f32.
 
 use std::path::Path;
 
-use crate::config::Config;
+use crate::config::{Config, Moe};
 use crate::kernels;
 use crate::weights::{self, Tensors};
 
@@ -45,9 +46,24 @@ struct Layer {
     w_down: Vec<f32>,
     /// c_fc's and c_proj's biases (`fc_mlp`), [intermediate] and [hidden].
     fc_bias: Option<[Vec<f32>; 2]>,
+    /// The mixture-of-experts MLP (Qwen3-MoE, Mixtral), for the dense w_gate, w_up and w_down
+    /// (then empty).
+    experts: Option<Experts>,
     /// Keys after RoPE and values of positions 0..len, [len, n_kv_heads, head_dim] each.
     k_cache: Vec<f32>,
     v_cache: Vec<f32>,
+}
+
+/// A mixture-of-experts MLP's weights (contracts `model.qwen3_moe`, `model.mixtral`): the router and
+/// every expert's SwiGLU projections, stacked by expert at load (kernel.moe_experts' layout).
+struct Experts {
+    /// The router, [n_experts, hidden]: `{module}.gate.weight`.
+    router: Vec<f32>,
+    /// Every expert's gate and up projections, [n_experts, inter, hidden].
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    /// Every expert's down projection, [n_experts, hidden, inter].
+    down: Vec<f32>,
 }
 
 /// Activations of the token being run, allocated once at load.
@@ -63,6 +79,9 @@ struct Scratch {
     gate: Vec<f32>,
     up: Vec<f32>,
     act: Vec<f32>,
+    /// Router logits and routing weights [n_experts] (mixture of experts; empty otherwise).
+    router: Vec<f32>,
+    route: Vec<f32>,
     logits: Vec<f32>,
 }
 
@@ -107,6 +126,8 @@ impl Model {
             gate: vec![0.0; cfg.intermediate],
             up: vec![0.0; cfg.intermediate],
             act: vec![0.0; cfg.intermediate],
+            router: vec![0.0; cfg.moe.as_ref().map_or(0, |m| m.n_experts)],
+            route: vec![0.0; cfg.moe.as_ref().map_or(0, |m| m.n_experts)],
             logits: vec![0.0; v],
         };
         let sliding_rope_freqs = cfg.sliding_rope_theta.map(|theta| kernels::rope_freqs(theta, cfg.rotary_dim));
@@ -260,7 +281,16 @@ impl Model {
             if l.ffn_norm.is_some() {
                 trace(at, "mlp_norm", input);
             }
-            if let Some([b_fc, b_proj]) = &l.fc_bias {
+            if let (Some(moe), Some(m)) = (&l.experts, &c.moe) {
+                // Qwen3-MoE, Mixtral: router logits, the top-k routing weights, and the weighted
+                // sum of the selected SwiGLU experts (only they are read).
+                kernels::linear(input, &moe.router, 1, h, m.n_experts, &mut s.router);
+                trace(at, "router", &s.router);
+                kernels::moe_route(&s.router, m.top_k, m.renormalize, &mut s.route);
+                trace(at, "route", &s.route);
+                kernels::moe_experts(input, &s.route, &moe.gate, &moe.up, &moe.down, m.inter, &mut s.out);
+                trace(at, "experts", &s.out);
+            } else if let Some([b_fc, b_proj]) = &l.fc_bias {
                 // StarCoder2: c_proj(gelu_tanh(c_fc(x) + b_fc)) + b_proj, not gated.
                 kernels::linear(input, &l.w_gate, 1, h, inter, &mut s.gate);
                 add(&mut s.gate, b_fc);
@@ -326,8 +356,13 @@ fn load_layer(w: &mut Tensors, c: &Config, i: usize) -> Result<Layer, String> {
         let wq = w.take(&name("self_attn.q_proj.weight"), &[q_dim, h])?;
         let wk = w.take(&name("self_attn.k_proj.weight"), &[kv_dim, h])?;
         let wv = w.take(&name("self_attn.v_proj.weight"), &[kv_dim, h])?;
-        let w_gate = w.take(&name("mlp.gate_proj.weight"), &[inter, h])?;
-        ([wq, wk, wv], [w_gate, w.take(&name("mlp.up_proj.weight"), &[inter, h])?])
+        if c.moe.is_some() {
+            // Mixture of experts: no dense MLP (the experts are read by load_experts).
+            ([wq, wk, wv], [Vec::new(), Vec::new()])
+        } else {
+            let w_gate = w.take(&name("mlp.gate_proj.weight"), &[inter, h])?;
+            ([wq, wk, wv], [w_gate, w.take(&name("mlp.up_proj.weight"), &[inter, h])?])
+        }
     };
     let qkv_bias = if c.features.qkv_bias {
         let bq = w.take(&name("self_attn.q_proj.bias"), &[q_dim])?;
@@ -353,17 +388,20 @@ fn load_layer(w: &mut Tensors, c: &Config, i: usize) -> Result<Layer, String> {
     let (ffn_norm, post_norms) = if c.features.parallel_block {
         (None, None)
     } else if c.features.post_norms {
-        let ffn_norm = if c.features.no_pre_norms {
-            None
-        } else {
-            Some(norm_of(w, c, &name("pre_feedforward_layernorm"), h)?)
-        };
+        let ffn_norm =
+            if c.features.no_pre_norms { None } else { Some(norm_of(w, c, &name("pre_feedforward_layernorm"), h)?) };
         let post_attn = norm(w, c, &name("post_attention_layernorm.weight"), h)?;
         (ffn_norm, Some([post_attn, norm(w, c, &name("post_feedforward_layernorm.weight"), h)?]))
     } else {
         (Some(norm_of(w, c, &name("post_attention_layernorm"), h)?), None)
     };
-    let (w_down, fc_bias, o_bias) = if c.features.fc_mlp {
+    let experts = match &c.moe {
+        Some(m) => Some(load_experts(w, c, m, i)?),
+        None => None,
+    };
+    let (w_down, fc_bias, o_bias) = if experts.is_some() {
+        (Vec::new(), None, None)
+    } else if c.features.fc_mlp {
         let w_down = w.take(&name("mlp.c_proj.weight"), &[h, inter])?;
         let b_fc = w.take(&name("mlp.c_fc.bias"), &[inter])?;
         let fc_bias = Some([b_fc, w.take(&name("mlp.c_proj.bias"), &[h])?]);
@@ -386,9 +424,31 @@ fn load_layer(w: &mut Tensors, c: &Config, i: usize) -> Result<Layer, String> {
         w_up,
         w_down,
         fc_bias,
+        experts,
         k_cache: Vec::new(),
         v_cache: Vec::new(),
     })
+}
+
+/// Layer `i`'s mixture-of-experts MLP (contracts `model.qwen3_moe`, `model.mixtral`,
+/// `[[model.weights]]`): the router `model.layers.{i}.{module}.gate.weight` [n_experts, hidden] and
+/// each expert e's `model.layers.{i}.{module}.experts.{e}.{gate,up,down}.weight` ([inter, hidden],
+/// [inter, hidden], [hidden, inter]; Mixtral's w1, w3, w2), stacked by expert into one gate, one up
+/// and one down buffer. A missing or mis-shaped tensor is an error that names it.
+fn load_experts(w: &mut Tensors, c: &Config, m: &Moe, i: usize) -> Result<Experts, String> {
+    let (h, inter, n) = (c.hidden, m.inter, m.n_experts);
+    let prefix = format!("model.layers.{i}.{}", m.module);
+    let router = w.take(&format!("{prefix}.gate.weight"), &[n, h])?;
+    let [gate_name, up_name, down_name] = m.names;
+    let (mut gate, mut up, mut down) =
+        (Vec::with_capacity(n * inter * h), Vec::with_capacity(n * inter * h), Vec::with_capacity(n * h * inter));
+    for e in 0..n {
+        let expert = |name: &str| format!("{prefix}.experts.{e}.{name}.weight");
+        gate.extend(w.take(&expert(gate_name), &[inter, h])?);
+        up.extend(w.take(&expert(up_name), &[inter, h])?);
+        down.extend(w.take(&expert(down_name), &[h, inter])?);
+    }
+    Ok(Experts { router, gate, up, down })
 }
 
 /// An RMSNorm gain [dim]; stored as an offset from one in families with `rmsnorm_one_plus_w`

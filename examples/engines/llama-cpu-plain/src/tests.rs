@@ -7,9 +7,9 @@
 
 use std::path::PathBuf;
 
-use serde_json::Value;
+use serde_json::{Map, Value, json};
 
-use crate::{generate, model::Model, tokenizer::Tokenizer};
+use crate::{config::Config, generate, model::Model, tokenizer::Tokenizer};
 
 /// "Once upon a time" as BabyLlama's tokenizer encodes it (BOS 1 first): the golden prompt_ids.
 const PROMPT_IDS: [u32; 18] = [1, 3, 34, 9, 22, 4, 3, 18, 20, 7, 9, 3, 5, 3, 6, 10, 16, 4];
@@ -79,7 +79,7 @@ fn stop_tokens_read_generation_config_first_then_config() {
 }
 
 /// The conformance folders the engine covers, one per family it reads (config.json's model_type).
-const CONFORMANCE_FAMILIES: [&str; 14] = [
+const CONFORMANCE_FAMILIES: [&str; 16] = [
     "cohere",
     "gemma",
     "gemma2",
@@ -87,11 +87,13 @@ const CONFORMANCE_FAMILIES: [&str; 14] = [
     "granite",
     "llama",
     "mistral",
+    "mixtral",
     "olmo",
     "olmo2",
     "phi3",
     "qwen2",
     "qwen3",
+    "qwen3_moe",
     "stablelm",
     "starcoder2",
 ];
@@ -115,8 +117,9 @@ fn ids(v: &Value) -> Vec<u32> {
 /// Every family on the checkpoint transformers 5 wrote for it (random weights, config.json as
 /// transformers writes it): teacher-forced on each prompt of vectors.json, every logit within
 /// 1e-4 + 1e-4 |x| of transformers' float32 logits (both compute in f32; the measured difference is
-/// below 1e-5), and 16 greedy tokens after the prompt equal to transformers'. A folder whose family
-/// the engine does not read (mixture of experts) must be refused by name, never skipped.
+/// below 1e-5), and 16 greedy tokens after the prompt equal to transformers'. The mixture-of-experts
+/// families (Qwen3-MoE, Mixtral) included. A folder whose family the engine does not read (GPT-OSS)
+/// must be refused by name, never skipped.
 #[test]
 fn every_family_equals_transformers_on_its_conformance_checkpoint() {
     let root = conformance();
@@ -143,7 +146,11 @@ fn every_family_equals_transformers_on_its_conformance_checkpoint() {
                 assert_eq!(got.len(), want.len(), "{name}: vocabulary");
                 for (j, (&g, w)) in got.iter().zip(want).enumerate() {
                     let (g, w) = (g as f64, w.as_f64().unwrap());
-                    assert!((g - w).abs() <= 1e-4 + 1e-4 * w.abs(), "{name} {:?} position {pos} logit {j}: {g} against transformers' {w}", p["text"]);
+                    assert!(
+                        (g - w).abs() <= 1e-4 + 1e-4 * w.abs(),
+                        "{name} {:?} position {pos} logit {j}: {g} against transformers' {w}",
+                        p["text"]
+                    );
                     worst = worst.max((g - w).abs());
                 }
             }
@@ -162,4 +169,97 @@ fn every_family_equals_transformers_on_its_conformance_checkpoint() {
     }
     seen.sort();
     assert_eq!(seen, CONFORMANCE_FAMILIES, "{}: every covered family has its folder", root.display());
+}
+
+/// config.json of a conformance checkpoint as an object.
+fn conformance_config(family: &str) -> Map<String, Value> {
+    let text = std::fs::read_to_string(conformance().join(family).join("config.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+/// The mixture-of-experts settings as transformers' configuration classes read them: Qwen3-MoE's
+/// expert count from num_local_experts or its alias num_experts, norm_topk_prob default false,
+/// moe_intermediate_size as the expert width; Mixtral always renormalised, experts as wide as
+/// intermediate_size, rope_theta 1e6 and no sliding window by default. What they do not cover is
+/// refused by the key's name: dense layers (decoder_sparse_step, mlp_only_layers), top_k outside
+/// 1..=experts, the two expert-count keys disagreeing.
+#[test]
+fn moe_configs_read_as_transformers_does_and_refuse_what_they_do_not_cover() {
+    let qwen = conformance_config("qwen3_moe");
+    let m = Config::from_json(&qwen).unwrap().moe.unwrap();
+    assert_eq!((m.n_experts, m.top_k, m.renormalize, m.inter), (4, 2, true, 32));
+    let mut published = qwen.clone();
+    published.remove("num_local_experts");
+    published.remove("norm_topk_prob");
+    published.insert("num_experts".into(), json!(4));
+    let m = Config::from_json(&published).unwrap().moe.unwrap();
+    assert_eq!((m.n_experts, m.renormalize), (4, false));
+    for (key, value) in [
+        ("decoder_sparse_step", json!(2)),
+        ("mlp_only_layers", json!([1])),
+        ("num_experts_per_tok", json!(5)),
+        ("num_experts_per_tok", json!(0)),
+        ("num_experts", json!(8)),
+    ] {
+        let mut c = qwen.clone();
+        c.insert(key.into(), value.clone());
+        let e = Config::from_json(&c).err().unwrap_or_else(|| panic!("{key} = {value} accepted"));
+        assert!(e.contains(key), "{key} = {value}: {e}");
+    }
+    let mut mixtral = conformance_config("mixtral");
+    mixtral.remove("rope_parameters");
+    mixtral.remove("sliding_window");
+    let c = Config::from_json(&mixtral).unwrap();
+    let m = c.moe.unwrap();
+    assert_eq!((m.n_experts, m.top_k, m.renormalize, m.inter), (4, 2, true, 128));
+    assert_eq!((c.rope_theta, c.sliding_window), (1e6, 0));
+}
+
+/// A Qwen3-MoE checkpoint without one expert's tensor, or with one of the wrong shape, is refused
+/// by the tensor's name.
+#[test]
+fn moe_checkpoints_missing_or_misshaping_an_expert_are_refused_by_name() {
+    let src = conformance().join("qwen3_moe");
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let t = std::env::temp_dir().join(format!("llama-cpu-plain-moe-{}", std::process::id()));
+    std::fs::create_dir_all(&t).unwrap();
+    std::fs::copy(src.join("config.json"), t.join("config.json")).unwrap();
+    let missing = "model.layers.2.mlp.experts.3.up_proj.weight";
+    let kept = st.tensors().into_iter().filter(|(name, _)| name != missing);
+    safetensors::serialize_to_file(kept, None, &t.join("model.safetensors")).unwrap();
+    let e = Model::load(&t).err().expect("a checkpoint without an expert tensor loaded");
+    assert!(e.contains(missing), "{e}");
+    // Expert 1's down_proj [hidden, inter] replaced by its up_proj [inter, hidden].
+    let wrong = "model.layers.0.mlp.experts.1.down_proj.weight";
+    let up = st.tensor("model.layers.0.mlp.experts.1.up_proj.weight").unwrap();
+    let all = st.tensors().into_iter().map(|(name, v)| if name == wrong { (name, up.clone()) } else { (name, v) });
+    safetensors::serialize_to_file(all, None, &t.join("model.safetensors")).unwrap();
+    let e = Model::load(&t).err().expect("a checkpoint with a mis-shaped expert tensor loaded");
+    assert!(e.contains(wrong) && e.contains("shape"), "{e}");
+    let _ = std::fs::remove_dir_all(&t);
+}
+
+/// forward_traced on a mixture-of-experts layer reports, in order, mlp_norm, router (the router
+/// logits [n_experts]), route (top_k nonzero weights, renormalised: sum 1), experts (their weighted
+/// sum [hidden]) and mlp_residual = attn_residual + experts.
+#[test]
+fn moe_layers_trace_router_route_and_experts() {
+    for family in ["qwen3_moe", "mixtral"] {
+        let mut model = Model::load(&conformance().join(family)).unwrap();
+        let mut points: Vec<(Option<usize>, String, Vec<f32>)> = Vec::new();
+        model.forward_traced(5, 0, &mut |layer, name, v| points.push((layer, name.to_string(), v.to_vec())));
+        let layer1: Vec<&(Option<usize>, String, Vec<f32>)> = points.iter().filter(|p| p.0 == Some(1)).collect();
+        let names: Vec<&str> = layer1.iter().map(|p| p.1.as_str()).collect();
+        let at = |name: &str| names.iter().position(|n| *n == name).unwrap_or_else(|| panic!("{family}: no {name}"));
+        let order = ["attn_residual", "mlp_norm", "router", "route", "experts", "mlp_residual"].map(at);
+        assert!(order.windows(2).all(|w| w[0] < w[1]), "{family}: {names:?}");
+        let [residual, _, router, route, experts, out] = order.map(|i| &layer1[i].2);
+        assert_eq!((router.len(), route.len(), experts.len()), (4, 4, 64), "{family}");
+        assert_eq!(route.iter().filter(|&&w| w != 0.0).count(), 2, "{family}: {route:?}");
+        assert!((route.iter().sum::<f32>() - 1.0).abs() < 1e-6, "{family}: {route:?}");
+        for j in 0..64 {
+            assert_eq!(out[j], residual[j] + experts[j], "{family}: mlp_residual entry {j}");
+        }
+    }
 }

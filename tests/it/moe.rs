@@ -1,0 +1,151 @@
+//! Mixture of experts (Qwen3-MoE, Mixtral): configs the router cannot follow are refused by name,
+//! a checkpoint missing an expert or holding one of another shape is refused naming the tensor, the
+//! routing is what transformers computes (a flipped norm_topk_prob fails conformance), and a
+//! decoded token is charged only the experts its router keeps.
+
+use metainfer::model::{ResolvedConfig, Tensors};
+use metainfer::oracle::graph::GraphReference;
+
+use super::shared;
+
+/// The conformance checkpoint of `name`: its family contract, config.json, resolved config and tensors.
+fn checkpoint(
+    name: &str,
+) -> (metainfer::ckb::Contract, serde_json::Map<String, serde_json::Value>, ResolvedConfig, Tensors) {
+    let ckb = metainfer::ckb::Ckb::embedded().unwrap();
+    let dir = shared().join("conformance").join(name);
+    let config = metainfer::model::read_config(dir.as_path()).unwrap();
+    let contract = metainfer::model::route(&ckb, &config).unwrap().clone();
+    let cfg = metainfer::model::resolve(&contract, &config).unwrap_or_else(|g| panic!("{name}: {g:?}"));
+    (contract, config, cfg, metainfer::model::read_safetensors(dir.as_path()).unwrap())
+}
+
+/// The gaps resolving `config` against its family gives, one `field: reason` a line.
+fn gaps(config: &serde_json::Map<String, serde_json::Value>) -> String {
+    let ckb = metainfer::ckb::Ckb::embedded().unwrap();
+    let contract = metainfer::model::route(&ckb, config).unwrap();
+    match metainfer::model::resolve(contract, config) {
+        Ok(_) => panic!("resolved: {config:?}"),
+        Err(g) => g.iter().map(|g| format!("{}: {}", g.field, g.reason)).collect::<Vec<_>>().join("\n"),
+    }
+}
+
+#[test]
+fn configs_the_router_cannot_follow_are_refused_by_name() {
+    let (_, config, _, _) = checkpoint("qwen3_moe");
+    let mut c = config.clone();
+    c["num_experts_per_tok"] = 5.into();
+    let g = gaps(&c);
+    assert!(
+        g.contains("model.graph.layer.route") && g.contains("top_k = 5") && g.contains("more than the 4 experts"),
+        "{g}"
+    );
+    let mut c = config.clone();
+    c["mlp_only_layers"] = serde_json::json!([1]);
+    let g = gaps(&c);
+    assert!(g.contains("mlp_only_layers: `mlp_only_layers` = [1] is a feature model.qwen3_moe does not cover"), "{g}");
+    let mut c = config.clone();
+    c["decoder_sparse_step"] = 2.into();
+    let g = gaps(&c);
+    assert!(g.contains("decoder_sparse_step: value \"2\" is not covered"), "{g}");
+    let mut c = config.clone();
+    c["num_experts_per_tok"] = 0.into();
+    let g = gaps(&c);
+    assert!(g.contains("top_k = 0: a whole number of experts from 1"), "{g}");
+    let (_, config, _, _) = checkpoint("mixtral");
+    let mut c = config.clone();
+    c["num_experts_per_tok"] = 9.into();
+    let g = gaps(&c);
+    assert!(g.contains("top_k = 9") && g.contains("more than the 4 experts"), "{g}");
+    // Published Qwen3-MoE configs name the expert count num_experts (transformers 5 writes
+    // num_local_experts): either resolves.
+    let (contract, config, cfg, _) = checkpoint("qwen3_moe");
+    let mut c = config.clone();
+    let n = c.remove("num_local_experts").unwrap();
+    c.insert("num_experts".into(), n);
+    let r = metainfer::model::resolve(&contract, &c).unwrap();
+    assert_eq!(r.role("n_experts"), cfg.role("n_experts"));
+}
+
+#[test]
+fn a_missing_or_misshaped_expert_or_router_is_refused_naming_the_tensor() {
+    let (contract, _, cfg, tensors) = checkpoint("mixtral");
+    let family = contract.model.as_ref().unwrap();
+    let refused = |edit: &dyn Fn(&mut Tensors)| -> String {
+        let mut t = tensors.clone();
+        edit(&mut t);
+        match GraphReference::new(family, &cfg, &t, "f32") {
+            Ok(_) => panic!("accepted"),
+            Err(e) => e.to_string(),
+        }
+    };
+    let missing = "model.layers.1.block_sparse_moe.experts.3.w2.weight";
+    let e = refused(&|t| {
+        t.remove(missing);
+    });
+    assert!(e.contains(&format!("no tensor `{missing}` (expert 3 of 4")), "{e}");
+    let e = refused(&|t| {
+        let w = t.get_mut("model.layers.2.block_sparse_moe.experts.0.w1.weight").unwrap();
+        *w = (vec![64, 128], w.1.clone());
+    });
+    assert!(e.contains("experts.0.w1.weight` has shape [64, 128], config.json implies Some([128, 64])"), "{e}");
+    let e = refused(&|t| {
+        let w = t.get_mut("model.layers.0.block_sparse_moe.gate.weight").unwrap();
+        *w = (vec![5, 64], vec![0.0; 5 * 64]);
+    });
+    assert!(e.contains("block_sparse_moe.gate.weight` has shape [5, 64], config.json implies [4, 64]"), "{e}");
+}
+
+/// The routing is transformers': the conformance checkpoint's vectors were computed with
+/// norm_topk_prob true, so the same checkpoint declared without renormalisation fails conformance
+/// at the first position, while a reference ignoring the flag would have passed both.
+#[test]
+fn conformance_tells_renormalised_routing_from_the_softmax_over_all_experts() {
+    let t = tempfile::tempdir().unwrap();
+    let c = super::ctx(t.path());
+    let original = shared().join("conformance/qwen3_moe");
+    let copy = t.path().join("qwen3_moe");
+    std::fs::create_dir(&copy).unwrap();
+    for f in ["model.safetensors", "tokenizer.json", "vectors.json", "generation_config.json"] {
+        std::fs::copy(original.join(f), copy.join(f)).unwrap();
+    }
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(original.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["norm_topk_prob"], true);
+    config["norm_topk_prob"] = false.into();
+    std::fs::write(copy.join("config.json"), config.to_string()).unwrap();
+    let r = metainfer::ops::conformance::conformance(&c, &[original.display().to_string(), copy.display().to_string()])
+        .unwrap();
+    assert!(r.families[0].covered && r.families[0].passed, "{:?}", r.families[0]);
+    let flipped = &r.families[1];
+    assert!(flipped.covered && !flipped.passed && !r.passed, "{flipped:?}");
+    assert!(flipped.max_abs_diff > 1e-2, "{}", flipped.max_abs_diff);
+}
+
+/// A decoded token reads the router and the top_k experts it keeps, not every expert: the
+/// parameters profile charges per token are the total less (experts - top_k) experts per layer,
+/// worked by hand from config.json (each expert: gate and up [inter, hidden], down [hidden, inter]).
+#[test]
+fn a_decoded_token_streams_only_the_experts_its_router_keeps() {
+    for (name, inter_key) in [("qwen3_moe", "moe_intermediate_size"), ("mixtral", "intermediate_size")] {
+        let (contract, config, cfg, _) = checkpoint(name);
+        let n = |k: &str| config[k].as_u64().unwrap() as usize;
+        let (experts, k, inter, hidden, layers) =
+            (n("num_local_experts"), n("num_experts_per_tok"), n(inter_key), n("hidden_size"), n("num_hidden_layers"));
+        let p = metainfer::ops::synth::graph_parameters(&contract, &serde_json::Value::Object(config.clone())).unwrap();
+        let per_expert = 3 * inter * hidden;
+        assert_eq!(p.idle_experts, (experts - k) * per_expert * layers, "{name}");
+        assert_eq!(p.expert_fraction, Some(k as f64 / experts as f64), "{name}");
+        assert_eq!(p.streamed(false), p.total - p.idle_experts - cfg.vocab * hidden, "{name}");
+        // The roofline's point costs charge the experts node top_k experts at the weight dtype.
+        let graph = contract.model.as_ref().unwrap().graph.as_ref().unwrap();
+        let costs =
+            metainfer::ops::profile::roofline::point_costs(graph, contract.model.as_ref().unwrap(), &cfg, "bf16", 16);
+        let experts_node = costs.iter().find(|c| c.node == "experts").unwrap();
+        assert_eq!(experts_node.bytes, (k * per_expert * layers * 2) as f64, "{name}");
+        assert_eq!(experts_node.kernel, "kernel.moe_experts");
+    }
+    let (contract, config, _, _) = checkpoint("qwen3");
+    let p = metainfer::ops::synth::graph_parameters(&contract, &serde_json::Value::Object(config)).unwrap();
+    assert_eq!((p.idle_experts, p.expert_fraction), (0, None), "a dense family reads every weight");
+}
