@@ -149,3 +149,73 @@ fn a_decoded_token_streams_only_the_experts_its_router_keeps() {
     let p = metainfer::ops::synth::graph_parameters(&contract, &serde_json::Value::Object(config)).unwrap();
     assert_eq!((p.idle_experts, p.expert_fraction), (0, None), "a dense family reads every weight");
 }
+
+/// profile_engine on a mixture of experts: the plain engine declared for Qwen3-MoE, on the
+/// checkpoint transformers wrote, reports that a decoded token reads half of the expert weights
+/// (top 2 of 4) and bytes per token of the weights it reads, worked by hand from config.json: every
+/// tensor but the embedding table and the two idle experts of each layer, at 4 bytes (f32).
+#[test]
+fn profile_reports_the_bytes_of_the_active_experts() {
+    use metainfer::ops::Report;
+    use metainfer::ops::profile::{ProfileRequest, profile};
+    let t = tempfile::tempdir().unwrap();
+    let c = super::ctx(t.path());
+    let engine = t.path().join("engine");
+    crate::Engine::Plain.copy_to(&engine);
+    let manifest = std::fs::read_to_string(engine.join("metainfer.toml")).unwrap();
+    let declared = manifest.replace("family = \"model.llama\"", "family = \"model.qwen3_moe\"");
+    assert_ne!(declared, manifest);
+    std::fs::write(engine.join("metainfer.toml"), declared).unwrap();
+    let model = shared().join("conformance/qwen3_moe");
+    let budget = metainfer::harness::Budget::secs(900);
+    // Phase order: profile figures count on sources verify passed, verify on sources whose kernels did.
+    let k = metainfer::ops::kernel_test::kernel_test(
+        &c,
+        &metainfer::ops::kernel_test::KernelTestRequest {
+            engine: engine.display().to_string(),
+            kernels: vec![],
+            seed: Some(3),
+            dtype: None,
+            write_bundle: None,
+            from_bundle: None,
+        },
+        &budget,
+    )
+    .unwrap();
+    assert!(k.passed, "{}", k.text());
+    let v = metainfer::ops::verify::verify(
+        &c,
+        &metainfer::ops::verify::VerifyRequest {
+            engine: engine.display().to_string(),
+            model: model.display().to_string(),
+            prompts: vec!["Once upon a time".into()],
+            max_new_tokens: Some(8),
+            seed: Some(3),
+            dtype: None,
+            write_bundle: None,
+            from_bundle: None,
+        },
+        &budget,
+    )
+    .unwrap();
+    assert!(v.passed, "{}", v.text());
+    let req = ProfileRequest {
+        engine: engine.display().to_string(),
+        model: model.display().to_string(),
+        prompt_len: Some(8),
+        new_tokens: Some(8),
+        dtype: None,
+        threads: Some(1),
+        runs: Some(2),
+        write_bundle: None,
+        from_bundle: None,
+    };
+    let p = profile(&c, &req, &budget).unwrap();
+    assert!(p.passed, "{}", p.text());
+    assert_eq!(p.expert_fraction, Some(0.5), "{}", p.text());
+    // 162,624 parameters (../shared/conformance/README.md), less the table 105 x 64 and, in each
+    // of the 4 layers, 2 idle experts of 3 x 32 x 64 weights.
+    let read = 162_624 - 105 * 64 - 4 * 2 * 3 * 32 * 64;
+    assert_eq!(p.bytes_per_token, 4.0 * read as f64, "{}", p.text());
+    assert!(p.text().contains("a decoded token reads 50.0% of the expert weights"), "{}", p.text());
+}
