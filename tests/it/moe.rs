@@ -219,3 +219,49 @@ fn profile_reports_the_bytes_of_the_active_experts() {
     assert_eq!(p.bytes_per_token, 4.0 * read as f64, "{}", p.text());
     assert!(p.text().contains("a decoded token reads 50.0% of the expert weights"), "{}", p.text());
 }
+
+/// Published mixtures of experts (their config.json as released; tests/fixtures/configs) plan as
+/// their families, and the parameters their graphs bind equal the published counts: Qwen3-30B-A3B
+/// 30.5B in all and 3.3B activated per token (Qwen3 Technical Report, arXiv:2505.09388), Mixtral
+/// 8x7B 46.7B and 12.9B (arXiv:2401.04088), each to the published figures' precision (0.1B).
+#[test]
+fn published_moe_models_plan_and_read_their_published_active_parameters() {
+    use metainfer::ops::plan::{PlanRequest, plan_only};
+    let t = tempfile::tempdir().unwrap();
+    let c = super::ctx(t.path());
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/configs");
+    for (file, family, total, active) in [
+        ("qwen3-30b-a3b.json", "model.qwen3_moe", 30.5e9, 3.3e9),
+        ("mixtral-8x7b.json", "model.mixtral", 46.7e9, 12.9e9),
+    ] {
+        let dir = t.path().join(file);
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::copy(fixtures.join(file), dir.join("config.json")).unwrap();
+        let r = plan_only(
+            &c,
+            &PlanRequest {
+                model: dir.display().to_string(),
+                target: "cpu".into(),
+                dtype: "bf16".into(),
+                platform: None,
+                serving: None,
+            },
+        )
+        .unwrap();
+        assert!(r.covered && r.family == family, "{file}: {} {:?}", r.family, r.gaps);
+        let kernels: Vec<&str> = r.phases[0].contracts.iter().map(String::as_str).collect();
+        assert!(kernels.contains(&"kernel.moe_route") && kernels.contains(&"kernel.moe_experts"), "{kernels:?}");
+        let ckb = metainfer::ckb::Ckb::embedded().unwrap();
+        let config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+        let p = metainfer::ops::synth::graph_parameters(ckb.get(family).unwrap(), &config).unwrap();
+        // The figures are given to 0.1B (Qwen3-30B-A3B's 3.35B activated is published as 3.3B).
+        let within = |got: usize, published: f64| (got as f64 - published).abs() < 0.1e9;
+        assert!(within(p.total, total), "{file}: {} parameters, published {total:e}", p.total);
+        assert!(
+            within(p.total - p.idle_experts, active),
+            "{file}: {} active, published {active:e}",
+            p.total - p.idle_experts
+        );
+    }
+}
