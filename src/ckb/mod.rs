@@ -465,6 +465,21 @@ impl Ckb {
         }
     }
 
+    /// Staged candidates that claim config.json's `architectures` or `model_type` but do not route
+    /// it, because an established family does ([`Ckb::family_for`] prefers it): they route only
+    /// once promoted. Empty when the routed family is itself the candidate or none claims it.
+    pub fn shadowed(&self, architectures: &[String], model_type: Option<&str>) -> Vec<&Contract> {
+        let Some(routed) = self.family_for(architectures, model_type) else { return vec![] };
+        self.of_kind(Kind::Model)
+            .filter(|c| c.id != routed.id && self.is_provisional(&c.id))
+            .filter(|c| {
+                let m = c.model.as_ref().expect("lint: model kind has a model section");
+                architectures.iter().any(|a| m.architectures.contains(a))
+                    || model_type.is_some_and(|t| m.model_types.iter().any(|x| x == t))
+            })
+            .collect()
+    }
+
     /// The platform contract for a `--target` name (an established one before a provisional one).
     pub fn platform_for(&self, target: &str) -> Option<&Contract> {
         let mut hits = self.of_kind(Kind::Platform).filter(|c| c.platform.as_ref().is_some_and(|p| p.target == target));
@@ -686,5 +701,32 @@ impl Ckb {
             }
         }
         s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A staged family claiming an established family's architecture does not route it, and is
+    /// named as shadowed; one claiming a new architecture routes, and shadows nothing.
+    #[test]
+    fn a_candidate_claiming_an_established_architecture_is_shadowed_not_routed() {
+        let llama = embedded_files().into_iter().find(|(p, _)| p == "models/llama.toml").unwrap().1;
+        let twin = llama.replacen("id = \"model.llama\"", "id = \"model.llama_twin\"", 1);
+        let novel = twin
+            .replacen("id = \"model.llama_twin\"", "id = \"model.novel\"", 1)
+            .replace("\"LlamaForCausalLM\"", "\"NovelForCausalLM\"")
+            .replace("model_types = [\"llama\"]", "model_types = [\"novel\"]");
+        let candidates = vec![("models/llama_twin.toml".to_string(), twin), ("models/novel.toml".to_string(), novel)];
+        let (ckb, left_out) = Ckb::with_candidates(embedded_files(), candidates, "test".into(), None).unwrap();
+        assert!(left_out.is_empty(), "{left_out:?}");
+        let llama_arch = ["LlamaForCausalLM".to_string()];
+        assert_eq!(ckb.family_for(&llama_arch, Some("llama")).unwrap().id, "model.llama");
+        let shadowed: Vec<&str> = ckb.shadowed(&llama_arch, Some("llama")).iter().map(|c| c.id.as_str()).collect();
+        assert_eq!(shadowed, ["model.llama_twin"]);
+        let novel_arch = ["NovelForCausalLM".to_string()];
+        assert_eq!(ckb.family_for(&novel_arch, None).unwrap().id, "model.novel");
+        assert!(ckb.shadowed(&novel_arch, None).is_empty());
     }
 }

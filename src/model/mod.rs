@@ -171,6 +171,18 @@ pub fn route<'a>(ckb: &'a Ckb, config: &serde_json::Map<String, Value>) -> std::
     })
 }
 
+/// Staged candidates (`id@version`) that claim this config.json's architecture but do not route it:
+/// an established family does ([`Ckb::shadowed`]).
+pub fn shadowed(ckb: &Ckb, config: &serde_json::Map<String, Value>) -> Vec<String> {
+    let architectures: Vec<String> = config
+        .get("architectures")
+        .and_then(Value::as_array)
+        .map(|a| a.iter().filter_map(|v| v.as_str().map(str::to_owned)).collect())
+        .unwrap_or_default();
+    let model_type = config.get("model_type").and_then(Value::as_str);
+    ckb.shadowed(&architectures, model_type).into_iter().map(|c| format!("{}@{}", c.id, c.version)).collect()
+}
+
 /// A JSON number as f64. Strings are not numbers: HF reads config.json as typed JSON, so
 /// `"hidden_size": "128"` is refused by [`resolve`] with the key named, never coerced.
 fn number(v: &Value) -> Option<f64> {

@@ -80,6 +80,12 @@ pub struct PlanReport {
     /// conformance` on an independent implementation's vectors promotes a model family. Empty when
     /// covered.
     pub provisional: Vec<String>,
+    /// Staged candidates (`id@version`) that claim this model's architecture but do not route it:
+    /// an established family claims it too and routes first, so this plan (and every gate) is
+    /// made for that family, not for the candidate. To change how the family computes, propose an
+    /// amendment of the established contract (same id). Empty when none does.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shadowed: Vec<String>,
     /// Phases in build order.
     pub phases: Vec<PhasePlan>,
     /// Contract files left out of the knowledge base as invalid (`--skip-invalid`), each with its
@@ -150,6 +156,14 @@ impl Report for PlanReport {
         } else {
             format!("not covered ({} gap(s))\n", self.gaps.len())
         };
+        if !self.shadowed.is_empty() {
+            s += &format!(
+                "note: staged candidate(s) {} claim this architecture too, but {} is established and routes first: the plan and the gates are for it; to change how the family computes, propose an amendment of {} (same id)\n",
+                self.shadowed.join(", "),
+                self.family,
+                self.family
+            );
+        }
         for g in &self.gaps {
             s += &format!("  gap {}: {}\n", g.field, g.reason);
         }
@@ -492,6 +506,7 @@ pub fn plan_only(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
     Ok(PlanReport {
         covered: gaps.is_empty() && provisional.is_empty(),
         provisional,
+        shadowed: model::shadowed(&ctx.ckb, &config),
         family: family.map(|f| f.id.clone()).unwrap_or_default(),
         platform: platform.map(|p| p.id.clone()).unwrap_or_default(),
         dtype: req.dtype.clone(),
