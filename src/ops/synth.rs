@@ -843,6 +843,16 @@ fn write_planned(
             )));
         }
     }
+    let params: usize = plan.iter().map(PlannedTensor::len).sum();
+    if params.saturating_mul(storage.bytes_per_weight()) > MAX_BYTES {
+        return Err(Error::usage(format!(
+            "the checkpoint would hold {params} parameters, {:.2} GB of weights at {} bytes each, more than synth writes ({} GB); \
+             choose smaller sizes (--hidden, --layers, --intermediate, --vocab, and for a mixture of experts --experts or --expert-intermediate) or --dtype bf16",
+            (params * storage.bytes_per_weight()) as f64 / 1e9,
+            storage.bytes_per_weight(),
+            MAX_BYTES / 1_000_000_000
+        )));
+    }
     if storage.shards > plan.len() {
         return Err(Error::usage(format!(
             "--shards {} exceeds the checkpoint's {} tensors; every shard holds at least one",
@@ -1376,6 +1386,17 @@ pub fn synth_config_for(contract: &crate::ckb::Contract, req: &SynthRequest) -> 
     let tied = tied_default.and_then(|v| v.as_bool()).unwrap_or(false);
     let storage = Storage::of(req)?;
     let z = sizes(req, None, tied, "", storage.bytes_per_weight())?;
+    let experts = req.experts.unwrap_or(1);
+    let bad = |flag: &str, v: usize, range: &str| Err(Error::usage(format!("--{flag} {v} must be in {range}")));
+    if !(1..=1024).contains(&experts) {
+        return bad("experts", experts, "1..=1024");
+    }
+    if let Some(k) = req.experts_per_token.filter(|k| !(1..=experts).contains(k)) {
+        return bad("experts-per-token", k, &format!("1..=--experts ({experts})"));
+    }
+    if let Some(w) = req.expert_intermediate.filter(|w| !(1..=65_536).contains(w)) {
+        return bad("expert-intermediate", w, "1..=65536");
+    }
     let family_name = m.model_types.first().map(String::as_str).unwrap_or_default();
     let specials = special_ids(&storage.tokenizer, family_name, z.vocab)?;
     let mut c = serde_json::Map::new();

@@ -466,6 +466,32 @@ fn synth_refuses_unknown_presets_conflicting_families_and_absurd_shapes_and_crea
             &[],
             "pass --family (llama, mistral, qwen2, qwen3, gemma) or --preset (stories15m, stories42m, stories110m, llama3.2-1b, qwen3-0.6b)",
         ),
+        // Mixtures of experts: expert counts and widths are bounded, and the experts count in the
+        // checkpoint's size (1024 experts of 3 x 14336 x 4096 weights in each of 8 layers: 1.4e12).
+        (&["--family", "qwen3_moe", "--experts", "0"], "--experts 0 must be in 1..=1024"),
+        (
+            &["--family", "qwen3_moe", "--experts", "4", "--experts-per-token", "5"],
+            "--experts-per-token 5 must be in 1..=--experts (4)",
+        ),
+        (
+            &["--family", "qwen3_moe", "--expert-intermediate", "70000"],
+            "--expert-intermediate 70000 must be in 1..=65536",
+        ),
+        (
+            &[
+                "--family",
+                "mixtral",
+                "--experts",
+                "1024",
+                "--hidden",
+                "4096",
+                "--intermediate",
+                "14336",
+                "--layers",
+                "8",
+            ],
+            "more than synth writes (8 GB); choose smaller sizes (--hidden, --layers, --intermediate, --vocab, and for a mixture of experts --experts or --expert-intermediate)",
+        ),
     ] {
         let r = synth_cli(&out, args);
         let stderr = String::from_utf8_lossy(&r.stderr);
