@@ -61,6 +61,10 @@ pub struct Preset {
     pub dtype: &'static str,
     /// Tokenizer: `spm` or `bytelevel`.
     pub tokenizer: &'static str,
+    /// A mixture of experts: (experts, experts per token, one expert's width); (0, 0, 0) for a
+    /// dense model. Such a preset is written from its family's contract (graph) like any family
+    /// synth knows only by contract.
+    pub experts: (usize, usize, usize),
 }
 
 /// The llama2.c TinyStories model shapes, and two current small models.
@@ -81,6 +85,17 @@ pub struct Preset {
 /// 131072 and 40960: an engine allocates its KV cache for the whole context (at 131072 positions
 /// Llama 3.2 1B's f32 cache alone would be 16 x 2 x 512 x 131072 x 4 B = 8.6 GB); `--max-seq` writes
 /// more.
+///
+/// qwen3-moe-mini: Qwen/Qwen3-30B-A3B's mixture of experts scaled down (its config.json: hidden 2048,
+/// 48 layers, 32 query and 4 KV heads of 128, 128 experts of width 768, 8 per token: a token reads
+/// 1/16 of the expert weights), kept in proportion where it matters to decode: 8 query heads per KV
+/// head, 1/16 of the experts per token (2 of 32), experts a third as wide as the hidden state;
+/// hidden 256, 4 layers, heads of 32, vocabulary 4096, BF16: 12.2M parameters, of which a decoded
+/// token reads 2.3M (lm_head included). qwen3-moe-1b-active: a Qwen3-MoE shape whose decoded token reads about 1B
+/// weights (28 layers of hidden 2048, 16 query and 4 KV heads of 128, 4 of 16 experts of width 1024;
+/// 32000-token vocabulary; 3.2B parameters in all, BF16: 6.5 GB), for decode speed at the size of
+/// the small dense presets. Both are written from model.qwen3_moe's graph, with its defaults for the
+/// RoPE base and epsilon.
 pub const PRESETS: &[Preset] = &[
     Preset {
         name: "stories15m",
@@ -98,6 +113,7 @@ pub const PRESETS: &[Preset] = &[
         llama3_scaling: None,
         dtype: "f32",
         tokenizer: "spm",
+        experts: (0, 0, 0),
     },
     Preset {
         name: "stories42m",
@@ -115,6 +131,7 @@ pub const PRESETS: &[Preset] = &[
         llama3_scaling: None,
         dtype: "f32",
         tokenizer: "spm",
+        experts: (0, 0, 0),
     },
     Preset {
         name: "stories110m",
@@ -132,6 +149,7 @@ pub const PRESETS: &[Preset] = &[
         llama3_scaling: None,
         dtype: "f32",
         tokenizer: "spm",
+        experts: (0, 0, 0),
     },
     Preset {
         name: "llama3.2-1b",
@@ -149,6 +167,7 @@ pub const PRESETS: &[Preset] = &[
         llama3_scaling: Some((32.0, 1.0, 4.0, 8192)),
         dtype: "bf16",
         tokenizer: "bytelevel",
+        experts: (0, 0, 0),
     },
     Preset {
         name: "qwen3-0.6b",
@@ -166,6 +185,43 @@ pub const PRESETS: &[Preset] = &[
         llama3_scaling: None,
         dtype: "bf16",
         tokenizer: "bytelevel",
+        experts: (0, 0, 0),
+    },
+    Preset {
+        name: "qwen3-moe-mini",
+        family: "qwen3_moe",
+        hidden: 256,
+        layers: 4,
+        heads: 8,
+        kv_heads: 1,
+        head_dim: 32,
+        intermediate: 768,
+        vocab: 4096,
+        max_seq: 1024,
+        rope_theta: 1_000_000.0,
+        rms_norm_eps: 1e-6,
+        llama3_scaling: None,
+        dtype: "bf16",
+        tokenizer: "spm",
+        experts: (32, 2, 96),
+    },
+    Preset {
+        name: "qwen3-moe-1b-active",
+        family: "qwen3_moe",
+        hidden: 2048,
+        layers: 28,
+        heads: 16,
+        kv_heads: 4,
+        head_dim: 128,
+        intermediate: 6144,
+        vocab: 32000,
+        max_seq: 4096,
+        rope_theta: 1_000_000.0,
+        rms_norm_eps: 1e-6,
+        llama3_scaling: None,
+        dtype: "bf16",
+        tokenizer: "spm",
+        experts: (16, 4, 1024),
     },
 ];
 
@@ -1577,6 +1633,9 @@ pub fn synth_contract(contract: &crate::ckb::Contract, req: &SynthRequest) -> Re
 /// [`write_checkpoint`].
 pub fn synth_in(ckb: &crate::ckb::Ckb, req: &SynthRequest) -> Result<SynthReport> {
     let family = req.family.strip_prefix("model.").unwrap_or(&req.family);
+    if let Some(filled) = contract_preset_request(req)? {
+        return synth_in(ckb, &filled);
+    }
     if family.is_empty() || FAMILIES.contains(&family) || req.preset.is_some() {
         return synth(req);
     }
@@ -1597,6 +1656,44 @@ pub fn synth_in(ckb: &crate::ckb::Ckb, req: &SynthRequest) -> Result<SynthReport
     let mut report = synth_contract(contract, req)?;
     report.family = family.to_string();
     Ok(report)
+}
+
+/// The request a preset of a family synth knows by contract only (a mixture of experts) stands
+/// for: the preset's sizes fill the request's unset ones, and the family's contract writes it.
+/// None for no preset or a preset of a built-in family.
+///
+/// # Errors
+/// [`crate::error::ErrorKind::Usage`] for an unknown preset, or a `--family` other than the preset's.
+pub fn contract_preset_request(req: &SynthRequest) -> Result<Option<SynthRequest>> {
+    let Some(p) = req.preset.as_deref().map(preset).transpose()? else { return Ok(None) };
+    if FAMILIES.contains(&p.family) {
+        return Ok(None);
+    }
+    let family = req.family.strip_prefix("model.").unwrap_or(&req.family);
+    if !family.is_empty() && family != p.family {
+        return Err(Error::usage(format!(
+            "--preset {} is a {} shape and conflicts with --family {family}; drop --family or pass --family {}",
+            p.name, p.family, p.family
+        )));
+    }
+    Ok(Some(SynthRequest {
+        family: p.family.to_string(),
+        preset: None,
+        hidden: req.hidden.or(Some(p.hidden)),
+        layers: req.layers.or(Some(p.layers)),
+        heads: req.heads.or(Some(p.heads)),
+        kv_heads: req.kv_heads.or(Some(p.kv_heads)),
+        head_dim: req.head_dim.or(Some(p.head_dim).filter(|d| *d > 0)),
+        vocab: req.vocab.or(Some(p.vocab)),
+        intermediate: req.intermediate.or(Some(p.intermediate)),
+        max_seq: req.max_seq.or(Some(p.max_seq)),
+        experts: req.experts.or(Some(p.experts.0).filter(|e| *e > 0)),
+        experts_per_token: req.experts_per_token.or(Some(p.experts.1).filter(|e| *e > 0)),
+        expert_intermediate: req.expert_intermediate.or(Some(p.experts.2).filter(|e| *e > 0)),
+        dtype: req.dtype.clone().or(Some(p.dtype.to_string())),
+        tokenizer: req.tokenizer.clone().or(Some(p.tokenizer.to_string())),
+        ..req.clone()
+    }))
 }
 
 #[cfg(test)]

@@ -449,7 +449,7 @@ fn synth_refuses_unknown_presets_conflicting_families_and_absurd_shapes_and_crea
     for (args, want) in [
         (
             &["--preset", "stories1b"][..],
-            "unknown preset `stories1b`; synth knows: stories15m, stories42m, stories110m, llama3.2-1b, qwen3-0.6b",
+            "unknown preset `stories1b`; synth knows: stories15m, stories42m, stories110m, llama3.2-1b, qwen3-0.6b, qwen3-moe-mini, qwen3-moe-1b-active",
         ),
         (
             &["--preset", "stories15m", "--family", "qwen2"],
@@ -464,10 +464,14 @@ fn synth_refuses_unknown_presets_conflicting_families_and_absurd_shapes_and_crea
         ),
         (
             &[],
-            "pass --family (llama, mistral, qwen2, qwen3, gemma) or --preset (stories15m, stories42m, stories110m, llama3.2-1b, qwen3-0.6b)",
+            "pass --family (llama, mistral, qwen2, qwen3, gemma) or --preset (stories15m, stories42m, stories110m, llama3.2-1b, qwen3-0.6b, qwen3-moe-mini, qwen3-moe-1b-active)",
         ),
         // Mixtures of experts: expert counts and widths are bounded, and the experts count in the
         // checkpoint's size (1024 experts of 3 x 14336 x 4096 weights in each of 8 layers: 1.4e12).
+        (
+            &["--preset", "qwen3-moe-mini", "--family", "llama"],
+            "--preset qwen3-moe-mini is a qwen3_moe shape and conflicts with --family llama; drop --family or pass --family qwen3_moe",
+        ),
         (&["--family", "qwen3_moe", "--experts", "0"], "--experts 0 must be in 1..=1024"),
         (
             &["--family", "qwen3_moe", "--experts", "4", "--experts-per-token", "5"],

@@ -265,3 +265,53 @@ fn published_moe_models_plan_and_read_their_published_active_parameters() {
         );
     }
 }
+
+/// The mixture-of-experts presets write Qwen3-MoE checkpoints at their shapes, counted by hand.
+/// qwen3-moe-mini (hidden 256, 4 layers, 8 query and 1 KV heads of 32, 32 experts of width 96, 2 per
+/// token, vocabulary 4096, untied): per layer q and o 256 x 256, k and v 32 x 256, q/k norms 32
+/// each, two norms of 256, the router 32 x 256 and the experts 32 x 3 x 96 x 256 = 2,515,520; four
+/// layers, the final norm and two 4096 x 256 tables: 12,159,488. A token reads all but 30 experts
+/// per layer and the embedding table: 2,263,552. qwen3-moe-1b-active (hidden 2048, 28 layers, 16 and
+/// 4 heads of 128, 16 experts of width 1024, 4 per token, vocabulary 32000): 3,244,286,976 in all,
+/// 1,064,821,760 read per token (checked from its config without writing its 6.5 GB).
+#[test]
+fn moe_presets_write_qwen3_moe_at_their_shapes() {
+    use metainfer::ops::synth::{SynthRequest, contract_preset_request, graph_parameters, synth_config_for, synth_in};
+    let t = tempfile::tempdir().unwrap();
+    let ckb = metainfer::ckb::Ckb::embedded().unwrap();
+    let contract = ckb.get("model.qwen3_moe").unwrap();
+    let out = t.path().join("mini");
+    let req = SynthRequest { preset: Some("qwen3-moe-mini".into()), out: out.clone(), seed: 2, ..Default::default() };
+    let r = synth_in(&ckb, &req).unwrap();
+    assert_eq!(r.family, "qwen3_moe");
+    let config = serde_json::Value::Object(metainfer::model::read_config(out.as_path()).unwrap());
+    assert_eq!((config["num_local_experts"].as_u64(), config["num_experts_per_tok"].as_u64()), (Some(32), Some(2)));
+    let p = graph_parameters(contract, &config).unwrap();
+    assert_eq!((p.total, p.streamed(false), p.expert_fraction), (12_159_488, 2_263_552, Some(2.0 / 32.0)));
+    let stored: usize = metainfer::model::read_safetensors(out.as_path())
+        .unwrap()
+        .values()
+        .map(|(s, _)| s.iter().product::<usize>())
+        .sum();
+    assert_eq!(stored, 12_159_488, "the checkpoint holds what the graph binds");
+    let c = super::ctx(t.path());
+    let plan = metainfer::ops::plan::plan_only(
+        &c,
+        &metainfer::ops::plan::PlanRequest {
+            model: out.display().to_string(),
+            target: "cpu".into(),
+            dtype: "bf16".into(),
+            platform: None,
+            serving: None,
+        },
+    )
+    .unwrap();
+    assert!(plan.covered && plan.family == "model.qwen3_moe", "{:?}", plan.gaps);
+    let big =
+        contract_preset_request(&SynthRequest { preset: Some("qwen3-moe-1b-active".into()), ..Default::default() })
+            .unwrap()
+            .unwrap();
+    let config = synth_config_for(contract, &big).unwrap();
+    let p = graph_parameters(contract, &config).unwrap();
+    assert_eq!((p.total, p.streamed(false)), (3_244_286_976, 1_064_821_760));
+}
