@@ -451,12 +451,7 @@ impl Ckb {
     /// The model-family contract routed from config.json's `architectures` or `model_type`. An
     /// established contract is preferred to a provisional one that claims the same architecture.
     pub fn family_for(&self, architectures: &[String], model_type: Option<&str>) -> Option<&Contract> {
-        let routes = |c: &&Contract| {
-            let m = c.model.as_ref().expect("lint: model kind has a model section");
-            architectures.iter().any(|a| m.architectures.contains(a))
-                || model_type.is_some_and(|t| m.model_types.iter().any(|x| x == t))
-        };
-        let mut hits = self.of_kind(Kind::Model).filter(routes);
+        let mut hits = self.of_kind(Kind::Model).filter(|c| claims(c, architectures, model_type));
         let first = hits.next()?;
         if self.is_provisional(&first.id) {
             hits.find(|c| !self.is_provisional(&c.id)).or(Some(first))
@@ -471,12 +466,7 @@ impl Ckb {
     pub fn shadowed(&self, architectures: &[String], model_type: Option<&str>) -> Vec<&Contract> {
         let Some(routed) = self.family_for(architectures, model_type) else { return vec![] };
         self.of_kind(Kind::Model)
-            .filter(|c| c.id != routed.id && self.is_provisional(&c.id))
-            .filter(|c| {
-                let m = c.model.as_ref().expect("lint: model kind has a model section");
-                architectures.iter().any(|a| m.architectures.contains(a))
-                    || model_type.is_some_and(|t| m.model_types.iter().any(|x| x == t))
-            })
+            .filter(|c| c.id != routed.id && self.is_provisional(&c.id) && claims(c, architectures, model_type))
             .collect()
     }
 
@@ -630,6 +620,13 @@ impl Ckb {
         ckb.fingerprint = fingerprint;
         Ok((ckb, left_out))
     }
+}
+
+/// Whether model family `c` claims a config.json with these `architectures` or this `model_type`.
+fn claims(c: &Contract, architectures: &[String], model_type: Option<&str>) -> bool {
+    let m = c.model.as_ref().expect("lint: model kind has a model section");
+    architectures.iter().any(|a| m.architectures.contains(a))
+        || model_type.is_some_and(|t| m.model_types.iter().any(|x| x == t))
 }
 
 /// Whether two values stated as text are the same value: equal as numbers when both parse as

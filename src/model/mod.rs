@@ -149,14 +149,19 @@ pub fn read_config(dir: &(impl Files + ?Sized)) -> Result<serde_json::Map<String
     }
 }
 
-/// Route a config to a model family: `Ok(contract)` or the gaps that prevent it.
-pub fn route<'a>(ckb: &'a Ckb, config: &serde_json::Map<String, Value>) -> std::result::Result<&'a Contract, Vec<Gap>> {
-    let architectures: Vec<String> = config
+/// What config.json says the model is: its `architectures` (the strings among them) and `model_type`.
+fn identity(config: &serde_json::Map<String, Value>) -> (Vec<String>, Option<&str>) {
+    let architectures = config
         .get("architectures")
         .and_then(Value::as_array)
         .map(|a| a.iter().filter_map(|v| v.as_str().map(str::to_owned)).collect())
         .unwrap_or_default();
-    let model_type = config.get("model_type").and_then(Value::as_str);
+    (architectures, config.get("model_type").and_then(Value::as_str))
+}
+
+/// Route a config to a model family: `Ok(contract)` or the gaps that prevent it.
+pub fn route<'a>(ckb: &'a Ckb, config: &serde_json::Map<String, Value>) -> std::result::Result<&'a Contract, Vec<Gap>> {
+    let (architectures, model_type) = identity(config);
     ckb.family_for(&architectures, model_type).ok_or_else(|| {
         let known: Vec<String> =
             ckb.of_kind(crate::ckb::Kind::Model).flat_map(|c| c.model.as_ref().unwrap().architectures.clone()).collect();
@@ -174,12 +179,7 @@ pub fn route<'a>(ckb: &'a Ckb, config: &serde_json::Map<String, Value>) -> std::
 /// Staged candidates (`id@version`) that claim this config.json's architecture but do not route it:
 /// an established family does ([`Ckb::shadowed`]).
 pub fn shadowed(ckb: &Ckb, config: &serde_json::Map<String, Value>) -> Vec<String> {
-    let architectures: Vec<String> = config
-        .get("architectures")
-        .and_then(Value::as_array)
-        .map(|a| a.iter().filter_map(|v| v.as_str().map(str::to_owned)).collect())
-        .unwrap_or_default();
-    let model_type = config.get("model_type").and_then(Value::as_str);
+    let (architectures, model_type) = identity(config);
     ckb.shadowed(&architectures, model_type).into_iter().map(|c| format!("{}@{}", c.id, c.version)).collect()
 }
 

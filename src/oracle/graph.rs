@@ -506,16 +506,23 @@ impl Builder<'_> {
         Ok(out)
     }
 
+    /// The shape `[[model.weights]]` declares for the tensor `pattern` names, at this config; None
+    /// when the family does not declare it or a dimension does not evaluate.
+    fn declared_shape(&self, pattern: &str) -> Option<Vec<usize>> {
+        let spec = self.family.weights.iter().find(|w| w.name == pattern)?;
+        spec.shape.iter().map(|d| eval_expr(d, &|r| config_role(self.cfg, r)).ok().map(|v| v as usize)).collect()
+    }
+
     /// Load every expert's tensor of `pattern` (`{e}` = 0..count) at `layer`, each of the family's
     /// shape, and bind them stacked by expert as one tensor [count * rows, cols].
     fn bind_experts(&mut self, node: &str, pattern: &str, layer: Option<usize>, count: usize) -> Result<Bound> {
         let name = layer.map_or(pattern.to_string(), |i| pattern.replace("{i}", &i.to_string()));
         let key = (name.clone(), false);
+        if count == 0 {
+            return Err(Error::input(format!("node `{node}`: `experts` is 0; the family needs at least one expert")));
+        }
         if !self.keys.contains_key(&key) {
-            let spec = self.family.weights.iter().find(|w| w.name == pattern);
-            let want: Option<Vec<usize>> = spec.and_then(|s| {
-                s.shape.iter().map(|d| eval_expr(d, &|r| config_role(self.cfg, r)).ok().map(|v| v as usize)).collect()
-            });
+            let want = self.declared_shape(pattern);
             let mut stacked = Vec::new();
             let mut shape = Vec::new();
             for e in 0..count {
@@ -531,11 +538,6 @@ impl Builder<'_> {
                 }
                 stacked.extend(super::dtypes::as_stored(&v, s[1], self.weight_dtype));
                 shape = s;
-            }
-            if count == 0 {
-                return Err(Error::input(format!(
-                    "node `{node}`: `experts` is 0; the family needs at least one expert"
-                )));
             }
             self.store.push(stacked);
             self.keys.insert(key.clone(), (self.store.len() - 1, vec![count * shape[0], shape[1]]));
@@ -556,10 +558,7 @@ impl Builder<'_> {
         let name = layer.map_or(pattern.to_string(), |i| pattern.replace("{i}", &i.to_string()));
         let key = (name.clone(), one_plus);
         if !self.keys.contains_key(&key) {
-            let spec = self.family.weights.iter().find(|w| w.name == pattern);
-            let want: Option<Vec<usize>> = spec.and_then(|s| {
-                s.shape.iter().map(|d| eval_expr(d, &|r| config_role(self.cfg, r)).ok().map(|v| v as usize)).collect()
-            });
+            let want = self.declared_shape(pattern);
             let (s, v) = (self.take)(&name).ok_or_else(|| {
                 let hint = if name == "lm_head.weight" {
                     " and config.json does not set tie_word_embeddings".to_string()
