@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use super::types::{GRAPH_OPS, Graph, GraphNode, GraphOp, ModelFamily};
+use super::family::{GRAPH_OPS, Graph, GraphNode, GraphOp, ModelFamily};
 
 /// Evaluate a parameter or shape expression to a number ([`super::expr`]: numbers, strings,
 /// config roles typed as config.json types them, indexing of lists and objects, `+ - * / %`,

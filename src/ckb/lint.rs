@@ -4,7 +4,8 @@
 
 use std::collections::BTreeSet;
 
-use super::types::{self, CONFIG_TYPES, Contract, GRAPH_OPS, Kind, Phase, WEIGHT_REWRITES};
+use super::family::{CONFIG_TYPES, GRAPH_OPS, WEIGHT_REWRITES};
+use super::types::{self, Contract, Kind, Phase};
 use super::{Ckb, Finding, graph, parse_id, same_value};
 
 /// Where a rule reports: `bad(field, message)`.

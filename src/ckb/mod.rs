@@ -3,6 +3,7 @@
 //! Knows nothing of MCP, processes or the ledger.
 
 pub mod expr;
+mod family;
 pub mod graph;
 mod lint;
 mod types;
@@ -10,6 +11,7 @@ mod types;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
+pub use family::*;
 pub use types::*;
 
 use crate::error::{Error, Result};

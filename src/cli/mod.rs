@@ -351,9 +351,17 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
             })?;
             Ok(emit(&r, json))
         }
-        Command::VerifyBatching { engine, model, sequences, seed, dtype, json } => {
+        Command::VerifyBatching { engine, model, sequences, seed, dtype, write_bundle, from_bundle, json } => {
             let c = ctx(g)?;
-            let req = ops::batching::BatchingRequest { engine: s(&engine), model: s(&model), sequences, seed, dtype };
+            let req = ops::batching::BatchingRequest {
+                engine: s(&engine),
+                model: s(&model),
+                sequences,
+                seed,
+                dtype,
+                write_bundle: write_bundle.as_deref().map(s),
+                from_bundle: from_bundle.as_deref().map(s),
+            };
             let r = progress(
                 "verify batching (build + block manager + batched run + reference)",
                 first_build_note(&c),

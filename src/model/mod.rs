@@ -542,9 +542,20 @@ fn check_graph(g: &crate::ckb::Graph, cfg: &ResolvedConfig, gaps: &mut Vec<Gap>)
 /// # Errors
 /// Unreadable config ([`crate::error::ErrorKind::Input`]) or gaps (Usage, listing field and reason).
 pub fn load_config(ckb: &Ckb, dir: &(impl Files + ?Sized)) -> Result<ResolvedConfig> {
-    let config = read_config(dir)?;
-    let contract = route(ckb, &config).map_err(|g| gaps_error(dir.path(), &g))?;
-    resolve(contract, &config).map_err(|g| gaps_error(dir.path(), &g))
+    resolve_config(ckb, dir, &read_config(dir)?)
+}
+
+/// Route `config` (config.json of `dir`, already read) and resolve it.
+///
+/// # Errors
+/// As [`load_config`], for the gaps.
+pub fn resolve_config(
+    ckb: &Ckb,
+    dir: &(impl Files + ?Sized),
+    config: &serde_json::Map<String, Value>,
+) -> Result<ResolvedConfig> {
+    let contract = route(ckb, config).map_err(|g| gaps_error(dir.path(), &g))?;
+    resolve(contract, config).map_err(|g| gaps_error(dir.path(), &g))
 }
 
 fn gaps_error(dir: &Path, gaps: &[Gap]) -> Error {

@@ -21,7 +21,6 @@
 //! Expected values exist only in the server and are computed after the engine's process exited.
 
 use std::collections::BTreeMap;
-use std::path::Path;
 
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -29,16 +28,15 @@ use rand_chacha::ChaCha8Rng;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::gate::{Gate, Tool};
+use super::gate::{Commands, Gate, Harness, Spec, Tool, Verdict as GateVerdict};
 use super::{Ctx, Report};
 use crate::ckb::Tolerance;
 use crate::error::{Error, Result};
-use crate::harness::Budget;
 use crate::harness::protocol::{
     BatchSeq, BlockOp, BlockOpResult, Command, Reply, SchedulerStep, StepEntry, TraceRequest,
 };
+use crate::harness::{Budget, Called};
 use crate::ledger::figures::{BatchingFigures, Figures};
-use crate::model;
 use crate::oracle::llama::Reference;
 
 /// What to verify.
@@ -58,6 +56,15 @@ pub struct BatchingRequest {
     /// Weight dtype to build the engine for; absent: the engine's own.
     #[serde(default)]
     pub dtype: Option<String>,
+    /// Do not run: build the harness and draw the operations, trace and schedule here, and write
+    /// them as a bundle to this directory (new or empty), to run with `metainfer bundle run DIR`
+    /// where the device is.
+    #[serde(default)]
+    pub write_bundle: Option<String>,
+    /// Judge and record a bundle written by this gate and run elsewhere (`metainfer bundle run`),
+    /// instead of running the engine here. The engine's sources must be the ones it was written from.
+    #[serde(default)]
+    pub from_bundle: Option<String>,
 }
 
 /// The block manager's verdict.
@@ -769,12 +776,12 @@ pub fn verify_batching(ctx: &Ctx, req: &BatchingRequest, budget: &Budget) -> Res
             gate.engine.dir.display()
         ))
     })?;
-    let held = ctx.confine_model(Path::new(&req.model))?;
-    let model_dir = held.path().to_path_buf();
-    let cfg = model::load_config(&ctx.ckb, &held)?;
-    super::preconditions::check(&ctx.ckb, held.path(), &cfg, &model::read_config(&held)?)?;
-    let family = ctx.ckb.get(&cfg.family)?;
-    let logits_tol = &family.model.as_ref().expect("model contract").logits_tolerance;
+    let ck = super::checkpoint::Checkpoint::open(ctx, &req.model)?;
+    let cfg = &ck.cfg;
+    let model_dir = ck.path().to_path_buf();
+    gate.same_family(&model_dir, &cfg.family)?;
+    let (family, fam) = ck.family(&ctx.ckb)?;
+    let logits_tol = &fam.logits_tolerance;
     let tol = logits_tol.get(&gate.target.dtype).or_else(|| logits_tol.get("f32")).cloned().unwrap_or(Tolerance {
         atol: 1e-3,
         rtol: 1e-3,
@@ -784,8 +791,8 @@ pub fn verify_batching(ctx: &Ctx, req: &BatchingRequest, budget: &Budget) -> Res
     if n_seqs == 0 || n_seqs > 32 {
         return Err(Error::usage(format!("sequences must be 1..=32, got {n_seqs}")));
     }
-    let seed = req.seed.unwrap_or_else(crate::util::fresh_seed);
-    gate.seed = Some(seed);
+    gate.split(req.write_bundle.as_deref(), req.from_bundle.as_deref())?;
+    let seed = gate.draw_seed(req.seed)?;
     gate.contracts(&[
         family.id.as_str(),
         "component.block_manager",
@@ -793,11 +800,10 @@ pub fn verify_batching(ctx: &Ctx, req: &BatchingRequest, budget: &Budget) -> Res
         "component.scheduler",
         "kernel.paged_attention",
     ]);
-    let dtype = gate.target.dtype.clone();
-    let mut report = BatchingReport {
+    let report = BatchingReport {
         passed: false,
         seed,
-        dtype: dtype.clone(),
+        dtype: gate.target.dtype.clone(),
         atol: tol.atol,
         rtol: tol.rtol,
         block_manager: BlockManagerResult::default(),
@@ -809,198 +815,263 @@ pub fn verify_batching(ctx: &Ctx, req: &BatchingRequest, budget: &Budget) -> Res
         error: String::new(),
         rules: vec![],
     };
-    let h = match gate.prepare()? {
-        Ok(h) => h,
-        Err(stop) => {
-            report.error = stop.text.clone();
-            report.rules = gate.findings.clone();
-            return Ok(gate.stopped(&stop, report));
-        }
+    let mut spec = BatchingSpec {
+        ck: &ck,
+        fam,
+        tol,
+        serving,
+        n_seqs,
+        seed,
+        report,
+        ops: vec![],
+        trace: None,
+        seqs: vec![],
+        chunks: vec![],
+        tensors_path: std::path::PathBuf::new(),
     };
-    report.rules = gate.findings.clone();
+    gate.run(&mut spec)
+}
 
-    // 1. The block manager.
-    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ crate::util::fnv1a("component.block_manager"));
-    let (num_blocks, block_size, ops) = draw_block_ops(&mut rng);
-    report.block_manager = BlockManagerResult { num_blocks, block_size, ops: ops.len(), ..Default::default() };
-    let called = gate.call(&h, Command::BlockManager { num_blocks, block_size, ops: ops.clone() }, &[], &[])?;
-    match called.ok("block manager", 1500) {
-        Ok(Reply::BlockManager { results, tables, panic }) => {
-            let mut v = check_block_ops(num_blocks, block_size, &ops, &results, &tables);
-            if let Some(p) = panic {
-                v.insert(0, format!("the block manager panicked after {} operations: {p}", results.len()));
-            }
-            report.block_manager.passed = v.is_empty();
-            report.block_manager.violations = v;
-        }
-        Ok(other) => report.block_manager.violations = vec![format!("unexpected reply {other:?}")],
-        Err(why) => report.block_manager.violations = vec![crate::harness::explain(&why, &gate.engine)],
-    }
+/// verify_batching as a [`Spec`]: the drawn block operations, request trace and batched schedule.
+struct BatchingSpec<'c> {
+    ck: &'c super::checkpoint::Checkpoint,
+    fam: &'c crate::ckb::ModelFamily,
+    tol: Tolerance,
+    serving: crate::manifest::Serving,
+    n_seqs: usize,
+    seed: u64,
+    /// The report as far as it is known before the engine runs.
+    report: BatchingReport,
+    ops: Vec<BlockOp>,
+    trace: Option<Trace>,
+    seqs: Vec<PlannedSeq>,
+    /// Prefill chunks per sequence in the schedule.
+    chunks: Vec<usize>,
+    tensors_path: std::path::PathBuf,
+}
 
-    // 2. The scheduler on a request trace.
-    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ crate::util::fnv1a("component.scheduler"));
-    let trace = draw_trace(&mut rng);
-    report.scheduler = SchedulerResult {
-        num_blocks: trace.num_blocks,
-        block_size: trace.block_size,
-        max_seqs: trace.max_seqs,
-        max_batch_tokens: trace.max_batch_tokens,
-        max_context: trace.max_context,
-        requests: trace.requests.len(),
-        ..Default::default()
-    };
-    let command = Command::Scheduler {
-        num_blocks: trace.num_blocks,
-        block_size: trace.block_size,
-        max_seqs: trace.max_seqs,
-        max_batch_tokens: trace.max_batch_tokens,
-        max_context: trace.max_context,
-        requests: trace.requests.clone(),
-        aborts: trace.aborts.clone(),
-        max_steps: trace.max_steps,
-    };
-    let called = gate.call(&h, command, &[], &[])?;
-    match called.ok("scheduler", 1500) {
-        Ok(Reply::Scheduler { steps, panic }) => {
-            let mut v = check_trace(&trace, &steps, &mut report.scheduler);
-            if let Some(p) = panic {
-                v.insert(0, format!("the scheduler panicked at step {}: {p}", steps.len().saturating_sub(1)));
-                v.truncate(8);
-            }
-            report.scheduler.passed = v.is_empty();
-            report.scheduler.violations = v;
-        }
-        Ok(other) => report.scheduler.violations = vec![format!("unexpected reply {other:?}")],
-        Err(why) => report.scheduler.violations = vec![crate::harness::explain(&why, &gate.engine)],
+impl Spec for BatchingSpec<'_> {
+    type Report = BatchingReport;
+
+    fn unjudged(&self, gate: &Gate, why: String) -> BatchingReport {
+        BatchingReport { error: why, rules: gate.findings.clone(), ..self.report.clone() }
     }
 
-    // 3. The batched step on a continuous-batching schedule.
-    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ crate::util::fnv1a("component.batched_step"));
-    let context = serving.max_context.min(cfg.max_seq);
-    let mut seqs = Vec::new();
-    for _ in 0..n_seqs {
-        let prompt_len = rng.random_range(1..=context.saturating_sub(2).clamp(1, 60));
-        let new_tokens = rng.random_range(1..=(context - prompt_len).clamp(1, 16));
-        let prompt: Vec<u32> = (0..prompt_len).map(|_| rng.random_range(0..cfg.vocab as u32)).collect();
-        seqs.push(PlannedSeq { prompt, new_tokens, arrival: rng.random_range(0..=6) });
-    }
-    let max_seqs = serving.max_seqs.min(n_seqs).max(1);
-    let step_budget = rng.random_range(max_seqs..=max_seqs + 40).min(serving.batch_tokens().max(max_seqs));
-    let cap = rng.random_range(1..=24);
-    let (steps, chunks) = schedule(&seqs, step_budget, max_seqs, cap);
-    report.steps = steps.len();
-    report.step_budget = step_budget;
-    report.max_chunks_per_step = steps.iter().map(Vec::len).max().unwrap_or(0);
-    // Physical blocks handed out in random order, with a few spare.
-    let need: Vec<usize> = seqs.iter().map(|s| (s.prompt.len() + s.new_tokens).div_ceil(serving.block_size)).collect();
-    let pool_size = need.iter().sum::<usize>() + rng.random_range(0..=4);
-    let mut pool: Vec<u32> = (0..pool_size as u32).collect();
-    pool.shuffle(&mut rng);
-    let mut batch_seqs = Vec::new();
-    let mut next = 0;
-    for (s, n) in seqs.iter().zip(&need) {
-        batch_seqs.push(BatchSeq {
-            prompt: s.prompt.clone(),
-            new_tokens: s.new_tokens,
-            block_table: pool[next..next + n].to_vec(),
-        });
-        next += n;
-    }
-    let tensors_path = h.output("batch.safetensors");
-    let command = Command::Batch {
-        model: model_dir.clone(),
-        num_blocks: pool_size,
-        block_size: serving.block_size,
-        seqs: batch_seqs,
-        steps,
-        tensors: tensors_path.clone(),
-    };
-    let grant = held.grant();
-    let called = gate.call(&h, command, &[], &grant.paths())?;
-    let ran = match called.ok("batched step", 1500) {
-        Ok(Reply::Batch { panic: None, .. }) => true,
-        Ok(Reply::Batch { panic: Some(p), steps, .. }) => {
-            report.error = format!("the engine panicked in the batched step after {steps} steps: {p}");
-            false
-        }
-        Ok(other) => {
-            report.error = format!("the harness answered the batched run with an unexpected reply: {other:?}");
-            false
-        }
-        Err(why) => {
-            report.error = crate::harness::explain(&why, &gate.engine);
-            false
-        }
-    };
-    let out = if ran {
-        crate::harness::read_tensor_words(&tensors_path).map(|(_, t)| t).unwrap_or_default()
-    } else {
-        Default::default()
-    };
-    let tensors = model::read_safetensors(&held)?;
-    model::check_weight_range(&tensors, &dtype)?;
-    // The reference is the family's graph, as every gate builds it.
-    let mut reference = Reference::of_family(family.model.as_ref().expect("model contract"), &cfg, tensors, &dtype)?;
-    for (i, s) in seqs.iter().enumerate() {
-        let (rows, want) = reference.greedy(&s.prompt, s.new_tokens)?;
-        let got_tokens = out.get(&format!("tokens.{i}")).cloned().unwrap_or_default();
-        let got: Vec<f32> =
-            out.get(&format!("logits.{i}")).map(|w| w.iter().map(|&b| f32::from_bits(b)).collect()).unwrap_or_default();
-        let mut r = SequenceResult {
-            prompt_len: s.prompt.len(),
-            new_tokens: s.new_tokens,
-            arrival: s.arrival,
-            chunks: chunks[i],
-            tokens_ok: got_tokens.len() == want.len(),
-            logits_ok: got.len() == want.len() * cfg.vocab,
-            steps: 0,
-            first_mismatch: -1,
-            tie_at: -1,
-            max_abs_err: 0.0,
+    fn commands(&mut self, _gate: &Gate, h: &Harness) -> Result<Commands> {
+        let (seed, cfg, serving) = (self.seed, &self.ck.cfg, &self.serving);
+        let report = &mut self.report;
+        // 1. The block manager.
+        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ crate::util::fnv1a("component.block_manager"));
+        let (num_blocks, block_size, ops) = draw_block_ops(&mut rng);
+        report.block_manager = BlockManagerResult { num_blocks, block_size, ops: ops.len(), ..Default::default() };
+        let block_manager = Command::BlockManager { num_blocks, block_size, ops: ops.clone() };
+        self.ops = ops;
+
+        // 2. The scheduler on a request trace.
+        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ crate::util::fnv1a("component.scheduler"));
+        let trace = draw_trace(&mut rng);
+        report.scheduler = SchedulerResult {
+            num_blocks: trace.num_blocks,
+            block_size: trace.block_size,
+            max_seqs: trace.max_seqs,
+            max_batch_tokens: trace.max_batch_tokens,
+            max_context: trace.max_context,
+            requests: trace.requests.len(),
+            ..Default::default()
         };
-        for (step, want_row) in rows.iter().enumerate() {
-            let Some(got_row) = got.get(step * cfg.vocab..(step + 1) * cfg.vocab) else { break };
-            r.steps = step + 1;
-            let v = crate::oracle::compare(got_row, want_row, &tol);
-            r.max_abs_err = r.max_abs_err.max(v.max_abs_err);
-            r.logits_ok &= v.ok;
-            let (Some(&g), Some(&w)) = (got_tokens.get(step), want.get(step)) else { break };
-            if g != w {
-                let best = want_row[w as usize];
-                let theirs = want_row.get(g as usize).copied().unwrap_or(f64::NEG_INFINITY);
-                if v.ok && best - theirs <= tol.atol + tol.rtol * best.abs() {
-                    r.tie_at = step as i64;
-                } else {
-                    r.tokens_ok = false;
-                    r.first_mismatch = step as i64;
-                }
-                break;
-            }
+        let scheduler = Command::Scheduler {
+            num_blocks: trace.num_blocks,
+            block_size: trace.block_size,
+            max_seqs: trace.max_seqs,
+            max_batch_tokens: trace.max_batch_tokens,
+            max_context: trace.max_context,
+            requests: trace.requests.clone(),
+            aborts: trace.aborts.clone(),
+            max_steps: trace.max_steps,
+        };
+        self.trace = Some(trace);
+
+        // 3. The batched step on a continuous-batching schedule.
+        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ crate::util::fnv1a("component.batched_step"));
+        let context = serving.max_context.min(cfg.max_seq);
+        let mut seqs = Vec::new();
+        for _ in 0..self.n_seqs {
+            let prompt_len = rng.random_range(1..=context.saturating_sub(2).clamp(1, 60));
+            let new_tokens = rng.random_range(1..=(context - prompt_len).clamp(1, 16));
+            let prompt: Vec<u32> = (0..prompt_len).map(|_| rng.random_range(0..cfg.vocab as u32)).collect();
+            seqs.push(PlannedSeq { prompt, new_tokens, arrival: rng.random_range(0..=6) });
         }
-        r.tokens_ok &= r.steps > 0;
-        r.logits_ok &= r.steps > 0;
-        report.sequences.push(r);
+        let max_seqs = serving.max_seqs.min(self.n_seqs).max(1);
+        let step_budget = rng.random_range(max_seqs..=max_seqs + 40).min(serving.batch_tokens().max(max_seqs));
+        let cap = rng.random_range(1..=24);
+        let (steps, chunks) = schedule(&seqs, step_budget, max_seqs, cap);
+        report.steps = steps.len();
+        report.step_budget = step_budget;
+        report.max_chunks_per_step = steps.iter().map(Vec::len).max().unwrap_or(0);
+        // Physical blocks handed out in random order, with a few spare.
+        let need: Vec<usize> =
+            seqs.iter().map(|s| (s.prompt.len() + s.new_tokens).div_ceil(serving.block_size)).collect();
+        let pool_size = need.iter().sum::<usize>() + rng.random_range(0..=4);
+        let mut pool: Vec<u32> = (0..pool_size as u32).collect();
+        pool.shuffle(&mut rng);
+        let mut batch_seqs = Vec::new();
+        let mut next = 0;
+        for (s, n) in seqs.iter().zip(&need) {
+            batch_seqs.push(BatchSeq {
+                prompt: s.prompt.clone(),
+                new_tokens: s.new_tokens,
+                block_table: pool[next..next + n].to_vec(),
+            });
+            next += n;
+        }
+        self.tensors_path = h.output("batch.safetensors");
+        let batch = Command::Batch {
+            model: self.ck.path().to_path_buf(),
+            num_blocks: pool_size,
+            block_size: serving.block_size,
+            seqs: batch_seqs,
+            steps,
+            tensors: self.tensors_path.clone(),
+        };
+        self.seqs = seqs;
+        self.chunks = chunks;
+        Ok(vec![(block_manager, vec![]), (scheduler, vec![]), (batch, vec![])])
     }
-    if ran && report.error.is_empty() && report.sequences.iter().any(|s| !s.logits_ok || !s.tokens_ok) {
-        report.error = "a sequence's batched logits or tokens differ from its single-sequence reference".into();
+
+    fn model(&self) -> Option<&crate::beneath::HeldDir> {
+        Some(&self.ck.held)
     }
-    report.passed = report.block_manager.passed
-        && report.scheduler.passed
-        && report.error.is_empty()
-        && report.sequences.iter().all(|s| s.tokens_ok && s.logits_ok);
-    let figures = BatchingFigures {
-        gate: gate.common(),
-        block_manager_ok: report.block_manager.passed,
-        violations: report.block_manager.violations.len(),
-        scheduler_ok: report.scheduler.passed,
-        preemptions: report.scheduler.preemptions,
-        sequences: report.sequences.len(),
-        sequences_ok: report.sequences.iter().filter(|s| s.tokens_ok && s.logits_ok).count(),
-        steps: report.steps,
-        max_abs_err: report.sequences.iter().map(|s| s.max_abs_err).fold(0.0, f64::max),
-    };
-    gate.record(&report, Figures::Batching(figures));
-    Ok(report)
+
+    fn judge(&mut self, gate: &Gate, h: &Harness, called: Vec<Called>) -> Result<GateVerdict<BatchingReport>> {
+        let ctx = gate.ctx;
+        let (cfg, tol) = (&self.ck.cfg, &self.tol);
+        let mut report = BatchingReport { rules: gate.findings.clone(), ..self.report.clone() };
+        let not_run = |what: &str| format!("the {what} did not run: an earlier harness command did not finish");
+        let mut called = called.into_iter();
+
+        // 1. The block manager.
+        let (num_blocks, block_size) = (report.block_manager.num_blocks, report.block_manager.block_size);
+        match called.next().map(|c| c.ok("block manager", 1500)) {
+            Some(Ok(Reply::BlockManager { results, tables, panic })) => {
+                let mut v = check_block_ops(num_blocks, block_size, &self.ops, &results, &tables);
+                if let Some(p) = panic {
+                    v.insert(0, format!("the block manager panicked after {} operations: {p}", results.len()));
+                }
+                report.block_manager.passed = v.is_empty();
+                report.block_manager.violations = v;
+            }
+            Some(Ok(other)) => report.block_manager.violations = vec![format!("unexpected reply {other:?}")],
+            Some(Err(why)) => report.block_manager.violations = vec![crate::harness::explain(&why, &gate.engine)],
+            None => report.block_manager.violations = vec![not_run("block manager")],
+        }
+
+        // 2. The scheduler.
+        let trace = self.trace.as_ref().ok_or_else(|| Error::internal("verify_batching judged before it drew"))?;
+        match called.next().map(|c| c.ok("scheduler", 1500)) {
+            Some(Ok(Reply::Scheduler { steps, panic })) => {
+                let mut v = check_trace(trace, &steps, &mut report.scheduler);
+                if let Some(p) = panic {
+                    v.insert(0, format!("the scheduler panicked at step {}: {p}", steps.len().saturating_sub(1)));
+                    v.truncate(8);
+                }
+                report.scheduler.passed = v.is_empty();
+                report.scheduler.violations = v;
+            }
+            Some(Ok(other)) => report.scheduler.violations = vec![format!("unexpected reply {other:?}")],
+            Some(Err(why)) => report.scheduler.violations = vec![crate::harness::explain(&why, &gate.engine)],
+            None => report.scheduler.violations = vec![not_run("scheduler")],
+        }
+
+        // 3. The batched step.
+        let ran = match called.next().map(|c| c.ok("batched step", 1500)) {
+            Some(Ok(Reply::Batch { panic: None, .. })) => true,
+            Some(Ok(Reply::Batch { panic: Some(p), steps, .. })) => {
+                report.error = format!("the engine panicked in the batched step after {steps} steps: {p}");
+                false
+            }
+            Some(Ok(other)) => {
+                report.error = format!("the harness answered the batched run with an unexpected reply: {other:?}");
+                false
+            }
+            Some(Err(why)) => {
+                report.error = crate::harness::explain(&why, &gate.engine);
+                false
+            }
+            None => {
+                report.error = not_run("batched step");
+                false
+            }
+        };
+        let out = if ran {
+            h.output_words(&self.tensors_path).map(|(_, t)| t).unwrap_or_default()
+        } else {
+            Default::default()
+        };
+        let tensors = self.ck.tensors(&ctx.ckb, &report.dtype)?;
+        // The reference is the family's graph, as every gate builds it.
+        let mut reference = Reference::of_family(self.fam, cfg, tensors, &report.dtype)?;
+        for (i, s) in self.seqs.iter().enumerate() {
+            let (rows, want) = reference.greedy(&s.prompt, s.new_tokens)?;
+            let got_tokens = out.get(&format!("tokens.{i}")).cloned().unwrap_or_default();
+            let got: Vec<f32> = out
+                .get(&format!("logits.{i}"))
+                .map(|w| w.iter().map(|&b| f32::from_bits(b)).collect())
+                .unwrap_or_default();
+            let mut r = SequenceResult {
+                prompt_len: s.prompt.len(),
+                new_tokens: s.new_tokens,
+                arrival: s.arrival,
+                chunks: self.chunks[i],
+                tokens_ok: got_tokens.len() == want.len(),
+                logits_ok: got.len() == want.len() * cfg.vocab,
+                steps: 0,
+                first_mismatch: -1,
+                tie_at: -1,
+                max_abs_err: 0.0,
+            };
+            for (step, want_row) in rows.iter().enumerate() {
+                let Some(got_row) = got.get(step * cfg.vocab..(step + 1) * cfg.vocab) else { break };
+                r.steps = step + 1;
+                let v = crate::oracle::compare(got_row, want_row, tol);
+                r.max_abs_err = r.max_abs_err.max(v.max_abs_err);
+                r.logits_ok &= v.ok;
+                let (Some(&g), Some(&w)) = (got_tokens.get(step), want.get(step)) else { break };
+                if g != w {
+                    let best = want_row[w as usize];
+                    let theirs = want_row.get(g as usize).copied().unwrap_or(f64::NEG_INFINITY);
+                    if v.ok && best - theirs <= tol.atol + tol.rtol * best.abs() {
+                        r.tie_at = step as i64;
+                    } else {
+                        r.tokens_ok = false;
+                        r.first_mismatch = step as i64;
+                    }
+                    break;
+                }
+            }
+            r.tokens_ok &= r.steps > 0;
+            r.logits_ok &= r.steps > 0;
+            report.sequences.push(r);
+        }
+        if ran && report.error.is_empty() && report.sequences.iter().any(|s| !s.logits_ok || !s.tokens_ok) {
+            report.error = "a sequence's batched logits or tokens differ from its single-sequence reference".into();
+        }
+        report.passed = report.block_manager.passed
+            && report.scheduler.passed
+            && report.error.is_empty()
+            && report.sequences.iter().all(|s| s.tokens_ok && s.logits_ok);
+        let figures = BatchingFigures {
+            gate: gate.common(),
+            block_manager_ok: report.block_manager.passed,
+            violations: report.block_manager.violations.len(),
+            scheduler_ok: report.scheduler.passed,
+            preemptions: report.scheduler.preemptions,
+            sequences: report.sequences.len(),
+            sequences_ok: report.sequences.iter().filter(|s| s.tokens_ok && s.logits_ok).count(),
+            steps: report.steps,
+            max_abs_err: report.sequences.iter().map(|s| s.max_abs_err).fold(0.0, f64::max),
+        };
+        Ok(GateVerdict { report, figures: Figures::Batching(figures) })
+    }
 }
 
 #[cfg(test)]

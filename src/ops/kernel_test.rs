@@ -10,12 +10,12 @@ use rand_chacha::ChaCha8Rng;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::gate::{Exchange, Gate, Tool, no_device};
+use super::gate::{Commands, Gate, Harness, Spec, Tool, Verdict as GateVerdict};
 use super::{Ctx, Report};
 use crate::ckb::{Contract, Kind, Tolerance};
 use crate::error::{Error, Result};
-use crate::harness::Budget;
 use crate::harness::protocol::{Command, KernelCase, Reply};
+use crate::harness::{Budget, Called};
 use crate::ledger::figures::{Figures, KernelFigure, KernelTestFigures};
 use crate::oracle::kernels::{self, Case, Tensor};
 use crate::oracle::{UNWRITTEN, Verdict};
@@ -293,50 +293,46 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
     let seed = gate.draw_seed(req.seed)?;
     gate.contracts(&contracts.iter().map(|c| c.id.as_str()).collect::<Vec<_>>());
     let dtype = gate.target.dtype.clone();
-    let sandboxed = ctx.workshop.sandboxed();
-    let failed = |text: String, rules| KernelTestReport {
-        passed: false,
-        seed,
-        dtype: dtype.clone(),
-        kernels: vec![],
-        build_error: text,
-        rules,
-        sandboxed,
-        attestation: String::new(),
-    };
-    if let Err(stop) = gate.rules()? {
-        return Ok(gate.stopped(&stop, failed(stop.text.clone(), stop.findings.clone())));
-    }
-    let extra: Vec<String> = contracts.iter().map(|c| c.id.clone()).collect();
-    let h = match gate.build(&extra)? {
-        Ok(h) => h,
-        Err(stop) => return Ok(gate.stopped(&stop, failed(stop.text.clone(), gate.findings.clone()))),
-    };
+    let mut spec = KernelSpec { contracts, seed, dtype, drawn: vec![], cases: vec![] };
+    gate.run(&mut spec)
+}
 
-    // Draw every case and write its inputs. The expected values are computed only after the
-    // engine's process has exited.
-    let mut drawn: Vec<Case> = Vec::new();
-    let mut cases: Vec<KernelCase> = Vec::new();
-    for c in &contracts {
-        for (ci, tc) in c.test_cases.iter().enumerate() {
-            let mut rng = ChaCha8Rng::seed_from_u64(seed ^ crate::util::fnv1a(&c.id) ^ (ci as u64) << 48);
-            let case = kernels::draw(&c.id, tc, &mut rng)?;
-            let n = drawn.len();
-            let input = gate.input(&h, &format!("case{n}.in.safetensors"), &input_bytes(&case)?)?;
-            let output = h.output(&format!("case{n}.out.safetensors"));
-            cases.push(KernelCase { kernel: c.id.clone(), input, output });
-            drawn.push(case);
+/// run_kernel_test as a [`Spec`]: the kernels asked for, their drawn cases.
+struct KernelSpec<'c> {
+    contracts: Vec<&'c Contract>,
+    seed: u64,
+    dtype: String,
+    /// The drawn cases, in the order of `cases`; their expected values are computed only after the
+    /// engine's process has exited.
+    drawn: Vec<Case>,
+    cases: Vec<KernelCase>,
+}
+
+impl Spec for KernelSpec<'_> {
+    type Report = KernelTestReport;
+
+    fn extra_kernels(&self) -> Vec<String> {
+        self.contracts.iter().map(|c| c.id.clone()).collect()
+    }
+
+    fn unjudged(&self, gate: &Gate, why: String) -> KernelTestReport {
+        KernelTestReport {
+            passed: false,
+            seed: self.seed,
+            dtype: self.dtype.clone(),
+            kernels: vec![],
+            build_error: why,
+            rules: gate.findings.clone(),
+            sandboxed: gate.ctx.workshop.sandboxed(),
+            attestation: String::new(),
         }
     }
-    let (scratch, called) =
-        match gate.exchange(h, vec![(Command::Kernel { cases: cases.clone() }, vec![])], None, &[])? {
-            (_, Exchange::Written(w)) => return Ok(failed(w.text(gate.tool.name()), gate.findings.clone())),
-            (h, Exchange::Ran(mut c)) => (h, c.remove(0)),
-        };
-    if let Some(why) = no_device(&called) {
+
+    fn no_device(&self, gate: &Gate, why: String) -> KernelTestReport {
         // An engine for a device, and no device here: nothing ran, nothing passes.
-        let mut report = failed(why.clone(), gate.findings.clone());
-        report.kernels = contracts
+        let mut report = self.unjudged(gate, why.clone());
+        report.kernels = self
+            .contracts
             .iter()
             .map(|c| KernelResult {
                 kernel: c.id.clone(),
@@ -352,68 +348,85 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
                 diagnosis: vec![],
             })
             .collect();
-        let gate_figures = crate::ledger::figures::GateFigures { no_device: true, ..gate.common() };
-        gate.record(&report, Figures::KernelTest(KernelTestFigures { gate: gate_figures, kernels: vec![] }));
-        return Ok(report);
+        report
     }
-    let process_error = if called.run.ok() {
-        String::new()
-    } else {
-        crate::harness::explain(&format!("the harness process {}", called.run.failure_text(1500)), &gate.engine)
-    };
-    let results = match called.reply {
-        Ok(Reply::Kernel { results }) if results.len() == cases.len() => results.into_iter().map(Some).collect(),
-        _ => vec![None; cases.len()],
-    };
-    let ran: Vec<Ran> = drawn
-        .into_iter()
-        .zip(&cases)
-        .zip(results)
-        .map(|((case, io), result)| {
-            let out = match result.as_ref().and_then(|r| r.panic.clone()) {
-                Some(p) => Err(format!("panicked on {}: {p}", case.label)),
-                None => scratch.output_words(&io.output).ok().and_then(|(_, mut t)| t.remove("out")).ok_or_else(|| {
-                    if process_error.is_empty() {
-                        format!("no output for {}", case.label)
-                    } else {
-                        process_error.clone()
-                    }
-                }),
-            };
-            Ran { case, out }
-        })
-        .collect();
-    let kernels: Vec<KernelResult> = contracts
-        .iter()
-        .map(|c| {
-            let mine: Vec<&Ran> = ran.iter().filter(|r| r.case.kernel == c.id).collect();
-            judge_kernel(&ctx.ckb, c, &mine, &process_error)
-        })
-        .collect();
-    let passed = !kernels.is_empty() && kernels.iter().all(|k| k.passed);
-    let report = KernelTestReport {
-        passed,
-        seed,
-        dtype,
-        kernels,
-        build_error: String::new(),
-        rules: gate.findings.clone(),
-        sandboxed,
-        attestation: gate.attestation_note(),
-    };
-    let figures = KernelTestFigures {
-        gate: gate.common(),
-        kernels: report
-            .kernels
-            .iter()
-            .map(|k| KernelFigure {
-                id: k.kernel.clone(),
-                passed: k.passed,
-                max_abs_err: k.max_abs_err,
-                diagnosis: k.diagnosis.iter().map(|d| d.failure.clone()).collect(),
+
+    fn commands(&mut self, gate: &Gate, h: &Harness) -> Result<Commands> {
+        // Draw every case and write its inputs.
+        for c in &self.contracts {
+            for (ci, tc) in c.test_cases.iter().enumerate() {
+                let mut rng = ChaCha8Rng::seed_from_u64(self.seed ^ crate::util::fnv1a(&c.id) ^ (ci as u64) << 48);
+                let case = kernels::draw(&c.id, tc, &mut rng)?;
+                let n = self.drawn.len();
+                let input = gate.input(h, &format!("case{n}.in.safetensors"), &input_bytes(&case)?)?;
+                let output = h.output(&format!("case{n}.out.safetensors"));
+                self.cases.push(KernelCase { kernel: c.id.clone(), input, output });
+                self.drawn.push(case);
+            }
+        }
+        Ok(vec![(Command::Kernel { cases: self.cases.clone() }, vec![])])
+    }
+
+    fn judge(&mut self, gate: &Gate, h: &Harness, mut called: Vec<Called>) -> Result<GateVerdict<KernelTestReport>> {
+        let called = called.remove(0);
+        let process_error = if called.run.ok() {
+            String::new()
+        } else {
+            crate::harness::explain(&format!("the harness process {}", called.run.failure_text(1500)), &gate.engine)
+        };
+        let results = match called.reply {
+            Ok(Reply::Kernel { results }) if results.len() == self.cases.len() => {
+                results.into_iter().map(Some).collect()
+            }
+            _ => vec![None; self.cases.len()],
+        };
+        let ran: Vec<Ran> = std::mem::take(&mut self.drawn)
+            .into_iter()
+            .zip(&self.cases)
+            .zip(results)
+            .map(|((case, io), result)| {
+                let out = match result.as_ref().and_then(|r| r.panic.clone()) {
+                    Some(p) => Err(format!("panicked on {}: {p}", case.label)),
+                    None => h.output_words(&io.output).ok().and_then(|(_, mut t)| t.remove("out")).ok_or_else(|| {
+                        if process_error.is_empty() {
+                            format!("no output for {}", case.label)
+                        } else {
+                            process_error.clone()
+                        }
+                    }),
+                };
+                Ran { case, out }
             })
-            .collect(),
-    };
-    gate.record(&report, Figures::KernelTest(figures));
-    Ok(report)
+            .collect();
+        let kernels: Vec<KernelResult> = self
+            .contracts
+            .iter()
+            .map(|c| {
+                let mine: Vec<&Ran> = ran.iter().filter(|r| r.case.kernel == c.id).collect();
+                judge_kernel(&gate.ctx.ckb, c, &mine, &process_error)
+            })
+            .collect();
+        let passed = !kernels.is_empty() && kernels.iter().all(|k| k.passed);
+        let report = KernelTestReport {
+            passed,
+            kernels,
+            build_error: String::new(),
+            attestation: gate.attestation_note(),
+            ..self.unjudged(gate, String::new())
+        };
+        let figures = KernelTestFigures {
+            gate: gate.common(),
+            kernels: report
+                .kernels
+                .iter()
+                .map(|k| KernelFigure {
+                    id: k.kernel.clone(),
+                    passed: k.passed,
+                    max_abs_err: k.max_abs_err,
+                    diagnosis: k.diagnosis.iter().map(|d| d.failure.clone()).collect(),
+                })
+                .collect(),
+        };
+        Ok(GateVerdict { report, figures: Figures::KernelTest(figures) })
+    }
 }

@@ -5,6 +5,7 @@
 
 pub mod batching;
 pub mod bundle;
+pub mod checkpoint;
 pub mod ckb_check;
 pub mod compile;
 pub mod conformance;

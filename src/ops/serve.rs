@@ -18,7 +18,6 @@
 //! under its current load; no test asserts them.
 
 use std::io::{BufRead, BufReader};
-use std::path::Path;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -476,10 +475,9 @@ pub fn serve_engine(ctx: &Ctx, req: &ServeRequest, budget: &Budget) -> Result<Se
     if req.requests == Some(0) || req.requests.is_some_and(|r| r > 1024) {
         return Err(Error::usage("requests must be 1..=1024".to_string()));
     }
-    let held = ctx.confine_model(Path::new(&req.model))?;
-    let model_dir = held.path().to_path_buf();
-    let cfg = model::load_config(&ctx.ckb, &held)?;
-    super::preconditions::check(&ctx.ckb, held.path(), &cfg, &model::read_config(&held)?)?;
+    let ck = super::checkpoint::Checkpoint::open(ctx, &req.model)?;
+    let (held, cfg) = (&ck.held, &ck.cfg);
+    let model_dir = ck.path().to_path_buf();
     gate.same_family(&model_dir, &cfg.family)?;
     let seed = req.seed.unwrap_or_else(crate::util::fresh_seed);
     gate.seed = Some(seed);
@@ -528,30 +526,28 @@ pub fn serve_engine(ctx: &Ctx, req: &ServeRequest, budget: &Budget) -> Result<Se
     }
 
     // The reference's answers, computed before the server starts (it never sees them).
-    let tensors = model::read_safetensors(&held)?;
-    model::check_weight_range(&tensors, &dtype)?;
+    let tensors = ck.tensors(&ctx.ckb, &dtype)?;
     // The reference is the family's graph, as every gate builds it.
-    let family = ctx.ckb.get(&cfg.family)?;
-    let fam = family.model.as_ref().ok_or_else(|| Error::usage(format!("`{}` is not a model family", family.id)))?;
-    let mut reference = Reference::of_family(fam, &cfg, tensors, &dtype)?;
-    let tok = model::hf_tokenizer(&held)?;
-    // The stop tokens verify uses too: generation_config.json's eos_token_id, else config.json's.
-    let eos = model::read_generation_config(&held, cfg.vocab)?.eos_token_ids;
+    let (_, fam) = ck.family(&ctx.ckb)?;
+    let mut reference = Reference::of_family(fam, cfg, tensors, &dtype)?;
+    let tok = ck.tokenizer()?;
+    // The stop tokens every gate uses (Checkpoint::generation).
+    let eos = ck.generation.eos_token_ids.clone();
     let max_context = cfg.max_seq;
     let mut rng = ChaCha8Rng::seed_from_u64(seed ^ crate::util::fnv1a("serve_engine"));
     let mut expect = |prompt: String, n: usize| -> Result<Expected> {
-        let ids = model::hf_encode(&tok, &prompt)?;
+        let ids = model::hf_encode(tok, &prompt)?;
         let n = n.min(max_context.saturating_sub(ids.len())).max(1);
         let (_, toks) = reference.greedy(&ids, n)?;
         let cut = toks.iter().position(|t| eos.contains(t)).map_or(toks.len(), |i| i + 1);
         let toks = &toks[..cut];
         let finish = if cut < n || toks.last().is_some_and(|t| eos.contains(t)) { "stop" } else { "length" };
-        let prompt_text = model::hf_decode(&tok, &ids)?;
+        let prompt_text = model::hf_decode(tok, &ids)?;
         let all: Vec<u32> = ids.iter().chain(toks).copied().collect();
-        let full = model::hf_decode(&tok, &all)?;
+        let full = model::hf_decode(tok, &all)?;
         let text = match full.strip_prefix(prompt_text.as_str()) {
             Some(t) => t.to_string(),
-            None => model::hf_decode(&tok, toks)?,
+            None => model::hf_decode(tok, toks)?,
         };
         Ok(Expected { prompt, max_tokens: n, text, completion_tokens: toks.len(), finish })
     };
@@ -836,7 +832,7 @@ pub fn serve_engine(ctx: &Ctx, req: &ServeRequest, budget: &Budget) -> Result<Se
     // 10. a client that goes away cancels its request.
     if alive_ok {
         let max_seqs = gate.target.serving.as_ref().map_or(16, |s| s.max_seqs);
-        let prompt_len = model::hf_encode(&tok, &e0.prompt)?.len();
+        let prompt_len = model::hf_encode(tok, &e0.prompt)?.len();
         let full = max_context.saturating_sub(prompt_len).max(1);
         report.checks.push(disconnect(&client, &e0.prompt, full, max_seqs.clamp(1, 64)));
         if let Some(why) = died(&server) {

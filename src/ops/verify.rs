@@ -14,20 +14,21 @@
 //! (up to 280k merges) would slow the kernel loop; and this gate already compares the engine's
 //! tokenizer with the reference on its prompts, so the vectors extend the same check.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::gate::{Exchange, Gate, Tool, no_device};
+use super::checkpoint::Checkpoint;
+use super::gate::{Commands, Gate, Harness, Promotion, Spec, Tool, Verdict as GateVerdict};
 use super::localise::Localisation;
 use super::{Ctx, Report};
 use crate::ckb::Tolerance;
 use crate::error::{Error, Result};
-use crate::harness::Budget;
 use crate::harness::protocol::{Command, Prompt, Reply, TokenizeSet};
+use crate::harness::{Budget, Called};
 use crate::ledger::figures::{Figures, VerifyFigures};
 use crate::model;
 use crate::oracle::llama::Reference;
@@ -458,31 +459,24 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     let live = ctx.live();
     let ctx = &*live;
     let mut gate = Gate::open(ctx, Tool::Verify, &req.engine, req.dtype.as_deref(), budget)?;
-    let held = ctx.confine_model(Path::new(&req.model))?;
-    let model_dir = held.path().to_path_buf();
+    let ck = Checkpoint::open(ctx, &req.model)?;
+    let (held, cfg) = (&ck.held, &ck.cfg);
+    let model_dir = ck.path().to_path_buf();
     let target = gate.target.clone();
-    let cfg = model::load_config(&ctx.ckb, &held)?;
-    super::preconditions::check(&ctx.ckb, held.path(), &cfg, &model::read_config(&held)?)?;
     gate.same_family(&model_dir, &cfg.family)?;
-    let family = ctx.ckb.get(&cfg.family)?;
-    let logits_tol = &family.model.as_ref().expect("model contract").logits_tolerance;
-    let tol: Tolerance = logits_tol.get(&target.dtype).cloned().ok_or_else(|| {
+    let (family, m) = ck.family(&ctx.ckb)?;
+    let tol: Tolerance = m.logits_tolerance.get(&target.dtype).cloned().ok_or_else(|| {
         Error::usage(format!(
             "{} states no logits tolerance for weight dtype {}; add [model.logits_tolerance.{}] with its reasoning",
             family.id, target.dtype, target.dtype
         ))
     })?;
-    let (tokenizer_contract, _) = model::tokenizer::check_model_tokenizer(&ctx.ckb, &held, cfg.vocab)?;
-    let generation = model::read_generation_config(&held, cfg.vocab)?;
-    let layout = model::weight_layout(&held)?;
-    model::check_dtype_policy(family, &cfg, &model::read_config(&held)?, &layout)?;
-    let tensors = model::weights::read_layout(&held, &layout)?;
-    model::check_weight_range(&tensors, &target.dtype)?;
-    let mut warnings: Vec<String> = model::tied_head_warning(&cfg, &tensors).into_iter().collect();
-    warnings.extend(model::dtype_notes(&model::read_config(&held)?, &layout));
-    let mut reference =
-        Reference::of_family(family.model.as_ref().expect("model contract"), &cfg, tensors, &target.dtype)?;
-    let tok = model::hf_tokenizer(&held)?;
+    let (tokenizer_contract, _) = model::tokenizer::check_model_tokenizer(&ctx.ckb, held, cfg.vocab)?;
+    let tensors = ck.tensors(&ctx.ckb, &target.dtype)?;
+    let mut warnings: Vec<String> = model::tied_head_warning(cfg, &tensors).into_iter().collect();
+    warnings.extend(model::dtype_notes(&ck.config, &ck.layout));
+    let reference = Reference::of_family(m, cfg, tensors, &target.dtype)?;
+    let tok = ck.tokenizer()?;
     let max_new = req.max_new_tokens.unwrap_or(32);
     if max_new == 0 || max_new > 4096 {
         return Err(Error::usage(format!("max_new_tokens must be 1..=4096, got {max_new}")));
@@ -498,14 +492,14 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         prompts.push(("Once upon a time".into(), false));
     }
     // Two random prompts with the richer alphabet the model's tokenizer represents; the long one plain.
-    let mut random = rich_prompts(seed, 2, &rich_alphabet(&tok));
+    let mut random = rich_prompts(seed, 2, &rich_alphabet(tok));
     random.extend(random_prompts(seed.wrapping_add(1), 1));
     prompts.extend(random.into_iter().map(|p| (p, true)));
     // Tokens to generate per prompt: the last random prompt runs to the end of the context (at most
     // LONG_RUN tokens), so a KV cache that is wrong only at long positions is caught too.
     let mut budgets = Vec::new();
     for (i, (p, _)) in prompts.iter().enumerate() {
-        let n = model::hf_encode(&tok, p)?.len();
+        let n = model::hf_encode(tok, p)?.len();
         if n >= cfg.max_seq {
             return Err(Error::usage(format!(
                 "prompt {p:?} encodes to {n} tokens; the model's context (max_position_embeddings) is {}: shorten it",
@@ -521,7 +515,6 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     }
 
     let mut contract_ids: Vec<&str> = vec![family.id.as_str()];
-    let m = family.model.as_ref().expect("model contract");
     // The tokenizer component is the one tokenizer.json routes to.
     let components = m.components.iter().map(|c| {
         if ctx.ckb.get(c).is_ok_and(|c| c.tokenizer.is_some()) { tokenizer_contract.as_str() } else { c.as_str() }
@@ -530,378 +523,438 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
     contract_ids.extend(target.platform.as_deref());
     gate.contracts(&contract_ids);
 
-    let fail = |error: String, prompts: Vec<PromptResult>, rules: Vec<crate::guard::Finding>| VerifyReport {
-        passed: false,
-        seed,
-        family: family.id.clone(),
-        dtype: target.dtype.clone(),
-        atol: tol.atol,
-        rtol: tol.rtol,
-        prompts,
-        error,
-        diagnosis: vec![],
-        localisation: None,
-        rules,
-        promotions: vec![],
-        stop_tokens: generation.eos_token_ids.clone(),
-        tokenizer: tokenizer_contract.clone(),
-        tokenizer_vectors: vec![],
-        skipped: vec![],
-        warnings: warnings.clone(),
-        sandboxed: ctx.workshop.sandboxed(),
-    };
-    let h = match gate.prepare()? {
-        Ok(h) => h,
-        Err(stop) => return Ok(gate.stopped(&stop, fail(stop.text.clone(), vec![], gate.findings.clone()))),
-    };
-    let tensors_path = h.output("generate.safetensors");
-    let items: Vec<Prompt> =
-        prompts.iter().zip(&budgets).map(|((p, _), n)| Prompt { text: p.clone(), max_new_tokens: *n }).collect();
-    let command = Command::Generate {
-        model: model_dir.clone(),
-        prompts: items,
-        tensors: tensors_path.clone(),
-        stop_tokens: generation.eos_token_ids.clone(),
-    };
-    // The engine's tokenizer on the real vocabularies of its tokenizer contract, in the same
-    // exchange (a bundle holds both requests).
     let (sets, vectors_skipped) = vocabulary_sets(ctx, &tokenizer_contract);
-    let mut commands = vec![(command, vec![])];
-    if let Some(c) = tokenize_command(&gate, &h, &sets)? {
-        commands.push((c, vec![]));
-    }
-    let grant = held.grant();
-    let mut reads: Vec<&Path> = grant.paths();
-    reads.extend(sets.iter().map(|s| s.dir.as_path()));
-    // `scratch` keeps the harness's scratch directory (its output tensors) until the end.
-    let (scratch, called, tokenized) = match gate.exchange(h, commands, Some(&held), &reads)? {
-        (_, Exchange::Written(w)) => return Ok(fail(w.text(gate.tool.name()), vec![], gate.findings.clone())),
-        (h, Exchange::Ran(mut c)) => {
-            let tokenized = if c.len() > 1 { c.pop() } else { None };
-            (h, c.remove(0), tokenized)
-        }
+    let mut spec = VerifySpec {
+        ck: &ck,
+        family,
+        m,
+        tol,
+        tokenizer_contract,
+        warnings,
+        reference,
+        prompts,
+        budgets,
+        seed,
+        dtype: target.dtype.clone(),
+        sets,
+        vectors_skipped,
+        tensors_path: PathBuf::new(),
     };
-    if let Some(why) = no_device(&called) {
-        let report = fail(why, vec![], gate.findings.clone());
-        let common = crate::ledger::figures::GateFigures { no_device: true, ..gate.common() };
-        gate.record(&report, Figures::Verify(VerifyFigures { gate: common, ..Default::default() }));
-        return Ok(report);
-    }
-    // The engine gave no judgeable output: recorded with `divergence` "crash".
-    let crashed = |gate: &Gate, report: VerifyReport| -> VerifyReport {
-        let figures = VerifyFigures { gate: gate.common(), divergence: "crash".into(), ..Default::default() };
-        gate.record(&report, Figures::Verify(figures));
-        report
-    };
-    let (texts, engine_stops) = match called.ok("engine's generation", 2000) {
-        Ok(Reply::Generate { prompts: g, stop_tokens, .. }) if g.len() == prompts.len() => (g, stop_tokens),
-        Ok(other) => {
-            let why = format!("the harness answered generation with an unexpected reply: {other:?}");
-            let report = fail(why, vec![], gate.findings.clone());
-            return Ok(crashed(&gate, report));
-        }
-        Err(why) => {
-            let report = fail(crate::harness::explain(&why, &gate.engine), vec![], gate.findings.clone());
-            return Ok(crashed(&gate, report));
-        }
-    };
-    // A reply without its tensors file (a harness killed mid-write, a bundle's output removed) is
-    // a failed gate, not a fault of the server.
-    let tensors_out = match scratch.output_words(&tensors_path) {
-        Ok((_, t)) => t,
-        Err(e) => {
-            let why = format!("the engine's generation wrote no readable tensors: {}", e.message);
-            let report = fail(why, vec![], gate.findings.clone());
-            return Ok(crashed(&gate, report));
-        }
-    };
-    // The engine's own stop tokens (component.sampler `stop_tokens`), when it has the function.
-    let mut stop_error = String::new();
-    match &engine_stops {
-        Some(engine_stops) => {
-            let (mut a, mut b) = (engine_stops.clone(), generation.eos_token_ids.clone());
-            a.sort_unstable();
-            a.dedup();
-            b.sort_unstable();
-            b.dedup();
-            if a != b {
-                stop_error = format!(
-                    "stop tokens: the engine's generate::stop_tokens gives {engine_stops:?}, {} says {:?} (component.sampler: generation_config.json eos_token_id, an int or a list, else config.json's)",
-                    if generation.source.is_empty() {
-                        "neither generation_config.json nor config.json names one; it"
-                    } else {
-                        &generation.source
-                    },
-                    generation.eos_token_ids
-                );
-            }
-        }
-        None => warnings.push(format!(
-            "the engine has no generate::stop_tokens (component.sampler v2); generation stopped at the server's stop tokens {:?}",
-            generation.eos_token_ids
-        )),
+    gate.run(&mut spec)
+}
+
+/// verify_generation as a [`Spec`]: the checkpoint, its reference, the prompts and their budgets.
+struct VerifySpec<'c> {
+    ck: &'c Checkpoint,
+    family: &'c crate::ckb::Contract,
+    m: &'c crate::ckb::ModelFamily,
+    tol: Tolerance,
+    tokenizer_contract: String,
+    warnings: Vec<String>,
+    reference: Reference,
+    /// Each prompt, and whether it was drawn (random).
+    prompts: Vec<(String, bool)>,
+    /// Tokens to generate per prompt.
+    budgets: Vec<usize>,
+    seed: u64,
+    dtype: String,
+    /// The tokenizer contract's vocabularies the engine's tokenizer is checked on.
+    sets: Vec<model::tokenizer::VectorSet>,
+    vectors_skipped: Vec<String>,
+    /// Where the harness writes the generation's tensors.
+    tensors_path: PathBuf,
+}
+
+impl VerifySpec<'_> {
+    /// What the harness may read: the model (granted by the run loop) and the vocabularies.
+    fn vocabulary_dirs(&self) -> Vec<PathBuf> {
+        self.sets.iter().map(|s| s.dir.clone()).collect()
     }
 
-    let mut results = Vec::new();
-    // The engine's ids, tokens and logits for the first prompt whose logits failed, for the
-    // diagnosis, with the prompt's index and its first step beyond tolerance.
-    let mut first_fail: Option<FirstFail> = None;
-    for (i, (prompt, random)) in prompts.iter().enumerate() {
-        let mut r = PromptResult {
-            prompt: prompt.clone(),
-            random: *random,
-            tokenizer_ok: false,
-            tokens_ok: false,
-            logits_ok: false,
-            steps: 0,
-            first_mismatch: -1,
-            tie_at: -1,
-            max_abs_err: 0.0,
-            widened_atol: 0.0,
-            first_divergence: -1,
-            divergence_phase: String::new(),
-            divergence: None,
-            text: texts[i].text.clone(),
-            reference_text: String::new(),
-            decoded_text: String::new(),
-            stopped_at_eos: false,
-            error: String::new(),
-        };
-        let want_ids = model::hf_encode(&tok, prompt)?;
-        if want_ids.len() >= 2 && want_ids[0] == want_ids[1] && generation.bos_token_id == Some(want_ids[0]) {
-            warnings.push(format!(
-                "prompt {prompt:?} begins with the BOS token's text, and the tokenizer adds BOS too: it encodes with BOS twice ({:?}...); HF encodes it the same way, so it is checked as given, but a model rarely saw a doubled BOS in training: drop the typed one",
-                &want_ids[..2]
-            ));
+    /// A failed report with `prompts` judged and `error` as its error.
+    fn failed(&self, gate: &Gate, error: String, prompts: Vec<PromptResult>) -> VerifyReport {
+        VerifyReport {
+            passed: false,
+            seed: self.seed,
+            family: self.family.id.clone(),
+            dtype: self.dtype.clone(),
+            atol: self.tol.atol,
+            rtol: self.tol.rtol,
+            prompts,
+            error,
+            diagnosis: vec![],
+            localisation: None,
+            rules: gate.findings.clone(),
+            promotions: vec![],
+            stop_tokens: self.ck.generation.eos_token_ids.clone(),
+            tokenizer: self.tokenizer_contract.clone(),
+            tokenizer_vectors: vec![],
+            skipped: vec![],
+            warnings: self.warnings.clone(),
+            sandboxed: gate.ctx.workshop.sandboxed(),
         }
-        let got_ids = tensors_out.get(&format!("prompt_ids.{i}")).cloned().unwrap_or_default();
-        r.tokenizer_ok = got_ids == want_ids;
-        let (rows, want_tokens) = reference.greedy_until(&want_ids, budgets[i], &generation.eos_token_ids)?;
-        // The family's rounding margin: each step's atol grows with the f32 rounding error of this
-        // checkpoint's own activations there (ckb::RoundingMargin).
-        let margins: Vec<f64> = match &m.rounding_margin {
-            Some(rm) if reference.set_f32_activations(true) => {
-                let mut seq = want_ids.clone();
-                seq.extend_from_slice(&want_tokens[..want_tokens.len().saturating_sub(1)]);
-                let rounded = reference.forced(&seq);
-                reference.set_f32_activations(false);
-                let rounded = rounded?;
-                rows.iter()
-                    .zip(&rounded[want_ids.len() - 1..])
-                    .map(|(a, b)| rm.factor * a.iter().zip(b).fold(0.0f64, |d, (x, y)| d.max((x - y).abs())))
-                    .collect()
-            }
-            _ => vec![],
+    }
+
+    /// The engine gave no judgeable output: recorded with `divergence` "crash".
+    fn crashed(&self, gate: &Gate, why: String) -> GateVerdict<VerifyReport> {
+        let figures = VerifyFigures { gate: gate.common(), divergence: "crash".into(), ..Default::default() };
+        GateVerdict { report: self.failed(gate, why, vec![]), figures: Figures::Verify(figures) }
+    }
+}
+
+impl Spec for VerifySpec<'_> {
+    type Report = VerifyReport;
+
+    fn unjudged(&self, gate: &Gate, why: String) -> VerifyReport {
+        self.failed(gate, why, vec![])
+    }
+
+    fn commands(&mut self, gate: &Gate, h: &Harness) -> Result<Commands> {
+        self.tensors_path = h.output("generate.safetensors");
+        let items: Vec<Prompt> = self
+            .prompts
+            .iter()
+            .zip(&self.budgets)
+            .map(|((p, _), n)| Prompt { text: p.clone(), max_new_tokens: *n })
+            .collect();
+        let command = Command::Generate {
+            model: self.ck.path().to_path_buf(),
+            prompts: items,
+            tensors: self.tensors_path.clone(),
+            stop_tokens: self.ck.generation.eos_token_ids.clone(),
         };
-        r.stopped_at_eos =
-            want_tokens.len() < budgets[i] && want_tokens.last().is_some_and(|t| generation.eos_token_ids.contains(t));
-        let got_tokens = tensors_out.get(&format!("tokens.{i}")).cloned().unwrap_or_default();
-        let got_logits = tensors_out.get(&format!("logits.{i}")).cloned().unwrap_or_default();
-        let got_logits: Vec<f32> = got_logits.iter().map(|&b| f32::from_bits(b)).collect();
-        let vocab = cfg.vocab;
-        let mut logits_ok = got_logits.len() >= vocab * want_tokens.len().min(got_tokens.len()).max(1);
-        let mut tokens_ok = got_tokens.len() == want_tokens.len();
-        // The first non-finite logit on either side (step, where): never a pass.
-        let mut non_finite = None;
-        for (step, want_row) in rows.iter().enumerate() {
-            let Some(got_row) = got_logits.get(step * vocab..(step + 1) * vocab) else {
-                break;
-            };
-            r.steps = step + 1;
-            let step_tol = match margins.get(step) {
-                Some(&w) if w > tol.atol => {
-                    r.widened_atol = r.widened_atol.max(w);
-                    Tolerance { atol: w, ..tol.clone() }
-                }
-                _ => tol.clone(),
-            };
-            let v = crate::oracle::compare(got_row, want_row, &step_tol);
-            if non_finite.is_none() {
-                non_finite = v.non_finite.map(|nf| (step, nf));
+        // The engine's tokenizer on the real vocabularies of its tokenizer contract, in the same
+        // exchange (a bundle holds both requests).
+        let mut commands = vec![(command, vec![])];
+        if let Some(c) = tokenize_command(gate, h, &self.sets)? {
+            commands.push((c, vec![]));
+        }
+        Ok(commands)
+    }
+
+    fn model(&self) -> Option<&crate::beneath::HeldDir> {
+        Some(&self.ck.held)
+    }
+
+    fn reads(&self) -> Vec<PathBuf> {
+        self.vocabulary_dirs()
+    }
+
+    fn promotions(report: &mut VerifyReport) -> Option<&mut Vec<Promotion>> {
+        Some(&mut report.promotions)
+    }
+
+    fn judge(&mut self, gate: &Gate, scratch: &Harness, mut c: Vec<Called>) -> Result<GateVerdict<VerifyReport>> {
+        let ctx = gate.ctx;
+        let (ck, m, tol, seed) = (self.ck, self.m, self.tol.clone(), self.seed);
+        let (cfg, generation, tok) = (&ck.cfg, &ck.generation, ck.tokenizer()?);
+        let family = self.family;
+        let tokenized = if c.len() > 1 { c.pop() } else { None };
+        let called = c.remove(0);
+        let (texts, engine_stops) = match called.ok("engine's generation", 2000) {
+            Ok(Reply::Generate { prompts: g, stop_tokens, .. }) if g.len() == self.prompts.len() => (g, stop_tokens),
+            Ok(other) => {
+                return Ok(
+                    self.crashed(gate, format!("the harness answered generation with an unexpected reply: {other:?}"))
+                );
             }
-            let ok = v.ok;
-            r.max_abs_err = r.max_abs_err.max(v.max_abs_err);
-            if !ok && r.first_divergence < 0 {
-                r.first_divergence = step as i64;
-                r.divergence_phase = if step == 0 { "prefill" } else { "decode" }.into();
-                r.divergence = Some(Divergence {
-                    token: v.worst_index,
-                    engine: got_row.get(v.worst_index).map_or(f64::NAN, |&x| x as f64),
-                    reference: want_row.get(v.worst_index).copied().unwrap_or(f64::NAN),
+            Err(why) => return Ok(self.crashed(gate, crate::harness::explain(&why, &gate.engine))),
+        };
+        // A reply without its tensors file (a harness killed mid-write, a bundle's output removed) is
+        // a failed gate, not a fault of the server.
+        let tensors_out = match scratch.output_words(&self.tensors_path) {
+            Ok((_, t)) => t,
+            Err(e) => {
+                return Ok(
+                    self.crashed(gate, format!("the engine's generation wrote no readable tensors: {}", e.message))
+                );
+            }
+        };
+        let mut warnings = std::mem::take(&mut self.warnings);
+        // The engine's own stop tokens (component.sampler `stop_tokens`), when it has the function.
+        let mut stop_error = String::new();
+        match &engine_stops {
+            Some(engine_stops) => {
+                let (mut a, mut b) = (engine_stops.clone(), generation.eos_token_ids.clone());
+                a.sort_unstable();
+                a.dedup();
+                b.sort_unstable();
+                b.dedup();
+                if a != b {
+                    stop_error = format!(
+                        "stop tokens: the engine's generate::stop_tokens gives {engine_stops:?}, {} says {:?} (component.sampler: generation_config.json eos_token_id, an int or a list, else config.json's)",
+                        if generation.source.is_empty() {
+                            "neither generation_config.json nor config.json names one; it"
+                        } else {
+                            &generation.source
+                        },
+                        generation.eos_token_ids
+                    );
+                }
+            }
+            None => warnings.push(format!(
+                "the engine has no generate::stop_tokens (component.sampler v2); generation stopped at the server's stop tokens {:?}",
+                generation.eos_token_ids
+            )),
+        }
+        let (prompts, budgets, reference) = (&self.prompts, &self.budgets, &mut self.reference);
+        let (sets, vectors_skipped) = (&self.sets, self.vectors_skipped.clone());
+        let target_dtype = self.dtype.clone();
+        let model_dir = ck.path().to_path_buf();
+        let grant = ck.held.grant();
+        let dirs: Vec<PathBuf> = sets.iter().map(|s| s.dir.clone()).collect();
+        let mut reads: Vec<&Path> = grant.paths();
+        reads.extend(dirs.iter().map(PathBuf::as_path));
+        let mut results = Vec::new();
+        // The engine's ids, tokens and logits for the first prompt whose logits failed, for the
+        // diagnosis, with the prompt's index and its first step beyond tolerance.
+        let mut first_fail: Option<FirstFail> = None;
+        for (i, (prompt, random)) in prompts.iter().enumerate() {
+            let mut r = PromptResult {
+                prompt: prompt.clone(),
+                random: *random,
+                tokenizer_ok: false,
+                tokens_ok: false,
+                logits_ok: false,
+                steps: 0,
+                first_mismatch: -1,
+                tie_at: -1,
+                max_abs_err: 0.0,
+                widened_atol: 0.0,
+                first_divergence: -1,
+                divergence_phase: String::new(),
+                divergence: None,
+                text: texts[i].text.clone(),
+                reference_text: String::new(),
+                decoded_text: String::new(),
+                stopped_at_eos: false,
+                error: String::new(),
+            };
+            let want_ids = model::hf_encode(tok, prompt)?;
+            if want_ids.len() >= 2 && want_ids[0] == want_ids[1] && generation.bos_token_id == Some(want_ids[0]) {
+                warnings.push(format!(
+                    "prompt {prompt:?} begins with the BOS token's text, and the tokenizer adds BOS too: it encodes with BOS twice ({:?}...); HF encodes it the same way, so it is checked as given, but a model rarely saw a doubled BOS in training: drop the typed one",
+                    &want_ids[..2]
+                ));
+            }
+            let got_ids = tensors_out.get(&format!("prompt_ids.{i}")).cloned().unwrap_or_default();
+            r.tokenizer_ok = got_ids == want_ids;
+            let (rows, want_tokens) = reference.greedy_until(&want_ids, budgets[i], &generation.eos_token_ids)?;
+            // The family's rounding margin: each step's atol grows with the f32 rounding error of this
+            // checkpoint's own activations there (ckb::RoundingMargin).
+            let margins: Vec<f64> = match &m.rounding_margin {
+                Some(rm) if reference.set_f32_activations(true) => {
+                    let mut seq = want_ids.clone();
+                    seq.extend_from_slice(&want_tokens[..want_tokens.len().saturating_sub(1)]);
+                    let rounded = reference.forced(&seq);
+                    reference.set_f32_activations(false);
+                    let rounded = rounded?;
+                    rows.iter()
+                        .zip(&rounded[want_ids.len() - 1..])
+                        .map(|(a, b)| rm.factor * a.iter().zip(b).fold(0.0f64, |d, (x, y)| d.max((x - y).abs())))
+                        .collect()
+                }
+                _ => vec![],
+            };
+            r.stopped_at_eos = want_tokens.len() < budgets[i]
+                && want_tokens.last().is_some_and(|t| generation.eos_token_ids.contains(t));
+            let got_tokens = tensors_out.get(&format!("tokens.{i}")).cloned().unwrap_or_default();
+            let got_logits = tensors_out.get(&format!("logits.{i}")).cloned().unwrap_or_default();
+            let got_logits: Vec<f32> = got_logits.iter().map(|&b| f32::from_bits(b)).collect();
+            let vocab = cfg.vocab;
+            let mut logits_ok = got_logits.len() >= vocab * want_tokens.len().min(got_tokens.len()).max(1);
+            let mut tokens_ok = got_tokens.len() == want_tokens.len();
+            // The first non-finite logit on either side (step, where): never a pass.
+            let mut non_finite = None;
+            for (step, want_row) in rows.iter().enumerate() {
+                let Some(got_row) = got_logits.get(step * vocab..(step + 1) * vocab) else {
+                    break;
+                };
+                r.steps = step + 1;
+                let step_tol = match margins.get(step) {
+                    Some(&w) if w > tol.atol => {
+                        r.widened_atol = r.widened_atol.max(w);
+                        Tolerance { atol: w, ..tol.clone() }
+                    }
+                    _ => tol.clone(),
+                };
+                let v = crate::oracle::compare(got_row, want_row, &step_tol);
+                if non_finite.is_none() {
+                    non_finite = v.non_finite.map(|nf| (step, nf));
+                }
+                let ok = v.ok;
+                r.max_abs_err = r.max_abs_err.max(v.max_abs_err);
+                if !ok && r.first_divergence < 0 {
+                    r.first_divergence = step as i64;
+                    r.divergence_phase = if step == 0 { "prefill" } else { "decode" }.into();
+                    r.divergence = Some(Divergence {
+                        token: v.worst_index,
+                        engine: got_row.get(v.worst_index).map_or(f64::NAN, |&x| x as f64),
+                        reference: want_row.get(v.worst_index).copied().unwrap_or(f64::NAN),
+                    });
+                }
+                logits_ok &= ok;
+                let (Some(&g), Some(&w)) = (got_tokens.get(step), want_tokens.get(step)) else {
+                    break;
+                };
+                if g != w {
+                    // A near-tie in the reference: the engine's choice is within tolerance of the best.
+                    let best = want_row[w as usize];
+                    let theirs = want_row.get(g as usize).copied().unwrap_or(f64::NEG_INFINITY);
+                    if ok && best - theirs <= step_tol.atol + step_tol.rtol * best.abs() {
+                        r.tie_at = step as i64;
+                    } else {
+                        tokens_ok = false;
+                        r.first_mismatch = step as i64;
+                    }
+                    break;
+                }
+            }
+            r.logits_ok = logits_ok && r.steps > 0;
+            r.tokens_ok = tokens_ok && r.steps > 0;
+            if !r.logits_ok && first_fail.is_none() {
+                first_fail = Some(FirstFail {
+                    ids: got_ids.clone(),
+                    tokens: got_tokens.clone(),
+                    logits: got_logits.clone(),
+                    prompt: i,
+                    step: r.first_divergence.max(0) as usize,
                 });
             }
-            logits_ok &= ok;
-            let (Some(&g), Some(&w)) = (got_tokens.get(step), want_tokens.get(step)) else {
-                break;
-            };
-            if g != w {
-                // A near-tie in the reference: the engine's choice is within tolerance of the best.
-                let best = want_row[w as usize];
-                let theirs = want_row.get(g as usize).copied().unwrap_or(f64::NEG_INFINITY);
-                if ok && best - theirs <= step_tol.atol + step_tol.rtol * best.abs() {
-                    r.tie_at = step as i64;
-                } else {
-                    tokens_ok = false;
-                    r.first_mismatch = step as i64;
+            let mut all = got_ids.clone();
+            all.extend_from_slice(&got_tokens);
+            r.decoded_text = model::hf_decode(tok, &all).unwrap_or_default();
+            let text_ok = r.decoded_text == r.text;
+            let mut theirs = want_ids.clone();
+            theirs.extend_from_slice(&want_tokens);
+            r.reference_text = model::hf_decode(tok, &theirs).unwrap_or_default();
+            let mut why = Vec::new();
+            if !r.tokenizer_ok {
+                why.push(format!("tokenizer: engine ids {got_ids:?} != HF ids {want_ids:?}"));
+            }
+            if !r.logits_ok {
+                let at = match &r.divergence {
+                    Some(d) => format!(
+                        "; first beyond tolerance at step {} ({}): token {} engine {} reference {}",
+                        r.first_divergence,
+                        r.divergence_phase,
+                        d.token,
+                        super::sci(d.engine),
+                        super::sci(d.reference)
+                    ),
+                    None => String::new(),
+                };
+                match non_finite {
+                    Some((step, nf)) => why.push(format!(
+                        "logits: {} of step {step} ({}); a non-finite logit never passes",
+                        nf.describe().replace("at index", "at token"),
+                        if step == 0 { "prefill" } else { "decode" }
+                    )),
+                    None => why.push(format!(
+                        "logits: max abs error {} exceeds atol {} rtol {} (or missing rows){at}",
+                        super::sci(r.max_abs_err),
+                        tol.atol,
+                        tol.rtol
+                    )),
                 }
-                break;
+            }
+            if !r.tokens_ok {
+                why.push(format!(
+                    "tokens: first mismatch at step {} (engine {:?} vs reference {:?})",
+                    r.first_mismatch,
+                    got_tokens.get(r.first_mismatch.max(0) as usize),
+                    want_tokens.get(r.first_mismatch.max(0) as usize)
+                ));
+            }
+            if !text_ok {
+                why.push(format!("decode: engine text {:?} != HF decode of its ids {:?}", r.text, r.decoded_text));
+            }
+            r.error = why.join("; ");
+            results.push(r);
+        }
+        let vectors = judge_vectors(sets, tokenized)?;
+        let mut passed = results.iter().all(|r| r.error.is_empty())
+            && stop_error.is_empty()
+            && vectors.iter().all(|v| v.error.is_empty());
+        let mut error = stop_error;
+        let kernels_passed = crate::ledger::Ledger::open(&ctx.ledger)
+            .and_then(|l| l.passed_on("run_kernel_test", &gate.engine.hash, &target_dtype))
+            .unwrap_or(false);
+        if passed && !kernels_passed {
+            // Phase order: generation passes only on sources whose kernels passed.
+            passed = false;
+            error = "phase order: generation matches the reference, but run_kernel_test has not passed on these exact sources; run it, then verify again".into();
+        }
+        let mut localisation = match &first_fail {
+            Some(f) => {
+                let at = Localisation {
+                    prompt: f.prompt,
+                    step: f.step,
+                    phase: if f.step == 0 { "prefill" } else { "decode" }.into(),
+                    position: (f.ids.len() + f.step).saturating_sub(1),
+                    ..Default::default()
+                };
+                let traced = Traced { gate, h: scratch, reads: &reads, model: &model_dir };
+                let tokenizer_ok = results.get(f.prompt).is_some_and(|r| r.tokenizer_ok);
+                Some(localise_step(&traced, reference, m.graph.as_ref(), &f.ids, &f.tokens, tokenizer_ok, &tol, at)?)
+            }
+            None => None,
+        };
+        let mut diagnosis = match &first_fail {
+            Some(f) => crate::oracle::diagnose::generation(&ctx.ckb, reference, &f.ids, &f.tokens, &f.logits, &tol),
+            None => vec![],
+        };
+        if diagnosis.is_empty() {
+            // No mutant explains the logits (e.g. two mistakes): the one that explains the first
+            // diverging point still names the first.
+            diagnosis = localisation.as_ref().map(|l| l.mutants.clone()).unwrap_or_default();
+        }
+        if let (true, Some(f)) = (diagnosis.is_empty(), &first_fail) {
+            // Nothing reproduces the engine: the suspects are the mutants that first depart where it
+            // does (never an empty list for failing logits).
+            let point = localisation.as_ref().map(|l| l.point.as_str()).filter(|p| !p.is_empty());
+            diagnosis = crate::oracle::diagnose::where_it_departs(
+                &ctx.ckb, reference, &f.ids, &f.tokens, &f.logits, f.step, point, &tol,
+            );
+        }
+        if ctx.ckb.is_provisional(&family.id) {
+            // A mutant of a staged contract is no evidence about the model: the contract may be what is
+            // wrong. Name where engine and contract part, never a change to the engine.
+            let at_point = localisation.iter_mut().flat_map(|l| l.mutants.iter_mut());
+            for d in diagnosis.iter_mut().chain(at_point) {
+                d.summary = staged_summary(&d.summary, &family.id);
             }
         }
-        r.logits_ok = logits_ok && r.steps > 0;
-        r.tokens_ok = tokens_ok && r.steps > 0;
-        if !r.logits_ok && first_fail.is_none() {
-            first_fail = Some(FirstFail {
-                ids: got_ids.clone(),
-                tokens: got_tokens.clone(),
-                logits: got_logits.clone(),
-                prompt: i,
-                step: r.first_divergence.max(0) as usize,
-            });
-        }
-        let mut all = got_ids.clone();
-        all.extend_from_slice(&got_tokens);
-        r.decoded_text = model::hf_decode(&tok, &all).unwrap_or_default();
-        let text_ok = r.decoded_text == r.text;
-        let mut theirs = want_ids.clone();
-        theirs.extend_from_slice(&want_tokens);
-        r.reference_text = model::hf_decode(&tok, &theirs).unwrap_or_default();
-        let mut why = Vec::new();
-        if !r.tokenizer_ok {
-            why.push(format!("tokenizer: engine ids {got_ids:?} != HF ids {want_ids:?}"));
-        }
-        if !r.logits_ok {
-            let at = match &r.divergence {
-                Some(d) => format!(
-                    "; first beyond tolerance at step {} ({}): token {} engine {} reference {}",
-                    r.first_divergence,
-                    r.divergence_phase,
-                    d.token,
-                    super::sci(d.engine),
-                    super::sci(d.reference)
-                ),
-                None => String::new(),
-            };
-            match non_finite {
-                Some((step, nf)) => why.push(format!(
-                    "logits: {} of step {step} ({}); a non-finite logit never passes",
-                    nf.describe().replace("at index", "at token"),
-                    if step == 0 { "prefill" } else { "decode" }
-                )),
-                None => why.push(format!(
-                    "logits: max abs error {} exceeds atol {} rtol {} (or missing rows){at}",
-                    super::sci(r.max_abs_err),
-                    tol.atol,
-                    tol.rtol
-                )),
-            }
-        }
-        if !r.tokens_ok {
-            why.push(format!(
-                "tokens: first mismatch at step {} (engine {:?} vs reference {:?})",
-                r.first_mismatch,
-                got_tokens.get(r.first_mismatch.max(0) as usize),
-                want_tokens.get(r.first_mismatch.max(0) as usize)
-            ));
-        }
-        if !text_ok {
-            why.push(format!("decode: engine text {:?} != HF decode of its ids {:?}", r.text, r.decoded_text));
-        }
-        r.error = why.join("; ");
-        results.push(r);
+        let report = VerifyReport {
+            passed,
+            seed,
+            family: family.id.clone(),
+            dtype: target_dtype.clone(),
+            atol: tol.atol,
+            rtol: tol.rtol,
+            prompts: results,
+            error,
+            diagnosis,
+            localisation,
+            rules: gate.findings.clone(),
+            promotions: vec![],
+            stop_tokens: generation.eos_token_ids.clone(),
+            tokenizer: self.tokenizer_contract.clone(),
+            tokenizer_vectors: vectors,
+            skipped: vectors_skipped,
+            warnings,
+            sandboxed: ctx.workshop.sandboxed(),
+        };
+        let figures = VerifyFigures {
+            gate: gate.common(),
+            max_abs_err: report.prompts.iter().map(|p| p.max_abs_err).fold(0.0, f64::max),
+            prompts: report.prompts.len(),
+            diagnosis: report.diagnosis.iter().map(|d| d.failure.clone()).collect(),
+            divergence: divergence_kind(&report),
+            point: report.localisation.as_ref().map(|l| l.node.clone()).unwrap_or_default(),
+        };
+        Ok(GateVerdict { report, figures: Figures::Verify(figures) })
     }
-    let vectors = judge_vectors(&sets, tokenized)?;
-    let mut passed = results.iter().all(|r| r.error.is_empty())
-        && stop_error.is_empty()
-        && vectors.iter().all(|v| v.error.is_empty());
-    let mut error = stop_error;
-    let kernels_passed = crate::ledger::Ledger::open(&ctx.ledger)
-        .and_then(|l| l.passed_on("run_kernel_test", &gate.engine.hash, &target.dtype))
-        .unwrap_or(false);
-    if passed && !kernels_passed {
-        // Phase order: generation passes only on sources whose kernels passed.
-        passed = false;
-        error = "phase order: generation matches the reference, but run_kernel_test has not passed on these exact sources; run it, then verify again".into();
-    }
-    let mut localisation = match &first_fail {
-        Some(f) => {
-            let at = Localisation {
-                prompt: f.prompt,
-                step: f.step,
-                phase: if f.step == 0 { "prefill" } else { "decode" }.into(),
-                position: (f.ids.len() + f.step).saturating_sub(1),
-                ..Default::default()
-            };
-            let traced = Traced { gate: &gate, h: &scratch, reads: &reads, model: &model_dir };
-            let tokenizer_ok = results.get(f.prompt).is_some_and(|r| r.tokenizer_ok);
-            Some(localise_step(&traced, &mut reference, m.graph.as_ref(), &f.ids, &f.tokens, tokenizer_ok, &tol, at)?)
-        }
-        None => None,
-    };
-    let mut diagnosis = match &first_fail {
-        Some(f) => crate::oracle::diagnose::generation(&ctx.ckb, &mut reference, &f.ids, &f.tokens, &f.logits, &tol),
-        None => vec![],
-    };
-    if diagnosis.is_empty() {
-        // No mutant explains the logits (e.g. two mistakes): the one that explains the first
-        // diverging point still names the first.
-        diagnosis = localisation.as_ref().map(|l| l.mutants.clone()).unwrap_or_default();
-    }
-    if let (true, Some(f)) = (diagnosis.is_empty(), &first_fail) {
-        // Nothing reproduces the engine: the suspects are the mutants that first depart where it
-        // does (never an empty list for failing logits).
-        let point = localisation.as_ref().map(|l| l.point.as_str()).filter(|p| !p.is_empty());
-        diagnosis = crate::oracle::diagnose::where_it_departs(
-            &ctx.ckb,
-            &mut reference,
-            &f.ids,
-            &f.tokens,
-            &f.logits,
-            f.step,
-            point,
-            &tol,
-        );
-    }
-    if ctx.ckb.is_provisional(&family.id) {
-        // A mutant of a staged contract is no evidence about the model: the contract may be what is
-        // wrong. Name where engine and contract part, never a change to the engine.
-        let at_point = localisation.iter_mut().flat_map(|l| l.mutants.iter_mut());
-        for d in diagnosis.iter_mut().chain(at_point) {
-            d.summary = staged_summary(&d.summary, &family.id);
-        }
-    }
-    let mut report = VerifyReport {
-        passed,
-        seed,
-        family: family.id.clone(),
-        dtype: target.dtype.clone(),
-        atol: tol.atol,
-        rtol: tol.rtol,
-        prompts: results,
-        error,
-        diagnosis,
-        localisation,
-        rules: gate.findings.clone(),
-        promotions: vec![],
-        stop_tokens: generation.eos_token_ids.clone(),
-        tokenizer: tokenizer_contract.clone(),
-        tokenizer_vectors: vectors,
-        skipped: vectors_skipped,
-        warnings,
-        sandboxed: ctx.workshop.sandboxed(),
-    };
-    let figures = VerifyFigures {
-        gate: gate.common(),
-        max_abs_err: report.prompts.iter().map(|p| p.max_abs_err).fold(0.0, f64::max),
-        prompts: report.prompts.len(),
-        diagnosis: report.diagnosis.iter().map(|d| d.failure.clone()).collect(),
-        divergence: divergence_kind(&report),
-        point: report.localisation.as_ref().map(|l| l.node.clone()).unwrap_or_default(),
-    };
-    gate.record(&report, Figures::Verify(figures));
-    if report.passed {
-        report.promotions = gate.promote();
-    }
-    Ok(report)
 }
 
 /// A diagnosis's summary under a staged family `id` (no conformance evidence yet): what the failure

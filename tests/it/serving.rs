@@ -24,7 +24,15 @@ fn serving(max_seqs: usize, max_context: usize) -> Serving {
 }
 
 fn batching(engine: &std::path::Path) -> BatchingRequest {
-    BatchingRequest { engine: s(engine), model: s(&crate::babyllama()), sequences: None, seed: None, dtype: None }
+    BatchingRequest {
+        engine: s(engine),
+        model: s(&crate::babyllama()),
+        sequences: None,
+        seed: None,
+        dtype: None,
+        write_bundle: None,
+        from_bundle: None,
+    }
 }
 
 #[test]
@@ -286,6 +294,36 @@ fn simd_engine_passes_verify_batching() {
     let ledger = metainfer::ledger::Ledger::open(&ctx.ledger).unwrap();
     let o = ledger.list(0, 1).unwrap().remove(0);
     assert_eq!((o.tool.as_str(), o.passed), ("verify_batching", true));
+
+    // Split through a bundle (built and drawn here, run by `metainfer bundle run` in another
+    // process, judged here): the same seed gives the direct run's verdict, figure for figure.
+    let dir = t.path().join("batching-bundle");
+    let req = |write: Option<&std::path::Path>, read: Option<&std::path::Path>| BatchingRequest {
+        sequences: Some(8),
+        seed: Some(v.seed),
+        write_bundle: write.map(s),
+        from_bundle: read.map(s),
+        ..batching(&engine)
+    };
+    let w = verify_batching(&ctx, &req(Some(&dir), None), &Budget::secs(900)).unwrap();
+    assert!(!w.passed && w.error.starts_with("not run: bundle written to"), "{}", w.error);
+    assert_eq!(ledger.list(0, 10).unwrap().len(), 1, "writing a bundle records nothing");
+    let out = crate::bundles::run_bundle(&dir);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+    let ran: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let replies: Vec<&str> = ran["runs"].as_array().unwrap().iter().map(|r| r["reply"].as_str().unwrap()).collect();
+    assert_eq!(replies, ["block_manager", "scheduler", "batch"]);
+    let r = verify_batching(&ctx, &req(None, Some(&dir)), &Budget::secs(900)).unwrap();
+    assert!(r.passed, "{}", metainfer::ops::Report::text(&r));
+    let figures = |b: &metainfer::ops::batching::BatchingReport| {
+        let seqs: Vec<(usize, usize, u64)> =
+            b.sequences.iter().map(|q| (q.prompt_len, q.steps, q.max_abs_err.to_bits())).collect();
+        (b.block_manager.ops, b.scheduler.requests, b.scheduler.preemptions, b.steps, seqs)
+    };
+    assert_eq!(figures(&r), figures(&v));
+    let o = ledger.list(0, 1).unwrap().remove(0);
+    assert_eq!((o.tool.as_str(), o.passed), ("verify_batching", true));
+    assert_eq!(o.figures["bundle"], s(&dir.canonicalize().unwrap()));
 }
 
 fn serve_req(engine: &std::path::Path) -> ServeRequest {

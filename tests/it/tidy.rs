@@ -80,7 +80,7 @@ fn processes(files: &Files) -> Vec<String> {
 /// ops modules every ops module may use: the gate skeleton, and pagination (the shared shape of
 /// every list a tool returns), and preconditions (what config.json may contradict in a graph, which
 /// plan and every gate check alike); `mod.rs` holds the shared types.
-const SHARED: &[&str] = &["gate", "page", "preconditions"];
+const SHARED: &[&str] = &["gate", "checkpoint", "page", "preconditions"];
 
 /// The ops modules one ops module may name besides [`SHARED`] and `mod`, with why.
 const OPS_EDGES: &[(&str, &str, &str)] = &[
