@@ -34,17 +34,35 @@ pub struct GenerationConfig {
 /// [`crate::error::ErrorKind::Input`] naming the file and key when a value has the wrong type
 /// (`"eos_token_id": "2"`), an id is negative or not below `vocab`, or the file is not a JSON object.
 pub fn read_generation_config(dir: &(impl Files + ?Sized), vocab: usize) -> Result<GenerationConfig> {
+    generation_config_in(dir, None, vocab)
+}
+
+/// As [`read_generation_config`], with `config` (config.json, already read) used instead of
+/// reading config.json again when there is no generation_config.json.
+///
+/// # Errors
+/// As [`read_generation_config`].
+pub fn generation_config_in(
+    dir: &(impl Files + ?Sized),
+    config: Option<&serde_json::Map<String, Value>>,
+    vocab: usize,
+) -> Result<GenerationConfig> {
     let (file, from_config) =
         if dir.has_file("generation_config.json") { ("generation_config.json", false) } else { ("config.json", true) };
-    if from_config && !dir.has(file) {
-        return Ok(GenerationConfig::default());
-    }
     let path = dir.show(file);
-    let text = dir.read_text(file, &crate::util::CONFIG_JSON)?;
-    let map = match serde_json::from_str::<Value>(&text) {
-        Ok(Value::Object(m)) => m,
-        Ok(_) => return Err(Error::input(format!("{}: must be a JSON object", path.display()))),
-        Err(e) => return Err(Error::input(format!("{}: not valid JSON: {e}", path.display()))),
+    let map = match (from_config, config) {
+        (true, Some(held)) => held.clone(),
+        _ => {
+            if from_config && !dir.has(file) {
+                return Ok(GenerationConfig::default());
+            }
+            let text = dir.read_text(file, &crate::util::CONFIG_JSON)?;
+            match serde_json::from_str::<Value>(&text) {
+                Ok(Value::Object(m)) => m,
+                Ok(_) => return Err(Error::input(format!("{}: must be a JSON object", path.display()))),
+                Err(e) => return Err(Error::input(format!("{}: not valid JSON: {e}", path.display()))),
+            }
+        }
     };
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let id = |key: &str, v: &Value| -> Result<u32> {

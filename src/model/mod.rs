@@ -22,7 +22,7 @@ mod scaling;
 pub mod tokenizer;
 pub mod weights;
 
-pub use generation::{GenerationConfig, read_generation_config};
+pub use generation::{GenerationConfig, generation_config_in, read_generation_config};
 pub use weights::{WeightLayout, read_weights, weight_layout};
 
 /// A model configuration resolved against a family contract: every field the engine needs, with the

@@ -347,9 +347,21 @@ pub fn check_ids(path: &Path, json: &Value, vocab: usize) -> Result<(usize, Vec<
 /// [`crate::error::ErrorKind::Input`] for a missing or malformed file or an id not below `vocab`;
 /// [`crate::error::ErrorKind::Usage`] listing the uncovered components when no contract covers it.
 pub fn check_model_tokenizer(ckb: &Ckb, dir: &(impl Files + ?Sized), vocab: usize) -> Result<(String, TokenizerRoute)> {
-    let json = read_tokenizer_json(dir)?;
-    let (entries, special_tokens) = check_ids(&dir.show("tokenizer.json"), &json, vocab)?;
-    let (contract, parts) = route_tokenizer(ckb, &json).map_err(|gaps| {
+    check_tokenizer_json(ckb, dir, &read_tokenizer_json(dir)?, vocab)
+}
+
+/// As [`check_model_tokenizer`], on `json`: `dir`'s tokenizer.json, already read and parsed.
+///
+/// # Errors
+/// As [`check_model_tokenizer`].
+pub fn check_tokenizer_json(
+    ckb: &Ckb,
+    dir: &(impl Files + ?Sized),
+    json: &Value,
+    vocab: usize,
+) -> Result<(String, TokenizerRoute)> {
+    let (entries, special_tokens) = check_ids(&dir.show("tokenizer.json"), json, vocab)?;
+    let (contract, parts) = route_tokenizer(ckb, json).map_err(|gaps| {
         Error::usage(format!(
             "{}/tokenizer.json is not covered by the knowledge base:\n{}",
             dir.path().display(),

@@ -33,6 +33,8 @@ pub struct Checkpoint {
     pub generation: GenerationConfig,
     /// The weight files' index: names, dtypes, shapes and byte ranges (no data read).
     pub layout: WeightLayout,
+    /// tokenizer.json's bytes, read once on first use.
+    tokenizer_bytes: OnceCell<Vec<u8>>,
     tokenizer: OnceCell<tokenizers::Tokenizer>,
 }
 
@@ -57,9 +59,17 @@ impl Checkpoint {
         let config = model::read_config(&held)?;
         let cfg = model::resolve_config(ckb, &held, &config)?;
         super::preconditions::check(ckb, held.path(), &cfg, &config)?;
-        let generation = model::read_generation_config(&held, cfg.vocab)?;
+        let generation = model::generation_config_in(&held, Some(&config), cfg.vocab)?;
         let layout = model::weight_layout(&held)?;
-        Ok(Checkpoint { held, config, cfg, generation, layout, tokenizer: OnceCell::new() })
+        Ok(Checkpoint {
+            held,
+            config,
+            cfg,
+            generation,
+            layout,
+            tokenizer_bytes: OnceCell::new(),
+            tokenizer: OnceCell::new(),
+        })
     }
 
     /// The directory's path (for messages and harness requests).
@@ -77,7 +87,19 @@ impl Checkpoint {
         Ok((c, m))
     }
 
-    /// tokenizer.json, parsed on first use.
+    /// tokenizer.json's bytes, read on first use (bounded as every tokenizer.json read is).
+    ///
+    /// # Errors
+    /// Input naming the file when it is missing, not a regular file or too large.
+    fn tokenizer_bytes(&self) -> Result<&[u8]> {
+        if let Some(b) = self.tokenizer_bytes.get() {
+            return Ok(b);
+        }
+        let b = crate::beneath::Files::read(&self.held, "tokenizer.json", &crate::util::TOKENIZER_JSON)?;
+        Ok(self.tokenizer_bytes.get_or_init(|| b))
+    }
+
+    /// tokenizer.json as the Hugging Face tokenizer, built on first use.
     ///
     /// # Errors
     /// Input naming the file when it is missing or malformed.
@@ -85,8 +107,26 @@ impl Checkpoint {
         if let Some(t) = self.tokenizer.get() {
             return Ok(t);
         }
-        let t = model::hf_tokenizer(&self.held)?;
+        let path = crate::beneath::Files::show(&self.held, "tokenizer.json");
+        let t = tokenizers::Tokenizer::from_bytes(self.tokenizer_bytes()?)
+            .map_err(|e| Error::input(format!("{}: cannot load tokenizer ({e})", path.display())))?;
         Ok(self.tokenizer.get_or_init(|| t))
+    }
+
+    /// The tokenizer contract tokenizer.json routes to, after its ids are checked against the
+    /// model's vocabulary ([`model::tokenizer::check_tokenizer_json`]), from the same bytes as
+    /// [`Checkpoint::tokenizer`].
+    ///
+    /// # Errors
+    /// Input: not JSON, ids outside the vocabulary; Usage: not covered by a tokenizer contract.
+    pub fn tokenizer_route(&self, ckb: &Ckb) -> Result<(String, model::tokenizer::TokenizerRoute)> {
+        let path = crate::beneath::Files::show(&self.held, "tokenizer.json");
+        let json: Value = match serde_json::from_slice(self.tokenizer_bytes()?) {
+            Ok(v @ Value::Object(_)) => v,
+            Ok(_) => return Err(Error::input(format!("{}: must be a JSON object", path.display()))),
+            Err(e) => return Err(Error::input(format!("{}: not valid JSON: {e}", path.display()))),
+        };
+        model::tokenizer::check_tokenizer_json(ckb, &self.held, &json, self.cfg.vocab)
     }
 
     /// Every weight, widened to f32, after the family's dtype policy, each checked finite (and

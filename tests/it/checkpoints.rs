@@ -1158,3 +1158,42 @@ fn the_narrow_tolerances_catch_rounded_norm_gains() {
         }
     }
 }
+
+/// A gate reads the model directory once, through `ops::checkpoint::Checkpoint`: once opened, the
+/// checkpoint answers from what it read even after config.json, tokenizer.json and the weights are
+/// removed (so no gate step reads a file a second time, and every step sees the same bytes); the
+/// stop tokens come from generation_config.json when present, else from config.json as it was read.
+#[test]
+fn a_checkpoint_is_read_once_and_gives_every_gate_the_same_stop_tokens() {
+    use metainfer::ops::checkpoint::Checkpoint;
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let dir = t.path().join("baby");
+    babyllama_without_weights(&dir);
+    std::fs::copy(crate::babyllama().join("model.safetensors"), dir.join("model.safetensors")).unwrap();
+
+    // No generation_config.json: config.json's eos_token_id (2), read with config.json.
+    let ck = Checkpoint::open(&ctx, &s(&dir)).unwrap();
+    assert_eq!((ck.generation.eos_token_ids.clone(), ck.generation.source.as_str()), (vec![2], "config.json"));
+    let tok = ck.tokenizer().unwrap();
+    assert_eq!(tok.get_vocab_size(true), 105);
+    for f in ["config.json", "tokenizer.json", "model.safetensors"] {
+        std::fs::remove_file(dir.join(f)).unwrap();
+    }
+    // The tokenizer's route comes from the same bytes; the weights from the index read at open
+    // are refused now that the file is gone (weights are read once, when the reference is built).
+    let (contract, _) = ck.tokenizer_route(&ctx.ckb).unwrap();
+    assert_eq!(contract, "component.tokenizer");
+    assert_eq!(ck.cfg.vocab, 105);
+    assert!(ck.tensors(&ctx.ckb, "f32").is_err());
+
+    // generation_config.json wins over config.json for every gate.
+    babyllama_without_weights(&dir);
+    std::fs::copy(crate::babyllama().join("model.safetensors"), dir.join("model.safetensors")).unwrap();
+    std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": [2, 3], "bos_token_id": 1}"#).unwrap();
+    let ck = Checkpoint::open(&ctx, &s(&dir)).unwrap();
+    assert_eq!(ck.generation.eos_token_ids, vec![2, 3]);
+    assert_eq!(ck.generation.source, "generation_config.json");
+    let tensors = ck.tensors(&ctx.ckb, "f32").unwrap();
+    assert_eq!(tensors["model.embed_tokens.weight"].0, vec![105, 128]);
+}

@@ -1,0 +1,92 @@
+//! The load test of serve_engine: one concurrency level of streaming clients, its throughput and
+//! its nearest-rank TTFT and ITL percentiles, and the machine's load average.
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Instant;
+
+use rand::Rng;
+use rand_chacha::ChaCha8Rng;
+use serde_json::json;
+
+use super::client::Client;
+use super::{Expected, LoadLevel};
+
+/// Nearest-rank percentile `p` (0..=100) of `xs`, 0 when empty.
+pub(super) fn percentile(xs: &mut [f64], p: f64) -> f64 {
+    if xs.is_empty() {
+        return 0.0;
+    }
+    xs.sort_by(f64::total_cmp);
+    let rank = ((p / 100.0) * xs.len() as f64).ceil().max(1.0) as usize;
+    xs[rank.min(xs.len()) - 1]
+}
+
+/// The 1-minute load average from /proc/loadavg; -1 when unreadable.
+pub(super) fn load_average() -> f64 {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|x| x.parse().ok()))
+        .unwrap_or(-1.0)
+}
+
+/// One load-test request as its client saw it: completion tokens, whether the text equals the
+/// reference's, its TTFT (one entry) and its inter-token gaps, milliseconds.
+type Sent = (usize, bool, Vec<f64>, Vec<f64>);
+
+/// One concurrency level: `c` clients send `n` streaming greedy requests drawn from `pool`.
+pub(super) fn load_level(client: &Client, pool: &[Expected], c: usize, n: usize, rng: &mut ChaCha8Rng) -> LoadLevel {
+    let picks: Vec<usize> = (0..n).map(|_| rng.random_range(0..pool.len())).collect();
+    let next = AtomicUsize::new(0);
+    let results: Mutex<Vec<std::result::Result<Sent, String>>> = Mutex::new(Vec::new());
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        for _ in 0..c {
+            s.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, Ordering::SeqCst);
+                    if i >= n {
+                        break;
+                    }
+                    let e = &pool[picks[i]];
+                    let body =
+                        json!({"prompt": e.prompt, "max_tokens": e.max_tokens, "temperature": 0, "stream": true});
+                    let r = client.stream(&body).and_then(|st| {
+                        if !st.done {
+                            return Err("the event stream ended without [DONE]".to_string());
+                        }
+                        let times: Vec<f64> = st.pieces.iter().map(|(t, _)| t.as_secs_f64() * 1e3).collect();
+                        let ttft = times.first().copied().into_iter().collect();
+                        let itl = times.windows(2).map(|w| w[1] - w[0]).collect();
+                        Ok((st.completion_tokens, st.text() == e.text, ttft, itl))
+                    });
+                    results.lock().unwrap_or_else(|p| p.into_inner()).push(r);
+                }
+            });
+        }
+    });
+    let seconds = start.elapsed().as_secs_f64();
+    let results = results.into_inner().unwrap_or_else(|p| p.into_inner());
+    let mut level = LoadLevel { concurrency: c, requests: n, seconds, ..Default::default() };
+    let (mut ttft, mut itl) = (Vec::new(), Vec::new());
+    for r in results {
+        match r {
+            Ok((tokens, same, t, i)) => {
+                level.completed += 1;
+                level.output_tokens += tokens;
+                level.greedy_mismatches += usize::from(!same);
+                ttft.extend(t);
+                itl.extend(i);
+            }
+            Err(e) if level.errors.len() < 4 => level.errors.push(e),
+            Err(_) => {}
+        }
+    }
+    level.output_tokens_per_s = level.output_tokens as f64 / seconds.max(1e-9);
+    level.requests_per_s = level.completed as f64 / seconds.max(1e-9);
+    level.ttft_ms_p50 = percentile(&mut ttft, 50.0);
+    level.ttft_ms_p99 = percentile(&mut ttft, 99.0);
+    level.itl_ms_p50 = percentile(&mut itl, 50.0);
+    level.itl_ms_p99 = percentile(&mut itl, 99.0);
+    level
+}
