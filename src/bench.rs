@@ -6,7 +6,10 @@
 //! Candle runs only when the binary was built with the `candle-oracle` feature, in a child process
 //! of this binary (`metainfer bench-peer`), so each thread count gets its own process and pool.
 //! Every figure is a median over the repetitions, with min and max; ratios are between medians
-//! measured in the same run.
+//! measured in the same run. It calls ops and harness like any client.
+//!
+//! `metainfer bench-reference` ([`reference()`]): the f64 reference's peak memory and seconds per
+//! token on one checkpoint (e.g. `synth --preset llama3.2-1b`), in a process of its own.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;

@@ -9,6 +9,19 @@
 //! or a socket is refused by name, a file over its kind's size limit is refused with the limit, and
 //! the open never blocks. Errors name the file by its path under the handle's directory and never
 //! quote the contents of anything outside it. Depends on `util` and `error` only.
+//!
+//! [`Files`] is what the model readers and a bundle's model copy read through: a plain path
+//! (nothing confined), a [`HeldDir`] (a model directory held by its handle; a file that is a symlink
+//! is opened beneath the root the directory was resolved in, so a Hugging Face cache's links into
+//! `blobs/` work and nothing outside the root is read; its [`Grant`] gives a sandbox the held
+//! directory and the files its links lead to, as `/proc/self/fd/N` of handles it keeps open), or a
+//! [`Dir`] (a bundle read back). New files and directories made through a `Dir` are `O_EXCL` (a
+//! symlink planted in their place is an error, never written through), directories 0700.
+//!
+//! cap-std rather than openat2 through rustix or libc: it is the maintained capability-style API
+//! (Bytecode Alliance, used by wasmtime), brings no crate not already built but its own small ones
+//! (cap-primitives, io-lifetimes, ...; rustix was already a dependency), and falls back to a checked
+//! component-by-component walk where openat2 is missing, which our own code would have to write.
 
 use std::io;
 use std::path::{Path, PathBuf};

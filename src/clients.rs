@@ -12,6 +12,9 @@
 //! servers without the shell's environment and cuts tool calls at its `tool_timeout_sec`, so its
 //! entry names the variables cargo needs (`env_vars`, and `env` with this machine's RUSTUP_HOME and
 //! CARGO_HOME) and a tool timeout above the server's own time limit.
+//!
+//! The entry's command is the registering binary's canonical absolute path, its arguments every
+//! server option given (`ServerOptions`). Entries are read back for `doctor`.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

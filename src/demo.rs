@@ -1,6 +1,13 @@
 //! `metainfer demo`: start `metainfer serve` as a child process and drive it through a real MCP client
 //! (rmcp over stdio), playing the agent: plan, lookup, scaffold, write the code (the example engine),
 //! compile, kernel tests, verify, profile, then read the ledger.
+//!
+//! The server is started as `harness::server_command` starts it (no `METAINFER_*` variable reaches
+//! it) with every global option, the build cache also taken from `$METAINFER_CACHE` ([`cache_of`]);
+//! its ledger is the demo's own, in the demo's workspace, unless `--ledger` or `$METAINFER_LEDGER`
+//! names one. The model is `--model`, `$METAINFER_MODEL` or the embedded BabyLlama-105 written into
+//! the workspace ([`choose_model`], `model::embedded`), never a path found relative to the current
+//! directory.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;

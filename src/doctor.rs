@@ -3,6 +3,12 @@
 //! workspace and model directories exist and are readable, cargo is found with the environment
 //! the client passes the server, and the server, started exactly as the client starts it, answers
 //! MCP with its tools. Each failed check says what to do.
+//!
+//! In order: the client's entry, read back from its config file (`clients`); for Claude Code, the
+//! project's approval of the server; the binary (`--version`); the workspace and model directories;
+//! cargo in the environment the client passes; and the server started as the client starts it
+//! (`harness::client_command`, an rmcp client listing its tools). Every finding is a check with its
+//! fix, not an error.
 
 use std::path::{Path, PathBuf};
 

@@ -1,4 +1,5 @@
 //! The server's own errors: bad requests and faults. A failed gate is not an error; it is a report.
+//! An [`Error`] is a kind ([`ErrorKind`]: usage, input, internal) and a message saying what to fix.
 
 use std::fmt;
 

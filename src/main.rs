@@ -1,6 +1,7 @@
 //! The metainfer CLI: parse the command line, set up logging and pipes, run, map the result to an
-//! exit status (0 the check passed, 1 it ran and failed, 2 bad usage or input). Everything else is
-//! in `cli` (arguments and their mapping to library calls) and in the library.
+//! exit status (0 the check passed, 1 it ran and failed, 2 bad usage or input). Every command but
+//! `serve` and `demo` restores SIGPIPE's default, so a closed pipe ends a filter quietly. Everything
+//! else is in `cli` (arguments and their mapping to library calls) and in the library.
 
 mod cli;
 

@@ -1,7 +1,10 @@
 //! The engine manifest: an engine crate's `metainfer.toml` (written by scaffold), parsed once, typed,
 //! by the code that resolves an engine (`harness::Workshop::engine`). It states the constraints the
 //! engine was built for: model family, target platform, weight dtype, reference level, and the Cargo
-//! features that build it for other weight dtypes.
+//! features that build it for other weight dtypes. An optional `[serving]` table ([`Serving`]:
+//! max_seqs, max_context, block_size, kv_blocks, max_batch_tokens, sampling) adds the serving
+//! kernels and components to the engine's target (`ops::Ctx::target`) and the batching and serving
+//! phases to its plan.
 //!
 //! A malformed or ill-typed manifest is an error naming the file, the key and what to write instead;
 //! nothing is silently replaced by a default. An absent manifest means every default (a crate made by

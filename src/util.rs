@@ -4,6 +4,10 @@
 //! files (every input file the server parses: a FIFO, a device or a socket is refused by name before it
 //! is opened, and a file over its kind's size limit is refused with the limit and what to do). Depends
 //! on nothing else in the crate but `error`.
+//!
+//! A seed is read as a string or a number ([`de_seed`]). Each kind of input has its [`Limit`]
+//! (config.json, tokenizer.json, safetensors files, metainfer.toml, contract files, harness replies,
+//! ledger exports, ...).
 
 use std::io::Read;
 use std::path::Path;

@@ -2,6 +2,37 @@
 //! [`GraphNode`]): parameter expressions over config roles, the lint that refuses a malformed graph
 //! with the node named (unknown op, undefined input, unbound weight, shape mismatch), and the
 //! readable rendering that `lookup_contract` and plans show.
+//!
+//! What a family computes is its contract's graph, the single source of it: named nodes in order,
+//! in a prologue (once), a layer (repeated n_layers times, `{i}` in weight names bound to the layer)
+//! and an epilogue whose last node is the logits. Each node is an op of `GRAPH_OPS` (a kernel of the
+//! registry: embedding, rms_norm, layer_norm, linear, rope, rotary, attention, silu_and_mul,
+//! gelu_tanh_and_mul, gelu_tanh, moe_route, moe_experts; or an elementwise primitive: add, scale,
+//! softcap, clamp) with its inputs (earlier nodes, `token`, `stream` = the residual stream entering
+//! the block), weight bindings (names of `[[model.weights]]`, a row block of a fused tensor through
+//! `row_offset`/`rows`, `tied` for the tied output head, a `bias` on any linear or layer_norm, `{e}`
+//! for the expert index in a `moe_experts` node's weights, whose tensors the reference stacks by
+//! expert) and parameters: expressions ([`super::expr`]) over config roles typed as config.json
+//! types them (the fixed ones of `ResolvedConfig`, any other numeric role the family's
+//! `[[model.config]]` declares, `ResolvedConfig::extra`; typed roles, `type = "list" | "object" |
+//! "string" | "boolean"`, and `per_layer` lists, `ResolvedConfig::values`) and `layer`, the layer
+//! index. So `if(layer_types[layer] == 'sliding_attention', sliding_window, 0)` windows Gemma 3's
+//! local layers and `rope_parameters[layer_types[layer]].rope_theta` gives each its RoPE base. A new
+//! mechanism enters the same way: a registry kernel and a `GRAPH_OPS` entry, its parameters as
+//! expressions.
+//!
+//! Plan (`model::resolve`) evaluates every parameter at every layer of the real config and checks
+//! each op's conditions ([`check_params`]: an even rotary_dim within the head, a positive base, ...):
+//! a list shorter than the layers, a layer type the graph does not name (a list's `supported`
+//! values), a division by zero, an index past a list are gaps naming the node and layer. Lint
+//! ([`lint_graph`]) refuses an unknown op (naming the kernel contract that would add it), a kernel op
+//! whose kernel `[model] kernels` does not list, an undefined input, an unbound weight or a shape
+//! mismatch (checked at a sample config of distinct sizes), with the node named. lookup_contract
+//! renders the graph a node a line ([`render_graph`]), and scaffold writes the same rendering as a
+//! comment beside the family's `model` skeleton. The `features` of the closed set `FAMILY_FEATURES`
+//! (lint refuses others) remain the routing and synth summary of the graph: `model::resolve` and plan
+//! read them. The reference interprets the graph (`oracle::graph`); synth writes a family's
+//! checkpoint from its weight bindings (`ops::synth`).
 
 use std::collections::BTreeMap;
 

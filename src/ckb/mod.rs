@@ -1,6 +1,19 @@
 //! The contract knowledge base: typed contracts, loading, schema validation, lint and search.
 //!
-//! Knows nothing of MCP, processes or the ledger.
+//! The modules: `types` (the contract types; the JSON Schema every file is validated against is
+//! generated from them with schemars and checked with jsonschema), `family` (the model-family and
+//! forward-pass graph types, re-exported here), [`graph`] (the graph's lint, op conditions and
+//! rendering), [`expr`] (the graph's expression language), `lint` (the consistency rules the schema
+//! cannot express, one function per rule), and [`embedded`] (the shipped files).
+//!
+//! The shipped knowledge lives outside `src/`: `contracts/` (one TOML file per contract, grouped by
+//! kind: kernels, components, models, platforms, failures, policies), with `skills/`, `prompts/` and
+//! the two CPU example engines' sources embedded by build.rs, so `metainfer serve` works from any
+//! directory. `--ckb DIR` loads a working copy instead; proposals and evolution candidates are
+//! staged in its `candidates/` (or beside the ledger for the built-in CKB) and enter the CKB only by
+//! promotion (new model families and platforms route provisionally before that: `ops::evolve`).
+//!
+//! Knows nothing of MCP, processes, models, the oracle or the ledger (tidy).
 
 pub mod expr;
 mod family;

@@ -1,6 +1,7 @@
 //! The command line: argument types only (clap derive). Kept in the binary so that no library type
 //! depends on clap; values such as clients, reference levels and toolsets are parsed here into the
-//! library's own types.
+//! library's own types. Global options stand under their own help heading, and nearly every
+//! command's help ends with examples (a command with subcommands shows theirs).
 
 use std::path::PathBuf;
 

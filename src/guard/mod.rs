@@ -6,7 +6,13 @@
 //! `mod`) whatever its name; one too large to read ([`MAX_FILE_BYTES`]) is the blocking finding
 //! `file-too-large`, one that cannot be read as UTF-8 `file-unreadable`.
 //!
-//! Knows nothing of MCP and starts no process (the dependency graph comes from `harness`).
+//! The rules, one module each: `dependencies` (no inference framework in the dependency graph),
+//! `containment` (paths, includes, symlinks, build scripts), `signatures` (the contracts' locked
+//! signatures), `hardcoded` (answers carried instead of computed), `provenance` (winnowing
+//! fingerprints of registered reference trees).
+//!
+//! Knows nothing of MCP and starts no process (the dependency graph comes from `harness`); tidy
+//! holds it to naming no module that reads anything else (ledger, models, options, operations).
 
 pub mod containment;
 pub mod dependencies;

@@ -20,9 +20,39 @@
 //! *.out.safetensors, generate.safetensors ... outputs named in the requests
 //! ```
 //!
-//! A bundle is written into a staging directory beside its destination and renamed into place, so
-//! a failure leaves no half-written bundle. Running one is not sandboxed by the server: it runs
-//! wherever the user starts it (see README, Security).
+//! Writing (`write_bundle` on a gate call): the gate runs up to the harness call (rules, harness
+//! build, inputs drawn from the seed), then writes the harness executable, the commands as
+//! `request.<i>.json` and the inputs into a directory staged beside the destination and renames it
+//! into place, all through the handle of the directory the destination was resolved beneath
+//! (`ops::gate::Staging`, every file in it a new file), so a failure leaves no half-written bundle. A
+//! model of at most [`MAX_COPIED_MODEL`] bytes is copied in; a larger one is named by hash for
+//! `bundle run --model DIR`. A gate sends all its commands in one exchange, so a bundle holds every
+//! request. Nothing is judged or recorded.
+//!
+//! Running ([`run`], `metainfer bundle run DIR` on the device machine): the harness and inputs are
+//! checked against the manifest, the requests run in order (stopping at a failed one), and each
+//! leaves `reply.<i>.json` and `run.<i>.json` beside the outputs. Running one is not sandboxed by the
+//! server: it runs wherever the user starts it (see README, Security).
+//!
+//! Reading back (`from_bundle` on the same gate call): the gate runs again here on the same sources
+//! (the source hash must match), draws the same inputs from the manifest's seed and refuses a bundle
+//! that does not hold exactly them and the same requests and model, or that holds a symbolic link;
+//! a bundle is read through its directory's handle, each file bounded and regular. The replies
+//! ([`called`]) and outputs are then judged like a direct run's, the outcome is recorded with the
+//! bundle's path, and a pass promotes.
+//!
+//! What a bundle verdict proves: every output file's name carries the bundle's nonce (drawn when it
+//! was written; `ops::gate::Harness::output`), so outputs copied from another bundle are not found;
+//! and a verdict is evidence (phase order, promotion) only when a runner the ledger trusts signed the
+//! run and every file read back is the one signed ([`super::attest`]). Otherwise it is recorded with
+//! `attestation: "unattested: <why>"`, shown in the report and counted, and `Ledger::passed_on` and
+//! promotion skip it (`ledger::unattested`): whoever can write a bundle directory can write its
+//! replies.
+//!
+//! Where the rest lives: [`super::attest`] (runner key pairs, signatures, trusted runners),
+//! `ops::bundle` (the `bundle run` report), `ops::gate` (`Mode`, `Gate::split`, `Gate::exchange`,
+//! `Gate::input`) and its `transport` module (the scratch directory, writing a bundle, checking one
+//! read back).
 
 use std::collections::BTreeMap;
 use std::path::Path;

@@ -7,6 +7,15 @@
 //! when the child ends, when the server asks it to, or when the server dies. Every live child is
 //! in a registry, so that a signal to the server ends them all ([`shutdown`]); agent-written code
 //! runs only in the sandbox ([`sandbox`]).
+//!
+//! The modules: `builds` (cargo as the server runs it, duct, dependencies fetched outside the
+//! sandbox, the engine's dependency graph through `cargo metadata`), `diagnostics` (cargo's JSON
+//! messages), `snapshot` (the engine's files read through its directory handle, hashed and copied
+//! where every build reads them), `templating` (the harness crate, see there), [`protocol`],
+//! `processes` (time limits, cancellation, bounded output, the registry of live process groups that
+//! a signal ends, engine servers), [`sandbox`] (Landlock, seccomp, capabilities, environment, the
+//! reaper), [`bundle`] and [`attest`] (a gate's harness call run on another machine, and what its
+//! verdict proves), `explain` (what a child left behind, in the user's terms).
 
 pub mod attest;
 pub mod bundle;

@@ -6,7 +6,11 @@
 //!
 //! The harness is run as `harness <request.json>`; it reads a [`Request`], runs the engine, writes
 //! bulk tensors as safetensors files named in the request, and writes its [`Reply`] as JSON to
-//! `Request::reply` (never stdout, which the engine may print to).
+//! `Request::reply` (never stdout, which the engine may print to). A request carries one
+//! [`Command`]: `kernel`, `generate`, `tokenize`, `profile`, `trace`, `time`, and for serving engines
+//! `block_manager`, `scheduler` and `batch` (compiled into the harness only for them, see
+//! `harness::templating`). A reply that does not parse, or of another variant than the command's,
+//! is reported in the gate's report.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

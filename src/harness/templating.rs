@@ -1,5 +1,18 @@
 //! Templating of the harness crate: the embedded template and protocol, the kernel arms and
 //! optional items spliced into it, and the crate written and built per engine and feature set.
+//!
+//! The template (`template/main.rs`) is the harness's `main`: it reads one request, runs its command
+//! and writes the reply ([`super::protocol`]); the protocol file is copied in verbatim. Spliced in per
+//! engine: the kernel registry's arms for the kernels of the engine's plan (plus kernels asked for by
+//! name) at the `// @arms test` and `// @arms timed` lines ([`TEST_ARMS`], [`TIMED_ARMS`]; the template
+//! has no kernel arm of its own); the blocks `// @item <name>` ... `// @end` of the optional engine
+//! items the engine defines ([`HarnessSpec::items`]); and, only when the engine's manifest has a
+//! `[serving]` table ([`HarnessSpec::serving`]), the serving commands of `template/serving.rs` (block
+//! manager, scheduler, batched step) at `// @serving mod` and `// @serving commands`, so a batch-1
+//! library never has to export a block manager or a batched step. The crate's `device` module is
+//! `template/device_cuda.rs` for a platform with `api = "cuda"` (device probe, NaN-filled device
+//! outputs, CUDA-event timers, on-device decoding; without a CUDA device the harness replies `NoDevice`
+//! and runs nothing) and `template/device_host.rs` otherwise (wall clocks, the host decode loop).
 
 use std::path::PathBuf;
 

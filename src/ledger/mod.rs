@@ -9,6 +9,11 @@
 //! sandboxed processes that run engine code). Phase order ([`Ledger::passed_on`]) and promotion
 //! count only authenticated rows: a row inserted by anything else, altered after the fact, or
 //! imported (`ledger import`) is listed and reported, but is not evidence.
+//!
+//! Besides the outcomes (status passed, failed or cancelled; typed figures per tool, [`figures`];
+//! JSONL export and import, imported rows marked; filtered keyset pages), it holds the reference
+//! fingerprints of the provenance rule, the machine probes by machine, and the trusted bundle
+//! runners.
 
 pub mod figures;
 

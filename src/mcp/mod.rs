@@ -1,5 +1,15 @@
-//! The MCP server (rmcp, stdio). The only module that knows rmcp: it turns requests into ops calls
-//! and reports into tool results (text content + structuredContent matching outputSchema).
+//! The MCP server (rmcp, stdio). The only module that knows rmcp's server side (`demo` and `doctor`
+//! use its client): it turns requests into ops calls and reports into tool results (text content +
+//! structuredContent matching outputSchema).
+//!
+//! One tool per skill (`tools`: titles, truthful annotations; `--read-only` and `--toolsets` narrow
+//! the router); resources (`ckb://`, `skill://`, and `example://`, the plain example engine's sources
+//! that build.rs embeds as `PLAIN_ENGINE`; `resources/list_changed` after a promotion), prompts,
+//! completion and logging (`handler`); portable schemas (`schema`); the stdio framing in front of
+//! rmcp (`framing`). Here: progress notifications, cancellation (the call's processes killed, its
+//! outcome recorded as `cancelled`), one call at a time per engine, the client's identity (from
+//! initialize or a request's `_meta`), and the client's MCP roots as the workspace when
+//! `--workspace` is not given.
 //!
 //! A failed gate is a normal result (`isError` false, `passed` false in the structured content); a
 //! bad request is a tool error (`isError` true) whose text says what to fix.

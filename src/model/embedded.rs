@@ -2,6 +2,12 @@
 //! `examples/models/babyllama-105`) and the real-vocabulary tokenizer test vectors whose licences
 //! allow shipping them (`examples/tokenizers`), both embedded by build.rs. Writes them out on
 //! demand (the engine's process and HF `tokenizers` read directories); knows nothing of MCP.
+//!
+//! BabyLlama-105 is the only checkpoint in the repository; the demo writes it into its workspace.
+//! The shipped vectors (gpt-2 and phi-3, tokenizer.json gzipped) are written under
+//! `<cache>/tokenizers/<hash>/`. [`VOCABULARIES`] lists every real vocabulary with its contract and
+//! licence, shipped or not, so verify names each one it skipped. build.rs writes them all into
+//! `embedded_data.rs`.
 
 use std::path::{Path, PathBuf};
 

@@ -4,6 +4,12 @@
 //! policy) and tokenizer.json (routed to a tokenizer contract). Knows the CKB's types, nothing of MCP
 //! or processes. Every reader takes a [`Files`]: a plain path, or a [`crate::beneath::HeldDir`] (a
 //! directory a gate confined, read through its handle so a swap after the check redirects nothing).
+//!
+//! The modules: `scaling` (the sliding window and RoPE: `rope_theta` + `rope_scaling`, or
+//! transformers v5's `rope_parameters`), `generation` (generation_config.json: stop ids),
+//! [`weights`], [`tokenizer`] (routing and the real vocabularies' test vectors) and [`embedded`]
+//! (the demo's model and the shipped tokenizer vectors); HF `tokenizers` itself is here
+//! ([`hf_tokenizer`]).
 
 use std::collections::BTreeMap;
 use std::path::Path;

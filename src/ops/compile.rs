@@ -4,7 +4,7 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::gate::{Gate, Tool};
+use super::gate::{Gate, Runs, Spec, Tool, Verdict as GateVerdict};
 use super::{Ctx, Report};
 use crate::error::Result;
 use crate::harness::{self, Budget, Diagnostic, Exit};
@@ -116,8 +116,25 @@ pub fn compile(ctx: &Ctx, req: &CompileRequest, budget: &Budget) -> Result<Compi
     let live = ctx.live();
     let ctx = &*live;
     let mut gate = Gate::open(ctx, Tool::Compile, &req.engine, None, budget)?;
-    if let Err(stop) = gate.rules()? {
-        let report = CompileReport {
+    gate.run(&mut CompileSpec { cursor: req.cursor.unwrap_or(0) })
+}
+
+/// compile_engine as a [`Spec`] that runs here: the engine's own incremental cargo build, whose
+/// failure is the verdict (with its diagnostics), not a stop.
+struct CompileSpec {
+    /// Where the diagnostics page starts.
+    cursor: usize,
+}
+
+impl Spec for CompileSpec {
+    type Report = CompileReport;
+
+    fn runs(&self) -> Runs {
+        Runs::Here
+    }
+
+    fn unjudged(&self, gate: &Gate, why: String) -> CompileReport {
+        CompileReport {
             passed: false,
             engine_hash: gate.engine.hash.clone(),
             errors: 0,
@@ -126,25 +143,32 @@ pub fn compile(ctx: &Ctx, req: &CompileRequest, budget: &Budget) -> Result<Compi
             truncated: 0,
             next_cursor: None,
             seconds: 0.0,
-            cargo_output: stop.text.clone(),
-            rules: stop.findings.clone(),
-            sandboxed: ctx.workshop.sandboxed(),
-        };
-        return Ok(gate.stopped(&stop, report));
+            cargo_output: why,
+            rules: gate.findings.clone(),
+            sandboxed: gate.ctx.workshop.sandboxed(),
+        }
     }
-    let build = ctx.workshop.cargo_build_incremental(&gate.engine.build_dir.join("Cargo.toml"), budget)?;
-    let mut report = report_of(ctx, &gate.engine, build, req.cursor.unwrap_or(0));
-    report.rules = gate.findings.clone();
-    let figures = CompileFigures {
-        gate: gate.common(),
-        errors: report.errors,
-        warnings: report.warnings,
-        seconds: report.seconds,
-        codes: report.diagnostics.iter().filter(|d| d.level == "error").map(|d| d.code.clone()).collect(),
-        hinted: report.diagnostics.iter().filter(|d| !d.contract.is_empty()).map(|d| d.contract.clone()).collect(),
-    };
-    gate.record(&report, Figures::Compile(figures));
-    Ok(report)
+
+    fn judge_here(
+        &mut self,
+        gate: &Gate,
+        _exe: Option<&std::path::Path>,
+        _scratch: &std::path::Path,
+    ) -> Result<GateVerdict<CompileReport>> {
+        let build =
+            gate.ctx.workshop.cargo_build_incremental(&gate.engine.build_dir.join("Cargo.toml"), gate.budget)?;
+        let mut report = report_of(gate.ctx, &gate.engine, build, self.cursor);
+        report.rules = gate.findings.clone();
+        let figures = CompileFigures {
+            gate: gate.common(),
+            errors: report.errors,
+            warnings: report.warnings,
+            seconds: report.seconds,
+            codes: report.diagnostics.iter().filter(|d| d.level == "error").map(|d| d.code.clone()).collect(),
+            hinted: report.diagnostics.iter().filter(|d| !d.contract.is_empty()).map(|d| d.contract.clone()).collect(),
+        };
+        Ok(GateVerdict { report, figures: Figures::Compile(figures) })
+    }
 }
 
 /// Turn a cargo build into a report (also used for the harness build inside the other gates).

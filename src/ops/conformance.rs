@@ -14,6 +14,12 @@
 //! the evidence that counts (`evolve::evidence_gates`): numbers from an implementation its authors
 //! wrote, not an engine written to the same contract. A staged family whose check passes is
 //! promoted into the CKB working copy; one that fails stays provisional.
+//!
+//! The shipped folders are checkpoints transformers wrote (config.json as transformers writes it,
+//! the logits its f32 computation gives; the reference computes in f64, and each family's contract
+//! states the reasoning of its bound). The test
+//! `conformance::every_conformance_folder_is_checked_and_the_covered_families_equal_transformers`
+//! runs the check on every folder.
 
 use std::path::Path;
 

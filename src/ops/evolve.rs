@@ -1,15 +1,40 @@
 //! Knowledge-base evolution from the ledger, and contract proposals.
 //!
 //! - evolve_knowledge: clusters recurring failures that no failure mode explains (same gate, same
-//!   contract, same error shape; compile errors by error code and the contract hinted) and stages a
-//!   schema-valid candidate failure-mode contract per cluster, with the outcome ids as evidence.
-//! - propose_contract: validates a new or amended contract (schema + lint, against the CKB) and
-//!   stages it; nothing is staged when it fails.
+//!   contract, same error shape; compile errors by error code and the contract hinted; a diverging
+//!   verify by the graph node it first diverges at) and stages a schema-valid candidate failure-mode
+//!   contract per cluster, with the outcome ids as evidence.
+//! - propose_contract ([`propose`]): validates a new or amended contract (schema + lint, against the
+//!   CKB) and, for a model family with a graph, dry-runs its reference on a small checkpoint written
+//!   from the proposal (six steps, every logit finite; a failure is a finding at `/model/graph`);
+//!   then stages it. Refused: findings, nothing staged.
 //! - promote: moves a staged contract into the CKB working copy when the ledger holds evidence (for
 //!   a model family, a passing `ckb conformance` of exactly its text; for the others, a passing gate
 //!   outcome that ran under it) or when a person forces it.
 //!
-//! Nothing enters the CKB without promotion: candidates live in `Ctx::candidates_dir`.
+//! Nothing enters the CKB without promotion: candidates live in `Ctx::candidates_dir`
+//! (`<ckb>/candidates` for a working copy, else beside the ledger).
+//!
+//! Provisional routing: `Ctx::live` (what every plan, scaffold, gate and synth uses) re-reads the
+//! working copy when its files changed (by fingerprint) and adds the staged candidates that are new
+//! model or platform contracts and valid with it, marked provisional (`Ckb::with_candidates`).
+//! Routing prefers established contracts; plan lists the provisional ones and is not `covered` by
+//! them; a gate run under one records it as `id@version`, like any contract. Amendments and other
+//! kinds never route before promotion.
+//!
+//! Promotion on evidence ([`promote_on_evidence`], after every passing gate, then [`promote`]: the
+//! contract written into the working copy, its candidate removed; with the built-in CKB nothing can
+//! be written, and the report's `promotions` say so). The evidence ([`evidence_gates`]): for a
+//! platform, a passing verify_generation or a verified profile_engine; for a model family only a
+//! passing `ckb_conformance` outcome (`ops::conformance`) of exactly the staged text (its sha256
+//! recorded; another proposal at the same version does not inherit it), held at most as loosely as
+//! the shipped families (`conformance::STAGED_BOUND`, whatever bound the proposal states), because an
+//! engine written to the same contract agrees with its reference by construction (test
+//! `evolution::an_engine_agreeing_with_a_wrong_family_is_no_evidence_the_vectors_decide`); a passing
+//! verify or profile under a staged family says it is not evidence. `ckb promote ID` without
+//! `--force` accepts exactly the evidence a gate would. Under a staged family, verify's diagnoses
+//! name where engine and contract part and give no fix (the contract may be what is wrong; same
+//! test).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -4,6 +4,21 @@
 //! Defences against an engine that games the test: sizes and values are drawn anew on every run
 //! (the seed is reported for replay), output buffers are pre-filled with NaN by the harness, and the
 //! expected values are computed only after the engine's process has exited.
+//!
+//! One call through the gate run loop (`ops::gate`, spec `KernelSpec`):
+//!
+//! ```text
+//! Gate::open                            engine, manifest, target (kernels + their registry arms)
+//! rules (cargo metadata + guard)        a blocking finding: stop, recorded
+//! build (cargo build --release)         the harness binary in the shared incremental target
+//!                                       directory (`target-incremental`; profile_engine measures an
+//!                                       optimised build in `target`)
+//! kernels::draw per contract test case  seeded; each Case's inputs as safetensors in the scratch dir
+//! Command::Kernel                       the engine's outputs as safetensors; Reply::Kernel
+//! Kernel::oracle + oracle::judge        at the contract's tolerance, after the process exited
+//! oracle::diagnose::kernel              the kernel's mutants: failure-mode ids, when one explains it
+//! record (Figures::KernelTest)          the ledger outcome
+//! ```
 
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;

@@ -1,11 +1,25 @@
 //! Where an engine's forward pass first leaves the reference: the engine's traced forward
 //! (`Model::forward_traced`, harness command `trace`) against the reference's trace
-//! ([`crate::oracle::Reference::step_traced`]) on the same tokens, point by point in the graph's
-//! order. verify_generation runs it on the first failing step of the first failing prompt.
+//! ([`crate::oracle::llama::Reference::step_traced`]) on the same tokens, point by point in the
+//! graph's order. verify_generation runs it on the first failing step of the first failing prompt.
 //!
-//! The points are the family graph's node names (`embed`, `layers.<i>.<node>`, `logits`); an
-//! engine reports those it computes, and at least the graph's `trace_required` ones. The trace is
-//! the engine's own account of its activations: it localises, it never passes or fails the gate.
+//! The points are the family graph's node names (`embed`, `layers.<i>.<node>`, `logits`): a family's
+//! `[model.graph]` names every activation of one token's forward pass, and its `trace_required` lists
+//! those every engine must report (the residual stream after each block, and the logits). The family
+//! contracts' `rust.skeleton` gives the engine `Model::forward_traced(token, pos, trace)`, which calls
+//! `trace(layer, node, values)` at each point it computes, in order; it is `optional` (engines
+//! scaffolded before it keep building, and the gates say what they cannot do without it), and the
+//! harness keeps its blocks under `// @item forward_traced`. The trace is the engine's own account of
+//! its activations: it localises and attributes time (profile_engine), it never passes or fails a
+//! gate.
+//!
+//! In verify_generation (`ops::verify`'s `traced` module): on a failing step, a second harness call
+//! sends `trace` with the engine's own ids and tokens up to that step (the last one traced), the
+//! reference steps over the same tokens, and [`compare_traces`] names the first point in graph order
+//! beyond the logit tolerance (the report's `localisation`; the node is recorded as
+//! `VerifyFigures::point`, which evolve_knowledge clusters by). A traced forward that agrees
+//! everywhere says where the mismatch is instead (prefill's own path, the cache prefill left, the
+//! tokenizer). A call judging a bundle does not localise (a bundle holds no `trace` request).
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};

@@ -1,7 +1,20 @@
 //! One module per skill. Plain functions over typed requests returning typed reports; the MCP server
 //! and the CLI both call these. A failed gate is a report with `passed = false`, never an `Err`.
 //!
-//! Depends on ckb, model, oracle, harness and ledger; knows nothing of MCP.
+//! Depends on ckb, manifest, model, oracle, guard, harness, ledger, probe, beneath, stats and util;
+//! knows nothing of MCP (tidy). Here: [`Ctx`] (the context every operation runs in: the CKB, the
+//! workshop, the ledger, the confinement of paths), [`Target`] and [`Report`], the shared types.
+//!
+//! The skills: plan (plan_engine), lookup (lookup_contract), scaffold (scaffold_engine), compile
+//! (compile_engine), kernel_test (run_kernel_test), verify (verify_generation), profile
+//! (profile_engine), batching (verify_batching), serve (serve_engine), rules (check_rules), outcomes
+//! (list_outcomes), report (ckb_report), machine (probe_machine), evolve (evolve_knowledge,
+//! propose_contract, and promotion: `ckb promote`, and after a passing gate), and for the CLI ckb_check
+//! (`ckb check`), conformance (`ckb conformance`), reference (`reference add|list`), bundle
+//! (`bundle run`) and synth (random-weight checkpoints). Shared by them (tidy's `SHARED`): gate (the
+//! gate run loop), checkpoint (a model directory read once per gate), page (lists cut to the output
+//! bound, with keyset cursors) and preconditions (what config.json may contradict in a family's graph);
+//! localise serves verify. Each module's doc says the rest.
 
 pub mod batching;
 pub mod bundle;

@@ -1,6 +1,6 @@
 //! check_rules: the zero-reference and anti-fake rules on an engine (see `guard`). Also run before
-//! compile_engine, run_kernel_test, verify_generation and profile_engine: a blocking finding stops
-//! the gate, and the outcome is recorded.
+//! every gate (`ops::gate`; [`precheck`]: `cargo metadata` for the dependency graph, then the
+//! rules): a blocking finding stops the gate, and the outcome is recorded.
 
 use std::path::Path;
 use std::time::Instant;

@@ -1,5 +1,9 @@
 //! scaffold_engine: write a compilable engine crate for the constraints, with the public signatures
-//! the gates call (from the contracts' `rust` sections), their docs, and `todo!()` bodies.
+//! the gates call (from the contracts' `rust` sections), their docs, and `todo!()` bodies. A serving
+//! engine (its plan has component.openai_server) also gets its binary, from `template/engine_main.rs`:
+//! the flag parsing done (`--help`, unknown flags refused by name, the served model and address
+//! printed), `generate` and `serve` left to the agent; serve_engine's `help` check holds engines to
+//! the same. The family's graph is written, rendered, as a comment beside its `model` skeleton.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -5,7 +5,15 @@
 //! The kernel registry ([`kernels`]) holds each kernel's drawing, faulted core, cost and harness
 //! arms; the plain functions below are what the reference forward pass reads like.
 //!
-//! Depends on `model` (resolved config and tensors) and `ckb` (test case types) only.
+//! The modules: [`kernels`] (the registry), [`compare`](mod@compare) (the one comparator: a [`Verdict`]
+//! with max abs/rel error, worst index, pass), [`diagnose`] (failure modes from mutants, for kernel
+//! tests and generation), [`mutants`] (mutant names; model-level mutations), [`llama`] (the reference
+//! forward pass, [`llama::Reference`]), [`graph`] (the reference as an interpreter of a family's graph,
+//! with per-node traces), [`families`] (GeGLU, scaled RoPE, biases), [`moe`] (top-k routing and
+//! weighted SwiGLU experts, written plainly), [`dtypes`] (exact widening of bf16/f16/int8 and the
+//! load-time rounding an engine applies).
+//!
+//! Depends on `model` (resolved config and tensors), `ckb` (test case types), `util` and `error` only.
 
 pub mod compare;
 pub mod diagnose;

@@ -6,6 +6,22 @@
 //! [`Mutation::KvPositionOffByOne`], which only exists at this level. Mistakes that are not one
 //! kernel's fault (a node skipped or moved, a weight bound wrong) are graph rewrites carried by
 //! their failure contracts ([`crate::ckb::GraphRewrite`]).
+//!
+//! A mutation is a kernel's fault applied wherever the forward pass calls that kernel (plus the KV
+//! row written one off). A graph rewrite changes the family's graph as data, in the graph reference
+//! (`oracle::graph`, `set_rewrite`): `skip` (a node's output is its input), `set` (a node parameter,
+//! e.g. `attn.window`, `q_rope.scaling`, `attn.kv_row`), `swap` (two chained one-input nodes in the
+//! other order: q/k norm after RoPE), `weights` and `op_weights` (a binding as a mistaken loader
+//! makes it: `drop` a bias, round a tensor to `bf16`/`f16`, take a `one_plus_w` gain `raw`, bind the
+//! `tied` embedding as the output projection). Weight rewrites derive new tensors after the graph's
+//! own in the interpreter's store; restoring the graph truncates them. A rewrite that names a node
+//! the graph lacks, or that changes no weight at this config (a `tied` rewrite of a tied
+//! checkpoint), does not apply and is not tried.
+//!
+//! Every failure mode a family lists has a mutant and is named from that mutant's own logits in a
+//! test (`contract_families::every_failure_mode_a_family_lists_is_named_from_its_own_logits`), except
+//! where its detection is another gate's (weight loading) or the logits tolerance cannot see it
+//! (GeGLU's exact erf: the kernel test names that one).
 
 /// Whether a mutant of this name exists: a kernel mutant of the registry or a model-level mutation.
 pub fn mutant_exists(name: &str) -> bool {

@@ -1,5 +1,21 @@
 //! Integration tests: one binary, one module per area. Real data comes from ../shared (models and
 //! golden output); builds share one cache under cargo's test tmp dir so dependencies compile once.
+//!
+//! The example engines under test: the plain and SIMD engines' own unit tests run in
+//! `engine_units` (the plain one's: each kernel against hand-worked values; tokenizer, stop tokens
+//! and greedy decoding against BabyLlama's golden output; every family's logits and greedy tokens
+//! against transformers' on the conformance checkpoints, `$CONFORMANCE_DIR`; the SIMD one's: matrix
+//! products against an f64 reference at every thread count, kernels, quantisation), which also shows
+//! them failing on a broken kernel. Gates and rules run on the plain and the SIMD engine with one
+//! body each (`engine_tests!`); the fault battery (`faults`) and verify on every family (`families`,
+//! `contract_families`) use the plain engine, the evolution scenarios both; every weight dtype
+//! (`dtypes`), the demo and serving (`serving`: verify_batching, faulted schedulers, the serving
+//! kernels' diagnosis) the SIMD engine; `cuda` checks that the CUDA engine builds here, keeps its
+//! contracts' signatures, and that every gate says "no CUDA device: not run".
+//!
+//! A fault is planted by replacing the whole body of a named function ([`replace_body`]): a
+//! kernel's, whose signature the contract fixes, or one of the plain engine's small model helpers
+//! (`rope_with_freqs`, `glu`, `store`, `post_process`), never exact source lines.
 
 mod bundles;
 mod checkpoints;

@@ -2,8 +2,9 @@
 //! a function over (path, text) pairs, so a test can plant a violation of each and see it caught.
 //!
 //! Rules: every src file opens with a `//!` module doc; only `harness` starts processes; `ops`
-//! modules import each other only through the gate skeleton, the shared types of `ops/mod.rs`, and
-//! the edges listed in [`OPS_EDGES`]; the top-level modules form no cycle; every module is named in
+//! modules import each other only through the shared ones ([`SHARED`]), the shared types of
+//! `ops/mod.rs`, and the edges listed in [`OPS_EDGES`]; the top-level modules form no cycle, and none
+//! names a module it must know nothing of ([`KNOWS_NOTHING_OF`]); every top-level module is named in
 //! ARCHITECTURE.md; every dependency in Cargo.toml is used; every kernel contract has a registry
 //! entry and the harness template takes its kernel arms from the registry only; the fast tier's skip
 //! list (`.ci/engine-tests`) names existing tests; code one example engine copies from another is
@@ -77,9 +78,10 @@ fn processes(files: &Files) -> Vec<String> {
     out
 }
 
-/// ops modules every ops module may use: the gate skeleton, and pagination (the shared shape of
-/// every list a tool returns), and preconditions (what config.json may contradict in a graph, which
-/// plan and every gate check alike); `mod.rs` holds the shared types.
+/// ops modules every ops module may use: the gate skeleton, the checkpoint reader (one model
+/// directory read once per gate), pagination (the shared shape of every list a tool returns), and
+/// preconditions (what config.json may contradict in a graph, which plan and every gate check
+/// alike); `mod.rs` holds the shared types.
 const SHARED: &[&str] = &["gate", "checkpoint", "page", "preconditions"];
 
 /// The ops modules one ops module may name besides [`SHARED`] and `mod`, with why.
@@ -210,21 +212,58 @@ fn cycles(files: &Files) -> Vec<String> {
     out
 }
 
-/// Rule: every module (src file or folder) is named in ARCHITECTURE.md.
-fn architecture_names(files: &Files, architecture: &str) -> Vec<String> {
+/// Top-level modules and the ones each must know nothing of: it names none of them (`crate::x`).
+/// "MCP" is `mcp` and the `rmcp` crate; "processes" is `harness`, the one module that starts them;
+/// guard reads only the engine directory and what its caller passes in, so it names no module that
+/// reads anything else (the ledger, models, the options, the operations).
+const KNOWS_NOTHING_OF: &[(&str, &[&str])] = &[
+    ("ckb", &["mcp", "rmcp", "harness", "model", "oracle", "ledger"]),
+    ("model", &["mcp", "rmcp", "harness"]),
+    ("oracle", &["mcp", "rmcp", "harness"]),
+    ("guard", &["mcp", "rmcp", "harness", "ledger", "model", "oracle", "options", "ops"]),
+    ("ledger", &["mcp", "rmcp", "harness"]),
+    ("probe", &["ops"]),
+    ("ops", &["mcp", "rmcp"]),
+];
+
+/// Rule: no top-level module names a module it must know nothing of ([`KNOWS_NOTHING_OF`]).
+fn knows_nothing_of(files: &Files) -> Vec<String> {
+    let graph = module_graph(files);
     let mut out = Vec::new();
-    for (p, _) in own(files) {
-        let rel = p.trim_start_matches("src/");
-        let name = rel.trim_end_matches(".rs").trim_end_matches("/mod");
-        let leaf = name.rsplit('/').next().unwrap_or(name);
-        if ["lib", "main"].contains(&leaf) {
+    for (me, banned) in KNOWS_NOTHING_OF {
+        for other in graph.get(*me).into_iter().flatten().filter(|m| banned.contains(&m.as_str())) {
+            out.push(format!("src/{me}: names crate::{other}; {me} knows nothing of {other}"));
+        }
+        if !banned.contains(&"rmcp") {
             continue;
         }
-        if !architecture.contains(leaf) {
-            out.push(format!("{p}: module `{leaf}` is not named in ARCHITECTURE.md"));
+        for (p, t) in own(files).filter(|(p, _)| top_module(p) == Some(*me)) {
+            if let Some(i) =
+                t.lines().position(|l| code(l).contains("rmcp::") || code(l).trim_start().starts_with("use rmcp"))
+            {
+                out.push(format!("{p}:{}: names rmcp; {me} knows nothing of MCP", i + 1));
+            }
         }
     }
     out
+}
+
+/// Whether `name` occurs in `text` as a word (not inside a longer identifier).
+fn names_word(text: &str, name: &str) -> bool {
+    let ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    text.match_indices(name).any(|(at, _)| {
+        !text[..at].chars().next_back().is_some_and(ident) && !text[at + name.len()..].chars().next().is_some_and(ident)
+    })
+}
+
+/// Rule: every top-level module of src/ (a layer: a file or folder beside lib.rs) is named in
+/// ARCHITECTURE.md; its submodules are described by their own `//!` docs ([`module_docs`]).
+fn architecture_names(files: &Files, architecture: &str) -> Vec<String> {
+    let tops: BTreeSet<&str> = own(files).filter_map(|(p, _)| top_module(p)).collect();
+    tops.into_iter()
+        .filter(|m| !names_word(architecture, m))
+        .map(|m| format!("src/{m}: top-level module `{m}` is not named in ARCHITECTURE.md"))
+        .collect()
 }
 
 /// Rule: every dependency in Cargo.toml is used somewhere in src/, tests/ or build.rs.
@@ -512,6 +551,7 @@ fn the_sources_keep_the_architecture() {
     problems.extend(processes(&src));
     problems.extend(ops_imports(&src));
     problems.extend(cycles(&src));
+    problems.extend(knows_nothing_of(&src));
     problems.extend(architecture_names(&src, &architecture));
     problems.extend(unused_dependencies(&manifest, &all_files()));
     problems.extend(registry_agreement(&contracts, &registry, metainfer::harness::HARNESS_MAIN));
@@ -568,7 +608,29 @@ fn each_rule_catches_a_planted_violation() {
     dag.push(("src/b/mod.rs".into(), "//! d\n".into()));
     assert!(cycles(&dag).is_empty());
 
-    assert_eq!(architecture_names(&f("src/widget.rs", "//! d"), "    gadget.rs  ...").len(), 1);
+    // The planted file beside the modules it names (an edge needs both ends).
+    let tree = |p: &str, t: &str| {
+        let mut v = f(p, t);
+        for m in ["src/ledger/mod.rs", "src/harness/mod.rs", "src/ops/mod.rs", "src/mcp/mod.rs"] {
+            v.push((m.to_string(), "//! d\n".to_string()));
+        }
+        v
+    };
+    assert_eq!(knows_nothing_of(&tree("src/ckb/x.rs", "//! d\nuse crate::ledger::Ledger;")).len(), 1);
+    assert_eq!(knows_nothing_of(&tree("src/guard/x.rs", "//! d\nfn f() { crate::harness::run(); }")).len(), 1);
+    assert_eq!(knows_nothing_of(&tree("src/ops/x.rs", "//! d\nuse rmcp::model::Tool;")).len(), 1);
+    assert_eq!(knows_nothing_of(&tree("src/probe.rs", "//! d\nuse crate::ops::Ctx;")).len(), 1);
+    assert!(knows_nothing_of(&tree("src/ops/x.rs", "//! d\nuse crate::ledger::Ledger; // not rmcp::")).is_empty());
+    assert!(knows_nothing_of(&tree("src/mcp/x.rs", "//! d\nuse rmcp::model::Tool;\nuse crate::ops::Ctx;")).is_empty());
+
+    let nested = |arch: &str| {
+        let mut v = f("src/widget/mod.rs", "//! d");
+        v.push(("src/widget/inner.rs".into(), "//! d".into()));
+        architecture_names(&v, arch)
+    };
+    assert_eq!(nested("- `gadget/`: ...").len(), 1);
+    assert_eq!(nested("- `widgets/`: ...").len(), 1, "a longer word does not name the module");
+    assert_eq!(nested("- `widget/`: ...").len(), 0, "submodules need not be named");
     assert_eq!(architecture_names(&f("src/widget.rs", "//! d"), "    widget.rs  ...").len(), 0);
 
     let manifest = "[dependencies]\nserde = \"1\"\nleft-pad = \"1\"\n";

@@ -1,7 +1,9 @@
-//! The gate run loop: every gate that runs the engine's harness (run_kernel_test,
-//! verify_generation, profile_engine, verify_batching) is a [`Spec`] that [`Gate::run`] drives
-//! through one order, so each gate module keeps only what is its own (its inputs, its commands,
-//! its judge); compile_engine and serve_engine use the same steps without a harness exchange.
+//! The gate run loop: every gate is a [`Spec`] that [`Gate::run`] drives through one order, so each
+//! gate module keeps only what is its own (its inputs, its commands, its judge). [`Spec::runs`] says
+//! what is built and where the engine runs: the harness crate, exchanged with here or through a
+//! bundle ([`Runs::Harness`]: run_kernel_test, verify_generation, profile_engine, verify_batching);
+//! the engine's own binary, run here ([`Runs::Binary`]: serve_engine); or nothing the loop builds
+//! ([`Runs::Here`]: compile_engine, whose own cargo build is its verdict).
 //!
 //! ```text
 //! Gate::open      confine the engine path; resolve the engine (snapshot, source hash, manifest) and
@@ -9,18 +11,28 @@
 //! Gate::split     direct, or a bundle written here / read back (transport)
 //! Gate::run(spec)
 //!   rules         a blocking finding stops the gate (recorded, Spec::unjudged)
-//!   build         the harness crate with Spec::extra_kernels; a build failure stops the gate
+//!   build         Runs::Harness: the harness crate with Spec::extra_kernels; Runs::Binary: the
+//!                 engine's binary (Gate::build_binary); a build failure stops the gate
 //!   draw          Spec::commands: inputs written into the scratch directory, harness commands
 //!   exchange      run here in order / written to a bundle (not a verdict, not recorded) /
 //!                 read back from a bundle run on the device machine
 //!   no device     a harness that found no device: not run, recorded as such
-//!   judge         Spec::judge: the report and its typed figures (a crash is the spec's verdict)
+//!   judge         Spec::judge (harness replies) or Spec::judge_here (Binary, Here): the report
+//!                 and its typed figures (a crash is the spec's verdict)
 //!   record        the outcome in the ledger (typed figures, versioned contracts)
 //!   promote       a passing outcome promotes the staged candidates it ran under
 //! ```
 //!
 //! A stopped gate is a report like any other (`passed: false`, recorded); `Err` is for a bad request
 //! or the server's own fault.
+//!
+//! The specs are `CompileSpec`, `KernelSpec`, `VerifySpec`, `ProfileSpec`, `BatchingSpec` and
+//! `ServeSpec`; the four harness gates can run split through bundles (`harness::bundle`), the two
+//! that run here refuse a bundle. A gate reads its model directory once, through `ops::checkpoint`.
+//! Recording (`Ctx::record`) writes the engine's manifest as the outcome's constraints and the tool's
+//! typed figures (`ledger::figures`: one struct per tool, read back with `Figures::read`, tolerant of
+//! older rows). serve_engine's binary is copied into the call's scratch and started through
+//! `Workshop::start_server`, so its load test runs where the server is.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -130,10 +142,40 @@ pub fn no_device(called: &Called) -> Option<String> {
 /// Harness commands, each with the environment variables it runs under.
 pub type Commands = Vec<(Command, Vec<(&'static str, String)>)>;
 
+/// What a gate builds, and where the engine runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Runs {
+    /// The harness crate around the engine; the engine runs through protocol commands, here or
+    /// through a bundle ([`Spec::commands`], [`Spec::judge`]).
+    Harness,
+    /// The engine's own binary, built with these Cargo features and run here by the spec
+    /// ([`Spec::judge_here`]: serve_engine's server on a loopback port). No bundle.
+    Binary(Vec<String>),
+    /// Nothing built by the loop: the spec builds and judges here ([`Spec::judge_here`]:
+    /// compile_engine's own cargo build, whose failure is its verdict). No bundle.
+    Here,
+}
+
 /// What one gate does that is its own; [`Gate::run`] does the rest, in one order.
 pub trait Spec {
     /// The gate's report.
     type Report: Report;
+
+    /// What the gate builds and how the engine runs: the harness (the default) or the engine's own
+    /// binary.
+    fn runs(&self) -> Runs {
+        Runs::Harness
+    }
+
+    /// Judge a gate that runs here ([`Runs::Binary`]: `exe` is the engine's binary, built into the
+    /// call's `scratch` directory; [`Runs::Here`]: `exe` is None). Gates that run the harness never
+    /// get here.
+    ///
+    /// # Errors
+    /// The server's own fault (the reference cannot be computed, a process cannot be started).
+    fn judge_here(&mut self, gate: &Gate, _exe: Option<&Path>, _scratch: &Path) -> Result<Verdict<Self::Report>> {
+        Err(Error::internal(format!("{} does not run the engine's binary", gate.tool.name())))
+    }
 
     /// Kernel ids the harness is built with beyond the target's own (run_kernel_test's asked-for
     /// kernels); none by default.
@@ -157,7 +199,9 @@ pub trait Spec {
     ///
     /// # Errors
     /// When an input cannot be drawn or written.
-    fn commands(&mut self, gate: &Gate, h: &Harness) -> Result<Commands>;
+    fn commands(&mut self, gate: &Gate, _h: &Harness) -> Result<Commands> {
+        Err(Error::internal(format!("{} sends no harness commands", gate.tool.name())))
+    }
 
     /// The model directory the commands read (granted to the harness, carried or hashed in a
     /// bundle); none by default.
@@ -175,7 +219,9 @@ pub trait Spec {
     ///
     /// # Errors
     /// The server's own fault (the reference cannot be computed).
-    fn judge(&mut self, gate: &Gate, h: &Harness, called: Vec<Called>) -> Result<Verdict<Self::Report>>;
+    fn judge(&mut self, gate: &Gate, _h: &Harness, _called: Vec<Called>) -> Result<Verdict<Self::Report>> {
+        Err(Error::internal(format!("{} judges no harness replies", gate.tool.name())))
+    }
 
     /// Where a passing report shows the promotions its outcome made; None (the default) for a gate
     /// whose report has no such field, and then nothing is promoted.
@@ -590,6 +636,11 @@ impl<'a> Gate<'a> {
             let report = spec.unjudged(self, stop.text.clone());
             return Ok(self.stopped(&stop, report));
         }
+        match spec.runs() {
+            Runs::Harness => {}
+            Runs::Binary(features) => return self.run_here(spec, Some(&features)),
+            Runs::Here => return self.run_here(spec, None),
+        }
         let h = match self.build(&spec.extra_kernels())? {
             Ok(h) => h,
             Err(stop) => {
@@ -614,15 +665,39 @@ impl<'a> Gate<'a> {
             self.record(&report, self.tool.figures(common));
             return Ok(report);
         }
-        let Verdict { mut report, figures } = spec.judge(self, &h, called)?;
-        self.record(&report, figures);
-        if report.passed() {
-            let promoted = S::promotions(&mut report).is_some();
-            if promoted {
-                let p = self.promote();
-                if let Some(slot) = S::promotions(&mut report) {
-                    *slot = p;
+        let verdict = spec.judge(self, &h, called)?;
+        self.finish(spec, verdict)
+    }
+
+    /// [`Gate::run`] for a gate that runs here: build the engine's binary with `features` when
+    /// given (a failure stops the gate), then judge, record, promote.
+    fn run_here<S: Spec>(&mut self, spec: &mut S, features: Option<&[String]>) -> Result<S::Report> {
+        if !matches!(self.mode, Mode::Direct) {
+            return Err(Error::usage(format!("{} runs here only: it takes no bundle", self.tool.name())));
+        }
+        let scratch = self.ctx.workshop.scratch()?;
+        let exe = match features {
+            None => None,
+            Some(features) => match self.build_binary(features, scratch.path())? {
+                Ok(exe) => Some(exe),
+                Err(stop) => {
+                    let report = spec.unjudged(self, stop.text.clone());
+                    return Ok(self.stopped(&stop, report));
                 }
+            },
+        };
+        let verdict = spec.judge_here(self, exe.as_deref(), scratch.path())?;
+        self.finish(spec, verdict)
+    }
+
+    /// Record a judged call and promote on a pass.
+    fn finish<S: Spec>(&self, _spec: &S, verdict: Verdict<S::Report>) -> Result<S::Report> {
+        let Verdict { mut report, figures } = verdict;
+        self.record(&report, figures);
+        if report.passed() && S::promotions(&mut report).is_some() {
+            let p = self.promote();
+            if let Some(slot) = S::promotions(&mut report) {
+                *slot = p;
             }
         }
         Ok(report)

@@ -1,7 +1,22 @@
 //! profile_engine: prefill and decode tokens/s (median, min, max of several runs) and time per phase,
 //! measured by the harness on a real checkpoint; then every kernel of a decode step timed on the
-//! model's shapes (see [`super::roofline`]), the kernel that bounds decode with the platform
+//! model's shapes (see [`roofline`]), the kernel that bounds decode with the platform
 //! contract's guidance for it, and the change against the previous profile of the same engine.
+//! The bytes a decoded token streams are the tensors the family's graph binds
+//! (`synth::graph_parameters`, a mixture of experts counting only the experts it routes to), equal
+//! to transformers' parameter counts (test
+//! `conformance::graph_parameters_equal_transformers_parameter_counts`).
+//!
+//! Where decode time goes: the `profile` command also times decode steps through the engine's
+//! `Model::forward_traced` (see `ops::localise`), attributing the time spent reaching each trace
+//! point from the one before it to that point; [`roofline::point_costs`] gives each graph node's
+//! bytes and FLOPs from the graph's weight bindings. The points' shares are of the traced decode
+//! time, so they add up to at most 100%, and the bounding kernel is then the one the real forward
+//! spends most in. Without `forward_traced` the kernels are timed alone and the report says so.
+//!
+//! The gates run an engine on the server's host. An engine whose `metainfer.toml` targets another
+//! architecture's platform (e.g. a proposed `platform.cpu-aarch64`) is checked through its portable
+//! code path here; profile_engine then takes its roofline from the host and says so (`figures_from`).
 
 pub mod roofline;
 

@@ -1,5 +1,12 @@
 //! The comparison with the previous passing profile of an engine directory: found in the ledger,
 //! its harness kept, and both builds timed alternately in this call.
+//!
+//! A passing profile keeps its harness executable, one per engine directory
+//! (`<cache>/profiled/<engine dir key>/<source hash>`). The next profile of that directory at the same
+//! settings calls a regression only from figures measured in its own call: identical sources never;
+//! different sources by timing both builds alternately ([`INTERLEAVED_PAIRS`] pairs of one decode run
+//! each) and judging the two spreads with [`is_regression`]; without a kept build, not at all (the
+//! ledger's figure is shown).
 
 use std::path::Path;
 

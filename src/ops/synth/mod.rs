@@ -10,8 +10,12 @@
 //!
 //! The five built-in families (`FAMILIES`) have hand-written configs. Any other family is written from
 //! its model contract (an established one or a staged candidate, see [`synth_in`]): config.json from
-//! the contract's `architectures`, `model_types` and `config` keys, tensors from its `features`
-//! (e.g. `fused_qkv` writes one `qkv_proj` tensor in place of q/k/v).
+//! the contract's `architectures`, `model_types` and `config` keys (a key synth has no size for at
+//! its `example` value, a published checkpoint's, so the synthetic checkpoint exercises it), tensors
+//! from its graph's weight bindings (`tensors::graph_plan`: every tensor a node reads, drawn by what
+//! it is to its node, a fused `qkv_proj` as its row blocks), or from its `features` when it has no
+//! graph. For the built-in families and Phi-3 the graph plan is, tensor for tensor, the plan their
+//! features give (a unit test).
 
 use std::path::PathBuf;
 

@@ -13,6 +13,27 @@
 //! which this gate checks and which unlocks only after the kernels passed; loading real vocabularies
 //! (up to 280k merges) would slow the kernel loop; and this gate already compares the engine's
 //! tokenizer with the reference on its prompts, so the vectors extend the same check.
+//!
+//! One call through the gate run loop (`ops::gate`, spec `VerifySpec`):
+//!
+//! ```text
+//! open, rules, build                  as every harness gate
+//! Checkpoint::open                    config, tokenizer route and ids, generation_config (stop ids),
+//!                                     weight layout and dtype policy; the weights; the reference
+//!                                     (`oracle::llama::Reference::of_family`) at the engine's dtype
+//! Command::Generate                   the engine's ids, tokens and logits; it stops at the engine's
+//!                                     stop_tokens or the server's
+//! Reference::greedy_until (stop ids)  tokens exactly, logits within the family's tolerance for the
+//!                                     weight dtype
+//! Command::Tokenize                   the engine's tokenizer on the real vocabularies of the same
+//!                                     tokenizer contract (same exchange: a bundle holds both)
+//! on failing logits                   the failing step localised (`ops::localise`), and diagnosed
+//!                                     (`oracle::diagnose::generation`: the reference rerun
+//!                                     teacher-forced on the engine's tokens with each model-level
+//!                                     mutation, then each graph rewrite of the family's failure
+//!                                     contracts; the one that explains the logits names its
+//!                                     failure contract)
+//! ```
 
 use std::path::PathBuf;
 

@@ -4,6 +4,14 @@
 //! are the trace points ([`GraphReference::step_traced`]). Model-level mutations
 //! ([`super::mutants::Mutation`]) apply the kernel fault at every node of that op (and the KV-row
 //! fault at every attention node), as the hand-written reference (`oracle::llama`) does.
+//!
+//! It gives the hand-written pass's logits bit for bit on every family that pass covers (Llama, with
+//! and without Llama 3 RoPE scaling, Mistral, Qwen2, Qwen3, Gemma; test
+//! `graph::graph_interpreter_gives_the_reference_logits_bit_for_bit`). The gates that need a reference,
+//! `ckb conformance` and `metainfer bench` build `oracle::llama::Reference::of_family`, which
+//! interprets the family's graph; the hand-written pass behind `Reference::new` stays as the yardstick
+//! of that test, for a family that states no graph, and for callers holding a config without its
+//! contract.
 
 mod builder;
 mod exec;

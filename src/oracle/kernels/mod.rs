@@ -1,17 +1,26 @@
 //! The kernel registry: one module per kernel contract, holding everything the server knows about
-//! that kernel in one place:
+//! that kernel in one place (a [`Kernel`] in [`REGISTRY`]):
 //! - the contract id it implements;
 //! - how one test case is drawn from a contract `test_cases` entry (sizes and values from a seeded
 //!   RNG, written for the engine as named tensors and text parameters: a [`Case`]);
 //! - its f64 oracle, as one parameterised core with a `Faults` struct: no fault is the true kernel
-//!   (a property test shows it equals the plain oracle in `oracle`, bit for bit), each known-wrong
-//!   variant ("mutant", named by a failure contract's `mutant` field) is one fault switched on;
-//! - its bytes and FLOPs per call on given dimensions, for the roofline;
-//! - its harness arms: the Rust code the server-owned harness runs to call the engine's kernel on a
-//!   case (`test`) and on the model's shapes for timing (`timed`).
+//!   (a property test, `core_without_faults_is_the_plain_oracle`, holds it equal bit for bit to the
+//!   kernel's plain function in `oracle`, written to be read; the reference forward passes call the
+//!   cores), each known-wrong variant ("mutant", named by a failure contract's `mutant` field) is the
+//!   core with one fault switched on;
+//! - its bytes and FLOPs per call on given dimensions (`cost`), for the roofline;
+//! - its harness arms: the Rust blocks the server-owned harness runs to call the engine's kernel on a
+//!   case (`test_arm`) and on the model's shapes for timing (`timed_arm`), inserted at the harness
+//!   template's `// @arms test` and `// @arms timed` lines for the kernels of an engine's plan only
+//!   (`harness::templating`). `cuda_test_arm` and `cuda_timed_arm` are the same for the contract's
+//!   CUDA signature (`[cuda]`: cudarc device views and the engine's `Device`, with its own tolerance
+//!   per dtype), taken instead when the engine's platform contract has `api = "cuda"` (`ops::arm`);
+//!   a kernel has CUDA arms exactly when its contract has a `[cuda]` section (a unit test below, and
+//!   tidy).
 //!
-//! `KERNELS`, the mutant list, drawing, diagnosis and the roofline table are all derived from
-//! [`REGISTRY`]. Adding a kernel is one module here plus its contract file.
+//! The kernel ids with an oracle ([`ids`], which `oracle::implemented` hands the CKB), drawing
+//! ([`draw`]), the mutant names and diagnosis ([`mutants`], [`mutant`]) and the roofline's per-call
+//! costs are all derived from [`REGISTRY`]. Adding a kernel is one module here plus its contract file.
 
 pub mod argmax;
 pub mod attention;

@@ -8,6 +8,14 @@
 //! `config` and `weights` (loading), `model` (the decoder and its KV cache), `tokenizer` and
 //! `generate`. The gates call the public signatures of `kernels`, `model`, `tokenizer` and `generate`,
 //! which the contracts' skeletons fix.
+//!
+//! No memory mapping either; its dependencies are `safetensors`, `serde` and `serde_json`, plus
+//! `fancy-regex` (the byte-level split patterns' lookahead) and `unicode-normalization` (NFC) in the
+//! tokenizer. `config` is config.json as the family contracts map it (a table of families with their
+//! HF defaults, refused keys and features), `weights::read` the one function that knows the
+//! checkpoint layout (yielding named f32 tensors), `model` the one-token forward, the KV cache and
+//! prefill as a loop over forward. It covers every model family of the CKB, and stays a batch-1
+//! greedy library (the SIMD engine is the serving one).
 #![forbid(unsafe_code)]
 
 mod config;

@@ -8,6 +8,10 @@
 //! (loading), `model` (the decoder, its KV cache and `decode_greedy`), `tokenizer` and `generate`.
 //! It builds without a CUDA toolkit or GPU (cudarc's dynamic loading); without a driver every entry
 //! point returns "no CUDA device: ..." instead of panicking.
+//!
+//! Its `tokenizer` module and `stop_tokens` are the plain engine's, held identical by metainfer's
+//! tidy test; its `config` (transformers v5 `rope_parameters` included) and `weights` are derived
+//! from the plain engine's, narrowed to plain Llama and one `model.safetensors` file.
 #![deny(unsafe_op_in_unsafe_fn)]
 // The kernel contracts fix the launchers' signatures, some with more than seven arguments.
 #![allow(clippy::too_many_arguments)]
