@@ -6,20 +6,12 @@
 use std::path::Path;
 
 use metainfer::error::ErrorKind;
-use metainfer::harness::Budget;
 use metainfer::ops::kernel_test::{KernelTestReport, KernelTestRequest, kernel_test};
 use metainfer::ops::profile::{ProfileRequest, profile};
 use metainfer::ops::verify::{VerifyRequest, verify};
 
 use crate::Engine;
-
-pub(crate) fn s(p: &Path) -> String {
-    p.display().to_string()
-}
-
-pub(crate) fn budget() -> Budget {
-    Budget::secs(900)
-}
+use crate::{budget, s};
 
 pub(crate) fn kt(engine: &Path, seed: u64, write: Option<&Path>, read: Option<&Path>) -> KernelTestRequest {
     KernelTestRequest {

@@ -17,10 +17,6 @@ fn ckb() -> Ckb {
     Ckb::embedded().unwrap()
 }
 
-fn s(p: &Path) -> String {
-    p.display().to_string()
-}
-
 /// BabyLlama's config.json, tokenizer.json and LICENSE copied into `dir` (no weights).
 pub(crate) fn babyllama_without_weights(dir: &Path) {
     std::fs::create_dir_all(dir).unwrap();
@@ -832,6 +828,7 @@ fn split_patterns_in_the_contract_are_the_real_files_patterns() {
 // ---------------------------------------------------------------------------------------------
 // Gates on the example engine
 
+use crate::s;
 use metainfer::harness::Budget;
 use metainfer::ops::kernel_test::{KernelTestRequest, kernel_test};
 use metainfer::ops::verify::{VerifyReport, VerifyRequest, verify};

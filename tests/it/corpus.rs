@@ -309,7 +309,7 @@ fn bundle_paths_reach_nothing_outside_the_workspace() {
         write_bundle: write.map(String::from),
         from_bundle: read.map(String::from),
     };
-    let budget = crate::bundles::budget();
+    let budget = crate::budget();
     // The harness built once before the watch starts.
     kernel_test(&ctx, &req(Some("warm"), None), &budget).unwrap();
     let before = snapshot(&outside);

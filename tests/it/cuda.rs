@@ -12,7 +12,8 @@ use metainfer::ops::scaffold::{ScaffoldRequest, scaffold};
 use metainfer::ops::verify::{VerifyRequest, verify};
 
 use crate::Engine;
-use crate::bundles::{budget, kt, run_bundle, s};
+use crate::bundles::{kt, run_bundle};
+use crate::{budget, s};
 
 fn plan_req(platform: Option<&str>) -> PlanRequest {
     PlanRequest {

@@ -2,6 +2,7 @@
 //! computed by hand from the formats' definitions, and the reference forward pass on weights as a
 //! bf16 or int8 engine stores them.
 
+use crate::s;
 use metainfer::ckb::{self, Ckb};
 use metainfer::model;
 use metainfer::oracle::{self, dtypes, llama::Reference};
@@ -128,10 +129,6 @@ fn reference_runs_on_the_weights_of_each_dtype() {
 fn kernel_guidance_for_a_missing_kernel_is_refused() {
     let f = lint_after("platforms/cpu-x86_64.toml", |s| s.replace("\"kernel.argmax\" = [", "\"kernel.argmin\" = ["));
     assert!(f.iter().any(|f| f.field == "/platform/kernel_guidance" && f.message.contains("kernel.argmin")), "{f:?}");
-}
-
-fn s(p: &std::path::Path) -> String {
-    p.display().to_string()
 }
 
 /// The example engine declares bf16, f16 and int8 builds (`[dtype_features]`): at each, the kernel

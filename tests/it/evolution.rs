@@ -20,7 +20,6 @@
 use std::path::{Path, PathBuf};
 
 use metainfer::ckb::Ckb;
-use metainfer::harness::Budget;
 use metainfer::ledger::Ledger;
 use metainfer::model;
 use metainfer::ops::conformance::conformance;
@@ -34,14 +33,11 @@ use metainfer::ops::{Ctx, Report};
 use metainfer::oracle::llama::Reference;
 
 use crate::Engine;
+use crate::{budget, s};
 
 fn fixture(name: &str) -> String {
     let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/evolution").join(name);
     std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
-}
-
-fn s(p: &Path) -> String {
-    p.display().to_string()
 }
 
 /// A context over a fresh working copy `dir/ckb` of the shipped CKB, ledger in `dir`.
@@ -84,10 +80,6 @@ fn kernels_req(engine: &Path) -> KernelTestRequest {
         write_bundle: None,
         from_bundle: None,
     }
-}
-
-fn budget() -> Budget {
-    Budget::secs(900)
 }
 
 /// A copy of an example engine with a metainfer.toml for `family` on `target`.

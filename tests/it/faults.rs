@@ -7,13 +7,13 @@
 //! engine's own code looks like; the model-level faults replace a short helper of the plain engine
 //! (`rope_with_freqs`, `glu`, `store`, `post_process`), named in its sources.
 
-use metainfer::harness::Budget;
 use metainfer::ops::Report;
 use metainfer::ops::kernel_test::{KernelTestRequest, kernel_test};
 use metainfer::ops::verify::{VerifyReport, VerifyRequest, verify};
 use metainfer::oracle::diagnose::Diagnosis;
 
 use crate::Engine;
+use crate::{budget, s};
 
 const KERNELS: &str = "src/kernels.rs";
 const MODEL: &str = "src/model.rs";
@@ -289,14 +289,6 @@ fn faults() -> Vec<Fault> {
             false,
         ),
     ]
-}
-
-fn s(p: &std::path::Path) -> String {
-    p.display().to_string()
-}
-
-fn budget() -> Budget {
-    Budget::secs(900)
 }
 
 fn verify_req(engine: &std::path::Path) -> VerifyRequest {

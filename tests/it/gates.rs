@@ -2,7 +2,6 @@
 //! Run at the library level (the MCP path is covered by the demo test).
 
 use metainfer::error::ErrorKind;
-use metainfer::harness::Budget;
 use metainfer::ops::compile::{CompileRequest, compile};
 use metainfer::ops::kernel_test::{KernelTestRequest, kernel_test};
 use metainfer::ops::profile::{ProfileRequest, profile};
@@ -10,14 +9,7 @@ use metainfer::ops::scaffold::{ScaffoldRequest, scaffold};
 use metainfer::ops::verify::{VerifyRequest, verify};
 
 use crate::Engine;
-
-fn s(p: &std::path::Path) -> String {
-    p.display().to_string()
-}
-
-fn budget() -> Budget {
-    Budget::secs(900)
-}
+use crate::{budget, s};
 
 fn verify_req(engine: &std::path::Path) -> VerifyRequest {
     VerifyRequest {

@@ -82,6 +82,16 @@ pub fn cache() -> PathBuf {
     Path::new(env!("CARGO_TARGET_TMPDIR")).join("metainfer-cache")
 }
 
+/// A path as the string a request takes.
+pub fn s(p: &Path) -> String {
+    p.display().to_string()
+}
+
+/// The time limit of one gate call in the tests (900 s, the server's default).
+pub fn budget() -> metainfer::harness::Budget {
+    metainfer::harness::Budget::secs(900)
+}
+
 /// A context over the shipped CKB with the shared cache and a ledger in `dir`.
 pub fn ctx(dir: &Path) -> Ctx {
     let mut c = Ctx {

@@ -13,11 +13,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use crate::s;
 use metainfer::harness::Budget;
-
-fn s(p: &Path) -> String {
-    p.display().to_string()
-}
 
 /// Swaps `ws/sub` with a symlink to `outside` until `stop`; the real directory is `ws/sub.aside`
 /// while the link is in place, and is back at `ws/sub` when this returns.

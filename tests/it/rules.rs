@@ -4,16 +4,13 @@
 
 use std::path::Path;
 
+use crate::s;
 use metainfer::guard::Severity;
 use metainfer::harness::Budget;
 use metainfer::ops::kernel_test::{KernelTestRequest, kernel_test};
 use metainfer::ops::profile::{ProfileRequest, profile};
 use metainfer::ops::rules::{RulesRequest, check_rules};
 use metainfer::ops::verify::{VerifyRequest, verify};
-
-fn s(p: &Path) -> String {
-    p.display().to_string()
-}
 
 /// The findings' (rule, severity) pairs, and the report's text for failure messages.
 fn rules_of(ctx: &metainfer::ops::Ctx, engine: &Path) -> (Vec<(String, Severity)>, String) {

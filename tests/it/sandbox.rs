@@ -7,13 +7,10 @@ use std::io::Read;
 use std::net::TcpListener;
 use std::path::Path;
 
-use metainfer::harness::{Budget, sandbox};
+use crate::budget;
+use metainfer::harness::sandbox;
 use metainfer::ledger::Ledger;
 use metainfer::ops::kernel_test::{KernelTestRequest, kernel_test};
-
-fn budget() -> Budget {
-    Budget::secs(900)
-}
 
 /// Rust code (a block) that tries every escape and collects what happened in `report: String`.
 fn attempts(ledger: &Path, outside: &Path, addr: &str) -> String {

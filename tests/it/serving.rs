@@ -14,10 +14,7 @@ use metainfer::ops::scaffold::{ScaffoldRequest, scaffold};
 use metainfer::ops::serve::{ServeRequest, serve_engine};
 
 use crate::Engine;
-
-fn s(p: &std::path::Path) -> String {
-    p.display().to_string()
-}
+use crate::s;
 
 fn serving(max_seqs: usize, max_context: usize) -> Serving {
     Serving { max_seqs, max_context, block_size: 16, kv_blocks: None, max_batch_tokens: None, sampling: true }

@@ -12,6 +12,7 @@ use metainfer::ops::verify::{VerifyReport, VerifyRequest, verify};
 use serde_json::json;
 
 use crate::checkpoints::{babyllama_tensors, babyllama_without_weights, edit_json, store};
+use crate::s;
 
 /// The weight set to 7e4 and its flat index.
 const WEIGHT: (&str, usize) = ("model.layers.1.self_attn.q_proj.weight", 9);
@@ -39,10 +40,6 @@ fn plan_at(ctx: &metainfer::ops::Ctx, model: &Path, dtype: &str) -> metainfer::o
         },
     )
     .unwrap()
-}
-
-fn s(p: &Path) -> String {
-    p.display().to_string()
 }
 
 fn verify_req(engine: &Path, model: &Path, dtype: Option<&str>) -> VerifyRequest {
