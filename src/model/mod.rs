@@ -741,8 +741,15 @@ pub fn tied_head_warning(cfg: &ResolvedConfig, tensors: &Tensors) -> Option<Stri
 /// # Errors
 /// [`crate::error::ErrorKind::Input`] when the file is missing or malformed.
 pub fn hf_tokenizer(dir: &(impl Files + ?Sized)) -> Result<tokenizers::Tokenizer> {
-    let path = dir.show("tokenizer.json");
     let bytes = dir.read("tokenizer.json", &crate::util::TOKENIZER_JSON)?;
+    hf_tokenizer_from(&dir.show("tokenizer.json"), &bytes)
+}
+
+/// The Hugging Face tokenizer from tokenizer.json's `bytes` (read from `path`, named in errors).
+///
+/// # Errors
+/// [`crate::error::ErrorKind::Input`] naming `path` when the tokenizer cannot be built.
+pub fn hf_tokenizer_from(path: &Path, bytes: &[u8]) -> Result<tokenizers::Tokenizer> {
     tokenizers::Tokenizer::from_bytes(bytes)
         .map_err(|e| Error::input(format!("{}: cannot load tokenizer ({e})", path.display())))
 }

@@ -50,9 +50,16 @@ pub struct TokenizerRoute {
 /// # Errors
 /// [`crate::error::ErrorKind::Input`] naming the file when it is missing or not a JSON object.
 pub fn read_tokenizer_json(dir: &(impl Files + ?Sized)) -> Result<Value> {
-    let path = dir.show("tokenizer.json");
     let text = dir.read_text("tokenizer.json", &crate::util::TOKENIZER_JSON)?;
-    match serde_json::from_str::<Value>(&text) {
+    parse_tokenizer_json(&dir.show("tokenizer.json"), text.as_bytes())
+}
+
+/// tokenizer.json's `bytes` (read from `path`, named in errors) as a JSON object.
+///
+/// # Errors
+/// [`crate::error::ErrorKind::Input`] naming `path`: not JSON, or not an object.
+pub fn parse_tokenizer_json(path: &std::path::Path, bytes: &[u8]) -> Result<Value> {
+    match serde_json::from_slice::<Value>(bytes) {
         Ok(v @ Value::Object(_)) => Ok(v),
         Ok(_) => Err(Error::input(format!("{}: must be a JSON object", path.display()))),
         Err(e) => Err(Error::input(format!("{}: not valid JSON: {e}", path.display()))),

@@ -108,8 +108,7 @@ impl Checkpoint {
             return Ok(t);
         }
         let path = crate::beneath::Files::show(&self.held, "tokenizer.json");
-        let t = tokenizers::Tokenizer::from_bytes(self.tokenizer_bytes()?)
-            .map_err(|e| Error::input(format!("{}: cannot load tokenizer ({e})", path.display())))?;
+        let t = model::hf_tokenizer_from(&path, self.tokenizer_bytes()?)?;
         Ok(self.tokenizer.get_or_init(|| t))
     }
 
@@ -121,11 +120,7 @@ impl Checkpoint {
     /// Input: not JSON, ids outside the vocabulary; Usage: not covered by a tokenizer contract.
     pub fn tokenizer_route(&self, ckb: &Ckb) -> Result<(String, model::tokenizer::TokenizerRoute)> {
         let path = crate::beneath::Files::show(&self.held, "tokenizer.json");
-        let json: Value = match serde_json::from_slice(self.tokenizer_bytes()?) {
-            Ok(v @ Value::Object(_)) => v,
-            Ok(_) => return Err(Error::input(format!("{}: must be a JSON object", path.display()))),
-            Err(e) => return Err(Error::input(format!("{}: not valid JSON: {e}", path.display()))),
-        };
+        let json = model::tokenizer::parse_tokenizer_json(&path, self.tokenizer_bytes()?)?;
         model::tokenizer::check_tokenizer_json(ckb, &self.held, &json, self.cfg.vocab)
     }
 
