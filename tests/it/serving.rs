@@ -186,6 +186,24 @@ fn constant_batched_step_and_leaking_block_manager_fail_for_their_reasons() {
     assert!(v.sequences.iter().all(|s| !s.logits_ok), "{}", metainfer::ops::Report::text(&v));
     assert!(v.error.contains("differ from its single-sequence reference"), "{}", v.error);
 
+    // A batched step that returns NaN fails and says where the first one is.
+    let nan = t.path().join("nan");
+    Engine::Simd.copy_to(&nan);
+    crate::replace_body(
+        &nan,
+        "src/batch.rs",
+        "pub fn step(",
+        "let _ = cache;\n    vec![f32::NAN; chunks.len() * model.vocab_size()]",
+    );
+    let v = verify_batching(&ctx, &batching(&nan), &Budget::secs(900)).unwrap();
+    assert!(!v.passed && v.sequences.iter().all(|s| !s.logits_ok), "{}", metainfer::ops::Report::text(&v));
+    assert!(
+        v.error
+            .contains("sequence 0: NaN in the engine's output at token 0 of step 0; a non-finite logit never passes"),
+        "{}",
+        v.error
+    );
+
     let leaky = t.path().join("leaky");
     Engine::Simd.copy_to(&leaky);
     crate::replace_body(&leaky, "src/paged.rs", "pub fn free(", "self.seqs.remove(&seq);");

@@ -195,6 +195,8 @@ impl Spec for BatchingSpec<'_> {
         let tensors = self.ck.tensors(&ctx.ckb, &report.dtype)?;
         // The reference is the family's graph, as every gate builds it.
         let mut reference = Reference::of_family(self.fam, cfg, tensors, &report.dtype)?;
+        // The first non-finite logit (sequence, step, where): never a pass, and named.
+        let mut non_finite = None;
         for (i, s) in self.seqs.iter().enumerate() {
             let (rows, want) = reference.greedy(&s.prompt, s.new_tokens)?;
             let got_tokens = out.get(&format!("tokens.{i}")).cloned().unwrap_or_default();
@@ -218,6 +220,9 @@ impl Spec for BatchingSpec<'_> {
                 let Some(got_row) = got.get(step * cfg.vocab..(step + 1) * cfg.vocab) else { break };
                 r.steps = step + 1;
                 let v = crate::oracle::compare(got_row, want_row, tol);
+                if non_finite.is_none() {
+                    non_finite = v.non_finite.map(|nf| (i, step, nf));
+                }
                 r.max_abs_err = r.max_abs_err.max(v.max_abs_err);
                 r.logits_ok &= v.ok;
                 let (Some(&g), Some(&w)) = (got_tokens.get(step), want.get(step)) else { break };
@@ -239,6 +244,12 @@ impl Spec for BatchingSpec<'_> {
         }
         if ran && report.error.is_empty() && report.sequences.iter().any(|s| !s.logits_ok || !s.tokens_ok) {
             report.error = "a sequence's batched logits or tokens differ from its single-sequence reference".into();
+            if let Some((seq, step, nf)) = non_finite {
+                report.error += &format!(
+                    "; sequence {seq}: {} of step {step}; a non-finite logit never passes",
+                    nf.describe().replace("at index", "at token")
+                );
+            }
         }
         report.passed = report.block_manager.passed
             && report.scheduler.passed
