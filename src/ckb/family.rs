@@ -177,6 +177,17 @@ pub struct GraphOp {
     pub kernel: Option<&'static str>,
 }
 
+/// Whether `op` is an attention op: it owns a KV cache per layer and takes a `window`.
+pub fn is_attention(op: &str) -> bool {
+    matches!(op, "attention" | "attention_sinks")
+}
+
+/// Whether `op` computes a mixture-of-experts layer's experts from a `moe_route` node's weights
+/// (its `experts` parameter is the layer's expert count).
+pub fn is_moe_experts(op: &str) -> bool {
+    matches!(op, "moe_experts" | "moe_experts_clamped")
+}
+
 /// The operations a graph node may use. Kernel ops run the registry's kernels (`oracle::kernels`).
 pub const GRAPH_OPS: &[GraphOp] = &[
     GraphOp {
@@ -244,6 +255,14 @@ pub const GRAPH_OPS: &[GraphOp] = &[
         kernel: Some("kernel.attention"),
     },
     GraphOp {
+        name: "attention_sinks",
+        inputs: &["q", "k", "v"],
+        weights: &["sinks"],
+        params: &["window?", "kv_row?"],
+        doc: "kernel.attention_sinks with this node's KV cache: as `attention` (window, kv_row; scale 1/sqrt(head_dim), no soft-cap) with the learned logit `sinks` [n_heads] of each query head added to its softmax's denominator (gpt-oss)",
+        kernel: Some("kernel.attention_sinks"),
+    },
+    GraphOp {
         name: "silu_and_mul",
         inputs: &["gate", "up"],
         weights: &[],
@@ -274,6 +293,14 @@ pub const GRAPH_OPS: &[GraphOp] = &[
         params: &["experts"],
         doc: "kernel.moe_experts: sum over the experts e with route[e] != 0 of route[e] * down_e(silu(gate_e x) * up_e x); `experts` experts, whose weight names give the expert index as `{e}` (one tensor per expert: gate and up [inter, hidden], down [hidden, inter]); `route` is a moe_route node",
         kernel: Some("kernel.moe_experts"),
+    },
+    GraphOp {
+        name: "moe_experts_clamped",
+        inputs: &["x", "route"],
+        weights: &["gate_up", "gate_up_bias", "down", "down_bias"],
+        params: &["experts", "alpha", "limit"],
+        doc: "kernel.moe_experts_clamped: gpt-oss's experts, sum over e with route[e] != 0 of route[e] * (a_e down[e] + down_bias[e]), a_e the clamped SwiGLU (up + 1) * gate * sigmoid(alpha gate) of the interleaved gate (even, <= limit) and up (odd, |up| <= limit) entries of x gate_up[e] + gate_up_bias[e]; fused 3-D tensors stored input-major: gate_up [experts, hidden, 2 inter], down [experts, inter, hidden], biases [experts, 2 inter] and [experts, hidden]",
+        kernel: Some("kernel.moe_experts_clamped"),
     },
     GraphOp {
         name: "add",

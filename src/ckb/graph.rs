@@ -123,7 +123,7 @@ pub fn check_params(op: &str, p: &BTreeMap<String, f64>, head_dim: usize) -> Res
     {
         return Err(format!("interleaved = {i}: 1 (pairs 2j, 2j + 1) or 0 (pairs j, j + rotary_dim/2)"));
     }
-    if let Some(w) = get("window").filter(|_| op == "attention")
+    if let Some(w) = get("window").filter(|_| super::is_attention(op))
         && (w < 0.0 || w.fract() != 0.0)
     {
         return Err(format!("window = {w}: a whole number of positions from 0 (0: no window)"));
@@ -481,7 +481,7 @@ fn lint_node(
             }
             x
         }
-        "attention" => {
+        "attention" | "attention_sinks" => {
             let (q, kv) = (dim("n_heads") * dim("head_dim"), dim("n_kv_heads") * dim("head_dim"));
             for (name, got, want) in [("q", widths[0], q), ("k", widths[1], kv), ("v", widths[2], kv)] {
                 if let Some(got) = got
@@ -489,6 +489,11 @@ fn lint_node(
                 {
                     mismatch(format!("{name} has width {got}, attention wants {want}"));
                 }
+            }
+            if let Some(sinks) = w.get("sinks")
+                && sinks[..] != [dim("n_heads")]
+            {
+                mismatch(format!("sinks shape {sinks:?}, want [n_heads] = [{}]", dim("n_heads")));
             }
             Some(q)
         }
@@ -511,6 +516,38 @@ fn lint_node(
                 && x != g[1]
             {
                 mismatch(format!("input width {x} but the experts take {}", g[1]));
+            }
+            if let (Some(r), Some(&e)) = (widths[1], p.get("experts"))
+                && r != e as usize
+            {
+                mismatch(format!("route has width {r}, experts = {e}"));
+            }
+            x
+        }
+        "moe_experts_clamped" => {
+            let (gu, gb, d, db) = (w.get("gate_up")?, w.get("gate_up_bias")?, w.get("down")?, w.get("down_bias")?);
+            let fits = gu.len() == 3
+                && d.len() == 3
+                && gu[0] == d[0]
+                && gu[1] == d[2]
+                && gu[2] == 2 * d[1]
+                && gb[..] == [gu[0], gu[2]]
+                && db[..] == [d[0], d[2]];
+            if !fits {
+                mismatch(format!(
+                    "gate_up {gu:?}, gate_up_bias {gb:?}, down {d:?} and down_bias {db:?}: want [experts, hidden, 2 inter], [experts, 2 inter], [experts, inter, hidden], [experts, hidden]"
+                ));
+                return x;
+            }
+            if let Some(x) = x
+                && x != gu[1]
+            {
+                mismatch(format!("input width {x} but the experts take {}", gu[1]));
+            }
+            if let Some(&e) = p.get("experts")
+                && e as usize != gu[0]
+            {
+                mismatch(format!("experts = {e} but the fused tensors hold {}", gu[0]));
             }
             if let (Some(r), Some(&e)) = (widths[1], p.get("experts"))
                 && r != e as usize

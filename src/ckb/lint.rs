@@ -111,7 +111,7 @@ impl Ckb {
                     Some(p) => {
                         let roles: BTreeSet<&str> = m.weights.iter().map(|w| w.role.as_str()).collect();
                         let matrices: BTreeSet<&str> =
-                            m.weights.iter().filter(|w| w.shape.len() == 2).map(|w| w.role.as_str()).collect();
+                            m.weights.iter().filter(|w| w.shape.len() >= 2).map(|w| w.role.as_str()).collect();
                         for (list, field) in [(&p.at_weight_dtype, "at_weight_dtype"), (&p.keep_f32, "keep_f32")] {
                             for r in list {
                                 if !roles.contains(r.as_str()) {
@@ -126,11 +126,11 @@ impl Ckb {
                                     "/model/dtype_policy",
                                     format!("weight role `{r}` must be in exactly one of at_weight_dtype and keep_f32"),
                                 );
-                            } else if a != matrices.contains(r) {
+                            } else if a && !matrices.contains(r) {
                                 bad(
                                     "/model/dtype_policy/at_weight_dtype",
                                     format!(
-                                        "weight role `{r}`: the reference rounds exactly the 2-D weights to the weight dtype, so at_weight_dtype must list exactly those"
+                                        "weight role `{r}`: only matrices (tensors of 2 or more dimensions) are stored at the weight dtype; a vector stays f32 (keep_f32)"
                                     ),
                                 );
                             }

@@ -524,7 +524,7 @@ fn check_graph(g: &crate::ckb::Graph, cfg: &ResolvedConfig, gaps: &mut Vec<Gap>)
                 }
                 match (n.op.as_str(), params.get("top_k"), params.get("experts")) {
                     ("moe_route", Some(k), _) => routers.push((at, n.name.clone(), n.params["top_k"].clone(), *k)),
-                    ("moe_experts", _, Some(e)) => experts.push(*e),
+                    (op, _, Some(e)) if crate::ckb::is_moe_experts(op) => experts.push(*e),
                     _ => {}
                 }
             }
@@ -699,14 +699,15 @@ pub fn check_weight_range(tensors: &Tensors, dtype: &str) -> Result<()> {
             )));
         }
         if dtype == "f16"
-            && shape.len() == 2
+            && shape.len() >= 2
             && let Some(at) = v.iter().position(|x| half::f16::from_f32(*x).is_infinite())
         {
+            let cols = shape[shape.len() - 1].max(1);
             return Err(Error::input(format!(
                 "weight `{name}` holds {:e} at element {at} (row {}, column {}), beyond the f16 range (largest finite value {F16_MAX}; it rounds to infinity): an engine storing f16 weights computes infinities and NaN on this checkpoint; choose dtype bf16 or f32",
                 v[at],
-                at / shape[1].max(1),
-                at % shape[1].max(1)
+                at / cols,
+                at % cols
             )));
         }
     }

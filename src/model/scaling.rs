@@ -14,7 +14,8 @@ use crate::ckb::Contract;
 /// RoPE frequency scaling as config.json `rope_scaling` gives it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct RopeScaling {
-    /// `linear` (positions divided by `factor`) or `llama3` (frequency-dependent, Llama 3.1).
+    /// `linear` (positions divided by `factor`), `llama3` (frequency-dependent, Llama 3.1) or
+    /// `yarn` (frequency-dependent with an attention factor, Peng et al. 2023, arXiv:2309.00071).
     pub rope_type: String,
     /// Scaling factor (> 0).
     pub factor: f64,
@@ -24,9 +25,53 @@ pub struct RopeScaling {
     /// llama3: wavelengths shorter than original_max_position_embeddings / high_freq_factor are kept.
     #[serde(default)]
     pub high_freq_factor: f64,
-    /// llama3: context length the model was pretrained with.
+    /// llama3 and yarn: context length the model was pretrained with.
     #[serde(default)]
     pub original_max_position_embeddings: usize,
+    /// yarn: the number of rotations over the original context above which a frequency is kept
+    /// (transformers' default 32).
+    #[serde(default)]
+    pub beta_fast: f64,
+    /// yarn: the number of rotations below which a frequency is divided by `factor` (default 1).
+    #[serde(default)]
+    pub beta_slow: f64,
+    /// yarn: whether the ramp's ends are rounded to whole dimensions (floor, ceil); transformers'
+    /// default true, gpt-oss writes false.
+    #[serde(default)]
+    pub truncate: bool,
+    /// The factor multiplying cos and sin, so that q.k is scaled by its square (yarn's "mscale",
+    /// `0.1 ln(factor) + 1` unless config.json gives `attention_factor` or `mscale` and
+    /// `mscale_all_dim`); 1 for linear and llama3.
+    #[serde(default = "unit")]
+    pub attention_factor: f64,
+}
+
+fn unit() -> f64 {
+    1.0
+}
+
+impl RopeScaling {
+    /// A scaling of `rope_type` with `factor` and every other field neutral (attention factor 1).
+    pub fn new(rope_type: &str, factor: f64) -> RopeScaling {
+        RopeScaling {
+            rope_type: rope_type.into(),
+            factor,
+            low_freq_factor: 0.0,
+            high_freq_factor: 0.0,
+            original_max_position_embeddings: 0,
+            beta_fast: 0.0,
+            beta_slow: 0.0,
+            truncate: false,
+            attention_factor: 1.0,
+        }
+    }
+}
+
+/// YaRN's attention factor for a context scaled by `scale` (Peng et al. 2023, arXiv:2309.00071,
+/// eq. 22 with the 0.1 of transformers' `get_mscale`): `0.1 * mscale * ln(scale) + 1`, and 1 when
+/// `scale <= 1`.
+pub fn yarn_mscale(scale: f64, mscale: f64) -> f64 {
+    if scale <= 1.0 { 1.0 } else { 0.1 * mscale * scale.ln() + 1.0 }
 }
 
 /// Fill `cfg.sliding_window` and `cfg.rope_scaling`, pushing gaps for values the family cannot run.
@@ -70,13 +115,25 @@ const ROPE_COMMON_KEYS: &[&str] = &["rope_type", "type", "rope_theta"];
 
 /// The scaling keys of each covered rope_type (transformers' modeling_rope_utils: linear reads
 /// `factor`; llama3 reads `factor`, `low_freq_factor`, `high_freq_factor` and
-/// `original_max_position_embeddings`). Any other key changes RoPE in a way the oracle does not
+/// `original_max_position_embeddings`; yarn (`_compute_yarn_parameters`) reads `factor`,
+/// `original_max_position_embeddings`, `beta_fast`, `beta_slow`, `truncate`, `attention_factor`,
+/// `mscale` and `mscale_all_dim`). Any other key changes RoPE in a way the oracle does not
 /// implement, so it is refused by name rather than ignored.
 fn rope_keys(rope_type: &str) -> Option<&'static [&'static str]> {
     match rope_type {
         "default" => Some(&[]),
         "linear" => Some(&["factor"]),
         "llama3" => Some(&["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"]),
+        "yarn" => Some(&[
+            "factor",
+            "original_max_position_embeddings",
+            "beta_fast",
+            "beta_slow",
+            "truncate",
+            "attention_factor",
+            "mscale",
+            "mscale_all_dim",
+        ]),
         _ => None,
     }
 }
@@ -196,7 +253,7 @@ fn resolve_rope(
     }
     let Some(allowed) = rope_keys(rope_type) else {
         gaps.push(gap(format!(
-            "rope_type {rope_type:?} is not covered by {}; covered: \"default\", \"linear\", \"llama3\" (dynamic, yarn, longrope and others change RoPE in ways the oracle does not implement)",
+            "rope_type {rope_type:?} is not covered by {}; covered: \"default\", \"linear\", \"llama3\", \"yarn\" (dynamic, longrope and others change RoPE in ways the oracle does not implement)",
             contract.id
         )));
         return;
@@ -260,13 +317,7 @@ fn resolve_rope(
     match rope_type {
         "linear" => {
             let factor = positive("factor", gaps);
-            cfg.rope_scaling = Some(RopeScaling {
-                rope_type: "linear".into(),
-                factor,
-                low_freq_factor: 0.0,
-                high_freq_factor: 0.0,
-                original_max_position_embeddings: 0,
-            });
+            cfg.rope_scaling = Some(RopeScaling::new("linear", factor));
         }
         "llama3" => {
             let before = gaps.len();
@@ -285,11 +336,47 @@ fn resolve_rope(
                 }
             }
             cfg.rope_scaling = Some(RopeScaling {
-                rope_type: "llama3".into(),
-                factor,
                 low_freq_factor: low,
                 high_freq_factor: high,
                 original_max_position_embeddings: if orig.is_finite() { orig as usize } else { 0 },
+                ..RopeScaling::new("llama3", factor)
+            });
+        }
+        "yarn" => {
+            let factor = positive("factor", gaps);
+            let optional = |k: &str, default: f64, gaps: &mut Vec<Gap>| {
+                if obj.get(k).is_none_or(Value::is_null) { default } else { positive(k, gaps) }
+            };
+            let orig = optional("original_max_position_embeddings", cfg.max_seq as f64, gaps);
+            if orig.is_finite() && orig.fract() != 0.0 {
+                gaps.push(gap(format!("{field}.original_max_position_embeddings must be an integer, got {orig}")));
+            }
+            let (beta_fast, beta_slow) = (optional("beta_fast", 32.0, gaps), optional("beta_slow", 1.0, gaps));
+            let truncate = match obj.get("truncate") {
+                None | Some(Value::Null) => true,
+                Some(Value::Bool(b)) => *b,
+                Some(v) => {
+                    gaps.push(gap(format!("{field}.truncate must be true or false, got {}", super::json_type(v))));
+                    true
+                }
+            };
+            // transformers' order: an explicit attention_factor, else the ratio of the mscales
+            // when both are given, else the mscale of the factor.
+            let (mscale, all_dim) = (optional("mscale", 0.0, gaps), optional("mscale_all_dim", 0.0, gaps));
+            let attention_factor = if obj.get("attention_factor").is_some_and(|v| !v.is_null()) {
+                positive("attention_factor", gaps)
+            } else if mscale > 0.0 && all_dim > 0.0 {
+                yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim)
+            } else {
+                yarn_mscale(factor, 1.0)
+            };
+            cfg.rope_scaling = Some(RopeScaling {
+                original_max_position_embeddings: if orig.is_finite() { orig as usize } else { 0 },
+                beta_fast,
+                beta_slow,
+                truncate,
+                attention_factor,
+                ..RopeScaling::new("yarn", factor)
             });
         }
         _ => {}

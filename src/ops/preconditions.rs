@@ -38,7 +38,7 @@ pub fn gaps(
     let Some(window) = family
         .graph
         .as_ref()
-        .and_then(|g| g.layer.iter().find(|n| n.op == "attention"))
+        .and_then(|g| g.layer.iter().find(|n| crate::ckb::is_attention(&n.op)))
         .and_then(|n| n.params.get("window"))
     else {
         return out;

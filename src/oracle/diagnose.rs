@@ -143,6 +143,8 @@ pub fn distinguishable(m: Mutation, r: &Reference) -> bool {
         Mutation::MoeSoftmaxOverTopk => r.has_router(false),
         Mutation::MoeExpertOffByOne => r.has_op("moe_route"),
         Mutation::MoeUnweighted => r.has_op("moe_experts"),
+        Mutation::SinksDropped => r.has_op("attention_sinks"),
+        Mutation::MoeGateUpHalves | Mutation::SwigluUnclamped => r.has_op("moe_experts_clamped"),
         _ => true,
     }
 }

@@ -23,7 +23,14 @@ pub fn gelu_tanh_and_mul(gate: &[f64], up: &[f64]) -> Vec<f64> {
 ///   `lo = original_max / low_freq_factor` and `hi = original_max / high_freq_factor`, a frequency whose
 ///   wavelength is below `hi` is kept, above `lo` is divided by `factor`, and in between it is blended:
 ///   `s = (original_max / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)`,
-///   `f' = (1 - s) f / factor + s f`.
+///   `f' = (1 - s) f / factor + s f`;
+/// - `yarn` (Peng et al. 2023, arXiv:2309.00071, section 3.2 "NTK-by-parts"; HF transformers
+///   `_compute_yarn_parameters`): with `d = head_dim`, the dimension at which a frequency turns
+///   `r` times over the original context is `dim(r) = d ln(original_max / (2 pi r)) / (2 ln theta)`;
+///   `lo = dim(beta_fast)`, `hi = dim(beta_slow)` (floored and ceiled when `truncate`), clamped
+///   to `[0, d - 1]` (`hi` nudged by 0.001 when equal); pair j's ramp `s = clamp((j - lo) / (hi - lo), 0, 1)`
+///   blends `f' = s f / factor + (1 - s) f`. The attention factor that multiplies cos and sin is
+///   applied where the rotation is (`RopeScaling::attention_factor`).
 pub fn rope_inv_freq(head_dim: usize, theta: f64, scaling: Option<&RopeScaling>) -> Vec<f64> {
     let base: Vec<f64> = (0..head_dim / 2).map(|j| theta.powf(-2.0 * j as f64 / head_dim as f64)).collect();
     let Some(s) = scaling else { return base };
@@ -44,6 +51,26 @@ pub fn rope_inv_freq(head_dim: usize, theta: f64, scaling: Option<&RopeScaling>)
                         let smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
                         (1.0 - smooth) * f / s.factor + smooth * f
                     }
+                })
+                .collect()
+        }
+        "yarn" => {
+            let d = head_dim as f64;
+            let orig = s.original_max_position_embeddings as f64;
+            let dim = |rot: f64| d * (orig / (rot * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln());
+            let (mut lo, mut hi) = (dim(s.beta_fast), dim(s.beta_slow));
+            if s.truncate {
+                (lo, hi) = (lo.floor(), hi.ceil());
+            }
+            let (lo, mut hi) = (lo.max(0.0), hi.min(d - 1.0));
+            if lo == hi {
+                hi += 0.001;
+            }
+            base.iter()
+                .enumerate()
+                .map(|(j, &f)| {
+                    let ramp = ((j as f64 - lo) / (hi - lo)).clamp(0.0, 1.0);
+                    ramp * f / s.factor + (1.0 - ramp) * f
                 })
                 .collect()
         }

@@ -286,6 +286,9 @@ impl Handwritten {
                 };
                 rope_pairs_with_freqs(&mut q, pos, nh, hd, f, adjacent);
                 rope_pairs_with_freqs(&mut k, pos, nkv, hd, f, adjacent);
+                // YaRN's attention factor multiplies cos and sin (1 for the other scalings).
+                let af = c.rope_scaling.as_ref().map_or(1.0, |s| s.attention_factor);
+                q.iter_mut().chain(k.iter_mut()).for_each(|x| *x *= af);
             } else {
                 rot(m, &mut q, pos, nh, hd, c.rope_theta);
                 rot(m, &mut k, pos, nkv, hd, c.rope_theta);

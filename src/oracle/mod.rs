@@ -166,6 +166,41 @@ pub fn attention(q: &[f64], k: &[f64], v: &[f64], s: AttnShape) -> Vec<f64> {
     out
 }
 
+/// Causal grouped-query attention with a learned logit per query head in the softmax (gpt-oss's
+/// attention sinks; Xiao et al. 2023, arXiv:2309.17453, with the sink a learned scalar as in
+/// OpenAI's gpt-oss model card 2025): the scores of head h get `sinks[h]` appended before the softmax
+/// and its probability dropped after, so the weights of the real positions sum to less than 1.
+/// Shapes and masking as [`attention`]; `sinks` [n_heads]. (contract kernel.attention_sinks)
+pub fn attention_sinks(q: &[f64], k: &[f64], v: &[f64], sinks: &[f64], s: AttnShape) -> Vec<f64> {
+    let AttnShape { n_q, kv_len, n_heads, n_kv_heads, head_dim } = s;
+    let group = n_heads / n_kv_heads;
+    let scale = 1.0 / (head_dim as f64).sqrt();
+    let mut out = vec![0.0; n_q * n_heads * head_dim];
+    for i in 0..n_q {
+        let pos = kv_len - n_q + i;
+        for h in 0..n_heads {
+            let kvh = h / group;
+            let qv = &q[(i * n_heads + h) * head_dim..][..head_dim];
+            let mut scores: Vec<f64> = (0..=pos)
+                .map(|t| {
+                    let kv = &k[(t * n_kv_heads + kvh) * head_dim..][..head_dim];
+                    qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f64>() * scale
+                })
+                .collect();
+            scores.push(sinks[h]);
+            let p = softmax(&scores, scores.len());
+            let o = &mut out[(i * n_heads + h) * head_dim..][..head_dim];
+            for (t, pt) in p[..=pos].iter().enumerate() {
+                let vv = &v[(t * n_kv_heads + kvh) * head_dim..][..head_dim];
+                for (oj, vj) in o.iter_mut().zip(vv) {
+                    *oj += pt * vj;
+                }
+            }
+        }
+    }
+    out
+}
+
 /// Index of the largest element, the first on ties. (contract kernel.argmax)
 ///
 /// # Panics

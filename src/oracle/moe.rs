@@ -44,3 +44,48 @@ pub fn moe_experts(x: &[f64], route: &[f64], gate: &[f64], up: &[f64], down: &[f
     }
     out
 }
+
+/// gpt-oss's experts of one token (transformers `GptOssExperts`; OpenAI 2025, arXiv:2508.10925):
+/// for each expert e with route[e] != 0, `y = x GU_e + b_e` [2 inter] with `GU_e` stored
+/// input-major [hidden, 2 inter]; gate = y[0::2] clamped above at `limit`, up = y[1::2] clamped to
+/// [-limit, limit] (interleaved); `a = (up + 1) * gate * sigmoid(alpha * gate)`;
+/// `z = a D_e + c_e` with `D_e` input-major [inter, hidden]; out = sum_e route[e] * z.
+/// `gate_up` [n_experts, hidden, 2 inter], `gate_up_bias` [n_experts, 2 inter], `down`
+/// [n_experts, inter, hidden], `down_bias` [n_experts, hidden]. Returns [hidden].
+#[allow(clippy::too_many_arguments)]
+pub fn moe_experts_clamped(
+    x: &[f64],
+    route: &[f64],
+    gate_up: &[f64],
+    gate_up_bias: &[f64],
+    down: &[f64],
+    down_bias: &[f64],
+    inter: usize,
+    alpha: f64,
+    limit: f64,
+) -> Vec<f64> {
+    let hidden = x.len();
+    let mut out = vec![0.0; hidden];
+    for (e, &w) in route.iter().enumerate() {
+        if w == 0.0 {
+            continue;
+        }
+        let gu = &gate_up[e * hidden * 2 * inter..][..hidden * 2 * inter];
+        let y: Vec<f64> = (0..2 * inter)
+            .map(|j| (0..hidden).map(|h| x[h] * gu[h * 2 * inter + j]).sum::<f64>() + gate_up_bias[e * 2 * inter + j])
+            .collect();
+        let a: Vec<f64> = (0..inter)
+            .map(|j| {
+                let gate = y[2 * j].min(limit);
+                let up = y[2 * j + 1].clamp(-limit, limit);
+                (up + 1.0) * (gate / (1.0 + (-alpha * gate).exp()))
+            })
+            .collect();
+        let dn = &down[e * inter * hidden..][..inter * hidden];
+        for (c, o) in out.iter_mut().enumerate() {
+            let z = (0..inter).map(|j| a[j] * dn[j * hidden + c]).sum::<f64>() + down_bias[e * hidden + c];
+            *o += w * z;
+        }
+    }
+    out
+}

@@ -80,11 +80,19 @@ pub enum Mutation {
     MoeExpertOffByOne,
     /// `moe_unweighted` in every experts node.
     MoeUnweighted,
+    /// `sinks_dropped` in every attention node with sinks (no effect in a family without them).
+    SinksDropped,
+    /// `gate_up_halves` in every fused clamped-experts node (no effect without one, or where the
+    /// expert width is 1).
+    MoeGateUpHalves,
+    /// `swiglu_unclamped` in every fused clamped-experts node (no effect while no gate or up value
+    /// passes the limit).
+    SwigluUnclamped,
 }
 
 impl Mutation {
     /// Every model-level mutation.
-    pub const ALL: [Mutation; 17] = [
+    pub const ALL: [Mutation; 20] = [
         Mutation::RopeAdjacent,
         Mutation::RopeThetaDefault,
         Mutation::RmsNormEpsOutside,
@@ -102,6 +110,9 @@ impl Mutation {
         Mutation::MoeSoftmaxOverTopk,
         Mutation::MoeExpertOffByOne,
         Mutation::MoeUnweighted,
+        Mutation::SinksDropped,
+        Mutation::MoeGateUpHalves,
+        Mutation::SwigluUnclamped,
     ];
 
     /// The mutant's name, as the failure contracts spell it.
@@ -124,6 +135,9 @@ impl Mutation {
             Mutation::MoeSoftmaxOverTopk => "moe_softmax_over_topk",
             Mutation::MoeExpertOffByOne => "moe_expert_off_by_one",
             Mutation::MoeUnweighted => "moe_unweighted",
+            Mutation::SinksDropped => "sinks_dropped",
+            Mutation::MoeGateUpHalves => "gate_up_halves",
+            Mutation::SwigluUnclamped => "swiglu_unclamped",
         }
     }
 
@@ -175,6 +189,10 @@ mod tests {
         let set = Mutations::of(&[Mutation::SiluSwapped, Mutation::GqaModulo]);
         assert!(set.has(Mutation::SiluSwapped) && set.has(Mutation::GqaModulo) && !set.has(Mutation::LinearXw));
         assert!(Mutations::NONE.is_empty() && !set.is_empty());
-        assert_eq!(names().len(), 35, "30 before the five mixture-of-experts mutants");
+        assert_eq!(
+            names().len(),
+            38,
+            "30 before the five mixture-of-experts mutants, then gpt-oss's sinks, gate/up halves and clamp"
+        );
     }
 }

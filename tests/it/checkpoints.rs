@@ -154,8 +154,12 @@ fn unknown_rope_keys_types_and_layouts_are_refused_by_name() {
     assert!(e.contains("rope_parameters.mrope_section is not a key of rope_type \"default\""), "{e}");
     let e = with(json!({"rope_type": "linear", "factor": 2.0, "low_freq_factor": 1.0}));
     assert!(e.contains("rope_parameters.low_freq_factor is not a key of rope_type \"linear\""), "{e}");
-    let e = with(json!({"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}));
-    assert!(e.starts_with("rope_parameters: rope_type \"yarn\" is not covered by model.llama"), "{e}");
+    let e = with(json!({"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}));
+    assert!(e.starts_with("rope_parameters: rope_type \"dynamic\" is not covered by model.llama"), "{e}");
+    let e = with(json!({"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "beta_fast": "32"}));
+    assert!(e.contains("rope_parameters.beta_fast must be a positive number"), "{e}");
+    let e = with(json!({"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "truncate": 0}));
+    assert!(e.contains("rope_parameters.truncate must be true or false"), "{e}");
     let e = with(
         json!({"full_attention": {"rope_type": "default", "rope_theta": 1e6}, "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
     );
@@ -806,7 +810,7 @@ fn every_family_has_a_tolerance_per_weight_dtype_and_a_dtype_policy() {
     });
     let msgs: Vec<&str> = f.iter().map(|f| f.message.as_str()).collect();
     assert_eq!(msgs.len(), 1, "{msgs:?}");
-    assert!(msgs[0].contains("at_weight_dtype must list exactly those"), "{msgs:?}");
+    assert!(msgs[0].contains("weight role `attn_norm`: only matrices"), "{msgs:?}");
 }
 
 /// The tokenizer contract names Split patterns as data, and they are exactly the published strings

@@ -22,13 +22,13 @@ fn folders() -> Vec<(String, PathBuf)> {
     out
 }
 
-/// The families whose contracts ship, each of which must pass; the others (gpt_oss: attention
-/// sinks, YaRN, clamped SwiGLU experts) are reported not covered, with the reason.
+/// The families whose contracts ship, each of which must pass: all 17 of ../shared/conformance.
 const COVERED: &[&str] = &[
     "cohere",
     "gemma",
     "gemma2",
     "gemma3_text",
+    "gpt_oss",
     "granite",
     "llama",
     "mistral",
@@ -86,7 +86,7 @@ fn checkpoint(name: &str) -> (metainfer::ckb::Contract, metainfer::model::Resolv
 }
 
 /// Each failure mode the families added from contracts alone list (Gemma 3, Cohere, StableLM,
-/// StarCoder2, OLMo, Phi-3, Qwen3-MoE, Mixtral) has a model-level mutant or a graph rewrite, and diagnosis names it from
+/// StarCoder2, OLMo, Phi-3, Qwen3-MoE, Mixtral, gpt-oss) has a model-level mutant or a graph rewrite, and diagnosis names it from
 /// that mutant's own logits on the checkpoint transformers wrote.
 #[test]
 fn every_failure_mode_of_the_new_families_is_named_from_its_own_logits() {
@@ -98,7 +98,7 @@ fn every_failure_mode_of_the_new_families_is_named_from_its_own_logits() {
     // Detected by the weight-loading gate (a checkpoint without lm_head.weight), not by a mutant.
     let no_mutant = ["failure.tied-embeddings-ignored"];
     let mut shown = Vec::new();
-    for name in ["gemma3_text", "cohere", "stablelm", "starcoder2", "olmo", "phi3", "qwen3_moe", "mixtral"] {
+    for name in ["gemma3_text", "cohere", "stablelm", "starcoder2", "olmo", "phi3", "qwen3_moe", "mixtral", "gpt_oss"] {
         let (contract, cfg, tensors) = checkpoint(name);
         let family = contract.model.clone().unwrap();
         let tol = family.logits_tolerance["f32"].clone();
@@ -476,7 +476,17 @@ fn vectors_without_numbers_are_refused_by_name() {
         let e = conformance(&c, &[dir.display().to_string()]).unwrap_err();
         assert!(e.message.contains(want), "{name}: {}", e.message);
     }
-    // Folders no contract covers show nothing: the report does not pass.
-    let r = conformance(&c, &[shared().join("conformance/gpt_oss").display().to_string()]).unwrap();
+    // Folders no contract covers show nothing: the report does not pass (the Llama checkpoint
+    // relabelled as an architecture no contract routes).
+    let dir = t.path().join("unrouted");
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in ["model.safetensors", "tokenizer.json", "vectors.json"] {
+        std::fs::copy(original.join(f), dir.join(f)).unwrap();
+    }
+    let mut config = metainfer::model::read_config(original.as_path()).unwrap();
+    config.insert("architectures".into(), serde_json::json!(["DeepseekV3ForCausalLM"]));
+    config.insert("model_type".into(), serde_json::json!("deepseek_v3"));
+    std::fs::write(dir.join("config.json"), serde_json::Value::Object(config).to_string()).unwrap();
+    let r = conformance(&c, &[dir.display().to_string()]).unwrap();
     assert!(r.covered == 0 && !r.passed, "{}", metainfer::ops::Report::text(&r));
 }

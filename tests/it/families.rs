@@ -194,6 +194,7 @@ fn gelu_tanh_and_llama3_frequencies_match_published_values() {
         low_freq_factor: 1.0,
         high_freq_factor: 4.0,
         original_max_position_embeddings: 8192,
+        ..model::RopeScaling::new("llama3", 8.0)
     };
     let plain = rope_inv_freq(128, 500_000.0, None);
     let scaled = rope_inv_freq(128, 500_000.0, Some(&s));
@@ -232,10 +233,10 @@ fn config_edge_cases_are_refused_with_the_field() {
     let t = tempfile::tempdir().unwrap();
     let cases: Vec<EdgeCase> = vec![
         (
-            "yarn",
+            "longrope",
             "llama",
-            Box::new(|c| c["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0})),
-            &["rope_scaling", "yarn"],
+            Box::new(|c| c["rope_scaling"] = json!({"rope_type": "longrope", "factor": 4.0})),
+            &["rope_scaling", "longrope"],
         ),
         (
             "llama3-missing",

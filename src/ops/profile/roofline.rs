@@ -375,13 +375,15 @@ pub fn point_costs(
                     flops += 2.0 * elements;
                 }
             }
-            if n.op == "attention" {
+            if crate::ckb::is_attention(&n.op) {
                 bytes += 2.0 * kv_len as f64 * nkv * hd * 4.0;
                 flops += 4.0 * kv_len as f64 * nh * hd;
             }
-            if n.op == "moe_experts" {
-                // The weights above are one expert's; a token reads the top_k its router keeps
-                // (the `moe_route` node named as the second input), 2 FLOPs per weight read.
+            if crate::ckb::is_moe_experts(&n.op) {
+                // The weights above are one expert's (`moe_experts`, a tensor per expert) or every
+                // expert's (`moe_experts_clamped`, fused [experts, ...] tensors); a token reads the
+                // top_k its router keeps (the `moe_route` node named as the second input), 2 FLOPs
+                // per weight read.
                 let top_k = n
                     .inputs
                     .get(1)
@@ -389,7 +391,9 @@ pub fn point_costs(
                     .and_then(|r| r.params.get("top_k"))
                     .and_then(|e| eval_expr(e, &role).ok())
                     .unwrap_or(1.0);
-                bytes *= top_k;
+                let fused = n.op == "moe_experts_clamped";
+                let experts = n.params.get("experts").and_then(|e| eval_expr(e, &role).ok()).unwrap_or(1.0);
+                bytes *= if fused { top_k / experts.max(1.0) } else { top_k };
                 flops = 2.0 * bytes / weight_bytes(dtype);
             }
             if flops == 0.0 {

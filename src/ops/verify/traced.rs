@@ -107,7 +107,7 @@ pub(super) fn localise_step(
         let prior = if at.note.is_empty() { String::new() } else { format!("{}; ", at.note) };
         // Attention also reads the rows earlier positions left in the KV cache: with its own
         // inputs agreeing, those rows are the first suspects.
-        let cache = if node.is_some_and(|n| n.op == "attention") {
+        let cache = if node.is_some_and(|n| crate::ckb::is_attention(&n.op)) {
             "; attention also reads the K/V rows of earlier positions, so check what the cache holds (component.kv_cache: row p written at position p, rows 0..=pos read)"
         } else {
             ""

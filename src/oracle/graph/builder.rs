@@ -72,15 +72,22 @@ impl Builder<'_> {
             } else {
                 None
             };
-            let weight = match n.weights.get(slot).filter(|_| experts.is_none()) {
+            // Ops whose weights are named slots of their own (attention sinks, fused experts).
+            let mut slots = BTreeMap::new();
+            if matches!(n.op.as_str(), "attention_sinks" | "moe_experts_clamped") {
+                for (s, p) in &n.weights {
+                    slots.insert(s.clone(), self.bind(&trace, p, layer, false, &BTreeMap::new())?);
+                }
+            }
+            let weight = match n.weights.get(slot).filter(|_| experts.is_none() && slots.is_empty()) {
                 Some(p) => Some(self.bind(&trace, p, layer, one_plus, &params)?),
                 None => None,
             };
-            let bias = match n.weights.get("bias") {
+            let bias = match n.weights.get("bias").filter(|_| slots.is_empty()) {
                 Some(p) => Some(self.bind(&trace, p, layer, false, &params)?),
                 None => None,
             };
-            let cache = if n.op == "attention" {
+            let cache = if crate::ckb::is_attention(&n.op) {
                 self.caches += 1;
                 self.caches - 1
             } else {
@@ -106,6 +113,7 @@ impl Builder<'_> {
                 one_plus,
                 tied,
                 experts,
+                slots,
             });
             names.push(&n.name);
         }
@@ -178,8 +186,20 @@ impl Builder<'_> {
             {
                 return Err(Error::input(format!("tensor `{name}` has shape {s:?}, config.json implies {want:?}")));
             }
-            let mut w =
-                if s.len() == 2 { crate::oracle::dtypes::as_stored(&v, s[1], self.weight_dtype) } else { widen(&v) };
+            // Matrices (2-D, and the fused 3-D expert tensors, row by row of their last axis) at
+            // the weight dtype, unless the dtype policy keeps their role in f32 (gpt-oss's 2-D
+            // expert biases); vectors as stored.
+            let role = self.family.weights.iter().find(|w| w.name == pattern).map(|w| w.role.as_str());
+            let keep = self
+                .family
+                .dtype_policy
+                .as_ref()
+                .is_some_and(|p| role.is_some_and(|r| p.keep_f32.iter().any(|k| k == r)));
+            let mut w = if s.len() >= 2 && !keep {
+                crate::oracle::dtypes::as_stored(&v, s[s.len() - 1], self.weight_dtype)
+            } else {
+                widen(&v)
+            };
             if one_plus {
                 w.iter_mut().for_each(|x| *x += 1.0);
             }

@@ -5,8 +5,8 @@ use crate::model::ResolvedConfig;
 use crate::oracle::AttnShape;
 use crate::oracle::families::{rope_inv_freq, rope_pairs_with_freqs};
 use crate::oracle::kernels::{
-    attention, embedding, gelu_tanh, gelu_tanh_and_mul, layer_norm, linear, moe_experts, moe_route, rms_norm, rope,
-    rotary, silu_and_mul,
+    attention, attention_sinks, embedding, gelu_tanh, gelu_tanh_and_mul, layer_norm, linear, moe_experts,
+    moe_experts_clamped, moe_route, rms_norm, rope, rotary, silu_and_mul,
 };
 use crate::oracle::mutants::{Mutation, Mutations};
 
@@ -129,6 +129,11 @@ impl Exec<'_> {
                     Some(freqs) => rope_pairs_with_freqs(&mut x, self.pos, heads, hd, freqs, f.adjacent),
                     None => rope::core(&mut x, &[self.pos], heads, hd, theta, f),
                 }
+                // YaRN's attention factor multiplies cos and sin (1 for the other scalings).
+                if scaled.is_some() {
+                    let af = c.rope_scaling.as_ref().map_or(1.0, |s| s.attention_factor);
+                    x.iter_mut().for_each(|v| *v *= af);
+                }
                 x
             }
             "rotary" => {
@@ -149,6 +154,10 @@ impl Exec<'_> {
                     Some(s) => {
                         let freqs = rope_inv_freq(rot, base, Some(s));
                         rotary::rotate(&mut x, self.pos, heads, hd, &freqs, interleaved != f.pairing_swapped);
+                        // YaRN's attention factor scales the rotated entries only.
+                        for head in x.chunks_mut(hd) {
+                            head[..rot.min(hd)].iter_mut().for_each(|v| *v *= s.attention_factor);
+                        }
                     }
                     None => rotary::core(&mut x, &[self.pos], heads, hd, rot, base, interleaved, f),
                 }
@@ -172,7 +181,7 @@ impl Exec<'_> {
                 let l = n.params["limit"];
                 if l > 0.0 { input(0).iter().map(|v| v.clamp(-l, l)).collect() } else { input(0).to_vec() }
             }
-            "attention" => {
+            "attention" | "attention_sinks" => {
                 let (q, k, v) = (input(0), input(1), input(2));
                 let pos = self.pos;
                 let l = n.cache;
@@ -199,6 +208,11 @@ impl Exec<'_> {
                     softmax_no_max: false,
                 };
                 let (keys, values) = (&self.k_cache[l][from..], &self.v_cache[l][from..]);
+                if let Some(s) = n.slots.get("sinks") {
+                    let scale = if f.no_scale { 1.0 } else { 1.0 / (hd as f64).sqrt() };
+                    let f = attention_sinks::Faults { dropped: m.has(Mutation::SinksDropped), attention: f };
+                    return attention_sinks::core(q, keys, values, slice(s), shape, scale, f);
+                }
                 match (n.params.get("scale"), n.params.get("softcap")) {
                     (None, None) => attention::core(q, keys, values, shape, f),
                     (scale, cap) => {
@@ -227,6 +241,18 @@ impl Exec<'_> {
                     silu: silu_and_mul::Faults { swapped: m.has(Mutation::SiluSwapped) },
                 };
                 moe_experts::core(input(0), input(1), &self.store[g.at], &self.store[u.at], &self.store[d.at], inter, f)
+            }
+            "moe_experts_clamped" => {
+                let t = |slot: &str| self.store[n.slots[slot].at].as_slice();
+                let (x, count) = (input(0), n.params["experts"] as usize);
+                let inter = t("down").len() / (count * x.len()).max(1);
+                let f = moe_experts_clamped::Faults {
+                    halves: m.has(Mutation::MoeGateUpHalves),
+                    unclamped: m.has(Mutation::SwigluUnclamped),
+                };
+                let (alpha, limit) = (n.params["alpha"], n.params["limit"]);
+                let (gu, gub, d, db) = (t("gate_up"), t("gate_up_bias"), t("down"), t("down_bias"));
+                moe_experts_clamped::core(x, input(1), gu, gub, d, db, inter, alpha, limit, f)
             }
             "silu_and_mul" => {
                 silu_and_mul::core(input(0), input(1), silu_and_mul::Faults { swapped: m.has(Mutation::SiluSwapped) })

@@ -81,6 +81,9 @@ struct Prepared {
     tied: Option<String>,
     /// A `moe_experts` node's gate, up and down weights, each every expert's tensor stacked.
     experts: Option<[Bound; 3]>,
+    /// The weights of ops with named slots of their own (`attention_sinks`: sinks;
+    /// `moe_experts_clamped`: gate_up, gate_up_bias, down, down_bias), by slot.
+    slots: BTreeMap<String, Bound>,
 }
 
 /// Each node's output for one step, in order, by trace name (`embed`, `layers.<i>.<name>`, ..., `logits`).
@@ -252,7 +255,7 @@ impl GraphReference {
                 if !(block[i].inputs.len() == 1
                     && matches!(block[j].inputs[..], [Src::Node(x)] if x == i)
                     && only_b_reads_a
-                    && block[i].op != "attention")
+                    && !crate::ckb::is_attention(&block[i].op))
                 {
                     return Err(Error::input(format!(
                         "rewrite swaps `{a}` and `{b}` at `{}`: only two one-input nodes of a block, the second reading the first and nothing else reading it, can be swapped",
@@ -264,7 +267,10 @@ impl GraphReference {
             }
             for n in block.iter_mut() {
                 n.skip = r.skip.contains(&n.name);
-                if n.skip && (n.inputs.is_empty() || matches!(n.op.as_str(), "linear" | "embedding" | "attention")) {
+                if n.skip
+                    && (n.inputs.is_empty()
+                        || (matches!(n.op.as_str(), "linear" | "embedding") || crate::ckb::is_attention(&n.op)))
+                {
                     return Err(Error::input(format!(
                         "rewrite skips node `{}` ({}): only a node whose output has its first input's width can be skipped",
                         n.trace, n.op

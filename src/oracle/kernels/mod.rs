@@ -24,6 +24,7 @@
 
 pub mod argmax;
 pub mod attention;
+pub mod attention_sinks;
 pub mod embedding;
 pub mod gelu_tanh;
 pub mod gelu_tanh_and_mul;
@@ -33,6 +34,7 @@ pub mod linear_bf16;
 pub mod linear_f16;
 pub mod linear_int8;
 pub mod moe_experts;
+pub mod moe_experts_clamped;
 pub mod moe_route;
 pub mod paged_attention;
 pub mod rms_norm;
@@ -220,8 +222,10 @@ pub static REGISTRY: &[&Kernel] = &[
     &gelu_tanh::KERNEL,
     &moe_route::KERNEL,
     &moe_experts::KERNEL,
+    &moe_experts_clamped::KERNEL,
     &softmax::KERNEL,
     &attention::KERNEL,
+    &attention_sinks::KERNEL,
     &paged_attention::KERNEL,
     &argmax::KERNEL,
     &sample::KERNEL,

@@ -248,6 +248,55 @@ pub fn attention_with(
     softcap: Option<f32>,
     out: &mut [f32],
 ) {
+    attend(q, k_cache, v_cache, n_q, kv_len, n_heads, n_kv_heads, head_dim, scale, softcap, None, out);
+}
+
+/// Contract `kernel.attention_sinks`.
+/// Causal attention with a learned sink logit per query head in the softmax denominator (GPT-OSS;
+/// Xiao et al. 2023, attention sinks; transformers' GptOssAttention, eager_attention_forward).
+/// `q`: [n_q, n_heads, head_dim], the last n_q of the kv_len cached positions; `k_cache`,
+/// `v_cache`: [kv_len, n_kv_heads, head_dim]; `sinks`: [n_heads]; `out`: [n_q, n_heads, head_dim].
+///
+/// As [`attention`] (query token i at position p = kv_len - n_q + i sees cache rows 0..=p, query head
+/// h reads KV head h / (n_heads / n_kv_heads), scores s_t = q.k_t / sqrt(head_dim)), with head h's
+/// sink joining the softmax without a value: m = max(max_t s_t, sinks[h]), p_t = exp(s_t - m) /
+/// (sum_u exp(s_u - m) + exp(sinks[h] - m)), out = sum_t p_t v_t. The weights sum to less than 1.
+/// No window argument: a sliding-window layer passes only its window's rows.
+#[allow(clippy::too_many_arguments)] // attention's signature and the sinks
+pub fn attention_sinks(
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    sinks: &[f32],
+    n_q: usize,
+    kv_len: usize,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    out: &mut [f32],
+) {
+    assert_eq!(sinks.len(), n_heads, "attention_sinks: sinks must be [n_heads]");
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    attend(q, k_cache, v_cache, n_q, kv_len, n_heads, n_kv_heads, head_dim, scale, None, Some(sinks), out);
+}
+
+/// The loop of [`attention_with`] and [`attention_sinks`]: scores scaled by `scale`, capped with
+/// `softcap`, softmaxed with head h's sink `sinks[h]` in the denominator when given.
+#[allow(clippy::too_many_arguments)]
+fn attend(
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    n_q: usize,
+    kv_len: usize,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+    softcap: Option<f32>,
+    sinks: Option<&[f32]>,
+    out: &mut [f32],
+) {
     assert!(
         n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads),
         "attention: n_heads must be a multiple of n_kv_heads"
@@ -273,7 +322,10 @@ pub fn attention_with(
             if let Some(cap) = softcap {
                 weights.iter_mut().for_each(|s| *s = (*s / cap).tanh() * cap);
             }
-            softmax(weights, p + 1);
+            match sinks {
+                None => softmax(weights, p + 1),
+                Some(sinks) => softmax_with_sink(weights, sinks[h]),
+            }
             let oh = &mut out[(i * n_heads + h) * head_dim..][..head_dim];
             oh.fill(0.0);
             for (t, &w) in weights.iter().enumerate() {
@@ -283,6 +335,20 @@ pub fn attention_with(
                 }
             }
         }
+    }
+}
+
+/// Softmax of `x` with one more logit `sink` in the denominator, in place (GPT-OSS's attention
+/// sinks): m = max(max x, sink); x[t] = exp(x[t] - m) / (sum_u exp(x[u] - m) + exp(sink - m)).
+fn softmax_with_sink(x: &mut [f32], sink: f32) {
+    let max = x.iter().fold(sink, |m, &v| m.max(v));
+    let mut sum = (sink - max).exp();
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    for v in x.iter_mut() {
+        *v /= sum;
     }
 }
 
@@ -341,6 +407,75 @@ pub fn moe_experts(x: &[f32], route: &[f32], gate: &[f32], up: &[f32], down: &[f
         linear(&a, &down[block], 1, inter, hidden, &mut y);
         for (o, v) in out.iter_mut().zip(&y) {
             *o += weight * v;
+        }
+    }
+}
+
+/// Contract `kernel.moe_experts_clamped`.
+/// gpt-oss experts: clamped SwiGLU over fused, input-major expert tensors with biases, weighted by
+/// `route` [n_experts] (only experts with route[e] != 0 are computed, the others never read).
+/// x, out: [hidden]; gate_up: [n_experts, hidden, 2 * inter]; gate_up_bias: [n_experts, 2 * inter];
+/// down: [n_experts, inter, hidden]; down_bias: [n_experts, hidden].
+///
+/// transformers' GptOssExperts: for each e with route[e] != 0, in index order:
+/// y = x gate_up[e] + gate_up_bias[e] ([2 * inter]; y[j] = sum_h x[h] gate_up[e, h, j], the stored
+/// matrix is input-major, not nn.Linear's layout); gate_j = min(y[2j], limit), up_j = clamp(y[2j + 1],
+/// -limit, limit) (gate and up interleaved, not halves); act_j = (up_j + 1) * gate_j *
+/// sigmoid(alpha * gate_j); z = act down[e] + down_bias[e] ([hidden]; z[c] = sum_j act_j down[e, j,
+/// c]); out += route[e] * z. GPT-OSS: alpha 1.702, limit 7. `out` is overwritten.
+#[allow(clippy::too_many_arguments)] // the kernel's signature
+pub fn moe_experts_clamped(
+    x: &[f32],
+    route: &[f32],
+    gate_up: &[f32],
+    gate_up_bias: &[f32],
+    down: &[f32],
+    down_bias: &[f32],
+    inter: usize,
+    alpha: f32,
+    limit: f32,
+    out: &mut [f32],
+) {
+    let (hidden, n_experts) = (x.len(), route.len());
+    assert_eq!(out.len(), hidden, "moe_experts_clamped: x and out must be [hidden]");
+    assert!(
+        gate_up.len() == n_experts * hidden * 2 * inter && down.len() == n_experts * inter * hidden,
+        "moe_experts_clamped: gate_up must be [n_experts, hidden, 2 * inter], down [n_experts, inter, hidden]"
+    );
+    assert!(
+        gate_up_bias.len() == n_experts * 2 * inter && down_bias.len() == n_experts * hidden,
+        "moe_experts_clamped: gate_up_bias must be [n_experts, 2 * inter], down_bias [n_experts, hidden]"
+    );
+    let (mut y, mut act, mut z) = (vec![0.0f32; 2 * inter], vec![0.0f32; inter], vec![0.0f32; hidden]);
+    out.fill(0.0);
+    for (e, &weight) in route.iter().enumerate() {
+        if weight == 0.0 {
+            continue;
+        }
+        let gu = &gate_up[e * hidden * 2 * inter..][..hidden * 2 * inter];
+        y.fill(0.0);
+        for (h, &xh) in x.iter().enumerate() {
+            for (yj, &w) in y.iter_mut().zip(&gu[h * 2 * inter..][..2 * inter]) {
+                *yj += xh * w;
+            }
+        }
+        for (yj, &b) in y.iter_mut().zip(&gate_up_bias[e * 2 * inter..][..2 * inter]) {
+            *yj += b;
+        }
+        for j in 0..inter {
+            let gate = y[2 * j].min(limit);
+            let up = y[2 * j + 1].clamp(-limit, limit);
+            act[j] = (up + 1.0) * (gate / (1.0 + (-alpha * gate).exp()));
+        }
+        let dn = &down[e * inter * hidden..][..inter * hidden];
+        z.fill(0.0);
+        for (j, &a) in act.iter().enumerate() {
+            for (zc, &w) in z.iter_mut().zip(&dn[j * hidden..][..hidden]) {
+                *zc += a * w;
+            }
+        }
+        for ((o, &zc), &b) in out.iter_mut().zip(&z).zip(&down_bias[e * hidden..][..hidden]) {
+            *o += weight * (zc + b);
         }
     }
 }
@@ -527,6 +662,64 @@ mod tests {
         attention_with(&[1.0, 0.0], &k, &v, 1, 2, 1, 1, 2, std::f32::consts::FRAC_1_SQRT_2, Some(1.0), &mut out);
         let w1 = 0.8f64.exp() / (1.0 + 0.8f64.exp());
         close(&out, &[4.0 * (1.0 - w1), 8.0 * w1], 1e-5);
+    }
+
+    #[test]
+    fn attention_sinks_add_one_valueless_logit_per_head_to_the_denominator() {
+        // One position, head_dim 2, scale 1/sqrt(2): q = (1, 0), k0 = (sqrt(2) ln 3, 0) gives the
+        // score ln 3. With sink 0 its weight is e^ln3 / (e^ln3 + e^0) = 3/4, so out = 3/4 v0; with
+        // sink ln 3, 1/2.
+        let k0 = [std::f32::consts::SQRT_2 * 3f32.ln(), 0.0];
+        let v0 = [4.0, 8.0];
+        let mut out = [0.0; 2];
+        attention_sinks(&[1.0, 0.0], &k0, &v0, &[0.0], 1, 1, 1, 1, 2, &mut out);
+        close(&out, &[3.0, 6.0], 1e-5);
+        attention_sinks(&[1.0, 0.0], &k0, &v0, &[3f32.ln()], 1, 1, 1, 1, 2, &mut out);
+        close(&out, &[2.0, 4.0], 1e-5);
+        // Two positions, scores (0, ln 3), sink ln 2: exponentials 1, 3 and 2, weights 1/6 and 1/2:
+        // out = v0 / 6 + v1 / 2.
+        let k = [0.0, 0.0, std::f32::consts::SQRT_2 * 3f32.ln(), 0.0];
+        let v = [4.0, 0.0, 0.0, 8.0];
+        attention_sinks(&[1.0, 0.0], &k, &v, &[2f32.ln()], 1, 2, 1, 1, 2, &mut out);
+        close(&out, &[2.0 / 3.0, 4.0], 1e-5);
+        // Two new queries: the first sees position 0 only (causal), weight 1 / (1 + 2).
+        let mut two = [0.0; 4];
+        attention_sinks(&[1.0, 0.0, 1.0, 0.0], &k, &v, &[2f32.ln()], 2, 2, 1, 1, 2, &mut two);
+        close(&two, &[4.0 / 3.0, 0.0, 2.0 / 3.0, 4.0], 1e-5);
+        // GQA with a sink per query head: head 1 (q = 0, sink 0) weighs 1/3, 1/3 (and 1/3 on its sink).
+        attention_sinks(&[1.0, 0.0, 0.0, 0.0], &k, &v, &[2f32.ln(), 0.0], 1, 2, 2, 1, 2, &mut two);
+        close(&two, &[2.0 / 3.0, 4.0, 4.0 / 3.0, 8.0 / 3.0], 1e-5);
+        // A sink far below the scores is plain attention; one far above takes all the weight without
+        // overflowing (the maximum includes the sink).
+        attention_sinks(&[1.0, 0.0], &k, &v, &[-1000.0], 1, 2, 1, 1, 2, &mut out);
+        close(&out, &[1.0, 6.0], 1e-5);
+        attention_sinks(&[1.0, 0.0], &k, &v, &[1000.0], 1, 2, 1, 1, 2, &mut out);
+        assert_eq!(out, [0.0, 0.0]);
+    }
+
+    #[test]
+    fn moe_experts_clamped_interleaves_gate_and_up_clamps_and_adds_the_biases() {
+        // hidden 1, inter 1, one expert of weight 1/2, x = 2: y = 2 (0.5, 1) + (0.25, -0.5) =
+        // (1.25, 1.5), gate 1.25, up 1.5 (under the limit 7); act = (1.5 + 1) 1.25 sigmoid(1.702 *
+        // 1.25); z = 2 act + 0.5; out = z / 2 = 3.0423357536... (f64 by hand).
+        let mut out = [f32::NAN];
+        moe_experts_clamped(&[2.0], &[0.5], &[0.5, 1.0], &[0.25, -0.5], &[2.0], &[0.5], 1, 1.702, 7.0, &mut out);
+        close(&out, &[3.042_335_753_607_923], 1e-5);
+        // hidden 1, inter 2, expert 0 unselected and full of NaN (never read); expert 1 of weight
+        // 1/4, x = 1: y = (10, -10, -1, 0.5) interleaved as (gate0, up0, gate1, up1); gate0 = min(10, 7)
+        // = 7, up0 = clamp(-10) = -7: act0 = (-7 + 1) 7 sigmoid(1.702 * 7) = -41.99971877...;
+        // act1 = (0.5 + 1) (-1) sigmoid(-1.702) = -0.23130635...; z = act0 + 2 act1 + 1;
+        // out = z / 4 = -10.365582868... (f64 by hand).
+        let gate_up = [f32::NAN, f32::NAN, f32::NAN, f32::NAN, 10.0, -10.0, -1.0, 0.5];
+        let gate_up_bias = [f32::NAN, f32::NAN, f32::NAN, f32::NAN, 0.0, 0.0, 0.0, 0.0];
+        let (down, down_bias) = ([f32::NAN, f32::NAN, 1.0, 2.0], [f32::NAN, 1.0]);
+        let mut out = [f32::NAN];
+        moe_experts_clamped(&[1.0], &[0.0, 0.25], &gate_up, &gate_up_bias, &down, &down_bias, 2, 1.702, 7.0, &mut out);
+        close(&out, &[-10.365_582_868_005_362], 1e-5);
+        // No expert selected: zero, whatever out held.
+        let mut out = [f32::NAN];
+        moe_experts_clamped(&[1.0], &[0.0, 0.0], &gate_up, &gate_up_bias, &down, &down_bias, 2, 1.702, 7.0, &mut out);
+        assert_eq!(out, [0.0]);
     }
 
     #[test]

@@ -1,13 +1,14 @@
 //! Phases 3 and 4, the decoder (contract `model.llama` and the families that refine it: `model.mistral`,
 //! `model.qwen2`, `model.qwen3`, `model.gemma`, Phi-3, OLMo-2, Granite, Gemma 2 and 3, Cohere,
-//! StableLM, StarCoder2, OLMo, and the mixture-of-experts `model.qwen3_moe` and `model.mixtral`)
-//! with its KV cache (`component.kv_cache`).
+//! StableLM, StarCoder2, OLMo, the mixture-of-experts `model.qwen3_moe` and `model.mixtral`, and
+//! GPT-OSS with its attention sinks and clamped fused experts) with its KV cache
+//! (`component.kv_cache`).
 //! One token at a time: `forward` is the contracts' `math` line by line, calling the kernels;
 //! `prefill` runs `forward` over the prompt. Weights, activations and the cache are f32.
 
 use std::path::Path;
 
-use crate::config::{Config, Moe};
+use crate::config::{Config, ExpertLayout, Moe};
 use crate::kernels;
 use crate::weights::{self, Tensors};
 
@@ -30,8 +31,10 @@ struct Layer {
     /// RMSNorm gains of every query and key head (`qk_norm`), [head_dim] each; or of the whole query
     /// and key projections (`qk_norm_whole`), [n_heads * head_dim] and [n_kv_heads * head_dim].
     qk_norm: Option<[Vec<f32>; 2]>,
+    /// GPT-OSS (`attention_sinks`): each query head's sink logit, [n_heads].
+    sinks: Option<Vec<f32>>,
     wo: Vec<f32>,
-    /// o_proj's bias (`fc_mlp`: StarCoder2).
+    /// o_proj's bias (`o_bias`: StarCoder2, GPT-OSS).
     o_bias: Option<Vec<f32>>,
     /// The MLP's pre-norm: post_attention_layernorm, or pre_feedforward_layernorm in families with
     /// `post_norms`; `None` with `no_pre_norms` or `parallel_block` (the MLP reads attn_norm's output).
@@ -46,24 +49,34 @@ struct Layer {
     w_down: Vec<f32>,
     /// c_fc's and c_proj's biases (`fc_mlp`), [intermediate] and [hidden].
     fc_bias: Option<[Vec<f32>; 2]>,
-    /// The mixture-of-experts MLP (Qwen3-MoE, Mixtral), for the dense w_gate, w_up and w_down
-    /// (then empty).
+    /// The mixture-of-experts MLP (Qwen3-MoE, Mixtral, GPT-OSS), for the dense w_gate, w_up and
+    /// w_down (then empty).
     experts: Option<Experts>,
     /// Keys after RoPE and values of positions 0..len, [len, n_kv_heads, head_dim] each.
     k_cache: Vec<f32>,
     v_cache: Vec<f32>,
 }
 
-/// A mixture-of-experts MLP's weights (contracts `model.qwen3_moe`, `model.mixtral`): the router and
-/// every expert's SwiGLU projections, stacked by expert at load (kernel.moe_experts' layout).
+/// A mixture-of-experts MLP's weights (contracts `model.qwen3_moe`, `model.mixtral`; GPT-OSS): the
+/// router and every expert's projections, stacked by expert at load (kernel.moe_experts' layout), or
+/// as GPT-OSS stores them fused (kernel.moe_experts_clamped's).
 struct Experts {
-    /// The router, [n_experts, hidden]: `{module}.gate.weight`.
+    /// The router, [n_experts, hidden]: `{module}.gate.weight` (GPT-OSS `{module}.router.weight`).
     router: Vec<f32>,
-    /// Every expert's gate and up projections, [n_experts, inter, hidden].
+    /// GPT-OSS: the router's bias [n_experts]; empty otherwise.
+    router_bias: Vec<f32>,
+    /// Every expert's gate and up projections, [n_experts, inter, hidden]. GPT-OSS: `gate` is
+    /// gate_up_proj [n_experts, hidden, 2 * inter] (input-major, gate and up interleaved) and `up`
+    /// is empty.
     gate: Vec<f32>,
     up: Vec<f32>,
-    /// Every expert's down projection, [n_experts, hidden, inter].
+    /// Every expert's down projection, [n_experts, hidden, inter]; GPT-OSS: down_proj [n_experts,
+    /// inter, hidden] (input-major).
     down: Vec<f32>,
+    /// GPT-OSS: gate_up_proj_bias [n_experts, 2 * inter] and down_proj_bias [n_experts, hidden];
+    /// empty otherwise.
+    gate_up_bias: Vec<f32>,
+    down_bias: Vec<f32>,
 }
 
 /// Activations of the token being run, allocated once at load.
@@ -241,12 +254,26 @@ impl Model {
             let (keys, values) = (&l.k_cache[first * kv_dim..], &l.v_cache[first * kv_dim..]);
             let kv_len = pos + 1 - first;
             let (n_heads, n_kv_heads, head_dim) = (c.n_heads, c.n_kv_heads, c.head_dim);
-            match (c.attention_scale, c.attn_softcap) {
+            match (&l.sinks, c.attention_scale, c.attn_softcap) {
+                // GPT-OSS: each head's sink logit joins its softmax (scale 1/sqrt(head_dim); the
+                // family has neither a scale nor a soft-cap).
+                (Some(sinks), _, _) => kernels::attention_sinks(
+                    &s.q,
+                    keys,
+                    values,
+                    sinks,
+                    1,
+                    kv_len,
+                    n_heads,
+                    n_kv_heads,
+                    head_dim,
+                    &mut s.attn,
+                ),
                 // The kernel contract's attention (scale 1/sqrt(head_dim), no soft-cap).
-                (None, None) => {
+                (None, None, None) => {
                     kernels::attention(&s.q, keys, values, 1, kv_len, n_heads, n_kv_heads, head_dim, &mut s.attn)
                 }
-                (scale, cap) => kernels::attention_with(
+                (None, scale, cap) => kernels::attention_with(
                     &s.q,
                     keys,
                     values,
@@ -282,13 +309,33 @@ impl Model {
                 trace(at, "mlp_norm", input);
             }
             if let (Some(moe), Some(m)) = (&l.experts, &c.moe) {
-                // Qwen3-MoE, Mixtral: router logits, the top-k routing weights, and the weighted
-                // sum of the selected SwiGLU experts (only they are read).
+                // Qwen3-MoE, Mixtral, GPT-OSS: router logits (GPT-OSS: plus the router's bias; the
+                // others' is empty and adds nothing), the top-k routing weights, and the weighted sum
+                // of the selected experts (only they are read). GPT-OSS softmaxes the kept logits
+                // only: the same weights as the softmax over all of them renormalised over the kept
+                // (moe_route with `renormalize`).
                 kernels::linear(input, &moe.router, 1, h, m.n_experts, &mut s.router);
+                add(&mut s.router, &moe.router_bias);
                 trace(at, "router", &s.router);
                 kernels::moe_route(&s.router, m.top_k, m.renormalize, &mut s.route);
                 trace(at, "route", &s.route);
-                kernels::moe_experts(input, &s.route, &moe.gate, &moe.up, &moe.down, m.inter, &mut s.out);
+                match m.layout {
+                    ExpertLayout::Split { .. } => {
+                        kernels::moe_experts(input, &s.route, &moe.gate, &moe.up, &moe.down, m.inter, &mut s.out)
+                    }
+                    ExpertLayout::Fused { alpha, limit } => kernels::moe_experts_clamped(
+                        input,
+                        &s.route,
+                        &moe.gate,
+                        &moe.gate_up_bias,
+                        &moe.down,
+                        &moe.down_bias,
+                        m.inter,
+                        alpha,
+                        limit,
+                        &mut s.out,
+                    ),
+                }
                 trace(at, "experts", &s.out);
             } else if let Some([b_fc, b_proj]) = &l.fc_bias {
                 // StarCoder2: c_proj(gelu_tanh(c_fc(x) + b_fc)) + b_proj, not gated.
@@ -399,16 +446,17 @@ fn load_layer(w: &mut Tensors, c: &Config, i: usize) -> Result<Layer, String> {
         Some(m) => Some(load_experts(w, c, m, i)?),
         None => None,
     };
-    let (w_down, fc_bias, o_bias) = if experts.is_some() {
-        (Vec::new(), None, None)
+    let (w_down, fc_bias) = if experts.is_some() {
+        (Vec::new(), None)
     } else if c.features.fc_mlp {
         let w_down = w.take(&name("mlp.c_proj.weight"), &[h, inter])?;
         let b_fc = w.take(&name("mlp.c_fc.bias"), &[inter])?;
-        let fc_bias = Some([b_fc, w.take(&name("mlp.c_proj.bias"), &[h])?]);
-        (w_down, fc_bias, Some(w.take(&name("self_attn.o_proj.bias"), &[h])?))
+        (w_down, Some([b_fc, w.take(&name("mlp.c_proj.bias"), &[h])?]))
     } else {
-        (w.take(&name("mlp.down_proj.weight"), &[h, inter])?, None, None)
+        (w.take(&name("mlp.down_proj.weight"), &[h, inter])?, None)
     };
+    let o_bias = if c.features.o_bias { Some(w.take(&name("self_attn.o_proj.bias"), &[h])?) } else { None };
+    let sinks = if c.features.attention_sinks { Some(w.take(&name("self_attn.sinks"), &[c.n_heads])?) } else { None };
     Ok(Layer {
         attn_norm,
         wq,
@@ -416,6 +464,7 @@ fn load_layer(w: &mut Tensors, c: &Config, i: usize) -> Result<Layer, String> {
         wv,
         qkv_bias,
         qk_norm,
+        sinks,
         wo: w.take(&name("self_attn.o_proj.weight"), &[h, q_dim])?,
         o_bias,
         ffn_norm,
@@ -434,12 +483,31 @@ fn load_layer(w: &mut Tensors, c: &Config, i: usize) -> Result<Layer, String> {
 /// `[[model.weights]]`): the router `model.layers.{i}.{module}.gate.weight` [n_experts, hidden] and
 /// each expert e's `model.layers.{i}.{module}.experts.{e}.{gate,up,down}.weight` ([inter, hidden],
 /// [inter, hidden], [hidden, inter]; Mixtral's w1, w3, w2), stacked by expert into one gate, one up
-/// and one down buffer. A missing or mis-shaped tensor is an error that names it.
+/// and one down buffer. GPT-OSS (`ExpertLayout::Fused`): the router `{module}.router.weight`
+/// [n_experts, hidden] and `.bias` [n_experts], and the fused `{module}.experts.gate_up_proj`
+/// [n_experts, hidden, 2 * inter], `gate_up_proj_bias` [n_experts, 2 * inter], `down_proj`
+/// [n_experts, inter, hidden] and `down_proj_bias` [n_experts, hidden] as stored. A missing or
+/// mis-shaped tensor is an error that names it.
 fn load_experts(w: &mut Tensors, c: &Config, m: &Moe, i: usize) -> Result<Experts, String> {
     let (h, inter, n) = (c.hidden, m.inter, m.n_experts);
     let prefix = format!("model.layers.{i}.{}", m.module);
+    let names = match m.layout {
+        ExpertLayout::Split { names } => names,
+        ExpertLayout::Fused { .. } => {
+            let take = |w: &mut Tensors, name: &str, shape: &[usize]| w.take(&format!("{prefix}.{name}"), shape);
+            return Ok(Experts {
+                router: take(w, "router.weight", &[n, h])?,
+                router_bias: take(w, "router.bias", &[n])?,
+                gate: take(w, "experts.gate_up_proj", &[n, h, 2 * inter])?,
+                up: Vec::new(),
+                down: take(w, "experts.down_proj", &[n, inter, h])?,
+                gate_up_bias: take(w, "experts.gate_up_proj_bias", &[n, 2 * inter])?,
+                down_bias: take(w, "experts.down_proj_bias", &[n, h])?,
+            });
+        }
+    };
     let router = w.take(&format!("{prefix}.gate.weight"), &[n, h])?;
-    let [gate_name, up_name, down_name] = m.names;
+    let [gate_name, up_name, down_name] = names;
     let (mut gate, mut up, mut down) =
         (Vec::with_capacity(n * inter * h), Vec::with_capacity(n * inter * h), Vec::with_capacity(n * h * inter));
     for e in 0..n {
@@ -448,7 +516,7 @@ fn load_experts(w: &mut Tensors, c: &Config, m: &Moe, i: usize) -> Result<Expert
         up.extend(w.take(&expert(up_name), &[inter, h])?);
         down.extend(w.take(&expert(down_name), &[h, inter])?);
     }
-    Ok(Experts { router, gate, up, down })
+    Ok(Experts { router, router_bias: Vec::new(), gate, up, down, gate_up_bias: Vec::new(), down_bias: Vec::new() })
 }
 
 /// An RMSNorm gain [dim]; stored as an offset from one in families with `rmsnorm_one_plus_w`
@@ -481,12 +549,19 @@ fn apply_norm(c: &Config, x: &[f32], n: &Norm, out: &mut [f32]) {
 
 /// RoPE of one token's heads `x` [n_heads, head_dim] at `pos` with the layer's frequencies
 /// [rotary_dim / 2]: kernel.rope's rotation, or kernel.rotary's where the family rotates only the
-/// first rotary_dim entries of each head (StableLM) or interleaved pairs (Cohere).
+/// first rotary_dim entries of each head (StableLM) or interleaved pairs (Cohere). With YaRN
+/// (GPT-OSS) cos and sin are both multiplied by its attention factor, that is the rotated entries.
 fn rotate(c: &Config, x: &mut [f32], pos: usize, n_heads: usize, freqs: &[f64]) {
     if c.rotary_dim == c.head_dim && !c.features.interleaved_rope {
         kernels::rope_with_freqs(x, &[pos], n_heads, freqs);
     } else {
         kernels::rotary_with_freqs(x, &[pos], n_heads, c.head_dim, freqs, c.features.interleaved_rope);
+    }
+    let factor = c.rope_attention_factor();
+    if factor != 1.0 {
+        for head in x.chunks_exact_mut(c.head_dim) {
+            head[..c.rotary_dim].iter_mut().for_each(|v| *v *= factor);
+        }
     }
 }
 

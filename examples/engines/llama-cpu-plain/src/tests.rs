@@ -9,7 +9,12 @@ use std::path::PathBuf;
 
 use serde_json::{Map, Value, json};
 
-use crate::{config::Config, generate, model::Model, tokenizer::Tokenizer};
+use crate::{
+    config::{Config, ExpertLayout, RopeScaling},
+    generate,
+    model::Model,
+    tokenizer::Tokenizer,
+};
 
 /// "Once upon a time" as BabyLlama's tokenizer encodes it (BOS 1 first): the golden prompt_ids.
 const PROMPT_IDS: [u32; 18] = [1, 3, 34, 9, 22, 4, 3, 18, 20, 7, 9, 3, 5, 3, 6, 10, 16, 4];
@@ -79,11 +84,12 @@ fn stop_tokens_read_generation_config_first_then_config() {
 }
 
 /// The conformance folders the engine covers, one per family it reads (config.json's model_type).
-const CONFORMANCE_FAMILIES: [&str; 16] = [
+const CONFORMANCE_FAMILIES: [&str; 17] = [
     "cohere",
     "gemma",
     "gemma2",
     "gemma3_text",
+    "gpt_oss",
     "granite",
     "llama",
     "mistral",
@@ -118,8 +124,8 @@ fn ids(v: &Value) -> Vec<u32> {
 /// transformers writes it): teacher-forced on each prompt of vectors.json, every logit within
 /// 1e-4 + 1e-4 |x| of transformers' float32 logits (both compute in f32; the measured difference is
 /// below 1e-5), and 16 greedy tokens after the prompt equal to transformers'. The mixture-of-experts
-/// families (Qwen3-MoE, Mixtral) included. A folder whose family the engine does not read (GPT-OSS)
-/// must be refused by name, never skipped.
+/// families (Qwen3-MoE, Mixtral, GPT-OSS with its attention sinks, YaRN and clamped experts)
+/// included. A folder whose family the engine does not read must be refused by name, never skipped.
 #[test]
 fn every_family_equals_transformers_on_its_conformance_checkpoint() {
     let root = conformance();
@@ -242,15 +248,38 @@ fn moe_checkpoints_missing_or_misshaping_an_expert_are_refused_by_name() {
 
 /// forward_traced on a mixture-of-experts layer reports, in order, mlp_norm, router (the router
 /// logits [n_experts]), route (top_k nonzero weights, renormalised: sum 1), experts (their weighted
-/// sum [hidden]) and mlp_residual = attn_residual + experts.
+/// sum [hidden]) and mlp_residual = attn_residual + experts. GPT-OSS reports exactly its graph's
+/// nodes: embed, each layer's attention and MoE nodes, final_norm and logits.
 #[test]
 fn moe_layers_trace_router_route_and_experts() {
-    for family in ["qwen3_moe", "mixtral"] {
+    for family in ["qwen3_moe", "mixtral", "gpt_oss"] {
         let mut model = Model::load(&conformance().join(family)).unwrap();
         let mut points: Vec<(Option<usize>, String, Vec<f32>)> = Vec::new();
         model.forward_traced(5, 0, &mut |layer, name, v| points.push((layer, name.to_string(), v.to_vec())));
         let layer1: Vec<&(Option<usize>, String, Vec<f32>)> = points.iter().filter(|p| p.0 == Some(1)).collect();
         let names: Vec<&str> = layer1.iter().map(|p| p.1.as_str()).collect();
+        if family == "gpt_oss" {
+            let layer = [
+                "attn_norm",
+                "q",
+                "k",
+                "v",
+                "q_rope",
+                "k_rope",
+                "attn",
+                "o",
+                "attn_residual",
+                "mlp_norm",
+                "router",
+                "route",
+                "experts",
+                "mlp_residual",
+            ];
+            assert_eq!(names, layer, "{family}");
+            let outside: Vec<&str> = points.iter().filter(|p| p.0.is_none()).map(|p| p.1.as_str()).collect();
+            assert_eq!(outside, ["embed", "final_norm", "logits"], "{family}");
+            assert_eq!(points.len(), 3 + 4 * layer.len(), "{family}: four layers");
+        }
         let at = |name: &str| names.iter().position(|n| *n == name).unwrap_or_else(|| panic!("{family}: no {name}"));
         let order = ["attn_residual", "mlp_norm", "router", "route", "experts", "mlp_residual"].map(at);
         assert!(order.windows(2).all(|w| w[0] < w[1]), "{family}: {names:?}");
@@ -262,4 +291,81 @@ fn moe_layers_trace_router_route_and_experts() {
             assert_eq!(out[j], residual[j] + experts[j], "{family}: mlp_residual entry {j}");
         }
     }
+}
+
+/// GPT-OSS's config.json as GptOssConfig reads it: YaRN from rope_parameters (its frequencies and
+/// attention factor as transformers' _compute_yarn_parameters gives them), GptOssConfig's YaRN
+/// when there is none, the window on the layer_types' sliding layers, fused clamped experts with
+/// swiglu_limit read when given; hidden_act not read. Refused by the key's name: another rope_type,
+/// a YaRN key it does not read (mscale), attention_bias false, an MXFP4 quantization_config. Llama
+/// does not read YaRN.
+#[test]
+fn gpt_oss_config_reads_yarn_and_refuses_what_it_does_not_cover() {
+    let gpt = conformance_config("gpt_oss");
+    let c = Config::from_json(&gpt).unwrap();
+    let yarn = RopeScaling::Yarn {
+        factor: 32.0,
+        attention_factor: 0.1 * 32f64.ln() + 1.0,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+        original_max_position_embeddings: 4096.0,
+        truncate: false,
+    };
+    assert_eq!((c.rope_theta, c.rope_scaling, c.head_dim, c.tied), (150000.0, Some(yarn), 16, false));
+    assert_eq!((0..4).map(|i| c.window(i)).collect::<Vec<_>>(), [4, 0, 4, 0], "layer_types");
+    let m = c.moe.as_ref().unwrap();
+    assert_eq!((m.n_experts, m.top_k, m.renormalize, m.inter), (4, 2, true, 32));
+    assert_eq!(m.layout, ExpertLayout::Fused { alpha: 1.702, limit: 7.0 });
+    // head_dim 16, theta 150000, 4096 original positions: corr(32) = 2.023..., corr(1) = 4.349...
+    // (not truncated), so dimensions 0..=2 keep theta^(-2j/16), 5..=7 are divided by 32, and 3 and
+    // 4 blend the two by the ramp (j - 2.023) / 2.326 (f64 by hand).
+    let want = [
+        1.0,
+        0.225_418_000_202_870_84,
+        0.050_813_274_815_461_475,
+        0.006_794_959_489_732_219,
+        0.000_456_483_919_223_240_86,
+        1.818_833_668_168_956e-5,
+        4.099_978_481_802_98e-6,
+        9.242_089_502_428_302e-7,
+    ];
+    for (j, (got, want)) in c.rope_freqs().iter().zip(want).enumerate() {
+        assert!((got - want).abs() <= 1e-12 * want, "YaRN frequency {j}: {got} against {want}");
+    }
+    assert_eq!(c.rope_attention_factor(), 1.346_573_6);
+    // No rope_parameters: GptOssConfig's default, the same YaRN at rope_theta 150000.
+    let mut bare = gpt.clone();
+    bare.remove("rope_parameters");
+    bare.insert("hidden_act".into(), json!("gelu"));
+    bare.insert("swiglu_limit".into(), json!(5.0));
+    let c = Config::from_json(&bare).unwrap();
+    assert_eq!((c.rope_theta, c.rope_scaling), (150000.0, Some(yarn)));
+    assert_eq!(c.moe.unwrap().layout, ExpertLayout::Fused { alpha: 1.702, limit: 5.0 });
+    let with_rope = |params: Value| {
+        let mut c = gpt.clone();
+        c.insert("rope_parameters".into(), params);
+        c
+    };
+    for (key, c) in [
+        ("linear", with_rope(json!({"rope_type": "linear", "factor": 2.0, "rope_theta": 150000.0}))),
+        ("mscale", with_rope(json!({"rope_type": "yarn", "factor": 32.0, "mscale": 1.0}))),
+        ("factor", with_rope(json!({"rope_type": "yarn"}))),
+        ("attention_bias", {
+            let mut c = gpt.clone();
+            c.insert("attention_bias".into(), json!(false));
+            c
+        }),
+        ("quantization_config", {
+            let mut c = gpt.clone();
+            c.insert("quantization_config".into(), json!({"quant_method": "mxfp4"}));
+            c
+        }),
+    ] {
+        let e = Config::from_json(&c).err().unwrap_or_else(|| panic!("{key} accepted"));
+        assert!(e.contains(key), "{key}: {e}");
+    }
+    let mut llama = conformance_config("llama");
+    llama.insert("rope_parameters".into(), json!({"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}));
+    let e = Config::from_json(&llama).expect_err("llama read YaRN");
+    assert!(e.contains("yarn"), "{e}");
 }
