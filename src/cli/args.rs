@@ -161,8 +161,8 @@ pub enum Command {
         #[arg(long, value_name = "FAMILY")]
         family: Option<String>,
         /// A real model's shape: stories15m, stories42m or stories110m (the llama2.c TinyStories models),
-        /// llama3.2-1b or qwen3-0.6b (bf16, byte-level tokenizer), qwen3-moe-mini or qwen3-moe-1b-active
-        /// (mixtures of experts, bf16); the options below override its values.
+        /// llama3.2-1b or qwen3-0.6b (bf16, byte-level tokenizer), qwen3-moe-mini, qwen3-moe-1b-active
+        /// or gpt-oss-mini (mixtures of experts, bf16); the options below override its values.
         #[arg(long, value_name = "NAME")]
         preset: Option<String>,
         /// Directory to create (must not exist, or be empty).

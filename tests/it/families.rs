@@ -450,7 +450,7 @@ fn synth_refuses_unknown_presets_conflicting_families_and_absurd_shapes_and_crea
     for (args, want) in [
         (
             &["--preset", "stories1b"][..],
-            "unknown preset `stories1b`; synth knows: stories15m, stories42m, stories110m, llama3.2-1b, qwen3-0.6b, qwen3-moe-mini, qwen3-moe-1b-active",
+            "unknown preset `stories1b`; synth knows: stories15m, stories42m, stories110m, llama3.2-1b, qwen3-0.6b, qwen3-moe-mini, qwen3-moe-1b-active, gpt-oss-mini",
         ),
         (
             &["--preset", "stories15m", "--family", "qwen2"],
@@ -465,7 +465,7 @@ fn synth_refuses_unknown_presets_conflicting_families_and_absurd_shapes_and_crea
         ),
         (
             &[],
-            "pass --family (llama, mistral, qwen2, qwen3, gemma) or --preset (stories15m, stories42m, stories110m, llama3.2-1b, qwen3-0.6b, qwen3-moe-mini, qwen3-moe-1b-active)",
+            "pass --family (llama, mistral, qwen2, qwen3, gemma) or --preset (stories15m, stories42m, stories110m, llama3.2-1b, qwen3-0.6b, qwen3-moe-mini, qwen3-moe-1b-active, gpt-oss-mini)",
         ),
         // Mixtures of experts: expert counts and widths are bounded, and the experts count in the
         // checkpoint's size (1024 experts of 3 x 14336 x 4096 weights in each of 8 layers: 1.4e12).

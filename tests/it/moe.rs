@@ -1,4 +1,4 @@
-//! Mixture of experts (Qwen3-MoE, Mixtral): configs the router cannot follow are refused by name,
+//! Mixture of experts (Qwen3-MoE, Mixtral, gpt-oss): configs the router cannot follow are refused by name,
 //! a checkpoint missing an expert or holding one of another shape is refused naming the tensor, the
 //! routing is what transformers computes (a flipped norm_topk_prob fails conformance), and a
 //! decoded token is charged only the experts its router keeps.
@@ -145,6 +145,32 @@ fn a_decoded_token_streams_only_the_experts_its_router_keeps() {
         assert_eq!(experts_node.bytes, (k * per_expert * layers * 2) as f64, "{name}");
         assert_eq!(experts_node.kernel, "kernel.moe_experts");
     }
+    // gpt-oss: every expert of a layer in four fused tensors (gate_up [E, hidden, 2 inter] with its
+    // bias [E, 2 inter], down [E, inter, hidden] with its bias [E, hidden]): one expert is
+    // 3 inter hidden + 2 inter + hidden parameters, and a token reads k of the E.
+    let (contract, config, cfg, _) = checkpoint("gpt_oss");
+    let n = |k: &str| config[k].as_u64().unwrap() as usize;
+    let (experts, k, inter, hidden, layers) = (
+        n("num_local_experts"),
+        n("num_experts_per_tok"),
+        n("intermediate_size"),
+        n("hidden_size"),
+        n("num_hidden_layers"),
+    );
+    assert_eq!((experts, k, inter, hidden, layers), (4, 2, 32, 64, 4));
+    let p = metainfer::ops::synth::graph_parameters(&contract, &serde_json::Value::Object(config.clone())).unwrap();
+    let per_expert = 3 * 32 * 64 + 2 * 32 + 64;
+    assert_eq!(p.idle_experts, 2 * per_expert * 4);
+    assert_eq!(p.expert_fraction, Some(0.5));
+    let graph = contract.model.as_ref().unwrap().graph.as_ref().unwrap();
+    let costs =
+        metainfer::ops::profile::roofline::point_costs(graph, contract.model.as_ref().unwrap(), &cfg, "bf16", 16);
+    let experts_node = costs.iter().find(|c| c.node == "experts").unwrap();
+    // The fused matrices at 2 bytes, their biases at 4 (kept f32), for the 2 experts of 4 kept.
+    let matrices = 3 * 32 * 64;
+    let biases = 2 * 32 + 64;
+    assert_eq!(experts_node.bytes, ((2 * matrices * 2 + 2 * biases * 4) * 4) as f64);
+    assert_eq!(experts_node.kernel, "kernel.moe_experts_clamped");
     let (contract, config, _, _) = checkpoint("qwen3");
     let p = metainfer::ops::synth::graph_parameters(&contract, &serde_json::Value::Object(config)).unwrap();
     assert_eq!((p.idle_experts, p.expert_fraction), (0, None), "a dense family reads every weight");
@@ -266,6 +292,49 @@ fn published_moe_models_plan_and_read_their_published_active_parameters() {
     }
 }
 
+/// gpt-oss-20b as published: its MXFP4 experts (`quantization_config`) are refused at plan by name;
+/// the same config without them (a BF16 export) plans as model.gpt_oss, and the parameters its
+/// graph binds equal the model card's: 20.9B in all and 3.6B active per token, the unembedding
+/// counted and the embedding table not (arXiv:2508.10925, Table 1), to the card's precision (0.1B).
+#[test]
+fn published_gpt_oss_plans_refuses_mxfp4_and_reads_its_published_active_parameters() {
+    use metainfer::ops::plan::{PlanRequest, plan_only};
+    let t = tempfile::tempdir().unwrap();
+    let c = super::ctx(t.path());
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/configs/gpt-oss-20b.json");
+    let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture).unwrap()).unwrap();
+    let plan = |config: &serde_json::Value, name: &str| {
+        let dir = t.path().join(name);
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+        let req = PlanRequest {
+            model: dir.display().to_string(),
+            target: "cpu".into(),
+            dtype: "bf16".into(),
+            platform: None,
+            serving: None,
+        };
+        plan_only(&c, &req).unwrap()
+    };
+    let r = plan(&config, "mxfp4");
+    assert!(!r.covered && r.gaps.iter().any(|g| g.field == "quantization_config"), "{:?}", r.gaps);
+    config.as_object_mut().unwrap().remove("quantization_config");
+    let r = plan(&config, "bf16");
+    assert!(r.covered && r.family == "model.gpt_oss", "{} {:?}", r.family, r.gaps);
+    let kernels: Vec<&str> = r.phases[0].contracts.iter().map(String::as_str).collect();
+    assert!(
+        kernels.contains(&"kernel.attention_sinks") && kernels.contains(&"kernel.moe_experts_clamped"),
+        "{kernels:?}"
+    );
+    let ckb = metainfer::ckb::Ckb::embedded().unwrap();
+    let p = metainfer::ops::synth::graph_parameters(ckb.get("model.gpt_oss").unwrap(), &config).unwrap();
+    let within = |got: usize, published: f64| (got as f64 - published).abs() < 0.1e9;
+    assert!(within(p.total, 20.9e9), "{} parameters", p.total);
+    let active = p.total - p.idle_experts - p.table;
+    assert!(within(active, 3.6e9), "{active} active");
+    assert_eq!(p.expert_fraction, Some(4.0 / 32.0));
+}
+
 /// The mixture-of-experts presets write Qwen3-MoE checkpoints at their shapes, counted by hand.
 /// qwen3-moe-mini (hidden 256, 4 layers, 8 query and 1 KV heads of 32, 32 experts of width 96, 2 per
 /// token, vocabulary 4096, untied): per layer q and o 256 x 256, k and v 32 x 256, q/k norms 32
@@ -314,4 +383,40 @@ fn moe_presets_write_qwen3_moe_at_their_shapes() {
     let config = synth_config_for(contract, &big).unwrap();
     let p = graph_parameters(contract, &config).unwrap();
     assert_eq!((p.total, p.streamed(false)), (3_244_286_976, 1_064_821_760));
+}
+
+/// gpt-oss-mini writes gpt-oss at its shape, counted by hand (hidden 256, 4 layers, 8 query and 1
+/// KV heads of 32, 32 experts of width 256, 4 per token, vocabulary 4096, untied). Per layer: q and
+/// o 256 x 256 with biases of 256, k and v 32 x 256 with biases of 32, 8 sinks (148,040), two norms
+/// of 256, the router 32 x 256 + 32, and the experts 32 x (256 x 512 + 512 + 256 x 256 + 256) =
+/// 6,316,032; four layers, the final norm and two 4096 x 256 tables: 27,988,640. A token reads all
+/// but 28 experts (197,376 each) per layer and the embedding table: 4,833,952. The window is the
+/// published 128 on the sliding layers, and the RoPE YaRN.
+#[test]
+fn gpt_oss_preset_writes_gpt_oss_at_its_shape() {
+    use metainfer::ops::synth::{SynthRequest, graph_parameters, synth_in};
+    let t = tempfile::tempdir().unwrap();
+    let ckb = metainfer::ckb::Ckb::embedded().unwrap();
+    let contract = ckb.get("model.gpt_oss").unwrap();
+    let out = t.path().join("mini");
+    let req = SynthRequest { preset: Some("gpt-oss-mini".into()), out: out.clone(), seed: 2, ..Default::default() };
+    let r = synth_in(&ckb, &req).unwrap();
+    assert_eq!(r.family, "gpt_oss");
+    let config = serde_json::Value::Object(metainfer::model::read_config(out.as_path()).unwrap());
+    assert_eq!((config["num_local_experts"].as_u64(), config["num_experts_per_tok"].as_u64()), (Some(32), Some(4)));
+    assert_eq!(config["sliding_window"].as_u64(), Some(128));
+    assert_eq!(config["rope_parameters"]["rope_type"], "yarn");
+    let p = graph_parameters(contract, &config).unwrap();
+    assert_eq!((p.total, p.streamed(false), p.expert_fraction), (27_988_640, 4_833_952, Some(4.0 / 32.0)));
+    let stored: usize = metainfer::model::read_safetensors(out.as_path())
+        .unwrap()
+        .values()
+        .map(|(s, _)| s.iter().product::<usize>())
+        .sum();
+    assert_eq!(stored, 27_988_640, "the checkpoint holds what the graph binds");
+    let cfg = metainfer::model::load_config(&ckb, out.as_path()).unwrap();
+    assert_eq!((cfg.family.as_str(), cfg.sliding_window), ("model.gpt_oss", 128));
+    let scaling = cfg.rope_scaling.as_ref().unwrap();
+    // 0.1 ln 32 + 1 (YaRN's attention factor at factor 32).
+    assert!((scaling.attention_factor - 1.346_573_590_279_972_6).abs() < 1e-12, "{scaling:?}");
 }

@@ -602,6 +602,7 @@ pub fn contract_preset_request(req: &SynthRequest) -> Result<Option<SynthRequest
         experts: req.experts.or(Some(p.experts.0).filter(|e| *e > 0)),
         experts_per_token: req.experts_per_token.or(Some(p.experts.1).filter(|e| *e > 0)),
         expert_intermediate: req.expert_intermediate.or(Some(p.experts.2).filter(|e| *e > 0)),
+        sliding_window: req.sliding_window.or(Some(p.sliding_window).filter(|w| *w > 0)),
         dtype: req.dtype.clone().or(Some(p.dtype.to_string())),
         tokenizer: req.tokenizer.clone().or(Some(p.tokenizer.to_string())),
         ..req.clone()

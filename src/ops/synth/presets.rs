@@ -45,6 +45,8 @@ pub struct Preset {
     /// dense model. Such a preset is written from its family's contract (graph) like any family
     /// synth knows only by contract.
     pub experts: (usize, usize, usize),
+    /// sliding_window written (positions); 0: none (null, or the family's default).
+    pub sliding_window: usize,
 }
 
 /// The llama2.c TinyStories model shapes, and two current small models.
@@ -76,6 +78,14 @@ pub struct Preset {
 /// 32000-token vocabulary; 3.2B parameters in all, BF16: 6.5 GB), for decode speed at the size of
 /// the small dense presets. Both are written from model.qwen3_moe's graph, with its defaults for the
 /// RoPE base and epsilon.
+///
+/// gpt-oss-mini: openai/gpt-oss-20b scaled down (its config.json: hidden 2880, 24 layers, 64 query
+/// and 8 KV heads of 64, 32 experts as wide as the hidden state, 4 per token: 1/8 of the expert
+/// weights; a 128-position window on every other layer; YaRN factor 32 over 4096 positions), kept
+/// in proportion where it matters to decode: 8 query heads per KV head, 4 of 32 experts, experts as
+/// wide as the hidden state, the 128-position window; hidden 256, 4 layers, heads of 32, vocabulary
+/// 4096, BF16: 27,988,640 parameters, of which a decoded token reads 4,833,952 (lm_head included).
+/// Written from model.gpt_oss's graph (rope_parameters its example, YaRN).
 pub const PRESETS: &[Preset] = &[
     Preset {
         name: "stories15m",
@@ -94,6 +104,7 @@ pub const PRESETS: &[Preset] = &[
         dtype: "f32",
         tokenizer: "spm",
         experts: (0, 0, 0),
+        sliding_window: 0,
     },
     Preset {
         name: "stories42m",
@@ -112,6 +123,7 @@ pub const PRESETS: &[Preset] = &[
         dtype: "f32",
         tokenizer: "spm",
         experts: (0, 0, 0),
+        sliding_window: 0,
     },
     Preset {
         name: "stories110m",
@@ -130,6 +142,7 @@ pub const PRESETS: &[Preset] = &[
         dtype: "f32",
         tokenizer: "spm",
         experts: (0, 0, 0),
+        sliding_window: 0,
     },
     Preset {
         name: "llama3.2-1b",
@@ -148,6 +161,7 @@ pub const PRESETS: &[Preset] = &[
         dtype: "bf16",
         tokenizer: "bytelevel",
         experts: (0, 0, 0),
+        sliding_window: 0,
     },
     Preset {
         name: "qwen3-0.6b",
@@ -166,6 +180,7 @@ pub const PRESETS: &[Preset] = &[
         dtype: "bf16",
         tokenizer: "bytelevel",
         experts: (0, 0, 0),
+        sliding_window: 0,
     },
     Preset {
         name: "qwen3-moe-mini",
@@ -184,6 +199,7 @@ pub const PRESETS: &[Preset] = &[
         dtype: "bf16",
         tokenizer: "spm",
         experts: (32, 2, 96),
+        sliding_window: 0,
     },
     Preset {
         name: "qwen3-moe-1b-active",
@@ -202,6 +218,26 @@ pub const PRESETS: &[Preset] = &[
         dtype: "bf16",
         tokenizer: "spm",
         experts: (16, 4, 1024),
+        sliding_window: 0,
+    },
+    Preset {
+        name: "gpt-oss-mini",
+        family: "gpt_oss",
+        hidden: 256,
+        layers: 4,
+        heads: 8,
+        kv_heads: 1,
+        head_dim: 32,
+        intermediate: 256,
+        vocab: 4096,
+        max_seq: 1024,
+        rope_theta: 150_000.0,
+        rms_norm_eps: 1e-5,
+        llama3_scaling: None,
+        dtype: "bf16",
+        tokenizer: "spm",
+        experts: (32, 4, 256),
+        sliding_window: 128,
     },
 ];
 

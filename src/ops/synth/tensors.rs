@@ -315,7 +315,7 @@ pub fn graph_parameters(contract: &crate::ckb::Contract, config: &serde_json::Va
         let eval = |n: &crate::ckb::GraphNode, k: &str| {
             n.params.get(k).and_then(|e| crate::ckb::graph::eval_expr(e, &role).ok()).map(|v| v as usize)
         };
-        for n in graph.layer.iter().filter(|n| n.op == "moe_experts") {
+        for n in graph.layer.iter().filter(|n| crate::ckb::is_moe_experts(&n.op)) {
             let router = n.inputs.get(1).and_then(|r| graph.layer.iter().find(|x| &x.name == r));
             let (Some(count), Some(k)) = (eval(n, "experts"), router.and_then(|r| eval(r, "top_k"))) else {
                 continue;
@@ -328,6 +328,9 @@ pub fn graph_parameters(contract: &crate::ckb::Contract, config: &serde_json::Va
                     w.shape.iter().map(|d| crate::ckb::graph::eval_expr(d, &role).unwrap_or(0.0) as usize).product()
                 })
                 .sum();
+            // `moe_experts` binds one expert's tensors (`{e}`), `moe_experts_clamped` every
+            // expert's, fused along their first axis.
+            let per_expert = if n.op == "moe_experts" { per_expert } else { per_expert / count.max(1) };
             idle_experts += count.saturating_sub(k) * per_expert * cfg.n_layers;
             expert_fraction = Some(k.min(count) as f64 / count.max(1) as f64);
         }
