@@ -490,3 +490,69 @@ fn vectors_without_numbers_are_refused_by_name() {
     let r = conformance(&c, &[dir.display().to_string()]).unwrap();
     assert!(r.covered == 0 && !r.passed, "{}", metainfer::ops::Report::text(&r));
 }
+
+/// scripts/conformance-vectors.py, the way to evidence for a proposed family where transformers
+/// runs: shrinking each conformance family's config.json (as transformers wrote it) keeps the
+/// architecture (model_type, layer_types with one layer of each kind, the grouping of key/value
+/// heads, expert counts) at the tiny sizes it documents; run where torch is missing, it exits 2
+/// saying what to install and where to run it, and writes nothing.
+#[test]
+fn the_vectors_script_keeps_the_architecture_and_says_what_it_needs() {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/conformance-vectors.py");
+    let probe = format!(
+        r#"
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("cv", {script:?})
+m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)
+out = {{}}
+for name in sys.argv[1:]:
+    c = json.load(open({conformance:?} + "/" + name + "/config.json"))
+    out[name] = m.shrink(c, 105, 4)
+print(json.dumps(out))
+"#,
+        script = script.display().to_string(),
+        conformance = shared().join("conformance").display().to_string(),
+    );
+    let names = ["llama", "gemma3_text", "gpt_oss", "qwen3_moe", "mixtral", "mistral"];
+    let run = std::process::Command::new("python3").arg("-c").arg(&probe).args(names).output().unwrap();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let got: serde_json::Value = serde_json::from_slice(&run.stdout).unwrap();
+    for name in names {
+        let theirs = metainfer::model::read_config(shared().join("conformance").join(name).as_path()).unwrap();
+        let c = &got[name];
+        assert_eq!(c["model_type"], theirs["model_type"], "{name}");
+        assert_eq!((c["hidden_size"].as_u64(), c["num_attention_heads"].as_u64()), (Some(64), Some(4)), "{name}");
+        assert_eq!(c["vocab_size"].as_u64(), Some(105), "{name}");
+        assert!(c.get("quantization_config").is_none(), "{name}");
+    }
+    // Gemma 3's five local layers to one global need six layers to hold a global one.
+    let kinds: Vec<&str> =
+        got["gemma3_text"]["layer_types"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+    assert_eq!(kinds.len(), 6);
+    assert_eq!(kinds.iter().filter(|k| **k == "full_attention").count(), 1);
+    assert_eq!(got["gemma3_text"]["num_key_value_heads"].as_u64(), Some(1), "one KV head stays one");
+    assert_eq!(got["llama"]["num_key_value_heads"].as_u64(), Some(2), "grouped heads stay grouped");
+    assert_eq!(
+        got["gpt_oss"]["layer_types"],
+        serde_json::json!(["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
+    );
+    assert_eq!(
+        (got["gpt_oss"]["num_local_experts"].as_u64(), got["gpt_oss"]["intermediate_size"].as_u64()),
+        (Some(4), Some(32))
+    );
+    assert_eq!(got["mistral"]["sliding_window"].as_u64(), Some(4));
+
+    // Without torch: exit 2, the reason and the remedy, nothing written.
+    let have_torch =
+        std::process::Command::new("python3").args(["-c", "import torch, transformers"]).status().unwrap().success();
+    if !have_torch {
+        let t = tempfile::tempdir().unwrap();
+        let out = t.path().join("vectors");
+        let dir = shared().join("conformance/llama");
+        let run = std::process::Command::new("python3").arg(&script).arg(&dir).arg(&dir).arg(&out).output().unwrap();
+        let err = String::from_utf8_lossy(&run.stderr);
+        assert_eq!(run.status.code(), Some(2), "{err}");
+        assert!(err.contains("pip install torch transformers") && err.contains("metainfer ckb conformance"), "{err}");
+        assert!(!out.exists());
+    }
+}
