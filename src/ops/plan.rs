@@ -60,8 +60,9 @@ pub struct PhasePlan {
 /// The plan.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 pub struct PlanReport {
-    /// Whether the knowledge base covers these constraints: no gaps, and no contract the plan needs is
-    /// only a staged candidate (see `provisional`).
+    /// Whether the knowledge base covers these constraints: no gaps. A plan through a staged
+    /// candidate is covered too, provisionally: `provisional` lists the candidates and
+    /// `missing_evidence` what would promote each.
     pub covered: bool,
     /// Model-family contract id, "" when not routed.
     pub family: String,
@@ -78,8 +79,13 @@ pub struct PlanReport {
     /// the constraints: the engine can be scaffolded and gated under them, and a passing
     /// verify_generation (or verified profile_engine) promotes a platform, and a passing `ckb
     /// conformance` on an independent implementation's vectors promotes a model family. Empty when
-    /// covered.
+    /// every contract is promoted.
     pub provisional: Vec<String>,
+    /// For each staged candidate of `provisional`, in its order: the evidence that would promote
+    /// it (a family: `ckb conformance` on vectors another implementation wrote; a platform: a
+    /// passing verify_generation under it). Empty when not provisional.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub missing_evidence: Vec<String>,
     /// Staged candidates (`id@version`) that claim this model's architecture but do not route it:
     /// an established family claims it too and routes first, so this plan (and every gate) is
     /// made for that family, not for the candidate. To change how the family computes, propose an
@@ -143,15 +149,16 @@ impl Report for PlanReport {
         self.covered
     }
     fn text(&self) -> String {
-        let mut s = if self.covered {
+        let mut s = if self.covered && self.provisional.is_empty() {
             format!("covered: {} on {} in {}\n", self.family, self.platform, self.dtype)
-        } else if self.gaps.is_empty() {
+        } else if self.covered {
             format!(
-                "covered provisionally: {} on {} in {}, through staged candidate(s) {}; a staged platform is promoted by a passing verify_generation under it, a staged model family only by a passing `ckb conformance` on vectors its own implementation wrote (its engine's verify is no evidence)\n",
+                "covered provisionally: {} on {} in {}, through staged candidate(s) {}; missing evidence: {}\n",
                 self.family,
                 self.platform,
                 self.dtype,
-                self.provisional.join(", ")
+                self.provisional.join(", "),
+                self.missing_evidence.join("; ")
             )
         } else {
             format!("not covered ({} gap(s))\n", self.gaps.len())
@@ -503,9 +510,22 @@ pub fn plan_only(ctx: &Ctx, req: &PlanRequest) -> Result<PlanReport> {
         .filter(|c| ctx.ckb.is_provisional(&c.id))
         .map(|c| format!("{}@{}", c.id, c.version))
         .collect();
+    let missing_evidence = provisional
+        .iter()
+        .map(|c| {
+            if c.starts_with("model.") {
+                format!(
+                    "{c}: a passing `metainfer ckb conformance DIR` on vectors the model's own implementation wrote (scripts/conformance-vectors.py writes them with transformers); an engine written to the same contract is no evidence about the model"
+                )
+            } else {
+                format!("{c}: a passing verify_generation (or verified profile_engine) of an engine under it")
+            }
+        })
+        .collect();
     Ok(PlanReport {
-        covered: gaps.is_empty() && provisional.is_empty(),
+        covered: gaps.is_empty(),
         provisional,
+        missing_evidence,
         shadowed: model::shadowed(&ctx.ckb, &config),
         family: family.map(|f| f.id.clone()).unwrap_or_default(),
         platform: platform.map(|p| p.id.clone()).unwrap_or_default(),

@@ -156,12 +156,15 @@ fn phi3_fused_layout_family_is_proposed_gated_and_promoted() {
     assert!(r.staged && !r.amendment && r.findings.is_empty(), "{r:?}");
     assert!(ctx.candidates_dir().join("models/phi3.toml").is_file());
     assert!(!wc.join("models/phi3.toml").exists());
-    // Staged, it routes provisionally: not covered yet, but plannable (and scaffoldable).
+    // Staged, it routes provisionally: covered, provisional, with the evidence that would promote it.
     let r = plan(&ctx, &plan_req(&raw, "cpu")).unwrap();
     assert_eq!(
         (r.covered, r.family.as_str(), r.provisional.clone()),
-        (false, "model.phi3", vec!["model.phi3@1".into()])
+        (true, "model.phi3", vec!["model.phi3@1".into()])
     );
+    assert_eq!(r.missing_evidence.len(), 1);
+    assert!(r.missing_evidence[0].starts_with("model.phi3@1: a passing `metainfer ckb conformance DIR`"), "{r:?}");
+    assert!(metainfer::ops::Report::text(&r).starts_with("covered provisionally: model.phi3"));
     assert!(r.gaps.is_empty(), "{:?}", r.gaps);
     let cfg = r.config.unwrap();
     assert_eq!(cfg.features, ["fused_qkv", "fused_gate_up"], "a null sliding_window drops that feature");
@@ -311,8 +314,9 @@ fn aarch64_platform_is_proposed_gated_and_promoted() {
     let r = plan(&ctx, &plan_req(&ckpt, "cpu-aarch64")).unwrap();
     assert_eq!(
         (r.covered, r.platform.as_str(), r.provisional.clone()),
-        (false, "platform.cpu-aarch64", vec!["platform.cpu-aarch64@1".into()])
+        (true, "platform.cpu-aarch64", vec!["platform.cpu-aarch64@1".into()])
     );
+    assert!(r.missing_evidence[0].contains("a passing verify_generation"), "{r:?}");
     assert!(r.gaps.is_empty(), "{:?}", r.gaps);
 
     // 3. An engine whose metainfer.toml targets the platform passes the gates on this host.
