@@ -420,3 +420,65 @@ fn gpt_oss_preset_writes_gpt_oss_at_its_shape() {
     // 0.1 ln 32 + 1 (YaRN's attention factor at factor 32).
     assert!((scaling.attention_factor - 1.346_573_590_279_972_6).abs() < 1e-12, "{scaling:?}");
 }
+
+/// The plain example engine serves the mixtures of experts: pointed at the Qwen3-MoE and GPT-OSS
+/// conformance checkpoints (its metainfer.toml's family rewritten, as the conformance test does),
+/// verify_batching passes: the block manager, the scheduler on its request trace, and eight
+/// sequences of the batched run (prefill chunks beside decode rows over one paged cache; each
+/// layer's routing computed for every row of a step, then each selected expert run once on the rows
+/// routed to it) equal to their single-sequence reference. Its paged attention passes the kernel
+/// contract too. That each selected expert runs once per step is the engine's own unit test
+/// (`batched_step_equals_the_single_sequence_forward_and_runs_each_expert_once_per_step`).
+#[test]
+fn plain_engine_groups_experts_and_passes_verify_batching() {
+    use metainfer::harness::Budget;
+    use metainfer::ops::Report;
+    use metainfer::ops::batching::{BatchingRequest, verify_batching};
+    use metainfer::ops::kernel_test::{KernelTestRequest, kernel_test};
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let engine = t.path().join("plain");
+    crate::Engine::Plain.copy_to(&engine);
+    let manifest = std::fs::read_to_string(engine.join("metainfer.toml")).unwrap();
+    assert!(manifest.contains("[serving]"), "{manifest}");
+    for name in ["qwen3_moe", "gpt_oss"] {
+        let (contract, _, _, _) = checkpoint(name);
+        let declared: String = manifest
+            .lines()
+            .map(|l| if l.starts_with("family = ") { format!("family = {:?}", contract.id) } else { l.to_string() })
+            .collect::<Vec<_>>()
+            .join("\n");
+        std::fs::write(engine.join("metainfer.toml"), declared).unwrap();
+        if name == "qwen3_moe" {
+            let req = KernelTestRequest {
+                engine: crate::s(&engine),
+                kernels: vec!["kernel.paged_attention".into()],
+                seed: Some(5),
+                dtype: None,
+                write_bundle: None,
+                from_bundle: None,
+            };
+            let k = kernel_test(&ctx, &req, &Budget::secs(900)).unwrap();
+            assert!(k.passed && k.text().contains("kernel.paged_attention"), "{}", k.text());
+        }
+        let req = BatchingRequest {
+            engine: crate::s(&engine),
+            model: crate::s(&shared().join("conformance").join(name)),
+            sequences: Some(8),
+            seed: None,
+            dtype: None,
+            write_bundle: None,
+            from_bundle: None,
+        };
+        let v = verify_batching(&ctx, &req, &Budget::secs(900)).unwrap();
+        assert!(v.passed, "{name}: {}", v.text());
+        crate::assert_conforms(&v);
+        assert_eq!(v.sequences.len(), 8, "{name}");
+        assert!(v.block_manager.passed && v.max_chunks_per_step >= 2, "{name}: {}", v.text());
+        assert!(v.sequences.iter().all(|q| q.tokens_ok && q.logits_ok && q.steps >= 1), "{name}: {}", v.text());
+        let sc = &v.scheduler;
+        assert!(sc.passed && sc.requests >= 6, "{name}: {sc:?}");
+        assert_eq!(sc.refused + sc.aborted + sc.finished, sc.requests, "{name}: every request ends: {sc:?}");
+        eprintln!("{name}: {}", v.text());
+    }
+}

@@ -137,6 +137,14 @@ fn serving_scaffold_fails_verify_batching_on_its_todos() {
     assert!(k.kernels.iter().all(|k| !k.passed && k.error.contains("not yet implemented")), "{k:?}");
 }
 
+/// The plain engine as a batch-1 library: its metainfer.toml without the `[serving]` table.
+fn batch_one(dir: &std::path::Path) {
+    Engine::Plain.copy_to(dir);
+    let toml = std::fs::read_to_string(dir.join("metainfer.toml")).unwrap();
+    let cut = toml.find("[serving]").expect("the plain engine declares serving");
+    std::fs::write(dir.join("metainfer.toml"), &toml[..cut]).unwrap();
+}
+
 /// verify_batching and serve_engine need serving constraints (a batch-1 library is a bad request)
 /// and the serving signatures (an empty crate that claims serving is blocked by the signature rule).
 #[test]
@@ -145,7 +153,7 @@ fn verify_batching_needs_serving_constraints_and_the_serving_signatures() {
     let ctx = crate::ctx(t.path());
     // A batch-1 library (no [serving]) is a bad request for this gate.
     let plain = t.path().join("plain");
-    Engine::Plain.copy_to(&plain);
+    batch_one(&plain);
     let e = verify_batching(&ctx, &batching(&plain), &Budget::secs(900)).unwrap_err();
     assert_eq!(e.kind, ErrorKind::Usage);
     assert!(e.message.contains("no [serving] table"), "{}", e.message);
@@ -361,7 +369,7 @@ fn serve_engine_fails_without_a_binary_on_a_dying_server_and_on_a_constant_sampl
     let t = tempfile::tempdir().unwrap();
     let ctx = crate::ctx(t.path());
     let plain = t.path().join("plain");
-    Engine::Plain.copy_to(&plain);
+    batch_one(&plain);
     let e = serve_engine(&ctx, &serve_req(&plain), &Budget::secs(900)).unwrap_err();
     assert!(e.kind == ErrorKind::Usage && e.message.contains("no [serving] table"), "{}", e.message);
 

@@ -139,9 +139,12 @@ pub fn rotary_with_freqs(
 /// nn.Linear layout); `out`: [m, n].
 pub fn linear(x: &[f32], w: &[f32], m: usize, k: usize, n: usize, out: &mut [f32]) {
     assert!(x.len() == m * k && w.len() == n * k && out.len() == m * n, "linear: x [m, k], w [n, k], out [m, n]");
-    for i in 0..m {
-        for o in 0..n {
-            out[i * n + o] = dot(&x[i * k..(i + 1) * k], &w[o * k..(o + 1) * k]);
+    // Weight rows outside, input rows inside: each row of w is read once for all m rows of x (a
+    // batched step's one weight read); every output is the same dot product in either order.
+    for o in 0..n {
+        let wo = &w[o * k..(o + 1) * k];
+        for i in 0..m {
+            out[i * n + o] = dot(&x[i * k..(i + 1) * k], wo);
         }
     }
 }
@@ -352,6 +355,153 @@ fn softmax_with_sink(x: &mut [f32], sink: f32) {
     }
 }
 
+/// Contract `kernel.paged_attention`. Causal GQA attention of several sequences over a paged KV cache.
+/// `q`, `out`: [query_start[n_seqs], n_heads, head_dim]; `k_cache`, `v_cache`: [num_blocks, block_size,
+/// n_kv_heads, head_dim]; `block_table`: [n_seqs, blocks_per_seq] physical block ids; `query_start`:
+/// [n_seqs + 1] row offsets into q; `context_lens`: [n_seqs] cached positions per sequence, new tokens
+/// included. Query i of sequence s sits at position context_lens[s] - n_q(s) + i.
+///
+/// Position t of sequence s lives in block block_table[s * blocks_per_seq + t / block_size], slot
+/// t % block_size; per sequence this is [`attention`] on its gathered rows. Only the first
+/// ceil(context_lens[s] / block_size) entries of a table row are read.
+#[allow(clippy::too_many_arguments)] // the contract's signature
+pub fn paged_attention(
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    block_table: &[u32],
+    blocks_per_seq: usize,
+    query_start: &[u32],
+    context_lens: &[u32],
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    block_size: usize,
+    out: &mut [f32],
+) {
+    let scores = Scores { scale: 1.0 / (head_dim as f32).sqrt(), softcap: None, sinks: None, window: 0 };
+    let shape = PagedShape { n_heads, n_kv_heads, head_dim, block_size, blocks_per_seq };
+    paged_attention_with(q, k_cache, v_cache, block_table, query_start, context_lens, &shape, &scores, out);
+}
+
+/// The dimensions of a paged attention call (the scalar arguments of [`paged_attention`]).
+pub struct PagedShape {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+    pub blocks_per_seq: usize,
+}
+
+/// How a family's attention refines the scores of kernel.attention: the refinements of
+/// [`attention_with`] and [`attention_sinks`], and a sliding-window layer's window.
+pub struct Scores<'a> {
+    /// Scale of q.k (1 / sqrt(head_dim) in the contract).
+    pub scale: f32,
+    /// Gemma 2's soft-cap: cap * tanh(score / cap) before the softmax.
+    pub softcap: Option<f32>,
+    /// GPT-OSS: each query head's sink logit in the softmax denominator, [n_heads].
+    pub sinks: Option<&'a [f32]>,
+    /// Positions a query sees, its own included (sliding-window layers); 0: every earlier one.
+    pub window: usize,
+}
+
+/// [`paged_attention`] with a family's [`Scores`]: query i of sequence s at position p sees positions
+/// max(0, p + 1 - window)..=p (all of 0..=p when window is 0), read through the block table a block
+/// at a time. Per query this is exactly what [`attention_with`] or [`attention_sinks`] compute on the
+/// window's rows gathered (the same products, softmax and sums in the same order), so a batched step
+/// gives the single-token forward's values to the bit.
+#[allow(clippy::too_many_arguments)] // paged_attention's arrays and the two descriptions
+pub fn paged_attention_with(
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    block_table: &[u32],
+    query_start: &[u32],
+    context_lens: &[u32],
+    shape: &PagedShape,
+    scores: &Scores,
+    out: &mut [f32],
+) {
+    let PagedShape { n_heads, n_kv_heads, head_dim, block_size, blocks_per_seq } = *shape;
+    assert!(
+        n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads) && block_size > 0,
+        "paged_attention: n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads}), block_size positive"
+    );
+    let n_seqs = context_lens.len();
+    assert_eq!(query_start.len(), n_seqs + 1, "paged_attention: query_start must have n_seqs + 1 entries");
+    assert!(
+        block_table.len() >= n_seqs * blocks_per_seq,
+        "paged_attention: block_table must be [n_seqs, blocks_per_seq]"
+    );
+    let (q_stride, kv_stride) = (n_heads * head_dim, n_kv_heads * head_dim);
+    assert!(
+        q.len() == query_start[n_seqs] as usize * q_stride && out.len() == q.len(),
+        "paged_attention: q and out must be [query_start[n_seqs], n_heads, head_dim]"
+    );
+    assert!(
+        k_cache.len().is_multiple_of(block_size * kv_stride) && v_cache.len() == k_cache.len(),
+        "paged_attention: caches must be [num_blocks, block_size, n_kv_heads, head_dim]"
+    );
+    if let Some(sinks) = scores.sinks {
+        assert_eq!(sinks.len(), n_heads, "paged_attention: sinks must be [n_heads]");
+    }
+    let group = n_heads / n_kv_heads;
+    let longest = context_lens.iter().map(|&l| l as usize).max().unwrap_or(0);
+    let mut weights = vec![0.0f32; longest];
+    for s in 0..n_seqs {
+        let (q0, q1, len) = (query_start[s] as usize, query_start[s + 1] as usize, context_lens[s] as usize);
+        assert!(
+            q0 < q1 && q1 - q0 <= len,
+            "paged_attention: sequence {s} has {} queries over {len} positions",
+            q1 - q0
+        );
+        assert!(len.div_ceil(block_size) <= blocks_per_seq, "paged_attention: block table row {s} is too short");
+        let table = &block_table[s * blocks_per_seq..(s + 1) * blocks_per_seq];
+        for i in 0..q1 - q0 {
+            let p = len - (q1 - q0) + i;
+            let first = if scores.window > 0 { (p + 1).saturating_sub(scores.window) } else { 0 };
+            for h in 0..n_heads {
+                let g = h / group;
+                let qh = &q[(q0 + i) * q_stride + h * head_dim..][..head_dim];
+                let w = &mut weights[..p + 1 - first];
+                walk_blocks(table, block_size, first..p + 1, |t, slot| {
+                    w[t - first] = scores.scale * dot(qh, &k_cache[slot * kv_stride + g * head_dim..][..head_dim]);
+                });
+                if let Some(cap) = scores.softcap {
+                    w.iter_mut().for_each(|s| *s = (*s / cap).tanh() * cap);
+                }
+                match scores.sinks {
+                    None => softmax(w, p + 1 - first),
+                    Some(sinks) => softmax_with_sink(w, sinks[h]),
+                }
+                let oh = &mut out[(q0 + i) * q_stride + h * head_dim..][..head_dim];
+                oh.fill(0.0);
+                walk_blocks(table, block_size, first..p + 1, |t, slot| {
+                    let vt = &v_cache[slot * kv_stride + g * head_dim..][..head_dim];
+                    for d in 0..head_dim {
+                        oh[d] += w[t - first] * vt[d];
+                    }
+                });
+            }
+        }
+    }
+}
+
+/// Call `f(t, slot)` for each position t of `positions` in order, slot = its physical slot
+/// (block * block_size + t % block_size) through the block table `table`: one lookup per block.
+fn walk_blocks(table: &[u32], block_size: usize, positions: std::ops::Range<usize>, mut f: impl FnMut(usize, usize)) {
+    let mut t = positions.start;
+    while t < positions.end {
+        let (base, offset) = (table[t / block_size] as usize * block_size, t % block_size);
+        let count = (block_size - offset).min(positions.end - t);
+        for j in 0..count {
+            f(t + j, base + offset + j);
+        }
+        t += count;
+    }
+}
+
 /// Contract `kernel.moe_route`.
 /// Router weights of one token: softmax over `scores` [n_experts], the `top_k` largest kept (ties: lower index first), renormalised to sum 1 when `renormalize`; `out` [n_experts]: the kept weights at their expert index, 0 elsewhere.
 ///
@@ -394,21 +544,32 @@ pub fn moe_experts(x: &[f32], route: &[f32], gate: &[f32], up: &[f32], down: &[f
         gate.len() == n_experts * size && up.len() == gate.len() && down.len() == gate.len(),
         "moe_experts: gate, up, down must hold n_experts * inter * hidden"
     );
-    let (mut g, mut u, mut a, mut y) = (vec![0.0; inter], vec![0.0; inter], vec![0.0; inter], vec![0.0; hidden]);
+    let mut y = vec![0.0; hidden];
     out.fill(0.0);
     for (e, &weight) in route.iter().enumerate() {
         if weight == 0.0 {
             continue;
         }
         let block = e * size..(e + 1) * size;
-        linear(x, &gate[block.clone()], 1, hidden, inter, &mut g);
-        linear(x, &up[block.clone()], 1, hidden, inter, &mut u);
-        silu_and_mul(&g, &u, &mut a);
-        linear(&a, &down[block], 1, inter, hidden, &mut y);
+        expert_swiglu(x, 1, &gate[block.clone()], &up[block.clone()], &down[block], inter, &mut y);
         for (o, v) in out.iter_mut().zip(&y) {
             *o += weight * v;
         }
     }
+}
+
+/// One expert of kernel.moe_experts on `m` rows: y = (silu(x G^T) * (x U^T)) D^T. `x`, `y`: [m,
+/// hidden]; `gate`, `up`: [inter, hidden]; `down`: [hidden, inter] (one expert's blocks). Each
+/// weight row is read once for all m rows (kernel.linear), so a batched step runs an expert once
+/// for every row routed to it; each row's values are those of m = 1.
+pub fn expert_swiglu(x: &[f32], m: usize, gate: &[f32], up: &[f32], down: &[f32], inter: usize, y: &mut [f32]) {
+    let hidden = y.len() / m.max(1);
+    assert!(x.len() == m * hidden && y.len() == m * hidden, "expert_swiglu: x and y must be [m, hidden]");
+    let (mut g, mut u, mut a) = (vec![0.0; m * inter], vec![0.0; m * inter], vec![0.0; m * inter]);
+    linear(x, gate, m, hidden, inter, &mut g);
+    linear(x, up, m, hidden, inter, &mut u);
+    silu_and_mul(&g, &u, &mut a);
+    linear(&a, down, m, inter, hidden, y);
 }
 
 /// Contract `kernel.moe_experts_clamped`.
@@ -446,36 +607,79 @@ pub fn moe_experts_clamped(
         gate_up_bias.len() == n_experts * 2 * inter && down_bias.len() == n_experts * hidden,
         "moe_experts_clamped: gate_up_bias must be [n_experts, 2 * inter], down_bias [n_experts, hidden]"
     );
-    let (mut y, mut act, mut z) = (vec![0.0f32; 2 * inter], vec![0.0f32; inter], vec![0.0f32; hidden]);
+    let mut z = vec![0.0f32; hidden];
     out.fill(0.0);
     for (e, &weight) in route.iter().enumerate() {
         if weight == 0.0 {
             continue;
         }
         let gu = &gate_up[e * hidden * 2 * inter..][..hidden * 2 * inter];
-        y.fill(0.0);
-        for (h, &xh) in x.iter().enumerate() {
-            for (yj, &w) in y.iter_mut().zip(&gu[h * 2 * inter..][..2 * inter]) {
-                *yj += xh * w;
+        let dn = &down[e * inter * hidden..][..inter * hidden];
+        let (gu_bias, dn_bias) = (&gate_up_bias[e * 2 * inter..][..2 * inter], &down_bias[e * hidden..][..hidden]);
+        expert_clamped(x, 1, gu, gu_bias, dn, dn_bias, inter, alpha, limit, &mut z);
+        for (o, &zc) in out.iter_mut().zip(&z) {
+            *o += weight * zc;
+        }
+    }
+}
+
+/// One expert of kernel.moe_experts_clamped on `m` rows: z = act down + down_bias with act the
+/// clamped SwiGLU of y = x gate_up + gate_up_bias (see [`moe_experts_clamped`]). `x`, `z`: [m,
+/// hidden]; `gate_up`: [hidden, 2 * inter] and `down`: [inter, hidden] (input-major, one expert's
+/// blocks); `gate_up_bias`: [2 * inter]; `down_bias`: [hidden]. Each weight row is read once for all
+/// m rows; each row's values are those of m = 1 (the same sums in the same order).
+#[allow(clippy::too_many_arguments)] // moe_experts_clamped's arguments for one expert, and m
+pub fn expert_clamped(
+    x: &[f32],
+    m: usize,
+    gate_up: &[f32],
+    gate_up_bias: &[f32],
+    down: &[f32],
+    down_bias: &[f32],
+    inter: usize,
+    alpha: f32,
+    limit: f32,
+    z: &mut [f32],
+) {
+    let hidden = down_bias.len();
+    assert!(x.len() == m * hidden && z.len() == m * hidden, "expert_clamped: x and z must be [m, hidden]");
+    assert!(
+        gate_up.len() == hidden * 2 * inter && gate_up_bias.len() == 2 * inter && down.len() == inter * hidden,
+        "expert_clamped: gate_up must be [hidden, 2 * inter], gate_up_bias [2 * inter], down [inter, hidden]"
+    );
+    let (mut y, mut act) = (vec![0.0f32; m * 2 * inter], vec![0.0f32; m * inter]);
+    for h in 0..hidden {
+        let w = &gate_up[h * 2 * inter..][..2 * inter];
+        for r in 0..m {
+            let xh = x[r * hidden + h];
+            for (yj, &wj) in y[r * 2 * inter..][..2 * inter].iter_mut().zip(w) {
+                *yj += xh * wj;
             }
         }
-        for (yj, &b) in y.iter_mut().zip(&gate_up_bias[e * 2 * inter..][..2 * inter]) {
+    }
+    for (yr, ar) in y.chunks_exact_mut(2 * inter).zip(act.chunks_exact_mut(inter)) {
+        for (yj, &b) in yr.iter_mut().zip(gate_up_bias) {
             *yj += b;
         }
         for j in 0..inter {
-            let gate = y[2 * j].min(limit);
-            let up = y[2 * j + 1].clamp(-limit, limit);
-            act[j] = (up + 1.0) * (gate / (1.0 + (-alpha * gate).exp()));
+            let gate = yr[2 * j].min(limit);
+            let up = yr[2 * j + 1].clamp(-limit, limit);
+            ar[j] = (up + 1.0) * (gate / (1.0 + (-alpha * gate).exp()));
         }
-        let dn = &down[e * inter * hidden..][..inter * hidden];
-        z.fill(0.0);
-        for (j, &a) in act.iter().enumerate() {
-            for (zc, &w) in z.iter_mut().zip(&dn[j * hidden..][..hidden]) {
-                *zc += a * w;
+    }
+    z.fill(0.0);
+    for j in 0..inter {
+        let w = &down[j * hidden..][..hidden];
+        for r in 0..m {
+            let a = act[r * inter + j];
+            for (zc, &wc) in z[r * hidden..][..hidden].iter_mut().zip(w) {
+                *zc += a * wc;
             }
         }
-        for ((o, &zc), &b) in out.iter_mut().zip(&z).zip(&down_bias[e * hidden..][..hidden]) {
-            *o += weight * (zc + b);
+    }
+    for zr in z.chunks_exact_mut(hidden) {
+        for (zc, &b) in zr.iter_mut().zip(down_bias) {
+            *zc += b;
         }
     }
 }
@@ -771,6 +975,103 @@ mod tests {
         // No expert selected: zero.
         moe_experts(&[1.0, -2.0], &[0.0; 3], &gate, &up, &down, 2, &mut out);
         assert_eq!(out, [0.0, 0.0]);
+    }
+
+    /// Paged attention of three sequences (a decode row, a prefill chunk beside its cached prefix, a
+    /// whole prompt in a partly filled last block) in blocks of 3 handed out out of order, against
+    /// kernel.attention on each sequence's rows gathered: the same values to the bit; the blocks the
+    /// tables do not name (and the slots past a context) hold NaN and are never read. With a window
+    /// of 2 and a sink, against attention_sinks on the window's rows.
+    #[test]
+    fn paged_attention_equals_attention_on_the_gathered_rows() {
+        let (n_heads, n_kv_heads, hd, bs) = (4, 2, 4, 3);
+        let kv = n_kv_heads * hd;
+        let value = |i: usize| ((i * 37 % 101) as f32 - 50.0) / 25.0;
+        // (context, new queries, block table) per sequence; blocks 2 and 7 are nobody's.
+        let seqs: [(usize, usize, Vec<u32>); 3] = [(7, 1, vec![5, 0, 8]), (5, 3, vec![3, 6]), (2, 2, vec![1])];
+        let mut k_cache = vec![f32::NAN; 9 * bs * kv];
+        let mut v_cache = k_cache.clone();
+        let mut gathered: Vec<(Vec<f32>, Vec<f32>)> = Vec::new();
+        for (s, (len, _, table)) in seqs.iter().enumerate() {
+            let (mut k, mut v) = (Vec::new(), Vec::new());
+            for t in 0..*len {
+                let slot = table[t / bs] as usize * bs + t % bs;
+                for j in 0..kv {
+                    k_cache[slot * kv + j] = value(s * 1000 + t * kv + j);
+                    v_cache[slot * kv + j] = value(s * 1000 + t * kv + j + 500);
+                }
+                k.extend_from_slice(&k_cache[slot * kv..][..kv]);
+                v.extend_from_slice(&v_cache[slot * kv..][..kv]);
+            }
+            gathered.push((k, v));
+        }
+        let bps = 3;
+        let mut block_table = vec![u32::MAX; seqs.len() * bps];
+        let (mut query_start, mut context_lens) = (vec![0u32], Vec::new());
+        for (s, (len, n_q, table)) in seqs.iter().enumerate() {
+            block_table[s * bps..][..table.len()].copy_from_slice(table);
+            query_start.push(query_start[s] + *n_q as u32);
+            context_lens.push(*len as u32);
+        }
+        let rows = query_start[seqs.len()] as usize;
+        let q: Vec<f32> = (0..rows * n_heads * hd).map(|i| value(i + 77)).collect();
+        let mut out = vec![0.0; q.len()];
+        let shape = PagedShape { n_heads, n_kv_heads, head_dim: hd, block_size: bs, blocks_per_seq: bps };
+        paged_attention(
+            &q,
+            &k_cache,
+            &v_cache,
+            &block_table,
+            bps,
+            &query_start,
+            &context_lens,
+            n_heads,
+            n_kv_heads,
+            hd,
+            bs,
+            &mut out,
+        );
+        let sinks = [0.5, -1.0, 0.0, 2.0];
+        let scores = Scores { scale: 1.0 / (hd as f32).sqrt(), softcap: None, sinks: Some(&sinks), window: 2 };
+        let mut windowed = vec![0.0; q.len()];
+        paged_attention_with(
+            &q,
+            &k_cache,
+            &v_cache,
+            &block_table,
+            &query_start,
+            &context_lens,
+            &shape,
+            &scores,
+            &mut windowed,
+        );
+        let row = n_heads * hd;
+        for (s, (len, n_q, _)) in seqs.iter().enumerate() {
+            let (k, v) = &gathered[s];
+            let rows = query_start[s] as usize * row..query_start[s + 1] as usize * row;
+            let mut want = vec![0.0; n_q * row];
+            attention(&q[rows.clone()], k, v, *n_q, *len, n_heads, n_kv_heads, hd, &mut want);
+            assert_eq!(out[rows.clone()], want[..], "sequence {s}");
+            for i in 0..*n_q {
+                let (p, qi) = (len - n_q + i, query_start[s] as usize + i);
+                let first = (p + 1).saturating_sub(2);
+                let mut want = vec![0.0; row];
+                let (kw, vw) = (&k[first * kv..(p + 1) * kv], &v[first * kv..(p + 1) * kv]);
+                attention_sinks(
+                    &q[qi * row..][..row],
+                    kw,
+                    vw,
+                    &sinks,
+                    1,
+                    p + 1 - first,
+                    n_heads,
+                    n_kv_heads,
+                    hd,
+                    &mut want,
+                );
+                assert_eq!(windowed[qi * row..][..row], want[..], "sequence {s}, query {i}, window 2");
+            }
+        }
     }
 
     #[test]

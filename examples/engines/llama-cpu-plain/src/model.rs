@@ -5,9 +5,13 @@
 //! (`component.kv_cache`).
 //! One token at a time: `forward` is the contracts' `math` line by line, calling the kernels;
 //! `prefill` runs `forward` over the prompt. Weights, activations and the cache are f32.
+//! `run_batch` is the batched step of `batch::step` (component.batched_step): the same layer
+//! computations on the rows of several sequences at once over a paged KV cache, the
+//! mixture-of-experts MLP grouped by expert.
 
 use std::path::Path;
 
+use crate::batch::{PagedKvCache, SeqChunk};
 use crate::config::{Config, ExpertLayout, Moe};
 use crate::kernels;
 use crate::weights::{self, Tensors};
@@ -112,6 +116,8 @@ pub struct Model {
     /// Gemma 3: the sliding-window layers' RoPE frequencies (their own base).
     sliding_rope_freqs: Option<Vec<f64>>,
     s: Scratch,
+    /// The expert groups of the last batched step ([`Model::expert_groups`]).
+    expert_groups: Vec<Vec<(usize, usize)>>,
 }
 
 impl Model {
@@ -144,7 +150,17 @@ impl Model {
             logits: vec![0.0; v],
         };
         let sliding_rope_freqs = cfg.sliding_rope_theta.map(|theta| kernels::rope_freqs(theta, cfg.rotary_dim));
-        Ok(Model { rope_freqs: cfg.rope_freqs(), cfg, embed, layers, final_norm, lm_head, sliding_rope_freqs, s })
+        Ok(Model {
+            rope_freqs: cfg.rope_freqs(),
+            cfg,
+            embed,
+            layers,
+            final_norm,
+            lm_head,
+            sliding_rope_freqs,
+            s,
+            expert_groups: Vec::new(),
+        })
     }
 
     /// Vocabulary size (length of the logits vector).
@@ -191,7 +207,7 @@ impl Model {
         pos: usize,
         trace: &mut dyn FnMut(Option<usize>, &str, &[f32]),
     ) -> &[f32] {
-        let Model { cfg: c, embed, layers, final_norm, lm_head, rope_freqs, sliding_rope_freqs, s } = self;
+        let Model { cfg: c, embed, layers, final_norm, lm_head, rope_freqs, sliding_rope_freqs, s, .. } = self;
         assert!(pos < c.max_seq, "forward: position {pos} is beyond max_position_embeddings {}", c.max_seq);
         assert!((token as usize) < c.vocab, "forward: token {token} is outside the vocabulary ({})", c.vocab);
         let (h, inter, eps) = (c.hidden, c.intermediate, c.rms_norm_eps);
@@ -381,6 +397,279 @@ impl Model {
         trace(None, "logits", &s.logits);
         &s.logits
     }
+}
+
+/// The batched step (component.batched_step), beside the single-token forward.
+impl Model {
+    /// Decoder layers (each with its K and V in a paged cache).
+    pub(crate) fn n_layers(&self) -> usize {
+        self.cfg.n_layers
+    }
+
+    /// Entries of one position's K (or V) row: n_kv_heads * head_dim.
+    pub(crate) fn kv_dim(&self) -> usize {
+        self.cfg.n_kv_heads * self.cfg.head_dim
+    }
+
+    /// The experts the last batched step ran, per layer: (expert, rows routed to it), in expert
+    /// order, one entry per expert that any row of the step selected (empty without experts).
+    pub fn expert_groups(&self) -> &[Vec<(usize, usize)>] {
+        &self.expert_groups
+    }
+
+    /// Every chunk through the model in one pass over the paged cache `cache` (contract
+    /// component.batched_step): the rows of all chunks, [rows, hidden], go through each layer
+    /// together, row r being token j of chunk c at position start_c + j. Per layer: the attention
+    /// input of every row, q, k and v as one product per projection over all rows (biases, clamps,
+    /// q/k norms and RoPE per row at its own position, as `forward` does them), each row's K and V
+    /// written to its slot through its chunk's block table, paged attention (each row sees its own
+    /// sequence's positions up to its own, within the layer's window, with the family's scale,
+    /// soft-cap or sinks), o_proj over all rows, the residual; then the MLP: dense, one product per
+    /// matrix over all rows; a mixture of experts, every row's routing first, then each selected
+    /// expert once over the rows routed to it (`experts_grouped`). The last row of each chunk goes
+    /// through the final norm and the output projection. Every value is computed as `forward`
+    /// computes it for that token, so each chunk's logits equal the single-sequence forward's.
+    /// Returns [chunks.len(), vocab] in chunk order. The model's own KV cache is not touched.
+    pub(crate) fn run_batch(&mut self, cache: &mut PagedKvCache, chunks: &[SeqChunk]) -> Vec<f32> {
+        let Model { cfg: c, embed, layers, final_norm, lm_head, rope_freqs, sliding_rope_freqs, expert_groups, .. } =
+            self;
+        let (h, inter, eps, bs) = (c.hidden, c.intermediate, c.rms_norm_eps, cache.block_size);
+        let (q_dim, kv_dim) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+        assert!(
+            cache.k.len() == c.n_layers && cache.k[0].len() == cache.num_blocks * bs * kv_dim,
+            "step: the cache was made for another model"
+        );
+        // Rows: every chunk's tokens in chunk order, with their positions and physical slots; the
+        // block tables as rows of one [chunks, blocks_per_seq] table (u32::MAX past a table's end).
+        let blocks_per_seq = chunks.iter().map(|ch| ch.block_table.len()).max().unwrap_or(0);
+        let mut table = vec![u32::MAX; chunks.len() * blocks_per_seq];
+        let (mut tokens, mut positions, mut slots) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut query_start, mut context_lens) = (vec![0u32], Vec::with_capacity(chunks.len()));
+        for (i, ch) in chunks.iter().enumerate() {
+            let end = ch.start + ch.tokens.len();
+            assert!(!ch.tokens.is_empty(), "step: chunk {i} has no tokens");
+            assert!(end <= c.max_seq, "step: chunk {i} reaches position {end}, beyond max_position_embeddings");
+            assert!(
+                ch.block_table.len() >= end.div_ceil(bs),
+                "step: chunk {i}'s block table of {} blocks does not cover {end} positions",
+                ch.block_table.len()
+            );
+            table[i * blocks_per_seq..][..ch.block_table.len()].copy_from_slice(ch.block_table);
+            for (j, &token) in ch.tokens.iter().enumerate() {
+                assert!((token as usize) < c.vocab, "step: token {token} is outside the vocabulary ({})", c.vocab);
+                let pos = ch.start + j;
+                let block = ch.block_table[pos / bs] as usize;
+                assert!(block < cache.num_blocks, "step: chunk {i} names block {block}, beyond the cache");
+                tokens.push(token);
+                positions.push(pos);
+                slots.push(block * bs + pos % bs);
+            }
+            query_start.push(tokens.len() as u32);
+            context_lens.push(end as u32);
+        }
+        let rows = tokens.len();
+        expert_groups.clear();
+        if rows == 0 {
+            return Vec::new();
+        }
+        let mut x = vec![0.0f32; rows * h];
+        kernels::embedding(embed, h, &tokens, &mut x);
+        if c.features.embed_scale_sqrt_hidden {
+            let scale = (h as f32).sqrt();
+            x.iter_mut().for_each(|x| *x *= scale);
+        }
+        if let Some(m) = c.embedding_multiplier {
+            x.iter_mut().for_each(|x| *x *= m);
+        }
+        let (mut normed, mut mlp_in) = (vec![0.0f32; rows * h], vec![0.0f32; rows * h]);
+        let (mut q, mut attn) = (vec![0.0f32; rows * q_dim], vec![0.0f32; rows * q_dim]);
+        let (mut k, mut v) = (vec![0.0f32; rows * kv_dim], vec![0.0f32; rows * kv_dim]);
+        let (mut gate, mut up, mut act) =
+            (vec![0.0f32; rows * inter], vec![0.0f32; rows * inter], vec![0.0f32; rows * inter]);
+        let (mut out, mut tmp, mut heads) = (vec![0.0f32; rows * h], vec![0.0f32; h], Vec::new());
+        let shape = kernels::PagedShape {
+            n_heads: c.n_heads,
+            n_kv_heads: c.n_kv_heads,
+            head_dim: c.head_dim,
+            block_size: bs,
+            blocks_per_seq,
+        };
+        let no_trace = &mut |_: &str, _: &[f32]| {};
+        for (i, l) in layers.iter().enumerate() {
+            // Attention block: x += o_proj(attention(rope(q), paged cache(rope(k), v))).
+            for (xr, nr) in x.chunks_exact(h).zip(normed.chunks_exact_mut(h)) {
+                match &l.attn_norm {
+                    Some(n) => apply_norm(c, xr, n, nr),
+                    None => nr.copy_from_slice(xr),
+                }
+            }
+            kernels::linear(&normed, &l.wq, rows, h, q_dim, &mut q);
+            kernels::linear(&normed, &l.wk, rows, h, kv_dim, &mut k);
+            kernels::linear(&normed, &l.wv, rows, h, kv_dim, &mut v);
+            let rope_freqs = match sliding_rope_freqs {
+                Some(local) if c.sliding(i) => &local[..],
+                _ => &rope_freqs[..],
+            };
+            let (k_cache, v_cache) = (&mut cache.k[i], &mut cache.v[i]);
+            for r in 0..rows {
+                let (qr, kr, vr) =
+                    (&mut q[r * q_dim..][..q_dim], &mut k[r * kv_dim..][..kv_dim], &mut v[r * kv_dim..][..kv_dim]);
+                if let Some([bq, bk, bv]) = &l.qkv_bias {
+                    add(qr, bq);
+                    add(kr, bk);
+                    add(vr, bv);
+                }
+                if let Some(limit) = c.clip_qkv {
+                    for part in [&mut *qr, &mut *kr, &mut *vr] {
+                        part.iter_mut().for_each(|v| *v = v.clamp(-limit, limit));
+                    }
+                }
+                if let Some([q_norm, k_norm]) = &l.qk_norm {
+                    norm_heads(qr, q_norm, eps, &mut heads);
+                    norm_heads(kr, k_norm, eps, &mut heads);
+                }
+                rotate(c, qr, positions[r], c.n_heads, rope_freqs);
+                rotate(c, kr, positions[r], c.n_kv_heads, rope_freqs);
+                k_cache[slots[r] * kv_dim..][..kv_dim].copy_from_slice(kr);
+                v_cache[slots[r] * kv_dim..][..kv_dim].copy_from_slice(vr);
+            }
+            // forward's choice of attention: GPT-OSS's sinks with the contract's scale, else the
+            // family's scale and soft-cap.
+            let default_scale = 1.0 / (c.head_dim as f32).sqrt();
+            let scores = match &l.sinks {
+                Some(sinks) => kernels::Scores { scale: default_scale, softcap: None, sinks: Some(sinks), window: 0 },
+                None => kernels::Scores {
+                    scale: c.attention_scale.unwrap_or(default_scale),
+                    softcap: c.attn_softcap,
+                    sinks: None,
+                    window: 0,
+                },
+            };
+            let scores = kernels::Scores { window: c.window(i), ..scores };
+            kernels::paged_attention_with(
+                &q,
+                k_cache,
+                v_cache,
+                &table,
+                &query_start,
+                &context_lens,
+                &shape,
+                &scores,
+                &mut attn,
+            );
+            kernels::linear(&attn, &l.wo, rows, q_dim, h, &mut out);
+            let [post_attn, post_ffn] =
+                l.post_norms.as_ref().map(|[a, f]| [Some(&a[..]), Some(&f[..])]).unwrap_or_default();
+            for (xr, or) in x.chunks_exact_mut(h).zip(out.chunks_exact_mut(h)) {
+                if let Some(b) = &l.o_bias {
+                    add(or, b);
+                }
+                residual(xr, or, post_attn, c.residual_multiplier, eps, &mut tmp, [""; 3], no_trace);
+            }
+            // MLP block on every row; the parallel block (Cohere) reads attention's normed input.
+            let input = if c.features.parallel_block {
+                &normed[..]
+            } else {
+                for (xr, mr) in x.chunks_exact(h).zip(mlp_in.chunks_exact_mut(h)) {
+                    match &l.ffn_norm {
+                        Some(n) => apply_norm(c, xr, n, mr),
+                        None => mr.copy_from_slice(xr),
+                    }
+                }
+                &mlp_in[..]
+            };
+            if let (Some(moe), Some(m)) = (&l.experts, &c.moe) {
+                expert_groups.push(experts_grouped(m, moe, input, rows, &mut out));
+            } else if let Some([b_fc, b_proj]) = &l.fc_bias {
+                kernels::linear(input, &l.w_gate, rows, h, inter, &mut gate);
+                gate.chunks_exact_mut(inter).for_each(|g| add(g, b_fc));
+                kernels::gelu_tanh(&gate, &mut act);
+                kernels::linear(&act, &l.w_down, rows, inter, h, &mut out);
+                out.chunks_exact_mut(h).for_each(|o| add(o, b_proj));
+            } else {
+                kernels::linear(input, &l.w_gate, rows, h, inter, &mut gate);
+                kernels::linear(input, &l.w_up, rows, h, inter, &mut up);
+                glu(c.features.gelu_tanh_mlp, &gate, &up, &mut act);
+                kernels::linear(&act, &l.w_down, rows, inter, h, &mut out);
+            }
+            for (xr, or) in x.chunks_exact_mut(h).zip(out.chunks_exact_mut(h)) {
+                residual(xr, or, post_ffn, c.residual_multiplier, eps, &mut tmp, [""; 3], no_trace);
+            }
+        }
+        // The last row of each chunk: final norm, output projection, the family's logit scaling.
+        let n = chunks.len();
+        let mut last = vec![0.0f32; n * h];
+        for (ch, lr) in last.chunks_exact_mut(h).enumerate() {
+            let r = query_start[ch + 1] as usize - 1;
+            apply_norm(c, &x[r * h..][..h], final_norm, lr);
+        }
+        let mut logits = vec![0.0f32; n * c.vocab];
+        kernels::linear(&last, lm_head.as_deref().unwrap_or(embed), n, h, c.vocab, &mut logits);
+        if let Some(d) = c.logits_scaling {
+            logits.iter_mut().for_each(|x| *x /= d);
+        }
+        if let Some(m) = c.logit_scale {
+            logits.iter_mut().for_each(|x| *x *= m);
+        }
+        if let Some(cap) = c.final_softcap {
+            logits.iter_mut().for_each(|x| *x = (*x / cap).tanh() * cap);
+        }
+        logits
+    }
+}
+
+/// The mixture-of-experts MLP of a batched step, grouped by expert (`model.qwen3_moe`,
+/// `model.mixtral`, GPT-OSS). `input`: [rows, hidden]; `out`: [rows, hidden], overwritten.
+/// First every row's routing weights (router logits plus the router's bias, kernel.moe_route), then
+/// for each expert e that any row selected, in expert order: the inputs of its rows gathered, e run
+/// once on all of them (`kernels::expert_swiglu` or `kernels::expert_clamped`: each of its weights
+/// read once for the group), and route[r][e] times its output added to row r. Per row these are
+/// kernel.moe_experts' (moe_experts_clamped's) terms in the same order, so each row's output is
+/// what the single-token forward computes. Returns the groups: (expert, rows routed to it).
+fn experts_grouped(m: &Moe, moe: &Experts, input: &[f32], rows: usize, out: &mut [f32]) -> Vec<(usize, usize)> {
+    let (h, inter, n) = (input.len() / rows, m.inter, m.n_experts);
+    let (mut router, mut route) = (vec![0.0f32; rows * n], vec![0.0f32; rows * n]);
+    kernels::linear(input, &moe.router, rows, h, n, &mut router);
+    for (logits, weights) in router.chunks_exact_mut(n).zip(route.chunks_exact_mut(n)) {
+        add(logits, &moe.router_bias);
+        kernels::moe_route(logits, m.top_k, m.renormalize, weights);
+    }
+    out.fill(0.0);
+    let mut groups = Vec::new();
+    for e in 0..n {
+        let members: Vec<usize> = (0..rows).filter(|&r| route[r * n + e] != 0.0).collect();
+        if members.is_empty() {
+            continue;
+        }
+        let g = members.len();
+        let mut xs = Vec::with_capacity(g * h);
+        for &r in &members {
+            xs.extend_from_slice(&input[r * h..][..h]);
+        }
+        let mut ys = vec![0.0f32; g * h];
+        match m.layout {
+            ExpertLayout::Split { .. } => {
+                let size = inter * h;
+                let (gate, up, down) =
+                    (&moe.gate[e * size..][..size], &moe.up[e * size..][..size], &moe.down[e * size..][..size]);
+                kernels::expert_swiglu(&xs, g, gate, up, down, inter, &mut ys);
+            }
+            ExpertLayout::Fused { alpha, limit } => {
+                let gate_up = &moe.gate[e * h * 2 * inter..][..h * 2 * inter];
+                let gate_up_bias = &moe.gate_up_bias[e * 2 * inter..][..2 * inter];
+                let (down, down_bias) = (&moe.down[e * inter * h..][..inter * h], &moe.down_bias[e * h..][..h]);
+                kernels::expert_clamped(&xs, g, gate_up, gate_up_bias, down, down_bias, inter, alpha, limit, &mut ys);
+            }
+        }
+        for (&r, y) in members.iter().zip(ys.chunks_exact(h)) {
+            let weight = route[r * n + e];
+            for (o, v) in out[r * h..][..h].iter_mut().zip(y) {
+                *o += weight * v;
+            }
+        }
+        groups.push((e, g));
+    }
+    groups
 }
 
 /// Layer `i`'s weights, named and shaped as the family contract's `[[model.weights]]` say.

@@ -369,3 +369,104 @@ fn gpt_oss_config_reads_yarn_and_refuses_what_it_does_not_cover() {
     let e = Config::from_json(&llama).expect_err("llama read YaRN");
     assert!(e.contains("yarn"), "{e}");
 }
+
+/// The batched step (component.batched_step) on every family's conformance checkpoint: three
+/// sequences interleaved over four steps of a paged cache in blocks of 4 handed out out of order,
+/// prefill chunks beside decode rows (a prompt split in two chunks, one prefilled whole, one
+/// arriving late), up to 12 positions (past GPT-OSS's and Gemma 3's windows of 4). The logits of
+/// each chunk's last token equal the single-sequence forward's at that position to the bit. On the
+/// mixtures of experts (Qwen3-MoE, Mixtral, GPT-OSS) every layer of every step runs each selected
+/// expert once, in expert order, for all the rows routed to it: the groups' rows add up to
+/// top_k per row, and with more rows than experts / top_k some expert serves several rows at once.
+#[test]
+fn batched_step_equals_the_single_sequence_forward_and_runs_each_expert_once_per_step() {
+    use crate::batch::{SeqChunk, new_cache, step};
+    // Each sequence's tokens (prompt, then the tokens its decode rows bring) and block table.
+    let seqs: [(usize, Vec<u32>); 3] = [(7, vec![5, 0, 9]), (3, vec![2, 7]), (5, vec![11, 4, 1])];
+    // Per step: (sequence, tokens) chunks, each continuing where its sequence stopped.
+    let steps: [&[(usize, usize)]; 4] =
+        [&[(0, 4), (1, 3)], &[(0, 3), (1, 1), (2, 2)], &[(0, 1), (1, 1), (2, 3)], &[(2, 1), (0, 1), (1, 1)]];
+    for family in CONFORMANCE_FAMILIES {
+        let dir = conformance().join(family);
+        let mut model = Model::load(&dir).unwrap_or_else(|e| panic!("{family}: {e}"));
+        let vocab = model.vocab_size();
+        let tokens: Vec<Vec<u32>> =
+            (0..3).map(|s| (0..12).map(|i| ((s * 31 + i * 17 + 3) % vocab) as u32).collect()).collect();
+        // The single-sequence forward's logits at every position of each sequence.
+        let want: Vec<Vec<Vec<f32>>> = tokens
+            .iter()
+            .map(|t| {
+                model.reset();
+                t.iter().enumerate().map(|(pos, &x)| model.forward(x, pos).to_vec()).collect()
+            })
+            .collect();
+        let top_k = Config::load(&dir).unwrap().moe.map(|m| m.top_k);
+        let mut cache = new_cache(&model, 12, 4);
+        let mut done = [0usize; 3];
+        for (n, plan) in steps.iter().enumerate() {
+            let chunks: Vec<SeqChunk> = plan
+                .iter()
+                .map(|&(s, len)| SeqChunk {
+                    tokens: &tokens[s][done[s]..done[s] + len],
+                    start: done[s],
+                    block_table: &seqs[s].1,
+                })
+                .collect();
+            let logits = step(&mut model, &mut cache, &chunks);
+            assert_eq!(logits.len(), plan.len() * vocab, "{family} step {n}");
+            for (c, &(s, len)) in plan.iter().enumerate() {
+                done[s] += len;
+                let got = &logits[c * vocab..(c + 1) * vocab];
+                assert!(got == want[s][done[s] - 1], "{family} step {n}: sequence {s} at position {}", done[s] - 1);
+            }
+            let rows: usize = plan.iter().map(|&(_, len)| len).sum();
+            let groups = model.expert_groups();
+            let Some(top_k) = top_k else {
+                assert!(groups.is_empty(), "{family}: no experts");
+                continue;
+            };
+            assert_eq!(groups.len(), 4, "{family} step {n}: one entry per layer");
+            for (l, g) in groups.iter().enumerate() {
+                assert!(g.windows(2).all(|w| w[0].0 < w[1].0), "{family} step {n} layer {l}: each expert once: {g:?}");
+                assert_eq!(g.iter().map(|e| e.1).sum::<usize>(), rows * top_k, "{family} step {n} layer {l}: {g:?}");
+                if rows * top_k > 4 {
+                    assert!(g.iter().any(|e| e.1 > 1), "{family} step {n} layer {l}: {g:?}");
+                }
+            }
+        }
+        assert_eq!(done, [9, 6, 6], "{family}: the schedule ran");
+    }
+}
+
+/// The block manager (component.block_manager): blocks handed out first to last, a table grows
+/// by one block when its last one is full, refusals (a live id, too few blocks, an unknown id, an
+/// empty pool) change nothing, free returns every block and an id may be reused.
+#[test]
+fn block_manager_hands_out_appends_refuses_and_frees_blocks() {
+    use crate::paged::BlockManager;
+    let mut bm = BlockManager::new(5, 4);
+    assert!(bm.can_allocate(20) && !bm.can_allocate(21));
+    bm.allocate(1, 5).unwrap();
+    assert_eq!((bm.block_table(1), bm.num_free_blocks()), (vec![0, 1], 3));
+    assert!(bm.allocate(1, 1).is_err() && bm.allocate(2, 13).is_err(), "a live id; 4 blocks of 3 free");
+    assert_eq!((bm.block_table(1), bm.block_table(2), bm.num_free_blocks()), (vec![0, 1], vec![], 3));
+    for _ in 5..8 {
+        bm.append_slot(1).unwrap();
+    }
+    assert_eq!(bm.block_table(1), [0, 1], "positions 5..8 fill block 1");
+    bm.append_slot(1).unwrap();
+    assert_eq!((bm.block_table(1), bm.num_free_blocks()), (vec![0, 1, 2], 2));
+    bm.allocate(2, 8).unwrap();
+    assert_eq!((bm.block_table(2), bm.num_free_blocks()), (vec![3, 4], 0));
+    assert!(bm.append_slot(2).is_err() && bm.append_slot(9).is_err(), "no free block; an unknown id");
+    assert_eq!((bm.block_table(2), bm.num_free_blocks()), (vec![3, 4], 0));
+    bm.free(1);
+    bm.free(1);
+    assert_eq!((bm.block_table(1), bm.num_free_blocks()), (vec![], 3));
+    bm.append_slot(2).unwrap();
+    assert_eq!(bm.block_table(2).len(), 3);
+    bm.free(2);
+    assert_eq!(bm.num_free_blocks(), 5);
+    bm.allocate(1, 1).unwrap();
+    assert_eq!(bm.block_table(1).len(), 1, "an id is reused after free");
+}
