@@ -797,6 +797,28 @@ pub enum CkbCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Weaker evidence for a family from trained weights you hold: the family's reference scores a
+    /// text (default: a built-in passage) on the checkpoint, and must predict it far better than
+    /// uniform and no worse than any of its own mutants. Recorded in the ledger; a staged family
+    /// that passes is promoted only with --consent.
+    #[command(after_help = "Example:\n  metainfer ckb perplexity ../shared/models/babyllama-105")]
+    Perplexity {
+        /// Checkpoint directory with trained weights and tokenizer.json.
+        #[arg(value_name = "DIR")]
+        model: PathBuf,
+        /// A UTF-8 text file to score instead of the built-in passage.
+        #[arg(long, value_name = "FILE")]
+        text: Option<PathBuf>,
+        /// Tokens scored at most (default and largest 512).
+        #[arg(long, value_name = "N")]
+        max_tokens: Option<usize>,
+        /// The user consents to promoting a staged family on this weaker evidence.
+        #[arg(long)]
+        consent: bool,
+        /// Print exactly the structured result as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Validate a new or amended contract file and stage it as a candidate (tool propose_contract).
     Propose {
         /// The contract file (TOML).

@@ -291,6 +291,15 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
             let dirs: Vec<String> = dirs.iter().map(|d| s(d)).collect();
             Ok(emit(&ops::conformance::conformance(&ctx(g)?, &dirs)?, json))
         }
+        Command::Ckb { action: CkbCmd::Perplexity { model, text, max_tokens, consent, json } } => {
+            let req = ops::perplexity::PerplexityRequest {
+                model: s(&model),
+                text: text.as_deref().map(s),
+                consent,
+                max_tokens,
+            };
+            Ok(emit(&ops::perplexity::check(&ctx(g)?, &req)?, json))
+        }
         Command::Ckb { action: CkbCmd::Schema } => {
             println!(
                 "{}",

@@ -241,6 +241,28 @@ pub struct ConformanceFigures {
     pub greedy_equal: bool,
 }
 
+/// `ckb_perplexity`: a family's reference on trained weights, against its own mutants.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct PerplexityFigures {
+    /// The checkpoint directory (trained weights).
+    pub model: String,
+    /// sha256 of the text's bytes, hex.
+    pub text_sha256: String,
+    /// Tokens scored (predictions: tokens - 1).
+    pub tokens: usize,
+    /// The reference's perplexity on the text.
+    pub perplexity: f64,
+    /// Uniform prediction's perplexity (the vocabulary size).
+    pub uniform: f64,
+    /// (mutant name, its perplexity) for every mutant tried.
+    pub mutants: Vec<(String, f64)>,
+    /// Whether the user consented to promotion on this weaker evidence.
+    pub consent: bool,
+    /// sha256 of the contract checked, hex (as [`ConformanceFigures::contract_sha256`]).
+    pub contract_sha256: String,
+}
+
 /// The figures of one outcome, by tool.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Figures {
@@ -262,6 +284,8 @@ pub enum Figures {
     Plan(PlanFigures),
     /// `ckb_conformance`.
     Conformance(ConformanceFigures),
+    /// `ckb_perplexity`.
+    Perplexity(PerplexityFigures),
     /// Any other tool: whatever it stored.
     Other(serde_json::Value),
 }
@@ -279,6 +303,7 @@ impl Figures {
             Figures::Rules(f) => serde_json::to_value(f),
             Figures::Plan(f) => serde_json::to_value(f),
             Figures::Conformance(f) => serde_json::to_value(f),
+            Figures::Perplexity(f) => serde_json::to_value(f),
             Figures::Other(v) => Ok(v.clone()),
         };
         v.unwrap_or_else(|_| serde_json::json!({}))
@@ -300,6 +325,7 @@ impl Figures {
             "check_rules" => parse(v, Figures::Rules),
             "plan_engine" => parse(v, Figures::Plan),
             "ckb_conformance" => parse(v, Figures::Conformance),
+            "ckb_perplexity" => parse(v, Figures::Perplexity),
             _ => Figures::Other(v.clone()),
         }
     }

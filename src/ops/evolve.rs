@@ -479,7 +479,7 @@ fn dry_run(contract: &Contract) -> Option<String> {
 /// forward pass) and a verified profile_engine; kernels and the rest: any gate that ran the engine.
 pub fn evidence_gates(kind: Kind) -> &'static [&'static str] {
     match kind {
-        Kind::Model => &[CONFORMANCE],
+        Kind::Model => &[CONFORMANCE, PERPLEXITY],
         Kind::Platform => &["verify_generation", "profile_engine"],
         _ => &["compile_engine", "run_kernel_test", "verify_generation", "profile_engine"],
     }
@@ -487,6 +487,10 @@ pub fn evidence_gates(kind: Kind) -> &'static [&'static str] {
 
 /// The ledger's name for a `ckb conformance` check (an outcome's `tool`): a model family's evidence.
 pub const CONFORMANCE: &str = "ckb_conformance";
+
+/// The ledger's name for a `ckb perplexity` check: weaker evidence for a model family (it catches a
+/// wrong family, not one slightly off), which counts only when the user consented to it.
+pub const PERPLEXITY: &str = "ckb_perplexity";
 
 /// What a staged model family still needs to be promoted: said by the gates that pass under it
 /// (which are not its evidence), by plan and by `ckb promote`.
@@ -513,6 +517,7 @@ fn is_evidence(o: &Outcome, c: &Contract) -> bool {
         && match Figures::read(&o.tool, &o.figures) {
             Figures::Profile(f) => f.verified,
             Figures::Conformance(f) => f.contract_sha256 == contract_sha256(c),
+            Figures::Perplexity(f) => f.consent && f.contract_sha256 == contract_sha256(c),
             _ => c.kind != Kind::Model,
         }
 }

@@ -30,6 +30,7 @@ pub mod lookup;
 pub mod machine;
 pub mod outcomes;
 pub mod page;
+pub mod perplexity;
 pub mod plan;
 pub mod preconditions;
 pub mod profile;

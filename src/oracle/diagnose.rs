@@ -273,6 +273,28 @@ impl Variant<'_> {
     }
 }
 
+/// Run `f` on the reference turned into each model-level mutant diagnosis tries (the order of
+/// [`generation`]'s candidates), returning (failure contract id, mutant name, `f`'s result) for
+/// each that applies; the reference is left as the true forward pass.
+pub fn for_each_mutant<T>(
+    ckb: &Ckb,
+    reference: &mut Reference,
+    mut f: impl FnMut(&mut Reference) -> T,
+) -> Vec<(String, String, T)> {
+    let mut out = Vec::new();
+    for (fc, variant) in candidates(ckb, reference) {
+        if !variant.set(reference) {
+            continue;
+        }
+        reference.reset();
+        let v = f(reference);
+        variant.clear(reference);
+        out.push((fc.id.clone(), variant.name(), v));
+    }
+    reference.reset();
+    out
+}
+
 /// The model-level mutants tried, in order: each mutation with a failure contract that can change
 /// this model's logits, then the graph rewrites of the failure contracts that apply to the family
 /// (its `failure_modes`, or their `applies_to` naming it).

@@ -531,3 +531,73 @@ fn an_engine_agreeing_with_a_wrong_family_is_no_evidence_the_vectors_decide() {
     let promoted = Ckb::from_dir(&wc).unwrap();
     assert_eq!(promoted.get("model.phi3").unwrap().version, 2);
 }
+
+/// Perplexity on trained weights is evidence only with consent, and only for a family that is not
+/// wrong. BabyLlama (trained, LlamaForCausalLM) relabelled as an architecture no contract routes
+/// (`BabyForCausalLM`), and a family for it proposed from Llama's contract:
+/// - wrong (the MLP's gate and up swapped in its graph): its reference predicts the trained text
+///   worse than its own mutant silu_swapped, which undoes the mistake; the check fails and nothing
+///   is promoted, even with consent;
+/// - right: the check passes (perplexity far below uniform, no mutant better, rope_adjacent and
+///   others far worse), but without consent the family stays provisional; with it, it is promoted,
+///   the outcome recorded with the consent and both figures.
+#[test]
+fn perplexity_on_trained_weights_promotes_only_a_family_that_is_not_wrong_and_only_with_consent() {
+    use metainfer::ops::perplexity::{PerplexityRequest, check};
+    let t = tempfile::tempdir().unwrap();
+    let (ctx, wc) = working_copy_ctx(t.path());
+    let baby = t.path().join("baby");
+    std::fs::create_dir(&baby).unwrap();
+    let trained = crate::shared().join("models/babyllama-105");
+    for f in ["model.safetensors", "tokenizer.json"] {
+        std::fs::copy(trained.join(f), baby.join(f)).unwrap();
+    }
+    let mut config = model::read_config(trained.as_path()).unwrap();
+    config.insert("architectures".into(), serde_json::json!(["BabyForCausalLM"]));
+    config.insert("model_type".into(), serde_json::json!("baby"));
+    std::fs::write(baby.join("config.json"), serde_json::Value::Object(config).to_string()).unwrap();
+    let llama =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("contracts/models/llama.toml")).unwrap();
+    let right = llama
+        .replacen("id = \"model.llama\"", "id = \"model.baby\"", 1)
+        .replacen("version = 3", "version = 1", 1)
+        .replace("architectures = [\"LlamaForCausalLM\"]", "architectures = [\"BabyForCausalLM\"]")
+        .replace("model_types = [\"llama\"]", "model_types = [\"baby\"]");
+    assert!(right.contains("id = \"model.baby\"") && right.contains("[\"BabyForCausalLM\"]"), "llama.toml changed");
+    let act = "op = \"silu_and_mul\"\ninputs = [\"gate\", \"up\"]";
+    assert!(right.contains(act));
+    let wrong = right.replace(act, "op = \"silu_and_mul\"\ninputs = [\"up\", \"gate\"]");
+    let req = |consent: bool| PerplexityRequest { model: s(&baby), consent, ..Default::default() };
+
+    let r = propose(&ctx, &ProposeRequest { toml: wrong }).unwrap();
+    assert!(r.staged, "{r:?}");
+    let p = check(&ctx, &req(true)).unwrap();
+    assert_eq!(p.family, "model.baby@1");
+    assert!(!p.passed, "{}", Report::text(&p));
+    assert!(p.beaten_by.iter().any(|b| b.starts_with("silu_swapped")), "{:?}", p.beaten_by);
+    assert!(p.promotion.starts_with("not promoted"), "{}", p.promotion);
+    assert!(!wc.join("models/baby.toml").exists());
+    assert!(promote(&ctx, "model.baby", false).is_err(), "a failed check is no evidence");
+
+    // The right proposal (version 2: a staged contract is amended by a higher version).
+    let right = right.replacen("version = 1", "version = 2", 1);
+    let r = propose(&ctx, &ProposeRequest { toml: right }).unwrap();
+    assert!(r.staged, "{r:?}");
+    let p = check(&ctx, &req(false)).unwrap();
+    assert!(p.passed && p.beaten_by.is_empty(), "{}", Report::text(&p));
+    assert!(p.perplexity < 0.25 * 105.0 && p.uniform == 105.0, "{}", Report::text(&p));
+    let worst = p.mutants.last().unwrap();
+    assert!(worst.perplexity > 10.0 * p.perplexity, "{}", Report::text(&p));
+    assert!(p.mutants.iter().any(|m| m.mutant == "rope_adjacent" && m.perplexity > 5.0 * p.perplexity));
+    assert!(p.promotion.contains("--consent"), "{}", p.promotion);
+    assert!(!wc.join("models/baby.toml").exists(), "not promoted without consent");
+    assert!(promote(&ctx, "model.baby", false).is_err(), "a check without consent is no evidence");
+    let p = check(&ctx, &req(true)).unwrap();
+    assert!(p.passed, "{}", Report::text(&p));
+    assert!(wc.join("models/baby.toml").is_file(), "{}", p.promotion);
+    let o = last_outcome(&ctx, "ckb_perplexity");
+    assert!(o.passed && o.contracts == ["model.baby@2"], "{o:?}");
+    assert_eq!(o.figures["consent"], serde_json::json!(true));
+    assert_eq!(o.figures["tokens"].as_u64(), Some(p.tokens as u64));
+    assert!((o.figures["perplexity"].as_f64().unwrap() - p.perplexity).abs() < 1e-12);
+}
