@@ -16,9 +16,10 @@ the 1 itself: Gemma), every other vector N(0, 0.1).
 
 OUT receives config.json, generation_config.json and model.safetensors (transformers'
 save_pretrained, float32), tokenizer.json (copied), and vectors.json: per prompt its ids, the logits
-at every position of one forward pass (float32, CPU, eager attention) and 16 greedy tokens (argmax
-with the KV cache, never stopping at an end-of-sequence token), with the class and transformers'
-version. Requires torch and transformers (pip install torch transformers); nothing else of this
+at every position of one forward pass (float32, CPU, eager attention), the hidden states of that
+pass (output_hidden_states: [layers + 1][positions][hidden], with which a failed check names the
+layer where a family departs) and 16 greedy tokens (argmax with the KV cache, never stopping at an
+end-of-sequence token), with the class and transformers' version. Requires torch and transformers (pip install torch transformers); nothing else of this
 project. It never runs inside an engine: engines are built from the contracts only.
 """
 
@@ -147,7 +148,9 @@ def main() -> int:
             if tokenizer.bos_token_id is not None and (not ids or ids[0] != tokenizer.bos_token_id):
                 ids = [tokenizer.bos_token_id] + ids
             x = torch.tensor([ids])
-            logits = model(x).logits[0].float()
+            full = model(x, output_hidden_states=True)
+            logits = full.logits[0].float()
+            hidden = [h[0].float().tolist() for h in full.hidden_states]
             greedy, past = [], None
             step = model(x, use_cache=True)
             for _ in range(GREEDY):
@@ -162,6 +165,7 @@ def main() -> int:
                     "logits": logits.tolist(),
                     "greedy_ids": greedy,
                     "greedy_text": tokenizer.decode(greedy),
+                    "hidden_states": hidden,
                 }
             )
     vectors = {

@@ -61,6 +61,14 @@ pub struct VectorPrompt {
     pub logits: Vec<Vec<f32>>,
     /// The implementation's greedy continuation after the prompt.
     pub greedy_ids: Vec<u32>,
+    /// Optional: the residual stream at every position, as transformers' `output_hidden_states`
+    /// gives it: [n_layers + 1][ids.len()][hidden], entry 0 the embeddings entering layer 0, entry
+    /// i (0 < i < n_layers) the output of layer i - 1, and entry n_layers the last layer's output
+    /// after the final norm. With them a check that
+    /// fails names the layer where the reference first departs (`scripts/conformance-vectors.py`
+    /// writes them; `make_vectors.py` does not).
+    #[serde(default)]
+    pub hidden_states: Vec<Vec<Vec<f32>>>,
 }
 
 /// Largest vectors.json read (the shipped ones are about 200 KiB: vocabulary 105, 30 positions).
@@ -82,8 +90,15 @@ pub struct Beyond {
     /// |reference - vectors| there.
     pub diff: f64,
     /// The decoder layer where the reference first departs, when the vectors carry per-layer
-    /// hidden states; null when they hold logits only (as `make_vectors.py` writes them).
+    /// hidden states; null when they hold logits only (as `make_vectors.py` writes them), or when
+    /// the departure is before the layers or after them (see `point`).
     pub layer: Option<usize>,
+    /// Where the reference first departs from the vectors' hidden states, in position order then
+    /// stream order: `position P: embeddings`, `position P: layer L output`, `position P: layer L
+    /// output after the final norm` (the last layer, as transformers' last hidden state is); null without hidden states, or when every hidden state is within the bound (the
+    /// departure is in the output projection).
+    #[serde(default)]
+    pub point: Option<String>,
 }
 
 /// The check of one directory.
@@ -151,6 +166,9 @@ impl FamilyConformance {
                 "; first beyond the bound: prompt {} position {} token {} (diff {:.2e})",
                 b.prompt, b.position, b.token, b.diff
             );
+            if let Some(p) = &b.point {
+                s += &format!("; hidden states first depart at {p}");
+            }
         }
         if let Some((p, ours, theirs)) = &self.greedy_mismatch {
             s += &format!("; prompt {p} greedy: reference {ours:?}, vectors {theirs:?}");
@@ -300,6 +318,54 @@ fn read_vectors_text(dir: &(impl Files + ?Sized)) -> Result<(Vectors, String)> {
     Ok((v, sha))
 }
 
+/// Where the reference's residual stream first leaves `bound` against the prompt's hidden states,
+/// over positions 0..=`upto` (module doc of [`VectorPrompt::hidden_states`]): (decoder layer, point
+/// in words); (None, None) when every hidden state is within the bound.
+///
+/// # Errors
+/// Input naming the file when the hidden states do not have the shape [n_layers + 1][positions][hidden].
+fn localise(
+    reference: &mut Reference,
+    family: &crate::ckb::ModelFamily,
+    cfg: &model::ResolvedConfig,
+    p: &VectorPrompt,
+    upto: usize,
+    bound: &Tolerance,
+    path: &Path,
+) -> Result<(Option<usize>, Option<String>)> {
+    let (l, hs) = (cfg.n_layers, &p.hidden_states);
+    if hs.len() != l + 1 || hs.iter().any(|e| e.len() != p.ids.len() || e.iter().any(|r| r.len() != cfg.hidden)) {
+        return Err(Error::input(format!(
+            "{}: hidden_states must be [n_layers + 1 = {}][positions = {}][hidden = {}] (transformers' output_hidden_states)",
+            path.display(),
+            l + 1,
+            p.ids.len(),
+            cfg.hidden
+        )));
+    }
+    let graph = family.graph.as_ref().expect("checked above");
+    let (Some(embed), Some(last), Some(norm)) = (graph.prologue.last(), graph.layer.last(), graph.epilogue.first())
+    else {
+        return Ok((None, None));
+    };
+    // The trace names of the stream entries, in order.
+    let mut names = vec![(embed.name.clone(), None, "embeddings".to_string())];
+    let before_last = l.saturating_sub(1);
+    names.extend((0..before_last).map(|i| (format!("layers.{i}.{}", last.name), Some(i), format!("layer {i} output"))));
+    names.push((norm.name.clone(), Some(before_last), format!("layer {before_last} output after the final norm")));
+    reference.reset();
+    for (pos, &id) in p.ids.iter().enumerate().take(upto + 1) {
+        let (_, trace) = reference.step_traced(id)?;
+        for (k, (name, layer, words)) in names.iter().enumerate() {
+            let Some((_, ours)) = trace.iter().find(|(n, _)| n == name) else { continue };
+            if !crate::oracle::compare::compare(&hs[k][pos], ours, bound).ok {
+                return Ok((*layer, Some(format!("position {pos}: {words}"))));
+            }
+        }
+    }
+    Ok((None, None))
+}
+
 /// The loosest bound a staged family is held to (atol, rtol): the one every shipped family states
 /// in `[model.conformance]` (transformers' f32 against the f64 reference differ by 1e-7 to 6e-6 on
 /// the conformance checkpoints; a wrong detail moves logits by 1e-2 and more).
@@ -435,9 +501,16 @@ fn check_dir(ctx: &Ctx, dir: &(impl Files + ?Sized)) -> Result<FamilyConformance
                         (Some(a), Some(b)) => (*a as f64 - b).abs(),
                         _ => crate::oracle::compare::UNWRITTEN,
                     };
-                    out.first_beyond = Some(Beyond { prompt: pi, position: pos, token: t, diff, layer: None });
+                    out.first_beyond =
+                        Some(Beyond { prompt: pi, position: pos, token: t, diff, layer: None, point: None });
                 }
             }
+        }
+        if let Some(b) = out.first_beyond.as_mut().filter(|b| b.prompt == pi && b.point.is_none())
+            && !p.hidden_states.is_empty()
+        {
+            (b.layer, b.point) =
+                localise(&mut reference, family, &cfg, p, b.position, &bound, &dir.show("vectors.json"))?;
         }
         let (_, ids) = reference.greedy(&p.ids, p.greedy_ids.len())?;
         if ids != p.greedy_ids && out.greedy_mismatch.is_none() {

@@ -601,3 +601,76 @@ fn perplexity_on_trained_weights_promotes_only_a_family_that_is_not_wrong_and_on
     assert_eq!(o.figures["tokens"].as_u64(), Some(p.tokens as u64));
     assert!((o.figures["perplexity"].as_f64().unwrap() - p.perplexity).abs() < 1e-12);
 }
+
+/// Vectors that carry transformers' hidden states (`output_hidden_states`, as
+/// scripts/conformance-vectors.py writes them) let a failed check name the layer where the family
+/// first departs. The Llama conformance checkpoint relabelled `BabyForCausalLM`, its vectors given
+/// hidden states from model.llama's own reference (which equals transformers' logits there within
+/// 6e-6: the stand-in for transformers' hidden states), and a proposal for it that is Llama but for
+/// a 2-position window on layer 2 only: the report names position 2 (the first position a window of
+/// 2 hides) and layer 2's output, and the layers before it agree.
+#[test]
+fn hidden_states_in_the_vectors_name_the_layer_where_a_wrong_family_departs() {
+    let t = tempfile::tempdir().unwrap();
+    let (ctx, _wc) = working_copy_ctx(t.path());
+    let original = crate::shared().join("conformance/llama");
+    let dir = t.path().join("baby");
+    std::fs::create_dir(&dir).unwrap();
+    for f in ["model.safetensors", "tokenizer.json"] {
+        std::fs::copy(original.join(f), dir.join(f)).unwrap();
+    }
+    let theirs = model::read_config(original.as_path()).unwrap();
+    let mut config = theirs.clone();
+    config.insert("architectures".into(), serde_json::json!(["BabyForCausalLM"]));
+    config.insert("model_type".into(), serde_json::json!("baby"));
+    std::fs::write(dir.join("config.json"), serde_json::Value::Object(config).to_string()).unwrap();
+    // Hidden states [layers + 1][positions][hidden]: the embedding, each layer's output but the
+    // last's, and the last's after the final norm (transformers' output_hidden_states).
+    let ckb = Ckb::embedded().unwrap();
+    let llama = ckb.get("model.llama").unwrap().model.clone().unwrap();
+    let cfg = model::resolve(ckb.get("model.llama").unwrap(), &theirs).unwrap();
+    let tensors = model::read_safetensors(original.as_path()).unwrap();
+    let mut r = Reference::of_family(&llama, &cfg, tensors, "f32").unwrap();
+    let mut vectors: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(original.join("vectors.json")).unwrap()).unwrap();
+    let last = &llama.graph.as_ref().unwrap().layer.last().unwrap().name;
+    for p in vectors["prompts"].as_array_mut().unwrap() {
+        let ids: Vec<u32> = p["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        let mut hs = vec![Vec::new(); cfg.n_layers + 1];
+        r.reset();
+        for &id in &ids {
+            let (_, trace) = r.step_traced(id).unwrap();
+            let at = |name: &str| trace.iter().find(|(n, _)| n == name).unwrap().1.clone();
+            hs[0].push(at("embed"));
+            for (i, h) in hs.iter_mut().enumerate().skip(1).take(cfg.n_layers - 1) {
+                h.push(at(&format!("layers.{}.{last}", i - 1)));
+            }
+            hs[cfg.n_layers].push(at("final_norm"));
+        }
+        p["hidden_states"] = serde_json::json!(hs);
+    }
+    std::fs::write(dir.join("vectors.json"), vectors.to_string()).unwrap();
+
+    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("contracts/models/llama.toml"))
+        .unwrap()
+        .replacen("id = \"model.llama\"", "id = \"model.baby\"", 1)
+        .replacen("version = 3", "version = 1", 1)
+        .replace("architectures = [\"LlamaForCausalLM\"]", "architectures = [\"BabyForCausalLM\"]")
+        .replace("model_types = [\"llama\"]", "model_types = [\"baby\"]");
+    let attn = "op = \"attention\"\ninputs = [\"q_rope\", \"k_rope\", \"v\"]\n";
+    assert!(text.contains(attn));
+    let wrong = text.replace(attn, &format!("{attn}params = {{ window = \"if(layer == 2, 2, 0)\" }}\n"));
+    assert!(propose(&ctx, &ProposeRequest { toml: wrong }).unwrap().staged);
+    let c = conformance(&ctx, &[s(&dir)]).unwrap();
+    let f = &c.families[0];
+    assert!(f.covered && !f.passed, "{}", Report::text(&c));
+    let b = f.first_beyond.as_ref().unwrap();
+    assert_eq!((b.prompt, b.layer, b.point.as_deref()), (0, Some(2), Some("position 2: layer 2 output")), "{b:?}");
+    assert!(Report::text(&c).contains("hidden states first depart at position 2: layer 2 output"));
+
+    // Hidden states of another shape are refused by name.
+    vectors["prompts"][0]["hidden_states"].as_array_mut().unwrap().pop();
+    std::fs::write(dir.join("vectors.json"), vectors.to_string()).unwrap();
+    let e = conformance(&ctx, &[s(&dir)]).unwrap_err();
+    assert!(e.message.contains("hidden_states must be [n_layers + 1 = 5]"), "{}", e.message);
+}

@@ -97,7 +97,11 @@ const OPS_EDGES: &[(&str, &str, &str)] = &[
         "the roofline's bytes per token are the tensors the family's graph binds, as synth plans them",
     ),
     ("conformance", "evolve", "a passing conformance check is a model family's evidence and promotes it"),
-    ("perplexity", "evolve", "a passing perplexity check with consent is a model family's weaker evidence and promotes it"),
+    (
+        "perplexity",
+        "evolve",
+        "a passing perplexity check with consent is a model family's weaker evidence and promotes it",
+    ),
     ("verify", "localise", "verify_generation localises a failing step by comparing traces"),
 ];
 
