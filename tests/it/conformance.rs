@@ -514,7 +514,13 @@ print(json.dumps(out))
         conformance = shared().join("conformance").display().to_string(),
     );
     let names = ["llama", "gemma3_text", "gpt_oss", "qwen3_moe", "mixtral", "mistral"];
-    let run = std::process::Command::new("python3").arg("-c").arg(&probe).args(names).output().unwrap();
+    let run = std::process::Command::new("python3")
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .arg("-c")
+        .arg(&probe)
+        .args(names)
+        .output()
+        .unwrap();
     assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
     let got: serde_json::Value = serde_json::from_slice(&run.stdout).unwrap();
     for name in names {
@@ -549,7 +555,14 @@ print(json.dumps(out))
         let t = tempfile::tempdir().unwrap();
         let out = t.path().join("vectors");
         let dir = shared().join("conformance/llama");
-        let run = std::process::Command::new("python3").arg(&script).arg(&dir).arg(&dir).arg(&out).output().unwrap();
+        let run = std::process::Command::new("python3")
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .arg(&script)
+            .arg(&dir)
+            .arg(&dir)
+            .arg(&out)
+            .output()
+            .unwrap();
         let err = String::from_utf8_lossy(&run.stderr);
         assert_eq!(run.status.code(), Some(2), "{err}");
         assert!(err.contains("pip install torch transformers") && err.contains("metainfer ckb conformance"), "{err}");
