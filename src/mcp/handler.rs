@@ -1,4 +1,4 @@
-//! The server handler: resources (ckb://, skill://, example://), prompts, completions, logging
+//! The server handler: resources (ckb:// contracts, coverage and schema, skill://, example://), prompts, completions, logging
 //! level, roots notifications and the server's capabilities and instructions.
 
 use rmcp::model::{
@@ -16,6 +16,10 @@ use super::{INSTRUCTIONS, Server};
 /// Resource URI of the coverage report.
 pub const COVERAGE_URI: &str = "ckb://coverage";
 
+/// Resource URI of the contract schema (JSON Schema, as `metainfer ckb schema` prints it): every
+/// field, the graph ops with their inputs, weights and parameters, and the expression grammar.
+pub const SCHEMA_URI: &str = "ckb://schema";
+
 /// Resource URI prefix of the plain example engine's files (`examples/engines/llama-cpu-plain`):
 /// the template an engine of any covered family imitates, one plain function per kernel contract.
 pub const PLAIN_ENGINE_URI: &str = "example://llama-cpu-plain/";
@@ -27,6 +31,11 @@ impl Server {
     fn resource(&self, uri: &str) -> Result<(String, &'static str), ErrorData> {
         if uri == COVERAGE_URI {
             return Ok((self.ctx().live().ckb.coverage_report(), "text/markdown"));
+        }
+        if uri == SCHEMA_URI {
+            let text = serde_json::to_string_pretty(&crate::ckb::contract_schema())
+                .map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
+            return Ok((text, "application/schema+json"));
         }
         if let Some(id) = uri.strip_prefix("ckb://contract/") {
             let ctx = self.ctx();
@@ -57,7 +66,7 @@ impl Server {
         }
         Err(ErrorData::resource_not_found(
             format!(
-                "unknown resource `{uri}`; use ckb://contract/{{id}}, {COVERAGE_URI}, skill://{{name}} or {PLAIN_ENGINE_URI}{{path}}"
+                "unknown resource `{uri}`; use ckb://contract/{{id}}, {COVERAGE_URI}, {SCHEMA_URI}, skill://{{name}} or {PLAIN_ENGINE_URI}{{path}}"
             ),
             None,
         ))
@@ -75,6 +84,11 @@ impl ServerHandler for Server {
             Resource::new(COVERAGE_URI, "ckb-coverage")
                 .with_description("What the contract knowledge base covers: families, platforms, dtypes")
                 .with_mime_type("text/markdown"),
+            Resource::new(SCHEMA_URI, "ckb-schema")
+                .with_description(
+                    "JSON Schema of a contract file: every field, the graph ops (inputs, weights, parameters) and the expression grammar, with examples",
+                )
+                .with_mime_type("application/schema+json"),
         ];
         let ctx = self.ctx();
         let live = ctx.live();

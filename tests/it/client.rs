@@ -41,6 +41,10 @@ async fn resources_prompts_and_skills_are_served() {
         ResourceContents::TextResourceContents { text, .. } => text.clone(),
         other => panic!("{other:?}"),
     };
+    // The contract schema documents the graph ops and the expression grammar.
+    assert!(uris.contains(&"ckb://schema"), "{uris:?}");
+    let schema = text(c.read_resource(ReadResourceRequestParams::new("ckb://schema")).await.unwrap());
+    assert!(schema.contains("attention_sinks") && schema.contains("if(cond, a, b)"), "{}", &schema[..200]);
     let rope = text(c.read_resource(ReadResourceRequestParams::new("ckb://contract/kernel.rope")).await.unwrap());
     assert!(rope.contains("id = \"kernel.rope\""), "{rope}");
     let cov = text(c.read_resource(ReadResourceRequestParams::new("ckb://coverage")).await.unwrap());
