@@ -43,6 +43,10 @@ pub const TIE: f64 = 0.01;
 /// Some mutant must score at least this many times the reference's perplexity.
 pub const POWER: f64 = 1.5;
 
+/// Fewest tokens a text must give: fewer predictions are too few to tell a family from its
+/// mutants (the built-in passage gives 256 on BabyLlama's character vocabulary).
+pub const MIN_TOKENS: usize = 32;
+
 /// Largest text read.
 pub const TEXT: crate::util::Limit =
     crate::util::Limit { what: "text to score", max: 4 << 20, hint: "a shorter text (512 tokens are scored)" };
@@ -159,7 +163,7 @@ fn perplexity(reference: &mut Reference, ids: &[u32]) -> Result<f64> {
 ///
 /// # Errors
 /// Usage: a checkpoint outside the roots or not covered; Input: an unreadable text or tokenizer, a
-/// text of fewer than 2 tokens, weights that do not load.
+/// text of fewer than [`MIN_TOKENS`] tokens (or `max_tokens`, when smaller), weights that do not load.
 pub fn check(ctx: &Ctx, req: &PerplexityRequest) -> Result<PerplexityReport> {
     let started = std::time::Instant::now();
     let live = ctx.live();
@@ -184,10 +188,11 @@ pub fn check(ctx: &Ctx, req: &PerplexityRequest) -> Result<PerplexityReport> {
         .encode(text.as_str(), true)
         .map_err(|e| Error::input(format!("the tokenizer of {} cannot encode the text: {e}", ck.path().display())))?;
     let ids: Vec<u32> = encoding.get_ids().iter().copied().take(limit).collect();
-    if ids.len() < 2 {
+    if ids.len() < MIN_TOKENS.min(limit) {
         return Err(Error::input(format!(
-            "the text gives {} token(s); perplexity needs at least 2: give a longer text",
-            ids.len()
+            "the text gives {} token(s); the check needs at least {} to be evidence: give a longer text",
+            ids.len(),
+            MIN_TOKENS.min(limit)
         )));
     }
     if let Some(t) = ids.iter().find(|&&t| t as usize >= ck.cfg.vocab) {

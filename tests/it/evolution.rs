@@ -568,9 +568,14 @@ fn perplexity_on_trained_weights_promotes_only_a_family_that_is_not_wrong_and_on
     assert!(right.contains(act));
     let wrong = right.replace(act, "op = \"silu_and_mul\"\ninputs = [\"up\", \"gate\"]");
     let req = |consent: bool| PerplexityRequest { model: s(&baby), consent, ..Default::default() };
+    // A text too short to tell a family from its mutants is refused by name.
+    std::fs::write(t.path().join("short.txt"), "Lily ran.").unwrap();
+    let short = PerplexityRequest { text: Some(s(&t.path().join("short.txt"))), ..req(true) };
 
     let r = propose(&ctx, &ProposeRequest { toml: wrong }).unwrap();
     assert!(r.staged, "{r:?}");
+    let e = check(&ctx, &short).unwrap_err();
+    assert!(e.message.contains("the check needs at least 32"), "{}", e.message);
     let p = check(&ctx, &req(true)).unwrap();
     assert_eq!(p.family, "model.baby@1");
     assert!(!p.passed, "{}", Report::text(&p));
