@@ -385,11 +385,17 @@ const COPIES: &[(&str, &str, Part)] = &[
         "examples/engines/llama-cpu-plain/src/generate.rs",
         Part::Function("pub fn stop_tokens("),
     ),
+    ("examples/engines/llama-cpu-plain/src/paged.rs", "examples/engines/llama-cpu-simd/src/paged.rs", Part::Whole),
 ];
 
 /// Modules derived from another engine's and deliberately different (module, origin, reason): checked
 /// to still differ, so a declaration whose reason is gone becomes an entry of [`COPIES`].
 const DERIVED: &[(&str, &str, &str)] = &[
+    (
+        "examples/engines/llama-cpu-plain/src/scheduler.rs",
+        "examples/engines/llama-cpu-simd/src/scheduler.rs",
+        "the plain engine has no server: the simd scheduler's counts() and tokens(), which its server and sampler read, are left out",
+    ),
     (
         "examples/engines/llama-cuda-bf16/src/config.rs",
         "examples/engines/llama-cpu-plain/src/config.rs",

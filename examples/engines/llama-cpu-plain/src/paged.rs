@@ -1,5 +1,4 @@
-//! Serving: the block manager of the paged KV cache (contract component.block_manager): a free
-//! list of physical blocks and, per live sequence, its length and block table.
+//! Phase 6 (batching): the block manager of the paged KV cache (component.block_manager).
 use std::collections::HashMap;
 
 /// Fixed-size KV-cache blocks handed out to sequences (component.block_manager).
