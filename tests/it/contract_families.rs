@@ -440,8 +440,8 @@ fn plain_engine_without_a_family_difference_fails_verify_with_the_failure_named(
             "llama",
             "failure.rope-scaling-ignored",
             &[(
-                "Ok(Model { rope_freqs: cfg.rope_freqs(),",
-                "Ok(Model { rope_freqs: crate::kernels::rope_freqs(cfg.rope_theta, cfg.head_dim),",
+                "rope_freqs: cfg.rope_freqs(),",
+                "rope_freqs: crate::kernels::rope_freqs(cfg.rope_theta, cfg.head_dim),",
             )],
             |c| c["rope_scaling"] = json!({"rope_type": "linear", "factor": 4.0}),
             "layers.0.q_rope",

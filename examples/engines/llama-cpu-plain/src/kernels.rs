@@ -601,7 +601,7 @@ pub fn moe_experts_clamped(
     assert_eq!(out.len(), hidden, "moe_experts_clamped: x and out must be [hidden]");
     assert!(
         gate_up.len() == n_experts * hidden * 2 * inter && down.len() == n_experts * inter * hidden,
-        "moe_experts_clamped: gate_up must be [n_experts, hidden, 2 * inter], down [n_experts, inter, hidden]"
+        "moe_experts_clamped: want gate_up [E, hidden, 2 inter], down [E, inter, hidden]"
     );
     assert!(
         gate_up_bias.len() == n_experts * 2 * inter && down_bias.len() == n_experts * hidden,
@@ -645,7 +645,7 @@ pub fn expert_clamped(
     assert!(x.len() == m * hidden && z.len() == m * hidden, "expert_clamped: x and z must be [m, hidden]");
     assert!(
         gate_up.len() == hidden * 2 * inter && gate_up_bias.len() == 2 * inter && down.len() == inter * hidden,
-        "expert_clamped: gate_up must be [hidden, 2 * inter], gate_up_bias [2 * inter], down [inter, hidden]"
+        "expert_clamped: want gate_up [hidden, 2 inter] + bias, down [inter, hidden]"
     );
     let (mut y, mut act) = (vec![0.0f32; m * 2 * inter], vec![0.0f32; m * inter]);
     for h in 0..hidden {
