@@ -37,6 +37,23 @@ pub fn core(q: &[f64], k: &[f64], v: &[f64], s: AttnShape, f: Faults) -> Vec<f64
 /// `softcap` > 0, scores soft-capped as softcap * tanh(score / softcap) before the softmax (Gemma 2's
 /// `attn_logit_softcapping`, Gemma Team 2024, arXiv:2408.00118). Same shapes as [`core`].
 pub fn core_with(q: &[f64], k: &[f64], v: &[f64], s: AttnShape, f: Faults, scale: f64, softcap: f64) -> Vec<f64> {
+    core_with_sinks(q, k, v, s, f, scale, softcap, None)
+}
+
+/// [`core_with`] with, when `sinks` [n_heads] is given, head h's learned sink logit appended to
+/// every softmax of that head and its probability dropped after (kernel.attention_sinks: the real
+/// positions' weights then sum to less than 1).
+#[allow(clippy::too_many_arguments)]
+pub fn core_with_sinks(
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    s: AttnShape,
+    f: Faults,
+    scale: f64,
+    softcap: f64,
+    sinks: Option<&[f64]>,
+) -> Vec<f64> {
     let AttnShape { n_q, kv_len, n_heads, n_kv_heads, head_dim } = s;
     let group = n_heads / n_kv_heads;
     let mut out = vec![0.0; n_q * n_heads * head_dim];
@@ -45,16 +62,17 @@ pub fn core_with(q: &[f64], k: &[f64], v: &[f64], s: AttnShape, f: Faults, scale
         for h in 0..n_heads {
             let kvh = if f.gqa_modulo { h % n_kv_heads } else { h / group };
             let qv = &q[(i * n_heads + h) * head_dim..][..head_dim];
-            let scores: Vec<f64> = (0..=last)
+            let mut scores: Vec<f64> = (0..=last)
                 .map(|t| {
                     let kv = &k[(t * n_kv_heads + kvh) * head_dim..][..head_dim];
                     let score = qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f64>() * scale;
                     if softcap > 0.0 { softcap * (score / softcap).tanh() } else { score }
                 })
                 .collect();
+            scores.extend(sinks.map(|s| s[h]));
             let p = super::softmax::core(&scores, scores.len(), super::softmax::Faults { no_max: f.softmax_no_max });
             let o = &mut out[(i * n_heads + h) * head_dim..][..head_dim];
-            for (t, pt) in p.iter().enumerate() {
+            for (t, pt) in p[..=last].iter().enumerate() {
                 let vv = &v[(t * n_kv_heads + kvh) * head_dim..][..head_dim];
                 for (oj, vj) in o.iter_mut().zip(vv) {
                     *oj += pt * vj;
@@ -81,7 +99,8 @@ fn eval(c: &Case, f: Faults) -> Option<Expect> {
     Some(Expect::Values(core(&c.f("q")?, &c.f("k_cache")?, &c.f("v_cache")?, shape(c)?, f)))
 }
 
-fn draw(case: &TestCase, rng: &mut ChaCha8Rng) -> Result<Case> {
+/// Draw a case (also kernel.attention_sinks', which adds its sinks to it).
+pub(super) fn draw(case: &TestCase, rng: &mut ChaCha8Rng) -> Result<Case> {
     let kv_len = dim(rng, case, "kv_len")?;
     let n_q = dim(rng, case, "n_q")?.min(kv_len);
     let (nkv, group, hd) = (dim(rng, case, "n_kv_heads")?, dim(rng, case, "group")?, dim(rng, case, "head_dim")?);

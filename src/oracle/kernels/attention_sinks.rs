@@ -8,7 +8,7 @@ use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
 use super::attention::{self, shape};
-use super::{Case, Cost, Dims, Expect, Kernel, Mutant, Tensor, d, dim, uniform};
+use super::{Case, Cost, Dims, Expect, Kernel, Mutant, Tensor, d};
 use crate::ckb::TestCase;
 use crate::error::Result;
 use crate::oracle::AttnShape;
@@ -26,35 +26,8 @@ pub struct Faults {
 /// n_kv_heads, head_dim]; `sinks` [n_heads]; `scale` multiplies q.k (1/sqrt(head_dim) in the
 /// kernel; the caller applies `f.attention.no_scale`); returns [n_q, n_heads, head_dim].
 pub fn core(q: &[f64], k: &[f64], v: &[f64], sinks: &[f64], s: AttnShape, scale: f64, f: Faults) -> Vec<f64> {
-    if f.dropped {
-        return attention::core_with(q, k, v, s, f.attention, scale, 0.0);
-    }
-    let AttnShape { n_q, kv_len, n_heads, n_kv_heads, head_dim } = s;
-    let group = n_heads / n_kv_heads;
-    let mut out = vec![0.0; n_q * n_heads * head_dim];
-    for i in 0..n_q {
-        let last = if f.attention.no_mask { kv_len - 1 } else { kv_len - n_q + i };
-        for h in 0..n_heads {
-            let kvh = if f.attention.gqa_modulo { h % n_kv_heads } else { h / group };
-            let qv = &q[(i * n_heads + h) * head_dim..][..head_dim];
-            let mut scores: Vec<f64> = (0..=last)
-                .map(|t| {
-                    let kv = &k[(t * n_kv_heads + kvh) * head_dim..][..head_dim];
-                    qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f64>() * scale
-                })
-                .collect();
-            scores.push(sinks[h]);
-            let p = super::softmax::core(&scores, scores.len(), super::softmax::Faults::default());
-            let o = &mut out[(i * n_heads + h) * head_dim..][..head_dim];
-            for (t, pt) in p[..=last].iter().enumerate() {
-                let vv = &v[(t * n_kv_heads + kvh) * head_dim..][..head_dim];
-                for (oj, vj) in o.iter_mut().zip(vv) {
-                    *oj += pt * vj;
-                }
-            }
-        }
-    }
-    out
+    let sinks = if f.dropped { None } else { Some(sinks) };
+    attention::core_with_sinks(q, k, v, s, f.attention, scale, 0.0, sinks)
 }
 
 fn eval(c: &Case, f: Faults) -> Option<Expect> {
@@ -67,26 +40,14 @@ fn eval(c: &Case, f: Faults) -> Option<Expect> {
     Some(Expect::Values(core(&c.f("q")?, &c.f("k_cache")?, &c.f("v_cache")?, &sinks, s, scale, f)))
 }
 
-/// As kernel.attention's cases, plus one sink per query head drawn around the scores' range
-/// (uniform in [-2, 2) plus the typical score scale), so that the sink takes a share between a
-/// few percent and most of the weight.
+/// kernel.attention's cases, plus one sink per query head drawn around the scores' range
+/// (uniform in [-2, 2) plus ln(kv_len)), so that the sink takes a share between a few percent and
+/// most of the weight.
 fn draw(case: &TestCase, rng: &mut ChaCha8Rng) -> Result<Case> {
-    let kv_len = dim(rng, case, "kv_len")?;
-    let n_q = dim(rng, case, "n_q")?.min(kv_len);
-    let (nkv, group, hd) = (dim(rng, case, "n_kv_heads")?, dim(rng, case, "group")?, dim(rng, case, "head_dim")?);
-    let nh = nkv * group;
-    let q = uniform(rng, n_q * nh * hd, case.scale);
-    let k = uniform(rng, kv_len * nkv * hd, case.scale);
-    let v = uniform(rng, kv_len * nkv * hd, 1.0);
+    let mut c = attention::draw(case, rng)?;
+    c.kernel = KERNEL.id;
+    let (nh, kv_len) = (c.n("n_heads").unwrap_or(1), c.n("kv_len").unwrap_or(1));
     let sinks: Vec<f32> = (0..nh).map(|_| rng.random_range(-2.0f32..2.0) + (kv_len as f32).ln()).collect();
-    let mut c = Case::new(KERNEL.id);
-    c.label = format!("n_q={n_q} kv_len={kv_len} n_heads={nh} n_kv_heads={nkv} head_dim={hd}");
-    for (key, val) in [("n_q", n_q), ("kv_len", kv_len), ("n_heads", nh), ("n_kv_heads", nkv), ("head_dim", hd)] {
-        c.param(key, val);
-    }
-    c.input("q", Tensor::F32(q));
-    c.input("k_cache", Tensor::F32(k));
-    c.input("v_cache", Tensor::F32(v));
     c.input("sinks", Tensor::F32(sinks));
     Ok(c)
 }
