@@ -393,6 +393,16 @@ pub struct GraphRewrite {
 /// The weight rewrites a [`GraphRewrite`] may give in `weights` and `op_weights`.
 pub const WEIGHT_REWRITES: &[&str] = &["drop", "bf16", "f16", "raw", "tied"];
 
+impl ModelFamily {
+    /// Whether the tensor named by `pattern` (a `[[model.weights]]` name) stays f32 at every weight
+    /// dtype: its role is in the dtype policy's `keep_f32` (norm gains, biases, sinks, including
+    /// 2-D ones such as gpt-oss's per-expert biases). False for an unknown name or no policy.
+    pub fn keeps_f32(&self, pattern: &str) -> bool {
+        let role = self.weights.iter().find(|w| w.name == pattern).map(|w| w.role.as_str());
+        self.dtype_policy.as_ref().is_some_and(|p| role.is_some_and(|r| p.keep_f32.iter().any(|k| k == r)))
+    }
+}
+
 impl GraphRewrite {
     /// The rewrite in words, for a diagnosis: `skip q_norm, k_norm; attn.window = sliding_window + 1`.
     pub fn describe(&self) -> String {

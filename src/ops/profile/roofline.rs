@@ -372,11 +372,7 @@ pub fn point_costs(
                 }
                 // Matrices at the weight dtype, unless the dtype policy keeps their role in f32
                 // (gpt-oss's 2-D expert biases); vectors in f32.
-                let role = family.weights.iter().find(|w| &w.name == pattern).map(|w| w.role.as_str());
-                let kept = family
-                    .dtype_policy
-                    .as_ref()
-                    .is_some_and(|p| role.is_some_and(|r| p.keep_f32.iter().any(|k| k == r)));
+                let kept = family.keeps_f32(pattern);
                 bytes += elements * if s.len() >= 2 && !kept { weight_bytes(dtype) } else { 4.0 };
                 if n.op == "linear" && is_matrix {
                     flops += 2.0 * elements;

@@ -189,12 +189,7 @@ impl Builder<'_> {
             // Matrices (2-D, and the fused 3-D expert tensors, row by row of their last axis) at
             // the weight dtype, unless the dtype policy keeps their role in f32 (gpt-oss's 2-D
             // expert biases); vectors as stored.
-            let role = self.family.weights.iter().find(|w| w.name == pattern).map(|w| w.role.as_str());
-            let keep = self
-                .family
-                .dtype_policy
-                .as_ref()
-                .is_some_and(|p| role.is_some_and(|r| p.keep_f32.iter().any(|k| k == r)));
+            let keep = self.family.keeps_f32(pattern);
             let mut w = if s.len() >= 2 && !keep {
                 crate::oracle::dtypes::as_stored(&v, s[s.len() - 1], self.weight_dtype)
             } else {
