@@ -6,22 +6,21 @@
 //! profiling. Every outcome is recorded in a SQLite ledger. See ARCHITECTURE.md for the module map.
 
 pub mod bench;
-pub mod beneath;
-pub mod ckb;
 pub mod clients;
 pub mod demo;
 pub mod doctor;
-pub mod error;
 pub mod guard;
 pub mod guide;
 pub mod harness;
 pub mod ledger;
 pub mod manifest;
 pub mod mcp;
-pub mod model;
 pub mod ops;
 pub mod options;
-pub mod oracle;
 pub mod probe;
-pub mod stats;
-pub mod util;
+
+// The layers below, each its own crate (crates/), re-exported under the names the modules above use.
+pub use base::{beneath, error, stats, util};
+pub use ckb;
+pub use model;
+pub use oracle;

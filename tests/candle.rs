@@ -1,4 +1,4 @@
-//! Independent cross-check of the f64 reference forward (src/oracle/llama.rs) against candle-transformers'
+//! Independent cross-check of the f64 reference forward (crates/oracle/src/llama.rs) against candle-transformers'
 //! own model implementations, in f32: BabyLlama and synthetic Llama (plain and with Llama 3.1 RoPE
 //! scaling), Mistral, Qwen2, Qwen3 and Gemma checkpoints. Candle is a test-only oracle: this file is compiled
 //! only with `--features candle-oracle` and nothing in the library uses candle.

@@ -1,11 +1,16 @@
 //! Tidy: the architecture's mechanical rules (ARCHITECTURE.md), checked on the sources. Each rule is
 //! a function over (path, text) pairs, so a test can plant a violation of each and see it caught.
 //!
-//! Rules: every src file opens with a `//!` module doc; only `harness` starts processes; `ops`
+//! The layers are the root package's top-level modules (`src/<m>`) and the workspace's crates
+//! (`crates/<c>`, one layer each). Between crates the compiler holds the layering (a crate names only
+//! what its manifest depends on), so their edges are read from the manifests; between the root's
+//! modules they are read from the sources (`crate::<m>`).
+//!
+//! Rules: every source file opens with a `//!` module doc; only `harness` starts processes; `ops`
 //! modules import each other only through the shared ones ([`SHARED`]), the shared types of
-//! `ops/mod.rs`, and the edges listed in [`OPS_EDGES`]; the top-level modules form no cycle, and none
-//! names a module it must know nothing of ([`KNOWS_NOTHING_OF`]); every top-level module is named in
-//! ARCHITECTURE.md; every dependency in Cargo.toml is used; every kernel contract has a registry
+//! `ops/mod.rs`, and the edges listed in [`OPS_EDGES`]; the layers form no cycle, and none
+//! names a layer it must know nothing of ([`KNOWS_NOTHING_OF`]); every layer is named in
+//! ARCHITECTURE.md; every dependency of every manifest is used by its package; every kernel contract has a registry
 //! entry and the harness template takes its kernel arms from the registry only; the fast tier's skip
 //! list (`.ci/engine-tests`) names existing tests; code one example engine copies from another is
 //! identical to it ([`COPIES`]), and a module derived from another but deliberately different is
@@ -24,7 +29,7 @@ fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// Every `.rs` file under `dir` (relative to the crate root), with its text.
+/// Every `.rs` file under `dir` (relative to the workspace root), with its text.
 fn rust_files(dir: &str) -> Files {
     let mut out = Vec::new();
     for e in walkdir::WalkDir::new(root().join(dir)).sort_by_file_name().into_iter().filter_map(Result::ok) {
@@ -50,12 +55,12 @@ fn code(line: &str) -> String {
     out
 }
 
-/// Files other than the generated harness crate's (which is not part of this crate).
+/// Files other than the generated harness crate's (which is not part of this workspace).
 fn own(files: &Files) -> impl Iterator<Item = &(String, String)> {
     files.iter().filter(|(p, _)| !p.starts_with("src/harness/template/"))
 }
 
-/// Rule: every src file opens with a `//!` module doc.
+/// Rule: every source file opens with a `//!` module doc.
 fn module_docs(files: &Files) -> Vec<String> {
     own(files)
         .filter(|(_, t)| !t.trim_start().starts_with("//!"))
@@ -147,42 +152,81 @@ fn ops_imports(files: &Files) -> Vec<String> {
     out
 }
 
-/// The top-level module of a src file (`src/ops/gate.rs` -> `ops`), None for lib.rs and main.rs.
+/// The layer of a source file: the top-level module of a root file (`src/ops/gate.rs` -> `ops`; None
+/// for lib.rs and main.rs), the crate of a workspace crate's file (`crates/oracle/src/llama.rs` ->
+/// `oracle`).
 fn top_module(path: &str) -> Option<&str> {
+    if let Some(rest) = path.strip_prefix("crates/") {
+        return rest.split('/').next();
+    }
     let rest = path.strip_prefix("src/")?;
     let first = rest.split('/').next()?;
     let name = first.strip_suffix(".rs").unwrap_or(first);
     (name != "lib" && name != "main").then_some(name)
 }
 
-/// Edges between top-level modules: a file of `a` naming `crate::b`.
-fn module_graph(files: &Files) -> BTreeMap<String, BTreeSet<String>> {
+/// The modules of crate `base` that the root package re-exports under their own names
+/// (`crate::util` in a root file names the `base` layer).
+const BASE_MODULES: &[&str] = &["beneath", "error", "stats", "util"];
+
+/// Each workspace crate's manifest (`crates/<c>/Cargo.toml`) as (crate directory name, text).
+fn crate_manifests() -> Files {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(root().join("crates")).unwrap().filter_map(Result::ok) {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let text = std::fs::read_to_string(e.path().join("Cargo.toml")).unwrap();
+        out.push((name, text));
+    }
+    out.sort();
+    out
+}
+
+/// The dependencies a manifest lists under `[dependencies]` (the names the code uses: a renamed
+/// workspace crate under its key, e.g. `ckb` for `metainfer-ckb`).
+fn manifest_dependencies(manifest: &str) -> BTreeSet<String> {
+    let doc: toml::Table = toml::from_str(manifest).unwrap();
+    doc.get("dependencies").and_then(|d| d.as_table()).map(|t| t.keys().cloned().collect()).unwrap_or_default()
+}
+
+/// Edges between layers. A root file of `a` naming `crate::b` (or a module of `base` that the root
+/// re-exports); a crate's edges are the workspace crates its manifest depends on (`crates`: (crate,
+/// manifest text)), since the compiler lets a crate name nothing else.
+fn module_graph(files: &Files, crates: &Files) -> BTreeMap<String, BTreeSet<String>> {
     let mods: BTreeSet<&str> = own(files).filter_map(|(p, _)| top_module(p)).collect();
+    let names: Vec<(&str, &str)> =
+        mods.iter().map(|m| (*m, *m)).chain(BASE_MODULES.iter().map(|m| (*m, "base"))).collect();
     let mut g: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     for (p, t) in own(files) {
         let Some(me) = top_module(p) else { continue };
         let entry = g.entry(me.to_string()).or_default();
+        if p.starts_with("crates/") {
+            continue;
+        }
         for line in t.lines() {
             let c = code(line);
-            for m in &mods {
-                if *m != me
-                    && (c.contains(&format!("crate::{m}::"))
-                        || c.contains(&format!("crate::{m};"))
-                        || c.contains(&format!("crate::{m}}}"))
-                        || c.contains(&format!("crate::{m},"))
-                        || c.contains(&format!("crate::{{{m}")))
+            for (name, layer) in &names {
+                if *layer != me
+                    && (c.contains(&format!("crate::{name}::"))
+                        || c.contains(&format!("crate::{name};"))
+                        || c.contains(&format!("crate::{name}}}"))
+                        || c.contains(&format!("crate::{name},"))
+                        || c.contains(&format!("crate::{{{name}")))
                 {
-                    entry.insert(m.to_string());
+                    entry.insert(layer.to_string());
                 }
             }
         }
     }
+    for (c, manifest) in crates {
+        let deps = manifest_dependencies(manifest);
+        g.entry(c.clone()).or_default().extend(deps.into_iter().filter(|d| crates.iter().any(|(o, _)| o == d)));
+    }
     g
 }
 
-/// Rule: no cycle among the top-level modules. Returns one cycle per strongly connected group found.
-fn cycles(files: &Files) -> Vec<String> {
-    let g = module_graph(files);
+/// Rule: no cycle among the layers. Returns one cycle per strongly connected group found.
+fn cycles(files: &Files, crates: &Files) -> Vec<String> {
+    let g = module_graph(files, crates);
     let mut out = Vec::new();
     // A module is on a cycle when it reaches itself.
     for start in g.keys() {
@@ -231,13 +275,21 @@ const KNOWS_NOTHING_OF: &[(&str, &[&str])] = &[
     ("ops", &["mcp", "rmcp"]),
 ];
 
-/// Rule: no top-level module names a module it must know nothing of ([`KNOWS_NOTHING_OF`]).
-fn knows_nothing_of(files: &Files) -> Vec<String> {
-    let graph = module_graph(files);
+/// Rule: no layer names a layer it must know nothing of ([`KNOWS_NOTHING_OF`]), and a crate's
+/// manifest does not depend on rmcp where its layer knows nothing of MCP.
+fn knows_nothing_of(files: &Files, crates: &Files) -> Vec<String> {
+    let graph = module_graph(files, crates);
     let mut out = Vec::new();
     for (me, banned) in KNOWS_NOTHING_OF {
         for other in graph.get(*me).into_iter().flatten().filter(|m| banned.contains(&m.as_str())) {
-            out.push(format!("src/{me}: names crate::{other}; {me} knows nothing of {other}"));
+            out.push(format!("{me}: names {other}; {me} knows nothing of {other}"));
+        }
+        if let Some((_, manifest)) = crates.iter().find(|(c, _)| c == me) {
+            // Workspace crates are edges of the graph above; this names the outside ones (rmcp).
+            let outside = manifest_dependencies(manifest).into_iter().filter(|d| !crates.iter().any(|(c, _)| c == d));
+            for dep in outside.filter(|d| banned.contains(&d.as_str())) {
+                out.push(format!("crates/{me}/Cargo.toml: depends on {dep}; {me} knows nothing of {dep}"));
+            }
         }
         if !banned.contains(&"rmcp") {
             continue;
@@ -271,8 +323,9 @@ fn architecture_names(files: &Files, architecture: &str) -> Vec<String> {
         .collect()
 }
 
-/// Rule: every dependency in Cargo.toml is used somewhere in src/, tests/ or build.rs.
-fn unused_dependencies(manifest: &str, files: &Files) -> Vec<String> {
+/// Rule: every dependency a manifest lists is used by its package's files (the root's: src/ and
+/// tests/; a crate's: its src/ and build.rs). `manifest` is (path, text).
+fn unused_dependencies((path, manifest): (&str, &str), files: &Files) -> Vec<String> {
     let doc: toml::Table = toml::from_str(manifest).unwrap();
     let mut names: Vec<String> = Vec::new();
     for section in ["dependencies", "build-dependencies", "dev-dependencies"] {
@@ -295,7 +348,7 @@ fn unused_dependencies(manifest: &str, files: &Files) -> Vec<String> {
                 })
             })
         })
-        .map(|n| format!("Cargo.toml: dependency `{n}` is not used"))
+        .map(|n| format!("{path}: dependency `{n}` is not used"))
         .collect()
 }
 
@@ -317,7 +370,7 @@ fn cuda_agreement(cuda_contracts: &BTreeSet<String>, cuda_arms: &BTreeSet<String
 fn registry_agreement(kernel_contracts: &BTreeSet<String>, registry: &BTreeSet<String>, template: &str) -> Vec<String> {
     let mut out = Vec::new();
     for k in kernel_contracts.difference(registry) {
-        out.push(format!("kernel contract {k} has no registry entry (src/oracle/kernels/)"));
+        out.push(format!("kernel contract {k} has no registry entry (crates/oracle/src/kernels/)"));
     }
     for k in registry.difference(kernel_contracts) {
         out.push(format!("registry entry {k} has no kernel contract"));
@@ -515,10 +568,12 @@ fn invariants_name_tests(architecture: &str, tests: &Files) -> Vec<String> {
     out
 }
 
-/// Rule: clap is the binary's (src/main.rs and src/cli/): no library module names it.
+/// Rule: clap is the binary's (src/main.rs and src/cli/): no library module or crate names it.
 fn clap_only_in_the_binary(files: &Files) -> Vec<String> {
     own(files)
-        .filter(|(p, _)| p.starts_with("src/") && p != "src/main.rs" && !p.starts_with("src/cli/"))
+        .filter(|(p, _)| {
+            (p.starts_with("src/") || p.starts_with("crates/")) && p != "src/main.rs" && !p.starts_with("src/cli/")
+        })
         .filter(|(_, text)| text.lines().any(|l| code(l).contains("clap::") || code(l).contains("clap ::")))
         .map(|(p, _)| format!("{p}: names clap; argument types live in the binary's cli module"))
         .collect()
@@ -542,18 +597,33 @@ fn oracle_apart_from_engines(oracle: &Files, engine_manifests: &Files) -> Vec<St
     out
 }
 
-fn all_files() -> Files {
+/// The sources of every layer: the root package's src/ and every workspace crate (src/ and build.rs).
+fn sources() -> Files {
     let mut f = rust_files("src");
-    f.extend(rust_files("tests"));
-    f.push(("build.rs".into(), std::fs::read_to_string(root().join("build.rs")).unwrap()));
+    f.extend(rust_files("crates"));
     f
+}
+
+/// Rule: every manifest's dependencies are used: the root package's by src/ and tests/, each crate's
+/// by its own files.
+fn unused_dependencies_everywhere(src: &Files, crates: &Files) -> Vec<String> {
+    let manifest = std::fs::read_to_string(root().join("Cargo.toml")).unwrap();
+    let mut root_files: Files = src.iter().filter(|(p, _)| p.starts_with("src/")).cloned().collect();
+    root_files.extend(rust_files("tests"));
+    let mut out = unused_dependencies(("Cargo.toml", &manifest), &root_files);
+    for (c, text) in crates {
+        let prefix = format!("crates/{c}/");
+        let files: Files = src.iter().filter(|(p, _)| p.starts_with(&prefix)).cloned().collect();
+        out.extend(unused_dependencies((&format!("{prefix}Cargo.toml"), text), &files));
+    }
+    out
 }
 
 #[test]
 fn the_sources_keep_the_architecture() {
-    let src = rust_files("src");
+    let src = sources();
+    let crates = crate_manifests();
     let architecture = std::fs::read_to_string(root().join("ARCHITECTURE.md")).unwrap();
-    let manifest = std::fs::read_to_string(root().join("Cargo.toml")).unwrap();
     let ckb = Ckb::embedded().unwrap();
     let contracts: BTreeSet<String> = ckb.of_kind(Kind::Kernel).map(|c| c.id.clone()).collect();
     let registry: BTreeSet<String> = kernels::ids().map(str::to_owned).collect();
@@ -561,10 +631,10 @@ fn the_sources_keep_the_architecture() {
     problems.extend(module_docs(&src));
     problems.extend(processes(&src));
     problems.extend(ops_imports(&src));
-    problems.extend(cycles(&src));
-    problems.extend(knows_nothing_of(&src));
+    problems.extend(cycles(&src, &crates));
+    problems.extend(knows_nothing_of(&src, &crates));
     problems.extend(architecture_names(&src, &architecture));
-    problems.extend(unused_dependencies(&manifest, &all_files()));
+    problems.extend(unused_dependencies_everywhere(&src, &crates));
     problems.extend(registry_agreement(&contracts, &registry, metainfer::harness::HARNESS_MAIN));
     let skips = std::fs::read_to_string(root().join(".ci/engine-tests")).unwrap();
     problems.extend(fast_tier_skips(&skips, &rust_files("tests")));
@@ -587,7 +657,7 @@ fn the_sources_keep_the_architecture() {
             (p, text)
         })
         .collect();
-    let oracle: Files = src.iter().filter(|(p, _)| p.starts_with("src/oracle/")).cloned().collect();
+    let oracle: Files = src.iter().filter(|(p, _)| p.starts_with("crates/oracle/")).cloned().collect();
     problems.extend(oracle_apart_from_engines(&oracle, &manifests));
     assert!(problems.is_empty(), "tidy:\n{}", problems.join("\n"));
 }
@@ -614,10 +684,27 @@ fn each_rule_catches_a_planted_violation() {
 
     let mut cyc = f("src/a.rs", "//! d\nuse crate::b::X;");
     cyc.push(("src/b/mod.rs".into(), "//! d\nfn f() { crate::a::y(); }".into()));
-    assert_eq!(cycles(&cyc).len(), 1, "{:?}", cycles(&cyc));
+    assert_eq!(cycles(&cyc, &Files::new()).len(), 1, "{:?}", cycles(&cyc, &Files::new()));
     let mut dag = f("src/a.rs", "//! d\nuse crate::b::X;");
     dag.push(("src/b/mod.rs".into(), "//! d\n".into()));
-    assert!(cycles(&dag).is_empty());
+    assert!(cycles(&dag, &Files::new()).is_empty());
+    // Crates: edges from the manifests (a cycle of path dependencies is one cargo refuses too).
+    let crate_pair = |b_deps: &str| {
+        vec![
+            ("a".to_string(), "[dependencies]\nb.workspace = true\n".to_string()),
+            ("b".to_string(), format!("[dependencies]\n{b_deps}")),
+        ]
+    };
+    let two_crates = vec![
+        ("crates/a/src/lib.rs".to_string(), "//! d".to_string()),
+        ("crates/b/src/lib.rs".to_string(), "//! d".to_string()),
+    ];
+    assert_eq!(cycles(&two_crates, &crate_pair("a.workspace = true\n")).len(), 1);
+    assert!(cycles(&two_crates, &crate_pair("serde = \"1\"\n")).is_empty());
+    // A root module reaching a crate through a module of base that the root re-exports.
+    let mut via_base = f("src/a.rs", "//! d\nuse crate::util::read_regular;");
+    via_base.push(("crates/base/src/lib.rs".into(), "//! d".into()));
+    assert_eq!(module_graph(&via_base, &Files::new())["a"], BTreeSet::from(["base".to_string()]));
 
     // The planted file beside the modules it names (an edge needs both ends).
     let tree = |p: &str, t: &str| {
@@ -627,12 +714,25 @@ fn each_rule_catches_a_planted_violation() {
         }
         v
     };
-    assert_eq!(knows_nothing_of(&tree("src/ckb/x.rs", "//! d\nuse crate::ledger::Ledger;")).len(), 1);
-    assert_eq!(knows_nothing_of(&tree("src/guard/x.rs", "//! d\nfn f() { crate::harness::run(); }")).len(), 1);
-    assert_eq!(knows_nothing_of(&tree("src/ops/x.rs", "//! d\nuse rmcp::model::Tool;")).len(), 1);
-    assert_eq!(knows_nothing_of(&tree("src/probe.rs", "//! d\nuse crate::ops::Ctx;")).len(), 1);
-    assert!(knows_nothing_of(&tree("src/ops/x.rs", "//! d\nuse crate::ledger::Ledger; // not rmcp::")).is_empty());
-    assert!(knows_nothing_of(&tree("src/mcp/x.rs", "//! d\nuse rmcp::model::Tool;\nuse crate::ops::Ctx;")).is_empty());
+    let none = Files::new();
+    assert_eq!(knows_nothing_of(&tree("src/guard/x.rs", "//! d\nfn f() { crate::harness::run(); }"), &none).len(), 1);
+    assert_eq!(knows_nothing_of(&tree("src/ops/x.rs", "//! d\nuse rmcp::model::Tool;"), &none).len(), 1);
+    assert_eq!(knows_nothing_of(&tree("src/probe.rs", "//! d\nuse crate::ops::Ctx;"), &none).len(), 1);
+    assert!(
+        knows_nothing_of(&tree("src/ops/x.rs", "//! d\nuse crate::ledger::Ledger; // not rmcp::"), &none).is_empty()
+    );
+    assert!(
+        knows_nothing_of(&tree("src/mcp/x.rs", "//! d\nuse rmcp::model::Tool;\nuse crate::ops::Ctx;"), &none)
+            .is_empty()
+    );
+    // A crate that knows nothing of the oracle or MCP, by its manifest.
+    let ckb = |deps: &str| {
+        vec![("ckb".to_string(), format!("[dependencies]\n{deps}")), ("oracle".to_string(), String::new())]
+    };
+    let ckb_file = tree("crates/ckb/src/lib.rs", "//! d");
+    assert_eq!(knows_nothing_of(&ckb_file, &ckb("oracle.workspace = true\n")).len(), 1);
+    assert_eq!(knows_nothing_of(&ckb_file, &ckb("rmcp.workspace = true\n")).len(), 1);
+    assert!(knows_nothing_of(&ckb_file, &ckb("serde.workspace = true\n")).is_empty());
 
     let nested = |arch: &str| {
         let mut v = f("src/widget/mod.rs", "//! d");
@@ -646,7 +746,10 @@ fn each_rule_catches_a_planted_violation() {
 
     let manifest = "[dependencies]\nserde = \"1\"\nleft-pad = \"1\"\n";
     let used = f("src/x.rs", "//! d\nuse serde::Serialize;");
-    assert_eq!(unused_dependencies(manifest, &used), vec!["Cargo.toml: dependency `left-pad` is not used"]);
+    assert_eq!(
+        unused_dependencies(("Cargo.toml", manifest), &used),
+        vec!["Cargo.toml: dependency `left-pad` is not used"]
+    );
 
     let it = f("tests/it/gates.rs", "#[test]\nfn example_engine_passes() {}");
     assert!(fast_tier_skips("# c\ngates::example_engine\n", &it).is_empty());
@@ -694,15 +797,21 @@ fn each_rule_catches_a_planted_violation() {
     assert_eq!(clap_only_in_the_binary(&f("src/ops/x.rs", "//! d\nuse clap::Parser;")).len(), 1);
     assert!(clap_only_in_the_binary(&f("src/cli/args.rs", "//! d\nuse clap::Parser;")).is_empty());
     assert!(clap_only_in_the_binary(&f("src/ops/x.rs", "//! d\n// clap::Parser is the binary's")).is_empty());
+    assert_eq!(clap_only_in_the_binary(&f("crates/ckb/src/lib.rs", "//! d\nuse clap::Parser;")).len(), 1);
 
     let manifest = f("examples/engines/e/Cargo.toml", "[dependencies]\nmetainfer = { path = \"../../..\" }\n");
     assert_eq!(oracle_apart_from_engines(&Files::new(), &manifest).len(), 1);
-    let oracle =
-        f("src/oracle/x.rs", "//! d\nconst K: &str = include_str!(\"../../examples/engines/e/src/kernels.rs\");");
+    let oracle = f(
+        "crates/oracle/src/x.rs",
+        "//! d\nconst K: &str = include_str!(\"../../examples/engines/e/src/kernels.rs\");",
+    );
     assert_eq!(oracle_apart_from_engines(&oracle, &Files::new()).len(), 1);
     assert!(
-        oracle_apart_from_engines(&f("src/oracle/x.rs", "//! d"), &f("e/Cargo.toml", "[dependencies]\nserde = \"1\""))
-            .is_empty()
+        oracle_apart_from_engines(
+            &f("crates/oracle/src/x.rs", "//! d"),
+            &f("e/Cargo.toml", "[dependencies]\nserde = \"1\"")
+        )
+        .is_empty()
     );
 
     // The assembled harness of every registry kernel has exactly one arm per kernel in each match,
