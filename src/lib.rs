@@ -9,18 +9,18 @@ pub mod bench;
 pub mod clients;
 pub mod demo;
 pub mod doctor;
-pub mod guard;
 pub mod guide;
-pub mod harness;
-pub mod ledger;
-pub mod manifest;
 pub mod mcp;
 pub mod ops;
 pub mod options;
-pub mod probe;
 
 // The layers below, each its own crate (crates/), re-exported under the names the modules above use.
 pub use base::{beneath, error, stats, util};
 pub use ckb;
+pub use guard;
+pub use harness;
+pub use ledger;
+pub use manifest;
 pub use model;
 pub use oracle;
+pub use probe;

@@ -57,7 +57,7 @@ fn code(line: &str) -> String {
 
 /// Files other than the generated harness crate's (which is not part of this workspace).
 fn own(files: &Files) -> impl Iterator<Item = &(String, String)> {
-    files.iter().filter(|(p, _)| !p.starts_with("src/harness/template/"))
+    files.iter().filter(|(p, _)| !p.starts_with("crates/harness/src/template/"))
 }
 
 /// Rule: every source file opens with a `//!` module doc.
@@ -72,7 +72,7 @@ fn module_docs(files: &Files) -> Vec<String> {
 fn processes(files: &Files) -> Vec<String> {
     const SPAWNERS: &[&str] = &["Command::new", "duct::", "MetadataCommand", "process::Command", "fork("];
     let mut out = Vec::new();
-    for (p, t) in own(files).filter(|(p, _)| !p.starts_with("src/harness/")) {
+    for (p, t) in own(files).filter(|(p, _)| !p.starts_with("crates/harness/")) {
         for (i, line) in t.lines().enumerate() {
             let c = code(line);
             if let Some(s) = SPAWNERS.iter().find(|s| c.contains(**s)) {
@@ -671,7 +671,7 @@ fn each_rule_catches_a_planted_violation() {
 
     assert_eq!(processes(&f("src/ops/x.rs", "//! d\nlet c = std::process::Command::new(\"sh\");")).len(), 1);
     assert_eq!(processes(&f("src/ops/x.rs", "//! d\nlet p = duct::cmd(\"sh\", [\"-c\"]);")).len(), 1);
-    assert_eq!(processes(&f("src/harness/x.rs", "//! d\nlet p = duct::cmd(\"sh\", [\"-c\"]);")).len(), 0);
+    assert_eq!(processes(&f("crates/harness/src/x.rs", "//! d\nlet p = duct::cmd(\"sh\", [\"-c\"]);")).len(), 0);
     assert_eq!(processes(&f("src/guard/x.rs", "//! d\nconst P: &str = \"Command::new\"; // Command::new")).len(), 0);
 
     let mut two = f("src/ops/verify.rs", "//! d\nuse super::kernel_test::KernelResult;");

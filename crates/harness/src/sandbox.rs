@@ -37,7 +37,7 @@ use std::ffi::{OsStr, OsString};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
-use crate::error::{Error, Result};
+use base::error::{Error, Result};
 
 /// Environment variables a sandboxed process keeps from the server's environment (when set):
 /// what cargo, rustc, rustup and the engine's thread pool read. Everything else (tokens, the
@@ -255,7 +255,7 @@ impl Prepared {
 /// Prepare the sandbox for one process with `grants`.
 ///
 /// # Errors
-/// [`crate::error::ErrorKind::Usage`] when a granted path would expose a `protected` path (e.g. a
+/// [`base::error::ErrorKind::Usage`] when a granted path would expose a `protected` path (e.g. a
 /// model directory that holds the ledger: the message names both); when `require` is set and the
 /// kernel cannot sandbox; Internal when the kernel refuses the ruleset.
 pub fn prepare(grants: &Grants, protected: &[PathBuf], require: bool) -> Result<Prepared> {
@@ -472,7 +472,7 @@ mod linux {
     };
 
     use super::{Grants, Toolchain};
-    use crate::error::{Error, Result};
+    use base::error::{Error, Result};
 
     /// Build the Landlock ruleset of one process in the parent.
     pub(super) fn ruleset(grants: &Grants, tc: &Toolchain) -> Result<OwnedFd> {

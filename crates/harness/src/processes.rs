@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use super::{Grants, Workshop, protocol, sandbox};
-use crate::error::{Error, Result};
+use base::error::{Error, Result};
 
 /// Whether the call running on this thread was cancelled by its client (set by
 /// [`Budget::scope`]); outcomes recorded then carry the status `cancelled`.
@@ -112,7 +112,7 @@ pub const MAX_OUTPUT_BYTES: u64 = 64 << 20;
 /// it started lingers).
 ///
 /// # Errors
-/// [`crate::error::ErrorKind::Internal`] when the program cannot be started.
+/// [`base::error::ErrorKind::Internal`] when the program cannot be started.
 pub fn run(expr: duct::Expression, budget: &Budget) -> Result<Run> {
     let start = Instant::now();
     let dir = tempfile::tempdir().map_err(|e| Error::internal(format!("temporary output directory: {e}")))?;

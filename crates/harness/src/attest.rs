@@ -29,8 +29,8 @@ use ed25519_dalek::{Signature, Signer, SigningKey, Verifier, VerifyingKey};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::beneath::{Entry, Files};
-use crate::error::{Error, Result};
+use base::beneath::{Entry, Files};
+use base::error::{Error, Result};
 
 /// File name of the attestation in a run bundle.
 pub const ATTESTATION: &str = "attestation.json";
@@ -84,7 +84,7 @@ impl Attested {
     /// Check bytes read from the bundle file `name` against what the runner signed.
     ///
     /// # Errors
-    /// [`crate::error::ErrorKind::Usage`] when the runner did not sign that file or signed other
+    /// [`base::error::ErrorKind::Usage`] when the runner did not sign that file or signed other
     /// contents.
     pub fn check(&self, name: &str, bytes: &[u8]) -> Result<()> {
         self.matches(name, &hex(&Sha256::digest(bytes)))
@@ -97,7 +97,7 @@ impl Attested {
     /// # Errors
     /// As [`Attested::check`]; Input when the file cannot be read.
     pub fn check_file(&self, dir: &dyn Files, name: &str) -> Result<()> {
-        let mut f = dir.open(name, &crate::util::MODEL_FILE)?;
+        let mut f = dir.open(name, &base::util::MODEL_FILE)?;
         let mut h = Sha256::new();
         std::io::copy(&mut f, &mut h).map_err(|e| Error::input(format!("{}: {e}", dir.show(name).display())))?;
         self.matches(name, &hex(&h.finalize()))
@@ -139,7 +139,7 @@ fn unhex<const N: usize>(text: &str, what: &str) -> Result<[u8; N]> {
 /// both paths and the public key.
 ///
 /// # Errors
-/// [`crate::error::ErrorKind::Usage`] when either file exists; Internal when one cannot be written.
+/// [`base::error::ErrorKind::Usage`] when either file exists; Internal when one cannot be written.
 pub fn keygen(dir: &Path) -> Result<(PathBuf, PathBuf, String)> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
@@ -170,7 +170,7 @@ pub fn keygen(dir: &Path) -> Result<(PathBuf, PathBuf, String)> {
 /// Read a runner's secret key file ([`SECRET_FILE`]).
 ///
 /// # Errors
-/// [`crate::error::ErrorKind::Usage`] when it is missing, readable by others than its owner, or not
+/// [`base::error::ErrorKind::Usage`] when it is missing, readable by others than its owner, or not
 /// 64 hex digits.
 pub fn read_secret(path: &Path) -> Result<SigningKey> {
     use std::os::unix::fs::PermissionsExt;
@@ -182,7 +182,7 @@ pub fn read_secret(path: &Path) -> Result<SigningKey> {
             meta.permissions().mode() & 0o777
         )));
     }
-    let text = crate::util::read_regular(path, &crate::util::METAINFER_TOML)?;
+    let text = base::util::read_regular(path, &base::util::METAINFER_TOML)?;
     let seed = unhex::<32>(&String::from_utf8_lossy(&text), &format!("runner key {}", path.display()))?;
     Ok(SigningKey::from_bytes(&seed))
 }
@@ -190,10 +190,10 @@ pub fn read_secret(path: &Path) -> Result<SigningKey> {
 /// Read a public key: 64 hex digits, or a file holding them ([`PUBLIC_FILE`]).
 ///
 /// # Errors
-/// [`crate::error::ErrorKind::Usage`] when it is neither.
+/// [`base::error::ErrorKind::Usage`] when it is neither.
 pub fn read_public(text_or_file: &str) -> Result<String> {
     let text = if Path::new(text_or_file).is_file() {
-        String::from_utf8_lossy(&crate::util::read_regular(Path::new(text_or_file), &crate::util::METAINFER_TOML)?)
+        String::from_utf8_lossy(&base::util::read_regular(Path::new(text_or_file), &base::util::METAINFER_TOML)?)
             .into_owned()
     } else {
         text_or_file.to_string()
@@ -218,7 +218,7 @@ pub fn sign(dir: &Path, nonce: &str, key: &SigningKey) -> Result<Attestation> {
     for name in bundle_files(&dir.to_path_buf()) {
         files.insert(name.clone(), super::bundle::file_hash(&dir.join(&name))?);
     }
-    let content = Signed { format: FORMAT, nonce: nonce.to_string(), files, signed: crate::ledger::now_rfc3339() };
+    let content = Signed { format: FORMAT, nonce: nonce.to_string(), files, signed: ledger::now_rfc3339() };
     let bytes = serde_json::to_vec(&content).map_err(|e| Error::internal(format!("attestation: {e}")))?;
     let attestation = Attestation {
         content,
@@ -226,7 +226,7 @@ pub fn sign(dir: &Path, nonce: &str, key: &SigningKey) -> Result<Attestation> {
         signature: hex(&key.sign(&bytes).to_bytes()),
     };
     let text = serde_json::to_vec_pretty(&attestation).map_err(|e| Error::internal(format!("attestation: {e}")))?;
-    crate::util::write_atomic(&dir.join(ATTESTATION), &text)?;
+    base::util::write_atomic(&dir.join(ATTESTATION), &text)?;
     Ok(attestation)
 }
 
@@ -240,7 +240,7 @@ pub fn verify(dir: &dyn Files, nonce: &str, trusted: &[(String, String)]) -> std
             "no {ATTESTATION}: the bundle was run without a trusted runner's key (`bundle run --key`)"
         ));
     }
-    let bytes = dir.read(ATTESTATION, &crate::util::HARNESS_REPLY).map_err(|e| e.message)?;
+    let bytes = dir.read(ATTESTATION, &base::util::HARNESS_REPLY).map_err(|e| e.message)?;
     let a: Attestation = serde_json::from_slice(&bytes).map_err(|e| format!("{ATTESTATION} does not parse: {e}"))?;
     let Some((name, _)) = trusted.iter().find(|(_, k)| *k == a.runner) else {
         return Err(format!(

@@ -7,7 +7,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::stats::Spread;
+use base::stats::Spread;
 
 fn is_false(b: &bool) -> bool {
     !*b
@@ -37,7 +37,7 @@ pub struct GateFigures {
     #[serde(skip_serializing_if = "String::is_empty")]
     pub bundle: String,
     /// For a bundle: `runner <name>` when a trusted runner signed the run
-    /// ([`crate::harness::attest`]), else `unattested: <why>` (shown and counted, never evidence).
+    /// (`harness::attest`), else `unattested: <why>` (shown and counted, never evidence).
     #[serde(skip_serializing_if = "String::is_empty")]
     pub attestation: String,
 }

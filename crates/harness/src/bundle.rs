@@ -62,8 +62,8 @@ use sha2::{Digest, Sha256};
 
 use super::protocol;
 use super::{Budget, Exit, Run};
-use crate::beneath::{Dir, Entry, Files};
-use crate::error::{Error, Result};
+use base::beneath::{Dir, Entry, Files};
+use base::error::{Error, Result};
 
 /// Version of the bundle layout (2: a nonce, mixed into every output file's name and signed by
 /// the runner's attestation).
@@ -245,7 +245,7 @@ fn model_files(dir: &dyn Files) -> Vec<String> {
 pub fn model_hash(dir: &dyn Files) -> Result<String> {
     let mut h = Sha256::new();
     for name in model_files(dir) {
-        let mut f = dir.open(&name, &crate::util::MODEL_FILE)?;
+        let mut f = dir.open(&name, &base::util::MODEL_FILE)?;
         let mut fh = Sha256::new();
         std::io::copy(&mut f, &mut fh).map_err(|e| Error::input(format!("{}: {e}", dir.show(&name).display())))?;
         h.update((name.len() as u64).to_le_bytes());
@@ -262,7 +262,7 @@ pub fn model_hash(dir: &dyn Files) -> Result<String> {
 pub fn model_bytes(dir: &dyn Files) -> Result<u64> {
     let mut total = 0;
     for name in model_files(dir) {
-        let f = dir.open(&name, &crate::util::MODEL_FILE)?;
+        let f = dir.open(&name, &base::util::MODEL_FILE)?;
         total += f.metadata().map(|m| m.len()).unwrap_or(0);
     }
     Ok(total)
@@ -276,7 +276,7 @@ pub fn model_bytes(dir: &dyn Files) -> Result<u64> {
 pub fn copy_model(from: &dyn Files, into: &Dir, to: &str) -> Result<()> {
     into.create_dir(Path::new(to))?;
     for name in model_files(from) {
-        let mut f = from.open(&name, &crate::util::MODEL_FILE)?;
+        let mut f = from.open(&name, &base::util::MODEL_FILE)?;
         let dest = Path::new(to).join(&name);
         let mut out = into.create_new_file(&dest)?;
         std::io::copy(&mut f, &mut out)
@@ -321,11 +321,11 @@ pub fn relative(command: protocol::Command, root: &Path) -> protocol::Command {
 /// Read request `i` of a bundle.
 ///
 /// # Errors
-/// [`crate::error::ErrorKind::Usage`] when it is missing or does not parse.
+/// [`base::error::ErrorKind::Usage`] when it is missing or does not parse.
 pub fn read_request(dir: &dyn Files, i: usize) -> Result<protocol::Request> {
     let path = dir.show(&request_file(i));
     let bytes = dir
-        .read(&request_file(i), &crate::util::HARNESS_REPLY)
+        .read(&request_file(i), &base::util::HARNESS_REPLY)
         .map_err(|e| Error::usage(format!("{}; the bundle is incomplete, write it again", e.message)))?;
     serde_json::from_slice(&bytes).map_err(|e| Error::usage(format!("{}: not a harness request: {e}", path.display())))
 }
@@ -334,7 +334,7 @@ pub fn read_request(dir: &dyn Files, i: usize) -> Result<protocol::Request> {
 /// --model` makes): what is read back must be the bundle's own files.
 ///
 /// # Errors
-/// [`crate::error::ErrorKind::Usage`] naming the link; Input when the directory cannot be read.
+/// [`base::error::ErrorKind::Usage`] naming the link; Input when the directory cannot be read.
 pub fn check_no_links(dir: &dyn Files) -> Result<()> {
     for (name, e) in dir.listing() {
         if e == Entry::Link && name != MODEL {
@@ -370,10 +370,10 @@ pub fn same_tensors(a: &[u8], b: &[u8]) -> bool {
 /// Read a bundle's manifest.
 ///
 /// # Errors
-/// [`crate::error::ErrorKind::Usage`] when `dir` holds no readable manifest or one of another format.
+/// [`base::error::ErrorKind::Usage`] when `dir` holds no readable manifest or one of another format.
 pub fn read_manifest(dir: &dyn Files) -> Result<BundleManifest> {
     let path = dir.show(MANIFEST);
-    let bytes = dir.read(MANIFEST, &crate::util::HARNESS_REPLY).map_err(|e| {
+    let bytes = dir.read(MANIFEST, &base::util::HARNESS_REPLY).map_err(|e| {
         Error::usage(format!(
             "{} is not a bundle ({}); write one with a gate's write_bundle",
             dir.path().display(),
@@ -412,7 +412,7 @@ pub struct Ran {
 /// fails. With `key` (a runner's secret key), sign the run ([`super::attest::sign`]).
 ///
 /// # Errors
-/// [`crate::error::ErrorKind::Usage`] for a malformed bundle, a swapped harness, a missing or
+/// [`base::error::ErrorKind::Usage`] for a malformed bundle, a swapped harness, a missing or
 /// different model; Internal when a process cannot be started.
 pub fn run(dir: &Path, model: Option<&Path>, key: Option<&ed25519_dalek::SigningKey>, budget: &Budget) -> Result<Ran> {
     let dir = dir.canonicalize().map_err(|e| Error::usage(format!("bundle {}: {e}", dir.display())))?;
@@ -486,7 +486,7 @@ pub fn run(dir: &Path, model: Option<&Path>, key: Option<&ed25519_dalek::Signing
         let ran = super::run(cmd, budget)?;
         let record = RunRecord::of(&ran);
         let text = serde_json::to_vec_pretty(&record).map_err(|e| Error::internal(format!("run record: {e}")))?;
-        crate::util::write_atomic(&dir.join(run_file(i)), &text)?;
+        base::util::write_atomic(&dir.join(run_file(i)), &text)?;
         runs.push(record);
         if !ran.ok() {
             break;
@@ -510,7 +510,7 @@ pub fn run(dir: &Path, model: Option<&Path>, key: Option<&ed25519_dalek::Signing
 /// have returned them.
 ///
 /// # Errors
-/// [`crate::error::ErrorKind::Usage`] when the request has not been run (no `run.<i>.json`).
+/// [`base::error::ErrorKind::Usage`] when the request has not been run (no `run.<i>.json`).
 pub fn called(dir: &dyn Files, i: usize, attested: Option<&super::attest::Attested>) -> Result<super::Called> {
     if !dir.has(&run_file(i)) {
         return Err(Error::usage(format!(
@@ -520,13 +520,13 @@ pub fn called(dir: &dyn Files, i: usize, attested: Option<&super::attest::Attest
             dir.path().display()
         )));
     }
-    let record = dir.read(&run_file(i), &crate::util::HARNESS_REPLY)?;
+    let record = dir.read(&run_file(i), &base::util::HARNESS_REPLY)?;
     if let Some(a) = attested {
         a.check(&run_file(i), &record)?;
     }
     let record: RunRecord = serde_json::from_slice(&record)
         .map_err(|e| Error::usage(format!("{}: unreadable run record: {e}", dir.show(&run_file(i)).display())))?;
-    let reply = match dir.read(&reply_file(i), &crate::util::HARNESS_REPLY) {
+    let reply = match dir.read(&reply_file(i), &base::util::HARNESS_REPLY) {
         Ok(bytes) if attested.is_some_and(|a| a.check(&reply_file(i), &bytes).is_err()) => {
             Err(format!("{} changed after the runner signed the run", reply_file(i)))
         }

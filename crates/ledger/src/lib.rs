@@ -25,7 +25,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use sha2::Sha256;
 
-use crate::error::{Error, Result};
+use base::error::{Error, Result};
 
 /// Schema version this build writes.
 pub const SCHEMA_VERSION: i64 = 7;
@@ -150,7 +150,7 @@ fn load_or_create_key(ledger: &Path) -> Result<[u8; 32]> {
             }
         }
     }
-    let bytes = crate::util::read_regular(&path, &crate::util::LEDGER_KEY)?;
+    let bytes = base::util::read_regular(&path, &base::util::LEDGER_KEY)?;
     let meta = std::fs::symlink_metadata(&path).map_err(|e| Error::input(format!("{}: {e}", path.display())))?;
     if meta.permissions().mode() & 0o077 != 0 {
         return Err(Error::input(format!(
@@ -389,11 +389,11 @@ impl Ledger {
         m.finalize().into_bytes().iter().map(|b| format!("{b:02x}")).collect()
     }
 
-    /// Trust the runner key `public_key` (hex, [`crate::harness::attest::read_public`]) under
+    /// Trust the runner key `public_key` (hex, `harness::attest::read_public`) under
     /// `name`: bundle runs it signs count as evidence. Replaces a runner of the same name.
     ///
     /// # Errors
-    /// [`crate::error::ErrorKind::Usage`] when another name holds the key; Internal when SQLite
+    /// [`base::error::ErrorKind::Usage`] when another name holds the key; Internal when SQLite
     /// fails.
     pub fn trust_runner(&self, name: &str, public_key: &str) -> Result<()> {
         if let Some((other, _)) = self.runners()?.into_iter().find(|(n, k)| k == public_key && n != name) {
@@ -664,7 +664,7 @@ impl Ledger {
 
 /// Whether an outcome judged a bundle run that no trusted runner signed (its figures' `bundle` is
 /// set and its `attestation` does not name a runner): shown and counted, never evidence for phase
-/// order or promotion (see [`crate::harness::attest`]).
+/// order or promotion (see `harness::attest`).
 pub fn unattested(o: &Outcome) -> bool {
     let f = &o.figures;
     f["bundle"].as_str().is_some_and(|b| !b.is_empty())
@@ -701,7 +701,7 @@ impl Ledger {
     /// When SQLite fails or `path` cannot be written.
     pub fn export_file(&self, path: &Path) -> Result<usize> {
         let text = self.export_jsonl()?;
-        crate::util::write_atomic(path, text.as_bytes())?;
+        base::util::write_atomic(path, text.as_bytes())?;
         Ok(text.lines().count())
     }
 
@@ -711,7 +711,7 @@ impl Ledger {
     /// # Errors
     /// An unreadable file, a malformed line (naming the file and line).
     pub fn import_file(&mut self, path: &Path) -> Result<(usize, usize)> {
-        let text = crate::util::read_regular_text(path, &crate::util::LEDGER_EXPORT)?;
+        let text = base::util::read_regular_text(path, &base::util::LEDGER_EXPORT)?;
         self.import_jsonl(&text).map_err(|e| Error::input(format!("{}: {}", path.display(), e.message)))
     }
 

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use sha2::{Digest, Sha256};
 
 use super::{Budget, Diagnostic, Engine, Exit, Grants, Run, Workshop, parse_messages, run};
-use crate::error::{Error, Result};
+use base::error::{Error, Result};
 
 /// `cargo` as the server runs it: `$CARGO` or `cargo` on PATH, started in `cwd` (a server-owned
 /// directory, so that no `.cargo/config.toml` an agent wrote above the engine or in the server's
@@ -77,7 +77,7 @@ impl Workshop {
         };
         let before = state();
         let marker =
-            self.root.join("fetched").join(format!("{:016x}", crate::util::fnv1a(&manifest.display().to_string())));
+            self.root.join("fetched").join(format!("{:016x}", base::util::fnv1a(&manifest.display().to_string())));
         if std::fs::read_to_string(&marker).is_ok_and(|k| k.lines().any(|l| l == before)) {
             let exit = Exit::Code(Some(0));
             return Ok(Run { exit, stdout: String::new(), stderr: String::new(), seconds: 0.0, sandboxed: false });
@@ -206,7 +206,7 @@ impl Workshop {
             }
         }
         let mut build = self.cargo_build_reading(&engine.build_dir.join("Cargo.toml"), &[], &extra, false, budget)?;
-        let _ = crate::util::write_atomic(&marker, this.as_bytes());
+        let _ = base::util::write_atomic(&marker, this.as_bytes());
         if let Some(exe) = build.executable.take().filter(|_| build.ok) {
             let copy = dest.join(exe.file_name().unwrap_or(std::ffi::OsStr::new("engine")));
             std::fs::copy(&exe, &copy)

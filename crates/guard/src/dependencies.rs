@@ -3,7 +3,7 @@
 //! and the per-target allow lists live in the CKB's policy contracts, with a reason per entry.
 
 use super::Finding;
-use crate::ckb::{Ckb, Kind};
+use ckb::{Ckb, Kind};
 
 /// Check resolved packages (name, version) against every policy contract.
 pub fn check(ckb: &Ckb, target: &str, packages: &[(String, String)]) -> Vec<Finding> {

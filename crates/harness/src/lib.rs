@@ -32,7 +32,7 @@ mod templating;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use crate::error::{Error, Result};
+use base::error::{Error, Result};
 
 pub use builds::{Build, dependency_graph};
 pub use diagnostics::{Diagnostic, parse_messages};
@@ -111,7 +111,7 @@ impl Workshop {
     /// bounded, and parsed.
     ///
     /// # Errors
-    /// [`crate::error::ErrorKind::Internal`] when the request cannot be written or the process cannot
+    /// [`base::error::ErrorKind::Internal`] when the request cannot be written or the process cannot
     /// be started; the sandbox's errors (see [`Workshop::run_sandboxed`]). A process that fails or
     /// replies badly is a [`Called`], not an error.
     pub fn call(
@@ -134,7 +134,7 @@ impl Workshop {
             cmd = cmd.env(k, v);
         }
         let run = self.run_sandboxed(cmd, grants, budget)?;
-        let reply = match crate::util::read_regular(&reply_path, &crate::util::HARNESS_REPLY) {
+        let reply = match base::util::read_regular(&reply_path, &base::util::HARNESS_REPLY) {
             Ok(bytes) => {
                 serde_json::from_slice::<protocol::Reply>(&bytes).map_err(|e| format!("reply does not parse: {e}"))
             }
@@ -162,15 +162,15 @@ pub type Metadata = HashMap<String, String>;
 /// little-endian 32-bit words (f32 values via `f32::from_bits`, u32 values as they are).
 ///
 /// # Errors
-/// [`crate::error::ErrorKind::Internal`] when the file is missing or malformed.
+/// [`base::error::ErrorKind::Internal`] when the file is missing or malformed.
 pub fn read_tensor_words(path: &Path) -> Result<(Metadata, HashMap<String, Vec<u32>>)> {
-    tensor_words(&crate::util::read_regular(path, &crate::util::HARNESS_OUTPUT)?, path)
+    tensor_words(&base::util::read_regular(path, &base::util::HARNESS_OUTPUT)?, path)
 }
 
 /// [`read_tensor_words`] on bytes already read (`path` names them in messages).
 ///
 /// # Errors
-/// [`crate::error::ErrorKind::Internal`] when they are not a safetensors file.
+/// [`base::error::ErrorKind::Internal`] when they are not a safetensors file.
 pub fn tensor_words(bytes: &[u8], path: &Path) -> Result<(Metadata, HashMap<String, Vec<u32>>)> {
     let bad = |e: safetensors::SafeTensorError| Error::internal(format!("{}: {e}", path.display()));
     let (_, header) = safetensors::SafeTensors::read_metadata(bytes).map_err(bad)?;

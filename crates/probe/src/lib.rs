@@ -12,7 +12,7 @@ use std::time::Instant;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::stats::Spread;
+use base::stats::Spread;
 
 /// One measured figure.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema, PartialEq)]

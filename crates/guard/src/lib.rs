@@ -25,9 +25,9 @@ use std::path::{Path, PathBuf};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::ckb::Ckb;
+use ckb::Ckb;
 
-pub use crate::manifest::ReferenceLevel;
+pub use manifest::ReferenceLevel;
 
 /// How bad a finding is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]

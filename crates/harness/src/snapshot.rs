@@ -7,8 +7,8 @@ use sha2::{Digest, Sha256};
 
 use super::builds::cargo;
 use super::{Budget, Grants, Workshop};
-use crate::beneath::Dir;
-use crate::error::{Error, Result};
+use base::beneath::Dir;
+use base::error::{Error, Result};
 
 /// What the server knows about an engine crate.
 #[derive(Debug, Clone)]
@@ -28,7 +28,7 @@ pub struct Engine {
     /// `.git/` excluded).
     pub hash: String,
     /// Its `metainfer.toml`, parsed and checked.
-    pub manifest: crate::manifest::EngineManifest,
+    pub manifest: manifest::EngineManifest,
 }
 
 /// Most bytes of one engine file the snapshot copies.
@@ -41,7 +41,7 @@ pub const MAX_ENGINE_FILE_BYTES: u64 = 16 << 20;
 /// Also returns the links left out because they lead outside (or nowhere).
 #[allow(clippy::type_complexity)]
 fn engine_files(root: &Dir) -> Result<(Vec<(String, Vec<u8>)>, Vec<String>)> {
-    const LIMIT: crate::util::Limit = crate::util::Limit {
+    const LIMIT: base::util::Limit = base::util::Limit {
         what: "engine file",
         max: MAX_ENGINE_FILE_BYTES,
         hint: "keep weights in the model directory",
@@ -59,7 +59,7 @@ fn engine_files(root: &Dir) -> Result<(Vec<(String, Vec<u8>)>, Vec<String>)> {
                 continue;
             }
             if t.is_symlink() {
-                let inside = root.link_target(&child).leads == crate::beneath::Leads::Inside;
+                let inside = root.link_target(&child).leads == base::beneath::Leads::Inside;
                 if !inside {
                     left_out.push(shown);
                     continue;
@@ -120,7 +120,7 @@ impl Workshop {
     /// package name comes from `cargo metadata` run on the snapshot, in the sandbox.
     ///
     /// # Errors
-    /// [`crate::error::ErrorKind::Usage`] when the directory holds no Cargo package with a library
+    /// [`base::error::ErrorKind::Usage`] when the directory holds no Cargo package with a library
     /// target, or a file that is not a regular file or is too large; Internal when the snapshot
     /// cannot be written.
     pub fn engine_at(&self, root: &Dir) -> Result<Engine> {
@@ -132,11 +132,11 @@ impl Workshop {
                 dir.display()
             )));
         }
-        let manifest = match files.iter().find(|(rel, _)| rel == crate::manifest::FILE) {
-            None => crate::manifest::EngineManifest::default(),
+        let manifest = match files.iter().find(|(rel, _)| rel == manifest::FILE) {
+            None => manifest::EngineManifest::default(),
             Some((rel, bytes)) => {
                 let path = dir.join(rel);
-                let limit = crate::util::METAINFER_TOML;
+                let limit = base::util::METAINFER_TOML;
                 if bytes.len() as u64 > limit.max {
                     return Err(Error::input(format!(
                         "{} is {} bytes; a {} may be at most {} bytes: {}",
@@ -149,7 +149,7 @@ impl Workshop {
                 }
                 let text = std::str::from_utf8(bytes)
                     .map_err(|_| Error::input(format!("{} is not UTF-8 text", path.display())))?;
-                crate::manifest::EngineManifest::parse(text)
+                manifest::EngineManifest::parse(text)
                     .map_err(|e| Error::usage(format!("{}: {}", path.display(), e.message)))?
             }
         };

@@ -17,7 +17,7 @@ use std::path::Path;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Error, Result};
+use base::error::{Error, Result};
 
 /// File name of the manifest in an engine crate.
 pub const FILE: &str = "metainfer.toml";
@@ -198,7 +198,7 @@ impl EngineManifest {
     /// Read the manifest of the engine crate in `dir`; every default when the file is absent.
     ///
     /// # Errors
-    /// [`crate::error::ErrorKind::Input`] when it is not a regular file or too large
+    /// [`base::error::ErrorKind::Input`] when it is not a regular file or too large
     /// (`util::METAINFER_TOML`); Usage naming the file and the key when it is not TOML, ill-typed, or
     /// names an unknown dtype, a malformed family or target.
     pub fn read(dir: &Path) -> Result<EngineManifest> {
@@ -210,7 +210,7 @@ impl EngineManifest {
             return Err(Error::usage(format!("{}: {e}", path.display())));
         }
         // A regular file of bounded size (a FIFO, a device or a huge file is refused by name).
-        let text = crate::util::read_regular_text(&path, &crate::util::METAINFER_TOML)?;
+        let text = base::util::read_regular_text(&path, &base::util::METAINFER_TOML)?;
         EngineManifest::parse(&text).map_err(|e| Error::usage(format!("{}: {}", path.display(), e.message)))
     }
 
@@ -248,7 +248,7 @@ impl EngineManifest {
                 m.target
             )));
         }
-        let known = crate::ckb::WEIGHT_DTYPES;
+        let known = ckb::WEIGHT_DTYPES;
         for d in std::iter::once(&m.dtype).chain(m.dtype_features.keys()) {
             if !known.contains(&d.as_str()) {
                 let key = if *d == m.dtype { "dtype".to_string() } else { format!("dtype_features.{d}") };

@@ -19,7 +19,7 @@ use std::path::PathBuf;
 use sha2::{Digest, Sha256};
 
 use super::{Budget, Build, Engine, Workshop};
-use crate::error::{Error, Result};
+use base::error::{Error, Result};
 
 /// The harness source, rewritten before every build so that it cannot drift from the server's copy.
 pub const HARNESS_MAIN: &str = include_str!("template/main.rs");
@@ -61,7 +61,7 @@ pub struct HarnessSpec {
 impl HarnessSpec {
     /// Whether the engine runs on a CUDA device.
     pub fn cuda(&self) -> bool {
-        self.api == crate::ckb::API_CUDA
+        self.api == ckb::API_CUDA
     }
 }
 

@@ -4,7 +4,7 @@
 //! `optional` (added after an engine may have been scaffolded) are checked only where defined.
 
 use super::{Finding, Tree};
-use crate::ckb::Ckb;
+use ckb::Ckb;
 
 /// A signature in canonical form: whitespace-separated tokens, no trailing comma before `)`.
 pub fn canonical(sig: &str) -> String {
