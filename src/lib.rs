@@ -11,7 +11,6 @@ pub mod demo;
 pub mod doctor;
 pub mod guide;
 pub mod mcp;
-pub mod ops;
 pub mod options;
 
 // The layers below, each its own crate (crates/), re-exported under the names the modules above use.
@@ -22,5 +21,6 @@ pub use harness;
 pub use ledger;
 pub use manifest;
 pub use model;
+pub use ops;
 pub use oracle;
 pub use probe;

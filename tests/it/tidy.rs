@@ -8,7 +8,7 @@
 //!
 //! Rules: every source file opens with a `//!` module doc; only `harness` starts processes; `ops`
 //! modules import each other only through the shared ones ([`SHARED`]), the shared types of
-//! `ops/mod.rs`, and the edges listed in [`OPS_EDGES`]; the layers form no cycle, and none
+//! the ops crate's `lib.rs`, and the edges listed in [`OPS_EDGES`]; the layers form no cycle, and none
 //! names a layer it must know nothing of ([`KNOWS_NOTHING_OF`]); every layer is named in
 //! ARCHITECTURE.md; every dependency of every manifest is used by its package; every kernel contract has a registry
 //! entry and the harness template takes its kernel arms from the registry only; the fast tier's skip
@@ -86,10 +86,10 @@ fn processes(files: &Files) -> Vec<String> {
 /// ops modules every ops module may use: the gate skeleton, the checkpoint reader (one model
 /// directory read once per gate), pagination (the shared shape of every list a tool returns), and
 /// preconditions (what config.json may contradict in a graph, which plan and every gate check
-/// alike); `mod.rs` holds the shared types.
+/// alike); `lib.rs` holds the shared types.
 const SHARED: &[&str] = &["gate", "checkpoint", "page", "preconditions"];
 
-/// The ops modules one ops module may name besides [`SHARED`] and `mod`, with why.
+/// The ops modules one ops module may name besides [`SHARED`] and `lib.rs`, with why.
 const OPS_EDGES: &[(&str, &str, &str)] = &[
     ("scaffold", "plan", "a scaffold is a plan written out"),
     ("gate", "rules", "the skeleton runs the rules before every gate"),
@@ -110,12 +110,13 @@ const OPS_EDGES: &[(&str, &str, &str)] = &[
     ("verify", "localise", "verify_generation localises a failing step by comparing traces"),
 ];
 
-/// The ops module of an ops file (`src/ops/profile/roofline.rs` -> `profile`), None for mod.rs.
+/// The ops module of a file of the ops crate (`crates/ops/src/profile/roofline.rs` -> `profile`), None
+/// for lib.rs.
 fn ops_module(path: &str) -> Option<&str> {
-    let rest = path.strip_prefix("src/ops/")?;
+    let rest = path.strip_prefix("crates/ops/src/")?;
     let first = rest.split('/').next()?;
     let name = first.strip_suffix(".rs").unwrap_or(first);
-    (name != "mod").then_some(name)
+    (name != "lib").then_some(name)
 }
 
 /// Rule: ops modules import each other only through the gate skeleton and shared types.
@@ -130,16 +131,13 @@ fn ops_imports(files: &Files) -> Vec<String> {
                 if *other == me || SHARED.contains(other) {
                     continue;
                 }
-                let named = [
-                    format!("super::{other}::"),
-                    format!("ops::{other}::"),
-                    format!("super::{other}}}"),
-                    format!("super::{other},"),
-                ]
-                .iter()
-                .any(|pat| c.contains(pat.as_str()))
-                    || c.contains(&format!("super::{{{other}"))
-                    || c.trim_start().starts_with(&format!("use super::{other}"));
+                let named = ["super", "crate"].iter().any(|root| {
+                    [format!("{root}::{other}::"), format!("{root}::{other}}}"), format!("{root}::{other},")]
+                        .iter()
+                        .any(|pat| c.contains(pat.as_str()))
+                        || c.contains(&format!("{root}::{{{other}"))
+                        || c.trim_start().starts_with(&format!("use {root}::{other}"))
+                });
                 if named && !OPS_EDGES.iter().any(|(a, b, _)| *a == me && b == other) {
                     out.push(format!(
                         "{p}:{}: ops::{me} uses ops::{other}; go through ops::gate or the shared types",
@@ -674,12 +672,14 @@ fn each_rule_catches_a_planted_violation() {
     assert_eq!(processes(&f("crates/harness/src/x.rs", "//! d\nlet p = duct::cmd(\"sh\", [\"-c\"]);")).len(), 0);
     assert_eq!(processes(&f("src/guard/x.rs", "//! d\nconst P: &str = \"Command::new\"; // Command::new")).len(), 0);
 
-    let mut two = f("src/ops/verify.rs", "//! d\nuse super::kernel_test::KernelResult;");
-    two.push(("src/ops/kernel_test.rs".into(), "//! d\n".into()));
-    assert_eq!(ops_imports(&two).len(), 1);
-    let mut ok = f("src/ops/scaffold.rs", "//! d\nuse super::plan::plan_only;\nuse super::gate::Gate;");
-    ok.push(("src/ops/plan.rs".into(), "//! d\n".into()));
-    ok.push(("src/ops/gate.rs".into(), "//! d\n".into()));
+    for import in ["use super::kernel_test::KernelResult;", "fn f() { crate::kernel_test::run(); }"] {
+        let mut two = f("crates/ops/src/verify.rs", &format!("//! d\n{import}"));
+        two.push(("crates/ops/src/kernel_test.rs".into(), "//! d\n".into()));
+        assert_eq!(ops_imports(&two).len(), 1, "{import}");
+    }
+    let mut ok = f("crates/ops/src/scaffold.rs", "//! d\nuse super::plan::plan_only;\nuse crate::gate::Gate;");
+    ok.push(("crates/ops/src/plan.rs".into(), "//! d\n".into()));
+    ok.push(("crates/ops/src/gate.rs".into(), "//! d\n".into()));
     assert_eq!(ops_imports(&ok), Vec::<String>::new());
 
     let mut cyc = f("src/a.rs", "//! d\nuse crate::b::X;");

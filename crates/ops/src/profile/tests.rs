@@ -1,0 +1,65 @@
+//! Unit tests of profile_engine: the roofline's memory level, the regression rule.
+
+use base::stats::Spread;
+use probe::{Figure, MachineProbe};
+
+fn probe() -> MachineProbe {
+    let fig = |what: String, threads: usize, max: f64| Figure {
+        what,
+        threads,
+        unit: "GB/s".into(),
+        spread: Spread { min: max / 2.0, median: max * 0.9, max },
+    };
+    let mut figures = Vec::new();
+    for (i, (label, _)) in probe::working_sets().into_iter().enumerate() {
+        figures.push(fig(format!("read {label}"), 1, 100.0 / (i + 1) as f64));
+        figures.push(fig(format!("read {label}"), 2, 200.0 / (i + 1) as f64));
+    }
+    MachineProbe { fingerprint: "test".into(), simd: "scalar".into(), figures }
+}
+
+/// The roofline's level holds the working set: 0.4 MB (the synthetic checkpoints) is L3's
+/// (4 MiB), 60 MB (stories15M in f32) and 5 GB are DRAM's; at the run's thread count; the best
+/// run (max), since a roofline bounds.
+#[test]
+fn the_roofline_level_holds_the_decode_working_set_at_the_run_s_threads() {
+    let p = probe();
+    let (bw, label) = super::roofline_level(&p, 0.4e6, 1).unwrap();
+    assert_eq!((bw, label.as_str()), (100.0 / 3.0, "L3 (4 MiB)"));
+    let (bw, label) = super::roofline_level(&p, 60e6, 2).unwrap();
+    assert!(label.starts_with("DRAM") && bw == 50.0, "{label} {bw}");
+    assert!(super::roofline_level(&p, 5e9, 2).unwrap().1.starts_with("DRAM"));
+    assert_eq!(super::roofline_level(&p, 10e3, 1).unwrap().1, "L1 (16 KiB)");
+    assert!(super::roofline_level(&p, 10e3, 3).is_none(), "no figure at 3 threads");
+}
+
+use super::*;
+
+fn spread(median: f64, min: f64, max: f64) -> Spread {
+    Spread { median, min, max }
+}
+
+#[test]
+fn regression_needs_disjoint_ranges_and_a_drop_beyond_the_noise() {
+    // 10% slower, ranges apart, spreads of 2%: a regression.
+    assert!(is_regression(&spread(1000.0, 990.0, 1010.0), &spread(900.0, 890.0, 910.0)));
+    // Same drop but the earlier run spread over 30%: within its noise.
+    assert!(!is_regression(&spread(1000.0, 800.0, 1100.0), &spread(900.0, 890.0, 910.0)));
+    // Ranges overlap: not a regression.
+    assert!(!is_regression(&spread(1000.0, 900.0, 1010.0), &spread(950.0, 940.0, 960.0)));
+    // 2% slower with tight ranges: below the 3% floor.
+    assert!(!is_regression(&spread(1000.0, 999.0, 1001.0), &spread(980.0, 979.0, 981.0)));
+    // Ten times slower while one earlier run was an outlier at 4x its median (seen on a
+    // loaded 2-core machine): the outlier widens no gap, so the slowdown is still called.
+    assert!(is_regression(&spread(2545.0, 2432.0, 11347.0), &spread(281.0, 256.0, 283.0)));
+    // Ranges apart, but the earlier runs fell 7% below their median (noise 14%): a 10% drop
+    // is within it.
+    assert!(!is_regression(&spread(1000.0, 930.0, 1010.0), &spread(900.0, 890.0, 910.0)));
+    // Thirty times slower on a loaded 2-core machine where the earlier build's runs fell to
+    // a third of their median (CI, 2026-12-05: before 9268 tok/s, min 2848; now 304, max
+    // 306): a spread of 3.3x hides a 3x drop, not a 30x one.
+    assert!(is_regression(&spread(9268.0, 2848.0, 16695.0), &spread(304.0, 299.0, 306.0)));
+    assert!(!is_regression(&spread(9268.0, 2848.0, 16695.0), &spread(2800.0, 2700.0, 2840.0)));
+    // Faster is never a regression.
+    assert!(!is_regression(&spread(1000.0, 990.0, 1010.0), &spread(1200.0, 1190.0, 1210.0)));
+}
