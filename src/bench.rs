@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::error::{Error, Result};
+use crate::error::{Context, Error, Result};
 use crate::harness::protocol::{Command, Reply};
 use crate::harness::{self, Budget};
 use crate::ops::{self, Ctx, Report};
@@ -128,7 +128,7 @@ fn engine_run(ctx: &Ctx, exe: &Path, model: &Path, o: &BenchOptions, threads: us
 
 /// Candle's decode seconds per token for one run, in a child process of this binary.
 fn candle_run(model: &Path, o: &BenchOptions, threads: usize, budget: &Budget) -> Result<f64> {
-    let exe = std::env::current_exe().map_err(|e| Error::internal(format!("own executable: {e}")))?;
+    let exe = std::env::current_exe().internal_ctx(|| "own executable".to_owned())?;
     let args: [std::ffi::OsString; 4] = [
         "bench-peer".into(),
         model.as_os_str().to_owned(),
@@ -156,10 +156,9 @@ pub fn candle_decode(model: &Path, prompt_len: usize, new_tokens: usize) -> Resu
     use candle_core::{DType, Device, Tensor};
     use candle_transformers::models::llama;
     let fail = |e: candle_core::Error| Error::internal(format!("candle: {e}"));
-    let cfg: llama::LlamaConfig = serde_json::from_slice(
-        &std::fs::read(model.join("config.json")).map_err(|e| Error::input(format!("config.json: {e}")))?,
-    )
-    .map_err(|e| Error::input(format!("config.json: {e}")))?;
+    let cfg: llama::LlamaConfig =
+        serde_json::from_slice(&std::fs::read(model.join("config.json")).ctx(|| "config.json".to_owned())?)
+            .ctx(|| "config.json".to_owned())?;
     let cfg = cfg.into_config(false);
     // SAFETY: the checkpoint is not modified while mapped (a file of ../shared or written by bench).
     let vb = unsafe {
@@ -282,9 +281,9 @@ pub fn run(ctx: &Ctx, o: &BenchOptions, work: &Path) -> Result<BenchReport> {
 /// Append a comment line to the engine's kernels.rs: a one-line edit that forces a rebuild.
 fn edit(engine_dir: &Path, n: usize) -> Result<()> {
     let p = engine_dir.join("src/kernels.rs");
-    let mut s = std::fs::read_to_string(&p).map_err(|e| Error::internal(format!("{}: {e}", p.display())))?;
+    let mut s = std::fs::read_to_string(&p).internal_ctx(|| p.display().to_string())?;
     s.push_str(&format!("// edit {n}\n"));
-    std::fs::write(&p, s).map_err(|e| Error::internal(format!("{}: {e}", p.display())))
+    std::fs::write(&p, s).internal_ctx(|| p.display().to_string())
 }
 
 fn agent_loop(ctx: &Ctx, engine_dir: &Path, model: &Path, reps: usize, budget: &Budget) -> Result<AgentLoop> {

@@ -18,7 +18,7 @@ use rmcp::transport::{ConfigureCommandExt, TokioChildProcess};
 use serde_json::{Value, json};
 
 use crate::ckb::embedded;
-use crate::error::{Error, Result};
+use crate::error::{Context, Error, Result};
 
 /// Options of the demo.
 #[derive(Debug, Clone)]
@@ -83,8 +83,8 @@ pub fn write_example_engine(dir: &Path) -> Result<()> {
     for (rel, text) in embedded::EXAMPLE_ENGINE {
         let p = dir.join(rel);
         std::fs::create_dir_all(p.parent().expect("relative file has a parent"))
-            .map_err(|e| Error::internal(format!("{}: {e}", p.display())))?;
-        std::fs::write(&p, text).map_err(|e| Error::internal(format!("{}: {e}", p.display())))?;
+            .internal_ctx(|| p.display().to_string())?;
+        std::fs::write(&p, text).internal_ctx(|| p.display().to_string())?;
     }
     Ok(())
 }
@@ -156,11 +156,11 @@ pub async fn run(opts: DemoOptions) -> Result<bool> {
     let temp;
     let workspace = match &opts.keep {
         Some(k) => {
-            std::fs::create_dir_all(k).map_err(|e| Error::usage(format!("{}: {e}", k.display())))?;
-            k.canonicalize().map_err(|e| Error::usage(format!("{}: {e}", k.display())))?
+            std::fs::create_dir_all(k).usage_ctx(|| k.display().to_string())?;
+            k.canonicalize().usage_ctx(|| k.display().to_string())?
         }
         None => {
-            temp = tempfile::tempdir().map_err(|e| Error::internal(format!("temporary workspace: {e}")))?;
+            temp = tempfile::tempdir().internal_ctx(|| "temporary workspace".to_owned())?;
             temp.path().to_path_buf()
         }
     };
@@ -170,7 +170,7 @@ pub async fn run(opts: DemoOptions) -> Result<bool> {
     }
     let (model, origin) = match chosen {
         DemoModel::Given(m) => {
-            let m = m.canonicalize().map_err(|e| Error::usage(format!("{}: {e}", m.display())))?;
+            let m = m.canonicalize().usage_ctx(|| m.display().to_string())?;
             let origin = format!("model {}", m.display());
             (m, origin)
         }
@@ -189,7 +189,7 @@ pub async fn run(opts: DemoOptions) -> Result<bool> {
             (m, origin)
         }
     };
-    let exe = std::env::current_exe().map_err(|e| Error::internal(format!("cannot find own executable: {e}")))?;
+    let exe = std::env::current_exe().internal_ctx(|| "cannot find own executable".to_owned())?;
     // The demo's own ledger unless one was named, so its engines never enter the user's record.
     let ledger = opts
         .server
@@ -213,14 +213,14 @@ pub async fn run(opts: DemoOptions) -> Result<bool> {
     let transport = TokioChildProcess::new(crate::harness::server_command(&exe).configure(|cmd| {
         cmd.args(&args);
     }))
-    .map_err(|e| Error::internal(format!("cannot start `metainfer serve`: {e}")))?;
-    let client = ().serve(transport).await.map_err(|e| Error::internal(format!("MCP initialisation failed: {e}")))?;
+    .internal_ctx(|| "cannot start `metainfer serve`".to_owned())?;
+    let client = ().serve(transport).await.internal_ctx(|| "MCP initialisation failed".to_owned())?;
     let info = client
         .peer_info()
         .and_then(|i| i.server_info.clone())
         .map(|s| format!("{} {}", s.name, s.version))
         .unwrap_or_default();
-    let tools = client.list_all_tools().await.map_err(|e| Error::internal(format!("tools/list failed: {e}")))?;
+    let tools = client.list_all_tools().await.internal_ctx(|| "tools/list failed".to_owned())?;
     println!(
         "connected to {info}; {} tools: {}",
         tools.len(),
@@ -271,7 +271,7 @@ pub async fn run(opts: DemoOptions) -> Result<bool> {
         if shown {
             eprint!("\r\x1b[2K");
         }
-        let r = r.map_err(|e| Error::internal(format!("{tool} call failed: {e}")))?;
+        let r = r.internal_ctx(|| format!("{tool} call failed"))?;
         let seconds = t.elapsed().as_secs_f64();
         let v = r.structured_content.clone().unwrap_or(Value::Null);
         let is_error = r.is_error == Some(true);
@@ -302,7 +302,7 @@ pub async fn run(opts: DemoOptions) -> Result<bool> {
             break;
         }
     }
-    client.cancel().await.map_err(|e| Error::internal(format!("closing the MCP session: {e}")))?;
+    client.cancel().await.internal_ctx(|| "closing the MCP session".to_owned())?;
 
     println!("\n| step | tool | result | seconds | detail |\n|---|---|---|---|---|");
     for (i, s) in steps.iter().enumerate() {

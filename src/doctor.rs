@@ -16,7 +16,7 @@ use rmcp::ServiceExt;
 use rmcp::transport::TokioChildProcess;
 
 use crate::clients::{Client, Entry};
-use crate::error::{Error, Result};
+use crate::error::{Context, Result};
 use crate::harness::Budget;
 
 /// One check of the setup.
@@ -350,6 +350,6 @@ pub async fn run(client: Client, project: &Path, name: Option<String>) -> Result
 /// # Errors
 /// As [`run`]; a runtime that cannot start.
 pub fn check(client: Client, project: &Path, name: Option<String>) -> Result<DoctorReport> {
-    let rt = tokio::runtime::Runtime::new().map_err(|e| Error::internal(format!("tokio runtime: {e}")))?;
+    let rt = tokio::runtime::Runtime::new().internal_ctx(|| "tokio runtime".to_owned())?;
     rt.block_on(run(client, project, name))
 }

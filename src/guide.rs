@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::ckb::embedded;
-use crate::error::{Error, Result};
+use crate::error::{Context, Error, Result};
 
 /// A skill: agent instructions with front matter.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -125,8 +125,7 @@ pub fn install_skills(dir: &Path, force: bool) -> Result<Vec<(PathBuf, Installed
     for (s, path, state) in plan {
         if state != Installed::Unchanged {
             let folder = path.parent().expect("a skill file has a folder");
-            std::fs::create_dir_all(folder)
-                .map_err(|e| Error::usage(format!("cannot create {}: {e}", folder.display())))?;
+            std::fs::create_dir_all(folder).usage_ctx(|| format!("cannot create {}", folder.display()))?;
             crate::util::write_atomic(&path, s.text.as_bytes())?;
         }
         out.push((path, state));
@@ -201,7 +200,7 @@ pub fn prompts() -> Result<Vec<PromptTemplate>> {
         .iter()
         .map(|(path, text)| {
             let stem = path.trim_end_matches(".toml");
-            let p: PromptTemplate = toml::from_str(text).map_err(|e| Error::input(format!("prompts/{path}: {e}")))?;
+            let p: PromptTemplate = toml::from_str(text).ctx(|| format!("prompts/{path}"))?;
             if p.name != stem {
                 return Err(Error::input(format!("prompts/{path}: name `{}` must equal the file name", p.name)));
             }

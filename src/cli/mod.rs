@@ -10,7 +10,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use metainfer::clients::{Client, Merged};
-use metainfer::error::{Error, Result};
+use metainfer::error::{Context, Error, Result};
 use metainfer::harness::Budget;
 use metainfer::ops::{self, Ctx, Report};
 use metainfer::options::{ServerOptions, Toolset};
@@ -69,7 +69,7 @@ fn ctx(g: &Global) -> Result<Ctx> {
 
 /// This binary's absolute, canonical path (what `register` writes and `doctor` compares with).
 fn own_exe() -> Result<PathBuf> {
-    let exe = std::env::current_exe().map_err(|e| Error::internal(format!("own executable: {e}")))?;
+    let exe = std::env::current_exe().internal_ctx(|| "own executable".to_owned())?;
     Ok(exe.canonicalize().unwrap_or(exe))
 }
 
@@ -193,11 +193,11 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
             } else {
                 tracing::warn!("{}", sandbox.summary);
             }
-            let rt = tokio::runtime::Runtime::new().map_err(|e| Error::internal(format!("tokio runtime: {e}")))?;
+            let rt = tokio::runtime::Runtime::new().internal_ctx(|| "tokio runtime".to_owned())?;
             let served = rt.block_on(metainfer::mcp::serve_stdio(ctx, metainfer::mcp::Exposure::of(&o)));
             // Calls in flight were cancelled; give their blocking threads a moment to reap children.
             rt.shutdown_timeout(Duration::from_secs(2));
-            served.map_err(|e| Error::internal(format!("MCP server: {e}")))?;
+            served.internal_ctx(|| "MCP server".to_owned())?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Plan { model, target, dtype, platform, serving, json } => {
@@ -559,7 +559,7 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Doctor { client: cl, dir, name, json } => {
-            let project = dir.canonicalize().map_err(|e| Error::usage(format!("--dir {}: {e}", dir.display())))?;
+            let project = dir.canonicalize().usage_ctx(|| format!("--dir {}", dir.display()))?;
             let r = metainfer::doctor::check(client(cl), &project, name)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&r).expect("report serialises"));
@@ -570,7 +570,7 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
         }
         Command::Register { client: cl, print, dir, name, replace, serve } => {
             let cl = client(cl);
-            let project = dir.canonicalize().map_err(|e| Error::usage(format!("--dir {}: {e}", dir.display())))?;
+            let project = dir.canonicalize().usage_ctx(|| format!("--dir {}", dir.display()))?;
             let exe = own_exe()?;
             let mut serve = serve;
             serve.model_dirs = serve.model_dirs.iter().map(|m| std::path::absolute(m).unwrap_or(m.clone())).collect();
@@ -655,7 +655,7 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
             }
         }
         Command::Demo { model, keep, max_new_tokens } => {
-            let rt = tokio::runtime::Runtime::new().map_err(|e| Error::internal(format!("tokio runtime: {e}")))?;
+            let rt = tokio::runtime::Runtime::new().internal_ctx(|| "tokio runtime".to_owned())?;
             let opts = metainfer::demo::DemoOptions {
                 model,
                 keep,

@@ -566,6 +566,25 @@ fn invariants_name_tests(architecture: &str, tests: &Files) -> Vec<String> {
     out
 }
 
+/// Rule: a foreign error becomes an [`metainfer::error::Error`] with a "what: error" message through
+/// the one helper (`error::Context`: `.ctx`, `.usage_ctx`, `.internal_ctx`), not a hand-written
+/// `map_err(|e| Error::...(format!("...: {e}")))`; messages that put the error elsewhere are free.
+fn context_through_the_helper(files: &Files) -> Vec<String> {
+    let mut out = Vec::new();
+    for (p, t) in own(files).filter(|(p, _)| p != "crates/base/src/error.rs") {
+        for (i, line) in t.lines().enumerate() {
+            let l = line.split("//").next().unwrap_or("");
+            if l.contains("map_err(|e| Error::") && l.contains(": {e}\"") {
+                out.push(format!(
+                    "{p}:{}: a \"what: error\" message by hand; use error::Context (.ctx, .usage_ctx, .internal_ctx)",
+                    i + 1
+                ));
+            }
+        }
+    }
+    out
+}
+
 /// Rule: clap is the binary's (src/main.rs and src/cli/): no library module or crate names it.
 fn clap_only_in_the_binary(files: &Files) -> Vec<String> {
     own(files)
@@ -647,6 +666,7 @@ fn the_sources_keep_the_architecture() {
     problems.extend(copies_agree(COPIES, DERIVED, &|p| std::fs::read_to_string(root().join(p)).ok()));
     problems.extend(invariants_name_tests(&architecture, &rust_files("tests")));
     problems.extend(clap_only_in_the_binary(&src));
+    problems.extend(context_through_the_helper(&src));
     let manifests: Files = ["llama-cpu-plain", "llama-cpu-simd", "llama-cuda-bf16"]
         .iter()
         .map(|e| {
@@ -798,6 +818,10 @@ fn each_rule_catches_a_planted_violation() {
     assert!(clap_only_in_the_binary(&f("src/cli/args.rs", "//! d\nuse clap::Parser;")).is_empty());
     assert!(clap_only_in_the_binary(&f("src/ops/x.rs", "//! d\n// clap::Parser is the binary's")).is_empty());
     assert_eq!(clap_only_in_the_binary(&f("crates/ckb/src/lib.rs", "//! d\nuse clap::Parser;")).len(), 1);
+    let by_hand = "//! d\nlet t = read(p).map_err(|e| Error::input(format!(\"{}: {e}\", p.display())))?;";
+    assert_eq!(context_through_the_helper(&f("crates/ops/src/x.rs", by_hand)).len(), 1);
+    let elsewhere = "//! d\nlet t = parse(p).map_err(|e| Error::input(format!(\"{}: not JSON ({e})\", p.display())))?;";
+    assert!(context_through_the_helper(&f("crates/ops/src/x.rs", elsewhere)).is_empty());
 
     let manifest = f("examples/engines/e/Cargo.toml", "[dependencies]\nmetainfer = { path = \"../../..\" }\n");
     assert_eq!(oracle_apart_from_engines(&Files::new(), &manifest).len(), 1);

@@ -50,14 +50,32 @@ impl std::error::Error for Error {}
 /// Result alias used across the library.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Attach context to I/O-like errors: `.ctx(|| format!("reading {path}"))`.
+/// Attach context to a foreign error (I/O, JSON, TOML, SQLite, ...): the one way a library error becomes
+/// an [`Error`] whose message says where it happened. Each method maps `Err(e)` to an error of its
+/// kind whose message is `"{what}: {e}"`; `what` is computed only on the error path.
+///
+/// ```
+/// use metainfer_base::error::{Context, ErrorKind};
+/// let e = "x".parse::<u32>().usage_ctx(|| "--threads x".to_owned()).unwrap_err();
+/// assert_eq!((e.kind, e.message.as_str()), (ErrorKind::Usage, "--threads x: invalid digit found in string"));
+/// ```
 pub trait Context<T> {
-    /// Turn the error into an [`ErrorKind::Input`] error prefixed with `what`.
+    /// An unreadable or malformed input ([`ErrorKind::Input`]), e.g. `.ctx(|| format!("reading {path}"))`.
     fn ctx(self, what: impl FnOnce() -> String) -> Result<T>;
+    /// A bad request ([`ErrorKind::Usage`]): the argument or path the caller gave.
+    fn usage_ctx(self, what: impl FnOnce() -> String) -> Result<T>;
+    /// A fault of the server itself ([`ErrorKind::Internal`]).
+    fn internal_ctx(self, what: impl FnOnce() -> String) -> Result<T>;
 }
 
 impl<T, E: fmt::Display> Context<T> for std::result::Result<T, E> {
     fn ctx(self, what: impl FnOnce() -> String) -> Result<T> {
         self.map_err(|e| Error::input(format!("{}: {e}", what())))
+    }
+    fn usage_ctx(self, what: impl FnOnce() -> String) -> Result<T> {
+        self.map_err(|e| Error::usage(format!("{}: {e}", what())))
+    }
+    fn internal_ctx(self, what: impl FnOnce() -> String) -> Result<T> {
+        self.map_err(|e| Error::internal(format!("{}: {e}", what())))
     }
 }

@@ -12,7 +12,7 @@
 use std::io::Read;
 use std::path::Path;
 
-use crate::error::{Error, Result};
+use crate::error::{Context, Error, Result};
 
 /// FNV-1a 64-bit hash of a string (Fowler, Noll, Vo; offset basis 0xcbf29ce484222325, prime
 /// 0x100000001b3), used to derive per-item seeds and stable tags. Not a cryptographic hash.
@@ -29,9 +29,9 @@ pub fn fnv1a(s: &str) -> u64 {
 /// rename fails.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let tmp = tempfile::NamedTempFile::new_in(dir).map_err(|e| Error::usage(format!("{}: {e}", dir.display())))?;
-    std::fs::write(tmp.path(), bytes).map_err(|e| Error::usage(format!("{}: {e}", path.display())))?;
-    tmp.persist(path).map_err(|e| Error::usage(format!("{}: {e}", path.display())))?;
+    let tmp = tempfile::NamedTempFile::new_in(dir).usage_ctx(|| dir.display().to_string())?;
+    std::fs::write(tmp.path(), bytes).usage_ctx(|| path.display().to_string())?;
+    tmp.persist(path).usage_ctx(|| path.display().to_string())?;
     Ok(())
 }
 
@@ -226,7 +226,7 @@ pub fn open_regular(path: &Path, limit: &Limit) -> Result<std::fs::File> {
             limit.what
         ))
     };
-    let meta = std::fs::metadata(path).map_err(|e| Error::input(format!("{}: {e}", path.display())))?;
+    let meta = std::fs::metadata(path).ctx(|| path.display().to_string())?;
     if !meta.file_type().is_file() {
         return Err(refuse(meta.file_type()));
     }
@@ -234,8 +234,8 @@ pub fn open_regular(path: &Path, limit: &Limit) -> Result<std::fs::File> {
         .read(true)
         .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
         .open(path)
-        .map_err(|e| Error::input(format!("{}: {e}", path.display())))?;
-    let meta = f.metadata().map_err(|e| Error::input(format!("{}: {e}", path.display())))?;
+        .ctx(|| path.display().to_string())?;
+    let meta = f.metadata().ctx(|| path.display().to_string())?;
     if !meta.file_type().is_file() {
         return Err(refuse(meta.file_type()));
     }
@@ -262,7 +262,7 @@ pub fn read_open_bounded(mut f: std::fs::File, path: &Path, limit: &Limit) -> Re
         return Err(too_big(len));
     }
     let mut buf = Vec::with_capacity(len as usize);
-    (&mut f).take(limit.max + 1).read_to_end(&mut buf).map_err(|e| Error::input(format!("{}: {e}", path.display())))?;
+    (&mut f).take(limit.max + 1).read_to_end(&mut buf).ctx(|| path.display().to_string())?;
     if buf.len() as u64 > limit.max {
         return Err(too_big(buf.len() as u64));
     }

@@ -27,7 +27,7 @@ use std::path::Path;
 pub use family::*;
 pub use types::*;
 
-use base::error::{Error, Result};
+use base::error::{Context, Error, Result};
 
 /// The shipped files, embedded at build time by build.rs.
 pub mod embedded {
@@ -665,7 +665,7 @@ pub fn read_dir_files(dir: &Path) -> Result<Vec<(String, String)>> {
     }
     let mut files = Vec::new();
     for entry in walkdir::WalkDir::new(dir).follow_links(false).sort_by_file_name() {
-        let entry = entry.map_err(|e| Error::input(format!("walking {}: {e}", dir.display())))?;
+        let entry = entry.ctx(|| format!("walking {}", dir.display()))?;
         let path = entry.path();
         let rel = path.strip_prefix(dir).unwrap_or(path);
         if !entry.file_type().is_file()

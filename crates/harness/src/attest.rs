@@ -30,7 +30,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use base::beneath::{Entry, Files};
-use base::error::{Error, Result};
+use base::error::{Context, Error, Result};
 
 /// File name of the attestation in a run bundle.
 pub const ATTESTATION: &str = "attestation.json";
@@ -99,7 +99,7 @@ impl Attested {
     pub fn check_file(&self, dir: &dyn Files, name: &str) -> Result<()> {
         let mut f = dir.open(name, &base::util::MODEL_FILE)?;
         let mut h = Sha256::new();
-        std::io::copy(&mut f, &mut h).map_err(|e| Error::input(format!("{}: {e}", dir.show(name).display())))?;
+        std::io::copy(&mut f, &mut h).ctx(|| dir.show(name).display().to_string())?;
         self.matches(name, &hex(&h.finalize()))
     }
 
@@ -129,7 +129,7 @@ fn unhex<const N: usize>(text: &str, what: &str) -> Result<[u8; N]> {
     }
     let mut out = [0u8; N];
     for (i, o) in out.iter_mut().enumerate() {
-        *o = u8::from_str_radix(&text[2 * i..2 * i + 2], 16).map_err(|e| Error::usage(format!("{what}: {e}")))?;
+        *o = u8::from_str_radix(&text[2 * i..2 * i + 2], 16).usage_ctx(|| what.to_string())?;
     }
     Ok(out)
 }
@@ -143,7 +143,7 @@ fn unhex<const N: usize>(text: &str, what: &str) -> Result<[u8; N]> {
 pub fn keygen(dir: &Path) -> Result<(PathBuf, PathBuf, String)> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
-    std::fs::create_dir_all(dir).map_err(|e| Error::internal(format!("{}: {e}", dir.display())))?;
+    std::fs::create_dir_all(dir).internal_ctx(|| dir.display().to_string())?;
     let (secret, public) = (dir.join(SECRET_FILE), dir.join(PUBLIC_FILE));
     for p in [&secret, &public] {
         if p.symlink_metadata().is_ok() {
@@ -160,7 +160,7 @@ pub fn keygen(dir: &Path) -> Result<(PathBuf, PathBuf, String)> {
             .mode(mode)
             .open(path)
             .and_then(|mut f| f.write_all(text.as_bytes()))
-            .map_err(|e| Error::internal(format!("{}: {e}", path.display())))
+            .internal_ctx(|| path.display().to_string())
     };
     write(&secret, &format!("{}\n", hex(&seed)), 0o600)?;
     write(&public, &format!("{public_hex}\n"), 0o644)?;
@@ -174,7 +174,7 @@ pub fn keygen(dir: &Path) -> Result<(PathBuf, PathBuf, String)> {
 /// 64 hex digits.
 pub fn read_secret(path: &Path) -> Result<SigningKey> {
     use std::os::unix::fs::PermissionsExt;
-    let meta = std::fs::metadata(path).map_err(|e| Error::usage(format!("runner key {}: {e}", path.display())))?;
+    let meta = std::fs::metadata(path).usage_ctx(|| format!("runner key {}", path.display()))?;
     if meta.permissions().mode() & 0o077 != 0 {
         return Err(Error::usage(format!(
             "runner key {} is readable by others (mode {:o}); chmod 600 it",
@@ -199,7 +199,7 @@ pub fn read_public(text_or_file: &str) -> Result<String> {
         text_or_file.to_string()
     };
     let bytes = unhex::<32>(&text, "runner public key")?;
-    VerifyingKey::from_bytes(&bytes).map_err(|e| Error::usage(format!("runner public key: {e}")))?;
+    VerifyingKey::from_bytes(&bytes).usage_ctx(|| "runner public key".to_owned())?;
     Ok(hex(&bytes))
 }
 
@@ -219,13 +219,13 @@ pub fn sign(dir: &Path, nonce: &str, key: &SigningKey) -> Result<Attestation> {
         files.insert(name.clone(), super::bundle::file_hash(&dir.join(&name))?);
     }
     let content = Signed { format: FORMAT, nonce: nonce.to_string(), files, signed: ledger::now_rfc3339() };
-    let bytes = serde_json::to_vec(&content).map_err(|e| Error::internal(format!("attestation: {e}")))?;
+    let bytes = serde_json::to_vec(&content).internal_ctx(|| "attestation".to_owned())?;
     let attestation = Attestation {
         content,
         runner: hex(key.verifying_key().as_bytes()),
         signature: hex(&key.sign(&bytes).to_bytes()),
     };
-    let text = serde_json::to_vec_pretty(&attestation).map_err(|e| Error::internal(format!("attestation: {e}")))?;
+    let text = serde_json::to_vec_pretty(&attestation).internal_ctx(|| "attestation".to_owned())?;
     base::util::write_atomic(&dir.join(ATTESTATION), &text)?;
     Ok(attestation)
 }

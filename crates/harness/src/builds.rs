@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use sha2::{Digest, Sha256};
 
 use super::{Budget, Diagnostic, Engine, Exit, Grants, Run, Workshop, parse_messages, run};
-use base::error::{Error, Result};
+use base::error::{Context, Error, Result};
 
 /// `cargo` as the server runs it: `$CARGO` or `cargo` on PATH, started in `cwd` (a server-owned
 /// directory, so that no `.cargo/config.toml` an agent wrote above the engine or in the server's
@@ -36,8 +36,7 @@ pub struct Build {
 impl Workshop {
     /// The directory cargo runs in: the cache root, created if needed (see [`cargo`]).
     pub(super) fn cargo_cwd(&self) -> Result<PathBuf> {
-        std::fs::create_dir_all(&self.root)
-            .map_err(|e| Error::internal(format!("cannot create {}: {e}", self.root.display())))?;
+        std::fs::create_dir_all(&self.root).internal_ctx(|| format!("cannot create {}", self.root.display()))?;
         Ok(self.root.clone())
     }
 
@@ -141,8 +140,7 @@ impl Workshop {
         }
         let scratch = self.scratch()?;
         let target = if incremental { self.incremental_target_dir() } else { self.target_dir() };
-        std::fs::create_dir_all(&target)
-            .map_err(|e| Error::internal(format!("cannot create {}: {e}", target.display())))?;
+        std::fs::create_dir_all(&target).internal_ctx(|| format!("cannot create {}", target.display()))?;
         let mut grants = Grants::default().write(&target).write(scratch.path());
         grants.tmp = Some(scratch.path().to_path_buf());
         grants.read.push(manifest.parent().unwrap_or(Path::new("/")).to_path_buf());
@@ -210,7 +208,7 @@ impl Workshop {
         if let Some(exe) = build.executable.take().filter(|_| build.ok) {
             let copy = dest.join(exe.file_name().unwrap_or(std::ffi::OsStr::new("engine")));
             std::fs::copy(&exe, &copy)
-                .map_err(|e| Error::internal(format!("cannot copy {} to {}: {e}", exe.display(), copy.display())))?;
+                .internal_ctx(|| format!("cannot copy {} to {}", exe.display(), copy.display()))?;
             build.executable = Some(copy);
         }
         Ok(build)
@@ -248,7 +246,7 @@ pub fn dependency_graph(workshop: &Workshop, engine: &Engine, budget: &Budget) -
         return Err(Error::usage(format!("cargo cannot resolve the engine's dependencies: {}", r.failure_text(2000))));
     }
     let meta: cargo_metadata::Metadata =
-        serde_json::from_str(&r.stdout).map_err(|e| Error::internal(format!("cargo metadata output: {e}")))?;
+        serde_json::from_str(&r.stdout).internal_ctx(|| "cargo metadata output".to_owned())?;
     let root = meta.root_package().map(|p| p.id.clone());
     Ok(meta
         .packages

@@ -63,7 +63,7 @@ use sha2::{Digest, Sha256};
 use super::protocol;
 use super::{Budget, Exit, Run};
 use base::beneath::{Dir, Entry, Files};
-use base::error::{Error, Result};
+use base::error::{Context, Error, Result};
 
 /// Version of the bundle layout (2: a nonce, mixed into every output file's name and signed by
 /// the runner's attestation).
@@ -220,9 +220,9 @@ pub fn run_file(i: usize) -> String {
 /// # Errors
 /// When it cannot be read.
 pub fn file_hash(path: &Path) -> Result<String> {
-    let mut f = std::fs::File::open(path).map_err(|e| Error::input(format!("{}: {e}", path.display())))?;
+    let mut f = std::fs::File::open(path).ctx(|| path.display().to_string())?;
     let mut h = Sha256::new();
-    std::io::copy(&mut f, &mut h).map_err(|e| Error::input(format!("{}: {e}", path.display())))?;
+    std::io::copy(&mut f, &mut h).ctx(|| path.display().to_string())?;
     Ok(format!("{:x}", h.finalize()))
 }
 
@@ -247,7 +247,7 @@ pub fn model_hash(dir: &dyn Files) -> Result<String> {
     for name in model_files(dir) {
         let mut f = dir.open(&name, &base::util::MODEL_FILE)?;
         let mut fh = Sha256::new();
-        std::io::copy(&mut f, &mut fh).map_err(|e| Error::input(format!("{}: {e}", dir.show(&name).display())))?;
+        std::io::copy(&mut f, &mut fh).ctx(|| dir.show(&name).display().to_string())?;
         h.update((name.len() as u64).to_le_bytes());
         h.update(name.as_bytes());
         h.update(format!("{:x}", fh.finalize()).as_bytes());
@@ -279,8 +279,7 @@ pub fn copy_model(from: &dyn Files, into: &Dir, to: &str) -> Result<()> {
         let mut f = from.open(&name, &base::util::MODEL_FILE)?;
         let dest = Path::new(to).join(&name);
         let mut out = into.create_new_file(&dest)?;
-        std::io::copy(&mut f, &mut out)
-            .map_err(|e| Error::internal(format!("copying {}: {e}", from.show(&name).display())))?;
+        std::io::copy(&mut f, &mut out).internal_ctx(|| format!("copying {}", from.show(&name).display()))?;
     }
     Ok(())
 }
@@ -327,7 +326,7 @@ pub fn read_request(dir: &dyn Files, i: usize) -> Result<protocol::Request> {
     let bytes = dir
         .read(&request_file(i), &base::util::HARNESS_REPLY)
         .map_err(|e| Error::usage(format!("{}; the bundle is incomplete, write it again", e.message)))?;
-    serde_json::from_slice(&bytes).map_err(|e| Error::usage(format!("{}: not a harness request: {e}", path.display())))
+    serde_json::from_slice(&bytes).usage_ctx(|| format!("{}: not a harness request", path.display()))
 }
 
 /// Refuse a bundle directory holding a symbolic link (other than the `model` link `bundle run
@@ -380,8 +379,8 @@ pub fn read_manifest(dir: &dyn Files) -> Result<BundleManifest> {
             e.message
         ))
     })?;
-    let m: BundleManifest = serde_json::from_slice(&bytes)
-        .map_err(|e| Error::usage(format!("{}: not a bundle manifest: {e}", path.display())))?;
+    let m: BundleManifest =
+        serde_json::from_slice(&bytes).usage_ctx(|| format!("{}: not a bundle manifest", path.display()))?;
     if m.format != FORMAT || m.protocol != protocol::VERSION {
         return Err(Error::usage(format!(
             "{}: bundle format {} / protocol {}, this metainfer reads format {FORMAT} / protocol {}; write the bundle again",
@@ -415,7 +414,7 @@ pub struct Ran {
 /// [`base::error::ErrorKind::Usage`] for a malformed bundle, a swapped harness, a missing or
 /// different model; Internal when a process cannot be started.
 pub fn run(dir: &Path, model: Option<&Path>, key: Option<&ed25519_dalek::SigningKey>, budget: &Budget) -> Result<Ran> {
-    let dir = dir.canonicalize().map_err(|e| Error::usage(format!("bundle {}: {e}", dir.display())))?;
+    let dir = dir.canonicalize().usage_ctx(|| format!("bundle {}", dir.display()))?;
     check_no_links(&dir)?;
     let manifest = read_manifest(&dir)?;
     if manifest.requests.is_empty() {
@@ -436,8 +435,7 @@ pub fn run(dir: &Path, model: Option<&Path>, key: Option<&ed25519_dalek::Signing
         match (m.copied, model) {
             (true, _) => {}
             (false, Some(given)) => {
-                let given =
-                    given.canonicalize().map_err(|e| Error::usage(format!("model {}: {e}", given.display())))?;
+                let given = given.canonicalize().usage_ctx(|| format!("model {}", given.display()))?;
                 let h = model_hash(&given)?;
                 if h != m.sha256 {
                     return Err(Error::usage(format!(
@@ -448,8 +446,7 @@ pub fn run(dir: &Path, model: Option<&Path>, key: Option<&ed25519_dalek::Signing
                     )));
                 }
                 let _ = std::fs::remove_file(&link);
-                std::os::unix::fs::symlink(&given, &link)
-                    .map_err(|e| Error::internal(format!("linking {}: {e}", link.display())))?;
+                std::os::unix::fs::symlink(&given, &link).internal_ctx(|| format!("linking {}", link.display()))?;
             }
             (false, None) if link.exists() && model_hash(&link)? == m.sha256 => {}
             (false, None) => {
@@ -485,7 +482,7 @@ pub fn run(dir: &Path, model: Option<&Path>, key: Option<&ed25519_dalek::Signing
         }
         let ran = super::run(cmd, budget)?;
         let record = RunRecord::of(&ran);
-        let text = serde_json::to_vec_pretty(&record).map_err(|e| Error::internal(format!("run record: {e}")))?;
+        let text = serde_json::to_vec_pretty(&record).internal_ctx(|| "run record".to_owned())?;
         base::util::write_atomic(&dir.join(run_file(i)), &text)?;
         runs.push(record);
         if !ran.ok() {
@@ -525,7 +522,7 @@ pub fn called(dir: &dyn Files, i: usize, attested: Option<&super::attest::Attest
         a.check(&run_file(i), &record)?;
     }
     let record: RunRecord = serde_json::from_slice(&record)
-        .map_err(|e| Error::usage(format!("{}: unreadable run record: {e}", dir.show(&run_file(i)).display())))?;
+        .usage_ctx(|| format!("{}: unreadable run record", dir.show(&run_file(i)).display()))?;
     let reply = match dir.read(&reply_file(i), &base::util::HARNESS_REPLY) {
         Ok(bytes) if attested.is_some_and(|a| a.check(&reply_file(i), &bytes).is_err()) => {
             Err(format!("{} changed after the runner signed the run", reply_file(i)))

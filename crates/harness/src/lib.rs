@@ -32,7 +32,7 @@ mod templating;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use base::error::{Error, Result};
+use base::error::{Context, Error, Result};
 
 pub use builds::{Build, dependency_graph};
 pub use diagnostics::{Diagnostic, parse_messages};
@@ -127,8 +127,8 @@ impl Workshop {
         let reply_path = dir.join("reply.json");
         let _ = std::fs::remove_file(&reply_path);
         let req = protocol::Request { version: protocol::VERSION, reply: reply_path.clone(), command };
-        let text = serde_json::to_vec(&req).map_err(|e| Error::internal(format!("harness request: {e}")))?;
-        std::fs::write(&request, text).map_err(|e| Error::internal(format!("{}: {e}", request.display())))?;
+        let text = serde_json::to_vec(&req).internal_ctx(|| "harness request".to_owned())?;
+        std::fs::write(&request, text).internal_ctx(|| request.display().to_string())?;
         let mut cmd = duct::cmd(exe, [request.as_os_str()]);
         for (k, v) in env {
             cmd = cmd.env(k, v);
@@ -150,8 +150,8 @@ impl Workshop {
     /// When the cache is not writable.
     pub fn scratch(&self) -> Result<tempfile::TempDir> {
         let dir = self.root.join("scratch");
-        std::fs::create_dir_all(&dir).map_err(|e| Error::internal(format!("cannot create {}: {e}", dir.display())))?;
-        tempfile::tempdir_in(&dir).map_err(|e| Error::internal(format!("cannot create scratch dir: {e}")))
+        std::fs::create_dir_all(&dir).internal_ctx(|| format!("cannot create {}", dir.display()))?;
+        tempfile::tempdir_in(&dir).internal_ctx(|| "cannot create scratch dir".to_owned())
     }
 }
 

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use super::{Grants, Workshop, protocol, sandbox};
-use base::error::{Error, Result};
+use base::error::{Context, Error, Result};
 
 /// Whether the call running on this thread was cancelled by its client (set by
 /// [`Budget::scope`]); outcomes recorded then carry the status `cancelled`.
@@ -115,7 +115,7 @@ pub const MAX_OUTPUT_BYTES: u64 = 64 << 20;
 /// [`base::error::ErrorKind::Internal`] when the program cannot be started.
 pub fn run(expr: duct::Expression, budget: &Budget) -> Result<Run> {
     let start = Instant::now();
-    let dir = tempfile::tempdir().map_err(|e| Error::internal(format!("temporary output directory: {e}")))?;
+    let dir = tempfile::tempdir().internal_ctx(|| "temporary output directory".to_owned())?;
     let (out_path, err_path) = (dir.path().join("stdout"), dir.path().join("stderr"));
     let expr = expr
         .before_spawn(|cmd| {
@@ -137,7 +137,7 @@ pub fn run(expr: duct::Expression, budget: &Budget) -> Result<Run> {
         if SHUTTING_DOWN.load(Ordering::SeqCst) {
             return Err(Error::internal("the server is shutting down; no process is started"));
         }
-        let handle = expr.start().map_err(|e| Error::internal(format!("cannot start {expr:?}: {e}")))?;
+        let handle = expr.start().internal_ctx(|| format!("cannot start {expr:?}"))?;
         live.extend(handle.pids().into_iter().map(|p| p as i32));
         handle
     };
@@ -327,7 +327,7 @@ pub fn shutdown(grace: Duration) -> usize {
 pub fn exit_on_signals() -> Result<()> {
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
     let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP])
-        .map_err(|e| Error::internal(format!("cannot install signal handlers: {e}")))?;
+        .internal_ctx(|| "cannot install signal handlers".to_owned())?;
     std::thread::Builder::new()
         .name("signals".into())
         .spawn(move || {
@@ -338,7 +338,7 @@ pub fn exit_on_signals() -> Result<()> {
                 std::process::exit(128 + sig);
             }
         })
-        .map_err(|e| Error::internal(format!("cannot start the signal thread: {e}")))?;
+        .internal_ctx(|| "cannot start the signal thread".to_owned())?;
     Ok(())
 }
 
@@ -487,9 +487,9 @@ impl Drop for ServerProcess {
 /// # Errors
 /// When no socket can be bound.
 pub fn free_loopback_port() -> Result<u16> {
-    let l = std::net::TcpListener::bind(("127.0.0.1", 0))
-        .map_err(|e| Error::internal(format!("cannot find a free loopback port: {e}")))?;
-    l.local_addr().map(|a| a.port()).map_err(|e| Error::internal(format!("cannot find a free loopback port: {e}")))
+    let l =
+        std::net::TcpListener::bind(("127.0.0.1", 0)).internal_ctx(|| "cannot find a free loopback port".to_owned())?;
+    l.local_addr().map(|a| a.port()).internal_ctx(|| "cannot find a free loopback port".to_owned())
 }
 
 impl Workshop {
@@ -528,7 +528,7 @@ impl Workshop {
             if SHUTTING_DOWN.load(Ordering::SeqCst) {
                 return Err(Error::internal("the server is shutting down; no process is started"));
             }
-            let handle = expr.start().map_err(|e| Error::internal(format!("cannot start {}: {e}", exe.display())))?;
+            let handle = expr.start().internal_ctx(|| format!("cannot start {}", exe.display()))?;
             live.extend(handle.pids().into_iter().map(|p| p as i32));
             handle
         };

@@ -472,7 +472,7 @@ mod linux {
     };
 
     use super::{Grants, Toolchain};
-    use base::error::{Error, Result};
+    use base::error::{Context, Error, Result};
 
     /// Build the Landlock ruleset of one process in the parent.
     pub(super) fn ruleset(grants: &Grants, tc: &Toolchain) -> Result<OwnedFd> {
@@ -674,7 +674,7 @@ mod linux {
     /// Built in the parent.
     pub(super) fn scope_ruleset() -> Result<OwnedFd> {
         let fail = |e: landlock::RulesetError| Error::internal(format!("Landlock scope ruleset: {e}"));
-        let root = PathFd::new("/").map_err(|e| Error::internal(format!("Landlock scope ruleset: /: {e}")))?;
+        let root = PathFd::new("/").internal_ctx(|| "Landlock scope ruleset: /".to_owned())?;
         let created = Ruleset::default()
             .handle_access(AccessFs::Refer)
             .map_err(fail)?

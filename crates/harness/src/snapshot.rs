@@ -8,7 +8,7 @@ use sha2::{Digest, Sha256};
 use super::builds::cargo;
 use super::{Budget, Grants, Workshop};
 use base::beneath::Dir;
-use base::error::{Error, Result};
+use base::error::{Context, Error, Result};
 
 /// What the server knows about an engine crate.
 #[derive(Debug, Clone)]
@@ -227,7 +227,7 @@ impl Workshop {
             )));
         }
         let meta: cargo_metadata::Metadata =
-            serde_json::from_str(&r.stdout).map_err(|e| Error::internal(format!("cargo metadata output: {e}")))?;
+            serde_json::from_str(&r.stdout).internal_ctx(|| "cargo metadata output".to_owned())?;
         let pkg = meta.packages.iter().find(|p| p.manifest_path.as_std_path() == manifest).ok_or_else(|| {
             Error::usage(format!("{}: no package found (is it a virtual workspace?)", shown.display()))
         })?;

@@ -19,7 +19,7 @@ use std::path::PathBuf;
 use sha2::{Digest, Sha256};
 
 use super::{Budget, Build, Engine, Workshop};
-use base::error::{Error, Result};
+use base::error::{Context, Result};
 
 /// The harness source, rewritten before every build so that it cannot drift from the server's copy.
 pub const HARNESS_MAIN: &str = include_str!("template/main.rs");
@@ -160,8 +160,7 @@ impl Workshop {
         }
         let key = format!("{:x}", h.finalize());
         let dir = self.root.join("harness").join(&key[..16]);
-        std::fs::create_dir_all(dir.join("src"))
-            .map_err(|e| Error::internal(format!("cannot create {}: {e}", dir.display())))?;
+        std::fs::create_dir_all(dir.join("src")).internal_ctx(|| format!("cannot create {}", dir.display()))?;
         // A CUDA harness names cudarc's types and probes the driver itself; Cargo unifies this
         // requirement with the engine's cudarc (its version feature and dynamic loading).
         let cudarc = if spec.cuda() {
@@ -185,7 +184,7 @@ impl Workshop {
             if std::fs::read(&p).is_ok_and(|old| old == s.as_bytes()) {
                 return Ok(());
             }
-            std::fs::write(&p, s).map_err(|e| Error::internal(format!("cannot write {}: {e}", p.display())))
+            std::fs::write(&p, s).internal_ctx(|| format!("cannot write {}", p.display()))
         };
         write(dir.join("Cargo.toml"), &manifest)?;
         write(dir.join("src/main.rs"), &harness_source_with(&spec.arms, &spec.items, spec.serving))?;

@@ -25,7 +25,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use sha2::Sha256;
 
-use base::error::{Error, Result};
+use base::error::{Context, Error, Result};
 
 /// Schema version this build writes.
 pub const SCHEMA_VERSION: i64 = 7;
@@ -137,11 +137,11 @@ fn load_or_create_key(ledger: &Path) -> Result<[u8; 32]> {
         let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
         // NamedTempFile creates the file with mode 0600.
         let tmp = tempfile::NamedTempFile::new_in(dir)
-            .map_err(|e| Error::input(format!("cannot create the ledger key in {}: {e}", dir.display())))?;
+            .ctx(|| format!("cannot create the ledger key in {}", dir.display()))?;
         let mut key = [0u8; 32];
         rand::RngCore::fill_bytes(&mut rand::rng(), &mut key);
         std::fs::write(tmp.path(), hex(&key) + "\n")
-            .map_err(|e| Error::input(format!("cannot write the ledger key {}: {e}", tmp.path().display())))?;
+            .ctx(|| format!("cannot write the ledger key {}", tmp.path().display()))?;
         match tmp.persist_noclobber(&path) {
             Ok(_) => {}
             Err(e) if e.error.kind() == std::io::ErrorKind::AlreadyExists => {}
@@ -151,7 +151,7 @@ fn load_or_create_key(ledger: &Path) -> Result<[u8; 32]> {
         }
     }
     let bytes = base::util::read_regular(&path, &base::util::LEDGER_KEY)?;
-    let meta = std::fs::symlink_metadata(&path).map_err(|e| Error::input(format!("{}: {e}", path.display())))?;
+    let meta = std::fs::symlink_metadata(&path).ctx(|| path.display().to_string())?;
     if meta.permissions().mode() & 0o077 != 0 {
         return Err(Error::input(format!(
             "ledger key {} is readable or writable by other users (mode {:o}); run `chmod 600 {}`",
@@ -256,8 +256,7 @@ impl Ledger {
     /// When the file cannot be opened, is not a SQLite database, or has a newer schema version.
     pub fn open(path: &Path) -> Result<Ledger> {
         if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir)
-                .map_err(|e| Error::input(format!("cannot create ledger directory {}: {e}", dir.display())))?;
+            std::fs::create_dir_all(dir).ctx(|| format!("cannot create ledger directory {}", dir.display()))?;
         }
         let fail = |e: rusqlite::Error| Error::input(format!("ledger {}: {e}", path.display()));
         let conn = Connection::open(path).map_err(fail)?;
@@ -406,7 +405,7 @@ impl Ledger {
                 "INSERT OR REPLACE INTO runners (name, public_key, added, mac) VALUES (?1, ?2, ?3, ?4)",
                 params![name, public_key, added, mac],
             )
-            .map_err(|e| Error::internal(format!("ledger {}: {e}", self.path.display())))?;
+            .internal_ctx(|| format!("ledger {}", self.path.display()))?;
         Ok(())
     }
 
@@ -445,7 +444,7 @@ impl Ledger {
                 params![fingerprint, now_rfc3339(), probe.to_string()],
             )
             .map(|_| ())
-            .map_err(|e| Error::internal(format!("ledger {}: {e}", self.path.display())))
+            .internal_ctx(|| format!("ledger {}", self.path.display()))
     }
 
     /// The cached machine probe of a fingerprint, if any.
@@ -459,7 +458,7 @@ impl Ledger {
             })
             .optional()
             .map(|o| o.and_then(|s| serde_json::from_str(&s).ok()))
-            .map_err(|e| Error::internal(format!("ledger {}: {e}", self.path.display())))
+            .internal_ctx(|| format!("ledger {}", self.path.display()))
     }
 
     /// Store the fingerprints of a reference tree under `name` (replacing an earlier registration of
@@ -523,7 +522,7 @@ impl Ledger {
     pub fn record(&self, o: &Outcome) -> Result<()> {
         insert(&self.conn, o, Some(&self.key))
             .map(|_| ())
-            .map_err(|e| Error::internal(format!("ledger {}: cannot record outcome: {e}", self.path.display())))
+            .internal_ctx(|| format!("ledger {}: cannot record outcome", self.path.display()))
     }
 
     /// The newest `limit` outcomes after skipping `offset`, newest first.
@@ -584,7 +583,7 @@ impl Ledger {
                 |r| r.get::<_, i64>(0),
             )
             .map(|n| n as usize)
-            .map_err(|e| Error::internal(format!("ledger {}: {e}", self.path.display())))
+            .internal_ctx(|| format!("ledger {}", self.path.display()))
     }
 
     /// An outcome from a row selected as [`ROW_COLUMNS`], with `authenticated` checked.
@@ -632,7 +631,7 @@ impl Ledger {
         self.conn
             .query_row("SELECT COUNT(*) FROM outcomes", [], |r| r.get::<_, i64>(0))
             .map(|n| n as usize)
-            .map_err(|e| Error::internal(format!("ledger {}: {e}", self.path.display())))
+            .internal_ctx(|| format!("ledger {}", self.path.display()))
     }
 
     /// Whether `tool` last passed on exactly this engine source hash built for weight dtype `dtype`

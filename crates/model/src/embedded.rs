@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
 
-use base::error::{Error, Result};
+use base::error::{Context, Result};
 
 mod data {
     include!(concat!(env!("OUT_DIR"), "/embedded_data.rs"));
@@ -56,7 +56,7 @@ fn write_files(dir: &Path, files: impl Iterator<Item = (String, Vec<u8>)>) -> Re
             continue;
         }
         let parent = p.parent().expect("a joined file has a parent");
-        std::fs::create_dir_all(parent).map_err(|e| Error::internal(format!("{}: {e}", parent.display())))?;
+        std::fs::create_dir_all(parent).internal_ctx(|| parent.display().to_string())?;
         base::util::write_atomic(&p, &bytes)?;
     }
     Ok(())
@@ -133,7 +133,7 @@ pub fn write_shipped_vectors(root: &Path) -> Result<Vec<PathBuf>> {
                     let mut out = Vec::new();
                     flate2::read::GzDecoder::new(*bytes)
                         .read_to_end(&mut out)
-                        .map_err(|e| Error::internal(format!("embedded {rel}: {e}")))?;
+                        .internal_ctx(|| format!("embedded {rel}"))?;
                     files.push((plain.to_string(), out));
                 }
                 None => files.push((name.to_string(), bytes.to_vec())),

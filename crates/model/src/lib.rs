@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 pub use base::beneath::Files;
-use base::error::{Error, Result};
+use base::error::{Context, Error, Result};
 use ckb::{Ckb, Contract, ModelFamily};
 
 pub mod embedded;
@@ -760,9 +760,7 @@ pub fn hf_tokenizer_from(path: &Path, bytes: &[u8]) -> Result<tokenizers::Tokeni
 /// # Errors
 /// When the tokenizer fails on the text.
 pub fn hf_encode(tok: &tokenizers::Tokenizer, text: &str) -> Result<Vec<u32>> {
-    tok.encode(text, true)
-        .map(|e| e.get_ids().to_vec())
-        .map_err(|e| Error::input(format!("tokenizer failed on {text:?}: {e}")))
+    tok.encode(text, true).map(|e| e.get_ids().to_vec()).ctx(|| format!("tokenizer failed on {text:?}"))
 }
 
 /// Encode like `tokenizer(text, add_special_tokens=False)`: no template tokens (how the real
@@ -771,9 +769,7 @@ pub fn hf_encode(tok: &tokenizers::Tokenizer, text: &str) -> Result<Vec<u32>> {
 /// # Errors
 /// When the tokenizer fails on the text.
 pub fn hf_encode_plain(tok: &tokenizers::Tokenizer, text: &str) -> Result<Vec<u32>> {
-    tok.encode(text, false)
-        .map(|e| e.get_ids().to_vec())
-        .map_err(|e| Error::input(format!("tokenizer failed on {text:?}: {e}")))
+    tok.encode(text, false).map(|e| e.get_ids().to_vec()).ctx(|| format!("tokenizer failed on {text:?}"))
 }
 
 /// Decode with special tokens skipped.
@@ -781,5 +777,5 @@ pub fn hf_encode_plain(tok: &tokenizers::Tokenizer, text: &str) -> Result<Vec<u3
 /// # Errors
 /// When an id is outside the vocabulary.
 pub fn hf_decode(tok: &tokenizers::Tokenizer, ids: &[u32]) -> Result<String> {
-    tok.decode(ids, true).map_err(|e| Error::input(format!("tokenizer cannot decode {ids:?}: {e}")))
+    tok.decode(ids, true).ctx(|| format!("tokenizer cannot decode {ids:?}"))
 }

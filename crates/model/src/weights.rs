@@ -16,7 +16,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::{Files, Tensors};
-use base::error::{Error, Result};
+use base::error::{Context, Error, Result};
 
 /// The single-file weights of a checkpoint.
 pub const SINGLE_FILE: &str = "model.safetensors";
@@ -208,7 +208,7 @@ fn read_header(dir: &(impl Files + ?Sized), name: &str) -> Result<BTreeMap<Strin
         Error::input(format!("{}: not a valid safetensors file ({why}); is it truncated or corrupt?", path.display()))
     };
     let file = dir.open(name, &base::util::SAFETENSORS_FILE)?;
-    let len = file.metadata().map_err(|e| Error::input(format!("{}: {e}", path.display())))?.len();
+    let len = file.metadata().ctx(|| path.display().to_string())?.len();
     let mut n = [0u8; 8];
     file.read_exact_at(&mut n, 0).map_err(|_| corrupt("shorter than its 8-byte header length".into()))?;
     let n = u64::from_le_bytes(n);

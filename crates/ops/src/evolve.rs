@@ -44,7 +44,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{Ctx, Report};
 use base::beneath::Dir;
-use base::error::{Error, Result};
+use base::error::{Context, Error, Result};
 use ckb::{Ckb, Contract, Kind};
 use ledger::figures::Figures;
 use ledger::{Ledger, Outcome};
@@ -265,7 +265,7 @@ fn real_dir(root: &Path, sub: &str) -> Result<Dir> {
                 if m.file_type().is_symlink() { "a symlink" } else { "a file" }
             )));
         }
-        std::fs::create_dir_all(d).map_err(|e| Error::usage(format!("cannot create {}: {e}", d.display())))?;
+        std::fs::create_dir_all(d).usage_ctx(|| format!("cannot create {}", d.display()))?;
     }
     let parent = Dir::open(root.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")))?;
     let name = root
@@ -279,7 +279,7 @@ fn real_dir(root: &Path, sub: &str) -> Result<Dir> {
 fn write_candidate(dir: &Path, rel: &str, c: &Contract) -> Result<PathBuf> {
     let (sub, file) = rel.split_once('/').expect("candidate files are <kind dir>/<name>.toml");
     let d = real_dir(dir, sub)?;
-    let text = toml::to_string_pretty(c).map_err(|e| Error::internal(format!("cannot render {}: {e}", c.id)))?;
+    let text = toml::to_string_pretty(c).internal_ctx(|| format!("cannot render {}", c.id))?;
     d.write_atomic(Path::new(file), text.as_bytes())?;
     Ok(d.show(Path::new(file)))
 }
@@ -408,8 +408,7 @@ pub fn propose(ctx: &Ctx, req: &ProposeRequest) -> Result<ProposeReport> {
     if !findings.is_empty() {
         return Ok(refused(id, version, findings));
     }
-    let contract: Contract =
-        toml::from_str(&req.toml).map_err(|e| Error::internal(format!("validated proposal: {e}")))?;
+    let contract: Contract = toml::from_str(&req.toml).internal_ctx(|| "validated proposal".to_owned())?;
     if let Some(message) = dry_run(&contract) {
         let f = ckb::Finding { file: "proposal".into(), field: "/model/graph".into(), message };
         return Ok(refused(id, version, vec![f]));
@@ -431,7 +430,7 @@ fn dry_run(contract: &Contract) -> Option<String> {
     let family = contract.model.as_ref()?;
     family.graph.as_ref()?;
     let run = || -> Result<Option<String>> {
-        let dir = tempfile::tempdir().map_err(|e| Error::internal(format!("dry run: temporary directory: {e}")))?;
+        let dir = tempfile::tempdir().internal_ctx(|| "dry run: temporary directory".to_owned())?;
         let out = dir.path().join("checkpoint");
         let req = crate::synth::SynthRequest {
             family: contract.id.clone(),
@@ -544,7 +543,7 @@ pub fn promote(ctx: &Ctx, id: &str, force: bool) -> Result<String> {
         .into_iter()
         .find(|(_, t)| toml::from_str::<Contract>(t).is_ok_and(|c| c.id == id))
         .ok_or_else(|| Error::usage(format!("no staged candidate `{id}` in {}", ctx.candidates_dir().display())))?;
-    let contract: Contract = toml::from_str(&text).map_err(|e| Error::input(format!("candidate {rel}: {e}")))?;
+    let contract: Contract = toml::from_str(&text).ctx(|| format!("candidate {rel}"))?;
     let tag = format!("{}@{}", contract.id, contract.version);
     let ledger = Ledger::open(&ctx.ledger)?;
     let evidence = ledger.list(0, ledger.count()?)?.into_iter().find(|o| is_evidence(o, &contract));

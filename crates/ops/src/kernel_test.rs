@@ -27,7 +27,7 @@ use serde::{Deserialize, Serialize};
 
 use super::gate::{Commands, Gate, Harness, Spec, Tool, Verdict as GateVerdict};
 use super::{Ctx, Report};
-use base::error::{Error, Result};
+use base::error::{Context, Error, Result};
 use ckb::{Contract, Kind, Tolerance};
 use harness::protocol::{Command, KernelCase, Reply};
 use harness::{Budget, Called};
@@ -181,11 +181,11 @@ fn input_bytes(c: &Case) -> Result<Vec<u8>> {
         .map(|(n, b, d, len)| {
             safetensors::tensor::TensorView::new(*d, vec![*len], b)
                 .map(|v| (n.clone(), v))
-                .map_err(|e| Error::internal(format!("input {n}: {e}")))
+                .internal_ctx(|| format!("input {n}"))
         })
         .collect::<Result<Vec<_>>>()?;
     let meta = if c.params.is_empty() { None } else { Some(c.params.clone().into_iter().collect()) };
-    safetensors::serialize(views, meta).map_err(|e| Error::internal(format!("inputs of {}: {e}", c.label)))
+    safetensors::serialize(views, meta).internal_ctx(|| format!("inputs of {}", c.label))
 }
 
 /// One case as run: the drawn inputs, and the engine's output words or why there are none.

@@ -48,7 +48,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use base::beneath::{Dir, HeldDir};
-use base::error::{Error, Result};
+use base::error::{Context, Error, Result};
 use ckb::Ckb;
 use harness::Workshop;
 use ledger::{Ledger, Outcome};
@@ -442,7 +442,7 @@ impl Ctx {
     pub fn confine_new(&self, path: &Path) -> Result<NewDir> {
         let full = match &self.workspace {
             Some(ws) => ws.join(path),
-            None => std::path::absolute(path).map_err(|e| Error::usage(format!("{}: {e}", path.display())))?,
+            None => std::path::absolute(path).usage_ctx(|| path.display().to_string())?,
         };
         let name = match full.components().next_back() {
             Some(std::path::Component::Normal(n)) => n.to_owned(),

@@ -7,7 +7,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::{Ctx, Report};
-use base::error::{Error, Result};
+use base::error::{Context, Error, Result};
 use ckb::{Contract, Phase};
 
 /// Which contracts: give one of `id`, `ids`, `phase` or `query`.
@@ -193,7 +193,7 @@ fn full(c: &Contract, staged: bool) -> Result<ContractFull> {
         summary: c.summary.clone(),
         failure_modes: c.failure_modes.clone(),
         requires: c.requires.clone(),
-        toml: toml::to_string_pretty(c).map_err(|e| Error::internal(format!("cannot render {}: {e}", c.id)))?,
+        toml: toml::to_string_pretty(c).internal_ctx(|| format!("cannot render {}", c.id))?,
         graph: c.model.as_ref().and_then(|m| m.graph.as_ref()).map(ckb::graph::render_graph),
         cut: 0,
         staged,

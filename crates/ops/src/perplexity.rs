@@ -27,7 +27,7 @@ use serde::{Deserialize, Serialize};
 
 use super::checkpoint::Checkpoint;
 use super::{Ctx, Report};
-use base::error::{Error, Result};
+use base::error::{Context, Error, Result};
 use oracle::llama::Reference;
 
 /// The ledger's tool name of this check.
@@ -186,7 +186,7 @@ pub fn check(ctx: &Ctx, req: &PerplexityRequest) -> Result<PerplexityReport> {
     let encoding = ck
         .tokenizer()?
         .encode(text.as_str(), true)
-        .map_err(|e| Error::input(format!("the tokenizer of {} cannot encode the text: {e}", ck.path().display())))?;
+        .ctx(|| format!("the tokenizer of {} cannot encode the text", ck.path().display()))?;
     let ids: Vec<u32> = encoding.get_ids().iter().copied().take(limit).collect();
     if ids.len() < MIN_TOKENS.min(limit) {
         return Err(Error::input(format!(

@@ -10,7 +10,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::{Ctx, Report};
-use base::error::{Error, Result};
+use base::error::{Context, Error, Result};
 use ckb::{Kind, Phase, SkippedFile};
 use model::tokenizer::TokenizerRoute;
 use model::{self, Files, Gap, GenerationConfig, ResolvedConfig};
@@ -711,7 +711,7 @@ pub fn constraints_toml(req: &PlanRequest, report: &PlanReport, level: super::Re
     let serving = match &req.serving {
         Some(s) => format!(
             "\n# Serving: several sequences per step over a paged KV cache, and an OpenAI-compatible server.\n[serving]\n{}",
-            toml::to_string(s).map_err(|e| Error::internal(format!("serving constraints: {e}")))?
+            toml::to_string(s).internal_ctx(|| "serving constraints".to_owned())?
         ),
         None => String::new(),
     };

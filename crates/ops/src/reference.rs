@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use super::Ctx;
-use base::error::{Error, Result};
+use base::error::{Context, Error, Result};
 use ledger::Ledger;
 
 /// A registered reference tree.
@@ -24,7 +24,7 @@ pub struct ReferenceSummary {
 /// # Errors
 /// A directory that does not exist or holds no source files, or a ledger failure.
 pub fn add(ctx: &Ctx, dir: &Path, name: Option<&str>) -> Result<ReferenceSummary> {
-    let dir = dir.canonicalize().map_err(|e| Error::usage(format!("{}: {e}", dir.display())))?;
+    let dir = dir.canonicalize().usage_ctx(|| dir.display().to_string())?;
     let name = name
         .map(str::to_owned)
         .unwrap_or_else(|| dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default());

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use super::Gate;
 use base::beneath::{Dir, Files};
-use base::error::{Error, Result};
+use base::error::{Context, Error, Result};
 use harness::protocol::{Command, Request, VERSION};
 use harness::{self, bundle};
 
@@ -191,7 +191,7 @@ impl Harness {
                     .create_new(true)
                     .open(&path)
                     .and_then(|mut f| f.write_all(bytes))
-                    .map_err(|e| Error::internal(format!("{}: {e}", path.display())))?;
+                    .internal_ctx(|| path.display().to_string())?;
             }
             Scratch::Staged(s) => s.dir.write_new(Path::new(name), bytes).map_err(|e| unpin(&s.dir, e))?,
             Scratch::Bundle(_) => return Err(Error::internal("nothing is written into a bundle being read back")),
@@ -206,8 +206,9 @@ impl Harness {
     /// Usage or Internal naming the directory.
     pub fn create_dir(&self, name: &str) -> Result<PathBuf> {
         match &self.scratch {
-            Scratch::Temp(_) => std::fs::create_dir(self.path(name))
-                .map_err(|e| Error::internal(format!("{}: {e}", self.path(name).display())))?,
+            Scratch::Temp(_) => {
+                std::fs::create_dir(self.path(name)).internal_ctx(|| self.path(name).display().to_string())?
+            }
             Scratch::Staged(s) => s.dir.create_dir(Path::new(name)).map_err(|e| unpin(&s.dir, e))?,
             Scratch::Bundle(_) => return Err(Error::internal("nothing is written into a bundle being read back")),
         }
@@ -335,8 +336,7 @@ impl<'a> Gate<'a> {
             use sha2::Digest;
             let mut f = dir.open(name, limit)?;
             let mut h = sha2::Sha256::new();
-            std::io::copy(&mut f, &mut h)
-                .map_err(|e| Error::internal(format!("{}: {e}", dir.show(Path::new(name)).display())))?;
+            std::io::copy(&mut f, &mut h).internal_ctx(|| dir.show(Path::new(name)).display().to_string())?;
             Ok(format!("{:x}", h.finalize()))
         };
         // Inputs first (everything the gate drew into the scratch directory), by file name.
@@ -351,12 +351,11 @@ impl<'a> Gate<'a> {
         // executable.
         {
             use std::os::unix::fs::PermissionsExt;
-            let mut from =
-                std::fs::File::open(&h.exe).map_err(|e| Error::internal(format!("{}: {e}", h.exe.display())))?;
+            let mut from = std::fs::File::open(&h.exe).internal_ctx(|| h.exe.display().to_string())?;
             let mut to = dir.create_new_file(Path::new(bundle::HARNESS)).map_err(unpinned)?;
             std::io::copy(&mut from, &mut to)
                 .and_then(|_| to.set_permissions(std::fs::Permissions::from_mode(0o755)))
-                .map_err(|e| Error::internal(format!("{}: {e}", dir.show(Path::new(bundle::HARNESS)).display())))?;
+                .internal_ctx(|| dir.show(Path::new(bundle::HARNESS)).display().to_string())?;
         }
         let model_entry = match model {
             Some(m) => {
@@ -376,7 +375,7 @@ impl<'a> Gate<'a> {
         for (i, (c, env)) in commands.into_iter().enumerate() {
             let command = bundle::relative(c, &root);
             let req = Request { version: VERSION, reply: bundle::reply_file(i).into(), command };
-            let text = serde_json::to_vec_pretty(&req).map_err(|e| Error::internal(format!("bundle request: {e}")))?;
+            let text = serde_json::to_vec_pretty(&req).internal_ctx(|| "bundle request".to_owned())?;
             dir.write_new(Path::new(&bundle::request_file(i)), &text).map_err(unpinned)?;
             requests.push(bundle::BundleRequest {
                 request: bundle::request_file(i),
@@ -400,8 +399,7 @@ impl<'a> Gate<'a> {
             model: model_entry.clone(),
             written: ledger::now_rfc3339(),
         };
-        let text =
-            serde_json::to_vec_pretty(&manifest).map_err(|e| Error::internal(format!("bundle manifest: {e}")))?;
+        let text = serde_json::to_vec_pretty(&manifest).internal_ctx(|| "bundle manifest".to_owned())?;
         dir.write_new(Path::new(bundle::MANIFEST), &text).map_err(unpinned)?;
         let bytes: u64 = walkdir::WalkDir::new(&root)
             .into_iter()

@@ -4,7 +4,7 @@
 use rand::{Rng, SeedableRng};
 use serde_json::json;
 
-use base::error::{Error, Result};
+use base::error::{Context, Error, Result};
 
 /// A BPE tokenizer.json in the layout of the BabyLlama checkpoint with exactly `vocab` entries, so
 /// that every token id a model of that vocabulary can produce decodes: `<unk>`, `<s>`, `</s>`, `▁`
@@ -230,10 +230,10 @@ pub fn synth_bytelevel_tokenizer(vocab: usize, style: &str, seed: u64) -> Result
         corpus.iter().map(String::as_str).zip(words.iter().map(|w| w.1)).collect();
     trainer
         .feed(corpus.iter(), |w| Ok(std::iter::repeat_n(w.to_string(), counts[w] as usize).collect()))
-        .map_err(|e| Error::internal(format!("byte-level BPE training: {e}")))?;
+        .internal_ctx(|| "byte-level BPE training".to_owned())?;
     let mut model = tokenizers::models::bpe::BPE::default();
-    trainer.train(&mut model).map_err(|e| Error::internal(format!("byte-level BPE training: {e}")))?;
-    let trained = serde_json::to_value(&model).map_err(|e| Error::internal(format!("trained model: {e}")))?;
+    trainer.train(&mut model).internal_ctx(|| "byte-level BPE training".to_owned())?;
+    let trained = serde_json::to_value(&model).internal_ctx(|| "trained model".to_owned())?;
     // Vocabulary in id order, and merges as pairs.
     let mut entries: Vec<(String, u64)> = trained["vocab"]
         .as_object()
@@ -283,7 +283,7 @@ pub fn synth_bytelevel_tokenizer(vocab: usize, style: &str, seed: u64) -> Result
         .enumerate()
         .map(|(i, c)| json!({"id": target + i, "content": c, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}))
         .collect();
-    let ckb = ckb::Ckb::embedded().map_err(|e| Error::internal(format!("built-in CKB: {e}")))?;
+    let ckb = ckb::Ckb::embedded().internal_ctx(|| "built-in CKB".to_owned())?;
     let regex = ckb
         .all()
         .filter_map(|c| c.tokenizer.as_ref())
@@ -328,8 +328,8 @@ pub fn synth_bytelevel_tokenizer(vocab: usize, style: &str, seed: u64) -> Result
         Error::internal(format!("the synthetic byte-level tokenizer does not load in HF tokenizers: {e}"))
     })?;
     let probe = "Once upon a time, 42 birds said “привет” 😀.\n";
-    let ids = check.encode(probe, false).map_err(|e| Error::internal(format!("synthetic tokenizer: {e}")))?;
-    let back = check.decode(ids.get_ids(), true).map_err(|e| Error::internal(format!("synthetic tokenizer: {e}")))?;
+    let ids = check.encode(probe, false).internal_ctx(|| "synthetic tokenizer".to_owned())?;
+    let back = check.decode(ids.get_ids(), true).internal_ctx(|| "synthetic tokenizer".to_owned())?;
     if back != probe {
         return Err(Error::internal(format!("the synthetic byte-level tokenizer decodes {probe:?} as {back:?}")));
     }

@@ -9,7 +9,7 @@ use serde_json::json;
 use super::tensors::{PlannedTensor, tensor_plan};
 use super::tokenizer::{bytelevel_style, synth_bytelevel_tokenizer, synth_tokenizer};
 use super::{MAX_BYTES, Storage, SynthReport, builtin_features};
-use base::error::{Error, Result};
+use base::error::{Context, Error, Result};
 
 /// Write `config` (possibly edited after [`synth_config`]), its tensors and a tokenizer into `out`,
 /// atomically: everything goes to a temporary directory beside `out`, which is then renamed.
@@ -97,7 +97,7 @@ pub(super) fn write_planned(
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
     };
-    std::fs::create_dir_all(&parent).map_err(|e| Error::input(format!("cannot create {}: {e}", parent.display())))?;
+    std::fs::create_dir_all(&parent).ctx(|| format!("cannot create {}", parent.display()))?;
     let io = |what: &Path, e: std::io::Error| Error::input(format!("cannot write {}: {e}", what.display()));
     // The parent resolved once: every later step goes through its handle (`/proc/self/fd/N`), so a
     // directory swapped for a symlink meanwhile cannot redirect the checkpoint.
@@ -213,8 +213,8 @@ fn write_weights(dir: &Path, plan: &[PlannedTensor], seed: u64, storage: &Storag
             offset += bytes;
             weight_map.insert(t.name.clone(), json!(name));
         }
-        let meta = safetensors::tensor::Metadata::new(None, infos)
-            .map_err(|e| Error::internal(format!("{}: header: {e}", path.display())))?;
+        let meta =
+            safetensors::tensor::Metadata::new(None, infos).internal_ctx(|| format!("{}: header", path.display()))?;
         let mut header = serde_json::to_vec(&meta).expect("a safetensors header serialises");
         header.resize(header.len().next_multiple_of(8), b' ');
         let io = |e: std::io::Error| Error::input(format!("cannot write {}: {e}", path.display()));
@@ -234,15 +234,15 @@ fn write_weights(dir: &Path, plan: &[PlannedTensor], seed: u64, storage: &Storag
             parameters += values.len();
             let off = (data_start + at[t.name.as_str()]) as u64;
             f.write_all_at(&stored_bytes(&values, &storage.dtype), off)
-                .map_err(|e| Error::input(format!("cannot write {}: {e}", dir.display())))?;
+                .ctx(|| format!("cannot write {}", dir.display()))?;
         }
-        f.sync_all().map_err(|e| Error::input(format!("cannot write {}: {e}", dir.display())))?;
+        f.sync_all().ctx(|| format!("cannot write {}", dir.display()))?;
     }
     if n > 1 {
         let index = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
         let path = dir.join(model::weights::INDEX_FILE);
         std::fs::write(&path, serde_json::to_string_pretty(&index).expect("json serialises"))
-            .map_err(|e| Error::input(format!("cannot write {}: {e}", path.display())))?;
+            .ctx(|| format!("cannot write {}", path.display()))?;
     }
     Ok(parameters)
 }
