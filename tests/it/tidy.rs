@@ -15,7 +15,8 @@
 //! list (`.ci/engine-tests`) names existing tests; code one example engine copies from another is
 //! identical to it ([`COPIES`]), and a module derived from another but deliberately different is
 //! declared with its reason ([`DERIVED`]); every invariant of ARCHITECTURE.md is (tidy) or names
-//! tests that exist; clap stays in the binary; the oracle and the example engines share no code.
+//! tests that exist; clap stays in the binary; the oracle and the example engines share no code; a
+//! foreign error gets its context through `error::Context`; no source file passes [`MAX_SOURCE_LINES`].
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -585,6 +586,19 @@ fn context_through_the_helper(files: &Files) -> Vec<String> {
     out
 }
 
+/// The most lines a source file of src/ or crates/ may have: a room one reads whole.
+const MAX_SOURCE_LINES: usize = 850;
+
+/// Rule: no source file is longer than [`MAX_SOURCE_LINES`]; split it by what its parts do.
+fn rooms_of_a_readable_size(files: &Files) -> Vec<String> {
+    own(files)
+        .filter(|(_, t)| t.lines().count() > MAX_SOURCE_LINES)
+        .map(|(p, t)| {
+            format!("{p}: {} lines (at most {MAX_SOURCE_LINES}); split it by what its parts do", t.lines().count())
+        })
+        .collect()
+}
+
 /// Rule: clap is the binary's (src/main.rs and src/cli/): no library module or crate names it.
 fn clap_only_in_the_binary(files: &Files) -> Vec<String> {
     own(files)
@@ -667,6 +681,7 @@ fn the_sources_keep_the_architecture() {
     problems.extend(invariants_name_tests(&architecture, &rust_files("tests")));
     problems.extend(clap_only_in_the_binary(&src));
     problems.extend(context_through_the_helper(&src));
+    problems.extend(rooms_of_a_readable_size(&src));
     let manifests: Files = ["llama-cpu-plain", "llama-cpu-simd", "llama-cuda-bf16"]
         .iter()
         .map(|e| {
@@ -820,6 +835,8 @@ fn each_rule_catches_a_planted_violation() {
     assert_eq!(clap_only_in_the_binary(&f("crates/ckb/src/lib.rs", "//! d\nuse clap::Parser;")).len(), 1);
     let by_hand = "//! d\nlet t = read(p).map_err(|e| Error::input(format!(\"{}: {e}\", p.display())))?;";
     assert_eq!(context_through_the_helper(&f("crates/ops/src/x.rs", by_hand)).len(), 1);
+    assert_eq!(rooms_of_a_readable_size(&f("src/x.rs", &"//! d\n".repeat(MAX_SOURCE_LINES + 1))).len(), 1);
+    assert!(rooms_of_a_readable_size(&f("src/x.rs", &"//! d\n".repeat(MAX_SOURCE_LINES))).is_empty());
     let elsewhere = "//! d\nlet t = parse(p).map_err(|e| Error::input(format!(\"{}: not JSON ({e})\", p.display())))?;";
     assert!(context_through_the_helper(&f("crates/ops/src/x.rs", elsewhere)).is_empty());
 
