@@ -18,9 +18,9 @@ pub(crate) fn kt(engine: &Path, seed: u64, write: Option<&Path>, read: Option<&P
         engine: s(engine),
         kernels: vec![],
         seed: Some(seed),
-        dtype: None,
         write_bundle: write.map(s),
         from_bundle: read.map(s),
+        ..Default::default()
     }
 }
 
@@ -139,9 +139,9 @@ fn a_bundle_run_elsewhere_gives_the_direct_verdict() {
         prompts: vec![],
         max_new_tokens: Some(8),
         seed: Some(7),
-        dtype: None,
         write_bundle: write.map(s),
         from_bundle: read.map(s),
+        ..Default::default()
     };
     let v = verify(&ctx, &vreq(Some(&vdir), None), &budget()).unwrap();
     assert!(!v.passed && v.error.contains("model included"), "{}", v.error);
@@ -167,10 +167,9 @@ fn a_bundle_run_elsewhere_gives_the_direct_verdict() {
         prompt_len: Some(8),
         new_tokens: Some(8),
         runs: Some(2),
-        dtype: None,
-        threads: None,
         write_bundle: write.map(s),
         from_bundle: read.map(s),
+        ..Default::default()
     };
     let p = profile(&ctx, &preq(Some(&pdir), None), &budget()).unwrap();
     assert!(!p.passed && p.error.starts_with("not run: bundle written"), "{}", p.error);
@@ -239,9 +238,9 @@ fn a_broken_engine_fails_through_a_bundle_with_its_diagnosis() {
         engine: s(&engine),
         kernels: vec!["kernel.rms_norm".into()],
         seed: Some(11),
-        dtype: None,
         write_bundle: write.map(s),
         from_bundle: read.map(s),
+        ..Default::default()
     };
     kernel_test(&ctx, &req(Some(&dir), None), &budget()).unwrap();
     assert!(run_bundle(&dir).status.success());
@@ -265,9 +264,9 @@ fn a_tampered_or_incomplete_bundle_is_refused_or_fails() {
         engine: s(&engine),
         kernels: vec!["kernel.rms_norm".into()],
         seed: Some(3),
-        dtype: None,
         write_bundle: write.map(s),
         from_bundle: read.map(s),
+        ..Default::default()
     };
     // Read back through the bundle directory's handle, and named by its path in every message.
     let read = || {
@@ -396,9 +395,9 @@ fn outputs_copied_from_another_bundle_are_not_evidence() {
         engine: s(engine),
         kernels: vec!["kernel.rms_norm".into()],
         seed: Some(5),
-        dtype: None,
         write_bundle: write.map(s),
         from_bundle: read.map(s),
+        ..Default::default()
     };
     let (gdir, bdir) = (t.path().join("good-bundle"), t.path().join("bad-bundle"));
     kernel_test(&ctx, &req(&good, Some(&gdir), None), &budget()).unwrap();
@@ -454,9 +453,7 @@ fn outputs_copied_from_another_bundle_are_not_evidence() {
             prompts: vec![],
             max_new_tokens: Some(2),
             seed: Some(1),
-            dtype: None,
-            write_bundle: None,
-            from_bundle: None,
+            ..Default::default()
         },
         &budget(),
     )

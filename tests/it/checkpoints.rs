@@ -75,7 +75,7 @@ fn plan_of(dir: &Path) -> metainfer::ops::plan::PlanReport {
     let t = tempfile::tempdir().unwrap();
     plan_only(
         &crate::ctx(t.path()),
-        &PlanRequest { serving: None, platform: None, model: s(dir), target: "cpu".into(), dtype: "f32".into() },
+        &PlanRequest { model: s(dir), target: "cpu".into(), dtype: "f32".into(), ..Default::default() },
     )
     .unwrap()
 }
@@ -372,8 +372,7 @@ fn a_bf16_norm_gain_in_a_float32_checkpoint_is_refused() {
         .collect();
     safetensors::serialize_to_file(views, None, &t.path().join("model.safetensors")).unwrap();
     let ctx = crate::ctx(t.path());
-    let req =
-        PlanRequest { serving: None, platform: None, model: s(t.path()), target: "cpu".into(), dtype: "f32".into() };
+    let req = PlanRequest { model: s(t.path()), target: "cpu".into(), dtype: "f32".into(), ..Default::default() };
     let e = plan_only(&ctx, &req).unwrap_err();
     assert_eq!(e.kind, ErrorKind::Input);
     assert!(
@@ -841,27 +840,18 @@ fn verify_on(ctx: &metainfer::ops::Ctx, engine: &Path, model: &Path, prompts: &[
     let budget = Budget::secs(900);
     let k = kernel_test(
         ctx,
-        &KernelTestRequest {
-            from_bundle: None,
-            write_bundle: None,
-            engine: s(engine),
-            kernels: vec![],
-            seed: Some(3),
-            dtype: None,
-        },
+        &KernelTestRequest { engine: s(engine), kernels: vec![], seed: Some(3), ..Default::default() },
         &budget,
     )
     .unwrap();
     assert!(k.passed, "{}", metainfer::ops::Report::text(&k));
     let req = VerifyRequest {
-        from_bundle: None,
-        write_bundle: None,
         engine: s(engine),
         model: s(model),
         prompts: prompts.iter().map(|p| p.to_string()).collect(),
         max_new_tokens: Some(12),
         seed: Some(11),
-        dtype: None,
+        ..Default::default()
     };
     let v = verify(ctx, &req, &budget).unwrap();
     crate::assert_conforms(&v);

@@ -245,20 +245,13 @@ fn plain_engine_passes_the_gates_on_every_covered_conformance_checkpoint() {
         std::fs::write(engine.join("metainfer.toml"), declared).unwrap();
         let r = check_rules(&c, &RulesRequest { engine: e.clone() }, &budget).unwrap();
         assert!(r.passed, "{name}: {}", r.text());
-        let k = compile(&c, &CompileRequest { engine: e.clone(), cursor: None }, &budget).unwrap();
+        let k = compile(&c, &CompileRequest { engine: e.clone(), ..Default::default() }, &budget).unwrap();
         assert!(k.passed, "{name}: {}", k.text());
         // Phase order: verify counts on sources (metainfer.toml's family included) whose kernels passed.
         let kernels = contract.model.as_ref().unwrap().kernels.clone();
         kernel_sets.insert(kernels.clone());
         {
-            let req = KernelTestRequest {
-                engine: e.clone(),
-                kernels: vec![],
-                seed: Some(5),
-                dtype: None,
-                write_bundle: None,
-                from_bundle: None,
-            };
+            let req = KernelTestRequest { engine: e.clone(), kernels: vec![], seed: Some(5), ..Default::default() };
             let k = kernel_test(&c, &req, &budget).unwrap();
             assert!(k.passed, "{name}: {}", k.text());
             for id in &kernels {
@@ -275,9 +268,7 @@ fn plain_engine_passes_the_gates_on_every_covered_conformance_checkpoint() {
             prompts: prompts.clone(),
             max_new_tokens: Some(16),
             seed: Some(5),
-            dtype: None,
-            write_bundle: None,
-            from_bundle: None,
+            ..Default::default()
         };
         let v = verify(&c, &req, &budget).unwrap();
         assert!(v.passed && v.family == contract.id, "{name}: {}", v.text());
@@ -365,8 +356,7 @@ fn synth_writes_the_tensors_transformers_writes_for_every_covered_family() {
             model: out.display().to_string(),
             target: "cpu".into(),
             dtype: "f32".into(),
-            platform: None,
-            serving: None,
+            ..Default::default()
         };
         let r = plan_only(&c, &plan).unwrap();
         assert!(r.covered && r.family == format!("model.{name}"), "{name}: {:?}", r.gaps);
@@ -395,8 +385,7 @@ fn plan_goals_are_rendered_from_the_family_graph() {
             model: shared().join("conformance").join(name).display().to_string(),
             target: "cpu".into(),
             dtype: "f32".into(),
-            platform: None,
-            serving: None,
+            ..Default::default()
         };
         let r = plan_only(&c, &req).unwrap();
         assert!(r.covered, "{name}: {:?}", r.gaps);

@@ -69,8 +69,7 @@ fn contract_families_synthesize_route_and_give_spread_logits() {
             model: dir.display().to_string(),
             target: "cpu".into(),
             dtype: "f32".into(),
-            platform: None,
-            serving: None,
+            ..Default::default()
         };
         let r = plan_only(&ctx, &req).unwrap();
         assert!(r.covered && r.family == id, "{fam}: {:?}", r.gaps);
@@ -237,7 +236,7 @@ fn plain_engine_passes_every_gate_on_the_contract_families() {
         let e = engine.display().to_string();
         let r = check_rules(&ctx, &RulesRequest { engine: e.clone() }, &budget).unwrap();
         assert!(r.passed, "{fam}: {}", r.text());
-        let c = compile(&ctx, &CompileRequest { engine: e.clone(), cursor: None }, &budget).unwrap();
+        let c = compile(&ctx, &CompileRequest { engine: e.clone(), ..Default::default() }, &budget).unwrap();
         assert!(c.passed, "{fam}: {}", c.text());
         let k = kernel_test(&ctx, &kernels_req(&engine), &budget).unwrap();
         assert!(k.passed, "{fam}: {}", k.text());
@@ -268,11 +267,9 @@ fn plain_engine_passes_every_gate_on_the_contract_families() {
                 model: model.display().to_string(),
                 prompt_len: Some(8),
                 new_tokens: Some(8),
-                dtype: None,
                 threads: Some(1),
                 runs: Some(2),
-                write_bundle: None,
-                from_bundle: None,
+                ..Default::default()
             },
             &budget,
         )

@@ -305,9 +305,9 @@ fn bundle_paths_reach_nothing_outside_the_workspace() {
         engine: "engine".into(),
         kernels: vec!["kernel.rms_norm".into()],
         seed: Some(5),
-        dtype: None,
         write_bundle: write.map(String::from),
         from_bundle: read.map(String::from),
+        ..Default::default()
     };
     let budget = crate::budget();
     // The harness built once before the watch starts.
@@ -798,8 +798,7 @@ fn a_model_file_linked_outside_the_workspace_is_refused_by_name() {
             model: format!("model-{linked}"),
             target: "cpu".into(),
             dtype: "f32".into(),
-            platform: None,
-            serving: None,
+            ..Default::default()
         };
         let e = plan(&ctx, &req).unwrap_err();
         assert!(e.message.contains(linked) && e.message.contains("leads outside"), "{linked}: {}", e.message);

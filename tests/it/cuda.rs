@@ -17,11 +17,11 @@ use crate::{budget, s};
 
 fn plan_req(platform: Option<&str>) -> PlanRequest {
     PlanRequest {
-        serving: None,
         model: s(&crate::babyllama()),
         target: "cuda".into(),
         dtype: "bf16".into(),
         platform: platform.map(str::to_string),
+        ..Default::default()
     }
 }
 
@@ -55,7 +55,6 @@ fn plan_and_scaffold_take_target_cuda_and_a_platform() {
 
     let engine = t.path().join("cuda-engine");
     let req = ScaffoldRequest {
-        serving: None,
         model: s(&crate::babyllama()),
         out: s(&engine),
         target: "cuda".into(),
@@ -64,6 +63,7 @@ fn plan_and_scaffold_take_target_cuda_and_a_platform() {
         name: Some("bare-cuda".into()),
         force: false,
         reference_level: Default::default(),
+        ..Default::default()
     };
     let sc = scaffold(&ctx, &req).unwrap();
     assert!(sc.files.contains(&"src/device.rs".to_string()), "{:?}", sc.files);
@@ -80,7 +80,7 @@ fn plan_and_scaffold_take_target_cuda_and_a_platform() {
         "{kernels}"
     );
 
-    let c = compile(&ctx, &CompileRequest { engine: s(&engine), cursor: None }, &budget()).unwrap();
+    let c = compile(&ctx, &CompileRequest { engine: s(&engine), ..Default::default() }, &budget()).unwrap();
     assert!(c.passed, "the CUDA scaffold must compile without a toolkit: {c:?}");
     let rules = metainfer::ops::rules::check_rules(
         &ctx,
@@ -124,10 +124,7 @@ fn the_cuda_engine_builds_here_and_its_gates_do_not_run_without_a_device() {
             model: s(&crate::babyllama()),
             prompts: vec![],
             max_new_tokens: Some(4),
-            seed: None,
-            dtype: None,
-            write_bundle: None,
-            from_bundle: None,
+            ..Default::default()
         },
         &budget(),
     )

@@ -145,14 +145,8 @@ fn example_engine_passes_the_gates_at_every_weight_dtype() {
     super::copy_example(&dir);
     let budget = metainfer::harness::Budget::secs(1200);
     for dtype in ["bf16", "f16", "int8"] {
-        let req = KernelTestRequest {
-            engine: s(&dir),
-            kernels: vec![],
-            seed: None,
-            dtype: Some(dtype.into()),
-            write_bundle: None,
-            from_bundle: None,
-        };
+        let req =
+            KernelTestRequest { engine: s(&dir), kernels: vec![], dtype: Some(dtype.into()), ..Default::default() };
         let k = kernel_test(&ctx, &req, &budget).unwrap();
         assert!(k.passed, "{dtype}: {}", k.text());
         assert_eq!(k.dtype, dtype);
@@ -165,10 +159,8 @@ fn example_engine_passes_the_gates_at_every_weight_dtype() {
                 model: s(&super::babyllama()),
                 prompts: vec![],
                 max_new_tokens: Some(24),
-                seed: None,
                 dtype: Some(dtype.into()),
-                write_bundle: None,
-                from_bundle: None,
+                ..Default::default()
             },
             &budget,
         )
@@ -177,14 +169,7 @@ fn example_engine_passes_the_gates_at_every_weight_dtype() {
         assert_eq!(v.dtype, dtype);
     }
     // A dtype the engine does not declare is refused with what to add.
-    let req = KernelTestRequest {
-        engine: s(&dir),
-        kernels: vec![],
-        seed: None,
-        dtype: Some("fp8".into()),
-        write_bundle: None,
-        from_bundle: None,
-    };
+    let req = KernelTestRequest { engine: s(&dir), kernels: vec![], dtype: Some("fp8".into()), ..Default::default() };
     let e = kernel_test(&ctx, &req, &budget).unwrap_err();
     assert!(e.message.contains("[dtype_features]") && e.message.contains("fp8"), "{}", e.message);
 }
@@ -218,8 +203,7 @@ fn low_precision_kernel_faults_are_caught_and_named() {
             kernels: vec![],
             seed: Some(7),
             dtype: Some(dtype.into()),
-            write_bundle: None,
-            from_bundle: None,
+            ..Default::default()
         };
         let k = kernel_test(&ctx, &req, &budget).unwrap();
         let failed: Vec<&str> = k.kernels.iter().filter(|k| !k.passed).map(|k| k.kernel.as_str()).collect();

@@ -55,7 +55,7 @@ fn working_copy_ctx(dir: &Path) -> (Ctx, PathBuf) {
 }
 
 fn plan_req(model: &Path, target: &str) -> PlanRequest {
-    PlanRequest { model: s(model), target: target.into(), dtype: "f32".into(), platform: None, serving: None }
+    PlanRequest { model: s(model), target: target.into(), dtype: "f32".into(), ..Default::default() }
 }
 
 fn verify_req(engine: &Path, model: &Path) -> VerifyRequest {
@@ -65,21 +65,12 @@ fn verify_req(engine: &Path, model: &Path) -> VerifyRequest {
         prompts: vec![],
         max_new_tokens: Some(8),
         seed: Some(5),
-        dtype: None,
-        write_bundle: None,
-        from_bundle: None,
+        ..Default::default()
     }
 }
 
 fn kernels_req(engine: &Path) -> KernelTestRequest {
-    KernelTestRequest {
-        engine: s(engine),
-        kernels: vec![],
-        dtype: None,
-        seed: Some(5),
-        write_bundle: None,
-        from_bundle: None,
-    }
+    KernelTestRequest { engine: s(engine), kernels: vec![], seed: Some(5), ..Default::default() }
 }
 
 /// A copy of an example engine with a metainfer.toml for `family` on `target`.
@@ -346,11 +337,8 @@ fn aarch64_platform_is_proposed_gated_and_promoted() {
             model: s(&ckpt),
             prompt_len: Some(8),
             new_tokens: Some(8),
-            dtype: None,
-            threads: None,
             runs: Some(2),
-            write_bundle: None,
-            from_bundle: None,
+            ..Default::default()
         },
         &budget(),
     )

@@ -50,8 +50,7 @@ fn plan_engine_routes_all_six_families() {
                 model: dir.display().to_string(),
                 target: "cpu".into(),
                 dtype: "f32".into(),
-                platform: None,
-                serving: None,
+                ..Default::default()
             },
         )
         .unwrap();
@@ -538,9 +537,7 @@ fn plain_engine_passes_the_gates_on_every_family() {
                 engine: engine.display().to_string(),
                 kernels: vec![],
                 seed: Some(5),
-                dtype: None,
-                write_bundle: None,
-                from_bundle: None,
+                ..Default::default()
             };
             let k = kernel_test(&ctx, &req, &budget).unwrap();
             assert!(k.passed, "{name}: {}", k.text());
@@ -552,9 +549,7 @@ fn plain_engine_passes_the_gates_on_every_family() {
             prompts: vec![],
             max_new_tokens: Some(8),
             seed: Some(5),
-            dtype: None,
-            write_bundle: None,
-            from_bundle: None,
+            ..Default::default()
         };
         let v = verify(&ctx, &req, &budget).unwrap();
         assert!(v.passed && v.family == *id, "{name}: {}", v.text());
@@ -578,34 +573,17 @@ fn an_engine_is_verified_only_on_its_own_family() {
     let v = verify(
         &ctx,
         &VerifyRequest {
-            from_bundle: None,
-            write_bundle: None,
             engine: e.clone(),
             model: m.clone(),
             prompts: vec![],
             max_new_tokens: Some(4),
-            seed: None,
-            dtype: None,
+            ..Default::default()
         },
         &budget,
     )
     .unwrap_err();
-    let p = profile(
-        &ctx,
-        &ProfileRequest {
-            from_bundle: None,
-            write_bundle: None,
-            engine: e,
-            model: m,
-            prompt_len: None,
-            new_tokens: None,
-            runs: Some(1),
-            dtype: None,
-            threads: None,
-        },
-        &budget,
-    )
-    .unwrap_err();
+    let p = profile(&ctx, &ProfileRequest { engine: e, model: m, runs: Some(1), ..Default::default() }, &budget)
+        .unwrap_err();
     for err in [v, p] {
         assert!(err.message.contains("model.gemma") && err.message.contains("model.llama"), "{}", err.message);
     }

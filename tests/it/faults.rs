@@ -298,9 +298,7 @@ fn verify_req(engine: &std::path::Path) -> VerifyRequest {
         prompts: vec![],
         max_new_tokens: Some(8),
         seed: Some(VERIFY_SEED),
-        dtype: None,
-        write_bundle: None,
-        from_bundle: None,
+        ..Default::default()
     }
 }
 
@@ -341,9 +339,7 @@ fn injected_faults_are_caught_and_named() {
         engine: s(dir),
         kernels: vec![],
         seed: Some(KERNEL_SEED),
-        dtype: None,
-        write_bundle: None,
-        from_bundle: None,
+        ..Default::default()
     };
 
     // The clean engine passes and gets no diagnosis.

@@ -17,10 +17,7 @@ fn verify_req(engine: &std::path::Path) -> VerifyRequest {
         model: s(&crate::babyllama()),
         prompts: vec![],
         max_new_tokens: Some(8),
-        seed: None,
-        dtype: None,
-        write_bundle: None,
-        from_bundle: None,
+        ..Default::default()
     }
 }
 
@@ -34,11 +31,10 @@ fn bare_scaffold_compiles_and_fails_every_other_gate() {
         out: s(&engine),
         target: "cpu".into(),
         dtype: "f32".into(),
-        platform: None,
         name: Some("bare".into()),
         force: false,
         reference_level: Default::default(),
-        serving: None,
+        ..Default::default()
     };
     let r = scaffold(&ctx, &req).unwrap();
     assert!(r.files.contains(&"src/kernels.rs".to_string()), "{:?}", r.files);
@@ -64,20 +60,13 @@ fn bare_scaffold_compiles_and_fails_every_other_gate() {
     assert_eq!(e.kind, ErrorKind::Usage);
     assert!(e.message.contains("not empty"), "{}", e.message);
 
-    let c = compile(&ctx, &CompileRequest { engine: s(&engine), cursor: None }, &budget()).unwrap();
+    let c = compile(&ctx, &CompileRequest { engine: s(&engine), ..Default::default() }, &budget()).unwrap();
     assert!(c.passed, "the bare scaffold must compile: {c:?}");
     crate::assert_conforms(&c);
 
     let k = kernel_test(
         &ctx,
-        &KernelTestRequest {
-            engine: s(&engine),
-            kernels: vec![],
-            seed: Some(1),
-            dtype: None,
-            write_bundle: None,
-            from_bundle: None,
-        },
+        &KernelTestRequest { engine: s(&engine), kernels: vec![], seed: Some(1), ..Default::default() },
         &budget(),
     )
     .unwrap();
@@ -102,17 +91,7 @@ fn bare_scaffold_compiles_and_fails_every_other_gate() {
 
     let p = profile(
         &ctx,
-        &ProfileRequest {
-            engine: s(&engine),
-            model: s(&crate::babyllama()),
-            prompt_len: None,
-            new_tokens: None,
-            runs: Some(1),
-            dtype: None,
-            threads: None,
-            write_bundle: None,
-            from_bundle: None,
-        },
+        &ProfileRequest { engine: s(&engine), model: s(&crate::babyllama()), runs: Some(1), ..Default::default() },
         &budget(),
     )
     .unwrap();
@@ -129,28 +108,15 @@ fn bare_scaffold_compiles_and_fails_every_other_gate() {
 fn empty_crate_and_non_crate_fail() {
     let t = tempfile::tempdir().unwrap();
     let ctx = crate::ctx(t.path());
-    let e = compile(&ctx, &CompileRequest { engine: s(t.path()), cursor: None }, &budget()).unwrap_err();
+    let e = compile(&ctx, &CompileRequest { engine: s(t.path()), ..Default::default() }, &budget()).unwrap_err();
     assert_eq!(e.kind, ErrorKind::Usage);
     assert!(e.message.contains("not a Rust crate"), "{}", e.message);
 
     let empty = t.path().join("empty");
-    std::fs::create_dir_all(empty.join("src")).unwrap();
-    std::fs::write(
-        empty.join("Cargo.toml"),
-        "[package]\nname = \"empty\"\nversion = \"0.1.0\"\nedition = \"2024\"\n\n[workspace]\n",
-    )
-    .unwrap();
-    std::fs::write(empty.join("src/lib.rs"), "").unwrap();
+    crate::empty_crate(&empty);
     let k = kernel_test(
         &ctx,
-        &KernelTestRequest {
-            engine: s(&empty),
-            kernels: vec!["kernel.rope".into()],
-            seed: None,
-            dtype: None,
-            write_bundle: None,
-            from_bundle: None,
-        },
+        &KernelTestRequest { engine: s(&empty), kernels: vec!["kernel.rope".into()], ..Default::default() },
         &budget(),
     )
     .unwrap();
@@ -164,14 +130,7 @@ fn empty_crate_and_non_crate_fail() {
 
     let e = kernel_test(
         &ctx,
-        &KernelTestRequest {
-            engine: s(&empty),
-            kernels: vec!["kernel.nope".into()],
-            seed: None,
-            dtype: None,
-            write_bundle: None,
-            from_bundle: None,
-        },
+        &KernelTestRequest { engine: s(&empty), kernels: vec!["kernel.nope".into()], ..Default::default() },
         &budget(),
     )
     .unwrap_err();
@@ -186,14 +145,7 @@ fn example_engine_passes_every_gate(engine: Engine) {
 
     let good = t.path().join("good");
     engine.copy_to(&good);
-    let kreq = KernelTestRequest {
-        engine: s(&good),
-        kernels: vec![],
-        seed: None,
-        dtype: None,
-        write_bundle: None,
-        from_bundle: None,
-    };
+    let kreq = KernelTestRequest { engine: s(&good), kernels: vec![], ..Default::default() };
     let k = kernel_test(&ctx, &kreq, &budget()).unwrap();
     assert!(k.passed, "{}", metainfer::ops::Report::text(&k));
     crate::assert_conforms(&k);
@@ -208,7 +160,8 @@ fn example_engine_passes_every_gate(engine: Engine) {
     // Every gate ran the engine's code in the sandbox (on a kernel that offers it).
     let enforced = metainfer::harness::sandbox::status().enforced;
     let c =
-        metainfer::ops::compile::compile(&ctx, &CompileRequest { engine: s(&good), cursor: None }, &budget()).unwrap();
+        metainfer::ops::compile::compile(&ctx, &CompileRequest { engine: s(&good), ..Default::default() }, &budget())
+            .unwrap();
     assert!(c.passed);
     assert_eq!((k.sandboxed, v.sandboxed, c.sandboxed), (enforced, enforced, enforced));
 
@@ -222,10 +175,7 @@ fn example_engine_passes_every_gate(engine: Engine) {
         prompt_len: Some(8),
         new_tokens: Some(16),
         runs: Some(2),
-        dtype: None,
-        threads: None,
-        write_bundle: None,
-        from_bundle: None,
+        ..Default::default()
     };
     let p = profile(&ctx, &preq, &budget()).unwrap();
     assert!(p.passed, "{}", metainfer::ops::Report::text(&p));
@@ -369,17 +319,10 @@ fn malformed_manifest_is_an_error_naming_the_key_in_every_gate() {
                 &budget(),
             )
             .err(),
-            compile(&ctx, &CompileRequest { engine: e.clone(), cursor: None }, &budget()).err(),
+            compile(&ctx, &CompileRequest { engine: e.clone(), ..Default::default() }, &budget()).err(),
             kernel_test(
                 &ctx,
-                &KernelTestRequest {
-                    engine: e.clone(),
-                    kernels: vec![],
-                    seed: None,
-                    dtype: None,
-                    write_bundle: None,
-                    from_bundle: None,
-                },
+                &KernelTestRequest { engine: e.clone(), kernels: vec![], ..Default::default() },
                 &budget(),
             )
             .err(),
@@ -389,13 +332,8 @@ fn malformed_manifest_is_an_error_naming_the_key_in_every_gate() {
                 &ProfileRequest {
                     engine: e.clone(),
                     model: s(&crate::babyllama()),
-                    prompt_len: None,
-                    new_tokens: None,
                     runs: Some(1),
-                    dtype: None,
-                    threads: None,
-                    write_bundle: None,
-                    from_bundle: None,
+                    ..Default::default()
                 },
                 &budget(),
             )

@@ -13,6 +13,11 @@
 //! kernels' diagnosis) the SIMD engine; `cuda` checks that the CUDA engine builds here, keeps its
 //! contracts' signatures, and that every gate says "no CUDA device: not run".
 //!
+//! The helpers every module shares are here: paths (`shared`, `babyllama`), `ctx` and `budget`, engine
+//! copies (`copy_example`, `Engine::copy_to`), `empty_crate`, fault planting (`inject`, `replace_body`).
+//! Requests are written with only the fields a test sets (`VerifyRequest { seed: Some(5),
+//! ..Default::default() }`): every request type derives `Default`.
+//!
 //! A fault is planted by replacing the whole body of a named function ([`replace_body`]): a
 //! kernel's, whose signature the contract fixes, or one of the plain engine's small model helpers
 //! (`rope_with_freqs`, `glu`, `store`, `post_process`), never exact source lines.
@@ -112,6 +117,15 @@ pub fn ctx(dir: &Path) -> Ctx {
 /// The SIMD example engine's directory in this repository (the demo's engine).
 pub fn example_engine() -> PathBuf {
     Engine::Simd.dir()
+}
+
+/// Write an empty library crate named `empty` at `dir` (a manifest and an empty `src/lib.rs`): the
+/// engine every gate must fail on.
+pub fn empty_crate(dir: &Path) {
+    std::fs::create_dir_all(dir.join("src")).unwrap();
+    let manifest = "[package]\nname = \"empty\"\nversion = \"0.1.0\"\nedition = \"2024\"\n\n[workspace]\n";
+    std::fs::write(dir.join("Cargo.toml"), manifest).unwrap();
+    std::fs::write(dir.join("src/lib.rs"), "").unwrap();
 }
 
 /// Copy the SIMD example engine (as the demo embeds it) to `dir`.

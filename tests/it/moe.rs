@@ -201,9 +201,7 @@ fn profile_reports_the_bytes_of_the_active_experts() {
             engine: engine.display().to_string(),
             kernels: vec![],
             seed: Some(3),
-            dtype: None,
-            write_bundle: None,
-            from_bundle: None,
+            ..Default::default()
         },
         &budget,
     )
@@ -217,9 +215,7 @@ fn profile_reports_the_bytes_of_the_active_experts() {
             prompts: vec!["Once upon a time".into()],
             max_new_tokens: Some(8),
             seed: Some(3),
-            dtype: None,
-            write_bundle: None,
-            from_bundle: None,
+            ..Default::default()
         },
         &budget,
     )
@@ -230,11 +226,9 @@ fn profile_reports_the_bytes_of_the_active_experts() {
         model: model.display().to_string(),
         prompt_len: Some(8),
         new_tokens: Some(8),
-        dtype: None,
         threads: Some(1),
         runs: Some(2),
-        write_bundle: None,
-        from_bundle: None,
+        ..Default::default()
     };
     let p = profile(&c, &req, &budget).unwrap();
     assert!(p.passed, "{}", p.text());
@@ -269,8 +263,7 @@ fn published_moe_models_plan_and_read_their_published_active_parameters() {
                 model: dir.display().to_string(),
                 target: "cpu".into(),
                 dtype: "bf16".into(),
-                platform: None,
-                serving: None,
+                ..Default::default()
             },
         )
         .unwrap();
@@ -311,8 +304,7 @@ fn published_gpt_oss_plans_refuses_mxfp4_and_reads_its_published_active_paramete
             model: dir.display().to_string(),
             target: "cpu".into(),
             dtype: "bf16".into(),
-            platform: None,
-            serving: None,
+            ..Default::default()
         };
         plan_only(&c, &req).unwrap()
     };
@@ -370,8 +362,7 @@ fn moe_presets_write_qwen3_moe_at_their_shapes() {
             model: out.display().to_string(),
             target: "cpu".into(),
             dtype: "bf16".into(),
-            platform: None,
-            serving: None,
+            ..Default::default()
         },
     )
     .unwrap();
@@ -454,9 +445,7 @@ fn plain_engine_groups_experts_and_passes_verify_batching() {
                 engine: crate::s(&engine),
                 kernels: vec!["kernel.paged_attention".into()],
                 seed: Some(5),
-                dtype: None,
-                write_bundle: None,
-                from_bundle: None,
+                ..Default::default()
             };
             let k = kernel_test(&ctx, &req, &Budget::secs(900)).unwrap();
             assert!(k.passed && k.text().contains("kernel.paged_attention"), "{}", k.text());
@@ -465,10 +454,7 @@ fn plain_engine_groups_experts_and_passes_verify_batching() {
             engine: crate::s(&engine),
             model: crate::s(&shared().join("conformance").join(name)),
             sequences: Some(8),
-            seed: None,
-            dtype: None,
-            write_bundle: None,
-            from_bundle: None,
+            ..Default::default()
         };
         let v = verify_batching(&ctx, &req, &Budget::secs(900)).unwrap();
         assert!(v.passed, "{name}: {}", v.text());

@@ -99,15 +99,13 @@ fn a_directory_swapped_for_a_symlink_mid_call_redirects_no_write_and_no_read() {
     let (mut scaffold_tries, mut scaffold_escapes, mut scaffold_refused) = (0, 0, 0);
     for i in 0..150 {
         let req = metainfer::ops::scaffold::ScaffoldRequest {
-            serving: None,
             model: s(&crate::babyllama()),
             out: format!("sub/e{i}"),
             target: "cpu".into(),
             dtype: "f32".into(),
-            name: None,
             force: false,
             reference_level: Default::default(),
-            platform: None,
+            ..Default::default()
         };
         scaffold_tries += 1;
         if let Err(e) = metainfer::ops::scaffold::scaffold(&ctx, &req) {

@@ -32,8 +32,7 @@ fn demo_plan_kernels() -> usize {
         model: crate::babyllama().display().to_string(),
         target: "cpu".into(),
         dtype: "f32".into(),
-        platform: None,
-        serving: None,
+        ..Default::default()
     };
     let r = plan(&ctx, &req).unwrap();
     let mut kernels: Vec<&String> =

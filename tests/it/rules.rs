@@ -155,14 +155,7 @@ fn each_rule_catches_its_fixture() {
     let d = t.path().join("sig");
     let k = kernel_test(
         &ctx,
-        &KernelTestRequest {
-            engine: s(&d),
-            kernels: vec![],
-            seed: None,
-            dtype: None,
-            write_bundle: None,
-            from_bundle: None,
-        },
+        &KernelTestRequest { engine: s(&d), kernels: vec![], ..Default::default() },
         &Budget::secs(600),
     )
     .unwrap();
@@ -184,24 +177,14 @@ fn verify_passes_only_after_kernel_tests_passed_on_the_same_sources() {
         model: s(&crate::babyllama()),
         prompts: vec![],
         max_new_tokens: Some(4),
-        seed: None,
-        dtype: None,
-        write_bundle: None,
-        from_bundle: None,
+        ..Default::default()
     };
     let v = verify(&ctx, &req, &Budget::secs(600)).unwrap();
     assert!(!v.passed && v.error.contains("phase order"), "{}", v.error);
     assert!(v.prompts.iter().all(|p| p.error.is_empty()), "generation itself matched");
     let k = kernel_test(
         &ctx,
-        &KernelTestRequest {
-            engine: s(&d),
-            kernels: vec![],
-            seed: None,
-            dtype: None,
-            write_bundle: None,
-            from_bundle: None,
-        },
+        &KernelTestRequest { engine: s(&d), kernels: vec![], ..Default::default() },
         &Budget::secs(600),
     )
     .unwrap();
@@ -220,11 +203,10 @@ fn constant_engine(dir: &Path, ctx: &metainfer::ops::Ctx) {
         out: s(dir),
         target: "cpu".into(),
         dtype: "f32".into(),
-        platform: None,
         name: Some("constant".into()),
         force: false,
         reference_level: Default::default(),
-        serving: None,
+        ..Default::default()
     };
     metainfer::ops::scaffold::scaffold(ctx, &req).unwrap();
     let edit = |rel: &str, f: &dyn Fn(String) -> String| {
@@ -269,13 +251,7 @@ fn every_gate_fails_on_empty_bare_and_constant_engines() {
     let budget = Budget::secs(600);
 
     let empty = t.path().join("empty");
-    std::fs::create_dir_all(empty.join("src")).unwrap();
-    std::fs::write(
-        empty.join("Cargo.toml"),
-        "[package]\nname = \"empty\"\nversion = \"0.1.0\"\nedition = \"2024\"\n\n[workspace]\n",
-    )
-    .unwrap();
-    std::fs::write(empty.join("src/lib.rs"), "").unwrap();
+    crate::empty_crate(&empty);
 
     let bare = t.path().join("bare");
     let req = metainfer::ops::scaffold::ScaffoldRequest {
@@ -283,11 +259,9 @@ fn every_gate_fails_on_empty_bare_and_constant_engines() {
         out: s(&bare),
         target: "cpu".into(),
         dtype: "f32".into(),
-        platform: None,
-        name: None,
         force: false,
         reference_level: Default::default(),
-        serving: None,
+        ..Default::default()
     };
     metainfer::ops::scaffold::scaffold(&ctx, &req).unwrap();
 
@@ -295,26 +269,16 @@ fn every_gate_fails_on_empty_bare_and_constant_engines() {
     constant_engine(&constant, &ctx);
     let c = metainfer::ops::compile::compile(
         &ctx,
-        &metainfer::ops::compile::CompileRequest { engine: s(&constant), cursor: None },
+        &metainfer::ops::compile::CompileRequest { engine: s(&constant), ..Default::default() },
         &budget,
     )
     .unwrap();
     assert!(c.passed, "the constant engine must build, so that the gates judge its outputs: {c:?}");
 
     for engine in [&empty, &bare, &constant] {
-        let k = kernel_test(
-            &ctx,
-            &KernelTestRequest {
-                engine: s(engine),
-                kernels: vec![],
-                seed: None,
-                dtype: None,
-                write_bundle: None,
-                from_bundle: None,
-            },
-            &budget,
-        )
-        .unwrap();
+        let k =
+            kernel_test(&ctx, &KernelTestRequest { engine: s(engine), kernels: vec![], ..Default::default() }, &budget)
+                .unwrap();
         // Each engine fails for its own reason: the empty crate is blocked by the signature rule before
         // anything is built; the bare scaffold's kernels panic at todo!(); the constant engine's
         // kernels run and are wrong.
@@ -337,10 +301,7 @@ fn every_gate_fails_on_empty_bare_and_constant_engines() {
                 model: s(&crate::babyllama()),
                 prompts: vec![],
                 max_new_tokens: Some(4),
-                seed: None,
-                dtype: None,
-                write_bundle: None,
-                from_bundle: None,
+                ..Default::default()
             },
             &budget,
         )
@@ -381,17 +342,7 @@ fn every_gate_fails_on_empty_bare_and_constant_engines() {
         }
         let p = profile(
             &ctx,
-            &ProfileRequest {
-                engine: s(engine),
-                model: s(&crate::babyllama()),
-                prompt_len: None,
-                new_tokens: None,
-                runs: Some(1),
-                dtype: None,
-                threads: None,
-                write_bundle: None,
-                from_bundle: None,
-            },
+            &ProfileRequest { engine: s(engine), model: s(&crate::babyllama()), runs: Some(1), ..Default::default() },
             &budget,
         )
         .unwrap();
@@ -478,14 +429,11 @@ fn a_passing_kernel_test_row_inserted_with_sql_does_not_unlock_verify() {
         )
         .unwrap();
     let req = VerifyRequest {
-        from_bundle: None,
-        write_bundle: None,
         engine: s(&d),
         model: s(&crate::babyllama()),
         prompts: vec![],
         max_new_tokens: Some(4),
-        seed: None,
-        dtype: None,
+        ..Default::default()
     };
     let v = verify(&ctx, &req, &Budget::secs(600)).unwrap();
     assert!(v.prompts.iter().all(|p| p.error.is_empty()), "generation itself matched");

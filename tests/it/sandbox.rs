@@ -125,12 +125,10 @@ fn a_harness_process_cannot_read_the_ledger_write_outside_or_connect() {
         ),
     );
     let req = KernelTestRequest {
-        from_bundle: None,
-        write_bundle: None,
         engine: eng.display().to_string(),
         kernels: vec!["kernel.argmax".into()],
         seed: Some(7),
-        dtype: None,
+        ..Default::default()
     };
     let k = kernel_test(&ctx, &req, &budget()).unwrap();
     let argmax = k.kernels.iter().find(|r| r.kernel == "kernel.argmax").expect("argmax was tested");
@@ -220,24 +218,14 @@ fn a_hugging_face_cache_snapshot_in_the_workspace_verifies_inside_the_sandbox() 
     let mut ctx = crate::ctx(t.path());
     ctx.workspace = Some(ws.clone());
     // Phase order: kernel tests first, on the same sources.
-    let kt = KernelTestRequest {
-        engine: "engine".into(),
-        kernels: vec![],
-        seed: None,
-        dtype: None,
-        write_bundle: None,
-        from_bundle: None,
-    };
+    let kt = KernelTestRequest { engine: "engine".into(), kernels: vec![], ..Default::default() };
     assert!(kernel_test(&ctx, &kt, &budget()).unwrap().passed);
     let req = VerifyRequest {
         engine: "engine".into(),
         model: "hub/models--babyllama/snapshots/0123abc".into(),
         prompts: vec!["Once upon a time".into()],
         max_new_tokens: Some(4),
-        seed: None,
-        dtype: None,
-        write_bundle: None,
-        from_bundle: None,
+        ..Default::default()
     };
     let r = verify(&ctx, &req, &budget()).unwrap();
     assert!(r.passed, "{}", metainfer::ops::Report::text(&r));

@@ -21,15 +21,7 @@ fn serving(max_seqs: usize, max_context: usize) -> Serving {
 }
 
 fn batching(engine: &std::path::Path) -> BatchingRequest {
-    BatchingRequest {
-        engine: s(engine),
-        model: s(&crate::babyllama()),
-        sequences: None,
-        seed: None,
-        dtype: None,
-        write_bundle: None,
-        from_bundle: None,
-    }
+    BatchingRequest { engine: s(engine), model: s(&crate::babyllama()), ..Default::default() }
 }
 
 #[test]
@@ -37,11 +29,11 @@ fn plan_adds_serving_phases_only_when_asked_and_checks_the_kv_cache() {
     let t = tempfile::tempdir().unwrap();
     let ctx = crate::ctx(t.path());
     let req = |serving| PlanRequest {
-        platform: None,
         model: s(&crate::babyllama()),
         target: "cpu".into(),
         dtype: "f32".into(),
         serving,
+        ..Default::default()
     };
     let phases = |r: &metainfer::ops::plan::PlanReport| r.phases.iter().map(|p| p.phase.clone()).collect::<Vec<_>>();
 
@@ -85,7 +77,6 @@ fn serving_scaffold_fails_verify_batching_on_its_todos() {
     let r = scaffold(
         &ctx,
         &ScaffoldRequest {
-            platform: None,
             model: s(&crate::babyllama()),
             out: s(&engine),
             target: "cpu".into(),
@@ -94,6 +85,7 @@ fn serving_scaffold_fails_verify_batching_on_its_todos() {
             force: false,
             reference_level: Default::default(),
             serving: Some(serving(8, 128)),
+            ..Default::default()
         },
     )
     .unwrap();
@@ -124,12 +116,10 @@ fn serving_scaffold_fails_verify_batching_on_its_todos() {
     let k = kernel_test(
         &ctx,
         &KernelTestRequest {
-            from_bundle: None,
-            write_bundle: None,
             engine: s(&engine),
             kernels: vec!["kernel.sample".into(), "kernel.paged_attention".into()],
             seed: Some(1),
-            dtype: None,
+            ..Default::default()
         },
         &Budget::secs(900),
     )
@@ -160,13 +150,7 @@ fn verify_batching_needs_serving_constraints_and_the_serving_signatures() {
 
     // An empty crate that claims serving lacks every signature: blocked before anything is built.
     let empty = t.path().join("empty");
-    std::fs::create_dir_all(empty.join("src")).unwrap();
-    std::fs::write(
-        empty.join("Cargo.toml"),
-        "[package]\nname = \"empty\"\nversion = \"0.1.0\"\nedition = \"2024\"\n\n[workspace]\n",
-    )
-    .unwrap();
-    std::fs::write(empty.join("src/lib.rs"), "").unwrap();
+    crate::empty_crate(&empty);
     std::fs::write(empty.join("metainfer.toml"), "[serving]\nmax_seqs = 4\nmax_context = 64\n").unwrap();
     let v = verify_batching(&ctx, &batching(&empty), &Budget::secs(900)).unwrap();
     assert!(!v.passed && v.error.contains("signature-changed"), "{}", v.error);
@@ -280,12 +264,9 @@ fn faulted_serving_kernels_are_diagnosed() {
     let k = kernel_test(
         &ctx,
         &KernelTestRequest {
-            from_bundle: None,
-            write_bundle: None,
             engine: s(&engine),
             kernels: vec!["kernel.sample".into(), "kernel.paged_attention".into()],
-            seed: None,
-            dtype: None,
+            ..Default::default()
         },
         &Budget::secs(900),
     )
@@ -354,10 +335,8 @@ fn serve_req(engine: &std::path::Path) -> ServeRequest {
         engine: s(engine),
         model: s(&crate::babyllama()),
         concurrency: Some(vec![1, 4]),
-        requests: None,
         max_tokens: Some(8),
-        seed: None,
-        dtype: None,
+        ..Default::default()
     }
 }
 
@@ -375,7 +354,6 @@ fn serve_engine_fails_without_a_binary_on_a_dying_server_and_on_a_constant_sampl
 
     let bare = t.path().join("bare");
     let req = ScaffoldRequest {
-        platform: None,
         model: s(&crate::babyllama()),
         out: s(&bare),
         target: "cpu".into(),
@@ -384,6 +362,7 @@ fn serve_engine_fails_without_a_binary_on_a_dying_server_and_on_a_constant_sampl
         force: false,
         reference_level: Default::default(),
         serving: Some(serving(4, 128)),
+        ..Default::default()
     };
     let scaffolded = scaffold(&ctx, &req).unwrap();
     assert!(scaffolded.files.contains(&"src/main.rs".to_string()), "{:?}", scaffolded.files);

@@ -245,15 +245,13 @@ fn a_failed_scaffold_leaves_nothing_in_the_workspace() {
     let before = listing(&ws);
     for out in ["x".repeat(300), "loop".into(), format!("new/deeper/{}", "y".repeat(300)), "a\0b".into()] {
         let req = metainfer::ops::scaffold::ScaffoldRequest {
-            platform: None,
             model: crate::babyllama().display().to_string(),
             out: out.clone(),
             target: "cpu".into(),
             dtype: "f32".into(),
-            name: None,
             force: false,
             reference_level: Default::default(),
-            serving: None,
+            ..Default::default()
         };
         let e = metainfer::ops::scaffold::scaffold(&ctx, &req).unwrap_err();
         assert!(!e.message.is_empty());

@@ -35,8 +35,7 @@ fn plan_at(ctx: &metainfer::ops::Ctx, model: &Path, dtype: &str) -> metainfer::o
             model: s(model),
             target: "cpu".into(),
             dtype: dtype.into(),
-            platform: None,
-            serving: None,
+            ..Default::default()
         },
     )
     .unwrap()
@@ -50,8 +49,7 @@ fn verify_req(engine: &Path, model: &Path, dtype: Option<&str>) -> VerifyRequest
         max_new_tokens: Some(8),
         seed: Some(17),
         dtype: dtype.map(str::to_string),
-        write_bundle: None,
-        from_bundle: None,
+        ..Default::default()
     }
 }
 
@@ -90,8 +88,7 @@ fn passes(ctx: &metainfer::ops::Ctx, engine: &Path, model: &Path, dtype: Option<
             kernels: vec![],
             seed: Some(3),
             dtype: dtype.map(str::to_string),
-            write_bundle: None,
-            from_bundle: None,
+            ..Default::default()
         },
         &budget,
     )
@@ -295,10 +292,7 @@ fn timing_verdicts_do_not_flip_under_load() {
         prompt_len: Some(8),
         new_tokens: Some(32),
         runs: Some(5),
-        dtype: None,
-        threads: None,
-        write_bundle: None,
-        from_bundle: None,
+        ..Default::default()
     };
     // Phase order: profile counts on sources whose kernels and generation passed.
     assert!(passes(&ctx, &engine, &crate::babyllama(), None).passed);

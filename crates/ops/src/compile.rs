@@ -11,7 +11,7 @@ use harness::{self, Budget, Diagnostic, Exit};
 use ledger::figures::{CompileFigures, Figures};
 
 /// Which engine to build.
-#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
 pub struct CompileRequest {
     /// Engine crate directory.
     pub engine: String,

@@ -36,7 +36,7 @@ use oracle::kernels::{self, Case, Tensor};
 use oracle::{UNWRITTEN, Verdict};
 
 /// Which kernels to test.
-#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
 pub struct KernelTestRequest {
     /// Engine crate directory.
     pub engine: String,

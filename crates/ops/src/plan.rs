@@ -16,7 +16,7 @@ use model::tokenizer::TokenizerRoute;
 use model::{self, Files, Gap, GenerationConfig, ResolvedConfig};
 
 /// Constraints of the engine to build.
-#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
 pub struct PlanRequest {
     /// Hugging Face model directory (config.json is read; weights are not needed to plan).
     pub model: String,

@@ -14,7 +14,7 @@ use guard::{self, Finding, Severity, provenance};
 use harness::{self, Budget, Engine};
 
 /// Which engine to check.
-#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
 pub struct RulesRequest {
     /// Engine crate directory.
     pub engine: String,

@@ -17,7 +17,7 @@ use base::beneath::Dir;
 use base::error::{Error, Result};
 
 /// Where and for what to scaffold.
-#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
 pub struct ScaffoldRequest {
     /// Hugging Face model directory the engine is for.
     pub model: String,

@@ -43,7 +43,7 @@ pub use trace::{Trace, check_trace, draw_trace};
 use spec::BatchingSpec;
 
 /// What to verify.
-#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
 pub struct BatchingRequest {
     /// Engine crate directory (its metainfer.toml must have a `[serving]` table).
     pub engine: String,

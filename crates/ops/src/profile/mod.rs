@@ -36,7 +36,7 @@ mod tests;
 use spec::ProfileSpec;
 
 /// What to profile.
-#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
 pub struct ProfileRequest {
     /// Engine crate directory.
     pub engine: String,

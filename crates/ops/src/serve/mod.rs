@@ -48,7 +48,7 @@ use client::Client;
 use load::{load_average, load_level};
 
 /// What to serve and how hard to load it.
-#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
 pub struct ServeRequest {
     /// Engine crate directory (its metainfer.toml must have a `[serving]` table; its binary takes
     /// `serve --model DIR --host H --port P`).

@@ -63,7 +63,7 @@ use spec::VerifySpec;
 use vectors::vocabulary_sets;
 
 /// What to verify.
-#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
 pub struct VerifyRequest {
     /// Engine crate directory.
     pub engine: String,
