@@ -4,7 +4,7 @@
 //!
 //! One tool per skill (`tools`: titles, truthful annotations; `--read-only` and `--toolsets` narrow
 //! the router); resources (`ckb://`, `skill://`, and `example://`, the plain example engine's sources
-//! that build.rs embeds as `PLAIN_ENGINE`; `resources/list_changed` after a promotion), prompts,
+//! that the ckb crate's build.rs embeds as `PLAIN_ENGINE`; `resources/list_changed` after a promotion), prompts,
 //! completion and logging (`handler`); portable schemas (`schema`); the stdio framing in front of
 //! rmcp (`framing`). Here: progress notifications, cancellation (the call's processes killed, its
 //! outcome recorded as `cancelled`), one call at a time per engine, the client's identity (from
