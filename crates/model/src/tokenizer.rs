@@ -404,7 +404,9 @@ pub fn vectors_dir() -> PathBuf {
     if let Ok(p) = std::env::var("METAINFER_TOKENIZERS") {
         return PathBuf::from(p);
     }
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/tokenizers")
+    // crates/model -> the repository -> the folder beside it.
+    let repository = Path::new(env!("CARGO_MANIFEST_DIR")).ancestors().nth(2).unwrap_or(Path::new("."));
+    repository.parent().unwrap_or(repository).join("shared/tokenizers")
 }
 
 /// Read one folder of test vectors.

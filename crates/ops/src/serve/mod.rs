@@ -31,7 +31,6 @@ use super::{Ctx, Report};
 use base::error::{Error, Result};
 use harness::{Budget, Grants};
 use ledger::figures::{Figures, ServeFigures};
-use model;
 use oracle::llama::Reference;
 
 mod checks;

@@ -46,7 +46,6 @@ use super::gate::{Gate, Tool};
 use base::error::{Error, Result};
 use ckb::Tolerance;
 use harness::Budget;
-use model;
 use oracle::llama::Reference;
 
 mod prompts;

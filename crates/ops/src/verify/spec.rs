@@ -15,7 +15,6 @@ use ckb::Tolerance;
 use harness::Called;
 use harness::protocol::{Command, Prompt, Reply};
 use ledger::figures::{Figures, VerifyFigures};
-use model;
 use oracle::llama::Reference;
 
 /// verify_generation as a [`Spec`]: the checkpoint, its reference, the prompts and their budgets.

@@ -8,7 +8,6 @@ use crate::Ctx;
 use crate::gate::Gate;
 use base::error::Result;
 use harness::protocol::{Command, Reply, TokenizeSet};
-use model;
 
 /// The real vocabularies that route to tokenizer `contract`: those of
 /// `model::tokenizer::vectors_dir` (`$METAINFER_TOKENIZERS` or `../shared/tokenizers`), then the
