@@ -28,11 +28,16 @@ const RULES: &[fn(&Ckb, &Contract, Bad)] = &[
     parameters,
     model_config,
     test_cases,
+    logits_tolerances,
+    conformance_and_margin,
+    dtype_policy,
+    tokenizer_section,
+    optional_items,
 ];
 
 impl Ckb {
-    /// Consistency rules the schema cannot express ([`RULES`] on every contract, then the rules of
-    /// what checkpoints need). Each finding names file and field.
+    /// Consistency rules the schema cannot express ([`RULES`] on every contract). Each finding
+    /// names file and field.
     pub fn lint(&self) -> Vec<Finding> {
         let mut out = Vec::new();
         for c in self.contracts.values() {
@@ -43,139 +48,146 @@ impl Ckb {
                 rule(self, c, &mut bad);
             }
         }
-        out.extend(self.lint_checkpoints());
         out
     }
+}
 
-    /// Lint of what checkpoints need from contracts: every family states a logits tolerance for
-    /// each
-    /// weight dtype and a dtype policy covering each of its weight roles once (the 2-D ones at the
-    /// weight dtype, as the reference rounds them); tokenizer sections only on components; optional
-    /// skeleton items name functions of the skeleton.
-    fn lint_checkpoints(&self) -> Vec<Finding> {
-        let mut out = Vec::new();
-        for c in self.contracts.values() {
-            let file = self.files.get(&c.id).cloned().unwrap_or_default();
-            let mut bad =
-                |field: &str, message: String| out.push(Finding { file: file.clone(), field: field.into(), message });
-            if let Some(m) = &c.model {
-                for d in types::WEIGHT_DTYPES {
-                    if !m.logits_tolerance.contains_key(*d) {
+/// A family states a logits tolerance for each weight dtype, with finite non-negative bounds and
+/// its reasoning.
+fn logits_tolerances(_ckb: &Ckb, c: &Contract, bad: Bad) {
+    let Some(m) = &c.model else { return };
+    for d in types::WEIGHT_DTYPES {
+        if !m.logits_tolerance.contains_key(*d) {
+            bad(
+                "/model/logits_tolerance",
+                format!(
+                    "no logits tolerance for weight dtype `{d}`; every family states one per weight dtype ({}) with its reasoning",
+                    types::WEIGHT_DTYPES.join(", ")
+                ),
+            );
+        }
+    }
+    for (d, t) in &m.logits_tolerance {
+        if !types::WEIGHT_DTYPES.contains(&d.as_str()) {
+            bad(&format!("/model/logits_tolerance/{d}"), format!("`{d}` is not a weight dtype"));
+        }
+        if !(t.atol >= 0.0 && t.rtol >= 0.0 && t.atol.is_finite() && t.rtol.is_finite()) {
+            bad(&format!("/model/logits_tolerance/{d}"), "atol and rtol must be finite and >= 0".into());
+        }
+        if t.reasoning.trim().is_empty() {
+            bad(&format!("/model/logits_tolerance/{d}/reasoning"), "say why these numbers".into());
+        }
+    }
+}
+
+/// A family's conformance tolerance and rounding margin, where stated, are finite, in range and
+/// reasoned.
+fn conformance_and_margin(_ckb: &Ckb, c: &Contract, bad: Bad) {
+    let Some(m) = &c.model else { return };
+    if let Some(t) = &m.conformance {
+        if !(t.atol >= 0.0 && t.rtol >= 0.0 && t.atol.is_finite() && t.rtol.is_finite()) {
+            bad("/model/conformance", "atol and rtol must be finite and >= 0".into());
+        }
+        if t.reasoning.trim().is_empty() {
+            bad("/model/conformance/reasoning", "say why these numbers".into());
+        }
+    }
+    if let Some(r) = &m.rounding_margin {
+        if !(r.factor.is_finite() && (1.0..=1000.0).contains(&r.factor)) {
+            bad(
+                "/model/rounding_margin/factor",
+                format!("{} is no multiple of a rounding error: give a finite factor in 1..=1000", r.factor),
+            );
+        }
+        if r.reasoning.trim().is_empty() {
+            bad("/model/rounding_margin/reasoning", "say why this factor".into());
+        }
+    }
+}
+
+/// A family has a dtype policy covering each weight role once, the matrices (2 or more
+/// dimensions) at the weight dtype as the reference rounds them, with its reasoning.
+fn dtype_policy(_ckb: &Ckb, c: &Contract, bad: Bad) {
+    let Some(m) = &c.model else { return };
+    match &m.dtype_policy {
+        None => bad(
+            "/model/dtype_policy",
+            "a family needs a dtype policy: which weight roles an engine stores at its weight dtype and which stay f32"
+                .into(),
+        ),
+        Some(p) => {
+            let roles: BTreeSet<&str> = m.weights.iter().map(|w| w.role.as_str()).collect();
+            let matrices: BTreeSet<&str> =
+                m.weights.iter().filter(|w| w.shape.len() >= 2).map(|w| w.role.as_str()).collect();
+            for (list, field) in [(&p.at_weight_dtype, "at_weight_dtype"), (&p.keep_f32, "keep_f32")] {
+                for r in list {
+                    if !roles.contains(r.as_str()) {
                         bad(
-                            "/model/logits_tolerance",
-                            format!(
-                                "no logits tolerance for weight dtype `{d}`; every family states one per weight dtype ({}) with its reasoning",
-                                types::WEIGHT_DTYPES.join(", ")
-                            ),
+                            &format!("/model/dtype_policy/{field}"),
+                            format!("`{r}` is not a weight role of this family"),
                         );
                     }
                 }
-                for (d, t) in &m.logits_tolerance {
-                    if !types::WEIGHT_DTYPES.contains(&d.as_str()) {
-                        bad(&format!("/model/logits_tolerance/{d}"), format!("`{d}` is not a weight dtype"));
-                    }
-                    if !(t.atol >= 0.0 && t.rtol >= 0.0 && t.atol.is_finite() && t.rtol.is_finite()) {
-                        bad(&format!("/model/logits_tolerance/{d}"), "atol and rtol must be finite and >= 0".into());
-                    }
-                    if t.reasoning.trim().is_empty() {
-                        bad(&format!("/model/logits_tolerance/{d}/reasoning"), "say why these numbers".into());
-                    }
-                }
-                if let Some(t) = &m.conformance {
-                    if !(t.atol >= 0.0 && t.rtol >= 0.0 && t.atol.is_finite() && t.rtol.is_finite()) {
-                        bad("/model/conformance", "atol and rtol must be finite and >= 0".into());
-                    }
-                    if t.reasoning.trim().is_empty() {
-                        bad("/model/conformance/reasoning", "say why these numbers".into());
-                    }
-                }
-                if let Some(r) = &m.rounding_margin {
-                    if !(r.factor.is_finite() && (1.0..=1000.0).contains(&r.factor)) {
-                        bad(
-                            "/model/rounding_margin/factor",
-                            format!(
-                                "{} is no multiple of a rounding error: give a finite factor in 1..=1000",
-                                r.factor
-                            ),
-                        );
-                    }
-                    if r.reasoning.trim().is_empty() {
-                        bad("/model/rounding_margin/reasoning", "say why this factor".into());
-                    }
-                }
-                match &m.dtype_policy {
-                    None => bad(
+            }
+            for r in &roles {
+                let (a, k) = (p.at_weight_dtype.iter().any(|x| x == r), p.keep_f32.iter().any(|x| x == r));
+                if a == k {
+                    bad(
                         "/model/dtype_policy",
-                        "a family needs a dtype policy: which weight roles an engine stores at its weight dtype and which stay f32".into(),
-                    ),
-                    Some(p) => {
-                        let roles: BTreeSet<&str> = m.weights.iter().map(|w| w.role.as_str()).collect();
-                        let matrices: BTreeSet<&str> =
-                            m.weights.iter().filter(|w| w.shape.len() >= 2).map(|w| w.role.as_str()).collect();
-                        for (list, field) in [(&p.at_weight_dtype, "at_weight_dtype"), (&p.keep_f32, "keep_f32")] {
-                            for r in list {
-                                if !roles.contains(r.as_str()) {
-                                    bad(&format!("/model/dtype_policy/{field}"), format!("`{r}` is not a weight role of this family"));
-                                }
-                            }
-                        }
-                        for r in &roles {
-                            let (a, k) = (p.at_weight_dtype.iter().any(|x| x == r), p.keep_f32.iter().any(|x| x == r));
-                            if a == k {
-                                bad(
-                                    "/model/dtype_policy",
-                                    format!("weight role `{r}` must be in exactly one of at_weight_dtype and keep_f32"),
-                                );
-                            } else if a && !matrices.contains(r) {
-                                bad(
-                                    "/model/dtype_policy/at_weight_dtype",
-                                    format!(
-                                        "weight role `{r}`: only matrices (tensors of 2 or more dimensions) are stored at the weight dtype; a vector stays f32 (keep_f32)"
-                                    ),
-                                );
-                            }
-                        }
-                        if p.reasoning.trim().is_empty() {
-                            bad("/model/dtype_policy/reasoning", "say why these tensors stay f32".into());
-                        }
-                    }
+                        format!("weight role `{r}` must be in exactly one of at_weight_dtype and keep_f32"),
+                    );
+                } else if a && !matrices.contains(r) {
+                    bad(
+                        "/model/dtype_policy/at_weight_dtype",
+                        format!(
+                            "weight role `{r}`: only matrices (tensors of 2 or more dimensions) are stored at the weight dtype; a vector stays f32 (keep_f32)"
+                        ),
+                    );
                 }
             }
-            if let Some(t) = &c.tokenizer {
-                if c.kind != Kind::Component {
-                    bad("/tokenizer", "a `tokenizer` section belongs only to kind component".into());
-                }
-                if c.rust.as_ref().is_none_or(|r| r.module != "tokenizer") {
-                    bad("/rust/module", "a tokenizer contract fixes the engine's `tokenizer` module".into());
-                }
-                let mut names = BTreeSet::new();
-                for (i, p) in t.split_patterns.iter().enumerate() {
-                    if !names.insert(p.name.as_str()) {
-                        bad(
-                            &format!("/tokenizer/split_patterns/{i}/name"),
-                            format!("pattern name `{}` used twice", p.name),
-                        );
-                    }
-                    if p.regex.is_empty() {
-                        bad(&format!("/tokenizer/split_patterns/{i}/regex"), "empty pattern".into());
-                    }
-                }
-            }
-            if let Some(r) = &c.rust {
-                let fns: Vec<&str> = r
-                    .skeleton
-                    .split("pub fn ")
-                    .skip(1)
-                    .filter_map(|rest| rest.split(['(', '<']).next().map(str::trim))
-                    .collect();
-                for (i, o) in r.optional.iter().enumerate() {
-                    if !fns.contains(&o.as_str()) {
-                        bad(&format!("/rust/optional/{i}"), format!("`{o}` is not a function of the skeleton"));
-                    }
-                }
+            if p.reasoning.trim().is_empty() {
+                bad("/model/dtype_policy/reasoning", "say why these tensors stay f32".into());
             }
         }
-        out
+    }
+}
+
+/// A `tokenizer` section belongs to a component fixing the `tokenizer` module; its split
+/// patterns have unique names and non-empty regexes.
+fn tokenizer_section(_ckb: &Ckb, c: &Contract, bad: Bad) {
+    if let Some(t) = &c.tokenizer {
+        if c.kind != Kind::Component {
+            bad("/tokenizer", "a `tokenizer` section belongs only to kind component".into());
+        }
+        if c.rust.as_ref().is_none_or(|r| r.module != "tokenizer") {
+            bad("/rust/module", "a tokenizer contract fixes the engine's `tokenizer` module".into());
+        }
+        let mut names = BTreeSet::new();
+        for (i, p) in t.split_patterns.iter().enumerate() {
+            if !names.insert(p.name.as_str()) {
+                bad(&format!("/tokenizer/split_patterns/{i}/name"), format!("pattern name `{}` used twice", p.name));
+            }
+            if p.regex.is_empty() {
+                bad(&format!("/tokenizer/split_patterns/{i}/regex"), "empty pattern".into());
+            }
+        }
+    }
+}
+
+/// Every optional skeleton item names a function of the skeleton.
+fn optional_items(_ckb: &Ckb, c: &Contract, bad: Bad) {
+    if let Some(r) = &c.rust {
+        let fns: Vec<&str> = r
+            .skeleton
+            .split("pub fn ")
+            .skip(1)
+            .filter_map(|rest| rest.split(['(', '<']).next().map(str::trim))
+            .collect();
+        for (i, o) in r.optional.iter().enumerate() {
+            if !fns.contains(&o.as_str()) {
+                bad(&format!("/rust/optional/{i}"), format!("`{o}` is not a function of the skeleton"));
+            }
+        }
     }
 }
 
