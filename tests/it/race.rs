@@ -139,6 +139,21 @@ fn a_directory_swapped_for_a_symlink_mid_call_redirects_no_write_and_no_read() {
     assert!(swaps > 0, "the swapper never swapped");
     assert_eq!(scaffold_escapes, 0, "scaffold wrote outside the workspace");
     assert_eq!(rules_escapes, 0, "check_rules read an engine outside the workspace");
-    // Not every try was refused: the race is real, and the calls that saw the real directory worked.
-    assert!(scaffold_refused < scaffold_tries && rules_refused < rules_tries, "{rules_why:#?}");
+    // Refusal is for the swap, not for the path: with the swapper stopped, the same calls work on
+    // the real directory. (How many tries the race refuses depends on the machine's load: a loaded
+    // machine stretches each call across several swaps, so no count of refusals is asserted.)
+    let req = metainfer::ops::rules::RulesRequest { engine: "sub/eng".into() };
+    let r = metainfer::ops::rules::check_rules(&ctx, &req, &budget).expect("check_rules after the race");
+    assert!(!r.passed && r.engine_hash != canary_hash, "{:?}", r.findings);
+    assert!(r.findings.iter().any(|f| f.rule == "build-script"), "{:?}", r.findings);
+    let req = metainfer::ops::scaffold::ScaffoldRequest {
+        model: s(&crate::babyllama()),
+        out: "sub/after".into(),
+        target: "cpu".into(),
+        dtype: "f32".into(),
+        ..Default::default()
+    };
+    metainfer::ops::scaffold::scaffold(&ctx, &req).expect("scaffold after the race");
+    assert!(ws.join("sub/after/Cargo.toml").is_file());
+    assert_eq!(files_under(&outside), canary_files);
 }
