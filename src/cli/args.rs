@@ -402,6 +402,13 @@ pub enum Command {
         /// Weight dtype to build the engine for (default: the engine's own).
         #[arg(long, value_name = "DTYPE")]
         dtype: Option<String>,
+        /// Do not serve here: build the engine's binary, draw every request and write them as a bundle
+        /// to DIR, to run with `metainfer bundle run DIR` on the machine with the device.
+        #[arg(long, value_name = "DIR", conflicts_with = "from_bundle")]
+        write_bundle: Option<PathBuf>,
+        /// Judge and record a bundle this command wrote and `metainfer bundle run` ran elsewhere.
+        #[arg(long, value_name = "DIR")]
+        from_bundle: Option<PathBuf>,
         /// Print exactly the tool's structured output as JSON.
         #[arg(long)]
         json: bool,

@@ -379,7 +379,18 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
             )?;
             Ok(emit(&r, json))
         }
-        Command::LoadTest { engine, model, concurrency, requests, max_tokens, seed, dtype, json } => {
+        Command::LoadTest {
+            engine,
+            model,
+            concurrency,
+            requests,
+            max_tokens,
+            seed,
+            dtype,
+            write_bundle,
+            from_bundle,
+            json,
+        } => {
             let c = ctx(g)?;
             let req = ops::serve::ServeRequest {
                 engine: s(&engine),
@@ -389,6 +400,8 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
                 max_tokens,
                 seed,
                 dtype,
+                write_bundle: write_bundle.as_deref().map(s),
+                from_bundle: from_bundle.as_deref().map(s),
             };
             let r = progress(
                 "serve engine (build binary + reference + server + conformance + load)",

@@ -716,3 +716,71 @@ fn a_server_that_ignores_dropped_clients_fails_serve_engine() {
     let d = r.checks.iter().find(|c| c.name == "disconnect").expect("a disconnect check");
     assert!(!d.passed && d.detail.contains("it waited behind the dropped requests"), "{text}");
 }
+
+/// serve_engine split through a bundle: written here (the engine's binary and the plan of every
+/// request, no expected answer in it), run by `bundle run` (the server starts where the bundle is;
+/// the client sends the plan and records what came back), judged here against the reference. A
+/// run whose recorded answers were altered fails on exactly the altered request; a call with
+/// other load arguments is refused naming the plan's difference; nothing is recorded until the
+/// bundle is judged.
+#[test]
+fn simd_engine_serves_through_a_bundle_judged_here() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let engine = t.path().join("simd");
+    Engine::Simd.copy_to(&engine);
+    let dir = t.path().join("serve-bundle");
+    let base = ServeRequest { seed: Some(11), ..serve_req(&engine) };
+    let w =
+        serve_engine(&ctx, &ServeRequest { write_bundle: Some(s(&dir)), ..base.clone() }, &Budget::secs(900)).unwrap();
+    assert!(!w.passed && w.error.starts_with("not run: bundle written to"), "{}", w.error);
+    let ledger = metainfer::ledger::Ledger::open(&ctx.ledger).unwrap();
+    assert_eq!(ledger.list(0, 10).unwrap().len(), 0, "a written bundle is not a verdict");
+    let manifest: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("bundle.json")).unwrap()).unwrap();
+    assert_eq!(manifest["tool"], "serve_engine");
+    assert_eq!(manifest["requests"][0]["request"], "plan.json");
+    let plan: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("plan.json")).unwrap()).unwrap();
+    assert_eq!(plan["greedy"].as_array().unwrap().len(), 3);
+    assert_eq!(plan["levels"].as_array().unwrap().len(), 2);
+    assert!(dir.join("model/config.json").is_file(), "BabyLlama is small enough to travel");
+
+    // Read back before it ran: refused, saying what to do.
+    let from = ServeRequest { from_bundle: Some(s(&dir)), ..base.clone() };
+    let e = serve_engine(&ctx, &from, &Budget::secs(900)).unwrap_err();
+    assert!(e.message.contains("has not been run") && e.message.contains("metainfer bundle run"), "{}", e.message);
+
+    let run = metainfer::ops::bundle::BundleRunRequest { dir: s(&dir), model: None, key: None };
+    let ran = metainfer::ops::bundle::run(&run, &Budget::secs(900)).unwrap();
+    assert!(ran.passed, "{}", metainfer::ops::Report::text(&ran));
+    assert_eq!((ran.tool.as_str(), ran.runs[0].reply.as_str()), ("serve_engine", "serve"));
+
+    let r = serve_engine(&ctx, &from, &Budget::secs(900)).unwrap();
+    let text = metainfer::ops::Report::text(&r);
+    assert!(r.passed, "{text}");
+    assert_eq!(r.checks.len(), 12, "{text}");
+    assert_eq!(
+        r.levels.iter().map(|l| (l.concurrency, l.completed, l.greedy_mismatches)).collect::<Vec<_>>(),
+        [(1, 2, 0), (4, 8, 0)]
+    );
+    let o = ledger.list(0, 1).unwrap().remove(0);
+    assert_eq!((o.tool.as_str(), o.passed), ("serve_engine", true));
+
+    // Other load arguments: not what the bundle's plan holds.
+    let other = ServeRequest { concurrency: Some(vec![1, 2]), ..from.clone() };
+    let e = serve_engine(&ctx, &other, &Budget::secs(900)).unwrap_err();
+    assert!(e.message.contains("plan.json is not what this call sends (plan.levels"), "{}", e.message);
+
+    // One recorded answer altered: judged here, that request differs from the reference.
+    let observed = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("observed."))
+        .unwrap();
+    let mut seen: serde_json::Value = serde_json::from_slice(&std::fs::read(&observed).unwrap()).unwrap();
+    seen["levels"][1]["answers"][3][1] = serde_json::json!("Once upon a forged time");
+    std::fs::write(&observed, serde_json::to_vec(&seen).unwrap()).unwrap();
+    let r = serve_engine(&ctx, &from, &Budget::secs(900)).unwrap();
+    assert!(!r.passed);
+    assert_eq!(r.levels.iter().map(|l| l.greedy_mismatches).collect::<Vec<_>>(), [0, 1]);
+}

@@ -103,6 +103,7 @@ const OPS_EDGES: &[(&str, &str, &str)] = &[
         "the roofline's bytes per token are the tensors the family's graph binds, as synth plans them",
     ),
     ("conformance", "evolve", "a passing conformance check is a model family's evidence and promotes it"),
+    ("bundle", "serve", "`bundle run` of a serve_engine bundle starts its server and sends its plan"),
     (
         "perplexity",
         "evolve",

@@ -26,6 +26,9 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use ed25519_dalek::{Signature, Signer, SigningKey, Verifier, VerifyingKey};
+
+/// A runner's secret key (Ed25519), as [`read_secret`] reads it.
+pub type RunnerKey = SigningKey;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 

@@ -20,6 +20,12 @@
 //! *.out.safetensors, generate.safetensors ... outputs named in the requests
 //! ```
 //!
+//! A bundle of serve_engine, which runs the engine's own server rather than the harness, holds the
+//! engine's binary as `harness` and one request, [`PLAN`] (`plan.json`: every prompt and load level
+//! the client sends, no expected answer). `metainfer bundle run` starts the server on the bundle's
+//! model, sends the plan and writes what came back as [`OBSERVED`] under the nonce
+//! (`observed.<nonce>.json`); [`run`] here refuses such a bundle.
+//!
 //! Writing (`write_bundle` on a gate call): the gate runs up to the harness call (rules, harness
 //! build, inputs drawn from the seed), then writes the harness executable, the commands as
 //! `request.<i>.json` and the inputs into a directory staged beside the destination and renames it
@@ -77,6 +83,14 @@ pub const HARNESS: &str = "harness";
 
 /// The model directory's name in a bundle.
 pub const MODEL: &str = "model";
+
+/// A bundle of a gate that runs the engine's own binary (serve_engine): its one request, the plan
+/// of what the client sends, in place of protocol requests; `harness` is then the engine's binary.
+pub const PLAN: &str = "plan.json";
+
+/// What the client saw when it sent a [`PLAN`], written by the run (its name carries the nonce:
+/// [`output_name`]).
+pub const OBSERVED: &str = "observed.json";
 
 /// Largest model directory copied into a bundle, bytes; a larger one is referenced by its hash and
 /// given to `bundle run --model DIR` on the device machine.
@@ -414,6 +428,18 @@ pub struct Ran {
 /// [`base::error::ErrorKind::Usage`] for a malformed bundle, a swapped harness, a missing or
 /// different model; Internal when a process cannot be started.
 pub fn run(dir: &Path, model: Option<&Path>, key: Option<&ed25519_dalek::SigningKey>, budget: &Budget) -> Result<Ran> {
+    let (dir, manifest) = open(dir, model)?;
+    run_opened(&dir, manifest, key, budget)
+}
+
+/// Check a bundle before it runs, as [`run`] does: no symbolic link but the model's, a manifest
+/// of this format, at least one request, the harness executable and every input as written, and
+/// the model (with `model`: that directory, checked by hash and linked as the bundle's model).
+/// Returns the bundle's canonical path and its manifest.
+///
+/// # Errors
+/// As [`run`].
+pub fn open(dir: &Path, model: Option<&Path>) -> Result<(std::path::PathBuf, BundleManifest)> {
     let dir = dir.canonicalize().usage_ctx(|| format!("bundle {}", dir.display()))?;
     check_no_links(&dir)?;
     let manifest = read_manifest(&dir)?;
@@ -467,6 +493,27 @@ pub fn run(dir: &Path, model: Option<&Path>, key: Option<&ed25519_dalek::Signing
             )));
         }
     }
+    Ok((dir, manifest))
+}
+
+/// Run the requests of a bundle checked by [`open`], then sign the run with `key`
+/// ([`seal`]).
+///
+/// # Errors
+/// As [`run`].
+pub fn run_opened(
+    dir: &Path,
+    manifest: BundleManifest,
+    key: Option<&ed25519_dalek::SigningKey>,
+    budget: &Budget,
+) -> Result<Ran> {
+    if manifest.requests.iter().any(|r| r.request == PLAN) {
+        return Err(Error::usage(format!(
+            "{}: a bundle of {} holds a plan for the engine's server, not harness requests; run it with `metainfer bundle run`",
+            dir.display(),
+            manifest.tool
+        )));
+    }
     for i in 0..manifest.requests.len() {
         let _ = std::fs::remove_file(dir.join(reply_file(i)));
         let _ = std::fs::remove_file(dir.join(run_file(i)));
@@ -476,7 +523,7 @@ pub fn run(dir: &Path, model: Option<&Path>, key: Option<&ed25519_dalek::Signing
         if r.request.contains('/') || r.request.contains("..") {
             return Err(Error::usage(format!("bundle request name {:?} must be a file name", r.request)));
         }
-        let mut cmd = duct::cmd(&exe, [r.request.as_str()]).dir(&dir);
+        let mut cmd = duct::cmd(dir.join(HARNESS), [r.request.as_str()]).dir(dir);
         for (k, v) in &r.env {
             cmd = cmd.env(k, v);
         }
@@ -489,18 +536,22 @@ pub fn run(dir: &Path, model: Option<&Path>, key: Option<&ed25519_dalek::Signing
             break;
         }
     }
-    let attestation = match key {
-        Some(k) => {
-            let _ = std::fs::remove_file(dir.join(super::attest::ATTESTATION));
-            Some(super::attest::sign(&dir, &manifest.nonce, k)?)
-        }
-        None => {
-            // An attestation of an earlier run no longer describes this directory.
-            let _ = std::fs::remove_file(dir.join(super::attest::ATTESTATION));
-            None
-        }
-    };
+    let attestation = seal(dir, &manifest.nonce, key)?;
     Ok(Ran { manifest, runs, attestation })
+}
+
+/// After a run: remove an earlier run's attestation (it no longer describes the directory) and,
+/// with `key`, sign this one ([`super::attest::sign`]).
+///
+/// # Errors
+/// When the bundle's files cannot be read or the attestation cannot be written.
+pub fn seal(
+    dir: &Path,
+    nonce: &str,
+    key: Option<&ed25519_dalek::SigningKey>,
+) -> Result<Option<super::attest::Attestation>> {
+    let _ = std::fs::remove_file(dir.join(super::attest::ATTESTATION));
+    key.map(|k| super::attest::sign(dir, nonce, k)).transpose()
 }
 
 /// Read back request `i` of a run bundle: its process record and reply, as a harness call would

@@ -1,6 +1,7 @@
 //! `metainfer bundle run DIR`: run a bundle written by a gate (`write_bundle`) on the machine that
-//! has the device, outside any server: check it, run its harness requests in order, and leave the
-//! replies in the bundle for the gate to judge (`from_bundle`). Nothing is judged or recorded here;
+//! has the device, outside any server: check it, run its harness requests in order (or, for
+//! serve_engine, start its server and send its plan: `serve::run_bundle`), and leave the replies
+//! in the bundle for the gate to judge (`from_bundle`). Nothing is judged or recorded here;
 //! expected values never reach this machine.
 
 use std::path::Path;
@@ -33,16 +34,18 @@ pub struct BundleRunRequest {
 pub struct RequestRun {
     /// Request file name.
     pub request: String,
-    /// How the process ended: `exited` (with `code`), `timed_out`, `cancelled`, `output_limit`.
+    /// How the process ended: `exited` (with `code`), `timed_out`, `cancelled`, `output_limit`; for
+    /// a serve_engine plan, `exited` or `server_failed` (then `no_device` says why).
     pub outcome: String,
     /// Exit status (-1 when killed by a signal or not exited).
     pub code: i64,
     /// Wall time, seconds.
     pub seconds: f64,
     /// The harness's reply kind (`kernel`, `generate`, `tokenize`, `profile`, `time`, `block_manager`,
-    /// `batch`, `no_device`), "" when none or unreadable.
+    /// `batch`, `no_device`; `serve` for a serve_engine plan), "" when none or unreadable.
     pub reply: String,
-    /// Why it did not run on a device, when the harness replied `no_device`.
+    /// Why it did not run on a device, when the harness replied `no_device`; for a serve_engine
+    /// plan, what stopped the server.
     pub no_device: String,
 }
 
@@ -88,7 +91,11 @@ impl Report for BundleRunReport {
                 r.code,
                 r.seconds,
                 if r.reply.is_empty() { "none" } else { &r.reply },
-                if r.no_device.is_empty() { String::new() } else { format!(": no CUDA device: {}", r.no_device) }
+                match (r.no_device.is_empty(), r.reply == "serve") {
+                    (true, _) => String::new(),
+                    (false, true) => format!(": {}", r.no_device),
+                    (false, false) => format!(": no CUDA device: {}", r.no_device),
+                }
             );
         }
         s
@@ -103,7 +110,30 @@ impl Report for BundleRunReport {
 pub fn run(req: &BundleRunRequest, budget: &Budget) -> Result<BundleRunReport> {
     let dir = Path::new(&req.dir);
     let key = req.key.as_deref().map(|k| harness::attest::read_secret(Path::new(k))).transpose()?;
-    let ran = bundle::run(dir, req.model.as_deref().map(Path::new), key.as_ref(), budget)?;
+    let (opened, manifest) = bundle::open(dir, req.model.as_deref().map(Path::new))?;
+    if manifest.tool == super::gate::Tool::Serve.name() {
+        // The engine's own server and the plan of what its client sends, not harness requests.
+        let workshop = harness::Workshop::default_location();
+        let tool = manifest.tool.clone();
+        let ran = super::serve::run_bundle(&workshop, &opened, manifest, key.as_ref(), budget)?;
+        let failed = !ran.error.is_empty();
+        let run = RequestRun {
+            request: bundle::PLAN.into(),
+            outcome: if failed { "server_failed".into() } else { "exited".into() },
+            code: if failed { -1 } else { 0 },
+            seconds: ran.seconds,
+            reply: "serve".into(),
+            no_device: ran.error,
+        };
+        return Ok(BundleRunReport {
+            passed: !failed,
+            dir: dir.display().to_string(),
+            tool,
+            runs: vec![run],
+            signed_by: ran.signed_by,
+        });
+    }
+    let ran = bundle::run_opened(&opened, manifest, key.as_ref(), budget)?;
     let mut runs = Vec::new();
     for (i, r) in ran.runs.iter().enumerate() {
         let (reply, no_device) = match bundle::called(&dir, i, None).map(|c| c.reply) {

@@ -2,8 +2,9 @@
 //! gate module keeps only what is its own (its inputs, its commands, its judge). [`Spec::runs`] says
 //! what is built and where the engine runs: the harness crate, exchanged with here or through a
 //! bundle ([`Runs::Harness`]: run_kernel_test, verify_generation, profile_engine, verify_batching);
-//! the engine's own binary, run here ([`Runs::Binary`]: serve_engine); or nothing the loop builds
-//! ([`Runs::Here`]: compile_engine, whose own cargo build is its verdict).
+//! the engine's own binary, run here or through a bundle that carries it with the plan of what is
+//! sent to it ([`Runs::Binary`]: serve_engine); or nothing the loop builds ([`Runs::Here`]:
+//! compile_engine, whose own cargo build is its verdict).
 //!
 //! ```text
 //! Gate::open      confine the engine path; resolve the engine (snapshot, source hash, manifest) and
@@ -27,12 +28,14 @@
 //! or the server's own fault.
 //!
 //! The specs are `CompileSpec`, `KernelSpec`, `VerifySpec`, `ProfileSpec`, `BatchingSpec` and
-//! `ServeSpec`; the four harness gates can run split through bundles (`harness::bundle`), the two
-//! that run here refuse a bundle. A gate reads its model directory once, through `ops::checkpoint`.
+//! `ServeSpec`; every gate that runs the engine can run split through a bundle (`harness::bundle`):
+//! the four harness gates with their protocol commands, serve_engine with its binary and plan
+//! ([`Spec::plan`], judged from the recorded observations by [`Spec::judge_observed`]);
+//! compile_engine, which runs nothing, refuses one. A gate reads its model directory once, through `ops::checkpoint`.
 //! Recording (`Ctx::record`) writes the engine's manifest as the outcome's constraints and the tool's
 //! typed figures (`ledger::figures`: one struct per tool, read back with `Figures::read`, tolerant of
-//! older rows). serve_engine's binary is copied into the call's scratch and started through
-//! `Workshop::start_server`, so its load test runs where the server is.
+//! older rows). serve_engine's binary is copied into the call's scratch (or the bundle) and started
+//! through `Workshop::start_server` where it runs, so its load test runs where the server is.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -148,8 +151,9 @@ pub enum Runs {
     /// The harness crate around the engine; the engine runs through protocol commands, here or
     /// through a bundle ([`Spec::commands`], [`Spec::judge`]).
     Harness,
-    /// The engine's own binary, built with these Cargo features and run here by the spec
-    /// ([`Spec::judge_here`]: serve_engine's server on a loopback port). No bundle.
+    /// The engine's own binary, built with these Cargo features and run by the spec here
+    /// ([`Spec::judge_here`]: serve_engine's server on a loopback port), or written to a bundle
+    /// with [`Spec::plan`] and judged from what its run recorded ([`Spec::judge_observed`]).
     Binary(Vec<String>),
     /// Nothing built by the loop: the spec builds and judges here ([`Spec::judge_here`]:
     /// compile_engine's own cargo build, whose failure is its verdict). No bundle.
@@ -175,6 +179,24 @@ pub trait Spec {
     /// The server's own fault (the reference cannot be computed, a process cannot be started).
     fn judge_here(&mut self, gate: &Gate, _exe: Option<&Path>, _scratch: &Path) -> Result<Verdict<Self::Report>> {
         Err(Error::internal(format!("{} does not run the engine's binary", gate.tool.name())))
+    }
+
+    /// The plan a gate that runs the engine's binary ([`Runs::Binary`]) sends it, as the bytes a
+    /// bundle carries (`harness::bundle::PLAN`): drawn here, holding no expected value.
+    ///
+    /// # Errors
+    /// When the plan cannot be serialised; gates that run the harness have none.
+    fn plan(&mut self, gate: &Gate) -> Result<Vec<u8>> {
+        Err(Error::internal(format!("{} sends no plan", gate.tool.name())))
+    }
+
+    /// Judge what a bundle run of the engine's binary recorded (`harness::bundle::OBSERVED`),
+    /// as [`Spec::judge_here`] judges a run here.
+    ///
+    /// # Errors
+    /// Usage when the observations do not parse; the server's own fault.
+    fn judge_observed(&mut self, gate: &Gate, _observed: &[u8]) -> Result<Verdict<Self::Report>> {
+        Err(Error::internal(format!("{} records no observations", gate.tool.name())))
     }
 
     /// Kernel ids the harness is built with beyond the target's own (run_kernel_test's asked-for
@@ -618,7 +640,7 @@ impl<'a> Gate<'a> {
                 Ok((h, Exchange::Ran(out)))
             }
             Mode::Write(dest) => {
-                let written = self.write_bundle(&h, commands, model, dest)?;
+                let written = self.write_bundle(&h, transport::Payload::Commands(commands), model, dest)?;
                 Ok((h, Exchange::Written(written)))
             }
         }
@@ -669,11 +691,44 @@ impl<'a> Gate<'a> {
         self.finish(spec, verdict)
     }
 
-    /// [`Gate::run`] for a gate that runs here: build the engine's binary with `features` when
-    /// given (a failure stops the gate), then judge, record, promote.
+    /// [`Gate::run`] for a gate that runs the engine's binary or nothing the loop builds: build
+    /// the binary with `features` when given (a failure stops the gate), then judge, record,
+    /// promote. With a bundle ([`Runs::Binary`] only): the binary and [`Spec::plan`] are written
+    /// to one; read back, its recorded observations are judged ([`Spec::judge_observed`]).
     fn run_here<S: Spec>(&mut self, spec: &mut S, features: Option<&[String]>) -> Result<S::Report> {
-        if !matches!(self.mode, Mode::Direct) {
-            return Err(Error::usage(format!("{} runs here only: it takes no bundle", self.tool.name())));
+        match (&self.mode, features) {
+            (Mode::Direct, _) => {}
+            (_, None) => {
+                return Err(Error::usage(format!("{} runs here only: it takes no bundle", self.tool.name())));
+            }
+            (Mode::Write(dest), Some(features)) => {
+                let plan = spec.plan(self)?;
+                let built = self.ctx.workshop.scratch()?;
+                let exe = match self.build_binary(features, built.path())? {
+                    Ok(exe) => exe,
+                    Err(stop) => {
+                        let report = spec.unjudged(self, stop.text.clone());
+                        return Ok(self.stopped(&stop, report));
+                    }
+                };
+                let staging = Staging::new(&dest.base, dest.rest.parent().unwrap_or(Path::new("")))?;
+                let h = Harness {
+                    exe,
+                    scratch: transport::Scratch::Staged(staging),
+                    nonce: self.nonce.clone(),
+                    attested: None,
+                };
+                let model = spec.model().map(|m| m as &dyn Files);
+                let written = self.write_bundle(&h, transport::Payload::Plan(plan), model, dest)?;
+                return Ok(spec.unjudged(self, written.text(self.tool.name())));
+            }
+            (Mode::Read(dir), Some(_)) => {
+                let plan = spec.plan(self)?;
+                let model = spec.model().map(|m| m as &dyn Files);
+                let observed = self.read_observed(dir, &plan, model)?;
+                let verdict = spec.judge_observed(self, &observed)?;
+                return self.finish(spec, verdict);
+            }
         }
         let scratch = self.ctx.workshop.scratch()?;
         let exe = match features {

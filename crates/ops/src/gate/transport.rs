@@ -231,6 +231,15 @@ impl Harness {
     }
 }
 
+/// What a bundle carries to run: harness commands, or the plan of a gate that runs the engine's
+/// own binary (`bundle::PLAN`).
+pub enum Payload<'c> {
+    /// Harness protocol commands, each with its environment.
+    Commands(Vec<(Command, Vec<(&'c str, String)>)>),
+    /// The plan's bytes (JSON).
+    Plan(Vec<u8>),
+}
+
 /// A bundle written by a gate: not a verdict.
 #[derive(Debug, Clone)]
 pub struct BundleWritten {
@@ -298,6 +307,13 @@ impl<'a> Gate<'a> {
                 )));
             }
         }
+        self.check_bundle_model(dir, model)
+    }
+
+    /// A bundle read back must hold the model this call reads, by hash (or none when it reads
+    /// none).
+    fn check_bundle_model(&self, dir: &Dir, model: Option<&dyn Files>) -> Result<()> {
+        let m = self.bundle.as_ref().ok_or_else(|| Error::internal("reading a bundle without its manifest"))?;
         match (&m.model, model) {
             (Some(held), Some(here)) => {
                 let h = bundle::model_hash(here)?;
@@ -320,10 +336,58 @@ impl<'a> Gate<'a> {
         Ok(())
     }
 
+    /// The observations a bundle of a gate that runs the engine's binary recorded when it ran
+    /// (`bundle::OBSERVED` under the bundle's nonce), after checking that the bundle's plan is the
+    /// one this call sends and its model the one this call reads. Read through the bundle's
+    /// handle, bounded, and checked against the runner's signature when there is one.
+    ///
+    /// # Errors
+    /// Usage: not a plan bundle, another plan or model, or not run yet.
+    pub(super) fn read_observed(&self, dir: &Dir, plan: &[u8], model: Option<&dyn Files>) -> Result<Vec<u8>> {
+        let m = self.bundle.as_ref().ok_or_else(|| Error::internal("reading a bundle without its manifest"))?;
+        if m.requests.len() != 1 || m.requests[0].request != bundle::PLAN {
+            return Err(Error::usage(format!(
+                "{} holds no plan of {}: the bundle was altered or written by another metainfer",
+                dir.path().display(),
+                self.tool.name()
+            )));
+        }
+        let read = |name: &str| -> Result<Vec<u8>> {
+            let bytes = dir.read(Path::new(name), &base::util::HARNESS_REPLY)?;
+            if let Some(a) = self.attested() {
+                a.check(name, &bytes)?;
+            }
+            Ok(bytes)
+        };
+        let held: serde_json::Value = serde_json::from_slice(&read(bundle::PLAN)?)
+            .usage_ctx(|| format!("{}: the plan does not parse", dir.show(Path::new(bundle::PLAN)).display()))?;
+        let sends: serde_json::Value =
+            serde_json::from_slice(plan).internal_ctx(|| format!("{}'s plan", self.tool.name()))?;
+        if held != sends {
+            return Err(Error::usage(format!(
+                "{} is not what this call sends ({}): call {} with the arguments the bundle was written with (concurrency, requests, max_tokens), or write a new bundle",
+                dir.show(Path::new(bundle::PLAN)).display(),
+                first_difference(&held, &sends, "plan"),
+                self.tool.name()
+            )));
+        }
+        self.check_bundle_model(dir, model)?;
+        let name = bundle::output_name(bundle::OBSERVED, &m.nonce);
+        if !dir.has(&name) {
+            return Err(Error::usage(format!(
+                "bundle {} has not been run (no {name}): run `metainfer bundle run {}` on the machine with the device, then call {} again",
+                dir.path().display(),
+                dir.path().display(),
+                self.tool.name()
+            )));
+        }
+        read(&name)
+    }
+
     pub(super) fn write_bundle(
         &self,
         h: &Harness,
-        commands: Vec<(Command, Vec<(&str, String)>)>,
+        payload: Payload,
         model: Option<&dyn Files>,
         dest: &crate::NewDir,
     ) -> Result<BundleWritten> {
@@ -372,6 +436,14 @@ impl<'a> Gate<'a> {
             None => None,
         };
         let mut requests = Vec::new();
+        let commands = match payload {
+            Payload::Commands(c) => c,
+            Payload::Plan(plan) => {
+                dir.write_new(Path::new(bundle::PLAN), &plan).map_err(unpinned)?;
+                requests.push(bundle::BundleRequest { request: bundle::PLAN.into(), env: vec![] });
+                vec![]
+            }
+        };
         for (i, (c, env)) in commands.into_iter().enumerate() {
             let command = bundle::relative(c, &root);
             let req = Request { version: VERSION, reply: bundle::reply_file(i).into(), command };

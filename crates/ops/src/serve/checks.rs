@@ -11,7 +11,6 @@ use serde_json::{Value, json};
 use super::Check;
 use super::client::{Answer, Client, MAX_STREAM_BYTES, read_event_line};
 use super::load::percentile;
-use crate::Ctx;
 use base::error::Result;
 use harness::{Budget, Grants};
 
@@ -31,7 +30,7 @@ pub const KEEP_ALIVE_ROUNDS: usize = 7;
 /// # Errors
 /// When the process cannot be started or the sandbox refuses.
 pub(super) fn help_check(
-    ctx: &Ctx,
+    workshop: &harness::Workshop,
     exe: &std::path::Path,
     scratch: &std::path::Path,
     budget: &Budget,
@@ -40,7 +39,7 @@ pub(super) fn help_check(
     for (args, wants) in [(&["--help"][..], &["serve"][..]), (&["serve", "--help"][..], &["--model", "--port"][..])] {
         let limit =
             Budget { deadline: budget.deadline.min(Instant::now() + Duration::from_secs(30)), ..budget.clone() };
-        let run = ctx.workshop.run_program_sandboxed(exe, args, &grants, &limit)?;
+        let run = workshop.run_program_sandboxed(exe, args, &grants, &limit)?;
         let shown = format!("`{} {}`", exe.file_name().unwrap_or_default().to_string_lossy(), args.join(" "));
         if !run.ok() {
             return Ok(check(

@@ -5,12 +5,11 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
-use rand::Rng;
-use rand_chacha::ChaCha8Rng;
 use serde_json::json;
 
+use super::LoadLevel;
 use super::client::Client;
-use super::{Expected, LoadLevel};
+use super::wire::{Ask, LevelRun};
 
 /// Nearest-rank percentile `p` (0..=100) of `xs`, 0 when empty.
 pub(super) fn percentile(xs: &mut [f64], p: f64) -> f64 {
@@ -30,13 +29,14 @@ pub(super) fn load_average() -> f64 {
         .unwrap_or(-1.0)
 }
 
-/// One load-test request as its client saw it: completion tokens, whether the text equals the
-/// reference's, its TTFT (one entry) and its inter-token gaps, milliseconds.
-type Sent = (usize, bool, Vec<f64>, Vec<f64>);
+/// One load-test request as its client saw it: its pool index, completion tokens, text, TTFT (one
+/// entry) and inter-token gaps, milliseconds.
+type Sent = (usize, usize, String, Vec<f64>, Vec<f64>);
 
-/// One concurrency level: `c` clients send `n` streaming greedy requests drawn from `pool`.
-pub(super) fn load_level(client: &Client, pool: &[Expected], c: usize, n: usize, rng: &mut ChaCha8Rng) -> LoadLevel {
-    let picks: Vec<usize> = (0..n).map(|_| rng.random_range(0..pool.len())).collect();
+/// One concurrency level: `c` clients send the streaming greedy requests `picks` (indices into
+/// `pool`) back to back, in order; the figures of the level and each completed request's text.
+pub(super) fn load_level(client: &Client, pool: &[Ask], c: usize, picks: &[usize]) -> LevelRun {
+    let n = picks.len();
     let next = AtomicUsize::new(0);
     let results: Mutex<Vec<std::result::Result<Sent, String>>> = Mutex::new(Vec::new());
     let start = Instant::now();
@@ -48,7 +48,14 @@ pub(super) fn load_level(client: &Client, pool: &[Expected], c: usize, n: usize,
                     if i >= n {
                         break;
                     }
-                    let e = &pool[picks[i]];
+                    let Some(e) = pool.get(picks[i]) else {
+                        results.lock().unwrap_or_else(|p| p.into_inner()).push(Err(format!(
+                            "the plan picks prompt {} of {}",
+                            picks[i],
+                            pool.len()
+                        )));
+                        continue;
+                    };
                     let body =
                         json!({"prompt": e.prompt, "max_tokens": e.max_tokens, "temperature": 0, "stream": true});
                     let r = client.stream(&body).and_then(|st| {
@@ -58,7 +65,7 @@ pub(super) fn load_level(client: &Client, pool: &[Expected], c: usize, n: usize,
                         let times: Vec<f64> = st.pieces.iter().map(|(t, _)| t.as_secs_f64() * 1e3).collect();
                         let ttft = times.first().copied().into_iter().collect();
                         let itl = times.windows(2).map(|w| w[1] - w[0]).collect();
-                        Ok((st.completion_tokens, st.text() == e.text, ttft, itl))
+                        Ok((picks[i], st.completion_tokens, st.text(), ttft, itl))
                     });
                     results.lock().unwrap_or_else(|p| p.into_inner()).push(r);
                 }
@@ -68,13 +75,13 @@ pub(super) fn load_level(client: &Client, pool: &[Expected], c: usize, n: usize,
     let seconds = start.elapsed().as_secs_f64();
     let results = results.into_inner().unwrap_or_else(|p| p.into_inner());
     let mut level = LoadLevel { concurrency: c, requests: n, seconds, ..Default::default() };
-    let (mut ttft, mut itl) = (Vec::new(), Vec::new());
+    let (mut ttft, mut itl, mut answers) = (Vec::new(), Vec::new(), Vec::new());
     for r in results {
         match r {
-            Ok((tokens, same, t, i)) => {
+            Ok((pick, tokens, text, t, i)) => {
                 level.completed += 1;
                 level.output_tokens += tokens;
-                level.greedy_mismatches += usize::from(!same);
+                answers.push((pick, text));
                 ttft.extend(t);
                 itl.extend(i);
             }
@@ -88,5 +95,5 @@ pub(super) fn load_level(client: &Client, pool: &[Expected], c: usize, n: usize,
     level.ttft_ms_p99 = percentile(&mut ttft, 99.0);
     level.itl_ms_p50 = percentile(&mut itl, 50.0);
     level.itl_ms_p99 = percentile(&mut itl, 99.0);
-    level
+    LevelRun { level, answers }
 }

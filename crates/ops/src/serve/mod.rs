@@ -11,40 +11,41 @@
 //! afterwards and still answers greedy requests correctly; streaming requests on reused keep-alive
 //! connections are answered as fast as on fresh ones (TCP_NODELAY, [`KEEP_ALIVE_EXCESS_MS`]).
 //!
+//! Split through a bundle (`write_bundle`, then `metainfer bundle run DIR` where the device is, then
+//! `from_bundle`): the binary and the [`Plan`] (every request, drawn here; no expected answer)
+//! travel; the server runs and the client sends the plan there ([`run_bundle`]); what came back
+//! ([`Observed`]) is judged here against the reference, as a direct run's is.
+//!
 //! The load test: at each concurrency level, that many clients send streaming greedy completions of
 //! drawn prompts back to back over pooled keep-alive connections, as real clients send them; it reports output tokens/s, requests/s, time to first token (TTFT) and
 //! inter-token latency (ITL: time between successive text chunks) at p50 and p99 (nearest rank), and
 //! checks every output under load against the reference. Figures are measurements of this machine
 //! under its current load; no test asserts them.
 
-use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
-
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
-use serde_json::{Value, json};
 
 use super::gate::{Gate, Runs, Spec, Tool, Verdict as GateVerdict};
 use super::{Ctx, Report};
-use base::error::{Error, Result};
-use harness::{Budget, Grants};
+use base::error::{Context, Error, Result};
+use harness::Budget;
 use ledger::figures::{Figures, ServeFigures};
 use oracle::llama::Reference;
 
+mod battery;
 mod checks;
 mod client;
+mod judge;
 mod load;
+mod runner;
 #[cfg(test)]
 mod tests;
+mod wire;
 
 pub use checks::{BURST, KEEP_ALIVE_EXCESS_MS, KEEP_ALIVE_ROUNDS};
 pub use client::{MAX_ANSWER_BYTES, MAX_EVENT_LINE, MAX_STREAM_BYTES};
-
-use checks::{burst, check, disconnect, help_check, keep_alive, openai_error};
-use client::Client;
-use load::{load_average, load_level};
+pub use runner::{ServeRun, run_bundle};
+pub use wire::{Answered, Ask, LevelRun, Observed, Plan, Step, StreamAnswered};
 
 /// What to serve and how hard to load it.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
@@ -69,6 +70,17 @@ pub struct ServeRequest {
     /// Weight dtype to build the engine for; absent: the engine's own.
     #[serde(default)]
     pub dtype: Option<String>,
+    /// Do not run: build the engine's binary and draw every request here, and write them (no
+    /// expected answer) as a bundle to this directory (new or empty), to run with
+    /// `metainfer bundle run DIR` where the device is: the server starts there, the battery and
+    /// the load test are sent there, and what came back is recorded in the bundle.
+    #[serde(default)]
+    pub write_bundle: Option<String>,
+    /// Judge and record a bundle written by this gate and run elsewhere (`metainfer bundle run`),
+    /// instead of serving here: the answers are compared with the reference here; the timing
+    /// figures are the other machine's. The engine's sources must be the ones it was written from.
+    #[serde(default)]
+    pub from_bundle: Option<String>,
 }
 
 /// One check of the conformance battery.
@@ -196,28 +208,6 @@ impl Report for ServeReport {
     }
 }
 
-/// Words the drawn prompts are made of (plain English, in every tokenizer's vocabulary).
-const WORDS: &[&str] = &[
-    "Once", "upon", "a", "time", "there", "was", "little", "girl", "boy", "dog", "cat", "sun", "happy", "played",
-    "the", "park", "with", "her", "his", "friend", "and", "they", "went", "to", "see", "big", "tree",
-];
-
-/// A prompt of 2..=7 words drawn from [`WORDS`].
-fn draw_prompt(rng: &mut ChaCha8Rng) -> String {
-    let n = rng.random_range(2..=7);
-    (0..n).map(|_| WORDS[rng.random_range(0..WORDS.len())]).collect::<Vec<_>>().join(" ")
-}
-
-/// The reference's greedy completion of one prompt, as the server must answer it.
-#[derive(Debug, Clone)]
-struct Expected {
-    prompt: String,
-    max_tokens: usize,
-    text: String,
-    completion_tokens: usize,
-    finish: &'static str,
-}
-
 /// Run serve_engine.
 ///
 /// # Errors
@@ -247,10 +237,9 @@ pub fn serve_engine(ctx: &Ctx, req: &ServeRequest, budget: &Budget) -> Result<Se
     }
     let ck = super::checkpoint::Checkpoint::open(ctx, &req.model)?;
     let cfg = &ck.cfg;
-    let model_dir = ck.path().to_path_buf();
-    gate.same_family(&model_dir, &cfg.family)?;
-    let seed = req.seed.unwrap_or_else(base::util::fresh_seed);
-    gate.seed = Some(seed);
+    gate.same_family(ck.path(), &cfg.family)?;
+    gate.split(req.write_bundle.as_deref(), req.from_bundle.as_deref())?;
+    let seed = gate.draw_seed(req.seed)?;
     gate.contracts(&[cfg.family.as_str(), "component.openai_server", "component.scheduler", "kernel.sample"]);
     let dtype = gate.target.dtype.clone();
     let report = ServeReport {
@@ -270,20 +259,64 @@ pub fn serve_engine(ctx: &Ctx, req: &ServeRequest, budget: &Budget) -> Result<Se
     if manifest_text.parse::<toml::Table>().ok().and_then(|t| t.get("features")?.get("server").cloned()).is_some() {
         features.push("server".into());
     }
-    let mut spec = ServeSpec { ck: &ck, req, report, features, levels, max_tokens, seed };
+    // Everything sent is drawn now, from the seed and the tokenizer; the reference's answers are
+    // computed when judging.
+    let tok = ck.tokenizer()?;
+    let draw = wire::Draw {
+        seed,
+        levels: &levels,
+        requests: req.requests,
+        max_tokens,
+        max_context: cfg.max_seq,
+        max_seqs: gate.target.serving.as_ref().map_or(16, |s| s.max_seqs),
+    };
+    let plan = draw.plan(|p| Ok(model::hf_encode(tok, p)?.len()))?;
+    let mut spec = ServeSpec { ck: &ck, report, features, plan };
     gate.run(&mut spec)
 }
 
-/// serve_engine as a [`Spec`] that runs the engine's own binary here: the checkpoint, the
-/// request's load plan and the report as far as it is known before the binary runs.
+/// serve_engine as a [`Spec`] that runs the engine's own binary, here or through a bundle: the
+/// checkpoint, the plan of what is sent and the report as far as it is known before the binary
+/// runs.
 struct ServeSpec<'c> {
     ck: &'c super::checkpoint::Checkpoint,
-    req: &'c ServeRequest,
     report: ServeReport,
     features: Vec<String>,
-    levels: Vec<usize>,
-    max_tokens: usize,
-    seed: u64,
+    plan: Plan,
+}
+
+impl ServeSpec<'_> {
+    /// The reference's answers to the plan: the family's graph, as every gate builds it, stopping
+    /// at the stop tokens every gate uses (`Checkpoint::generation`).
+    fn expected(&self, gate: &Gate) -> Result<judge::Expected> {
+        let (ctx, ck) = (gate.ctx, self.ck);
+        let tensors = ck.tensors(&ctx.ckb, &self.report.dtype)?;
+        let (_, fam) = ck.family(&ctx.ckb)?;
+        let mut reference = Reference::of_family(fam, &ck.cfg, tensors, &self.report.dtype)?;
+        let tok = ck.tokenizer()?;
+        judge::expected(
+            &self.plan,
+            &ck.generation.eos_token_ids,
+            |p| model::hf_encode(tok, p),
+            |ids| model::hf_decode(tok, ids),
+            |ids, n| Ok(reference.greedy(ids, n)?.1),
+        )
+    }
+
+    /// The verdict on what the server answered.
+    fn verdict(&self, gate: &Gate, want: &judge::Expected, seen: &Observed) -> GateVerdict<ServeReport> {
+        let (checks, levels) = judge::judge(&self.plan, want, seen);
+        let report = ServeReport {
+            sandboxed: seen.sandboxed,
+            checks,
+            levels,
+            load_average: seen.load_average,
+            error: seen.error.clone(),
+            rules: gate.findings.clone(),
+            ..self.report.clone()
+        };
+        finish(gate, report)
+    }
 }
 
 impl Spec for ServeSpec<'_> {
@@ -297,6 +330,14 @@ impl Spec for ServeSpec<'_> {
         ServeReport { error: why, rules: gate.findings.clone(), ..self.report.clone() }
     }
 
+    fn model(&self) -> Option<&base::beneath::HeldDir> {
+        Some(&self.ck.held)
+    }
+
+    fn plan(&mut self, _gate: &Gate) -> Result<Vec<u8>> {
+        serde_json::to_vec_pretty(&self.plan).internal_ctx(|| "serve_engine's plan".to_owned())
+    }
+
     fn judge_here(
         &mut self,
         gate: &Gate,
@@ -304,365 +345,20 @@ impl Spec for ServeSpec<'_> {
         scratch: &std::path::Path,
     ) -> Result<GateVerdict<ServeReport>> {
         let exe = exe.ok_or_else(|| Error::internal("serve_engine judged without the engine's binary"))?;
-        let (ctx, budget, req) = (gate.ctx, gate.budget, self.req);
-        let (ck, levels, max_tokens, seed) = (self.ck, self.levels.clone(), self.max_tokens, self.seed);
-        let (held, cfg) = (&ck.held, &ck.cfg);
-        let dtype = self.report.dtype.clone();
-        let mut report = ServeReport { rules: gate.findings.clone(), ..self.report.clone() };
-        // component.openai_server: the binary explains itself before it is asked to serve.
-        let help = help_check(ctx, exe, scratch, budget)?;
-        let help_ok = help.passed;
-        report.checks.push(help);
-        if !help_ok {
-            report.error = format!("the engine's binary does not explain itself: {}", report.checks[0].detail);
-            return Ok(finish(gate, report));
-        }
-
         // The reference's answers, computed before the server starts (it never sees them).
-        let tensors = ck.tensors(&ctx.ckb, &dtype)?;
-        // The reference is the family's graph, as every gate builds it.
-        let (_, fam) = ck.family(&ctx.ckb)?;
-        let mut reference = Reference::of_family(fam, cfg, tensors, &dtype)?;
-        let tok = ck.tokenizer()?;
-        // The stop tokens every gate uses (Checkpoint::generation).
-        let eos = ck.generation.eos_token_ids.clone();
-        let max_context = cfg.max_seq;
-        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ base::util::fnv1a("serve_engine"));
-        let mut expect = |prompt: String, n: usize| -> Result<Expected> {
-            let ids = model::hf_encode(tok, &prompt)?;
-            let n = n.min(max_context.saturating_sub(ids.len())).max(1);
-            let (_, toks) = reference.greedy(&ids, n)?;
-            let cut = toks.iter().position(|t| eos.contains(t)).map_or(toks.len(), |i| i + 1);
-            let toks = &toks[..cut];
-            let finish = if cut < n || toks.last().is_some_and(|t| eos.contains(t)) { "stop" } else { "length" };
-            let prompt_text = model::hf_decode(tok, &ids)?;
-            let all: Vec<u32> = ids.iter().chain(toks).copied().collect();
-            let full = model::hf_decode(tok, &all)?;
-            let text = match full.strip_prefix(prompt_text.as_str()) {
-                Some(t) => t.to_string(),
-                None => model::hf_decode(tok, toks)?,
-            };
-            Ok(Expected { prompt, max_tokens: n, text, completion_tokens: toks.len(), finish })
-        };
-        let mut greedy = Vec::new();
-        for _ in 0..3 {
-            let p = draw_prompt(&mut rng);
-            let n = rng.random_range(8..=48);
-            greedy.push(expect(p, n)?);
-        }
-        let mut pool = Vec::new();
-        for _ in 0..6 {
-            let p = draw_prompt(&mut rng);
-            pool.push(expect(p, max_tokens)?);
-        }
+        let want = self.expected(gate)?;
+        let grant = self.ck.held.grant();
+        let reads: Vec<std::path::PathBuf> = grant.paths().into_iter().map(std::path::Path::to_path_buf).collect();
+        let seen = battery::observe(&gate.ctx.workshop, exe, self.ck.path(), &reads, &self.plan, scratch, gate.budget)?;
+        drop(grant);
+        Ok(self.verdict(gate, &want, &seen))
+    }
 
-        // Start the server.
-        let port = harness::free_loopback_port()?;
-        let grant = held.grant();
-        let mut grants = Grants::harness(exe, scratch);
-        for p in grant.paths() {
-            grants = grants.read(p);
-        }
-        grants.listen = Some(port);
-        let args: Vec<std::ffi::OsString> = vec![
-            "serve".into(),
-            "--model".into(),
-            ck.path().as_os_str().to_owned(),
-            "--host".into(),
-            "127.0.0.1".into(),
-            "--port".into(),
-            port.to_string().into(),
-        ];
-        let server = std::sync::Arc::new(ctx.workshop.start_server(exe, &args, &grants, scratch)?);
-        report.sandboxed = server.sandboxed;
-        // The server ends when the call's budget runs out or the call is cancelled, so no request of
-        // this gate waits past them (each request's own limit is also what is left of the budget).
-        let watch = harness::Watch::start(server.clone(), budget);
-        let client = Client::new(port, budget.deadline);
-        let died = |server: &harness::ServerProcess| {
-            server.exited().map(|e| {
-                let why = match e {
-                    harness::Exit::Code(Some(c)) => format!("exited with status {c}"),
-                    _ => "was killed by a signal".to_string(),
-                };
-                format!("the server {why}; stderr (tail):\n{}", server.stderr_tail(4000))
-            })
-        };
-        // 1. health: up within 60 s (or the budget).
-        let until = Instant::now() + Duration::from_secs(60);
-        let mut up = false;
-        while Instant::now() < until.min(budget.deadline) && !budget.cancel.load(Ordering::Relaxed) {
-            if let Some(why) = died(&server) {
-                report.error = format!("the server exited before answering /health: {why}");
-                break;
-            }
-            if client.get("/health").is_ok_and(|a| a.status == 200) {
-                up = true;
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        if !up {
-            if report.error.is_empty() {
-                report.error = format!(
-                    "the server did not answer GET /health with 200 on 127.0.0.1:{port} within 60 s; stderr (tail):\n{}",
-                    server.stderr_tail(4000)
-                );
-            }
-            report.checks.push(check("health", false, report.error.clone()));
-            return Ok(finish(gate, report));
-        }
-        report.checks.push(check("health", true, format!("GET /health: 200 on 127.0.0.1:{port}")));
-
-        // 2. models.
-        let models = client.get("/v1/models");
-        let model_id = models
-            .as_ref()
-            .ok()
-            .filter(|a| a.status == 200)
-            .and_then(|a| serde_json::from_str::<Value>(&a.body).ok())
-            .and_then(|v| v["data"][0]["id"].as_str().map(str::to_string));
-        report.checks.push(match (&models, &model_id) {
-            (_, Some(id)) => check("models", true, format!("GET /v1/models lists {id:?}")),
-            (Ok(a), None) => {
-                check("models", false, format!("GET /v1/models answered {}: {}", a.status, harness::tail(&a.body, 300)))
-            }
-            (Err(e), None) => check("models", false, e.clone()),
-        });
-
-        // 3. greedy completions equal the reference.
-        let completion = |e: &Expected, extra: Value| -> std::result::Result<(String, String, usize), String> {
-            let mut body = json!({"prompt": e.prompt, "max_tokens": e.max_tokens, "temperature": 0});
-            if let (Some(b), Some(x)) = (body.as_object_mut(), extra.as_object()) {
-                b.extend(x.clone());
-            }
-            let a = client.post("/v1/completions", &body.to_string())?;
-            if a.status != 200 {
-                return Err(format!("answered {}: {}", a.status, harness::tail(&a.body, 300)));
-            }
-            let v: Value = serde_json::from_str(&a.body).map_err(|e| format!("the body is not JSON: {e}"))?;
-            let c = &v["choices"][0];
-            let text = c["text"].as_str().ok_or("choices[0].text is missing")?.to_string();
-            let finish = c["finish_reason"].as_str().unwrap_or("").to_string();
-            let n = v["usage"]["completion_tokens"].as_u64().ok_or("usage.completion_tokens is missing")? as usize;
-            Ok((text, finish, n))
-        };
-        let mut bad = Vec::new();
-        for e in &greedy {
-            match completion(e, json!({})) {
-                Ok((text, finish, n)) => {
-                    if text != e.text || finish != e.finish || n != e.completion_tokens {
-                        bad.push(format!(
-                            "prompt {:?}, max_tokens {}: got {text:?} ({n} tokens, {finish}), the reference {:?} ({} tokens, {})",
-                            e.prompt, e.max_tokens, e.text, e.completion_tokens, e.finish
-                        ));
-                    }
-                }
-                Err(why) => bad.push(format!("prompt {:?}: {why}", e.prompt)),
-            }
-        }
-        let eos_seen = greedy.iter().filter(|e| e.finish == "stop").count();
-        report.checks.push(if bad.is_empty() {
-            check(
-                "greedy",
-                true,
-                format!(
-                    "{} greedy completions equal the reference's text, token count and finish reason ({eos_seen} ended on EOS)",
-                    greedy.len()
-                ),
-            )
-        } else {
-            check("greedy", false, format!("greedy completion differs from the reference: {}", bad.join("; ")))
-        });
-
-        // 4. streaming equals non-streaming.
-        let e0 = &greedy[0];
-        let streamed =
-            client.stream(&json!({"prompt": e0.prompt, "max_tokens": e0.max_tokens, "temperature": 0, "stream": true}));
-        report.checks.push(match streamed {
-            Ok(s) if s.done && s.text() == e0.text && s.finish == e0.finish => check(
-                "streaming",
-                true,
-                format!("{} events, text equal to the non-streaming one, then [DONE]", s.pieces.len()),
-            ),
-            Ok(s) => check(
-                "streaming",
-                false,
-                format!(
-                    "streamed text {:?} (finish {:?}, [DONE] {}), expected {:?} ({})",
-                    s.text(),
-                    s.finish,
-                    s.done,
-                    e0.text,
-                    e0.finish
-                ),
-            ),
-            Err(why) => check("streaming", false, why),
-        });
-
-        // 5. a stop string cuts the text before it.
-        let stop_case = greedy.iter().find_map(|e| {
-            let chars: Vec<(usize, char)> = e.text.char_indices().collect();
-            (chars.len() >= 4).then(|| {
-                let from = chars[chars.len() / 2].0;
-                let to = chars.get(chars.len() / 2 + 2).map_or(e.text.len(), |c| c.0);
-                let s = e.text[from..to].to_string();
-                let at = e.text.find(&s).unwrap_or(from);
-                (e, s, e.text[..at].to_string())
-            })
-        });
-        report.checks.push(match stop_case {
-            None => check("stop", false, "no greedy completion is long enough to draw a stop string from"),
-            Some((e, s, want)) => match completion(e, json!({"stop": [s]})) {
-                Ok((text, finish, _)) if text == want && finish == "stop" => {
-                    check("stop", true, format!("stop {s:?}: text cut before it, finish_reason stop"))
-                }
-                Ok((text, finish, _)) => {
-                    check("stop", false, format!("stop {s:?}: got {text:?} ({finish}), expected {want:?} (stop)"))
-                }
-                Err(why) => check("stop", false, format!("stop {s:?}: {why}")),
-            },
-        });
-
-        // 6. chat.
-        let chat = client.post(
-            "/v1/chat/completions",
-            &json!({"messages": [{"role": "user", "content": e0.prompt}], "max_tokens": 8, "temperature": 0})
-                .to_string(),
-        );
-        report.checks.push(match chat {
-            Ok(a) if a.status == 200 => {
-                let v: Value = serde_json::from_str(&a.body).unwrap_or(Value::Null);
-                let ok = v["object"] == "chat.completion"
-                    && v["choices"][0]["message"]["role"] == "assistant"
-                    && v["choices"][0]["message"]["content"].is_string()
-                    && v["usage"]["completion_tokens"].is_u64();
-                check(
-                    "chat",
-                    ok,
-                    if ok {
-                        "chat.completion with an assistant message and usage".into()
-                    } else {
-                        format!("not a chat.completion: {}", harness::tail(&a.body, 300))
-                    },
-                )
-            }
-            Ok(a) => check("chat", false, format!("answered {}: {}", a.status, harness::tail(&a.body, 300))),
-            Err(why) => check("chat", false, why),
-        });
-
-        // 7. bad requests: 4xx in OpenAI's shape.
-        let long_prompt = "the ".repeat(max_context * 2);
-        let bads: Vec<(&str, String)> = vec![
-            ("malformed JSON", "{\"prompt\": ".to_string()),
-            ("negative max_tokens", json!({"prompt": e0.prompt, "max_tokens": -5}).to_string()),
-            ("absurd max_tokens", json!({"prompt": e0.prompt, "max_tokens": 1_000_000_000u64}).to_string()),
-            ("temperature 5", json!({"prompt": e0.prompt, "temperature": 5}).to_string()),
-            ("top_p 0", json!({"prompt": e0.prompt, "top_p": 0}).to_string()),
-            ("unknown model", json!({"prompt": e0.prompt, "model": "no-such-model"}).to_string()),
-            ("prompt longer than the context", json!({"prompt": long_prompt, "max_tokens": 4}).to_string()),
-        ];
-        let mut wrong = Vec::new();
-        for (what, body) in &bads {
-            match client.post("/v1/completions", body) {
-                Ok(a) if (400..500).contains(&a.status) && openai_error(&a.body) => {}
-                Ok(a) => wrong.push(format!("{what}: answered {} {}", a.status, harness::tail(&a.body, 200))),
-                Err(why) => wrong.push(format!("{what}: {why}")),
-            }
-        }
-        report.checks.push(if wrong.is_empty() {
-            check("bad_requests", true, format!("{} bad requests answered 4xx with an OpenAI error object", bads.len()))
-        } else {
-            check(
-                "bad_requests",
-                false,
-                format!("not answered 4xx with {{\"error\": {{\"message\", \"type\"}}}}: {}", wrong.join("; ")),
-            )
-        });
-
-        // 8. a burst: BURST requests at once, each answered or refused with a 4xx, none lost.
-        report.checks.push(if died(&server).is_some() {
-            check("burst", false, "not sent: the server had exited")
-        } else {
-            let b = burst(&client, &e0.prompt, BURST);
-            let passed = b.wrong.is_empty() && b.completed > 0;
-            let mut detail = format!(
-                "{BURST} requests at once: {} completed, {} refused with a 4xx in OpenAI's shape",
-                b.completed, b.refused
-            );
-            if b.retried > 0 {
-                detail += &format!(" ({} lost at the connection and sent again once)", b.retried);
-            }
-            if !b.wrong.is_empty() {
-                detail += &format!(
-                    "; {} neither (component.openai_server: each is answered or refused with a 4xx, and the server keeps serving), e.g. {}",
-                    b.wrong_count,
-                    b.wrong.join("; ")
-                );
-            } else if b.completed == 0 {
-                detail += "; none completed";
-            }
-            check("burst", passed, detail)
-        });
-
-        // 9. alive afterwards, and still right.
-        let alive = match died(&server) {
-            Some(why) => check("alive", false, why),
-            None => match completion(e0, json!({})) {
-                Ok((text, _, _)) if text == e0.text => {
-                    check("alive", true, "the server still answers greedy requests with the reference's text")
-                }
-                Ok((text, _, _)) => {
-                    check("alive", false, format!("after the bad requests: got {text:?}, expected {:?}", e0.text))
-                }
-                Err(why) => check("alive", false, format!("after the bad requests: {why}")),
-            },
-        };
-        let alive_ok = alive.passed;
-        report.checks.push(alive);
-
-        // 10. a client that goes away cancels its request.
-        if alive_ok {
-            let max_seqs = gate.target.serving.as_ref().map_or(16, |s| s.max_seqs);
-            let prompt_len = model::hf_encode(tok, &e0.prompt)?.len();
-            let full = max_context.saturating_sub(prompt_len).max(1);
-            report.checks.push(disconnect(&client, &e0.prompt, full, max_seqs.clamp(1, 64)));
-            if let Some(why) = died(&server) {
-                report.checks.push(check("alive", false, format!("after the dropped clients: {why}")));
-            }
-        }
-
-        // 11. reused connections answer as fast as fresh ones.
-        if alive_ok && died(&server).is_none() {
-            let fresh = Client::fresh(port, budget.deadline);
-            let body =
-                json!({"prompt": e0.prompt, "max_tokens": e0.max_tokens.min(4), "temperature": 0, "stream": true});
-            report.checks.push(keep_alive(&client, &fresh, &body));
-        }
-
-        // 12. load.
-        if alive_ok {
-            report.load_average = load_average();
-            for &c in &levels {
-                if budget.cancel.load(Ordering::Relaxed) || Instant::now() >= budget.deadline {
-                    break;
-                }
-                report.levels.push(load_level(&client, &pool, c, req.requests.unwrap_or(2 * c), &mut rng));
-                if died(&server).is_some() {
-                    break;
-                }
-            }
-            if let Some(why) = died(&server) {
-                report.error = format!("the server died under load: {why}");
-            }
-        }
-        if let Some(why) = watch.fired() {
-            report.error =
-                format!("{why}: the engine's server was stopped; checks after that point failed for that reason");
-        }
-        drop(watch);
-        drop(server);
-        Ok(finish(gate, report))
+    fn judge_observed(&mut self, gate: &Gate, observed: &[u8]) -> Result<GateVerdict<ServeReport>> {
+        let seen: Observed = serde_json::from_slice(observed)
+            .usage_ctx(|| "the bundle's observations do not parse: run the bundle again".to_owned())?;
+        let want = self.expected(gate)?;
+        Ok(self.verdict(gate, &want, &seen))
     }
 }
 

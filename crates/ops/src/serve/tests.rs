@@ -1,9 +1,14 @@
 //! Unit tests of serve_engine: percentiles, the keep-alive check against a Nagle-bound server,
-//! the OpenAI error shape.
+//! the OpenAI error shape, the judge of a recorded run.
 
 use std::io::{BufRead, BufReader};
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
+use serde_json::json;
+
+use super::checks::{keep_alive, openai_error};
+use super::client::Client;
 use super::load::percentile;
 use super::*;
 
@@ -94,4 +99,105 @@ fn openai_error_shape() {
     assert!(openai_error(r#"{"error": {"message": "x", "type": "invalid_request_error", "param": null}}"#));
     assert!(!openai_error(r#"{"detail": "x"}"#));
     assert!(!openai_error("Bad Request"));
+}
+
+/// A plan of one greedy ask and one pool prompt, its reference answers (written by hand), and a
+/// run that answered every check as the reference does.
+fn judged_case() -> (Plan, judge::Expected, Observed) {
+    let ask = |p: &str, n| Ask { prompt: p.into(), max_tokens: n };
+    let plan = Plan {
+        seed: 1,
+        greedy: vec![ask("Once upon", 8)],
+        pool: vec![ask("the dog", 4)],
+        levels: vec![(2, vec![0, 0])],
+        max_context: 256,
+        max_seqs: 4,
+        disconnect_tokens: 250,
+    };
+    let want = |t: &str, n, f| judge::Want { text: t.into(), completion_tokens: n, finish: f };
+    let expected = judge::Expected {
+        greedy: vec![want(" a time there was a girl", 8, "length")],
+        pool: vec![want(" ran to the", 4, "length")],
+    };
+    let answered = Answered { text: " a time there was a girl".into(), finish: "length".into(), completion_tokens: 8 };
+    let ok = |name: &str| Step::Checked { check: checks::check(name, true, "ok") };
+    let steps = vec![
+        ok("help"),
+        ok("health"),
+        ok("models"),
+        Step::Greedy { answers: vec![Ok(answered.clone())] },
+        Step::Streaming {
+            answer: Ok(StreamAnswered { text: answered.text.clone(), finish: "length".into(), events: 8, done: true }),
+        },
+        Step::Stop {
+            sent: Some((
+                0,
+                "there".into(),
+                Ok(Answered { text: " a time ".into(), finish: "stop".into(), completion_tokens: 3 }),
+            )),
+        },
+        ok("chat"),
+        ok("bad_requests"),
+        ok("burst"),
+        Step::Alive { answer: Ok(answered) },
+        ok("disconnect"),
+        ok("keep_alive"),
+    ];
+    let level = LoadLevel { concurrency: 2, requests: 2, completed: 2, ..Default::default() };
+    let levels = vec![LevelRun { level, answers: vec![(0, " ran to the".into()), (0, " ran to the".into())] }];
+    (plan, expected, Observed { sandboxed: true, steps, levels, load_average: 0.5, error: String::new() })
+}
+
+#[test]
+fn the_judge_passes_answers_equal_to_the_reference() {
+    let (plan, want, seen) = judged_case();
+    let (checks, levels) = judge::judge(&plan, &want, &seen);
+    let names: Vec<&str> = checks.iter().map(|c| c.name.as_str()).collect();
+    assert_eq!(names, judge::BATTERY);
+    assert!(checks.iter().all(|c| c.passed), "{checks:?}");
+    assert_eq!((levels[0].requests, levels[0].completed, levels[0].greedy_mismatches), (2, 2, 0));
+}
+
+#[test]
+fn the_judge_fails_each_answer_that_differs_and_each_check_not_recorded() {
+    let (plan, want, mut seen) = judged_case();
+    // A stop string ignored: the whole answer came back, finish "length".
+    seen.steps[5] = Step::Stop {
+        sent: Some((
+            0,
+            "there".into(),
+            Ok(Answered { text: " a time there was a girl".into(), finish: "length".into(), completion_tokens: 8 }),
+        )),
+    };
+    // Streaming that stops early, without [DONE].
+    seen.steps[4] = Step::Streaming {
+        answer: Ok(StreamAnswered { text: " a time".into(), finish: String::new(), events: 2, done: false }),
+    };
+    // The greedy step missing altogether, in a run that reports no error.
+    seen.steps.remove(3);
+    // Under load: one answer differs, one names a prompt the plan does not have.
+    seen.levels[0].answers = vec![(0, " ran to a".into()), (5, " ran to the".into())];
+    let (checks, levels) = judge::judge(&plan, &want, &seen);
+    let failed: Vec<(&str, &str)> =
+        checks.iter().filter(|c| !c.passed).map(|c| (c.name.as_str(), c.detail.as_str())).collect();
+    assert_eq!(failed.len(), 3, "{failed:?}");
+    assert!(failed[0].0 == "streaming" && failed[0].1.contains("[DONE] false"), "{failed:?}");
+    // The stop string is cut from the server's own greedy answer; without that answer it cannot
+    // be judged.
+    assert_eq!(failed[1], ("stop", "stop \"there\" is not in greedy answer 0"));
+    assert_eq!(failed[2], ("greedy", "not recorded by the run"));
+    assert_eq!(levels[0].greedy_mismatches, 2);
+
+    // With the greedy answer back, the ignored stop string fails on its own.
+    let (_, _, mut seen) = judged_case();
+    seen.steps[5] = Step::Stop {
+        sent: Some((
+            0,
+            "there".into(),
+            Ok(Answered { text: " a time there was a girl".into(), finish: "length".into(), completion_tokens: 8 }),
+        )),
+    };
+    let (checks, _) = judge::judge(&plan, &want, &seen);
+    let stop = checks.iter().find(|c| c.name == "stop").unwrap();
+    assert!(!stop.passed && stop.detail.ends_with("expected \" a time \" (stop)"), "{stop:?}");
 }

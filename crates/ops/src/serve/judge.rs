@@ -1,0 +1,197 @@
+//! serve_engine's judge: the reference's greedy answers to the [`Plan`], computed here (they never
+//! reach the server or a bundle), and the checks that compare what the server answered
+//! ([`Observed`]) with them.
+
+use super::checks::check;
+use super::wire::{Answered, Observed, Plan, Step};
+use super::{Check, LoadLevel};
+use base::error::Result;
+
+/// The reference's greedy completion of one ask, as the server must answer it.
+#[derive(Debug, Clone)]
+pub(super) struct Want {
+    /// The text (the prompt's decoding stripped from the decoding of prompt and answer).
+    pub(super) text: String,
+    /// New tokens, the EOS token included when it ended the answer.
+    pub(super) completion_tokens: usize,
+    /// "stop" (EOS) or "length".
+    pub(super) finish: &'static str,
+}
+
+/// The reference's answers to a plan: one per greedy ask and one per pool prompt.
+#[derive(Debug, Clone)]
+pub(super) struct Expected {
+    pub(super) greedy: Vec<Want>,
+    pub(super) pool: Vec<Want>,
+}
+
+/// Every check of the battery, in the order a server that answers everything goes through them.
+pub(super) const BATTERY: [&str; 12] = [
+    "help",
+    "health",
+    "models",
+    "greedy",
+    "streaming",
+    "stop",
+    "chat",
+    "bad_requests",
+    "burst",
+    "alive",
+    "disconnect",
+    "keep_alive",
+];
+
+/// The checks and load levels of `seen`, judged against `want` (the reference's answers to
+/// `plan`). A battery check absent from a run that reports no error fails as not recorded; a load
+/// level counts as completed only the requests whose text it holds.
+pub(super) fn judge(plan: &Plan, want: &Expected, seen: &Observed) -> (Vec<Check>, Vec<LoadLevel>) {
+    let mut checks = Vec::new();
+    let mut greedy_answers: &[std::result::Result<Answered, String>] = &[];
+    let Some(w0) = want.greedy.first() else {
+        return (vec![check("greedy", false, "the plan holds no greedy request")], vec![]);
+    };
+    for step in &seen.steps {
+        checks.push(match step {
+            Step::Checked { check } => check.clone(),
+            Step::Greedy { answers } => {
+                greedy_answers = answers;
+                greedy(plan, want, answers)
+            }
+            Step::Streaming { answer } => match answer {
+                Ok(s) if s.done && s.text == w0.text && s.finish == w0.finish => check(
+                    "streaming",
+                    true,
+                    format!("{} events, text equal to the non-streaming one, then [DONE]", s.events),
+                ),
+                Ok(s) => check(
+                    "streaming",
+                    false,
+                    format!(
+                        "streamed text {:?} (finish {:?}, [DONE] {}), expected {:?} ({})",
+                        s.text, s.finish, s.done, w0.text, w0.finish
+                    ),
+                ),
+                Err(why) => check("streaming", false, why.clone()),
+            },
+            Step::Stop { sent: None } => {
+                check("stop", false, "no greedy completion is long enough to draw a stop string from")
+            }
+            Step::Stop { sent: Some((i, s, answer)) } => {
+                // The server's own greedy answer the stop string was cut from, up to the string.
+                let own = greedy_answers.get(*i).and_then(|a| a.as_ref().ok()).map(|a| a.text.as_str());
+                match (own.and_then(|t| t.find(s.as_str()).map(|at| &t[..at])), answer) {
+                    (None, _) => check("stop", false, format!("stop {s:?} is not in greedy answer {i}")),
+                    (Some(cut), Ok(a)) if a.text == cut && a.finish == "stop" => {
+                        check("stop", true, format!("stop {s:?}: text cut before it, finish_reason stop"))
+                    }
+                    (Some(cut), Ok(a)) => check(
+                        "stop",
+                        false,
+                        format!("stop {s:?}: got {:?} ({}), expected {cut:?} (stop)", a.text, a.finish),
+                    ),
+                    (Some(_), Err(why)) => check("stop", false, format!("stop {s:?}: {why}")),
+                }
+            }
+            Step::Alive { answer } => match answer {
+                Ok(a) if a.text == w0.text => {
+                    check("alive", true, "the server still answers greedy requests with the reference's text")
+                }
+                Ok(a) => {
+                    check("alive", false, format!("after the bad requests: got {:?}, expected {:?}", a.text, w0.text))
+                }
+                Err(why) => check("alive", false, format!("after the bad requests: {why}")),
+            },
+        });
+    }
+    if seen.error.is_empty() {
+        for name in BATTERY {
+            if !checks.iter().any(|c| c.name == name) {
+                checks.push(check(name, false, "not recorded by the run"));
+            }
+        }
+    }
+    let levels = seen
+        .levels
+        .iter()
+        .enumerate()
+        .map(|(i, run)| {
+            let mut level = run.level.clone();
+            let picks = plan.levels.get(i).map_or(&[][..], |(_, p)| p.as_slice());
+            level.requests = picks.len();
+            level.completed = run.answers.len().min(picks.len());
+            level.greedy_mismatches =
+                run.answers.iter().filter(|(pick, text)| want.pool.get(*pick).is_none_or(|w| w.text != *text)).count();
+            level
+        })
+        .collect();
+    (checks, levels)
+}
+
+/// The greedy check: every answer equals the reference's text, token count and finish reason.
+fn greedy(plan: &Plan, want: &Expected, answers: &[std::result::Result<Answered, String>]) -> Check {
+    let mut bad = Vec::new();
+    for (i, (ask, w)) in plan.greedy.iter().zip(&want.greedy).enumerate() {
+        match answers.get(i) {
+            Some(Ok(a)) if a.text == w.text && a.finish == w.finish && a.completion_tokens == w.completion_tokens => {}
+            Some(Ok(a)) => bad.push(format!(
+                "prompt {:?}, max_tokens {}: got {:?} ({} tokens, {}), the reference {:?} ({} tokens, {})",
+                ask.prompt,
+                ask.max_tokens,
+                a.text,
+                a.completion_tokens,
+                a.finish,
+                w.text,
+                w.completion_tokens,
+                w.finish
+            )),
+            Some(Err(why)) => bad.push(format!("prompt {:?}: {why}", ask.prompt)),
+            None => bad.push(format!("prompt {:?}: no answer recorded", ask.prompt)),
+        }
+    }
+    let eos_seen = want.greedy.iter().filter(|w| w.finish == "stop").count();
+    if bad.is_empty() {
+        check(
+            "greedy",
+            true,
+            format!(
+                "{} greedy completions equal the reference's text, token count and finish reason ({eos_seen} ended on EOS)",
+                want.greedy.len()
+            ),
+        )
+    } else {
+        check("greedy", false, format!("greedy completion differs from the reference: {}", bad.join("; ")))
+    }
+}
+
+/// The reference's answers to `plan`: `greedy(ids, n)` gives the reference's `n` greedy tokens
+/// after the prompt ids; `encode` and `decode` are the model's tokenizer; generation stops at the
+/// first of `eos`.
+///
+/// # Errors
+/// When the reference or the tokenizer fails.
+pub(super) fn expected(
+    plan: &Plan,
+    eos: &[u32],
+    encode: impl Fn(&str) -> Result<Vec<u32>>,
+    decode: impl Fn(&[u32]) -> Result<String>,
+    mut greedy: impl FnMut(&[u32], usize) -> Result<Vec<u32>>,
+) -> Result<Expected> {
+    let mut want = |prompt: &str, n: usize| -> Result<Want> {
+        let ids = encode(prompt)?;
+        let toks = greedy(&ids, n)?;
+        let cut = toks.iter().position(|t| eos.contains(t)).map_or(toks.len(), |i| i + 1);
+        let toks = &toks[..cut];
+        let finish = if cut < n || toks.last().is_some_and(|t| eos.contains(t)) { "stop" } else { "length" };
+        let prompt_text = decode(&ids)?;
+        let all: Vec<u32> = ids.iter().chain(toks).copied().collect();
+        let full = decode(&all)?;
+        let text = match full.strip_prefix(prompt_text.as_str()) {
+            Some(t) => t.to_string(),
+            None => decode(toks)?,
+        };
+        Ok(Want { text, completion_tokens: toks.len(), finish })
+    };
+    let greedy = plan.greedy.iter().map(|a| want(&a.prompt, a.max_tokens)).collect::<Result<_>>()?;
+    let pool = plan.pool.iter().map(|a| want(&a.prompt, a.max_tokens)).collect::<Result<_>>()?;
+    Ok(Expected { greedy, pool })
+}

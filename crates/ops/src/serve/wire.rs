@@ -1,0 +1,195 @@
+//! What serve_engine sends the server, and what it saw: the [`Plan`] is drawn here from the seed
+//! and the tokenizer and holds no expected answer, so it can travel in a bundle to the machine
+//! where the server runs; the [`Observed`] record is what the battery and the load test saw there,
+//! judged here against the reference ([`super::judge`]).
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+
+use super::{Check, LoadLevel};
+use base::error::Result;
+
+/// Words the drawn prompts are made of (plain English, in every tokenizer's vocabulary).
+const WORDS: &[&str] = &[
+    "Once", "upon", "a", "time", "there", "was", "little", "girl", "boy", "dog", "cat", "sun", "happy", "played",
+    "the", "park", "with", "her", "his", "friend", "and", "they", "went", "to", "see", "big", "tree",
+];
+
+/// A prompt of 2..=7 words drawn from [`WORDS`].
+fn draw_prompt(rng: &mut ChaCha8Rng) -> String {
+    let n = rng.random_range(2..=7);
+    (0..n).map(|_| WORDS[rng.random_range(0..WORDS.len())]).collect::<Vec<_>>().join(" ")
+}
+
+/// One greedy completion request: a drawn prompt and its new-token budget (already cut to what
+/// the model's context leaves after the prompt's tokens).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Ask {
+    /// Prompt text.
+    pub prompt: String,
+    /// `max_tokens` of the request, >= 1.
+    pub max_tokens: usize,
+}
+
+/// Every request serve_engine sends, drawn from one seed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Plan {
+    /// The seed it was drawn from.
+    pub seed: u64,
+    /// Three greedy completions (8..=48 new tokens); the first is also streamed, cut by a stop
+    /// string, asked as chat and used by the burst, disconnect and keep-alive checks.
+    pub greedy: Vec<Ask>,
+    /// Six load-test prompts of the request's `max_tokens`.
+    pub pool: Vec<Ask>,
+    /// The load test: per concurrency level, the pool index of each request, in sending order.
+    pub levels: Vec<(usize, Vec<usize>)>,
+    /// The model's context length, tokens (the too-long prompt is twice as many words).
+    pub max_context: usize,
+    /// The engine's `max_seqs` (the disconnect check fills every slot).
+    pub max_seqs: usize,
+    /// New tokens of the disconnect check's requests: what the context leaves after the first
+    /// greedy prompt.
+    pub disconnect_tokens: usize,
+}
+
+/// How serve_engine draws its plan: levels, requests per level and new tokens of the load test.
+pub(super) struct Draw<'a> {
+    pub(super) seed: u64,
+    pub(super) levels: &'a [usize],
+    pub(super) requests: Option<usize>,
+    pub(super) max_tokens: usize,
+    pub(super) max_context: usize,
+    pub(super) max_seqs: usize,
+}
+
+impl Draw<'_> {
+    /// The plan, with each prompt's token count from `count` (the model's tokenizer).
+    ///
+    /// # Errors
+    /// When a prompt cannot be tokenized.
+    pub(super) fn plan(&self, count: impl Fn(&str) -> Result<usize>) -> Result<Plan> {
+        let mut rng = ChaCha8Rng::seed_from_u64(self.seed ^ base::util::fnv1a("serve_engine"));
+        let ask = |prompt: String, n: usize| -> Result<Ask> {
+            let n = n.min(self.max_context.saturating_sub(count(&prompt)?)).max(1);
+            Ok(Ask { prompt, max_tokens: n })
+        };
+        let mut greedy = Vec::new();
+        for _ in 0..3 {
+            let p = draw_prompt(&mut rng);
+            let n = rng.random_range(8..=48);
+            greedy.push(ask(p, n)?);
+        }
+        let mut pool = Vec::new();
+        for _ in 0..6 {
+            let p = draw_prompt(&mut rng);
+            pool.push(ask(p, self.max_tokens)?);
+        }
+        let levels = self
+            .levels
+            .iter()
+            .map(|&c| {
+                let n = self.requests.unwrap_or(2 * c);
+                (c, (0..n).map(|_| rng.random_range(0..pool.len())).collect())
+            })
+            .collect();
+        let disconnect_tokens = self.max_context.saturating_sub(count(&greedy[0].prompt)?).max(1);
+        Ok(Plan {
+            seed: self.seed,
+            greedy,
+            pool,
+            levels,
+            max_context: self.max_context,
+            max_seqs: self.max_seqs,
+            disconnect_tokens,
+        })
+    }
+}
+
+/// A plain completion as the client read it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Answered {
+    /// `choices[0].text`.
+    pub text: String,
+    /// `choices[0].finish_reason` ("" when absent).
+    pub finish: String,
+    /// `usage.completion_tokens`.
+    pub completion_tokens: usize,
+}
+
+/// A streamed completion as the client read it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StreamAnswered {
+    /// The text events' pieces, joined.
+    pub text: String,
+    /// The last finish_reason seen.
+    pub finish: String,
+    /// Text events received.
+    pub events: usize,
+    /// Whether the stream ended with `data: [DONE]`.
+    pub done: bool,
+}
+
+/// One step of the battery as the client saw it, in the order the checks are reported.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "step", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Step {
+    /// A check decided where the server ran: it needs no reference (help, health, models, chat,
+    /// bad requests, burst, disconnect, keep-alive; alive when the server had died).
+    Checked {
+        /// The check.
+        check: Check,
+    },
+    /// The plan's greedy completions, in order (Err: what went wrong, in words).
+    Greedy {
+        /// One per [`Plan::greedy`].
+        answers: Vec<std::result::Result<Answered, String>>,
+    },
+    /// The first greedy request, streamed.
+    Streaming {
+        /// What the stream held.
+        answer: std::result::Result<StreamAnswered, String>,
+    },
+    /// A stop string cut from the middle of the server's own greedy answer `greedy` (the first of
+    /// at least four characters), sent with that request; None when no answer was long enough.
+    Stop {
+        /// The greedy request it was sent with, its stop string and the answer.
+        sent: Option<(usize, String, std::result::Result<Answered, String>)>,
+    },
+    /// The first greedy request again, after the bad requests and the burst.
+    Alive {
+        /// The answer.
+        answer: std::result::Result<Answered, String>,
+    },
+}
+
+/// One concurrency level of the load test as the client saw it: its timing figures (the greedy
+/// mismatches are left to the judge) and each completed request's text.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LevelRun {
+    /// The level, `greedy_mismatches` 0.
+    pub level: LoadLevel,
+    /// Per completed request: its pool index and streamed text.
+    pub answers: Vec<(usize, String)>,
+}
+
+/// Everything the battery and the load test saw, where the server ran.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Observed {
+    /// Whether the server ran in the enforced sandbox.
+    pub sandboxed: bool,
+    /// The battery, in order.
+    pub steps: Vec<Step>,
+    /// The load test, one entry per level run.
+    pub levels: Vec<LevelRun>,
+    /// Load average (1 minute) when the load test started; -1 when unknown.
+    pub load_average: f64,
+    /// What stopped the run (the server exited, the budget ran out), "" when nothing did.
+    pub error: String,
+}
