@@ -24,6 +24,7 @@ project. It never runs inside an engine: engines are built from the contracts on
 """
 
 import argparse
+import inspect
 import json
 import math
 import shutil
@@ -134,8 +135,11 @@ def main() -> int:
         cfg = AutoConfig.from_pretrained(tmp)
     cfg._attn_implementation = "eager"
     torch.manual_seed(args.seed)
-    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     init_weights(model, cfg.model_type, args.seed)
+    # The KV cache's name: `cache` from transformers 5.2x on, `past_key_values` before (same
+    # object, in the forward's arguments and in its output).
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     # Written to a sibling first and renamed: OUT holds a whole set or nothing.
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".vectors-", dir=out.parent))
@@ -151,13 +155,13 @@ def main() -> int:
             full = model(x, output_hidden_states=True)
             logits = full.logits[0].float()
             hidden = [h[0].float().tolist() for h in full.hidden_states]
-            greedy, past = [], None
+            greedy = []
             step = model(x, use_cache=True)
             for _ in range(GREEDY):
                 token = int(step.logits[0, -1].argmax())
                 greedy.append(token)
-                past = step.past_key_values
-                step = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
+                past = step[cache_arg]
+                step = model(torch.tensor([[token]]), use_cache=True, **{cache_arg: past})
             prompts.append(
                 {
                     "text": text,

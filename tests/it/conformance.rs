@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use metainfer::ops::conformance::conformance;
 
-use super::{ctx, shared};
+use super::{ctx, s, shared};
 
 /// Every folder of ../shared/conformance, by name.
 fn folders() -> Vec<(String, PathBuf)> {
@@ -557,4 +557,75 @@ print(json.dumps(out))
         assert!(err.contains("pip install torch transformers") && err.contains("metainfer ckb conformance"), "{err}");
         assert!(!out.exists());
     }
+}
+
+/// scripts/conformance-vectors.py run with transformers: for every conformance family, vectors it
+/// writes from the family's config.json (its own weights, prompts and hidden states) are reproduced
+/// by the family's contract; and the Gemma 3 contract with one RoPE base on every layer (the
+/// global one, the mistake the contract's failure mode rope-local-base-ignored names), proposed as
+/// a new family, fails on them at prompt 0, position 1 (where RoPE first rotates), the hidden
+/// states naming layer 0 (a sliding-window layer, whose base it got wrong). Needs torch and
+/// transformers: the Python that has them in METAINFER_TRANSFORMERS_PYTHON (default `python3`).
+#[test]
+#[ignore = "needs torch and transformers: METAINFER_TRANSFORMERS_PYTHON=PYTHON cargo test --test it -- --ignored the_vectors_script_with_transformers"]
+fn the_vectors_script_with_transformers_writes_evidence_every_family_reproduces() {
+    let python = std::env::var("METAINFER_TRANSFORMERS_PYTHON").unwrap_or_else(|_| "python3".into());
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/conformance-vectors.py");
+    let t = tempfile::tempdir().unwrap();
+    let mut dirs = Vec::new();
+    for (name, dir) in folders() {
+        let out = t.path().join(&name);
+        let run = std::process::Command::new(&python)
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .arg(&script)
+            .arg(dir.join("config.json"))
+            .arg(&dir)
+            .arg(&out)
+            .output()
+            .unwrap();
+        assert!(run.status.success(), "{name}: {}", String::from_utf8_lossy(&run.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("vectors.json")).unwrap()).unwrap();
+        let layers = metainfer::model::read_config(out.as_path()).unwrap()["num_hidden_layers"].as_u64().unwrap();
+        assert_eq!(v["prompts"][0]["hidden_states"].as_array().map(Vec::len), Some(layers as usize + 1), "{name}");
+        dirs.push(s(&out));
+    }
+    let t2 = tempfile::tempdir().unwrap();
+    let ctx = ctx(t2.path());
+    let r = conformance(&ctx, &dirs).unwrap();
+    assert!(r.passed && r.covered == dirs.len(), "{}", metainfer::ops::Report::text(&r));
+
+    // One RoPE base on every layer: a wrong Gemma 3, proposed as a family of its own.
+    let wc = t2.path().join("ckb");
+    crate::evolve::working_copy(&wc);
+    let mut ctx = ctx;
+    ctx.ckb = metainfer::ckb::Ckb::from_dir(&wc).unwrap();
+    ctx.ckb_dir = Some(wc);
+    let g = t.path().join("gemma3_text");
+    let mut config = metainfer::model::read_config(g.as_path()).unwrap();
+    config.insert("architectures".into(), serde_json::json!(["Gemma3XForCausalLM"]));
+    config.insert("model_type".into(), serde_json::json!("gemma3x"));
+    std::fs::write(g.join("config.json"), serde_json::Value::Object(config).to_string()).unwrap();
+    let local = "theta = \"rope_parameters[layer_types[layer]].rope_theta\"";
+    let text = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("contracts/models/gemma3_text.toml"),
+    )
+    .unwrap();
+    assert_eq!(text.matches(local).count(), 2, "q_rope and k_rope");
+    let wrong = text
+        .replacen("id = \"model.gemma3_text\"", "id = \"model.gemma3x\"", 1)
+        .replace("architectures = [\"Gemma3ForCausalLM\"]", "architectures = [\"Gemma3XForCausalLM\"]")
+        .replace("model_types = [\"gemma3_text\"]", "model_types = [\"gemma3x\"]")
+        .replace(local, "theta = \"rope_parameters.full_attention.rope_theta\"");
+    let staged =
+        metainfer::ops::evolve::propose(&ctx, &metainfer::ops::evolve::ProposeRequest { toml: wrong }).unwrap();
+    assert!(staged.staged, "{staged:?}");
+    let r = conformance(&ctx, &[s(&g)]).unwrap();
+    let f = &r.families[0];
+    assert!(f.covered && !f.passed, "{}", metainfer::ops::Report::text(&r));
+    let b = f.first_beyond.as_ref().unwrap();
+    assert_eq!(
+        (b.prompt, b.position, b.layer, b.point.as_deref()),
+        (0, 1, Some(0), Some("position 1: layer 0 output"))
+    );
+    assert!(!f.promotions[0].promoted, "{:?}", f.promotions);
 }
