@@ -758,6 +758,8 @@ fn simd_engine_serves_through_a_bundle_judged_here() {
     let text = metainfer::ops::Report::text(&r);
     assert!(r.passed, "{text}");
     assert_eq!(r.checks.len(), 12, "{text}");
+    // Run without a runner key: shown, and recorded, as no evidence.
+    assert!(r.attestation.starts_with("unattested: "), "{text}");
     assert_eq!(
         r.levels.iter().map(|l| (l.concurrency, l.completed, l.greedy_mismatches)).collect::<Vec<_>>(),
         [(1, 2, 0), (4, 8, 0)]

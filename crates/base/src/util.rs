@@ -145,6 +145,13 @@ pub const HARNESS_REPLY: Limit = Limit {
     max: 16 << 20,
     hint: "replies carry no tensors; the engine's process wrote far more than a reply",
 };
+/// What a serve_engine bundle run recorded (`observed.<nonce>.json`): every answer's text, each cut
+/// to 16 KiB, for at most 8 load levels of 1,024 requests.
+pub const SERVE_OBSERVED: Limit = Limit {
+    what: "serve_engine observations",
+    max: 192 << 20,
+    hint: "a run records at most 8 levels of 1,024 answers of 16 KiB; write and run the bundle again",
+};
 /// An engine's metainfer.toml (written by scaffold; under 1 KiB).
 pub const METAINFER_TOML: Limit =
     Limit { what: "metainfer.toml", max: 1 << 20, hint: "keep metainfer.toml to the scaffold's keys" };

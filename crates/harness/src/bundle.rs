@@ -459,7 +459,17 @@ pub fn open(dir: &Path, model: Option<&Path>) -> Result<(std::path::PathBuf, Bun
     if let Some(m) = &manifest.model {
         let link = dir.join(MODEL);
         match (m.copied, model) {
-            (true, _) => {}
+            (true, _) => {
+                // The bundle's own copy: a directory of the bundle (not a link out of it) holding
+                // the files it was written with.
+                let real = std::fs::symlink_metadata(&link).map(|md| md.is_dir()).unwrap_or(false);
+                if !real || model_hash(&link)? != m.sha256 {
+                    return Err(Error::usage(format!(
+                        "{}: the bundle's model is not the copy it was written with (a link, missing, or other files); copy the bundle again",
+                        link.display()
+                    )));
+                }
+            }
             (false, Some(given)) => {
                 let given = given.canonicalize().usage_ctx(|| format!("model {}", given.display()))?;
                 let h = model_hash(&given)?;
@@ -589,6 +599,48 @@ pub fn called(dir: &dyn Files, i: usize, attested: Option<&super::attest::Attest
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A bundle whose model was copied in is opened only with its own copy: not a link out of the
+    /// bundle (which `bundle run` would grant the engine's processes), not other files.
+    #[test]
+    fn a_copied_model_must_be_the_bundles_own_directory() {
+        let t = tempfile::tempdir().unwrap();
+        let dir = t.path().join("b");
+        let model = dir.join(MODEL);
+        std::fs::create_dir_all(&model).unwrap();
+        std::fs::write(model.join("config.json"), "{}").unwrap();
+        std::fs::write(dir.join(HARNESS), "exe").unwrap();
+        let manifest = BundleManifest {
+            format: FORMAT,
+            tool: "verify_generation".into(),
+            engine: "e".into(),
+            engine_hash: "h".into(),
+            dtype: "f32".into(),
+            target: "cpu".into(),
+            platform: None,
+            seed: Some(1),
+            nonce: "n".into(),
+            protocol: protocol::VERSION,
+            harness_sha256: file_hash(&dir.join(HARNESS)).unwrap(),
+            requests: vec![BundleRequest { request: request_file(0), env: vec![] }],
+            inputs: BTreeMap::new(),
+            model: Some(BundleModel { copied: true, sha256: model_hash(&model).unwrap(), source: "m".into() }),
+            written: "now".into(),
+        };
+        std::fs::write(dir.join(MANIFEST), serde_json::to_vec(&manifest).unwrap()).unwrap();
+        assert!(open(&dir, None).is_ok());
+        // The same files, but through a link to a directory outside the bundle.
+        let outside = t.path().join("home");
+        std::fs::rename(&model, &outside).unwrap();
+        std::os::unix::fs::symlink(&outside, &model).unwrap();
+        let e = open(&dir, None).unwrap_err();
+        assert!(e.message.contains("the bundle's model is not the copy it was written with"), "{}", e.message);
+        // Back in place, but with a file changed.
+        std::fs::remove_file(&model).unwrap();
+        std::fs::rename(&outside, &model).unwrap();
+        std::fs::write(model.join("config.json"), "{\"x\": 1}").unwrap();
+        assert!(open(&dir, None).unwrap_err().message.contains("not the copy it was written with"));
+    }
 
     #[test]
     fn run_records_round_trip_every_ending() {

@@ -1,8 +1,9 @@
 //! `metainfer bundle run DIR`: run a bundle written by a gate (`write_bundle`) on the machine that
 //! has the device, outside any server: check it, run its harness requests in order (or, for
 //! serve_engine, start its server and send its plan: `serve::run_bundle`), and leave the replies
-//! in the bundle for the gate to judge (`from_bundle`). Nothing is judged or recorded here;
-//! expected values never reach this machine.
+//! in the bundle for the gate to judge (`from_bundle`). Nothing is recorded here, and nothing is
+//! judged against a reference: expected values never reach this machine (serve_engine's checks
+//! of the server's own behaviour, which need none, are decided where the server runs).
 
 use std::path::Path;
 

@@ -352,14 +352,14 @@ impl<'a> Gate<'a> {
                 self.tool.name()
             )));
         }
-        let read = |name: &str| -> Result<Vec<u8>> {
-            let bytes = dir.read(Path::new(name), &base::util::HARNESS_REPLY)?;
+        let read = |name: &str, limit: &base::util::Limit| -> Result<Vec<u8>> {
+            let bytes = dir.read(Path::new(name), limit)?;
             if let Some(a) = self.attested() {
                 a.check(name, &bytes)?;
             }
             Ok(bytes)
         };
-        let held: serde_json::Value = serde_json::from_slice(&read(bundle::PLAN)?)
+        let held: serde_json::Value = serde_json::from_slice(&read(bundle::PLAN, &base::util::HARNESS_REPLY)?)
             .usage_ctx(|| format!("{}: the plan does not parse", dir.show(Path::new(bundle::PLAN)).display()))?;
         let sends: serde_json::Value =
             serde_json::from_slice(plan).internal_ctx(|| format!("{}'s plan", self.tool.name()))?;
@@ -381,7 +381,7 @@ impl<'a> Gate<'a> {
                 self.tool.name()
             )));
         }
-        read(&name)
+        read(&name, &base::util::SERVE_OBSERVED)
     }
 
     pub(super) fn write_bundle(

@@ -13,7 +13,7 @@ use super::checks::{BURST, burst, check, disconnect, help_check, keep_alive, ope
 use super::client::Client;
 use super::load::{load_average, load_level};
 use super::wire::Step;
-use super::wire::{Answered, Ask, Observed, Plan, StreamAnswered};
+use super::wire::{Answered, Ask, Observed, Plan, StreamAnswered, recorded};
 use base::error::Result;
 use harness::{Budget, Grants, Workshop};
 
@@ -132,7 +132,7 @@ pub(super) fn observe(
         let text = c["text"].as_str().ok_or("choices[0].text is missing")?.to_string();
         let finish = c["finish_reason"].as_str().unwrap_or("").to_string();
         let n = v["usage"]["completion_tokens"].as_u64().ok_or("usage.completion_tokens is missing")? as usize;
-        Ok(Answered { text, finish, completion_tokens: n })
+        Ok(Answered { text: recorded(text), finish, completion_tokens: n })
     };
     let answers: Vec<_> = plan.greedy.iter().map(|e| completion(e, json!({}))).collect();
 
@@ -140,7 +140,12 @@ pub(super) fn observe(
     let e0 = &plan.greedy[0];
     let streamed = client
         .stream(&json!({"prompt": e0.prompt, "max_tokens": e0.max_tokens, "temperature": 0, "stream": true}))
-        .map(|s| StreamAnswered { text: s.text(), finish: s.finish.clone(), events: s.pieces.len(), done: s.done });
+        .map(|s| StreamAnswered {
+            text: recorded(s.text()),
+            finish: s.finish.clone(),
+            events: s.pieces.len(),
+            done: s.done,
+        });
 
     // 5. a stop string cut from the middle of the server's own greedy answer.
     let stop = answers.iter().enumerate().find_map(|(i, a)| {
@@ -272,6 +277,7 @@ pub(super) fn observe(
         seen.load_average = load_average();
         for (c, picks) in &plan.levels {
             if budget.cancel.load(Ordering::Relaxed) || Instant::now() >= budget.deadline {
+                seen.error = format!("the call's time ran out or it was cancelled before load level {c}");
                 break;
             }
             seen.levels.push(load_level(&client, &plan.pool, *c, picks));

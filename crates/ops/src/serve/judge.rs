@@ -25,6 +25,11 @@ pub(super) struct Expected {
     pub(super) pool: Vec<Want>,
 }
 
+/// The checks decided where the server runs: they compare the server's behaviour with the
+/// contract (status codes, shapes, timing), not its answers with the reference.
+pub(super) const DECIDED_THERE: [&str; 8] =
+    ["help", "health", "models", "chat", "bad_requests", "burst", "disconnect", "keep_alive"];
+
 /// Every check of the battery, in the order a server that answers everything goes through them.
 pub(super) const BATTERY: [&str; 12] = [
     "help",
@@ -52,7 +57,16 @@ pub(super) fn judge(plan: &Plan, want: &Expected, seen: &Observed) -> (Vec<Check
     };
     for step in &seen.steps {
         checks.push(match step {
-            Step::Checked { check } => check.clone(),
+            // Decided where the server ran: only the checks that need no reference (and alive
+            // when the server had died); any other is judged here, never taken from the run.
+            Step::Checked { check: c }
+                if DECIDED_THERE.contains(&c.name.as_str()) || (c.name == "alive" && !c.passed) =>
+            {
+                c.clone()
+            }
+            Step::Checked { check: c } => {
+                check(&c.name, false, "recorded as decided where the server ran; only the judge here decides it")
+            }
             Step::Greedy { answers } => {
                 greedy_answers = answers;
                 greedy(plan, want, answers)
@@ -108,6 +122,15 @@ pub(super) fn judge(plan: &Plan, want: &Expected, seen: &Observed) -> (Vec<Check
             if !checks.iter().any(|c| c.name == name) {
                 checks.push(check(name, false, "not recorded by the run"));
             }
+        }
+        let planned: Vec<usize> = plan.levels.iter().map(|(c, _)| *c).collect();
+        let ran: Vec<usize> = seen.levels.iter().map(|l| l.level.concurrency).collect();
+        if planned != ran {
+            checks.push(check(
+                "load",
+                false,
+                format!("the plan's load levels are concurrency {planned:?}, the run recorded {ran:?}"),
+            ));
         }
     }
     let levels = seen

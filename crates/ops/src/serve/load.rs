@@ -81,7 +81,7 @@ pub(super) fn load_level(client: &Client, pool: &[Ask], c: usize, picks: &[usize
             Ok((pick, tokens, text, t, i)) => {
                 level.completed += 1;
                 level.output_tokens += tokens;
-                answers.push((pick, text));
+                answers.push((pick, super::wire::recorded(text)));
                 ttft.extend(t);
                 itl.extend(i);
             }

@@ -55,7 +55,7 @@ pub struct ServeRequest {
     pub engine: String,
     /// Hugging Face model directory with real weights.
     pub model: String,
-    /// Concurrency levels of the load test, each 1..=64 (default 1, 4, 16).
+    /// Concurrency levels of the load test, each 1..=64, at most 8 of them (default 1, 4, 16).
     #[serde(default)]
     pub concurrency: Option<Vec<usize>>,
     /// Requests per level (default twice the level's concurrency).
@@ -147,6 +147,10 @@ pub struct ServeReport {
     pub error: String,
     /// Rule findings (check_rules); a blocking one stops the gate.
     pub rules: Vec<guard::Finding>,
+    /// Judged from a bundle run elsewhere: who signed the run, or why the verdict is unattested
+    /// (then it is no evidence); "" for a run here.
+    #[serde(default)]
+    pub attestation: String,
 }
 
 impl Report for ServeReport {
@@ -165,6 +169,9 @@ impl Report for ServeReport {
         );
         if !self.error.is_empty() {
             s += &format!("{}\n", self.error);
+        }
+        if !self.attestation.is_empty() {
+            s += &format!("{}\n", self.attestation);
         }
         for c in &self.checks {
             s += &format!("{} {}: {}\n", if c.passed { "ok  " } else { "FAIL" }, c.name, c.detail);
@@ -225,8 +232,11 @@ pub fn serve_engine(ctx: &Ctx, req: &ServeRequest, budget: &Budget) -> Result<Se
         )));
     }
     let levels = req.concurrency.clone().unwrap_or_else(|| vec![1, 4, 16]);
-    if levels.is_empty() || levels.iter().any(|&c| c == 0 || c > 64) {
-        return Err(Error::usage(format!("concurrency levels must be 1..=64, got {levels:?}")));
+    if levels.is_empty() || levels.len() > wire::MAX_LEVELS || levels.iter().any(|&c| c == 0 || c > 64) {
+        return Err(Error::usage(format!(
+            "concurrency levels must be 1..=64, at most {} of them, got {levels:?}",
+            wire::MAX_LEVELS
+        )));
     }
     let max_tokens = req.max_tokens.unwrap_or(16);
     if max_tokens == 0 || max_tokens > 256 {
@@ -252,6 +262,7 @@ pub fn serve_engine(ctx: &Ctx, req: &ServeRequest, budget: &Budget) -> Result<Se
         load_average: -1.0,
         error: String::new(),
         rules: vec![],
+        attestation: String::new(),
     };
     // The binary: with the engine's `server` feature when it declares one.
     let mut features = gate.target.spec.features.clone();
@@ -313,6 +324,7 @@ impl ServeSpec<'_> {
             load_average: seen.load_average,
             error: seen.error.clone(),
             rules: gate.findings.clone(),
+            attestation: gate.attestation_note(),
             ..self.report.clone()
         };
         finish(gate, report)

@@ -1,7 +1,9 @@
 //! `metainfer bundle run DIR` for a serve_engine bundle, where the device is: start the bundle's
 //! server binary on its model, send the bundle's plan, write what came back into the bundle
-//! (`observed.<nonce>.json`) and sign the run when given a runner key. Nothing is judged here: the
-//! bundle holds no expected answer.
+//! (`observed.<nonce>.json`) and sign the run when given a runner key. The checks that need no
+//! reference (help, health, models, chat, bad requests, burst, disconnect, keep-alive) are decided
+//! here, where the server runs; the answers that must equal the reference are only recorded: the
+//! bundle holds no expected answer, and the judge reads them back where the reference is.
 
 use std::path::Path;
 
@@ -39,6 +41,7 @@ pub fn run_bundle(
     let bytes = base::util::read_regular(&plan_path, &base::util::HARNESS_REPLY)?;
     let plan: Plan = serde_json::from_slice(&bytes)
         .usage_ctx(|| format!("{}: not a serve_engine plan; write the bundle again", plan_path.display()))?;
+    plan.check().map_err(|e| base::error::Error::usage(format!("{}: {}", plan_path.display(), e.message)))?;
     let out = dir.join(bundle::output_name(bundle::OBSERVED, &manifest.nonce));
     let _ = std::fs::remove_file(&out);
     let model = dir.join(bundle::MODEL);

@@ -201,3 +201,42 @@ fn the_judge_fails_each_answer_that_differs_and_each_check_not_recorded() {
     let stop = checks.iter().find(|c| c.name == "stop").unwrap();
     assert!(!stop.passed && stop.detail.ends_with("expected \" a time \" (stop)"), "{stop:?}");
 }
+
+#[test]
+fn the_judge_takes_from_the_run_only_the_checks_that_need_no_reference() {
+    let (plan, want, mut seen) = judged_case();
+    // A record claiming the greedy check passed where the server ran, and a load test of other
+    // levels than the plan's.
+    seen.steps[3] = Step::Checked { check: checks::check("greedy", true, "trust me") };
+    seen.levels[0].level.concurrency = 3;
+    let (checks, _) = judge::judge(&plan, &want, &seen);
+    let failed: Vec<(&str, &str)> =
+        checks.iter().filter(|c| !c.passed).map(|c| (c.name.as_str(), c.detail.as_str())).collect();
+    assert_eq!(
+        failed,
+        [
+            ("greedy", "recorded as decided where the server ran; only the judge here decides it"),
+            // The stop string was cut from a greedy answer the record no longer holds.
+            ("stop", "stop \"there\" is not in greedy answer 0"),
+            ("load", "the plan's load levels are concurrency [2], the run recorded [3]"),
+        ]
+    );
+}
+
+#[test]
+fn a_plan_out_of_bounds_is_refused_naming_the_field_and_long_answers_are_cut() {
+    let (plan, _, _) = judged_case();
+    assert!(plan.check().is_ok());
+    let refused = |p: Plan| p.check().unwrap_err().message;
+    assert!(refused(Plan { greedy: vec![], ..plan.clone() }).contains("greedy asks must be 1..=8"));
+    assert!(refused(Plan { levels: vec![(0, vec![0])], ..plan.clone() }).contains("level of concurrency 0"));
+    assert!(refused(Plan { levels: vec![(1, vec![1])], ..plan.clone() }).contains("each picking one of the 1 pool"));
+    assert!(refused(Plan { levels: vec![(1, vec![0]); 9], ..plan.clone() }).contains("9 levels, at most 8"));
+    assert!(refused(Plan { max_context: 1 << 40, ..plan.clone() }).contains("max_context"));
+    // A recorded text is cut at a character boundary below the bound, and marked.
+    let long = "é".repeat(wire::MAX_RECORDED_TEXT);
+    let cut = wire::recorded(long);
+    assert!(cut.ends_with(" [cut: longer than the recorded bound]"));
+    assert_eq!(cut.len(), wire::MAX_RECORDED_TEXT + " [cut: longer than the recorded bound]".len());
+    assert_eq!(wire::recorded("short".into()), "short");
+}

@@ -55,6 +55,67 @@ pub struct Plan {
     pub disconnect_tokens: usize,
 }
 
+/// Most concurrency levels of one load test.
+pub const MAX_LEVELS: usize = 8;
+
+/// Longest text of one answer a run records, bytes: far above any answer of the plan's token
+/// budgets (256 tokens); a longer one is cut (and can then only differ from the reference), so a
+/// run's record stays bounded ([`MAX_LEVELS`] levels of 1,024 requests at most).
+pub const MAX_RECORDED_TEXT: usize = 16 << 10;
+
+/// `text` cut to [`MAX_RECORDED_TEXT`] bytes at a character boundary, marked when cut.
+pub(super) fn recorded(mut text: String) -> String {
+    if text.len() > MAX_RECORDED_TEXT {
+        let mut at = MAX_RECORDED_TEXT;
+        while !text.is_char_boundary(at) {
+            at -= 1;
+        }
+        text.truncate(at);
+        text.push_str(" [cut: longer than the recorded bound]");
+    }
+    text
+}
+
+impl Plan {
+    /// Refuse a plan no serve_engine call draws (a bundle's plan is read on the machine that runs
+    /// it): 1..=8 greedy asks and 1..=64 pool prompts of at most 4 KiB and 1..=4096 new tokens each;
+    /// at most [`MAX_LEVELS`] levels of concurrency 1..=64 and at most 1,024 requests, each
+    /// picking a pool prompt; a context of 1..=2^20 tokens.
+    ///
+    /// # Errors
+    /// [`base::error::ErrorKind::Usage`] naming the first field out of bounds.
+    pub fn check(&self) -> Result<()> {
+        let bad = |what: String| Err(base::error::Error::usage(format!("the plan's {what}; write the bundle again")));
+        let asks_ok = |asks: &[Ask], max: usize| {
+            !asks.is_empty()
+                && asks.len() <= max
+                && asks.iter().all(|a| a.prompt.len() <= 4096 && (1..=4096).contains(&a.max_tokens))
+        };
+        if !asks_ok(&self.greedy, 8) {
+            return bad("greedy asks must be 1..=8, each a prompt of at most 4 KiB and 1..=4096 tokens".into());
+        }
+        if !asks_ok(&self.pool, 64) {
+            return bad("pool must hold 1..=64 asks, each a prompt of at most 4 KiB and 1..=4096 tokens".into());
+        }
+        if self.levels.len() > MAX_LEVELS {
+            return bad(format!("load test has {} levels, at most {MAX_LEVELS}", self.levels.len()));
+        }
+        for (c, picks) in &self.levels {
+            if !(1..=64).contains(c) || picks.len() > 1024 || picks.iter().any(|&p| p >= self.pool.len()) {
+                return bad(format!(
+                    "level of concurrency {c} must be 1..=64 with at most 1024 requests, each picking one of the {} pool prompts",
+                    self.pool.len()
+                ));
+            }
+        }
+        let context = 1..=(1usize << 20);
+        if !context.contains(&self.max_context) || !context.contains(&self.disconnect_tokens) {
+            return bad("max_context and disconnect_tokens must be 1..=2^20".into());
+        }
+        Ok(())
+    }
+}
+
 /// How serve_engine draws its plan: levels, requests per level and new tokens of the load test.
 pub(super) struct Draw<'a> {
     pub(super) seed: u64,
