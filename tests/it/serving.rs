@@ -772,6 +772,21 @@ fn simd_engine_serves_through_a_bundle_judged_here() {
     let e = serve_engine(&ctx, &other, &Budget::secs(900)).unwrap_err();
     assert!(e.message.contains("plan.json is not what this call sends (plan.levels"), "{}", e.message);
 
+    // The manifest rewritten (a swapped executable would need its hash rewritten there): refused,
+    // since this server's ledger holds the manifest it wrote.
+    let manifest_path = dir.join("bundle.json");
+    let kept = std::fs::read(&manifest_path).unwrap();
+    let mut m: serde_json::Value = serde_json::from_slice(&kept).unwrap();
+    m["harness_sha256"] = serde_json::json!("0".repeat(64));
+    std::fs::write(&manifest_path, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+    let e = serve_engine(&ctx, &from, &Budget::secs(900)).unwrap_err();
+    assert!(e.message.contains("the manifest changed since this server wrote the bundle"), "{}", e.message);
+    std::fs::write(&manifest_path, &kept).unwrap();
+    // Read back by a server whose ledger did not write it: judged, but no evidence.
+    let elsewhere = tempfile::tempdir().unwrap();
+    let r = serve_engine(&crate::ctx(elsewhere.path()), &from, &Budget::secs(900)).unwrap();
+    assert!(r.passed && r.attestation.contains("has no record of writing bundle"), "{}", r.attestation);
+
     // One recorded answer altered: judged here, that request differs from the reference.
     let observed = std::fs::read_dir(&dir)
         .unwrap()

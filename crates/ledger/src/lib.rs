@@ -15,6 +15,7 @@
 //! fingerprints of the provenance rule, the machine probes by machine, and the trusted bundle
 //! runners.
 
+mod bundles;
 pub mod figures;
 
 use std::path::{Path, PathBuf};
@@ -28,7 +29,7 @@ use sha2::Sha256;
 use base::error::{Context, Error, Result};
 
 /// Schema version this build writes.
-pub const SCHEMA_VERSION: i64 = 7;
+pub const SCHEMA_VERSION: i64 = 8;
 
 /// One recorded result of a tool call.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -374,6 +375,10 @@ impl Ledger {
                  COMMIT;",
             )
             .map_err(fail)?;
+        }
+        if version < 8 {
+            // Bundles this server wrote (bundles::record_bundle).
+            conn.execute_batch(bundles::MIGRATION).map_err(fail)?;
         }
         let key = load_or_create_key(path)?;
         Ok(Ledger { conn, path: path.to_path_buf(), key })

@@ -374,8 +374,28 @@ impl<'a> Gate<'a> {
                     )));
                 }
                 self.seed = m.seed;
-                let trusted = ledger::Ledger::open(&self.ctx.ledger)?.runners()?;
-                let attestation = harness::attest::verify(&held, &m.nonce, &trusted);
+                let ledger = ledger::Ledger::open(&self.ctx.ledger)?;
+                let trusted = ledger.runners()?;
+                let mut attestation = harness::attest::verify(&held, &m.nonce, &trusted);
+                // The manifest as this server wrote it (it pins the executable's, the inputs' and
+                // the model's hashes); one this ledger never wrote is no evidence.
+                let bytes = held.read(Path::new(bundle::MANIFEST), &base::util::HARNESS_REPLY)?;
+                let sha = format!("{:x}", <sha2::Sha256 as sha2::Digest>::digest(&bytes));
+                match ledger.written_bundle(&m.nonce)? {
+                    Some((_, written)) if written != sha => {
+                        return Err(Error::usage(format!(
+                            "{}: the manifest changed since this server wrote the bundle (its executable, inputs or model hashes may name other files): write and run a new bundle",
+                            held.show(Path::new(bundle::MANIFEST)).display()
+                        )));
+                    }
+                    Some(_) => {}
+                    None => {
+                        attestation = Err(format!(
+                            "this server's ledger has no record of writing bundle {} (written elsewhere, or by another ledger)",
+                            m.nonce
+                        ));
+                    }
+                }
                 if let Ok(a) = &attestation {
                     // A signed run whose files changed since is refused outright; each file is
                     // checked again as it is read.

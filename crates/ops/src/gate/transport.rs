@@ -473,6 +473,9 @@ impl<'a> Gate<'a> {
         };
         let text = serde_json::to_vec_pretty(&manifest).internal_ctx(|| "bundle manifest".to_owned())?;
         dir.write_new(Path::new(bundle::MANIFEST), &text).map_err(unpinned)?;
+        // The ledger remembers what was written: a bundle read back must carry this manifest.
+        let sha = format!("{:x}", <sha2::Sha256 as sha2::Digest>::digest(&text));
+        ledger::Ledger::open(&self.ctx.ledger)?.record_bundle(&manifest.nonce, &manifest.tool, &sha)?;
         let bytes: u64 = walkdir::WalkDir::new(&root)
             .into_iter()
             .filter_map(|e| e.ok())
