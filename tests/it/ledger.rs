@@ -437,7 +437,11 @@ fn a_version_4_ledger_migrates_and_its_rows_are_not_evidence() {
     let version: i64 =
         rusqlite::Connection::open(&path).unwrap().pragma_query_value(None, "user_version", |r| r.get(0)).unwrap();
     assert_eq!(version, metainfer::ledger::SCHEMA_VERSION);
-    assert_eq!(version, 7);
+    assert_eq!(version, 8);
+    // Step 8 added the table of written bundles.
+    assert!(l.written_bundle("none").unwrap().is_none());
+    l.record_bundle("n", "run_kernel_test", "abc").unwrap();
+    assert_eq!(l.written_bundle("n").unwrap(), Some(("run_kernel_test".to_string(), "abc".to_string())));
     let rows = l.list(0, 10).unwrap();
     assert_eq!(rows.len(), 1);
     assert!(rows[0].passed && !rows[0].authenticated && !rows[0].imported, "{:?}", rows[0]);
