@@ -5,7 +5,8 @@
 //! Weight matrices are stored as f32 by default, or as bf16, f16 or int8 (symmetric, one scale per
 //! output row) with the cargo feature of that name; activations, accumulation and the KV cache are
 //! f32 in every variant. Matrix products use AVX-512F or AVX2+FMA kernels chosen at run time and
-//! split their rows across the rayon pool (RAYON_NUM_THREADS threads). Weights are memory-mapped,
+//! split their rows across a persistent team of threads (`pool`: RAYON_NUM_THREADS threads, the
+//! variable profile_engine sets, else one per CPU). Weights are memory-mapped,
 //! prefill is batched, and the weight-dtype features are declared in metainfer.toml
 //! (`[dtype_features]`).
 //!
@@ -31,6 +32,7 @@ pub mod kernels;
 mod matmul;
 pub mod model;
 pub mod paged;
+mod pool;
 pub mod quant;
 pub mod scheduler;
 pub mod tokenizer;

@@ -287,22 +287,6 @@ pub struct Model {
     cache_filled: usize,
 }
 
-/// Make the calling thread worker 0 of rayon's global pool when that pool has not been started
-/// yet and will have more than one thread (RAYON_NUM_THREADS, else one per CPU). Forward passes
-/// on this thread then run their parallel products in the pool directly: the other workers join
-/// in, and a product whose second half nobody has picked up yet is finished by this thread.
-fn join_global_pool() {
-    let threads = std::env::var("RAYON_NUM_THREADS")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .filter(|&n| n > 0)
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    if threads > 1 && rayon::current_thread_index().is_none() {
-        // An error means the pool already exists; passes then run on one of its threads.
-        let _ = rayon::ThreadPoolBuilder::new().num_threads(threads).use_current_thread().build_global();
-    }
-}
-
 impl Model {
     /// Load `config.json` and the weights (`model.safetensors`, or the shards
     /// `model.safetensors.index.json` names) from an HF model directory. Errors name the missing file/tensor.
@@ -311,7 +295,8 @@ impl Model {
     /// the cargo feature of that name) and view the memory-mapped file directly when it already
     /// holds that format; 1-D tensors are f32.
     pub fn load(dir: &Path) -> Result<Model, String> {
-        join_global_pool();
+        // Start the team of threads now, not in the first forward pass.
+        crate::pool::global();
         let cfg_path = dir.join("config.json");
         let cfg_text =
             std::fs::read_to_string(&cfg_path).map_err(|e| format!("cannot read {}: {e}", cfg_path.display()))?;
@@ -405,13 +390,7 @@ impl Model {
         cache: &mut crate::batch::PagedKvCache,
         chunks: &[crate::batch::SeqChunk],
     ) -> Vec<f32> {
-        if rayon::current_thread_index().is_none() && rayon::current_num_threads() > 1 {
-            let mut out = Vec::new();
-            rayon::scope(|_| out = self.batch_pass(cache, chunks));
-            out
-        } else {
-            self.batch_pass(cache, chunks)
-        }
+        self.batch_pass(cache, chunks)
     }
 
     fn batch_pass(&mut self, cache: &mut crate::batch::PagedKvCache, chunks: &[crate::batch::SeqChunk]) -> Vec<f32> {
@@ -580,15 +559,9 @@ impl Model {
     }
 
     /// One decoder pass over `tokens` (at most `PREFILL_CHUNK`) at positions start..; computes the
-    /// last token's logits only when `want_logits`. When the calling thread is not a rayon worker
-    /// and the pool has more than one thread, the pass runs on a pool thread, so that its parallel
-    /// products start without a cross-pool wake-up each.
+    /// last token's logits only when `want_logits`.
     fn run(&mut self, tokens: &[u32], start: usize, want_logits: bool) {
-        if rayon::current_thread_index().is_none() && rayon::current_num_threads() > 1 {
-            rayon::scope(|_| self.step(tokens, start, want_logits, &mut |_, _, _| {}));
-        } else {
-            self.step(tokens, start, want_logits, &mut |_, _, _| {});
-        }
+        self.step(tokens, start, want_logits, &mut |_, _, _| {});
     }
 
     /// The pass itself; `trace` receives every point's rows (see `forward_traced`).
