@@ -634,8 +634,10 @@ pub enum Command {
     },
     /// Benchmark: the example engine (each weight dtype) against candle (feature candle-oracle) on
     /// BabyLlama and the stories15M shape at 1 and 2 threads, alternating; roofline fractions; the
-    /// agent loop's speed and the server's overhead over raw cargo.
-    #[command(after_help = "Example:\n  metainfer bench --reps 3 --threads 1")]
+    /// agent loop's speed and the server's overhead over raw cargo; with --serving, the load test.
+    #[command(
+        after_help = "Example:\n  metainfer bench --reps 3 --threads 1\n  metainfer bench --no-agent-loop --serving"
+    )]
     Bench {
         /// Alternating repetitions per configuration (medians are over these).
         #[arg(long, default_value_t = 5, value_name = "N")]
@@ -652,6 +654,10 @@ pub enum Command {
         /// Skip the agent-loop timings.
         #[arg(long)]
         no_agent_loop: bool,
+        /// Also run serve_engine's load test of the example engine on the stories15M shape at
+        /// concurrency 1, 4 and 16 (64 new tokens per request; every answer checked).
+        #[arg(long)]
+        serving: bool,
         /// Print the measurements as JSON.
         #[arg(long)]
         json: bool,

@@ -628,14 +628,20 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Bench { reps, threads, prompt_len, new_tokens, no_agent_loop, json } => {
+        Command::Bench { reps, threads, prompt_len, new_tokens, no_agent_loop, serving, json } => {
             if reps == 0 || threads.contains(&0) || new_tokens == 0 {
                 return Err(Error::usage("--reps, --threads and --new-tokens must be positive"));
             }
             let c = ctx(g)?;
             let work = c.workshop.scratch()?;
-            let o =
-                metainfer::bench::BenchOptions { reps, threads, prompt_len, new_tokens, agent_loop: !no_agent_loop };
+            let o = metainfer::bench::BenchOptions {
+                reps,
+                threads,
+                prompt_len,
+                new_tokens,
+                agent_loop: !no_agent_loop,
+                serving,
+            };
             let r = metainfer::bench::run(&c, &o, work.path())?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&r).expect("report serialises"));
