@@ -62,6 +62,70 @@ pub struct BenchOptions {
     pub agent_loop: bool,
     /// Also run serve_engine's load test on the stories15M shape ([`SERVING_LEVELS`]).
     pub serving: bool,
+    /// llama.cpp as a peer on the stories15M shape: its `llama-bench` executable and a GGUF of
+    /// that shape per engine dtype it stands beside (`f32`: an F32 GGUF; `int8`: a Q8_0 GGUF).
+    pub llama: Option<LlamaPeer>,
+}
+
+/// llama.cpp's `llama-bench` as a peer (see [`BenchOptions::llama`]).
+#[derive(Debug, Clone)]
+pub struct LlamaPeer {
+    /// The `llama-bench` executable.
+    pub exe: PathBuf,
+    /// (engine dtype, GGUF file): `f32` beside an F32 GGUF, `int8` beside a Q8_0 GGUF.
+    pub gguf: Vec<(String, PathBuf)>,
+}
+
+/// The runner label of llama.cpp beside the engine's `dtype` (`int8` stands beside Q8_0).
+fn llama_runner(dtype: &str) -> String {
+    if dtype == "int8" { "llama.cpp q8_0".into() } else { format!("llama.cpp {dtype}") }
+}
+
+/// Bytes per weight of llama.cpp's format beside `dtype`: Q8_0 stores 32 int8 weights with one
+/// f16 scale, 34 bytes per 32 weights (ggml's block_q8_0).
+fn llama_weight_bytes(dtype: &str) -> f64 {
+    if dtype == "int8" { 34.0 / 32.0 } else { 4.0 }
+}
+
+/// Decode tokens/s of one `llama-bench` run: `-m GGUF -p 0 -n N -r 1 -t T -o json` prints a JSON
+/// array of tests, each with `n_prompt`, `n_gen` and `avg_ts` (tokens/s); the text-generation test
+/// is the one with `n_prompt` 0 and `n_gen` > 0.
+fn llama_run(exe: &Path, gguf: &Path, new_tokens: usize, threads: usize, budget: &Budget) -> Result<f64> {
+    let args: Vec<std::ffi::OsString> = vec![
+        "-m".into(),
+        gguf.as_os_str().to_owned(),
+        "-p".into(),
+        "0".into(),
+        "-n".into(),
+        new_tokens.to_string().into(),
+        "-r".into(),
+        "1".into(),
+        "-t".into(),
+        threads.to_string().into(),
+        "-o".into(),
+        "json".into(),
+    ];
+    let run = harness::run_program(exe, &args, &[], budget)?;
+    if !run.ok() {
+        return Err(Error::usage(format!("llama-bench {} failed: {}", exe.display(), run.failure_text(1500))));
+    }
+    llama_tok_s(&run.stdout).ok_or_else(|| {
+        Error::usage(format!(
+            "llama-bench {} printed no text-generation result (a JSON array with n_prompt 0, n_gen > 0 and avg_ts): {}",
+            exe.display(),
+            run.stdout.chars().take(400).collect::<String>()
+        ))
+    })
+}
+
+/// The text-generation tokens/s in `llama-bench -o json` output (see [`llama_run`]).
+fn llama_tok_s(stdout: &str) -> Option<f64> {
+    let start = stdout.find('[')?;
+    let tests: Vec<serde_json::Value> = serde_json::from_str(stdout[start..].trim_end()).ok()?;
+    tests.iter().find_map(|t| {
+        let gen_only = t["n_prompt"].as_u64() == Some(0) && t["n_gen"].as_u64().is_some_and(|n| n > 0);
+        t["avg_ts"].as_f64().filter(|v| gen_only && v.is_finite() && *v > 0.0)
+    })
 }
 
 /// Concurrency levels of the serving benchmark, requests per level and new tokens per request.
@@ -230,7 +294,8 @@ pub fn run(ctx: &Ctx, o: &BenchOptions, work: &Path) -> Result<BenchReport> {
         Some(m) => PathBuf::from(m),
         None => crate::model::embedded::write_babyllama(work)?,
     };
-    let models: Vec<(String, PathBuf)> = vec![("babyllama-105".into(), baby.clone()), ("stories15M shape".into(), s15)];
+    let models: Vec<(String, PathBuf)> =
+        vec![("babyllama-105".into(), baby.clone()), ("stories15M shape".into(), s15.clone())];
     let engine = ctx.workshop.engine(&engine_dir)?;
     let table: toml::Table = std::fs::read_to_string(engine_dir.join("metainfer.toml"))
         .ok()
@@ -256,7 +321,12 @@ pub fn run(ctx: &Ctx, o: &BenchOptions, work: &Path) -> Result<BenchReport> {
         let cfg = crate::model::load_config(&ctx.ckb, dir)?;
         let weights = weights_streamed(&cfg);
         for &t in &o.threads {
-            let mut samples: Vec<Vec<f64>> = vec![Vec::new(); exes.len() + 1];
+            // llama.cpp runs on the stories15M shape only (the GGUFs hold that shape).
+            let peers: &[(String, PathBuf)] = match &o.llama {
+                Some(l) if dir == &s15 => &l.gguf,
+                _ => &[],
+            };
+            let mut samples: Vec<Vec<f64>> = vec![Vec::new(); exes.len() + 1 + peers.len()];
             for rep in 0..o.reps {
                 eprintln!("bench: {label}, {t} thread(s), repetition {}/{}", rep + 1, o.reps);
                 for (i, (_, exe)) in exes.iter().enumerate() {
@@ -265,10 +335,15 @@ pub fn run(ctx: &Ctx, o: &BenchOptions, work: &Path) -> Result<BenchReport> {
                 if candle {
                     samples[exes.len()].push(1.0 / candle_run(dir, o, t, &budget)?);
                 }
+                for (j, (_, gguf)) in peers.iter().enumerate() {
+                    let exe = &o.llama.as_ref().expect("peers come from o.llama").exe;
+                    samples[exes.len() + 1 + j].push(llama_run(exe, gguf, o.new_tokens, t, &budget)?);
+                }
             }
             let mut runners: Vec<(String, f64)> =
                 exes.iter().map(|(d, _)| (format!("engine {d}"), ops::profile::roofline::weight_bytes(d))).collect();
             runners.push(("candle f32".into(), 4.0));
+            runners.extend(peers.iter().map(|(d, _)| (llama_runner(d), llama_weight_bytes(d))));
             for (i, (runner, wb)) in runners.into_iter().enumerate() {
                 if samples[i].is_empty() {
                     continue;
@@ -411,7 +486,7 @@ impl BenchReport {
             s += "candle: not built in (build with --features candle-oracle to compare)\n";
         }
         s += &format!(
-            "\n{:<18} {:>3}  {:<12} {:>10} {:>10} {:>10} {:>8} {:>9} {:>9} {:>9}\n",
+            "\n{:<18} {:>3}  {:<14} {:>10} {:>10} {:>10} {:>8} {:>9} {:>9} {:>9}\n",
             "model", "thr", "runner", "tok/s med", "min", "max", "GB/s", "roofline", "vs candle", "vs f32"
         );
         let find = |m: &str, t: usize, r: &str| {
@@ -425,7 +500,7 @@ impl BenchReport {
                 _ => "-".into(),
             };
             s += &format!(
-                "{:<18} {:>3}  {:<12} {:>10.0} {:>10.0} {:>10.0} {:>8.1} {:>8.0}% {:>9} {:>9}\n",
+                "{:<18} {:>3}  {:<14} {:>10.0} {:>10.0} {:>10.0} {:>8.1} {:>8.0}% {:>9} {:>9}\n",
                 r.model,
                 r.threads,
                 r.runner,
@@ -458,6 +533,21 @@ impl BenchReport {
             }
             if let (Some(q), Some(f)) = (find(s15, t, "engine int8"), find(s15, t, "engine f32")) {
                 s += &format!("  int8 >= 3x f32 ({t} thread(s)): {:.2}x ({})\n", q / f, goal(q / f >= 3.0));
+            }
+        }
+        // Beside llama.cpp on the same shape: >= 1.5x at 1 thread, >= 1.2x at 2 (f32 beside its F32
+        // GGUF, int8 beside Q8_0).
+        for &t in &self.threads {
+            for d in ["f32", "int8"] {
+                if let (Some(e), Some(l)) = (find(s15, t, &format!("engine {d}")), find(s15, t, &llama_runner(d))) {
+                    let want = if t == 1 { 1.5 } else { 1.2 };
+                    s += &format!(
+                        "  {d} >= {want}x {} ({t} thread(s)): {:.2}x ({})\n",
+                        llama_runner(d),
+                        e / l,
+                        goal(e / l >= want)
+                    );
+                }
             }
         }
         // Issue goal: 2 threads >= 1.7x 1 thread. A decode that streams its weights from DRAM is
@@ -708,6 +798,35 @@ mod tests {
         );
         // No bf16 rows, no bf16 line.
         assert!(!text.contains("bf16 2 threads"), "{text}");
+    }
+
+    #[test]
+    fn llama_bench_json_gives_the_text_generation_rate_and_goals_compare_with_it() {
+        // The shape of `llama-bench -o json` (an array of tests with n_prompt, n_gen, avg_ts), after
+        // a line of log text; the prompt-processing test is not the decode rate.
+        let out = "load time 12 ms\n[\n  {\"n_prompt\": 512, \"n_gen\": 0, \"n_threads\": 2, \"avg_ts\": 1900.5},\n  {\"n_prompt\": 0, \"n_gen\": 128, \"n_threads\": 2, \"avg_ts\": 438.0, \"stddev_ts\": 3.1}\n]\n";
+        assert_eq!(llama_tok_s(out), Some(438.0));
+        assert_eq!(llama_tok_s("[{\"n_prompt\": 512, \"n_gen\": 0, \"avg_ts\": 1900.5}]"), None);
+        assert_eq!(llama_tok_s("no json here"), None);
+        assert_eq!(llama_tok_s("[{\"n_prompt\": 0, \"n_gen\": 128, \"avg_ts\": \"fast\"}]"), None);
+        // llama.cpp f32 at 2 threads as measured beside an earlier engine on this shape (438 tok/s)
+        // and a Q8_0 figure for the arithmetic: 503 / 438 = 1.148 (not met), 2188 / 1157 = 1.891.
+        let report = BenchReport {
+            machine: "test".into(),
+            threads: vec![2],
+            rows: vec![
+                row(2, "engine f32", 503.0, 30.0),
+                row(2, "llama.cpp f32", 438.0, 30.0),
+                row(2, "engine int8", 2188.0, 80.0),
+                row(2, "llama.cpp q8_0", 1157.0, 80.0),
+            ],
+            agent_loop: None,
+            serving: None,
+            candle: false,
+        };
+        let text = report.text();
+        assert!(text.contains("  f32 >= 1.2x llama.cpp f32 (2 thread(s)): 1.15x (NOT met)"), "{text}");
+        assert!(text.contains("  int8 >= 1.2x llama.cpp q8_0 (2 thread(s)): 1.89x (met)"), "{text}");
     }
 
     fn level(concurrency: usize, tok_s: f64, mismatches: usize) -> ops::serve::LoadLevel {

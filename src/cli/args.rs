@@ -658,6 +658,14 @@ pub enum Command {
         /// concurrency 1, 4 and 16 (64 new tokens per request; every answer checked).
         #[arg(long)]
         serving: bool,
+        /// llama.cpp's `llama-bench` executable: run it as a peer on the stories15M shape,
+        /// alternating with the engine, on the GGUFs given by --gguf.
+        #[arg(long, value_name = "PATH", requires = "gguf")]
+        llama_bench: Option<PathBuf>,
+        /// A GGUF of the stories15M shape for --llama-bench, beside the engine dtype it compares
+        /// with: `f32=FILE` (an F32 GGUF) or `int8=FILE` (a Q8_0 GGUF); repeat for both.
+        #[arg(long, value_name = "DTYPE=FILE", requires = "llama_bench")]
+        gguf: Vec<String>,
         /// Print the measurements as JSON.
         #[arg(long)]
         json: bool,

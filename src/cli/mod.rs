@@ -628,10 +628,14 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Bench { reps, threads, prompt_len, new_tokens, no_agent_loop, serving, json } => {
+        Command::Bench { reps, threads, prompt_len, new_tokens, no_agent_loop, serving, llama_bench, gguf, json } => {
             if reps == 0 || threads.contains(&0) || new_tokens == 0 {
                 return Err(Error::usage("--reps, --threads and --new-tokens must be positive"));
             }
+            let llama = match llama_bench {
+                Some(exe) => Some(metainfer::bench::LlamaPeer { exe, gguf: gguf_args(&gguf)? }),
+                None => None,
+            };
             let c = ctx(g)?;
             let work = c.workshop.scratch()?;
             let o = metainfer::bench::BenchOptions {
@@ -641,6 +645,7 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
                 new_tokens,
                 agent_loop: !no_agent_loop,
                 serving,
+                llama,
             };
             let r = metainfer::bench::run(&c, &o, work.path())?;
             if json {
@@ -698,4 +703,28 @@ fn serving_of(a: &args::ServingArgs) -> Option<metainfer::manifest::Serving> {
         max_batch_tokens: a.max_batch_tokens,
         sampling: a.sampling,
     })
+}
+
+/// `--gguf DTYPE=FILE` values: each dtype `f32` or `int8` at most once, each file present.
+fn gguf_args(values: &[String]) -> Result<Vec<(String, PathBuf)>> {
+    let mut out: Vec<(String, PathBuf)> = Vec::new();
+    for v in values {
+        let (d, f) = v
+            .split_once('=')
+            .ok_or_else(|| Error::usage(format!("--gguf {v:?}: write DTYPE=FILE, e.g. f32=stories15m-f32.gguf")))?;
+        if !matches!(d, "f32" | "int8") {
+            return Err(Error::usage(format!(
+                "--gguf {v:?}: the dtype is the engine's it stands beside, f32 (an F32 GGUF) or int8 (a Q8_0 GGUF)"
+            )));
+        }
+        if out.iter().any(|(o, _)| o == d) {
+            return Err(Error::usage(format!("--gguf: {d} given twice")));
+        }
+        let file = PathBuf::from(f);
+        if !file.is_file() {
+            return Err(Error::usage(format!("--gguf {v:?}: {} is not a file", file.display())));
+        }
+        out.push((d.to_string(), file));
+    }
+    Ok(out)
 }

@@ -204,6 +204,42 @@ fn small_messages_name_the_fix() {
     assert!(text(&out.stderr).contains("is a directory"), "{}", text(&out.stderr));
 }
 
+/// `bench --llama-bench` with a GGUF it cannot use is refused before anything is built, naming
+/// the fix: a dtype other than f32 or int8, a missing `=`, a file that is not there, a dtype twice,
+/// and --gguf without --llama-bench.
+#[test]
+fn bench_refuses_llama_peer_arguments_it_cannot_use() {
+    let t = tempfile::tempdir().unwrap();
+    let gguf = t.path().join("s15.gguf");
+    std::fs::write(&gguf, b"GGUF").unwrap();
+    let g = gguf.display().to_string();
+    let cases: [(Vec<String>, &str); 5] = [
+        (vec![format!("q4={g}")], "f32 (an F32 GGUF) or int8 (a Q8_0 GGUF)"),
+        (vec![g.clone()], "write DTYPE=FILE"),
+        (vec!["f32=/nonexistent/x.gguf".into()], "is not a file"),
+        (vec![format!("f32={g}"), format!("f32={g}")], "f32 given twice"),
+        (vec![], ""),
+    ];
+    for (ggufs, want) in cases {
+        let mut args: Vec<String> = vec!["bench".into(), "--no-agent-loop".into()];
+        if !want.is_empty() {
+            args.extend(["--llama-bench".into(), "/bin/true".into()]);
+        }
+        for v in &ggufs {
+            args.extend(["--gguf".into(), v.clone()]);
+        }
+        if want.is_empty() {
+            args.extend(["--gguf".into(), format!("f32={g}")]);
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = run(&args, t.path());
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        let want = if want.is_empty() { "--llama-bench" } else { want };
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}
+
 /// server.json (the MCP Registry entry) names this package at this version, started as `serve`.
 #[test]
 fn registry_entry_matches_the_package() {

@@ -511,7 +511,7 @@ fn paged_weighted<O: AsMut<[f32]> + ?Sized>(
     for (b, wb) in weights.chunks(block_size).enumerate() {
         let base = table[b] as usize * block_size * kv_stride + col;
         let row = |j: usize| &v_cache[base + j * kv_stride..][..w];
-        if block_size % 2 == 0 {
+        if block_size.is_multiple_of(2) {
             // Every block starts at an even position: pairs (even, odd) within the block.
             let pairs = wb.chunks_exact(2);
             let last = pairs.remainder();
@@ -530,7 +530,7 @@ fn paged_weighted<O: AsMut<[f32]> + ?Sized>(
             }
         } else {
             for (j, &wt) in wb.iter().enumerate() {
-                let (r, acc) = (row(j), if (b * block_size + j) % 2 == 0 { &mut *even } else { &mut *odd });
+                let (r, acc) = (row(j), if (b * block_size + j).is_multiple_of(2) { &mut *even } else { &mut *odd });
                 for c in 0..w {
                     acc[c] += wt * r[c];
                 }

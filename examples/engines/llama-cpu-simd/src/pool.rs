@@ -96,7 +96,7 @@ impl Shared {
                 return None;
             }
             spins = spins.wrapping_add(1);
-            if spins % 128 == 0 && start.elapsed() > SPIN {
+            if spins.is_multiple_of(128) && start.elapsed() > SPIN {
                 break;
             }
             std::hint::spin_loop();
@@ -201,7 +201,7 @@ impl Team {
         let mut spins = 0u32;
         while sh.done.load(Ordering::Acquire) < tasks {
             spins = spins.wrapping_add(1);
-            if spins % 128 == 0 && start.elapsed() > SPIN {
+            if spins.is_multiple_of(128) && start.elapsed() > SPIN {
                 std::thread::yield_now();
             } else {
                 std::hint::spin_loop();
