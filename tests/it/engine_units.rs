@@ -64,5 +64,5 @@ fn simd_engine_unit_tests_pass() {
     assert!(ok, "{text}");
     // src/matmul.rs, kernels.rs, quant.rs, model.rs and pool.rs (the binary's server, feature
     // `server`, is tested by serving.rs).
-    assert_eq!(passed(&text), 22, "{text}");
+    assert_eq!(passed(&text), 23, "{text}");
 }

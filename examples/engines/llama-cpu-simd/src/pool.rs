@@ -76,8 +76,11 @@ impl Shared {
             // epoch e is still waiting in `for_each` and its job is alive; the job was stored
             // before the state that this successful claim read.
             let f = unsafe { &*(*self.job.load(Ordering::Acquire)).f };
-            if catch_unwind(AssertUnwindSafe(|| f(next(s)))).is_err() {
+            if let Err(payload) = catch_unwind(AssertUnwindSafe(|| f(next(s)))) {
                 self.panicked.store(true, Ordering::Relaxed);
+                // Dropping a payload can panic again (`panic_any` of a value whose Drop panics):
+                // nothing may unwind between a claim and its count in `done`.
+                std::mem::forget(payload);
             }
             self.done.fetch_add(1, Ordering::Release);
         }
@@ -139,22 +142,24 @@ impl Team {
             shutdown: AtomicBool::new(false),
         });
         let size = size.max(1);
-        let workers = (1..size)
-            .map(|i| {
-                let shared = Arc::clone(&shared);
-                std::thread::Builder::new()
-                    .name(format!("engine-worker-{i}"))
-                    .spawn(move || {
-                        let mut seen = 0;
-                        while let Some(e) = shared.wait(seen) {
-                            seen = e;
-                            shared.work(e);
-                        }
-                    })
-                    .expect("cannot start an engine worker thread")
-            })
-            .collect();
-        Team { shared, size, caller: Mutex::new(()), workers }
+        // Built first, so that a failed spawn (a panic below) drops it and stops the workers
+        // already started.
+        let mut team = Team { shared, size, caller: Mutex::new(()), workers: Vec::with_capacity(size - 1) };
+        for i in 1..size {
+            let shared = Arc::clone(&team.shared);
+            let worker = std::thread::Builder::new()
+                .name(format!("engine-worker-{i}"))
+                .spawn(move || {
+                    let mut seen = 0;
+                    while let Some(e) = shared.wait(seen) {
+                        seen = e;
+                        shared.work(e);
+                    }
+                })
+                .expect("cannot start an engine worker thread");
+            team.workers.push(worker);
+        }
+        team
     }
 
     /// Threads of the team, the caller included.
@@ -289,6 +294,57 @@ mod tests {
                 });
             }
         });
+    }
+
+    /// A panic payload whose own Drop panics.
+    struct Bomb;
+    impl Drop for Bomb {
+        fn drop(&mut self) {
+            panic!("payload drop panics");
+        }
+    }
+
+    /// A task on the calling thread that panics with such a payload: the call still returns only
+    /// after the other thread's task (which reads the caller's stack) has finished.
+    #[test]
+    fn a_payload_that_panics_when_dropped_does_not_end_the_call_early() {
+        let team = Team::new(2);
+        let caller = std::thread::current().id();
+        let (returned, late) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+        let (r2, l2) = (returned.clone(), late.clone());
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            let on_stack = [1u64; 16];
+            team.for_each(2, &|_| {
+                if std::thread::current().id() == caller {
+                    std::thread::sleep(Duration::from_millis(5));
+                    std::panic::panic_any(Bomb);
+                } else {
+                    std::thread::sleep(Duration::from_millis(100));
+                    l2.store(r2.load(Ordering::SeqCst), Ordering::SeqCst);
+                    std::hint::black_box(&on_stack);
+                }
+            });
+        }));
+        returned.store(true, Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(r.is_err());
+        assert!(!late.load(Ordering::SeqCst), "the call returned while a task still ran");
+        // The same on whichever thread claims task 1 (the worker, mostly, while the caller sleeps
+        // in task 0): reported, not a worker lost with its task uncounted (a hang).
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let team = Team::new(2);
+            let r = catch_unwind(AssertUnwindSafe(|| {
+                team.for_each(2, &|i| {
+                    if i == 1 {
+                        std::panic::panic_any(Bomb);
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                })
+            }));
+            let _ = tx.send(r.is_err());
+        });
+        assert_eq!(rx.recv_timeout(Duration::from_secs(20)), Ok(true), "the call did not finish");
     }
 
     #[test]
