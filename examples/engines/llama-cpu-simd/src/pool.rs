@@ -86,7 +86,7 @@ impl Shared {
         }
     }
 
-    /// Wait (spin, then park) until the epoch differs from `seen`; false on shutdown.
+    /// Wait (spin, then park) until the epoch differs from `seen` and return it; None on shutdown.
     fn wait(&self, seen: u64) -> Option<u64> {
         let start = Instant::now();
         let mut spins = 0u32;
