@@ -252,14 +252,14 @@ fn faulted_serving_kernels_are_diagnosed() {
     crate::inject(
         &engine,
         "src/kernels.rs",
-        "let block = table[t / block_size] as usize;",
-        "let block = t / block_size;",
+        "let base = table[b] as usize * block_size * kv_stride + kvh * head_dim;",
+        "let base = b * block_size * kv_stride + kvh * head_dim;",
     );
     crate::inject(
         &engine,
         "src/kernels.rs",
-        "let slot = table[t / block_size] as usize * block_size + t % block_size;",
-        "let slot = t;",
+        "let base = table[b] as usize * block_size * kv_stride + col;",
+        "let base = b * block_size * kv_stride + col;",
     );
     let k = kernel_test(
         &ctx,
