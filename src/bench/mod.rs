@@ -690,23 +690,24 @@ mod tests {
         }
     }
 
+    /// A decode-only report (no serving, no agent loop, no candle) of `rows` at `threads`.
+    fn report_of(threads: Vec<usize>, rows: Vec<Row>) -> BenchReport {
+        BenchReport { machine: "test".into(), threads, rows, agent_loop: None, serving: None, candle: false }
+    }
+
     #[test]
     fn goals_give_the_two_thread_speed_up_beside_the_bandwidth_scaling() {
         // Figures of one run on a 2-core EPYC (2026-12-05): f32 395 -> 445 tok/s while the read
         // bandwidth at 60 MB went 21.1 -> 40.5 GB/s; int8 1402 -> 2579 at 46.3 -> 84.3 GB/s.
-        let report = BenchReport {
-            machine: "test".into(),
-            threads: vec![1, 2],
-            rows: vec![
+        let report = report_of(
+            vec![1, 2],
+            vec![
                 row(1, "engine f32", 395.0, 21.1),
                 row(2, "engine f32", 445.0, 40.5),
                 row(1, "engine int8", 1402.0, 46.3),
                 row(2, "engine int8", 2579.0, 84.3),
             ],
-            agent_loop: None,
-            serving: None,
-            candle: false,
-        };
+        );
         let text = report.text();
         // 445 / 395 = 1.127; 40.5 / 21.1 = 1.919; 2579 / 1402 = 1.840; 84.3 / 46.3 = 1.821.
         assert!(
@@ -736,19 +737,15 @@ mod tests {
         assert_eq!(llama_tok_s("[{\"n_prompt\": 0, \"n_gen\": 128, \"avg_ts\": \"fast\"}]"), None);
         // llama.cpp f32 at 2 threads as measured beside an earlier engine on this shape (438 tok/s)
         // and a Q8_0 figure for the arithmetic: 503 / 438 = 1.148 (not met), 2188 / 1157 = 1.891.
-        let report = BenchReport {
-            machine: "test".into(),
-            threads: vec![2],
-            rows: vec![
+        let report = report_of(
+            vec![2],
+            vec![
                 row(2, "engine f32", 503.0, 30.0),
                 row(2, "llama.cpp f32", 438.0, 30.0),
                 row(2, "engine int8", 2188.0, 80.0),
                 row(2, "llama.cpp q8_0", 1157.0, 80.0),
             ],
-            agent_loop: None,
-            serving: None,
-            candle: false,
-        };
+        );
         let text = report.text();
         assert!(text.contains("  f32 >= 1.2x llama.cpp f32 (2 thread(s)): 1.15x (NOT met)"), "{text}");
         assert!(text.contains("  int8 >= 1.2x llama.cpp q8_0 (2 thread(s)): 1.89x (met)"), "{text}");
