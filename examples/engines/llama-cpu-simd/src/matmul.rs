@@ -722,6 +722,9 @@ mod avx2 {
 
     use super::Kind;
 
+    /// How many tiles ahead of the current one the weights are prefetched.
+    const PREFETCH_TILES: usize = 2;
+
     /// Horizontal sum by the halving tree: lanes j + j+4, then j + j+2, j + j+1.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -733,6 +736,8 @@ mod avx2 {
     }
 
     /// out[r * n + c] = dot(x row r, w row c) (times scale[c] when scaled) for r < R, c < C.
+    /// x rows have stride k, w rows stride ws; `prefetch` (or null) is the start of C * k
+    /// contiguous weights to request while computing.
     ///
     /// # Safety
     /// As the AVX-512 tile; the CPU must support AVX2, FMA and F16C.
@@ -747,11 +752,20 @@ mod avx2 {
         ws: usize,
         out: *mut f32,
         n: usize,
+        prefetch: *const K::Elem,
     ) {
         let mut acc = [[_mm256_setzero_ps(); C]; R];
+        let line_elems = 64 / std::mem::size_of::<K::Elem>();
         let full = k / 8;
         for ch in 0..full {
             let off = ch * 8;
+            // Request the C * 8 weights of the prefetch region that match this chunk of 8 columns.
+            if !prefetch.is_null() {
+                let base = prefetch.wrapping_add(ch * C * 8);
+                for l in 0..(C * 8).div_ceil(line_elems) {
+                    _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(l * line_elems).cast());
+                }
+            }
             let mut xv = [_mm256_setzero_ps(); R];
             for (r, v) in xv.iter_mut().enumerate() {
                 *v = unsafe { _mm256_loadu_ps(x.add(r * k + off)) };
@@ -811,17 +825,35 @@ mod avx2 {
         rows: Range<usize>,
     ) {
         let sc = |o: usize| scales.wrapping_add(o);
+        let null = std::ptr::null();
+        // Weights are requested PREFETCH_TILES blocks of C rows ahead, as in the AVX-512 kernel.
+        let tiles = m / R + m % R;
+        let lines = (C * k * std::mem::size_of::<K::Elem>()).div_ceil(64);
+        let per_tile = lines.div_ceil(tiles);
+        let line_elems = 64 / std::mem::size_of::<K::Elem>();
+        let request = |pf: *const K::Elem, t: usize| {
+            if tiles > 1 && !pf.is_null() {
+                for l in (t * per_tile).min(lines)..((t + 1) * per_tile).min(lines) {
+                    _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(l * line_elems).cast());
+                }
+            }
+        };
         let mut o = rows.start;
         while o + C <= rows.end {
             let wo = unsafe { w.add(o * k) };
-            let mut i = 0;
+            let ahead = o + PREFETCH_TILES * C;
+            let pf = if ahead < n { w.wrapping_add(ahead * k) } else { null };
+            let p = if tiles == 1 { pf } else { null };
+            let (mut i, mut t) = (0, 0);
             while i + R <= m {
-                unsafe { tile::<K, R, C>(x.add(i * k), wo, sc(o), k, k, out.add(i * n + o), n) };
-                i += R;
+                request(pf, t);
+                unsafe { tile::<K, R, C>(x.add(i * k), wo, sc(o), k, k, out.add(i * n + o), n, p) };
+                (i, t) = (i + R, t + 1);
             }
             while i < m {
-                unsafe { tile::<K, 1, C>(x.add(i * k), wo, sc(o), k, k, out.add(i * n + o), n) };
-                i += 1;
+                request(pf, t);
+                unsafe { tile::<K, 1, C>(x.add(i * k), wo, sc(o), k, k, out.add(i * n + o), n, p) };
+                (i, t) = (i + 1, t + 1);
             }
             o += C;
         }
@@ -829,11 +861,11 @@ mod avx2 {
             let wo = unsafe { w.add(o * k) };
             let mut i = 0;
             while i + R <= m {
-                unsafe { tile::<K, R, 1>(x.add(i * k), wo, sc(o), k, k, out.add(i * n + o), n) };
+                unsafe { tile::<K, R, 1>(x.add(i * k), wo, sc(o), k, k, out.add(i * n + o), n, null) };
                 i += R;
             }
             while i < m {
-                unsafe { tile::<K, 1, 1>(x.add(i * k), wo, sc(o), k, k, out.add(i * n + o), n) };
+                unsafe { tile::<K, 1, 1>(x.add(i * k), wo, sc(o), k, k, out.add(i * n + o), n, null) };
                 i += 1;
             }
             o += 1;
@@ -873,11 +905,11 @@ mod avx2 {
         let mut t = 0;
         unsafe {
             while t + 8 <= count {
-                tile::<super::F32, 1, 8>(x, w.add(t * ws), null, k, ws, out.add(t), 8);
+                tile::<super::F32, 1, 8>(x, w.add(t * ws), null, k, ws, out.add(t), 8, null);
                 t += 8;
             }
             while t < count {
-                tile::<super::F32, 1, 1>(x, w.add(t * ws), null, k, ws, out.add(t), 1);
+                tile::<super::F32, 1, 1>(x, w.add(t * ws), null, k, ws, out.add(t), 1, null);
                 t += 1;
             }
         }
