@@ -430,15 +430,114 @@ pub(crate) fn dots(x: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
     }
 }
 
+/// The walk over R x C tiles that every instruction set's kernel shares, written once and expanded
+/// in each instruction-set module with that module's target features: `block` (the tiles of a row
+/// range, with weights prefetched `PREFETCH_TILES` blocks ahead) and `dots` (strided dot products).
+/// The module supplies `tile::<K, R, C>` and imports `Kind`, `Range` and the intrinsics.
+#[cfg(target_arch = "x86_64")]
+macro_rules! tile_walk {
+    ($features:literal) => {
+        /// How many blocks of C weight rows ahead of the current one the weights are prefetched.
+        const PREFETCH_TILES: usize = 2;
+
+        /// Outputs o in `rows` for all m rows of x, in R x C tiles with 1-row and 1-column edges.
+        ///
+        /// # Safety
+        /// As [`super::run_rows`].
+        #[inline]
+        #[target_feature(enable = $features)]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn block<K: Kind, const R: usize, const C: usize>(
+            x: *const f32,
+            w: *const K::Elem,
+            scales: *const f32,
+            m: usize,
+            k: usize,
+            n: usize,
+            out: *mut f32,
+            rows: Range<usize>,
+        ) {
+            let sc = |o: usize| scales.wrapping_add(o);
+            let null = std::ptr::null();
+            // The weights PREFETCH_TILES blocks of C rows ahead are requested while this block
+            // computes. One tile per block (a matrix-vector product) requests them chunk by chunk as
+            // it goes; with several tiles (a batch), each tile first requests its share of the lines,
+            // so that the batch reads its weights from memory while it computes instead of all at
+            // the first tile, where the requests would pile up in the core's miss buffers.
+            let tiles = m / R + m % R;
+            let lines = (C * k * std::mem::size_of::<K::Elem>()).div_ceil(64);
+            let per_tile = lines.div_ceil(tiles);
+            let line_elems = 64 / std::mem::size_of::<K::Elem>();
+            let request = |pf: *const K::Elem, t: usize| {
+                if tiles > 1 && !pf.is_null() {
+                    for l in (t * per_tile).min(lines)..((t + 1) * per_tile).min(lines) {
+                        _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(l * line_elems).cast());
+                    }
+                }
+            };
+            let mut o = rows.start;
+            while o + C <= rows.end {
+                let wo = unsafe { w.add(o * k) };
+                let ahead = o + PREFETCH_TILES * C;
+                let pf = if ahead < n { w.wrapping_add(ahead * k) } else { null };
+                let p = if tiles == 1 { pf } else { null };
+                let (mut i, mut t) = (0, 0);
+                while i + R <= m {
+                    request(pf, t);
+                    unsafe { tile::<K, R, C>(x.add(i * k), wo, sc(o), k, k, out.add(i * n + o), n, p) };
+                    (i, t) = (i + R, t + 1);
+                }
+                while i < m {
+                    request(pf, t);
+                    unsafe { tile::<K, 1, C>(x.add(i * k), wo, sc(o), k, k, out.add(i * n + o), n, p) };
+                    (i, t) = (i + 1, t + 1);
+                }
+                o += C;
+            }
+            while o < rows.end {
+                let wo = unsafe { w.add(o * k) };
+                let mut i = 0;
+                while i + R <= m {
+                    unsafe { tile::<K, R, 1>(x.add(i * k), wo, sc(o), k, k, out.add(i * n + o), n, null) };
+                    i += R;
+                }
+                while i < m {
+                    unsafe { tile::<K, 1, 1>(x.add(i * k), wo, sc(o), k, k, out.add(i * n + o), n, null) };
+                    i += 1;
+                }
+                o += 1;
+            }
+        }
+
+        /// out[t] = dot(x, w row t) for t < count; x has k elements, w rows stride ws.
+        ///
+        /// # Safety
+        /// x must hold k elements, w rows t < count k elements each at stride ws, out count elements;
+        /// the CPU must support the module's instruction set.
+        #[target_feature(enable = $features)]
+        pub(super) unsafe fn dots(x: *const f32, w: *const f32, k: usize, ws: usize, count: usize, out: *mut f32) {
+            let null = std::ptr::null();
+            let mut t = 0;
+            unsafe {
+                while t + 8 <= count {
+                    tile::<super::F32, 1, 8>(x, w.add(t * ws), null, k, ws, out.add(t), 8, null);
+                    t += 8;
+                }
+                while t < count {
+                    tile::<super::F32, 1, 1>(x, w.add(t * ws), null, k, ws, out.add(t), 1, null);
+                    t += 1;
+                }
+            }
+        }
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::*;
     use std::ops::Range;
 
     use super::Kind;
-
-    /// How many tiles ahead of the current one the weights are prefetched.
-    const PREFETCH_TILES: usize = 2;
 
     /// Horizontal sum by the halving tree: lanes j + j+8, then j + j+4, j + j+2, j + j+1.
     #[inline]
@@ -595,74 +694,7 @@ mod avx512 {
         }
     }
 
-    /// Outputs o in `rows` for all m rows of x, in R x C tiles with 1-row and 1-column edges.
-    ///
-    /// # Safety
-    /// As [`super::run_rows`].
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn block<K: Kind, const R: usize, const C: usize>(
-        x: *const f32,
-        w: *const K::Elem,
-        scales: *const f32,
-        m: usize,
-        k: usize,
-        n: usize,
-        out: *mut f32,
-        rows: Range<usize>,
-    ) {
-        let sc = |o: usize| scales.wrapping_add(o);
-        let null = std::ptr::null();
-        // The weights PREFETCH_TILES blocks of C rows ahead are requested while this block
-        // computes. One tile per block (a matrix-vector product) requests them chunk by chunk as
-        // it goes; with several tiles (a batch), each tile first requests its share of the lines,
-        // so that the batch reads its weights from memory while it computes instead of all at
-        // the first tile, where the requests would pile up in the core's miss buffers.
-        let tiles = m / R + m % R;
-        let lines = (C * k * std::mem::size_of::<K::Elem>()).div_ceil(64);
-        let per_tile = lines.div_ceil(tiles);
-        let line_elems = 64 / std::mem::size_of::<K::Elem>();
-        let request = |pf: *const K::Elem, t: usize| {
-            if tiles > 1 && !pf.is_null() {
-                for l in (t * per_tile).min(lines)..((t + 1) * per_tile).min(lines) {
-                    _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(l * line_elems).cast());
-                }
-            }
-        };
-        let mut o = rows.start;
-        while o + C <= rows.end {
-            let wo = unsafe { w.add(o * k) };
-            let ahead = o + PREFETCH_TILES * C;
-            let pf = if ahead < n { w.wrapping_add(ahead * k) } else { null };
-            let p = if tiles == 1 { pf } else { null };
-            let (mut i, mut t) = (0, 0);
-            while i + R <= m {
-                request(pf, t);
-                unsafe { tile::<K, R, C>(x.add(i * k), wo, sc(o), k, k, out.add(i * n + o), n, p) };
-                (i, t) = (i + R, t + 1);
-            }
-            while i < m {
-                request(pf, t);
-                unsafe { tile::<K, 1, C>(x.add(i * k), wo, sc(o), k, k, out.add(i * n + o), n, p) };
-                (i, t) = (i + 1, t + 1);
-            }
-            o += C;
-        }
-        while o < rows.end {
-            let wo = unsafe { w.add(o * k) };
-            let mut i = 0;
-            while i + R <= m {
-                unsafe { tile::<K, R, 1>(x.add(i * k), wo, sc(o), k, k, out.add(i * n + o), n, null) };
-                i += R;
-            }
-            while i < m {
-                unsafe { tile::<K, 1, 1>(x.add(i * k), wo, sc(o), k, k, out.add(i * n + o), n, null) };
-                i += 1;
-            }
-            o += 1;
-        }
-    }
+    tile_walk!("avx512f");
 
     /// # Safety
     /// As [`super::run_rows`], with raw pointers to x [m, k], w [n, k] and scales [n] (or null
@@ -692,27 +724,6 @@ mod avx512 {
             }
         }
     }
-
-    /// out[t] = dot(x, w row t) for t < count; x has k elements, w rows stride ws.
-    ///
-    /// # Safety
-    /// x must hold k elements, w rows t < count k elements each at stride ws, out count elements;
-    /// the CPU must support AVX-512F.
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn dots(x: *const f32, w: *const f32, k: usize, ws: usize, count: usize, out: *mut f32) {
-        let null = std::ptr::null();
-        let mut t = 0;
-        unsafe {
-            while t + 8 <= count {
-                tile::<super::F32, 1, 8>(x, w.add(t * ws), null, k, ws, out.add(t), 8, null);
-                t += 8;
-            }
-            while t < count {
-                tile::<super::F32, 1, 1>(x, w.add(t * ws), null, k, ws, out.add(t), 1, null);
-                t += 1;
-            }
-        }
-    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -721,9 +732,6 @@ mod avx2 {
     use std::ops::Range;
 
     use super::Kind;
-
-    /// How many tiles ahead of the current one the weights are prefetched.
-    const PREFETCH_TILES: usize = 2;
 
     /// Horizontal sum by the halving tree: lanes j + j+4, then j + j+2, j + j+1.
     #[inline]
@@ -807,70 +815,7 @@ mod avx2 {
         }
     }
 
-    /// Outputs o in `rows` for all m rows of x, in R x C tiles with 1-row and 1-column edges.
-    ///
-    /// # Safety
-    /// As [`super::run_rows`].
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn block<K: Kind, const R: usize, const C: usize>(
-        x: *const f32,
-        w: *const K::Elem,
-        scales: *const f32,
-        m: usize,
-        k: usize,
-        n: usize,
-        out: *mut f32,
-        rows: Range<usize>,
-    ) {
-        let sc = |o: usize| scales.wrapping_add(o);
-        let null = std::ptr::null();
-        // Weights are requested PREFETCH_TILES blocks of C rows ahead, as in the AVX-512 kernel.
-        let tiles = m / R + m % R;
-        let lines = (C * k * std::mem::size_of::<K::Elem>()).div_ceil(64);
-        let per_tile = lines.div_ceil(tiles);
-        let line_elems = 64 / std::mem::size_of::<K::Elem>();
-        let request = |pf: *const K::Elem, t: usize| {
-            if tiles > 1 && !pf.is_null() {
-                for l in (t * per_tile).min(lines)..((t + 1) * per_tile).min(lines) {
-                    _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(l * line_elems).cast());
-                }
-            }
-        };
-        let mut o = rows.start;
-        while o + C <= rows.end {
-            let wo = unsafe { w.add(o * k) };
-            let ahead = o + PREFETCH_TILES * C;
-            let pf = if ahead < n { w.wrapping_add(ahead * k) } else { null };
-            let p = if tiles == 1 { pf } else { null };
-            let (mut i, mut t) = (0, 0);
-            while i + R <= m {
-                request(pf, t);
-                unsafe { tile::<K, R, C>(x.add(i * k), wo, sc(o), k, k, out.add(i * n + o), n, p) };
-                (i, t) = (i + R, t + 1);
-            }
-            while i < m {
-                request(pf, t);
-                unsafe { tile::<K, 1, C>(x.add(i * k), wo, sc(o), k, k, out.add(i * n + o), n, p) };
-                (i, t) = (i + 1, t + 1);
-            }
-            o += C;
-        }
-        while o < rows.end {
-            let wo = unsafe { w.add(o * k) };
-            let mut i = 0;
-            while i + R <= m {
-                unsafe { tile::<K, R, 1>(x.add(i * k), wo, sc(o), k, k, out.add(i * n + o), n, null) };
-                i += R;
-            }
-            while i < m {
-                unsafe { tile::<K, 1, 1>(x.add(i * k), wo, sc(o), k, k, out.add(i * n + o), n, null) };
-                i += 1;
-            }
-            o += 1;
-        }
-    }
+    tile_walk!("avx2,fma,f16c");
 
     /// # Safety
     /// As [`super::run_rows`], with raw pointers; the CPU must support AVX2, FMA and F16C.
@@ -891,26 +836,6 @@ mod avx2 {
                 block::<K, 1, 8>(x, w, scales, m, k, n, out, rows);
             } else {
                 block::<K, 2, 4>(x, w, scales, m, k, n, out, rows);
-            }
-        }
-    }
-
-    /// out[t] = dot(x, w row t) for t < count; x has k elements, w rows stride ws.
-    ///
-    /// # Safety
-    /// As the AVX-512 version; the CPU must support AVX2, FMA and F16C.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dots(x: *const f32, w: *const f32, k: usize, ws: usize, count: usize, out: *mut f32) {
-        let null = std::ptr::null();
-        let mut t = 0;
-        unsafe {
-            while t + 8 <= count {
-                tile::<super::F32, 1, 8>(x, w.add(t * ws), null, k, ws, out.add(t), 8, null);
-                t += 8;
-            }
-            while t < count {
-                tile::<super::F32, 1, 1>(x, w.add(t * ws), null, k, ws, out.add(t), 1, null);
-                t += 1;
             }
         }
     }
