@@ -146,18 +146,26 @@ pub fn harness_source_with(arms: &[Arm], items: &[String], serving: bool) -> Str
 
 impl Workshop {
     /// Write the harness crate for an engine (outside the engine's sources) and return its manifest.
-    /// The harness calls only the kernels in `spec` and builds the engine with `spec`'s features;
-    /// each feature set gets its own harness package, so variants of one engine never clash.
+    /// The harness calls only the kernels in `spec` and builds the engine with `spec`'s features.
+    /// The crate's directory and package name are keyed by the engine's directory, the features and
+    /// the harness's own sources: each feature set and each set of kernels gets its own package, so
+    /// variants of one engine never clash, two gates on one engine with different kernels never
+    /// rewrite each other's sources mid-build, and alternating between them rebuilds nothing.
     ///
     /// # Errors
     /// When the cache directory is not writable.
     pub fn write_harness(&self, engine: &Engine, spec: &HarnessSpec) -> Result<PathBuf> {
+        let main = harness_source_with(&spec.arms, &spec.items, spec.serving);
         let mut h = Sha256::new();
         h.update(engine.dir.to_string_lossy().as_bytes());
         for f in &spec.features {
             h.update(b"\0");
             h.update(f.as_bytes());
         }
+        h.update(b"\0");
+        h.update(spec.api.as_bytes());
+        h.update(b"\0");
+        h.update(main.as_bytes());
         let key = format!("{:x}", h.finalize());
         let dir = self.root.join("harness").join(&key[..16]);
         std::fs::create_dir_all(dir.join("src")).internal_ctx(|| format!("cannot create {}", dir.display()))?;
@@ -187,7 +195,7 @@ impl Workshop {
             std::fs::write(&p, s).internal_ctx(|| format!("cannot write {}", p.display()))
         };
         write(dir.join("Cargo.toml"), &manifest)?;
-        write(dir.join("src/main.rs"), &harness_source_with(&spec.arms, &spec.items, spec.serving))?;
+        write(dir.join("src/main.rs"), &main)?;
         write(dir.join("src/protocol.rs"), HARNESS_PROTOCOL)?;
         write(dir.join("src/device.rs"), if spec.cuda() { HARNESS_DEVICE_CUDA } else { HARNESS_DEVICE_HOST })?;
         let serving = dir.join("src/serving.rs");
