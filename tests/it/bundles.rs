@@ -257,8 +257,7 @@ fn a_broken_engine_fails_through_a_bundle_with_its_diagnosis() {
 fn a_tampered_or_incomplete_bundle_is_refused_or_fails() {
     let t = tempfile::tempdir().unwrap();
     let ctx = crate::ctx(t.path());
-    let engine = t.path().join("engine");
-    Engine::Plain.copy_to(&engine);
+    let engine = Engine::Plain.shared_copy();
     let dir = t.path().join("bundle");
     let req = |write: Option<&Path>, read: Option<&Path>| KernelTestRequest {
         engine: s(&engine),
@@ -373,9 +372,8 @@ fn a_tampered_or_incomplete_bundle_is_refused_or_fails() {
 fn outputs_copied_from_another_bundle_are_not_evidence() {
     let t = tempfile::tempdir().unwrap();
     let ctx = crate::ctx(t.path());
-    let good = t.path().join("good");
     let bad = t.path().join("bad");
-    Engine::Plain.copy_to(&good);
+    let good = Engine::Plain.shared_copy();
     Engine::Plain.copy_to(&bad);
     // The broken engine: eps outside the square root (failure.rmsnorm-eps-outside-sqrt).
     crate::replace_body(

@@ -956,8 +956,7 @@ fn bf16_stored_babyllama_passes_verify() {
     store(&model_dir, &babyllama_tensors(), safetensors::Dtype::BF16, 1);
     edit_json(&model_dir.join("config.json"), |c| c["torch_dtype"] = json!("bfloat16"));
     let ctx = crate::ctx(t.path());
-    let engine = t.path().join("engine");
-    crate::copy_example(&engine);
+    let engine = crate::shared_example();
     let v = verify_on(&ctx, &engine, &model_dir, &[]);
     assert!(v.passed, "{}", metainfer::ops::Report::text(&v));
 }
@@ -971,8 +970,7 @@ fn sharded_babyllama_passes_verify(engine: crate::Engine) {
     store(&model_dir, &babyllama_tensors(), safetensors::Dtype::F32, 2);
     assert!(model_dir.join("model.safetensors.index.json").exists() && !model_dir.join("model.safetensors").exists());
     let ctx = crate::ctx(t.path());
-    let dir = t.path().join("engine");
-    engine.copy_to(&dir);
+    let dir = engine.shared_copy();
     let v = verify_on(&ctx, &dir, &model_dir, &[]);
     assert!(v.passed, "{}", metainfer::ops::Report::text(&v));
 }
@@ -988,8 +986,7 @@ fn bytelevel_synthetic_llama_passes_verify_and_the_real_vectors(engine: crate::E
     let r = synth_cli(&model_dir, &["--family", "llama", "--seed", "2", "--vocab", "600", "--tokenizer", "bytelevel"]);
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
     let ctx = crate::ctx(t.path());
-    let dir = t.path().join("engine");
-    engine.copy_to(&dir);
+    let dir = engine.shared_copy();
     let v = verify_on(&ctx, &dir, &model_dir, &["Hello, world! 42 😀\n\nDON'T stop"]);
     assert!(v.passed, "{}", metainfer::ops::Report::text(&v));
     let names: Vec<&str> = v.tokenizer_vectors.iter().map(|x| x.vocabulary.as_str()).collect();
@@ -1017,8 +1014,7 @@ fn v5_rope_parameters_babyllama_passes_verify(engine: crate::Engine) {
         });
     });
     let ctx = crate::ctx(t.path());
-    let dir = t.path().join("engine");
-    engine.copy_to(&dir);
+    let dir = engine.shared_copy();
     let v = verify_on(&ctx, &dir, &model_dir, &[]);
     assert!(v.passed, "{}", metainfer::ops::Report::text(&v));
 }
@@ -1036,8 +1032,7 @@ fn tied_babyllama_with_a_differing_lm_head_passes_verify_with_a_warning() {
     tensors.insert("lm_head.weight".into(), (shape, embed.iter().map(|x| x * 0.5).collect()));
     store(&model_dir, &tensors, safetensors::Dtype::F32, 1);
     let ctx = crate::ctx(t.path());
-    let engine = t.path().join("engine");
-    crate::copy_example(&engine);
+    let engine = crate::shared_example();
     let v = verify_on(&ctx, &engine, &model_dir, &[]);
     assert!(v.passed, "{}", metainfer::ops::Report::text(&v));
     assert!(v.warnings.iter().any(|w| w.contains("ignores lm_head.weight")), "{:?}", v.warnings);
@@ -1055,8 +1050,7 @@ fn llama3_1b_bf16_sharded_passes_verify() {
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
     let synth_s = start.elapsed().as_secs_f64();
     let ctx = crate::ctx(t.path());
-    let engine = t.path().join("engine");
-    crate::copy_example(&engine);
+    let engine = crate::shared_example();
     let start = std::time::Instant::now();
     let v = verify_on(&ctx, &engine, &model_dir, &[]);
     let text = metainfer::ops::Report::text(&v);

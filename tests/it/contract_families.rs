@@ -179,7 +179,8 @@ fn what_the_contract_families_add_changes_the_logits_as_their_formulas_say() {
     }
 }
 
-/// The plain example engine, its metainfer.toml naming `family`.
+/// The plain example engine written into `dir` (over the files of an earlier case: every file of the
+/// engine is written back), its metainfer.toml naming `family`.
 fn engine_for(dir: &Path, family: &str) {
     crate::Engine::Plain.copy_to(dir);
     let manifest = std::fs::read_to_string(dir.join("metainfer.toml")).unwrap();
@@ -228,9 +229,10 @@ fn plain_engine_passes_every_gate_on_the_contract_families() {
     let t = tempfile::tempdir().unwrap();
     let ctx = crate::ctx(t.path());
     let budget = metainfer::harness::Budget::secs(900);
+    // One engine directory, declared for each family in turn: the engine compiles once.
+    let engine = t.path().join("engine");
     for (fam, _) in FAMILIES {
         let id = format!("model.{fam}");
-        let engine = t.path().join(format!("engine-{fam}"));
         engine_for(&engine, &id);
         let model = synth(t.path(), fam, fam, |_| {});
         let e = engine.display().to_string();
@@ -473,10 +475,13 @@ fn plain_engine_without_a_family_difference_fails_verify_with_the_failure_named(
     ];
     let ckb = Ckb::embedded().unwrap();
     let cases_len = cases.len();
+    // One engine directory, edited in place from case to case as an agent edits its engine: each
+    // case writes the plain engine back, declares its family and plants its faults, so the
+    // correctness gates' incremental builds recompile only what changed.
+    let engine = t.path().join("engine");
     for (i, (fam, failure, faults, edit, point)) in cases.into_iter().enumerate() {
         let id = format!("model.{fam}");
         assert!(ckb.get(&id).unwrap().failure_modes.contains(&failure.to_string()), "{id} lists {failure}");
-        let engine = t.path().join(format!("engine-{i}-{fam}"));
         engine_for(&engine, &id);
         for (from, to) in faults {
             crate::inject(&engine, "src/model.rs", from, to);

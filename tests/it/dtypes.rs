@@ -141,8 +141,7 @@ fn example_engine_passes_the_gates_at_every_weight_dtype() {
     use metainfer::ops::verify::{VerifyRequest, verify};
     let t = tempfile::tempdir().unwrap();
     let ctx = super::ctx(t.path());
-    let dir = t.path().join("engine");
-    super::copy_example(&dir);
+    let dir = super::shared_example();
     let budget = metainfer::harness::Budget::secs(1200);
     for dtype in ["bf16", "f16", "int8"] {
         let req =

@@ -73,6 +73,13 @@ fn kernels_req(engine: &Path) -> KernelTestRequest {
     KernelTestRequest { engine: s(engine), kernels: vec![], seed: Some(5), ..Default::default() }
 }
 
+/// The copy of an example engine with a metainfer.toml for `family` on `target` that every test
+/// running it unmodified shares ([`crate::shared_engine`]).
+fn shared_engine_for(engine: Engine, family: &str, target: &str) -> std::path::PathBuf {
+    let name = format!("{engine:?}-{family}-{target}").to_lowercase();
+    crate::shared_engine(&name, |dir| engine_for(engine, dir, family, target))
+}
+
 /// A copy of an example engine with a metainfer.toml for `family` on `target`.
 fn engine_for(engine: Engine, dir: &Path, family: &str, target: &str) {
     engine.copy_to(dir);
@@ -189,13 +196,11 @@ fn phi3_fused_layout_family_is_proposed_gated_and_promoted() {
 
     // 4. An engine that reads separate q/k/v and gate/up tensors only (the SIMD example) cannot load
     // it; the plain example engine, which splits fused tensors by rows as the contract says, passes.
-    let simd = t.path().join("simd");
-    engine_for(Engine::Simd, &simd, "model.phi3", "cpu");
+    let simd = shared_engine_for(Engine::Simd, "model.phi3", "cpu");
     let v = verify(&ctx, &verify_req(&simd, &ckpt), &budget()).unwrap();
     assert!(!v.passed && v.error.contains("missing tensor model.layers.0.self_attn.q_proj.weight"), "{}", v.error);
     assert!(v.promotions.is_empty());
-    let engine = t.path().join("engine");
-    engine_for(Engine::Plain, &engine, "model.phi3", "cpu");
+    let engine = shared_engine_for(Engine::Plain, "model.phi3", "cpu");
     let k = kernel_test(&ctx, &kernels_req(&engine), &budget()).unwrap();
     assert!(k.passed, "{k:?}");
     let v = verify(&ctx, &verify_req(&engine, &ckpt), &budget()).unwrap();
@@ -311,8 +316,7 @@ fn aarch64_platform_is_proposed_gated_and_promoted() {
     assert!(r.gaps.is_empty(), "{:?}", r.gaps);
 
     // 3. An engine whose metainfer.toml targets the platform passes the gates on this host.
-    let engine = t.path().join("engine");
-    engine_for(Engine::Plain, &engine, "model.llama", "cpu-aarch64");
+    let engine = shared_engine_for(Engine::Plain, "model.llama", "cpu-aarch64");
     let k = kernel_test(&ctx, &kernels_req(&engine), &budget()).unwrap();
     assert!(k.passed, "{k:?}");
     let v = verify(&ctx, &verify_req(&engine, &ckpt), &budget()).unwrap();
@@ -479,8 +483,7 @@ fn an_engine_agreeing_with_a_wrong_family_is_no_evidence_the_vectors_decide() {
 
     // An engine that is right fails verify under the wrong staged contract: its diagnosis names
     // where the two part but advises no change to the engine (the contract may be what is wrong).
-    let honest = t.path().join("honest");
-    engine_for(Engine::Plain, &honest, "model.phi3", "cpu");
+    let honest = shared_engine_for(Engine::Plain, "model.phi3", "cpu");
     assert!(kernel_test(&ctx, &kernels_req(&honest), &budget()).unwrap().passed);
     let hv = verify(&ctx, &verify_req(&honest, &vectors), &budget()).unwrap();
     assert!(!hv.passed && !hv.diagnosis.is_empty(), "{}", Report::text(&hv));

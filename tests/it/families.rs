@@ -566,8 +566,7 @@ fn an_engine_is_verified_only_on_its_own_family() {
     let t = tempfile::tempdir().unwrap();
     let ctx = crate::ctx(t.path());
     let budget = metainfer::harness::Budget::secs(600);
-    let engine = t.path().join("engine");
-    crate::Engine::Plain.copy_to(&engine);
+    let engine = crate::Engine::Plain.shared_copy();
     let gemma = synth(t.path(), "gemma", "gemma", |_| {});
     let (e, m) = (engine.display().to_string(), gemma.display().to_string());
     let v = verify(

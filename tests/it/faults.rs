@@ -343,8 +343,7 @@ fn injected_faults_are_caught_and_named() {
     };
 
     // The clean engine passes and gets no diagnosis.
-    let good = t.path().join("good");
-    Engine::Plain.copy_to(&good);
+    let good = Engine::Plain.shared_copy();
     let k = kernel_test(&ctx, &kernel_req(&good), &budget()).unwrap();
     assert!(k.passed, "{}", k.text());
     assert!(k.kernels.iter().all(|k| k.diagnosis.is_empty()), "{}", k.text());

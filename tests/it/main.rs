@@ -133,6 +133,33 @@ pub fn copy_example(dir: &Path) {
     metainfer::demo::write_example_engine(dir).unwrap();
 }
 
+/// The SIMD example engine as the demo embeds it, in the copy every test running it unmodified
+/// shares ([`shared_engine`]).
+pub fn shared_example() -> PathBuf {
+    shared_engine("example", copy_example)
+}
+
+/// An engine that `write` writes, in a directory shared by every test that runs the same sources
+/// unmodified: `$CARGO_TARGET_TMPDIR/engines/<name>-<sha256 of its files, 16 hex>`. The server keys
+/// its snapshots and harness builds by the engine's directory, so the tests that share a copy
+/// compile the engine once per feature set and harness, where copies of their own would compile it
+/// again in each test. The sources are written to a staging directory and renamed into place, so a
+/// concurrent test never sees half a copy. Never write into the result: a test that plants a fault
+/// or edits the manifest takes its own copy ([`Engine::copy_to`], [`copy_example`]).
+pub fn shared_engine(name: &str, write: impl Fn(&Path)) -> PathBuf {
+    let parent = Path::new(env!("CARGO_TARGET_TMPDIR")).join("engines");
+    std::fs::create_dir_all(&parent).unwrap();
+    let staging = tempfile::Builder::new().prefix(&format!(".{name}-")).tempdir_in(&parent).unwrap();
+    write(staging.path());
+    let hash = metainfer::harness::source_hash(staging.path()).unwrap();
+    let dir = parent.join(format!("{name}-{}", &hash[..16]));
+    // Another test may have placed the same sources first: the staging copy is then dropped.
+    if !dir.join("Cargo.toml").is_file() && std::fs::rename(staging.path(), &dir).is_err() {
+        assert!(dir.join("Cargo.toml").is_file(), "cannot place the shared engine at {}", dir.display());
+    }
+    dir
+}
+
 /// The example engines under examples/engines/, on which the gate tests run one test body each
 /// (see [`engine_tests`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -154,6 +181,13 @@ impl Engine {
             Engine::Cuda => "llama-cuda-bf16",
         };
         Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/engines").join(name)
+    }
+
+    /// A copy of the engine's sources that every test running it unmodified shares
+    /// ([`shared_engine`]).
+    pub fn shared_copy(self) -> PathBuf {
+        let name = self.dir().file_name().unwrap().to_string_lossy().into_owned();
+        shared_engine(&name, |to| self.copy_to(to))
     }
 
     /// Copy the engine's sources (Cargo.toml, metainfer.toml, src/; no build output) to `to`.

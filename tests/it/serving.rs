@@ -284,8 +284,7 @@ fn faulted_serving_kernels_are_diagnosed() {
 fn simd_engine_passes_verify_batching() {
     let t = tempfile::tempdir().unwrap();
     let ctx = crate::ctx(t.path());
-    let engine = t.path().join("simd");
-    Engine::Simd.copy_to(&engine);
+    let engine = Engine::Simd.shared_copy();
     let v = verify_batching(&ctx, &BatchingRequest { sequences: Some(8), ..batching(&engine) }, &Budget::secs(900))
         .unwrap();
     assert!(v.passed, "{}", metainfer::ops::Report::text(&v));
@@ -483,8 +482,7 @@ fn a_server_that_leaves_nagle_on_fails_serve_engine() {
 fn simd_engine_passes_serve_engine() {
     let t = tempfile::tempdir().unwrap();
     let ctx = crate::ctx(t.path());
-    let engine = t.path().join("simd");
-    Engine::Simd.copy_to(&engine);
+    let engine = Engine::Simd.shared_copy();
     let req = ServeRequest { concurrency: Some(vec![1, 4, 16]), ..serve_req(&engine) };
     let r = serve_engine(&ctx, &req, &Budget::secs(900)).unwrap();
     let text = metainfer::ops::Report::text(&r);
@@ -575,8 +573,7 @@ fn the_scaffolds_engine_binary_explains_itself() {
 fn simd_binary_explains_itself_and_generate_prints_the_golden_continuation() {
     let t = tempfile::tempdir().unwrap();
     let ctx = crate::ctx(t.path());
-    let dir = t.path().join("simd");
-    Engine::Simd.copy_to(&dir);
+    let dir = Engine::Simd.shared_copy();
     let engine = ctx.workshop.engine_at(&metainfer::beneath::Dir::open(&dir).unwrap()).unwrap();
     let bin = t.path().join("bin");
     std::fs::create_dir_all(&bin).unwrap();
@@ -662,8 +659,7 @@ fn simd_engine_serves_the_stories15m_shape() {
     let t = tempfile::tempdir().unwrap();
     let ctx = crate::ctx(t.path());
     let model = stories15m(t.path());
-    let engine = t.path().join("simd");
-    Engine::Simd.copy_to(&engine);
+    let engine = Engine::Simd.shared_copy();
     let req = ServeRequest { model: s(&model), concurrency: Some(vec![1, 4, 16]), ..serve_req(&engine) };
     let r = serve_engine(&ctx, &req, &Budget::secs(900)).unwrap();
     let text = metainfer::ops::Report::text(&r);
@@ -727,8 +723,7 @@ fn a_server_that_ignores_dropped_clients_fails_serve_engine() {
 fn simd_engine_serves_through_a_bundle_judged_here() {
     let t = tempfile::tempdir().unwrap();
     let ctx = crate::ctx(t.path());
-    let engine = t.path().join("simd");
-    Engine::Simd.copy_to(&engine);
+    let engine = Engine::Simd.shared_copy();
     let dir = t.path().join("serve-bundle");
     let base = ServeRequest { seed: Some(11), ..serve_req(&engine) };
     let w =

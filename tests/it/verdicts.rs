@@ -70,8 +70,7 @@ fn a_weight_beyond_the_f16_range_is_named_at_plan_and_verify() {
     // bf16 keeps f32's range: no gap.
     let plan = plan_at(&ctx, &model, "bf16");
     assert!(plan.gaps.iter().all(|g| g.field != "dtype"), "{:?}", plan.gaps);
-    let engine = t.path().join("engine");
-    crate::Engine::Simd.copy_to(&engine);
+    let engine = crate::Engine::Simd.shared_copy();
     let e = verify(&ctx, &verify_req(&engine, &model, Some("f16")), &Budget::secs(60)).unwrap_err();
     assert!(
         e.message.contains(WEIGHT.0)
@@ -110,8 +109,7 @@ fn a_correct_engine_passes_where_large_activations_make_f32_inexact() {
     let t = tempfile::tempdir().unwrap();
     let model = large_activations(&t.path().join("model"));
     let ctx = crate::ctx(t.path());
-    let plain = t.path().join("plain");
-    crate::Engine::Plain.copy_to(&plain);
+    let plain = crate::Engine::Plain.shared_copy();
     let v = passes(&ctx, &plain, &model, None);
     assert!(v.passed, "{}", metainfer::ops::Report::text(&v));
     let p = &v.prompts[0];
@@ -121,8 +119,7 @@ fn a_correct_engine_passes_where_large_activations_make_f32_inexact() {
     req.prompts = vec!["<s>Once upon a time".into()];
     let v = verify(&ctx, &req, &Budget::secs(900)).unwrap();
     assert!(v.warnings.iter().any(|w| w.contains("encodes with BOS twice")), "{}", metainfer::ops::Report::text(&v));
-    let simd = t.path().join("simd");
-    crate::Engine::Simd.copy_to(&simd);
+    let simd = crate::Engine::Simd.shared_copy();
     let v = passes(&ctx, &simd, &model, Some("bf16"));
     assert!(v.passed, "{}", metainfer::ops::Report::text(&v));
     let p = &v.prompts[0];
