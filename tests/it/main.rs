@@ -14,7 +14,9 @@
 //! contracts' signatures, and that every gate says "no CUDA device: not run".
 //!
 //! The helpers every module shares are here: paths (`shared`, `babyllama`), `ctx` and `budget`, engine
-//! copies (`copy_example`, `Engine::copy_to`), `empty_crate`, fault planting (`inject`, `replace_body`).
+//! copies (`copy_example`, `Engine::copy_to` for a copy a test edits; `shared_example`,
+//! `Engine::shared_copy`, `shared_engine` for one that tests run unmodified, which then compiles once
+//! for all of them), `empty_crate`, fault planting (`inject`, `replace_body`).
 //! Requests are written with only the fields a test sets (`VerifyRequest { seed: Some(5),
 //! ..Default::default() }`): every request type derives `Default`.
 //!
