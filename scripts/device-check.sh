@@ -14,6 +14,11 @@
 # on the same GPU and BabyLlama's weights against the golden output the reference forward pass
 # reproduces (tests/it/oracle.rs: reference_forward_reproduces_golden_greedy_ids_and_logits).
 #
+# Serving on the GPU: verify_batching on BabyLlama (the batched step over the paged KV cache on the
+# device against single-sequence references) and serve_engine on the 1B shape (the engine's own
+# OpenAI-compatible server, built here, under 1, 4, 16 and 64 concurrent requests: output tok/s,
+# TTFT and ITL p50/p99, every answer compared here with the reference's).
+#
 # Since the second GPU run it also times the engine's time to first token at 16, 128 and 512 prompt
 # tokens (a second profile bundle with a 512-token prompt: its prefill_by_len holds 128, 256 and 512),
 # replays the decode profile with the CUDA graph switched off (LLAMA_CUDA_GRAPH=0: the launch-by-launch
@@ -109,9 +114,17 @@ prepare)
         # ... and time to first token for long prompts (prefill_by_len: 128, 256, 512 tokens).
         step_run write-profile-1b-512 "$bin" profile --engine "$engine" --model "$model_1b_long" --prompt-len 512 \
             --new-tokens 8 --runs 3 --write-bundle "$dir/profile-1b-512" --json
+        # Serving on the GPU: the engine's own server (built here) under load at 1, 4, 16 and 64
+        # concurrent requests, the battery's checks, every answer judged here against the reference.
+        step_run write-serve-1b "$bin" load-test --engine "$engine" --model "$model_1b_long" --seed "$seed" \
+            --concurrency 1,4,16,64 --max-tokens 32 --write-bundle "$dir/serve-1b" --json
     else
         log "1B: profiles not prepared (synth refused the shape; see logs/synth-1b-long.err)"
     fi
+    # The batched step on the device against single-sequence references (block manager, scheduler,
+    # and a batched run of mixed prefill chunks and decode tokens over the paged cache).
+    step_run write-batching-baby "$bin" verify-batching --engine "$engine" --model "$baby" --seed "$seed" \
+        --write-bundle "$dir/batching-baby" --json
     size=$(du -sm "$dir" | cut -f1)
     log "prepared $dir: ${size} MiB"
     if ((size > 64)); then
@@ -128,7 +141,7 @@ run)
     bin=$dir/bin/metainfer
     nvidia-smi --query-gpu=name,compute_cap,memory.total,driver_version --format=csv >logs/device.csv 2>&1
     log "device: $(tail -n +2 logs/device.csv | head -1)"
-    for b in kt verify-baby; do
+    for b in kt verify-baby batching-baby; do
         [[ -d "$b" ]] && step_run "run-$b" "$bin" bundle run "$b" "${key[@]}" --json
     done
     if [[ -f synth-1b.args ]]; then
@@ -149,6 +162,7 @@ run)
                 step_run run-profile-1b "$bin" bundle run profile-1b --model "$model_1b_long" "${key[@]}" --json
             fi
             [[ -d profile-1b-512 ]] && step_run run-profile-1b-512 "$bin" bundle run profile-1b-512 --model "$model_1b_long" "${key[@]}" --json
+            [[ -d serve-1b ]] && step_run run-serve-1b "$bin" bundle run serve-1b --model "$model_1b_long" "${key[@]}" --json
             # transformers' own Llama on the same GPU, shape and weights (bf16, eager), as the baseline.
             step_run hf-1b-eager timeout 200 python3 "$dir/hf-bench.py" "$model_1b_long" eager
             step_run hf-1b-compiled timeout 150 python3 "$dir/hf-bench.py" "$model_1b_long" compiled
@@ -192,6 +206,11 @@ judge)
         [[ -d "$dir/$b" ]] && step_run "judge-$b" "$bin" profile --engine "$engine" --model "$model_1b_long" \
             --prompt-len 64 --new-tokens 64 --runs 5 --from-bundle "$dir/$b" --json
     done
+    step_run judge-batching-baby "$bin" verify-batching --engine "$engine" --model "$baby" \
+        --from-bundle "$dir/batching-baby" --json
+    # The reference's answers to the serving plan on the 1B shape are computed here (f64, slow).
+    [[ -d "$dir/serve-1b" ]] && step_run judge-serve-1b "$bin" load-test --engine "$engine" --model "$model_1b_long" \
+        --concurrency 1,4,16,64 --max-tokens 32 --from-bundle "$dir/serve-1b" --json
     if [[ -d "$dir/profile-1b-512" && "${JUDGE_LONG:-0}" == 1 ]]; then
         step_run judge-profile-1b-512 "$bin" profile --engine "$engine" --model "$model_1b_long" \
             --prompt-len 512 --new-tokens 8 --runs 3 --from-bundle "$dir/profile-1b-512" --json
@@ -232,6 +251,9 @@ for path in sys.argv[1:]:
             r["first_token_ms"]["median"], d.get("copy_gbs", 0.0), d.get("hbm_gbs", 0.0))
     if "max_abs_logit_diff" in r:
         extra = " on %s: max |logit diff| %.2e, greedy ids equal %s" % (r["device"], r["max_abs_logit_diff"], r["greedy_ids_equal"])
+    for lv in r.get("levels") or []:
+        extra += "\n    c%s: %s" % (lv.get("concurrency"), ", ".join("%s %s" % (k, v) for k, v in lv.items()
+                                                       if k != "concurrency" and isinstance(v, (int, float))))
     err = r.get("error") or r.get("build_error") or ""
     print("  %s: passed=%s%s%s" % (name, r.get("passed"), extra, (" -- " + err[:200]) if err else ""))
 PY

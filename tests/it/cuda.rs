@@ -5,6 +5,7 @@
 
 use std::path::PathBuf;
 
+use metainfer::ops::batching::{BatchingRequest, verify_batching};
 use metainfer::ops::compile::{CompileRequest, compile};
 use metainfer::ops::kernel_test::kernel_test;
 use metainfer::ops::plan::{PlanRequest, plan_only};
@@ -94,7 +95,8 @@ fn plan_and_scaffold_take_target_cuda_and_a_platform() {
 }
 
 /// The CUDA example engine, here, without a GPU: it builds (cudarc loads the driver at run time),
-/// keeps every signature of its contracts, and each gate says "no CUDA device: not run" and fails;
+/// keeps every signature of its contracts (the serving ones included), and each gate says "no CUDA
+/// device: not run" and fails;
 /// `bundle run` of its bundle says the same.
 #[test]
 fn the_cuda_engine_builds_here_and_its_gates_do_not_run_without_a_device() {
@@ -113,7 +115,12 @@ fn the_cuda_engine_builds_here_and_its_gates_do_not_run_without_a_device() {
     let k = kernel_test(&ctx, &kt(&engine, 5, None, None), &budget()).unwrap();
     assert!(!k.passed, "{k:?}");
     assert!(k.build_error.starts_with("no CUDA device: not run"), "{}", k.build_error);
-    assert_eq!(k.kernels.len(), 8);
+    // The family's 8 kernels, and the serving ones its `[serving]` constraints add: paged attention
+    // and sampling (on the host, as its [cuda] section says).
+    assert_eq!(k.kernels.len(), 10);
+    for id in ["kernel.paged_attention", "kernel.sample"] {
+        assert!(k.kernels.iter().any(|r| r.kernel == id), "{id} not tested: {k:?}");
+    }
     assert!(k.kernels.iter().all(|r| !r.passed && r.error.starts_with("no CUDA device: not run")), "{k:?}");
     crate::assert_conforms(&k);
 
@@ -131,8 +138,18 @@ fn the_cuda_engine_builds_here_and_its_gates_do_not_run_without_a_device() {
     .unwrap();
     assert!(!v.passed && v.error.starts_with("no CUDA device: not run"), "{}", v.error);
 
+    // verify_batching: the harness with the serving commands builds against the engine's batched
+    // step, block manager and scheduler, and the batched run does not happen without a device.
+    let b = verify_batching(
+        &ctx,
+        &BatchingRequest { engine: s(&engine), model: s(&crate::babyllama()), ..Default::default() },
+        &budget(),
+    )
+    .unwrap();
+    assert!(!b.passed && b.error.starts_with("no CUDA device: not run"), "{}", b.error);
+
     let ledger = metainfer::ledger::Ledger::open(&ctx.ledger).unwrap();
-    let recorded = ledger.list(0, 5).unwrap();
+    let recorded = ledger.list(0, 6).unwrap();
     assert!(recorded.iter().filter(|o| o.tool != "check_rules").all(|o| !o.passed && o.figures["no_device"] == true));
 
     // Its bundle, run on a machine without a device, replies no_device and does not pass.

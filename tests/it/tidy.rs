@@ -413,12 +413,27 @@ fn fast_tier_skips(list: &str, tests: &Files) -> Vec<String> {
     out
 }
 
-/// What of a file a copy holds: the whole file, or the one function whose declaration starts so.
+/// What of a file a copy holds: the whole file, the one item (function, struct, impl) whose
+/// declaration starts so, or the whole file with names replaced (original, copy) in the original.
 #[derive(Clone, Copy)]
 enum Part {
     Whole,
     Function(&'static str),
+    Renamed(&'static [(&'static str, &'static str)]),
 }
+
+/// The CUDA engine's server binary is the SIMD engine's, with its own crate and binary name, its
+/// sampler module (`generate`: sampling on the host) in place of the SIMD kernels module, and its
+/// own default of running sequences (its metainfer.toml [serving] max_seqs, as
+/// component.openai_server says).
+const CUDA_SERVER_RENAMES: &[(&str, &str)] = &[
+    ("[--max-seqs 16]", "[--max-seqs 64]"),
+    ("sequences running at once (default 16)", "sequences running at once (default 64)"),
+    ("parsed(args, \"--max-seqs\", 16)?", "parsed(args, \"--max-seqs\", 64)?"),
+    ("llama_cpu_simd::kernels::{self, SamplingParams}", "llama_cuda_bf16::generate::{self as kernels, SamplingParams}"),
+    ("llama_cpu_simd", "llama_cuda_bf16"),
+    ("llama-cpu-simd", "llama-cuda-bf16"),
+];
 
 /// Code an example engine copies from another (copy, original, part), each held identical so the
 /// copies cannot drift apart.
@@ -439,6 +454,37 @@ const COPIES: &[(&str, &str, Part)] = &[
         Part::Function("pub fn stop_tokens("),
     ),
     ("examples/engines/llama-cpu-plain/src/paged.rs", "examples/engines/llama-cpu-simd/src/paged.rs", Part::Whole),
+    ("examples/engines/llama-cuda-bf16/src/paged.rs", "examples/engines/llama-cpu-simd/src/paged.rs", Part::Whole),
+    (
+        "examples/engines/llama-cuda-bf16/src/scheduler.rs",
+        "examples/engines/llama-cpu-simd/src/scheduler.rs",
+        Part::Whole,
+    ),
+    (
+        "examples/engines/llama-cuda-bf16/src/generate.rs",
+        "examples/engines/llama-cpu-simd/src/kernels.rs",
+        Part::Function("pub fn sample("),
+    ),
+    (
+        "examples/engines/llama-cuda-bf16/src/generate.rs",
+        "examples/engines/llama-cpu-simd/src/kernels.rs",
+        Part::Function("pub struct SamplingParams"),
+    ),
+    (
+        "examples/engines/llama-cuda-bf16/src/generate.rs",
+        "examples/engines/llama-cpu-simd/src/kernels.rs",
+        Part::Function("impl Default for SamplingParams"),
+    ),
+    (
+        "examples/engines/llama-cuda-bf16/src/generate.rs",
+        "examples/engines/llama-cpu-plain/src/kernels.rs",
+        Part::Function("pub fn argmax("),
+    ),
+    (
+        "examples/engines/llama-cuda-bf16/src/main.rs",
+        "examples/engines/llama-cpu-simd/src/main.rs",
+        Part::Renamed(CUDA_SERVER_RENAMES),
+    ),
 ];
 
 /// Modules derived from another engine's and deliberately different (module, origin, reason): checked
@@ -464,7 +510,7 @@ const DERIVED: &[(&str, &str, &str)] = &[
 /// The text of `part` of `text`, or None when the function is not there exactly once.
 fn part_of(text: &str, part: Part) -> Option<&str> {
     match part {
-        Part::Whole => Some(text),
+        Part::Whole | Part::Renamed(_) => Some(text),
         Part::Function(signature) => {
             if text.matches(signature).count() != 1 {
                 return None;
@@ -492,6 +538,11 @@ fn copies_agree(
         let what = match part {
             Part::Whole => "the file".to_string(),
             Part::Function(f) => format!("`{f}`"),
+            Part::Renamed(_) => "the file (names replaced)".to_string(),
+        };
+        let o = match part {
+            Part::Renamed(names) => names.iter().fold(o, |t, (from, to)| t.replace(from, to)),
+            _ => o,
         };
         match (part_of(&c, part), part_of(&o, part)) {
             (Some(a), Some(b)) if a == b => {}
@@ -821,6 +872,12 @@ fn each_rule_catches_a_planted_violation() {
     let drifted = files(&[("a.rs", "x"), ("b.rs", "y"), ("c.rs", "fn f() {}"), ("d.rs", stop)]);
     let read = |p: &str| drifted.get(p).cloned();
     assert_eq!(copies_agree(&copies, &[("a.rs", "a.rs", "why")], &read).len(), 3);
+    // A renamed copy: equal once the names are replaced, drifted otherwise.
+    let renamed = files(&[("o.rs", "use old_crate::x; // old_crate"), ("n.rs", "use new_crate::x; // new_crate")]);
+    let read = |p: &str| renamed.get(p).cloned();
+    let names: &'static [(&'static str, &'static str)] = &[("old_crate", "new_crate")];
+    assert!(copies_agree(&[("n.rs", "o.rs", Part::Renamed(names))], &[], &read).is_empty());
+    assert_eq!(copies_agree(&[("n.rs", "o.rs", Part::Renamed(&[("old", "other")]))], &[], &read).len(), 1);
 
     let it = f("tests/it/gates.rs", "#[test]\nfn example_engine_passes() {}");
     let doc =

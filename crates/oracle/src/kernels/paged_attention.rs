@@ -259,9 +259,64 @@ pub static KERNEL: Kernel = Kernel {
                 }),
             }
         }"#,
-    // No CUDA signature in the contract (serving kernels are host-only for now).
-    cuda_test_arm: "",
-    cuda_timed_arm: "",
+    cuda_test_arm: r#"{
+            let q = i.f("q");
+            let (qd, k, v) = (device::up(&q), device::up(&i.f("k_cache")), device::up(&i.f("v_cache")));
+            let (table, starts, lens) = (device::up(&i.u("block_table")), device::up(&i.u("query_start")), device::up(&i.u("context_lens")));
+            let mut out = device::nan(q.len());
+            device::ok(engine::kernels::paged_attention(
+                device::dev(),
+                &qd.as_view(),
+                &k.as_view(),
+                &v.as_view(),
+                &table.as_view(),
+                i.n("blocks_per_seq"),
+                &starts.as_view(),
+                &lens.as_view(),
+                i.n("n_heads"),
+                i.n("n_kv_heads"),
+                i.n("head_dim"),
+                i.n("block_size"),
+                &mut out.as_view_mut(),
+            ));
+            vec![("out".into(), Out::F(device::down(&out)))]
+        }"#,
+    cuda_timed_arm: r#"{
+            let (seqs, kv_len, heads, kvh, hd) = (n("n_seqs").max(1), n("kv_len"), n("n_heads"), n("n_kv_heads"), n("head_dim"));
+            let bs = n("block_size").max(1);
+            let bps = kv_len.div_ceil(bs).max(1);
+            let blocks = seqs * bps;
+            // Sequence s owns blocks s, s + seqs, s + 2 seqs, ...: interleaved, as a pool hands them out.
+            let table: Vec<u32> = (0..seqs).flat_map(|s| (0..bps).map(move |b| (b * seqs + s) as u32)).collect();
+            let starts: Vec<u32> = (0..=seqs as u32).collect();
+            let lens = vec![kv_len as u32; seqs];
+            let (table, starts, lens) = (device::up(&table), device::up(&starts), device::up(&lens));
+            let q = device::up(&fill(seqs * heads * hd, 9));
+            let caches: Vec<_> = (0..copies)
+                .map(|c| (device::up(&fill(blocks * bs * kvh * hd, 200 + c as u64)), device::up(&fill(blocks * bs * kvh * hd, 300 + c as u64))))
+                .collect();
+            let mut out = device::nan(seqs * heads * hd);
+            Timed {
+                run: Box::new(move |i| {
+                    let (k, v) = &caches[i % caches.len()];
+                    device::ok(engine::kernels::paged_attention(
+                        device::dev(),
+                        &q.as_view(),
+                        &k.as_view(),
+                        &v.as_view(),
+                        &table.as_view(),
+                        bps,
+                        &starts.as_view(),
+                        &lens.as_view(),
+                        heads,
+                        kvh,
+                        hd,
+                        bs,
+                        &mut out.as_view_mut(),
+                    ))
+                }),
+            }
+        }"#,
 };
 
 #[cfg(test)]

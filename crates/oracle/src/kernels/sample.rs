@@ -352,9 +352,40 @@ pub static KERNEL: Kernel = Kernel {
                 }),
             }
         }"#,
-    // No CUDA signature in the contract (serving kernels are host-only for now).
-    cuda_test_arm: "",
-    cuda_timed_arm: "",
+    // kernel.sample runs on the host in a CUDA engine too (its [cuda] section): the same arms.
+    cuda_test_arm: r#"{
+            let params = engine::kernels::SamplingParams {
+                temperature: i.x("temperature"),
+                top_k: i.n("top_k"),
+                top_p: i.x("top_p"),
+                min_p: i.x("min_p"),
+                repetition_penalty: i.x("repetition_penalty"),
+                frequency_penalty: i.x("frequency_penalty"),
+                presence_penalty: i.x("presence_penalty"),
+            };
+            let token = engine::kernels::sample(&i.f("logits"), &i.u("prev"), &params, i.x("u"));
+            vec![("out".into(), Out::U(vec![token]))]
+        }"#,
+    cuda_timed_arm: r#"{
+            let len = n("n");
+            let logits: Vec<Vec<f32>> = (0..copies).map(|c| fill(len, 40 + c as u64)).collect();
+            let prev: Vec<u32> = (0..64u32).map(|t| (t * 31) % len.max(1) as u32).collect();
+            let params = engine::kernels::SamplingParams {
+                temperature: 0.8,
+                top_k: 40,
+                top_p: 0.95,
+                min_p: 0.05,
+                repetition_penalty: 1.1,
+                frequency_penalty: 0.2,
+                presence_penalty: 0.2,
+            };
+            Timed {
+                run: Box::new(move |i| {
+                    let u = (i % 97) as f32 / 97.0;
+                    std::hint::black_box(engine::kernels::sample(&logits[i % logits.len()], &prev, &params, u));
+                }),
+            }
+        }"#,
 };
 
 #[cfg(test)]

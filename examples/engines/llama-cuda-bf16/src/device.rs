@@ -36,6 +36,8 @@ const FUNCTIONS: &[&str] = &[
     "rope_store_rows",
     "silu_mul_rows",
     "attn_prefill",
+    "paged_attention",
+    "rope_store_paged",
 ];
 
 /// The engine's CUDA state: context, one stream, its kernels compiled with NVRTC.

@@ -2,6 +2,11 @@
 //! The device loop (`model::Model::decode_greedy`) takes it on the device, fused into lm_head;
 //! this host function serves logits already copied to the host (verification, the first token).
 //! `stop_tokens` reads the ids that end generation from the model directory (component.sampler v2).
+//! The server samples on the host (kernel.sample): a batched step returns each sequence's logits
+//! row ([n, vocab] f32: 0.5 MB per sequence at a 128,256-token vocabulary) and the server draws
+//! each request's next token with `sample` and the request's own generator. `sample` and
+//! `SamplingParams` are the SIMD engine's, `argmax` the plain engine's, held identical by
+//! metainfer's tidy test.
 
 use std::path::Path;
 
@@ -35,6 +40,116 @@ pub fn stop_tokens(dir: &Path) -> Result<Vec<u32>, String> {
         serde_json::Value::Array(a) => a.iter().map(id).collect(),
         x => Ok(vec![id(x)?]),
     }
+}
+
+/// Contract `kernel.argmax`. Index of the largest element; the first one on ties. `x`: [n], n >= 1.
+pub fn argmax(x: &[f32]) -> usize {
+    let mut best = 0;
+    for i in 1..x.len() {
+        if x[i] > x[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+/// Sampling parameters of one request (kernel.sample). Neutral values switch a step off:
+/// temperature 1, top_k 0, top_p 1, min_p 0, repetition_penalty 1, frequency and presence penalties 0;
+/// temperature 0 is greedy.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SamplingParams {
+    pub temperature: f32,
+    pub top_k: usize,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub repetition_penalty: f32,
+    pub frequency_penalty: f32,
+    pub presence_penalty: f32,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+        }
+    }
+}
+
+/// One token drawn from `logits` ([n]) after penalties for `prev`, temperature, top-k, top-p and min-p,
+/// by the inverse CDF in rank order at the uniform number `u` in [0, 1) (see kernel.sample for the order).
+pub fn sample(logits: &[f32], prev: &[u32], params: &SamplingParams, u: f32) -> u32 {
+    let n = logits.len();
+    assert!(n > 0, "sample: empty logits");
+    let p = params;
+    let mut z = logits.to_vec();
+    // Occurrences of each previous token, counted once per distinct id.
+    let mut seen: Vec<u32> = prev.iter().copied().filter(|&t| (t as usize) < n).collect();
+    seen.sort_unstable();
+    let mut i = 0;
+    while i < seen.len() {
+        let t = seen[i];
+        let mut c = 0usize;
+        while i < seen.len() && seen[i] == t {
+            c += 1;
+            i += 1;
+        }
+        let v = &mut z[t as usize];
+        *v = if *v > 0.0 { *v / p.repetition_penalty } else { *v * p.repetition_penalty };
+        *v -= c as f32 * p.frequency_penalty + p.presence_penalty;
+    }
+    if p.temperature == 0.0 {
+        return argmax(&z) as u32;
+    }
+    for v in &mut z {
+        *v /= p.temperature;
+    }
+    let rank = |a: &u32, b: &u32| z[*b as usize].total_cmp(&z[*a as usize]).then(a.cmp(b));
+    let mut order: Vec<u32> = (0..n as u32).collect();
+    if p.top_k > 0 && p.top_k < n {
+        order.select_nth_unstable_by(p.top_k - 1, rank);
+        order.truncate(p.top_k);
+    }
+    order.sort_unstable_by(rank);
+    let top = z[order[0] as usize];
+    let mut probs: Vec<f32> = order.iter().map(|&t| (z[t as usize] - top).exp()).collect();
+    let total: f32 = probs.iter().sum();
+    for q in &mut probs {
+        *q /= total;
+    }
+    let mut keep = probs.len();
+    if p.top_p < 1.0 {
+        let mut mass = 0.0f32;
+        for (j, q) in probs.iter().enumerate() {
+            mass += q;
+            if mass >= p.top_p {
+                keep = j + 1;
+                break;
+            }
+        }
+    }
+    let floor = p.min_p * probs[0];
+    let kept: Vec<(u32, f32)> = order
+        .iter()
+        .zip(&probs)
+        .take(keep)
+        .filter(|(_, q)| p.min_p <= 0.0 || **q >= floor)
+        .map(|(&t, &q)| (t, q))
+        .collect();
+    let mass: f32 = kept.iter().map(|(_, q)| q).sum();
+    let mut cdf = 0.0f32;
+    for &(t, q) in &kept {
+        cdf += q / mass;
+        if u < cdf {
+            return t;
+        }
+    }
+    kept.last().map_or(order[0], |k| k.0)
 }
 
 #[cfg(test)]

@@ -1136,4 +1136,148 @@ __global__ void __launch_bounds__(256) attn_prefill(const float* q, int ldq, con
     }
 }
 
+// =====================================================================================================
+// Serving kernels (phase 6: several sequences per step over a paged KV cache, src/batch.rs).
+// =====================================================================================================
+
+// ---- kernel.paged_attention: one block per (query row, head), PA_WARPS warps ----
+// The row's sequence s is found in query_start (binary search), its position p = context_lens[s] -
+// n_q(s) + (row - query_start[s]). The warps take the keys t = warp, warp + PA_WARPS, ... <= p, each
+// found through the block table (block table[s][t / block_size], slot t % block_size); per key a warp
+// computes q.k with lanes along head_dim (warp_sum), then updates its online softmax (running max m,
+// sum l and weighted V in registers). The warps' partials are merged in shared memory at the end, so
+// no context-sized buffer is needed. q rows at q + row * ldq (ldq >= n_heads * head_dim: a row of the
+// fused qkv product); out: [total_q, n_heads, head_dim]. head_dim <= PA_MAX_HD. A block id outside the
+// cache or a position outside the table (a broken table) writes NaN for the row, never reads there.
+#define PA_WARPS 4
+#define PA_MAX_HD 256
+
+__global__ void __launch_bounds__(PA_WARPS * 32) paged_attention(
+    const float* q, int ldq, const float* kc, const float* vc, const unsigned int* table, int blocks_per_seq,
+    const unsigned int* query_start, const unsigned int* context_lens, int n_seqs, int num_blocks, int n_heads,
+    int n_kv_heads, int head_dim, int block_size, float* out) {
+    __shared__ float wm[PA_WARPS], wl[PA_WARPS];
+    __shared__ float wacc[PA_WARPS][PA_MAX_HD];
+    __shared__ int bad;
+    const int row = blockIdx.x / n_heads, h = blockIdx.x % n_heads;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (threadIdx.x == 0) bad = 0;
+    int lo = 0, hi = n_seqs - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if ((int)query_start[mid] <= row) lo = mid;
+        else hi = mid - 1;
+    }
+    const int s = lo;
+    const int q0 = (int)query_start[s], n_q = (int)query_start[s + 1] - q0;
+    const long long p = (long long)context_lens[s] - n_q + (row - q0);
+    const int g = h / (n_heads / n_kv_heads);
+    const unsigned int* tr = table + (u64)s * blocks_per_seq;
+    const u64 kv_stride = (u64)n_kv_heads * head_dim;
+    const float scale = 1.0f / sqrtf((float)head_dim);
+    const float* qr = q + (u64)row * ldq + (u64)h * head_dim;
+    float qv[PA_MAX_HD / 32], acc[PA_MAX_HD / 32];
+#pragma unroll
+    for (int i = 0; i < PA_MAX_HD / 32; i++) {
+        const int c = lane + 32 * i;
+        qv[i] = c < head_dim ? qr[c] : 0.0f;
+        acc[i] = 0.0f;
+    }
+    __syncthreads();
+    if (n_q < 1 || p < 0 || p >= (long long)blocks_per_seq * block_size) {
+        if (threadIdx.x == 0) bad = 1;
+    }
+    float m = NEG_INF, l = 0.0f;
+    for (long long t = warp; t <= p && t < (long long)blocks_per_seq * block_size; t += PA_WARPS) {
+        const unsigned int b = tr[t / block_size];
+        if (b >= (unsigned int)num_blocks) {
+            if (lane == 0) bad = 1;
+            break;
+        }
+        const u64 base = ((u64)b * block_size + (u64)(t % block_size)) * kv_stride + (u64)g * head_dim;
+        const float* kr = kc + base;
+        const float* vr = vc + base;
+        float d = 0.0f;
+#pragma unroll
+        for (int i = 0; i < PA_MAX_HD / 32; i++) {
+            const int c = lane + 32 * i;
+            if (c < head_dim) d = fmaf(qv[i], kr[c], d);
+        }
+        d = warp_sum(d) * scale;
+        const float mn = fmaxf(m, d);
+        const float corr = expf(m - mn);  // 0 for the first key (m = -inf)
+        const float e = expf(d - mn);
+        l = l * corr + e;
+#pragma unroll
+        for (int i = 0; i < PA_MAX_HD / 32; i++) {
+            const int c = lane + 32 * i;
+            if (c < head_dim) acc[i] = fmaf(e, vr[c], acc[i] * corr);
+        }
+        m = mn;
+    }
+    if (lane == 0) {
+        wm[warp] = m;
+        wl[warp] = l;
+    }
+#pragma unroll
+    for (int i = 0; i < PA_MAX_HD / 32; i++) {
+        const int c = lane + 32 * i;
+        if (c < head_dim) wacc[warp][c] = acc[i];
+    }
+    __syncthreads();
+    float mx = NEG_INF;
+    for (int w = 0; w < PA_WARPS; w++) mx = fmaxf(mx, wm[w]);
+    float sum = 0.0f;
+    for (int w = 0; w < PA_WARPS; w++)
+        if (wm[w] != NEG_INF) sum += wl[w] * expf(wm[w] - mx);
+    float* o = out + ((u64)row * n_heads + h) * head_dim;
+    for (int c = threadIdx.x; c < head_dim; c += blockDim.x) {
+        float a = 0.0f;
+        for (int w = 0; w < PA_WARPS; w++)
+            if (wm[w] != NEG_INF) a += wacc[w][c] * expf(wm[w] - mx);
+        o[c] = bad ? __int_as_float(0x7fc00000) : a / sum;
+    }
+}
+
+// RoPE on the q and k heads of m rows of qkv ([m, (n_heads + 2 n_kv_heads) head_dim]), row t at
+// position pos[t], q rotated in place; the rotated k and the v rows written into the paged caches
+// ([num_blocks * block_size, n_kv_heads, head_dim]) at slot[t] = block * block_size + offset.
+// rope_store_rows with a position and a cache slot per row (the rows of a batched step belong to
+// several sequences). One thread per (row, head, pair j).
+__global__ void rope_store_paged(float* qkv, int m, const unsigned int* pos, const unsigned int* slot,
+                                 const double* freqs, int n_heads, int n_kv_heads, int head_dim, float* kc,
+                                 float* vc) {
+    const int half = head_dim / 2, heads = n_heads + 2 * n_kv_heads;
+    const long long total = (long long)m * heads * half;
+    const int width = heads * head_dim, kv_dim = n_kv_heads * head_dim;
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total;
+         e += (long long)gridDim.x * blockDim.x) {
+        const int j = (int)(e % half);
+        const long long th = e / half;
+        const int h = (int)(th % heads), t = (int)(th / heads);
+        float* r = qkv + (u64)t * width + h * head_dim;
+        float x0 = r[j], x1 = r[j + half];
+        if (h < n_heads + n_kv_heads) {
+            double sd, cd;
+            sincos((double)pos[t] * freqs[j], &sd, &cd);
+            const float s = (float)sd, c = (float)cd;
+            const float r0 = x0 * c - x1 * s, r1 = x0 * s + x1 * c;
+            x0 = r0;
+            x1 = r1;
+        }
+        if (h < n_heads) {
+            r[j] = x0;
+            r[j + half] = x1;
+        } else if (h < n_heads + n_kv_heads) {
+            float* o = kc + (u64)slot[t] * kv_dim + (h - n_heads) * head_dim + j;
+            o[0] = x0;
+            o[half] = x1;
+        } else {
+            float* o = vc + (u64)slot[t] * kv_dim + (h - n_heads - n_kv_heads) * head_dim + j;
+            o[0] = x0;
+            o[half] = x1;
+        }
+    }
+}
+
 }  // extern "C"

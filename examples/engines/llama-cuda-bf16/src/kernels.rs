@@ -8,30 +8,32 @@ use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, LaunchConfig, PushKernelA
 
 use crate::device::Device;
 
+pub use crate::generate::SamplingParams;
+
 /// Threads per block of the reductions and elementwise kernels.
 const BLOCK: u32 = 256;
 /// Warps per block of the matrix products (one output feature per warp); kernels.cu agrees.
 const WARPS_PER_BLOCK: usize = 8;
 
-fn grid(blocks: usize, threads: u32, shared: u32) -> LaunchConfig {
+pub(crate) fn grid(blocks: usize, threads: u32, shared: u32) -> LaunchConfig {
     LaunchConfig { grid_dim: (blocks.max(1) as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: shared }
 }
 
 /// A dimension as the kernels take it (i32).
-fn dim(v: usize, what: &str) -> Result<i32, String> {
+pub(crate) fn dim(v: usize, what: &str) -> Result<i32, String> {
     i32::try_from(v).map_err(|_| format!("{what} = {v} is too large for one launch"))
 }
 
-fn need(ok: bool, what: &str) -> Result<(), String> {
+pub(crate) fn need(ok: bool, what: &str) -> Result<(), String> {
     if ok { Ok(()) } else { Err(what.to_string()) }
 }
 
-fn launched<T>(r: Result<T, cudarc::driver::DriverError>, name: &str) -> Result<(), String> {
+pub(crate) fn launched<T>(r: Result<T, cudarc::driver::DriverError>, name: &str) -> Result<(), String> {
     r.map(|_| ()).map_err(|e| format!("launching {name}: {e}"))
 }
 
 /// Blocks of a grid-stride elementwise kernel over `len` elements.
-fn elementwise(len: usize) -> usize {
+pub(crate) fn elementwise(len: usize) -> usize {
     len.div_ceil(BLOCK as usize).clamp(1, 4096)
 }
 
@@ -758,4 +760,49 @@ pub(crate) fn attn_prefill(
     // SAFETY: matches `attn_prefill(q, ldq, kc, vc, n_q, start, n_heads, n_kv_heads, head_dim, out)`;
     // lengths checked above.
     launched(unsafe { b.launch(cfg) }, "attn_prefill")
+}
+
+/// CUDA variant of kernel.paged_attention: the same math on device buffers, launched on
+/// dev.stream(); Err on a bad shape or a launch error. `q`, `out`: [total_q, n_heads, head_dim];
+/// caches [num_blocks, block_size, n_kv_heads, head_dim]; `block_table` [n_seqs, blocks_per_seq];
+/// `query_start` [n_seqs + 1]; `context_lens` [n_seqs]. A table entry outside the cache or a
+/// position outside the table (their values live on the device) gives NaN rows, never a read there.
+pub fn paged_attention(
+    dev: &Device,
+    q: &CudaView<'_, f32>,
+    k_cache: &CudaView<'_, f32>,
+    v_cache: &CudaView<'_, f32>,
+    block_table: &CudaView<'_, u32>,
+    blocks_per_seq: usize,
+    query_start: &CudaView<'_, u32>,
+    context_lens: &CudaView<'_, u32>,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    block_size: usize,
+    out: &mut CudaViewMut<'_, f32>,
+) -> Result<(), String> {
+    crate::batch::paged_attention_rows(
+        dev,
+        q,
+        n_heads * head_dim,
+        k_cache,
+        v_cache,
+        block_table,
+        blocks_per_seq,
+        query_start,
+        context_lens,
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        block_size,
+        out,
+    )
+}
+
+/// kernel.sample, on the host in this engine (its [cuda] section): one token drawn from a logits
+/// row ([n]) the batched step copied back, after penalties for `prev`, temperature, top-k, top-p
+/// and min-p, at the uniform number `u` in [0, 1) (`generate::sample`).
+pub fn sample(logits: &[f32], prev: &[u32], params: &SamplingParams, u: f32) -> u32 {
+    crate::generate::sample(logits, prev, params, u)
 }

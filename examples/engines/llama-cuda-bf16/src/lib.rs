@@ -9,6 +9,13 @@
 //! It builds without a CUDA toolkit or GPU (cudarc's dynamic loading); without a driver every entry
 //! point returns "no CUDA device: ..." instead of panicking.
 //!
+//! It is also a serving engine (`[serving]` in its metainfer.toml): `batch` (the batched step over
+//! a paged KV cache on the device: every projection one tensor-core product over the rows of all
+//! sequences of the step, kernel.paged_attention reading each sequence's keys through its block
+//! table), `paged::BlockManager` and `scheduler::Scheduler` (the SIMD engine's, held identical),
+//! `generate::sample` (kernel.sample on the host, over the logits rows the step copies back), and a binary
+//! (`src/main.rs`, Cargo feature `server`: `generate` and `serve`, the OpenAI-compatible server).
+//!
 //! Its `tokenizer` module and `stop_tokens` are the plain engine's, held identical by metainfer's
 //! tidy test; its `config` (transformers v5 `rope_parameters` included) and `weights` are derived
 //! from the plain engine's, narrowed to plain Llama and one `model.safetensors` file.
@@ -16,10 +23,13 @@
 // The kernel contracts fix the launchers' signatures, some with more than seven arguments.
 #![allow(clippy::too_many_arguments)]
 
+pub mod batch;
 mod config;
 pub mod device;
 pub mod generate;
 pub mod kernels;
 pub mod model;
+pub mod paged;
+pub mod scheduler;
 pub mod tokenizer;
 mod weights;

@@ -27,18 +27,18 @@ use crate::kernels;
 use crate::weights;
 
 /// One decoder layer's device weights and KV cache.
-struct Layer {
-    attn_norm: CudaSlice<f32>,
+pub(crate) struct Layer {
+    pub(crate) attn_norm: CudaSlice<f32>,
     /// q, k and v projections, one [(n_heads + 2 n_kv_heads) head_dim, hidden] bf16 matrix.
-    wqkv: CudaSlice<u16>,
-    wo: CudaSlice<u16>,
-    ffn_norm: CudaSlice<f32>,
+    pub(crate) wqkv: CudaSlice<u16>,
+    pub(crate) wo: CudaSlice<u16>,
+    pub(crate) ffn_norm: CudaSlice<f32>,
     /// gate and up projections, one [2 intermediate, hidden] bf16 matrix.
-    w_gate_up: CudaSlice<u16>,
-    w_down: CudaSlice<u16>,
+    pub(crate) w_gate_up: CudaSlice<u16>,
+    pub(crate) w_down: CudaSlice<u16>,
     /// Keys after RoPE and values, [max_seq, n_kv_heads, head_dim] each.
-    k_cache: CudaSlice<f32>,
-    v_cache: CudaSlice<f32>,
+    pub(crate) k_cache: CudaSlice<f32>,
+    pub(crate) v_cache: CudaSlice<f32>,
 }
 
 /// Device activations of the token being run, allocated once at load.
@@ -99,16 +99,16 @@ enum Token {
 
 /// A loaded Llama-family model with its KV cache.
 pub struct Model {
-    dev: Device,
-    cfg: Config,
-    layers: Vec<Layer>,
+    pub(crate) dev: Device,
+    pub(crate) cfg: Config,
+    pub(crate) layers: Vec<Layer>,
     /// [vocab, hidden] f32 (bf16-rounded values) for the gather.
-    embed: CudaSlice<f32>,
+    pub(crate) embed: CudaSlice<f32>,
     /// [vocab, hidden] bf16: lm_head, or the embedding matrix when tied.
-    lm_head: CudaSlice<u16>,
-    final_norm: CudaSlice<f32>,
+    pub(crate) lm_head: CudaSlice<u16>,
+    pub(crate) final_norm: CudaSlice<f32>,
     /// RoPE frequencies [head_dim / 2], scaled as config.json says.
-    freqs: CudaSlice<f64>,
+    pub(crate) freqs: CudaSlice<f64>,
     s: Scratch,
     /// Prompt activations, when the batched prefill takes this shape.
     pf: Option<PrefillScratch>,
