@@ -77,6 +77,11 @@ fn unsupported(m: &Model) -> Option<String> {
 /// the batched step does not take.
 pub fn new_cache(model: &crate::model::Model, num_blocks: usize, block_size: usize) -> PagedKvCache {
     assert!(block_size > 0, "block_size must be positive");
+    // Cache slots (block * block_size + offset) travel to the device as u32.
+    assert!(
+        num_blocks.checked_mul(block_size).is_some_and(|n| n <= u32::MAX as usize),
+        "new_cache: {num_blocks} blocks of {block_size} positions exceed the 2^32 slots a step addresses"
+    );
     if let Some(why) = unsupported(model) {
         panic!("new_cache: {why}");
     }
@@ -159,7 +164,8 @@ fn plan(vocab: usize, max_seq: usize, bs: usize, num_blocks: usize, chunks: &[Se
             let at = c.start + j;
             p.ids.push(t);
             p.pos.push(at as u32);
-            p.slot.push(c.block_table[at / bs] * bs as u32 + (at % bs) as u32);
+            // block < num_blocks and num_blocks * bs <= 2^32 (new_cache): the slot fits in u32.
+            p.slot.push((c.block_table[at / bs] as usize * bs + at % bs) as u32);
         }
         p.table.extend_from_slice(c.block_table);
         p.table.resize((i + 1) * blocks_per_seq, u32::MAX);

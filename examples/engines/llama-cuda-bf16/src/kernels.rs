@@ -782,6 +782,7 @@ pub fn paged_attention(
     block_size: usize,
     out: &mut CudaViewMut<'_, f32>,
 ) -> Result<(), String> {
+    need(q.len() == out.len(), "paged_attention: q and out must both be [total_q, n_heads, head_dim]")?;
     crate::batch::paged_attention_rows(
         dev,
         q,
