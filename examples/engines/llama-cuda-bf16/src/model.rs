@@ -15,6 +15,9 @@
 //! prompt (exact three-plane bf16 split of the f32 activations), batched RoPE and cache writes,
 //! causal attention over key tiles. Shapes the fused kernels do not take (k not a multiple of 8, a
 //! GQA group above 8, head_dim above 128) run the per-contract kernels one token at a time (`step`).
+//! `forward_traced` runs the same step, reading the graph's required points (embed, each layer's
+//! attn_residual and mlp_residual, logits) back as it goes: verify localises a mismatch with them,
+//! and profile times the real forward point by point.
 
 use std::path::Path;
 
@@ -134,6 +137,26 @@ fn bf16(v: f32) -> u16 {
 
 fn widen(b: u16) -> f32 {
     f32::from_bits((b as u32) << 16)
+}
+
+/// The callback of `forward_traced`: (layer, point name, the point's values).
+type TraceFn<'a> = dyn FnMut(Option<usize>, &str, &[f32]) + 'a;
+
+/// Hand the device buffer `buf` to `trace` as point `name` of `layer`: the copy to the host waits
+/// for every kernel enqueued before it, so the time between two points is the device time of the
+/// kernels between them plus one copy. Nothing happens without a `trace`.
+fn point(
+    dev: &Device,
+    buf: &CudaSlice<f32>,
+    trace: &mut Option<&mut TraceFn>,
+    layer: Option<usize>,
+    name: &str,
+) -> Result<(), String> {
+    if let Some(t) = trace.as_mut() {
+        let v = dev.stream().clone_dtoh(buf).map_err(|e| format!("reading point {name}: {e}"))?;
+        t(layer, name, &v);
+    }
+    Ok(())
 }
 
 fn dev_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> String + '_ {
@@ -309,11 +332,47 @@ impl Model {
                 .stream()
                 .memcpy_htod(&[pos as u32, 0, token, 0], &mut self.s.ctl)
                 .unwrap_or_else(|e| panic!("forward: {e}"));
-            self.step_fused(false).unwrap_or_else(|e| panic!("forward: {e}"));
+            self.step_fused(false, None).unwrap_or_else(|e| panic!("forward: {e}"));
             return self.read_logits();
         }
         self.dev.stream().memcpy_htod(&[token], &mut self.s.token).unwrap_or_else(|e| panic!("forward: {e}"));
         self.step(Token::Current, pos).unwrap_or_else(|e| panic!("forward: {e}"));
+        self.read_logits()
+    }
+
+    /// As `forward`, also calling `trace(layer, point, values)` for each activation point it
+    /// computes, in order: `point` a node name of model.llama's [model.graph] (`layer` None in the
+    /// prologue and epilogue, Some(i) in decoder layer i), `values` that node's output for this
+    /// token, f32. The fused step computes the graph's `trace_required` points (embed, then per
+    /// layer attn_residual and mlp_residual, then logits); the rest are fused away. Each point
+    /// waits for the device and copies its values (hidden or vocab floats) to the host, so the
+    /// time between two points is the device time of the kernels between them plus that copy.
+    /// Shapes the fused step does not take report the same points from the per-contract path.
+    #[allow(clippy::type_complexity)]
+    pub fn forward_traced(
+        &mut self,
+        token: u32,
+        pos: usize,
+        trace: &mut dyn FnMut(Option<usize>, &str, &[f32]),
+    ) -> &[f32] {
+        assert!(
+            pos < self.cfg.max_seq,
+            "forward_traced: position {pos} beyond max_position_embeddings {}",
+            self.cfg.max_seq
+        );
+        if self.fused {
+            self.dev
+                .stream()
+                .memcpy_htod(&[pos as u32, 0, token, 0], &mut self.s.ctl)
+                .unwrap_or_else(|e| panic!("forward_traced: {e}"));
+            self.step_fused(false, Some(trace)).unwrap_or_else(|e| panic!("forward_traced: {e}"));
+        } else {
+            self.dev
+                .stream()
+                .memcpy_htod(&[token], &mut self.s.token)
+                .unwrap_or_else(|e| panic!("forward_traced: {e}"));
+            self.step_traced(Token::Current, pos, Some(trace)).unwrap_or_else(|e| panic!("forward_traced: {e}"));
+        }
         self.read_logits()
     }
 
@@ -339,7 +398,7 @@ impl Model {
             for _ in 0..n {
                 match &self.graph {
                     Some(g) => g.launch().map_err(|e| format!("replaying the decode step: {e}")),
-                    None => self.step_fused(true),
+                    None => self.step_fused(true, None),
                 }
                 .unwrap_or_else(|e| panic!("decode_greedy: {e}"));
             }
@@ -370,7 +429,7 @@ impl Model {
             st.synchronize().map_err(|e| format!("synchronize: {e}"))?;
             st.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                 .map_err(|e| format!("begin_capture: {e}"))?;
-            let stepped = self.step_fused(true);
+            let stepped = self.step_fused(true, None);
             let graph = st.end_capture(CUgraphInstantiate_flags(0)).map_err(|e| format!("end_capture: {e}"));
             stepped?;
             let graph = graph?.ok_or("end_capture: an empty graph")?;
@@ -395,14 +454,15 @@ impl Model {
     /// attention; o projection with the residual; gate/up with norm; down with SiLU-and-mul and
     /// the residual), then lm_head with the final norm (and with `argmax`, the argmax and ctl
     /// advanced). 2 + 5 * n_layers launches; the host passes no per-token argument.
-    fn step_fused(&mut self, argmax: bool) -> Result<(), String> {
+    fn step_fused(&mut self, argmax: bool, mut trace: Option<&mut TraceFn>) -> Result<(), String> {
         let Model { dev, cfg: c, layers, embed, lm_head, final_norm, freqs, s, .. } = self;
         let (h, hd, eps, inter) = (c.hidden, c.head_dim, c.rms_norm_eps, c.intermediate);
         let q_dim = c.n_heads * hd;
         let ids = s.ctl.slice(2..3);
         kernels::embedding(dev, &embed.as_view(), h, &ids, &mut s.x.as_view_mut())?;
+        point(dev, &s.x, &mut trace, None, "embed")?;
         let ctl = s.ctl.as_view();
-        for l in layers.iter_mut() {
+        for (i, l) in layers.iter_mut().enumerate() {
             kernels::mv_bf16_qkv(
                 dev,
                 &s.x.as_view(),
@@ -434,6 +494,7 @@ impl Model {
                 &mut s.attn.as_view_mut(),
             )?;
             kernels::mv_bf16(dev, &s.attn.as_view(), &l.wo.as_view(), q_dim, h, &mut s.x.as_view_mut(), true)?;
+            point(dev, &s.x, &mut trace, Some(i), "attn_residual")?;
             kernels::mv_bf16_norm(
                 dev,
                 &s.x.as_view(),
@@ -445,6 +506,7 @@ impl Model {
                 &mut s.gate_up.as_view_mut(),
             )?;
             kernels::mv_bf16_silu(dev, &s.gate_up.as_view(), &l.w_down.as_view(), inter, h, &mut s.x.as_view_mut())?;
+            point(dev, &s.x, &mut trace, Some(i), "mlp_residual")?;
         }
         let Scratch { x, logits, part_v, part_i, head_ticket, ctl, trail, .. } = s;
         kernels::mv_bf16_head(
@@ -461,7 +523,8 @@ impl Model {
             &mut head_ticket.as_view_mut(),
             &mut ctl.as_view_mut(),
             &mut trail.as_view_mut(),
-        )
+        )?;
+        point(dev, logits, &mut trace, None, "logits")
     }
 
     /// A prompt through the model as matrix products: per chunk of up to PREFILL_CHUNK tokens,
@@ -608,6 +671,11 @@ impl Model {
 
     /// One token through every layer at `pos`, on the device: the contracts' forward pass.
     fn step(&mut self, token: Token, pos: usize) -> Result<(), String> {
+        self.step_traced(token, pos, None)
+    }
+
+    /// `step`, handing the graph's required points to `trace` (see `forward_traced`).
+    fn step_traced(&mut self, token: Token, pos: usize, mut trace: Option<&mut TraceFn>) -> Result<(), String> {
         let Model { dev, cfg: c, layers, embed, lm_head, final_norm, freqs, s, prompt, .. } = self;
         if pos >= c.max_seq {
             return Err(format!("position {pos} is beyond max_position_embeddings {}", c.max_seq));
@@ -619,9 +687,10 @@ impl Model {
             Token::Prompt(i) => prompt.slice(i..i + 1),
         };
         kernels::embedding(dev, &embed.as_view(), h, &ids, &mut s.x.as_view_mut())?;
+        point(dev, &s.x, &mut trace, None, "embed")?;
         let position = s.positions.slice(pos..pos + 1);
         let kv_len = pos + 1;
-        for l in layers.iter_mut() {
+        for (i, l) in layers.iter_mut().enumerate() {
             // Attention block: x += o_proj(attention(rope(q), cache(rope(k), v))).
             kernels::rms_norm(dev, &s.x.as_view(), &l.attn_norm.as_view(), eps, &mut s.normed.as_view_mut())?;
             kernels::linear_bf16(
@@ -670,6 +739,7 @@ impl Model {
                 &mut s.x.as_view_mut(),
                 true,
             )?;
+            point(dev, &s.x, &mut trace, Some(i), "attn_residual")?;
             // MLP block: x += down_proj(silu(gate_proj(x)) * up_proj(x)).
             kernels::rms_norm(dev, &s.x.as_view(), &l.ffn_norm.as_view(), eps, &mut s.normed.as_view_mut())?;
             kernels::linear_bf16(
@@ -697,10 +767,11 @@ impl Model {
                 &mut s.x.as_view_mut(),
                 true,
             )?;
+            point(dev, &s.x, &mut trace, Some(i), "mlp_residual")?;
         }
         kernels::rms_norm(dev, &s.x.as_view(), &final_norm.as_view(), eps, &mut s.normed.as_view_mut())?;
         kernels::linear_bf16(dev, &s.normed.as_view(), &lm_head.as_view(), 1, h, c.vocab, &mut s.logits.as_view_mut())?;
-        Ok(())
+        point(dev, &s.logits, &mut trace, None, "logits")
     }
 }
 
