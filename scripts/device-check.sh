@@ -3,9 +3,11 @@
 # steps, for a GPU machine that has CUDA (driver 13), Python with torch and transformers, and no Rust
 # toolchain:
 #
-#   scripts/device-check.sh prepare DIR   here: build the bundles and a stripped metainfer into DIR
-#   scripts/device-check.sh run DIR       on the GPU machine, in a copy of DIR: run every bundle there
-#   scripts/device-check.sh judge DIR     here, on DIR copied back: judge and record every bundle
+#   scripts/device-check.sh prepare DIR   here: build the bundles and a stripped metainfer into DIR,
+#                                         packed as DIR.tar.xz (what travels)
+#   scripts/device-check.sh run DIR       on the GPU machine: unpack DIR.tar.xz, run every bundle there,
+#                                         pack what came of it as DIR.back.tar.xz (or $BACK)
+#   scripts/device-check.sh judge DIR     here: unpack DIR.back.tar.xz over DIR, judge and record
 #
 # What it measures (README, "Gates on a GPU"): the CUDA kernels' kernel tests; verify_generation on
 # BabyLlama and on a synthetic Llama of the 1B shape in bf16; profile_engine on the 1B shape (decode
@@ -13,6 +15,10 @@
 # against the platform contract's HBM figure); and, as an independent check, transformers' own Llama
 # on the same GPU and BabyLlama's weights against the golden output the reference forward pass
 # reproduces (tests/it/oracle.rs: reference_forward_reproduces_golden_greedy_ids_and_logits).
+#
+# Mixture of experts: the CUDA engine declared for model.qwen3_moe (a copy beside DIR), its kernel
+# tests (kernel.moe_route and kernel.moe_experts among them) and verify on transformers' Qwen3-MoE
+# checkpoint (../shared/conformance/qwen3_moe).
 #
 # Serving on the GPU: verify_batching on BabyLlama (the batched step over the paged KV cache on the
 # device against single-sequence references) and serve_engine on the 1B shape (the engine's own
@@ -27,12 +33,13 @@
 # TTFT at 16/128/512), and torch.compile'd with a static cache under a 120 s limit (skipped with a note
 # beyond it).
 #
-# DIR stays under 64 MiB: the 1B checkpoints are not carried but synthesised on each side from the same
+# What travels stays under 64 MiB: DIR packed into one xz stream (each bundle's harness binary and the
+# small models repeat; the 64 MiB dictionary stores each once), and the 1B checkpoints are not carried but synthesised on each side from the same
 # seed and shape (their hashes are checked by `bundle run --model` and by the read-back): one with a
 # 48-position context for verify (a 1B verify reply holds 0.5 MB of f32 logits per generated token, and
 # the random prompts reach the end of the context), one with 640 positions for the profiles (their
 # replies hold timings and token ids only). Every step goes on after a failure and leaves its output in
-# DIR/logs; `judge` prints a summary table. `run` takes about 5 to 7 minutes on an H200 (two 2.5 GB
+# DIR/logs; `judge` prints a summary table. `run` takes about 6 to 8 minutes on an H200 (two 2.5 GB
 # syntheses, the bundles, transformers eager and at most 120 s of torch.compile).
 #
 # Environment: METAINFER (the binary, default target/debug/metainfer, built when missing),
@@ -47,7 +54,7 @@ set -uo pipefail
 step=${1:-}
 dir=${2:-}
 if [[ -z "$step" || -z "$dir" ]]; then
-    sed -n '2,9p' "$0" >&2
+    sed -n '2,12p' "$0" >&2
     exit 2
 fi
 seed=${SEED:-20261201}
@@ -56,6 +63,17 @@ seed=${SEED:-20261201}
 # token) and a 640-position one for the profiles (a 512-token prompt plus 8 new tokens).
 shape_1b=(--preset llama3.2-1b --max-seq 48 --seed "$seed")
 shape_1b_long=(--preset llama3.2-1b --max-seq 640 --seed "$seed")
+
+# The CUDA engine declared for model.qwen3_moe (its sources otherwise unchanged), beside DIR and not
+# carried: prepare writes its bundles from it and judge reads them back against the same sources.
+moe_engine() {
+    local root=$1 out="${dir%/}-qwen3-moe-engine"
+    rm -rf "$out" && mkdir -p "$out" || return 1
+    (cd "$root/examples/engines/llama-cuda-bf16" && tar --exclude=./target -cf - .) | (cd "$out" && tar -xf -) || return 1
+    sed -i 's/^family = "model.llama"$/family = "model.qwen3_moe"/' "$out/metainfer.toml"
+    grep -q '^family = "model.qwen3_moe"$' "$out/metainfer.toml" || return 1
+    echo "$out"
+}
 
 log() { printf '%s %s\n' "$(date -u +%H:%M:%S)" "$*" | tee -a "$dir/logs/steps.txt" >&2; }
 # Run a step, its stdout (JSON) to logs/NAME.json and stderr to logs/NAME.err; record its status.
@@ -121,18 +139,36 @@ prepare)
     else
         log "1B: profiles not prepared (synth refused the shape; see logs/synth-1b-long.err)"
     fi
+    # Mixture of experts: the CUDA engine on transformers' Qwen3-MoE checkpoint (the router, top-k
+    # and the selected experts on the device), its kernel tests and verify.
+    qwen3_moe=$root/../shared/conformance/qwen3_moe
+    if engine_moe=$(moe_engine "$root") && [[ -d "$qwen3_moe" ]]; then
+        step_run write-kt-qwen3-moe "$bin" test-kernel --engine "$engine_moe" --seed "$seed" --write-bundle "$dir/kt-qwen3-moe" --json
+        step_run write-verify-qwen3-moe "$bin" verify --engine "$engine_moe" --model "$qwen3_moe" --seed "$seed" \
+            --max-new-tokens 16 --write-bundle "$dir/verify-qwen3-moe" --json
+    else
+        log "qwen3_moe: not prepared (no ../shared/conformance/qwen3_moe, or the engine copy failed)"
+    fi
     # The batched step on the device against single-sequence references (block manager, scheduler,
     # and a batched run of mixed prefill chunks and decode tokens over the paged cache).
     step_run write-batching-baby "$bin" verify-batching --engine "$engine" --model "$baby" --seed "$seed" \
         --write-bundle "$dir/batching-baby" --json
+    # Every bundle holds its own harness binary and the small models, so DIR itself is larger than
+    # what may travel; one xz stream with a 64 MiB dictionary stores each repeated file once.
     size=$(du -sm "$dir" | cut -f1)
-    log "prepared $dir: ${size} MiB"
-    if ((size > 64)); then
-        log "over 64 MiB: too large to carry"
+    rm -f "$dir.tar.xz"
+    tar -C "$dir" -cf - . | xz -9 -T1 >"$dir.tar.xz" || exit 2
+    packed=$(du -sm "$dir.tar.xz" | cut -f1)
+    log "prepared $dir: ${size} MiB, packed as $dir.tar.xz: ${packed} MiB (carry the .tar.xz)"
+    if ((packed > 60)); then
+        log "over 60 MiB packed: too large to carry with the repository"
         exit 1
     fi
     ;;
 run)
+    if [[ ! -d "$dir" && -f "$dir.tar.xz" ]]; then
+        mkdir -p "$dir" && tar -C "$dir" -xJf "$dir.tar.xz" || exit 2
+    fi
     cd "$dir" || exit 2
     chmod 600 runner/runner.key
     key=(--key "$dir/runner/runner.key")
@@ -141,7 +177,7 @@ run)
     bin=$dir/bin/metainfer
     nvidia-smi --query-gpu=name,compute_cap,memory.total,driver_version --format=csv >logs/device.csv 2>&1
     log "device: $(tail -n +2 logs/device.csv | head -1)"
-    for b in kt verify-baby batching-baby; do
+    for b in kt verify-baby batching-baby kt-qwen3-moe verify-qwen3-moe; do
         [[ -d "$b" ]] && step_run "run-$b" "$bin" bundle run "$b" "${key[@]}" --json
     done
     if [[ -f synth-1b.args ]]; then
@@ -184,13 +220,22 @@ with torch.no_grad():
 print(json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                   "logits_positions_0_to_2": logits, "greedy_ids": out[0].tolist()}))
 PY
-    log "run done"
+    # What comes back: the replies, logs and records, without the binaries and models that went
+    # there (judge unpacks them over the prepared DIR).
+    back=${BACK:-$dir.back.tar.xz}
+    tar -C "$dir" --exclude=./bin --exclude=./models --exclude='./*/harness' --exclude='./*/model' -cf - . |
+        xz -6 -T0 >"$back"
+    log "run done: $back $(du -sm "$back" | cut -f1) MiB"
     ;;
 judge)
     root=$(cd "$(dirname "$0")/.." && pwd)
     engine=$root/examples/engines/llama-cuda-bf16
     baby=$root/../shared/models/babyllama-105
     bin=${METAINFER:-$root/target/debug/metainfer}
+    back=${BACK:-$dir.back.tar.xz}
+    if [[ -f "$back" ]]; then
+        tar -C "$dir" -xJf "$back" || exit 2
+    fi
     mkdir -p "$dir/logs"
     seed=$(cat "$dir/seed")
     step_run judge-kt "$bin" test-kernel --engine "$engine" --from-bundle "$dir/kt" --json
@@ -206,6 +251,11 @@ judge)
         [[ -d "$dir/$b" ]] && step_run "judge-$b" "$bin" profile --engine "$engine" --model "$model_1b_long" \
             --prompt-len 64 --new-tokens 64 --runs 5 --from-bundle "$dir/$b" --json
     done
+    if [[ -d "$dir/verify-qwen3-moe" ]] && engine_moe=$(moe_engine "$root"); then
+        step_run judge-kt-qwen3-moe "$bin" test-kernel --engine "$engine_moe" --from-bundle "$dir/kt-qwen3-moe" --json
+        step_run judge-verify-qwen3-moe "$bin" verify --engine "$engine_moe" --model "$root/../shared/conformance/qwen3_moe" \
+            --max-new-tokens 16 --from-bundle "$dir/verify-qwen3-moe" --json
+    fi
     step_run judge-batching-baby "$bin" verify-batching --engine "$engine" --model "$baby" \
         --from-bundle "$dir/batching-baby" --json
     # The reference's answers to the serving plan on the 1B shape are computed here (f64, slow).
@@ -307,7 +357,7 @@ if others:
 PY
     ;;
 *)
-    sed -n '2,9p' "$0" >&2
+    sed -n '2,12p' "$0" >&2
     exit 2
     ;;
 esac

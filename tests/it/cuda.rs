@@ -162,3 +162,44 @@ fn the_cuda_engine_builds_here_and_its_gates_do_not_run_without_a_device() {
     let read = kernel_test(&ctx, &kt(&engine, 5, None, Some(&dir)), &budget()).unwrap();
     assert!(!read.passed && read.build_error.starts_with("no CUDA device: not run"), "{}", read.build_error);
 }
+
+/// The CUDA example engine declared for `model.qwen3_moe` (as an agent adding Qwen3-MoE to it
+/// would), here, without a GPU: its sources keep every signature of that family's plan for target
+/// cuda (kernel.moe_route and kernel.moe_experts included, with their CUDA signatures), the kernel
+/// test's harness builds with the MoE kernels' CUDA arms, and the kernel test and verify on
+/// transformers' Qwen3-MoE checkpoint say "no CUDA device: not run" and fail.
+#[test]
+fn the_cuda_engine_declared_for_qwen3_moe_keeps_its_signatures_and_does_not_run_without_a_device() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let model = crate::shared().join("conformance/qwen3_moe");
+    let engine = crate::shared_engine("llama-cuda-bf16-qwen3-moe", |dir| {
+        Engine::Cuda.copy_to(dir);
+        let manifest = std::fs::read_to_string(dir.join("metainfer.toml")).unwrap();
+        let declared = manifest.replace("family = \"model.llama\"", "family = \"model.qwen3_moe\"");
+        assert_ne!(declared, manifest);
+        std::fs::write(dir.join("metainfer.toml"), declared).unwrap();
+    });
+
+    let rules = metainfer::ops::rules::check_rules(
+        &ctx,
+        &metainfer::ops::rules::RulesRequest { engine: s(&engine) },
+        &budget(),
+    )
+    .unwrap();
+    assert!(rules.passed && rules.findings.is_empty(), "{}", metainfer::ops::Report::text(&rules));
+
+    let k = kernel_test(&ctx, &kt(&engine, 5, None, None), &budget()).unwrap();
+    assert!(!k.passed && k.build_error.starts_with("no CUDA device: not run"), "{}", k.build_error);
+    for id in ["kernel.moe_route", "kernel.moe_experts", "kernel.paged_attention"] {
+        assert!(k.kernels.iter().any(|r| r.kernel == id), "{id} not in the kernel test: {k:?}");
+    }
+
+    let v = verify(
+        &ctx,
+        &VerifyRequest { engine: s(&engine), model: s(&model), max_new_tokens: Some(4), ..Default::default() },
+        &budget(),
+    )
+    .unwrap();
+    assert!(!v.passed && v.error.starts_with("no CUDA device: not run"), "{}", v.error);
+}

@@ -455,6 +455,7 @@ const COPIES: &[(&str, &str, Part)] = &[
     ),
     ("examples/engines/llama-cpu-plain/src/paged.rs", "examples/engines/llama-cpu-simd/src/paged.rs", Part::Whole),
     ("examples/engines/llama-cuda-bf16/src/paged.rs", "examples/engines/llama-cpu-simd/src/paged.rs", Part::Whole),
+    ("examples/engines/llama-cuda-bf16/src/config.rs", "examples/engines/llama-cpu-plain/src/config.rs", Part::Whole),
     (
         "examples/engines/llama-cuda-bf16/src/scheduler.rs",
         "examples/engines/llama-cpu-simd/src/scheduler.rs",
@@ -494,11 +495,6 @@ const DERIVED: &[(&str, &str, &str)] = &[
         "examples/engines/llama-cpu-plain/src/scheduler.rs",
         "examples/engines/llama-cpu-simd/src/scheduler.rs",
         "the plain engine has no server: the simd scheduler's counts() and tokens(), which its server and sampler read, are left out",
-    ),
-    (
-        "examples/engines/llama-cuda-bf16/src/config.rs",
-        "examples/engines/llama-cpu-plain/src/config.rs",
-        "the CUDA engine runs plain Llama only; the plain engine's config maps every family of the CKB",
     ),
     (
         "examples/engines/llama-cuda-bf16/src/weights.rs",

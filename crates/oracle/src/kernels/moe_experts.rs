@@ -62,7 +62,13 @@ fn draw(case: &TestCase, rng: &mut ChaCha8Rng) -> Result<Case> {
     let n = dim(rng, case, "n_experts")?.max(1);
     let top_k = dim(rng, case, "top_k")?.clamp(1, n);
     let size = n * inter * hidden;
-    let scaled = |v: Vec<f32>, fan_in: usize| v.into_iter().map(|w| w / (fan_in as f32).sqrt()).collect::<Vec<_>>();
+    // Weights are bf16 values (f32 with the low 16 bits zero, rounded to nearest even), so a bf16
+    // engine (the CUDA variant) stores exactly what the oracle multiplies.
+    let scaled = |v: Vec<f32>, fan_in: usize| {
+        v.into_iter()
+            .map(|w| crate::dtypes::bf16_value(crate::dtypes::round_bf16(w / (fan_in as f32).sqrt())) as f32)
+            .collect::<Vec<_>>()
+    };
     let (gate, up) = (scaled(uniform(rng, size, 1.0), hidden), scaled(uniform(rng, size, 1.0), hidden));
     let down = scaled(uniform(rng, size, 1.0), inter);
     let raw: Vec<f32> = (0..top_k).map(|_| rng.random_range(0.1f32..1.0)).collect();
@@ -124,8 +130,40 @@ pub static KERNEL: Kernel = Kernel {
             let mut out = vec![0.0f32; h];
             Timed { run: Box::new(move |_| engine::kernels::moe_experts(&x, &route, &g, &u, &dw, m, &mut out)) }
         }"#,
-    cuda_test_arm: "",
-    cuda_timed_arm: "",
+    // The drawn weights are bf16 values (draw), so rounding them for the device is exact.
+    cuda_test_arm: r#"{
+            let x = i.f("x");
+            let b16 = |v: Vec<f32>| -> Vec<u16> { v.iter().map(|w| (w.to_bits() >> 16) as u16).collect() };
+            let (xd, route) = (device::up(&x), device::up(&i.f("route")));
+            let (g, u, dw) = (device::up(&b16(i.f("gate"))), device::up(&b16(i.f("up"))), device::up(&b16(i.f("down"))));
+            let mut out = device::nan(x.len());
+            device::ok(engine::kernels::moe_experts(
+                device::dev(),
+                &xd.as_view(),
+                &route.as_view(),
+                &g.as_view(),
+                &u.as_view(),
+                &dw.as_view(),
+                i.n("inter"),
+                &mut out.as_view_mut(),
+            ));
+            vec![("out".into(), Out::F(device::down(&out)))]
+        }"#,
+    cuda_timed_arm: r#"{
+            let (h, m, e, k) = (n("hidden"), n("inter"), n("n_experts"), n("top_k"));
+            let x = device::up(&fill(h, 10));
+            let mut route = vec![0.0f32; e];
+            for r in route.iter_mut().take(k) { *r = 1.0 / k as f32; }
+            let route = device::up(&route);
+            let b16 = |v: Vec<f32>| -> Vec<u16> { v.iter().map(|w| (w.to_bits() >> 16) as u16).collect() };
+            let (g, u, dw) = (device::up(&b16(fill(e * m * h, 11))), device::up(&b16(fill(e * m * h, 12))), device::up(&b16(fill(e * m * h, 13))));
+            let mut out = device::nan(h);
+            Timed {
+                run: Box::new(move |_| {
+                    device::ok(engine::kernels::moe_experts(device::dev(), &x.as_view(), &route.as_view(), &g.as_view(), &u.as_view(), &dw.as_view(), m, &mut out.as_view_mut()))
+                }),
+            }
+        }"#,
 };
 
 #[cfg(test)]

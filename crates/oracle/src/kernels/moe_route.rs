@@ -117,8 +117,19 @@ pub static KERNEL: Kernel = Kernel {
             let mut out = vec![0.0f32; e];
             Timed { run: Box::new(move |_| engine::kernels::moe_route(&scores, k, true, &mut out)) }
         }"#,
-    cuda_test_arm: "",
-    cuda_timed_arm: "",
+    cuda_test_arm: r#"{
+            let scores = i.f("scores");
+            let sd = device::up(&scores);
+            let mut out = device::nan(scores.len());
+            device::ok(engine::kernels::moe_route(device::dev(), &sd.as_view(), i.n("top_k"), i.n("renormalize") != 0, &mut out.as_view_mut()));
+            vec![("out".into(), Out::F(device::down(&out)))]
+        }"#,
+    cuda_timed_arm: r#"{
+            let (e, k) = (n("n_experts"), n("top_k"));
+            let scores = device::up(&fill(e, 9));
+            let mut out = device::nan(e);
+            Timed { run: Box::new(move |_| device::ok(engine::kernels::moe_route(device::dev(), &scores.as_view(), k, true, &mut out.as_view_mut()))) }
+        }"#,
 };
 
 #[cfg(test)]

@@ -17,6 +17,7 @@
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, PushKernelArg};
 
 use crate::device::Device;
+use crate::fused;
 use crate::kernels::{self, dim, elementwise, grid, launched, need};
 use crate::model::Model;
 
@@ -227,10 +228,11 @@ fn run(model: &mut Model, cache: &mut PagedKvCache, chunks: &[SeqChunk]) -> Resu
     );
     kernels::embedding(dev, &embed.as_view(), h, &ids.as_view(), &mut s.x.slice_mut(0..t * h))?;
     for (li, l) in layers.iter().enumerate() {
+        let (w_gate_up, w_down) = l.mlp.dense()?;
         kernels::rms_norm(dev, &s.x.slice(0..t * h), &l.attn_norm.as_view(), eps, &mut s.normed.slice_mut(0..t * h))?;
-        kernels::split3(dev, &s.normed.slice(0..t * h), &mut s.planes.slice_mut(0..3 * t * h))?;
+        fused::split3(dev, &s.normed.slice(0..t * h), &mut s.planes.slice_mut(0..3 * t * h))?;
         let qkv = &mut s.qkv.slice_mut(0..t * width);
-        kernels::gemm_bf16x3(dev, &s.planes.slice(0..3 * t * h), &l.wqkv.as_view(), t, h, width, qkv, false)?;
+        fused::gemm_bf16x3(dev, &s.planes.slice(0..3 * t * h), &l.wqkv.as_view(), t, h, width, qkv, false)?;
         rope_store_paged(
             dev,
             qkv,
@@ -259,18 +261,18 @@ fn run(model: &mut Model, cache: &mut PagedKvCache, chunks: &[SeqChunk]) -> Resu
             &mut s.attn.slice_mut(0..t * q_dim),
         )?;
         // x += attn Wo^T
-        kernels::split3(dev, &s.attn.slice(0..t * q_dim), &mut s.planes.slice_mut(0..3 * t * q_dim))?;
+        fused::split3(dev, &s.attn.slice(0..t * q_dim), &mut s.planes.slice_mut(0..3 * t * q_dim))?;
         let x = &mut s.x.slice_mut(0..t * h);
-        kernels::gemm_bf16x3(dev, &s.planes.slice(0..3 * t * q_dim), &l.wo.as_view(), t, q_dim, h, x, true)?;
+        fused::gemm_bf16x3(dev, &s.planes.slice(0..3 * t * q_dim), &l.wo.as_view(), t, q_dim, h, x, true)?;
         // x += (silu(norm(x) Wgate^T) * norm(x) Wup^T) Wdown^T
         kernels::rms_norm(dev, &s.x.slice(0..t * h), &l.ffn_norm.as_view(), eps, &mut s.normed.slice_mut(0..t * h))?;
-        kernels::split3(dev, &s.normed.slice(0..t * h), &mut s.planes.slice_mut(0..3 * t * h))?;
+        fused::split3(dev, &s.normed.slice(0..t * h), &mut s.planes.slice_mut(0..3 * t * h))?;
         let gu = &mut s.gate_up.slice_mut(0..t * 2 * inter);
-        kernels::gemm_bf16x3(dev, &s.planes.slice(0..3 * t * h), &l.w_gate_up.as_view(), t, h, 2 * inter, gu, false)?;
-        kernels::silu_mul_rows(dev, &s.gate_up.slice(0..t * 2 * inter), t, inter, &mut s.act.slice_mut(0..t * inter))?;
-        kernels::split3(dev, &s.act.slice(0..t * inter), &mut s.planes.slice_mut(0..3 * t * inter))?;
+        fused::gemm_bf16x3(dev, &s.planes.slice(0..3 * t * h), &w_gate_up.as_view(), t, h, 2 * inter, gu, false)?;
+        fused::silu_mul_rows(dev, &s.gate_up.slice(0..t * 2 * inter), t, inter, &mut s.act.slice_mut(0..t * inter))?;
+        fused::split3(dev, &s.act.slice(0..t * inter), &mut s.planes.slice_mut(0..3 * t * inter))?;
         let x = &mut s.x.slice_mut(0..t * h);
-        kernels::gemm_bf16x3(dev, &s.planes.slice(0..3 * t * inter), &l.w_down.as_view(), t, inter, h, x, true)?;
+        fused::gemm_bf16x3(dev, &s.planes.slice(0..3 * t * inter), &w_down.as_view(), t, inter, h, x, true)?;
     }
     // The last row of each chunk (the embedding gather over the rows of x), normed, times lm_head.
     kernels::embedding(dev, &s.x.slice(0..t * h), h, &last.as_view(), &mut s.last.slice_mut(0..n * h))?;
@@ -281,9 +283,9 @@ fn run(model: &mut Model, cache: &mut PagedKvCache, chunks: &[SeqChunk]) -> Resu
         eps,
         &mut s.last_normed.slice_mut(0..n * h),
     )?;
-    kernels::split3(dev, &s.last_normed.slice(0..n * h), &mut s.planes.slice_mut(0..3 * n * h))?;
+    fused::split3(dev, &s.last_normed.slice(0..n * h), &mut s.planes.slice_mut(0..3 * n * h))?;
     let logits = &mut s.logits.slice_mut(0..n * c.vocab);
-    kernels::gemm_bf16x3(dev, &s.planes.slice(0..3 * n * h), &lm_head.as_view(), n, h, c.vocab, logits, false)?;
+    fused::gemm_bf16x3(dev, &s.planes.slice(0..3 * n * h), &lm_head.as_view(), n, h, c.vocab, logits, false)?;
     dev.stream().clone_dtoh(&s.logits.slice(0..n * c.vocab)).map_err(|e| format!("reading the logits: {e}"))
 }
 

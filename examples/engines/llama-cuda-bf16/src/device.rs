@@ -38,6 +38,9 @@ const FUNCTIONS: &[&str] = &[
     "attn_prefill",
     "paged_attention",
     "rope_store_paged",
+    "moe_route",
+    "moe_gate_up",
+    "moe_down",
 ];
 
 /// The engine's CUDA state: context, one stream, its kernels compiled with NVRTC.

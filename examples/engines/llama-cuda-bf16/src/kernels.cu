@@ -54,6 +54,8 @@ __device__ float block_max(float v, float* sh) {
 
 // ---- weight formats (kernel.linear_bf16, kernel.linear_f16) ----
 
+// One bf16 (its bits) widened to f32, exact.
+__device__ __forceinline__ float bf16_to_f32(unsigned short b) { return __uint_as_float((unsigned int)b << 16); }
 __device__ __forceinline__ float bf16_lo(unsigned int two) { return __uint_as_float(two << 16); }
 __device__ __forceinline__ float bf16_hi(unsigned int two) { return __uint_as_float(two & 0xffff0000u); }
 
@@ -1278,6 +1280,111 @@ __global__ void rope_store_paged(float* qkv, int m, const unsigned int* pos, con
             o[half] = x1;
         }
     }
+}
+
+// =====================================================================================================
+// Mixture of experts (model.qwen3_moe, model.mixtral): routing and the selected experts on the device,
+// so a token reads only its top_k experts' weights and the host never sees the selection.
+// =====================================================================================================
+
+// ---- kernel.moe_route: one warp. softmax over the n router scores, the top_k largest kept (equal
+// weights: the lower index first), divided by their sum when renormalize; out [n]: the kept weights
+// at their expert index, 0 elsewhere. p: n floats of dynamic shared memory. ----
+__global__ void moe_route(const float* scores, int n, int top_k, int renormalize, float* out) {
+    extern __shared__ float p[];
+    const int lane = threadIdx.x;
+    float mx = NEG_INF;
+    for (int e = lane; e < n; e += 32) mx = fmaxf(mx, scores[e]);
+    mx = warp_max(mx);
+    float sum = 0.0f;
+    for (int e = lane; e < n; e += 32) {
+        const float v = expf(scores[e] - mx);
+        p[e] = v;
+        sum += v;
+    }
+    sum = warp_sum(sum);
+    for (int e = lane; e < n; e += 32) {
+        p[e] = p[e] / sum;
+        out[e] = 0.0f;
+    }
+    __syncwarp();
+    // k rounds of the first maximum over the experts not yet kept (kept ones marked -1).
+    float kept_sum = 0.0f;
+    for (int r = 0; r < top_k; r++) {
+        float bv = -2.0f;
+        int bi = n;
+        for (int e = lane; e < n; e += 32) {
+            const float v = p[e];
+            if (v > bv || (v == bv && e < bi)) {
+                bv = v;
+                bi = e;
+            }
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) {
+                bv = ov;
+                bi = oi;
+            }
+        }
+        if (bi >= n) break;
+        if (lane == 0) {
+            out[bi] = bv;
+            p[bi] = -1.0f;
+        }
+        kept_sum += bv;
+        __syncwarp();
+    }
+    if (renormalize) {
+        __syncwarp();
+        for (int e = lane; e < n; e += 32) {
+            if (p[e] < 0.0f) out[e] = out[e] / kept_sum;
+        }
+    }
+}
+
+// ---- kernel.moe_experts, first half: act[e, r] = route[e] * silu(x . gate[e, r]) * (x . up[e, r])
+// for every expert e with route[e] != 0 and row r < inter. One warp per row r, looping over the
+// selected experts; lanes along hidden, bf16 weights widened, f32 accumulation. gate, up: [n, inter,
+// hidden] bf16. Rows of unselected experts are neither read nor written. ----
+__global__ void moe_gate_up(const float* x, const float* route, const unsigned short* gate,
+                            const unsigned short* up, int n, int inter, int hidden, float* act) {
+    const int lane = threadIdx.x & 31;
+    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= inter) return;
+    for (int e = 0; e < n; e++) {
+        const float w = route[e];
+        if (w == 0.0f) continue;
+        const u64 row = ((u64)e * inter + r) * hidden;
+        float g = 0.0f, u = 0.0f;
+        for (int c = lane; c < hidden; c += 32) {
+            const float xc = x[c];
+            g = fmaf(xc, bf16_to_f32(gate[row + c]), g);
+            u = fmaf(xc, bf16_to_f32(up[row + c]), u);
+        }
+        g = warp_sum(g);
+        u = warp_sum(u);
+        if (lane == 0) act[(u64)e * inter + r] = w * (g / (1.0f + expf(-g))) * u;
+    }
+}
+
+// ---- kernel.moe_experts, second half: out[o] (= or += when accumulate) sum over the selected
+// experts e of act[e, :] . down[e, o, :]. One warp per output row o; down: [n, hidden, inter] bf16. ----
+__global__ void moe_down(const float* act, const float* route, const unsigned short* down, int n, int inter,
+                         int hidden, float* out, int accumulate) {
+    const int lane = threadIdx.x & 31;
+    const int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (o >= hidden) return;
+    float acc = 0.0f;
+    for (int e = 0; e < n; e++) {
+        if (route[e] == 0.0f) continue;
+        const u64 row = ((u64)e * hidden + o) * inter;
+        const float* a = act + (u64)e * inter;
+        for (int c = lane; c < inter; c += 32) acc = fmaf(a[c], bf16_to_f32(down[row + c]), acc);
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) out[o] = accumulate ? out[o] + acc : acc;
 }
 
 }  // extern "C"

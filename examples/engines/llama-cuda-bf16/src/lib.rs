@@ -1,11 +1,15 @@
 //! A Llama inference engine on an NVIDIA GPU, written from metainfer's contracts for target `cuda`
 //! (`platform.cuda-sm90`): bf16 weights on the device (the embedding table also kept in f32 for
 //! the gather), f32 activations, KV cache and accumulation; greedy decoding kept on the device.
+//! Besides plain Llama it runs the mixture-of-experts families Qwen3-MoE and Mixtral (`moe`: the
+//! router, the top-k selection and the selected experts on the device, per token; their per-head
+//! q/k RMSNorm), one token at a time through the per-contract kernels.
 //!
 //! Modules in the order the phases build them: `device` (component.cuda_device: the driver loaded
 //! at run time, one stream, the CUDA C of `kernels.cu` compiled once with NVRTC), `kernels` (one
-//! launcher per kernel contract, the contracts' `[cuda]` signatures), `config` and `weights`
-//! (loading), `model` (the decoder, its KV cache and `decode_greedy`), `tokenizer` and `generate`.
+//! launcher per kernel contract, the contracts' `[cuda]` signatures; `fused` the model's fused
+//! decode and prefill kernels), `config` and `weights` (loading), `model` (the decoder, its KV
+//! cache and `decode_greedy`; `moe` its experts), `tokenizer` and `generate`.
 //! It builds without a CUDA toolkit or GPU (cudarc's dynamic loading); without a driver every entry
 //! point returns "no CUDA device: ..." instead of panicking.
 //!
@@ -13,22 +17,28 @@
 //! a paged KV cache on the device: every projection one tensor-core product over the rows of all
 //! sequences of the step, kernel.paged_attention reading each sequence's keys through its block
 //! table), `paged::BlockManager` and `scheduler::Scheduler` (the SIMD engine's, held identical),
-//! `generate::sample` (kernel.sample on the host, over the logits rows the step copies back), and a binary
-//! (`src/main.rs`, Cargo feature `server`: `generate` and `serve`, the OpenAI-compatible server).
+//! `generate::sample` (kernel.sample on the host, over the logits rows the step copies back), and
+//! a binary (`src/main.rs`, Cargo feature `server`: `generate` and `serve`, the OpenAI-compatible
+//! server). The batched step takes dense checkpoints only.
 //!
-//! Its `tokenizer` module and `stop_tokens` are the plain engine's, held identical by metainfer's
-//! tidy test; its `config` (transformers v5 `rope_parameters` included) and `weights` are derived
-//! from the plain engine's, narrowed to plain Llama and one `model.safetensors` file.
+//! Its `tokenizer`, `config` (every family of the CKB, transformers v5 `rope_parameters` included;
+//! `model::Model::load` refuses what this engine does not run, by name) and `stop_tokens` are the
+//! plain engine's, held identical by metainfer's tidy test; its `weights` is derived from the
+//! plain engine's, narrowed to one `model.safetensors` file.
 #![deny(unsafe_op_in_unsafe_fn)]
 // The kernel contracts fix the launchers' signatures, some with more than seven arguments.
 #![allow(clippy::too_many_arguments)]
 
 pub mod batch;
+// The plain engine's config, whole: some of what it reads only the families this engine refuses use.
+#[allow(dead_code)]
 mod config;
 pub mod device;
+mod fused;
 pub mod generate;
 pub mod kernels;
 pub mod model;
+mod moe;
 pub mod paged;
 pub mod scheduler;
 pub mod tokenizer;

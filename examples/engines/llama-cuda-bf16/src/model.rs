@@ -26,7 +26,9 @@ use cudarc::driver::{CudaGraph, CudaSlice};
 
 use crate::config::Config;
 use crate::device::Device;
+use crate::fused;
 use crate::kernels;
+use crate::moe::{self, MoeLayer, MoeScratch};
 use crate::weights;
 
 /// One decoder layer's device weights and KV cache.
@@ -36,12 +38,32 @@ pub(crate) struct Layer {
     pub(crate) wqkv: CudaSlice<u16>,
     pub(crate) wo: CudaSlice<u16>,
     pub(crate) ffn_norm: CudaSlice<f32>,
-    /// gate and up projections, one [2 intermediate, hidden] bf16 matrix.
-    pub(crate) w_gate_up: CudaSlice<u16>,
-    pub(crate) w_down: CudaSlice<u16>,
+    /// The MLP: dense, or a mixture of experts.
+    pub(crate) mlp: Mlp,
+    /// Qwen3-MoE: the per-head RMSNorm gains of q and k ([head_dim] each), applied before RoPE.
+    pub(crate) qk_norm: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
     /// Keys after RoPE and values, [max_seq, n_kv_heads, head_dim] each.
     pub(crate) k_cache: CudaSlice<f32>,
     pub(crate) v_cache: CudaSlice<f32>,
+}
+
+/// A layer's MLP.
+pub(crate) enum Mlp {
+    /// gate and up projections as one [2 intermediate, hidden] bf16 matrix, and down.
+    Dense { w_gate_up: CudaSlice<u16>, w_down: CudaSlice<u16> },
+    /// A router over experts (model.qwen3_moe, model.mixtral).
+    Moe(MoeLayer),
+}
+
+impl Mlp {
+    /// The dense MLP's matrices (gate/up, down); Err for a mixture of experts, which only the
+    /// per-contract path runs.
+    pub(crate) fn dense(&self) -> Result<(&CudaSlice<u16>, &CudaSlice<u16>), String> {
+        match self {
+            Mlp::Dense { w_gate_up, w_down } => Ok((w_gate_up, w_down)),
+            Mlp::Moe(_) => Err("a mixture-of-experts layer runs on the per-contract path only".into()),
+        }
+    }
 }
 
 /// Device activations of the token being run, allocated once at load.
@@ -74,6 +96,10 @@ struct Scratch {
     attn_acc: CudaSlice<f32>,
     attn_ticket: CudaSlice<u32>,
     attn_splits: usize,
+    /// q and k after their per-head RMSNorm (qk_norm), [(n_heads + n_kv_heads) head_dim].
+    qk: CudaSlice<f32>,
+    /// The mixture of experts' activations, for MoE checkpoints.
+    moe: Option<MoeScratch>,
 }
 
 /// Device activations of a prompt chunk (up to `PREFILL_CHUNK` tokens), allocated once at load.
@@ -159,6 +185,54 @@ fn point(
     Ok(())
 }
 
+/// Why this engine does not run a checkpoint of this configuration, or None when it does: plain
+/// Llama, plus Qwen3-MoE's per-head q/k RMSNorm and the experts of Qwen3-MoE and Mixtral.
+fn unsupported(c: &Config) -> Option<String> {
+    let f = c.features;
+    let others = [
+        ("qkv_bias", f.qkv_bias),
+        ("sliding_window", f.sliding_window || (0..c.n_layers).any(|l| c.window(l) > 0 || c.sliding(l))),
+        ("gelu_tanh_mlp", f.gelu_tanh_mlp),
+        ("rmsnorm_one_plus_w", f.rmsnorm_one_plus_w),
+        ("embed_scale_sqrt_hidden", f.embed_scale_sqrt_hidden),
+        ("fused", f.fused),
+        ("qk_norm_whole", f.qk_norm_whole),
+        ("post_norms", f.post_norms),
+        ("no_pre_norms", f.no_pre_norms),
+        ("multipliers", f.multipliers),
+        ("softcapping", f.softcapping),
+        ("alternating_window", f.alternating_window),
+        ("rope_by_layer_type", f.rope_by_layer_type),
+        ("layer_norm", f.layer_norm),
+        ("norm_bias", f.norm_bias),
+        ("norm_no_gain", f.norm_no_gain),
+        ("parallel_block", f.parallel_block),
+        ("interleaved_rope", f.interleaved_rope),
+        ("fc_mlp", f.fc_mlp),
+        ("o_bias", f.o_bias),
+        ("attention_sinks", f.attention_sinks),
+        ("partial rotary", c.rotary_dim != c.head_dim),
+        ("attention scale", c.attention_scale.is_some() || c.attn_softcap.is_some() || c.final_softcap.is_some()),
+        (
+            "multipliers",
+            c.embedding_multiplier.is_some()
+                || c.residual_multiplier.is_some()
+                || c.logits_scaling.is_some()
+                || c.logit_scale.is_some(),
+        ),
+        ("clip_qkv", c.clip_qkv.is_some()),
+        ("a RoPE base per layer type", c.sliding_rope_theta.is_some()),
+        ("YaRN's attention factor", c.rope_attention_factor() != 1.0),
+    ];
+    if let Some((name, _)) = others.iter().find(|(_, on)| *on) {
+        return Some(format!("the checkpoint's family needs `{name}`"));
+    }
+    if f.qk_norm && c.moe.is_none() {
+        return Some("per-head q/k RMSNorm is run for mixture-of-experts checkpoints only (model.qwen3_moe)".into());
+    }
+    c.moe.as_ref().and_then(moe::unsupported)
+}
+
 fn dev_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> String + '_ {
     move |e| format!("{what}: {e}")
 }
@@ -167,12 +241,8 @@ impl Model {
     /// Load `config.json` and `model.safetensors` from an HF model directory. Errors name the missing file/tensor.
     pub fn load(dir: &Path) -> Result<Model, String> {
         let cfg = Config::load(dir)?;
-        let f = cfg.features;
-        if f.qkv_bias || f.qk_norm || f.gelu_tanh_mlp || f.rmsnorm_one_plus_w || f.embed_scale_sqrt_hidden || f.fused {
-            return Err("this engine covers model.llama only; the checkpoint's family has other features".into());
-        }
-        if cfg.sliding_window > 0 {
-            return Err("this engine has no sliding-window attention; config.json sets sliding_window".into());
+        if let Some(why) = unsupported(&cfg) {
+            return Err(format!("this engine runs model.llama, model.qwen3_moe and model.mixtral only: {why}"));
         }
         let dev = Device::open(0)?;
         let st = dev.stream().clone();
@@ -191,15 +261,30 @@ impl Model {
             let mut qkv = w.take(&name("self_attn.q_proj.weight"), &[q_dim, h])?;
             qkv.extend(w.take(&name("self_attn.k_proj.weight"), &[kv_dim, h])?);
             qkv.extend(w.take(&name("self_attn.v_proj.weight"), &[kv_dim, h])?);
-            let mut gate_up = w.take(&name("mlp.gate_proj.weight"), &[inter, h])?;
-            gate_up.extend(w.take(&name("mlp.up_proj.weight"), &[inter, h])?);
+            let mlp = match &cfg.moe {
+                Some(m) => Mlp::Moe(moe::load_layer(&mut w, i, m, h, &up16)?),
+                None => {
+                    let mut gate_up = w.take(&name("mlp.gate_proj.weight"), &[inter, h])?;
+                    gate_up.extend(w.take(&name("mlp.up_proj.weight"), &[inter, h])?);
+                    let w_down = up16(&w.take(&name("mlp.down_proj.weight"), &[h, inter])?, "w_down")?;
+                    Mlp::Dense { w_gate_up: up16(&gate_up, "w_gate_up")?, w_down }
+                }
+            };
+            let qk_norm = if cfg.features.qk_norm {
+                Some((
+                    up32(&w.take(&name("self_attn.q_norm.weight"), &[hd])?, "q_norm")?,
+                    up32(&w.take(&name("self_attn.k_norm.weight"), &[hd])?, "k_norm")?,
+                ))
+            } else {
+                None
+            };
             layers.push(Layer {
                 attn_norm: up32(&w.take(&name("input_layernorm.weight"), &[h])?, "attn_norm")?,
                 wqkv: up16(&qkv, "wqkv")?,
                 wo: up16(&w.take(&name("self_attn.o_proj.weight"), &[h, q_dim])?, "wo")?,
                 ffn_norm: up32(&w.take(&name("post_attention_layernorm.weight"), &[h])?, "ffn_norm")?,
-                w_gate_up: up16(&gate_up, "w_gate_up")?,
-                w_down: up16(&w.take(&name("mlp.down_proj.weight"), &[h, inter])?, "w_down")?,
+                mlp,
+                qk_norm,
                 k_cache: zeros(cfg.max_seq * kv_dim, "k_cache")?,
                 v_cache: zeros(cfg.max_seq * kv_dim, "v_cache")?,
             });
@@ -213,7 +298,7 @@ impl Model {
         let rounded: Vec<f32> = embed.iter().map(|&x| widen(bf16(x))).collect();
         let positions: Vec<u32> = (0..cfg.max_seq as u32).collect();
         let group = cfg.n_heads / cfg.n_kv_heads.max(1);
-        let splits = kernels::attn_splits(cfg.max_seq);
+        let splits = fused::attn_splits(cfg.max_seq);
         let s = Scratch {
             x: zeros(h, "x")?,
             normed: zeros(h, "normed")?,
@@ -227,25 +312,29 @@ impl Model {
             positions: st.clone_htod(&positions).map_err(dev_err("positions"))?,
             ctl: st.alloc_zeros::<u32>(4).map_err(dev_err("ctl"))?,
             q: zeros(q_dim, "q")?,
-            part_v: zeros(kernels::MV_MAX_BLOCKS, "part_v")?,
-            part_i: st.alloc_zeros::<u32>(kernels::MV_MAX_BLOCKS).map_err(dev_err("part_i"))?,
+            part_v: zeros(fused::MV_MAX_BLOCKS, "part_v")?,
+            part_i: st.alloc_zeros::<u32>(fused::MV_MAX_BLOCKS).map_err(dev_err("part_i"))?,
             head_ticket: st.alloc_zeros::<u32>(1).map_err(dev_err("head_ticket"))?,
             attn_ml: zeros(cfg.n_kv_heads * splits * group * 2, "attn_ml")?,
             attn_acc: zeros(cfg.n_kv_heads * splits * group * hd, "attn_acc")?,
             attn_ticket: st.alloc_zeros::<u32>(cfg.n_kv_heads.max(1)).map_err(dev_err("attn_ticket"))?,
             attn_splits: splits,
+            qk: zeros(q_dim + kv_dim, "qk")?,
+            moe: cfg.moe.as_ref().map(|m| MoeScratch::new(&st, m)).transpose()?,
         };
-        let lm_head_ok = kernels::mv_fits(&dev, &lm_head.as_view(), h);
+        let lm_head_ok = fused::mv_fits(&dev, &lm_head.as_view(), h);
         let fused = lm_head_ok
             && layers.iter().all(|l| {
-                kernels::mv_fits(&dev, &l.wqkv.as_view(), h)
-                    && kernels::mv_fits(&dev, &l.wo.as_view(), q_dim)
-                    && kernels::mv_fits(&dev, &l.w_gate_up.as_view(), h)
-                    && kernels::mv_fits(&dev, &l.w_down.as_view(), inter)
+                fused::mv_fits(&dev, &l.wqkv.as_view(), h)
+                    && fused::mv_fits(&dev, &l.wo.as_view(), q_dim)
+                    && l.qk_norm.is_none()
+                    && l.mlp.dense().is_ok_and(|(gu, d)| {
+                        fused::mv_fits(&dev, &gu.as_view(), h) && fused::mv_fits(&dev, &d.as_view(), inter)
+                    })
             })
-            && kernels::decode_attention_fits(cfg.n_heads, cfg.n_kv_heads, hd)
+            && fused::decode_attention_fits(cfg.n_heads, cfg.n_kv_heads, hd)
             && hd.is_multiple_of(2);
-        let pf = if fused && kernels::prefill_attention_fits(cfg.n_heads, cfg.n_kv_heads, hd) {
+        let pf = if fused && fused::prefill_attention_fits(cfg.n_heads, cfg.n_kv_heads, hd) {
             let c = PREFILL_CHUNK.min(cfg.max_seq).max(1);
             let widest = h.max(q_dim).max(inter);
             Some(PrefillScratch {
@@ -463,7 +552,8 @@ impl Model {
         point(dev, &s.x, &mut trace, None, "embed")?;
         let ctl = s.ctl.as_view();
         for (i, l) in layers.iter_mut().enumerate() {
-            kernels::mv_bf16_qkv(
+            let (w_gate_up, w_down) = l.mlp.dense()?;
+            fused::mv_bf16_qkv(
                 dev,
                 &s.x.as_view(),
                 &l.attn_norm.as_view(),
@@ -478,7 +568,7 @@ impl Model {
                 &mut l.k_cache.as_view_mut(),
                 &mut l.v_cache.as_view_mut(),
             )?;
-            kernels::attn_decode(
+            fused::attn_decode(
                 dev,
                 &s.q.as_view(),
                 &l.k_cache.as_view(),
@@ -493,23 +583,23 @@ impl Model {
                 &mut s.attn_ticket.as_view_mut(),
                 &mut s.attn.as_view_mut(),
             )?;
-            kernels::mv_bf16(dev, &s.attn.as_view(), &l.wo.as_view(), q_dim, h, &mut s.x.as_view_mut(), true)?;
+            fused::mv_bf16(dev, &s.attn.as_view(), &l.wo.as_view(), q_dim, h, &mut s.x.as_view_mut(), true)?;
             point(dev, &s.x, &mut trace, Some(i), "attn_residual")?;
-            kernels::mv_bf16_norm(
+            fused::mv_bf16_norm(
                 dev,
                 &s.x.as_view(),
                 &l.ffn_norm.as_view(),
                 eps,
-                &l.w_gate_up.as_view(),
+                &w_gate_up.as_view(),
                 h,
                 2 * inter,
                 &mut s.gate_up.as_view_mut(),
             )?;
-            kernels::mv_bf16_silu(dev, &s.gate_up.as_view(), &l.w_down.as_view(), inter, h, &mut s.x.as_view_mut())?;
+            fused::mv_bf16_silu(dev, &s.gate_up.as_view(), &w_down.as_view(), inter, h, &mut s.x.as_view_mut())?;
             point(dev, &s.x, &mut trace, Some(i), "mlp_residual")?;
         }
         let Scratch { x, logits, part_v, part_i, head_ticket, ctl, trail, .. } = s;
-        kernels::mv_bf16_head(
+        fused::mv_bf16_head(
             dev,
             &x.as_view(),
             &final_norm.as_view(),
@@ -545,6 +635,7 @@ impl Model {
             let dev_ids = dev.stream().clone_htod(ids).map_err(|e| format!("uploading the prompt: {e}"))?;
             kernels::embedding(dev, &embed.as_view(), h, &dev_ids.as_view(), &mut p.x.slice_mut(0..m * h))?;
             for l in layers.iter_mut() {
+                let (w_gate_up, w_down) = l.mlp.dense()?;
                 // q, k, v for every token; RoPE and the cache rows start..start + m.
                 kernels::rms_norm(
                     dev,
@@ -553,8 +644,8 @@ impl Model {
                     eps,
                     &mut p.normed.slice_mut(0..m * h),
                 )?;
-                kernels::split3(dev, &p.normed.slice(0..m * h), &mut p.planes.slice_mut(0..3 * m * h))?;
-                kernels::gemm_bf16x3(
+                fused::split3(dev, &p.normed.slice(0..m * h), &mut p.planes.slice_mut(0..3 * m * h))?;
+                fused::gemm_bf16x3(
                     dev,
                     &p.planes.slice(0..3 * m * h),
                     &l.wqkv.as_view(),
@@ -564,7 +655,7 @@ impl Model {
                     &mut p.qkv.slice_mut(0..m * width),
                     false,
                 )?;
-                kernels::rope_store_rows(
+                fused::rope_store_rows(
                     dev,
                     &mut p.qkv.slice_mut(0..m * width),
                     m,
@@ -576,7 +667,7 @@ impl Model {
                     &mut l.k_cache.as_view_mut(),
                     &mut l.v_cache.as_view_mut(),
                 )?;
-                kernels::attn_prefill(
+                fused::attn_prefill(
                     dev,
                     &p.qkv.slice(0..m * width),
                     width,
@@ -590,8 +681,8 @@ impl Model {
                     &mut p.attn.slice_mut(0..m * q_dim),
                 )?;
                 // x += attn Wo^T
-                kernels::split3(dev, &p.attn.slice(0..m * q_dim), &mut p.planes.slice_mut(0..3 * m * q_dim))?;
-                kernels::gemm_bf16x3(
+                fused::split3(dev, &p.attn.slice(0..m * q_dim), &mut p.planes.slice_mut(0..3 * m * q_dim))?;
+                fused::gemm_bf16x3(
                     dev,
                     &p.planes.slice(0..3 * m * q_dim),
                     &l.wo.as_view(),
@@ -609,29 +700,29 @@ impl Model {
                     eps,
                     &mut p.normed.slice_mut(0..m * h),
                 )?;
-                kernels::split3(dev, &p.normed.slice(0..m * h), &mut p.planes.slice_mut(0..3 * m * h))?;
-                kernels::gemm_bf16x3(
+                fused::split3(dev, &p.normed.slice(0..m * h), &mut p.planes.slice_mut(0..3 * m * h))?;
+                fused::gemm_bf16x3(
                     dev,
                     &p.planes.slice(0..3 * m * h),
-                    &l.w_gate_up.as_view(),
+                    &w_gate_up.as_view(),
                     m,
                     h,
                     2 * inter,
                     &mut p.gate_up.slice_mut(0..m * 2 * inter),
                     false,
                 )?;
-                kernels::silu_mul_rows(
+                fused::silu_mul_rows(
                     dev,
                     &p.gate_up.slice(0..m * 2 * inter),
                     m,
                     inter,
                     &mut p.act.slice_mut(0..m * inter),
                 )?;
-                kernels::split3(dev, &p.act.slice(0..m * inter), &mut p.planes.slice_mut(0..3 * m * inter))?;
-                kernels::gemm_bf16x3(
+                fused::split3(dev, &p.act.slice(0..m * inter), &mut p.planes.slice_mut(0..3 * m * inter))?;
+                fused::gemm_bf16x3(
                     dev,
                     &p.planes.slice(0..3 * m * inter),
-                    &l.w_down.as_view(),
+                    &w_down.as_view(),
                     m,
                     inter,
                     h,
@@ -643,7 +734,7 @@ impl Model {
             last_row = m - 1;
         }
         let Scratch { logits, part_v, part_i, head_ticket, ctl, trail, .. } = s;
-        kernels::mv_bf16_head(
+        fused::mv_bf16_head(
             dev,
             &p.x.slice(last_row * h..(last_row + 1) * h),
             &final_norm.as_view(),
@@ -702,6 +793,15 @@ impl Model {
                 q_dim + 2 * kv_dim,
                 &mut s.qkv.as_view_mut(),
             )?;
+            // Qwen3-MoE: every q and k head RMSNormed with its gain (over head_dim) before RoPE.
+            if let Some((q_norm, k_norm)) = &l.qk_norm {
+                kernels::rms_norm(dev, &s.qkv.slice(0..q_dim), &q_norm.as_view(), eps, &mut s.qk.slice_mut(0..q_dim))?;
+                let k = s.qkv.slice(q_dim..q_dim + kv_dim);
+                kernels::rms_norm(dev, &k, &k_norm.as_view(), eps, &mut s.qk.slice_mut(q_dim..q_dim + kv_dim))?;
+                dev.stream()
+                    .memcpy_dtod(&s.qk, &mut s.qkv.slice_mut(0..q_dim + kv_dim))
+                    .map_err(|e| format!("qk norm: {e}"))?;
+            }
             // q and k heads are contiguous in qkv and share the position: one rotation for both.
             let mut qk = s.qkv.slice_mut(0..q_dim + kv_dim);
             kernels::rope_with_freqs(dev, &mut qk, &position, c.n_heads + c.n_kv_heads, hd, &freqs.as_view())?;
@@ -740,12 +840,22 @@ impl Model {
                 true,
             )?;
             point(dev, &s.x, &mut trace, Some(i), "attn_residual")?;
-            // MLP block: x += down_proj(silu(gate_proj(x)) * up_proj(x)).
+            // MLP block: x += down_proj(silu(gate_proj(x)) * up_proj(x)), or the mixture of experts.
             kernels::rms_norm(dev, &s.x.as_view(), &l.ffn_norm.as_view(), eps, &mut s.normed.as_view_mut())?;
+            let (w_gate_up, w_down) = match &l.mlp {
+                Mlp::Dense { w_gate_up, w_down } => (w_gate_up, w_down),
+                Mlp::Moe(experts) => {
+                    let (m, scratch) =
+                        (c.moe.as_ref().ok_or("no moe config")?, s.moe.as_mut().ok_or("no moe scratch")?);
+                    moe::mlp(dev, m, experts, &s.normed.as_view(), scratch, &mut s.x.as_view_mut())?;
+                    point(dev, &s.x, &mut trace, Some(i), "mlp_residual")?;
+                    continue;
+                }
+            };
             kernels::linear_bf16(
                 dev,
                 &s.normed.as_view(),
-                &l.w_gate_up.as_view(),
+                &w_gate_up.as_view(),
                 1,
                 h,
                 2 * inter,
@@ -760,7 +870,7 @@ impl Model {
             kernels::linear_bf16_into(
                 dev,
                 &s.act.as_view(),
-                &l.w_down.as_view(),
+                &w_down.as_view(),
                 1,
                 inter,
                 h,
