@@ -236,6 +236,11 @@ judge)
     if [[ -f "$back" ]]; then
         tar -C "$dir" -xJf "$back" || exit 2
     fi
+    # The copy run without the CUDA graph came back without the harness it shares with its original.
+    if [[ -d "$dir/profile-1b-nograph" && ! -e "$dir/profile-1b-nograph/harness" ]]; then
+        cp "$dir/profile-1b/harness" "$dir/profile-1b-nograph/harness"
+        [[ -d "$dir/profile-1b/model" ]] && cp -r "$dir/profile-1b/model" "$dir/profile-1b-nograph/model"
+    fi
     mkdir -p "$dir/logs"
     seed=$(cat "$dir/seed")
     step_run judge-kt "$bin" test-kernel --engine "$engine" --from-bundle "$dir/kt" --json
