@@ -60,6 +60,9 @@ pub struct SeqChunk<'a> {
 /// Why the batched step cannot take this model's shape, or None when it can.
 fn unsupported(m: &Model) -> Option<String> {
     let c = &m.cfg;
+    if c.moe.is_some() || c.features.qk_norm {
+        return Some("the batched step runs dense Llama layers only (no experts, no per-head q/k norm)".into());
+    }
     let q_dim = c.n_heads * c.head_dim;
     if !(c.hidden.is_multiple_of(8) && q_dim.is_multiple_of(8) && c.intermediate.is_multiple_of(8)) {
         return Some(format!(

@@ -1289,10 +1289,18 @@ __global__ void rope_store_paged(float* qkv, int m, const unsigned int* pos, con
 
 // ---- kernel.moe_route: one warp. softmax over the n router scores, the top_k largest kept (equal
 // weights: the lower index first), divided by their sum when renormalize; out [n]: the kept weights
-// at their expert index, 0 elsewhere. p: n floats of dynamic shared memory. ----
+// at their expert index, 0 elsewhere (all NaN when a score is NaN). p: n floats of dynamic shared
+// memory. ----
 __global__ void moe_route(const float* scores, int n, int top_k, int renormalize, float* out) {
     extern __shared__ float p[];
     const int lane = threadIdx.x;
+    // A NaN score (a broken router) makes every weight NaN: the token's output shows it.
+    bool nan = false;
+    for (int e = lane; e < n; e += 32) nan |= isnan(scores[e]);
+    if (__any_sync(0xffffffffu, nan)) {
+        for (int e = lane; e < n; e += 32) out[e] = __int_as_float(0x7fc00000);
+        return;
+    }
     float mx = NEG_INF;
     for (int e = lane; e < n; e += 32) mx = fmaxf(mx, scores[e]);
     mx = warp_max(mx);

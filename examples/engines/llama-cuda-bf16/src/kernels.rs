@@ -428,7 +428,8 @@ pub fn sample(logits: &[f32], prev: &[u32], params: &SamplingParams, u: f32) -> 
 
 /// CUDA variant of kernel.moe_route: the router weights of one token on the device. `scores`
 /// [n_experts]; `out` [n_experts]: softmax over every score, the `top_k` largest kept (equal
-/// weights: the lower index), divided by their sum when `renormalize`, 0 elsewhere. One warp;
+/// weights: the lower index), divided by their sum when `renormalize`, 0 elsewhere; a NaN score
+/// makes every weight NaN, so the token's output is NaN rather than quietly expert-free. One warp;
 /// n_experts <= 8192 (its softmax in shared memory). Err on a bad shape or a launch error.
 pub fn moe_route(
     dev: &Device,
@@ -489,10 +490,8 @@ pub(crate) fn moe_experts_into(
         gate.len() == n * inter * h && up.len() == gate.len(),
         "moe_experts: gate and up must be [n_experts, inter, hidden]",
     )?;
-    need(
-        down.len() == n * h * inter && act.len() >= n * inter,
-        "moe_experts: down must be [n_experts, hidden, inter]",
-    )?;
+    need(down.len() == n * h * inter, "moe_experts: down must be [n_experts, hidden, inter]")?;
+    need(act.len() >= n * inter, "moe_experts: the scratch must hold [n_experts, inter]")?;
     let (nn, ii, hh, acc) = (dim(n, "n_experts")?, dim(inter, "inter")?, dim(h, "hidden")?, accumulate as i32);
     let mut b = dev.stream().launch_builder(dev.function("moe_gate_up"));
     b.arg(x).arg(route).arg(gate).arg(up).arg(&nn).arg(&ii).arg(&hh).arg(&mut *act);

@@ -191,7 +191,7 @@ fn unsupported(c: &Config) -> Option<String> {
     let f = c.features;
     let others = [
         ("qkv_bias", f.qkv_bias),
-        ("sliding_window", f.sliding_window || (0..c.n_layers).any(|l| c.window(l) > 0 || c.sliding(l))),
+        ("sliding_window", (0..c.n_layers).any(|l| c.window(l) > 0 || c.sliding(l))),
         ("gelu_tanh_mlp", f.gelu_tanh_mlp),
         ("rmsnorm_one_plus_w", f.rmsnorm_one_plus_w),
         ("embed_scale_sqrt_hidden", f.embed_scale_sqrt_hidden),
@@ -887,6 +887,25 @@ impl Model {
 
 #[cfg(test)]
 mod tests {
+    /// Which of transformers' own checkpoints (../shared/conformance) this engine takes: plain
+    /// Llama and the Split-expert families; Gemma 2 refused for the sliding window its config.json
+    /// sets (sliding_window 4), GPT-OSS for its attention biases (attention_bias true), the first
+    /// features the engine lacks, and Qwen3 for its q/k norm without experts.
+    #[test]
+    fn unsupported_names_what_the_engine_does_not_run() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../../shared/conformance");
+        let why = |name: &str| {
+            let cfg = crate::config::Config::load(&root.join(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+            super::unsupported(&cfg)
+        };
+        for ok in ["llama", "qwen3_moe", "mixtral"] {
+            assert_eq!(why(ok), None, "{ok}");
+        }
+        assert!(why("gemma2").is_some_and(|w| w.contains("`sliding_window`")), "{:?}", why("gemma2"));
+        assert!(why("qwen3").is_some_and(|w| w.contains("mixture-of-experts")), "{:?}", why("qwen3"));
+        assert!(why("gpt_oss").is_some_and(|w| w.contains("`qkv_bias`")), "{:?}", why("gpt_oss"));
+    }
+
     #[test]
     fn bf16_rounds_to_nearest_even() {
         assert_eq!(super::bf16(1.0), 0x3F80);
