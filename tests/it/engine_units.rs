@@ -66,3 +66,28 @@ fn simd_engine_unit_tests_pass() {
     // `server`, is tested by serving.rs).
     assert_eq!(passed(&text), 23, "{text}");
 }
+
+/// The CUDA engine's own tests, here without a GPU: the batched step's host plan (rows, positions,
+/// cache slots worked out by hand, bad chunks refused by name), which conformance checkpoints its
+/// loader takes, bf16 rounding, stop tokens, and a missing driver reported as an error; its CUDA C
+/// is compiled by NVRTC only where libnvrtc is present. A plan that ignores the position within a
+/// block fails them.
+#[test]
+fn cuda_engine_unit_tests_pass_and_catch_a_broken_slot_plan() {
+    let t = tempfile::tempdir().unwrap();
+    let engine = t.path().join("llama-cuda-bf16");
+    Engine::Cuda.copy_to(&engine);
+    let (ok, text) = cargo_test(&engine);
+    assert!(ok, "{text}");
+    // src/batch.rs 2, device.rs 2, generate.rs 1, model.rs 2.
+    assert_eq!(passed(&text), 7, "{text}");
+    crate::inject(
+        &engine,
+        "src/batch.rs",
+        "p.slot.push((c.block_table[at / bs] as usize * bs + at % bs) as u32);",
+        "p.slot.push((c.block_table[at / bs] as usize * bs) as u32);",
+    );
+    let (ok, text) = cargo_test(&engine);
+    assert!(!ok, "a plan writing every position of a block to its first slot passed:\n{text}");
+    assert!(text.contains("plan_places_every_row_through_its_block_table") && text.contains("FAILED"), "{text}");
+}
