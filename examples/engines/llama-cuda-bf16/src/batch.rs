@@ -61,7 +61,7 @@ pub struct SeqChunk<'a> {
 fn unsupported(m: &Model) -> Option<String> {
     let c = &m.cfg;
     if c.moe.is_some() || c.features.qk_norm {
-        return Some("the batched step runs dense Llama layers only (no experts, no per-head q/k norm)".into());
+        return Some("no batched step for experts or per-head q/k norms".into());
     }
     let q_dim = c.n_heads * c.head_dim;
     if !(c.hidden.is_multiple_of(8) && q_dim.is_multiple_of(8) && c.intermediate.is_multiple_of(8)) {
