@@ -5,8 +5,8 @@
 #
 #   scripts/device-check.sh prepare DIR   here: build the bundles and a stripped metainfer into DIR,
 #                                         packed as DIR.tar.xz (what travels)
-#   scripts/device-check.sh run DIR       on the GPU machine: unpack DIR.tar.xz, run every bundle there,
-#                                         pack what came of it as DIR.back.tar.xz (or $BACK)
+#   scripts/device-check.sh run DIR       on the GPU machine: unpack DIR.tar.xz (then removed), run every
+#                                         bundle there, pack what came of it as DIR.back.tar.xz (or $BACK)
 #   scripts/device-check.sh judge DIR     here: unpack DIR.back.tar.xz over DIR, judge and record
 #
 # What it measures (README, "Gates on a GPU"): the CUDA kernels' kernel tests; verify_generation on
@@ -54,9 +54,12 @@ set -uo pipefail
 step=${1:-}
 dir=${2:-}
 if [[ -z "$step" || -z "$dir" ]]; then
-    sed -n '2,12p' "$0" >&2
+    sed -n '2,10p' "$0" >&2
     exit 2
 fi
+# One absolute spelling of DIR (no trailing slash), so every step and sibling path agrees.
+dir=$(realpath -m -- "$dir") || exit 2
+[[ "$dir" != / ]] || { echo "DIR must not be /" >&2; exit 2; }
 seed=${SEED:-20261201}
 # The 1B shape (synth's llama3.2-1b preset: hidden 2048, 16 layers, 32 heads, 8 KV heads, intermediate
 # 8192, vocab 128256, bf16), with a 48-position context for verify (replies of 0.5 MB per generated
@@ -67,7 +70,7 @@ shape_1b_long=(--preset llama3.2-1b --max-seq 640 --seed "$seed")
 # The CUDA engine declared for model.qwen3_moe (its sources otherwise unchanged), beside DIR and not
 # carried: prepare writes its bundles from it and judge reads them back against the same sources.
 moe_engine() {
-    local root=$1 out="${dir%/}-qwen3-moe-engine"
+    local root=$1 out="$dir-qwen3-moe-engine"
     rm -rf "$out" && mkdir -p "$out" || return 1
     (cd "$root/examples/engines/llama-cuda-bf16" && tar --exclude=./target -cf - .) | (cd "$out" && tar -xf -) || return 1
     sed -i 's/^family = "model.llama"$/family = "model.qwen3_moe"/' "$out/metainfer.toml"
@@ -83,8 +86,12 @@ step_run() {
     "$@" >"$dir/logs/$name.json" 2>"$dir/logs/$name.err"
     local rc=$?
     log "$name: exit $rc"
+    # 2 or more: the step could not run (bad usage, a missing file, killed); torch.compile's own
+    # time limit is expected and reported by the summary instead.
+    ((rc >= 2)) && [[ "$name" != hf-1b-compiled ]] && broken+=("$name")
     return $rc
 }
+broken=()
 
 case "$step" in
 prepare)
@@ -112,6 +119,8 @@ prepare)
     cp "$root/scripts/device-check.sh" "$dir/device-check.sh"
     cp "$root/scripts/hf-bench.py" "$dir/hf-bench.py"
     echo "$seed" >"$dir/seed"
+    # Names this prepare, so judge refuses the replies of another one (the seed may repeat).
+    od -An -tx8 -N8 /dev/urandom | tr -d ' \n' >"$dir/prepare-id"
     step_run write-kt "$bin" test-kernel --engine "$engine" --seed "$seed" --write-bundle "$dir/kt" --json
     step_run write-verify-baby "$bin" verify --engine "$engine" --model "$baby" --seed "$seed" \
         --max-new-tokens 32 --write-bundle "$dir/verify-baby" --json
@@ -153,6 +162,16 @@ prepare)
     # and a batched run of mixed prefill chunks and decode tokens over the paged cache).
     step_run write-batching-baby "$bin" verify-batching --engine "$engine" --model "$baby" --seed "$seed" \
         --write-bundle "$dir/batching-baby" --json
+    # A written bundle is "not run" (exit 1 above); one attempted and missing is a failed prepare.
+    missing=()
+    for b in kt verify-baby batching-baby kt-qwen3-moe verify-qwen3-moe verify-1b profile-1b profile-1b-512 serve-1b; do
+        [[ -f "$dir/logs/write-$b.json" ]] || continue
+        if [[ -f "$dir/$b/bundle.json" ]]; then log "$b: written"; else missing+=("$b"); fi
+    done
+    if ((${#missing[@]})); then
+        log "not written: ${missing[*]} (see logs/write-*.err); nothing packed"
+        exit 1
+    fi
     # Every bundle holds its own harness binary and the small models, so DIR itself is larger than
     # what may travel; one xz stream with a 64 MiB dictionary stores each repeated file once.
     size=$(du -sm "$dir" | cut -f1)
@@ -166,14 +185,22 @@ prepare)
     fi
     ;;
 run)
-    if [[ ! -d "$dir" && -f "$dir.tar.xz" ]]; then
-        mkdir -p "$dir" && tar -C "$dir" -xJf "$dir.tar.xz" || exit 2
+    if [[ -f "$dir.tar.xz" ]]; then
+        if [[ -e "$dir" ]]; then
+            echo "$dir exists beside $dir.tar.xz: remove it to run the archive, or remove the archive to run $dir as it is" >&2
+            exit 2
+        fi
+        # Unpacked beside DIR and renamed into place only when whole.
+        rm -rf "$dir.unpacking" && mkdir -p "$dir.unpacking" && tar -C "$dir.unpacking" -xJf "$dir.tar.xz" &&
+            mv "$dir.unpacking" "$dir" || { rm -rf "$dir.unpacking"; echo "cannot unpack $dir.tar.xz" >&2; exit 2; }
+        rm -f "$dir.tar.xz"
     fi
     cd "$dir" || exit 2
+    [[ -x bin/metainfer && -f runner/runner.key && -f prepare-id ]] || { echo "$dir is not a prepared device-check folder" >&2; exit 2; }
     chmod 600 runner/runner.key
     key=(--key "$dir/runner/runner.key")
-    dir=$(pwd)
     mkdir -p logs
+    cp prepare-id logs/prepare-id
     bin=$dir/bin/metainfer
     nvidia-smi --query-gpu=name,compute_cap,memory.total,driver_version --format=csv >logs/device.csv 2>&1
     log "device: $(tail -n +2 logs/device.csv | head -1)"
@@ -193,7 +220,7 @@ run)
         if [[ -d "$model_1b_long" ]] || step_run synth-1b-long "$bin" synth "${args[@]}" --out "$model_1b_long" --json; then
             if [[ -d profile-1b ]]; then
                 # The same bundle with the CUDA graph off first (its copy is judged like the original).
-                cp -r profile-1b profile-1b-nograph
+                rm -rf profile-1b-nograph && cp -r profile-1b profile-1b-nograph
                 step_run run-profile-1b-nograph env LLAMA_CUDA_GRAPH=0 "$bin" bundle run profile-1b-nograph --model "$model_1b_long" "${key[@]}" --json
                 step_run run-profile-1b "$bin" bundle run profile-1b --model "$model_1b_long" "${key[@]}" --json
             fi
@@ -207,7 +234,7 @@ run)
     fi
     # transformers' own Llama on this GPU, on BabyLlama's weights: greedy ids and the logits of the
     # first three positions of the golden prompt (written here, compared by `judge`).
-    step_run hf-babyllama python3 - "$dir/models/babyllama-105" <<'PY'
+    step_run hf-babyllama timeout 300 python3 - "$dir/models/babyllama-105" <<'PY'
 import json, sys
 import torch
 from transformers import LlamaForCausalLM
@@ -220,26 +247,43 @@ with torch.no_grad():
 print(json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                   "logits_positions_0_to_2": logits, "greedy_ids": out[0].tolist()}))
 PY
-    # What comes back: the replies, logs and records, without the binaries and models that went
-    # there (judge unpacks them over the prepared DIR).
-    back=${BACK:-$dir.back.tar.xz}
-    tar -C "$dir" --exclude=./bin --exclude=./models --exclude='./*/harness' --exclude='./*/model' -cf - . |
-        xz -6 -T0 >"$back"
+    # What comes back: the replies, records and logs only (logs/prepare-id names the prepare), never what
+    # went there (binaries, models, keys, requests): judge unpacks them over the prepared DIR.
+    back=$(realpath -m -- "${BACK:-$dir.back.tar.xz}")
+    tar -C "$dir" --exclude=./bin --exclude=./models --exclude=./runner --exclude=./seed --exclude=./prepare-id --exclude='./*.args' \
+        --exclude=./device-check.sh --exclude=./hf-bench.py --exclude='./*/harness' --exclude='./*/model' \
+        --exclude='./*/bundle.json' --exclude='./*/request.*' --exclude='./*/plan.json' --exclude='./*/case*.in.safetensors' \
+        --exclude='./*/vocab.*' -cf - . | xz -6 -T0 >"$back" || exit 2
     log "run done: $back $(du -sm "$back" | cut -f1) MiB"
+    if ((${#broken[@]})); then
+        log "steps that could not run (exit 2 or more): ${broken[*]}"
+        exit 2
+    fi
     ;;
 judge)
     root=$(cd "$(dirname "$0")/.." && pwd)
     engine=$root/examples/engines/llama-cuda-bf16
     baby=$root/../shared/models/babyllama-105
     bin=${METAINFER:-$root/target/debug/metainfer}
-    back=${BACK:-$dir.back.tar.xz}
+    back=$(realpath -m -- "${BACK:-$dir.back.tar.xz}")
+    [[ -f "$dir/prepare-id" ]] || { echo "$dir is not a prepared device-check folder" >&2; exit 2; }
     if [[ -f "$back" ]]; then
+        came=$(tar -xJf "$back" -O ./logs/prepare-id 2>/dev/null)
+        if [[ "$came" != "$(cat "$dir/prepare-id")" ]]; then
+            echo "$back comes from another prepare (${came:-no id}; this one is $(cat "$dir/prepare-id")): not unpacked" >&2
+            exit 2
+        fi
         tar -C "$dir" -xJf "$back" || exit 2
+    elif ! compgen -G "$dir/*/reply.*.json" >/dev/null; then
+        echo "no $back and no replies in $dir: run it where the device is first" >&2
+        exit 2
     fi
-    # The copy run without the CUDA graph came back without the harness it shares with its original.
-    if [[ -d "$dir/profile-1b-nograph" && ! -e "$dir/profile-1b-nograph/harness" ]]; then
-        cp "$dir/profile-1b/harness" "$dir/profile-1b-nograph/harness"
-        [[ -d "$dir/profile-1b/model" ]] && cp -r "$dir/profile-1b/model" "$dir/profile-1b-nograph/model"
+    # The copy run without the CUDA graph came back with its outputs only: its inputs are its
+    # original's, file for file.
+    if [[ -d "$dir/profile-1b-nograph" && -d "$dir/profile-1b" ]]; then
+        (cd "$dir/profile-1b" && for f in harness model bundle.json request.* case*.in.safetensors vocab.*; do
+            [[ -e "$f" && ! -e "../profile-1b-nograph/$f" ]] && cp -r "$f" "../profile-1b-nograph/$f"
+        done)
     fi
     mkdir -p "$dir/logs"
     seed=$(cat "$dir/seed")
@@ -360,6 +404,10 @@ others = sorted(k for k in engine_ttft if k not in (16, 128, 512))
 if others:
     print("engine TTFT at other lengths (ms): " + ", ".join("%d: %.2f" % (k, engine_ttft[k]) for k in others))
 PY
+    if ((${#broken[@]})); then
+        log "judge steps that could not run (exit 2 or more): ${broken[*]}"
+        exit 2
+    fi
     ;;
 *)
     sed -n '2,12p' "$0" >&2
