@@ -39,12 +39,15 @@
 # 48-position context for verify (a 1B verify reply holds 0.5 MB of f32 logits per generated token, and
 # the random prompts reach the end of the context), one with 640 positions for the profiles (their
 # replies hold timings and token ids only). Every step goes on after a failure and leaves its output in
-# DIR/logs; `judge` prints a summary table. `run` takes about 6 to 8 minutes on an H200 (two 2.5 GB
-# syntheses, the bundles, transformers eager and at most 120 s of torch.compile).
+# DIR/logs; `judge` prints a summary table. `run` keeps to a budget (BUDGET_S, default 450 s): each
+# step under its own time limit or what is left, the most owed first, later ones skipped when time is
+# out, and the outputs packed back whatever happened (one 2.5 GB synthesis: the 48-position checkpoint
+# is the 640-position one's weights with the config.json prepare carries).
 #
 # Environment: METAINFER (the binary, default target/debug/metainfer, built when missing),
 # METAINFER_LEDGER (the ledger judge records into; prepare and judge must use the same one),
-# SEED (default 20261201), MODEL_1B and MODEL_1B_LONG (where the 1B checkpoints are synthesised;
+# BUDGET_S (run's time budget in seconds, default 450), BACK (where run packs its outputs and judge
+# reads them, default DIR.back.tar.xz), SEED (default 20261201), MODEL_1B and MODEL_1B_LONG (where the 1B checkpoints are synthesised;
 # default DIR/../llama-1b and DIR/../llama-1b-640 here, /tmp/metainfer-llama-1b and
 # /tmp/metainfer-llama-1b-640 on the GPU machine), JUDGE_LONG=1 (judge also reads the 512-token profile
 # back through the f64 reference, which replays two runs of 520 tokens of a 1B model on this CPU: slow;
@@ -92,6 +95,27 @@ step_run() {
     return $rc
 }
 broken=()
+# In `run`: a step under a time limit of LIMIT seconds or what is left of the run's budget, whichever
+# is less (BUDGET_S, default 450 s from the start of `run`, so that the whole run with its unpacking and
+# packing fits one device call of 8 minutes). A step due with under 20 s left is skipped: its log says
+# so, and it counts as a step that could not run. `timeout` signals the step's whole process group, so
+# a harness or server it started goes with it.
+start=$SECONDS
+budget=${BUDGET_S:-450}
+[[ "$budget" =~ ^[0-9]+$ ]] || { echo "BUDGET_S=$budget: give whole seconds (default 450)" >&2; exit 2; }
+timed() { # NAME LIMIT COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    local left=$((budget - (SECONDS - start)))
+    if ((left < 20)); then
+        printf '{"skipped": "out of time: %s s of the %s s budget left"}\n' "$left" "$budget" >"$dir/logs/$name.json"
+        log "$name: skipped (out of time, ${left} s left)"
+        [[ "$name" != hf-1b-compiled ]] && broken+=("$name")
+        return 3
+    fi
+    ((limit > left)) && limit=$left
+    step_run "$name" timeout -k 5 "$limit" "$@"
+}
 
 case "$step" in
 prepare)
@@ -147,6 +171,13 @@ prepare)
             --concurrency 1,4,16,64 --max-tokens 32 --write-bundle "$dir/serve-1b" --json
     else
         log "1B: profiles not prepared (synth refused the shape; see logs/synth-1b-long.err)"
+    fi
+    # The two 1B checkpoints hold the same weights (synth draws none from the context length), so
+    # `run` makes the short one from the long one and this config.json instead of a second synthesis
+    # (a minute there), when every other file is the same here.
+    if [[ -f "$dir/synth-1b.args" && -f "$dir/synth-1b-long.args" ]] &&
+        (for f in model.safetensors tokenizer.json generation_config.json; do cmp -s "$model_1b/$f" "$model_1b_long/$f" || exit 1; done); then
+        cp "$model_1b/config.json" "$dir/synth-1b.config.json"
     fi
     # Mixture of experts: the CUDA engine on transformers' Qwen3-MoE checkpoint (the router, top-k
     # and the selected experts on the device), its kernel tests and verify.
@@ -204,37 +235,60 @@ run)
     bin=$dir/bin/metainfer
     nvidia-smi --query-gpu=name,compute_cap,memory.total,driver_version --format=csv >logs/device.csv 2>&1
     log "device: $(tail -n +2 logs/device.csv | head -1)"
-    for b in kt verify-baby batching-baby kt-qwen3-moe verify-qwen3-moe; do
-        [[ -d "$b" ]] && step_run "run-$b" "$bin" bundle run "$b" "${key[@]}" --json
-    done
-    if [[ -f synth-1b.args ]]; then
-        model_1b=${MODEL_1B:-/tmp/metainfer-llama-1b}
-        mapfile -t args <synth-1b.args
-        if [[ -d "$model_1b" ]] || step_run synth-1b "$bin" synth "${args[@]}" --out "$model_1b" --json; then
-            [[ -d verify-1b ]] && step_run run-verify-1b "$bin" bundle run verify-1b --model "$model_1b" "${key[@]}" --json
-        fi
-    fi
+    # Most owed first, so that a run cut short by its budget still gives the figures that matter:
+    # the kernels, verify and the decode/TTFT profile on the 1B shape, serving, transformers eager;
+    # then batching, mixture of experts, the no-graph replay and the other transformers checks.
+    bundle_step() { # NAME LIMIT BUNDLE [--model DIR]
+        local name=$1 limit=$2 b=$3
+        shift 3
+        [[ -d "$b" ]] && timed "$name" "$limit" "$bin" bundle run "$b" "$@" "${key[@]}" --json
+    }
+    bundle_step run-kt 120 kt
+    bundle_step run-verify-baby 120 verify-baby
+    model_1b=${MODEL_1B:-/tmp/metainfer-llama-1b}
     model_1b_long=${MODEL_1B_LONG:-/tmp/metainfer-llama-1b-640}
+    have_long=0
     if [[ -f synth-1b-long.args ]]; then
         mapfile -t args <synth-1b-long.args
-        if [[ -d "$model_1b_long" ]] || step_run synth-1b-long "$bin" synth "${args[@]}" --out "$model_1b_long" --json; then
-            if [[ -d profile-1b ]]; then
-                # The same bundle with the CUDA graph off first (its copy is judged like the original).
-                rm -rf profile-1b-nograph && cp -r profile-1b profile-1b-nograph
-                step_run run-profile-1b-nograph env LLAMA_CUDA_GRAPH=0 "$bin" bundle run profile-1b-nograph --model "$model_1b_long" "${key[@]}" --json
-                step_run run-profile-1b "$bin" bundle run profile-1b --model "$model_1b_long" "${key[@]}" --json
+        [[ -d "$model_1b_long" ]] || timed synth-1b-long 180 "$bin" synth "${args[@]}" --out "$model_1b_long" --json
+        [[ -f "$model_1b_long/model.safetensors" ]] && have_long=1
+    fi
+    if [[ -f synth-1b.args ]]; then
+        if [[ ! -d "$model_1b" && -f synth-1b.config.json && $have_long == 1 ]]; then
+            # The 48-position checkpoint differs from the 640-position one in config.json only
+            # (prepare compared them): the same weights, linked, and the config that came with DIR.
+            # `bundle run --model` checks the whole directory's hash.
+            if (mkdir -p "$model_1b.making" && cd "$model_1b.making" &&
+                for f in model.safetensors tokenizer.json generation_config.json; do
+                    ln -f "$model_1b_long/$f" "$f" 2>/dev/null || cp "$model_1b_long/$f" "$f" || exit 1
+                done && cp "$dir/synth-1b.config.json" config.json) && mv "$model_1b.making" "$model_1b"; then
+                log "synth-1b: made from $model_1b_long and the config.json prepare wrote"
             fi
-            [[ -d profile-1b-512 ]] && step_run run-profile-1b-512 "$bin" bundle run profile-1b-512 --model "$model_1b_long" "${key[@]}" --json
-            [[ -d serve-1b ]] && step_run run-serve-1b "$bin" bundle run serve-1b --model "$model_1b_long" "${key[@]}" --json
-            # transformers' own Llama on the same GPU, shape and weights (bf16, eager), as the baseline.
-            step_run hf-1b-eager timeout 200 python3 "$dir/hf-bench.py" "$model_1b_long" eager
-            step_run hf-1b-compiled timeout 150 python3 "$dir/hf-bench.py" "$model_1b_long" compiled
-            [[ -s logs/hf-1b-compiled.json ]] || echo '{"skipped": "torch.compile did not finish within the 150 s limit (or failed: logs/hf-1b-compiled.err)"}' >logs/hf-1b-compiled.json
+            rm -rf "$model_1b.making"
         fi
+        mapfile -t args <synth-1b.args
+        [[ -d "$model_1b" ]] || timed synth-1b 180 "$bin" synth "${args[@]}" --out "$model_1b" --json
+        [[ -d "$model_1b" ]] && bundle_step run-verify-1b 120 verify-1b --model "$model_1b"
+    fi
+    if ((have_long)); then
+        bundle_step run-profile-1b 120 profile-1b --model "$model_1b_long"
+        bundle_step run-profile-1b-512 120 profile-1b-512 --model "$model_1b_long"
+        bundle_step run-serve-1b 180 serve-1b --model "$model_1b_long"
+        # transformers' own Llama on the same GPU, shape and weights (bf16, eager), as the baseline.
+        timed hf-1b-eager 200 python3 "$dir/hf-bench.py" "$model_1b_long" eager
+    fi
+    bundle_step run-batching-baby 120 batching-baby
+    bundle_step run-kt-qwen3-moe 120 kt-qwen3-moe
+    bundle_step run-verify-qwen3-moe 120 verify-qwen3-moe
+    if ((have_long)) && [[ -d profile-1b ]]; then
+        # The decode profile again with the CUDA graph off (a copy, judged like the original).
+        rm -rf profile-1b-nograph && cp -r profile-1b profile-1b-nograph
+        timed run-profile-1b-nograph 120 env LLAMA_CUDA_GRAPH=0 "$bin" bundle run profile-1b-nograph \
+            --model "$model_1b_long" "${key[@]}" --json
     fi
     # transformers' own Llama on this GPU, on BabyLlama's weights: greedy ids and the logits of the
     # first three positions of the golden prompt (written here, compared by `judge`).
-    step_run hf-babyllama timeout 300 python3 - "$dir/models/babyllama-105" <<'PY'
+    timed hf-babyllama 150 python3 - "$dir/models/babyllama-105" <<'PY'
 import json, sys
 import torch
 from transformers import LlamaForCausalLM
@@ -247,10 +301,15 @@ with torch.no_grad():
 print(json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                   "logits_positions_0_to_2": logits, "greedy_ids": out[0].tolist()}))
 PY
+    # Last, with what is left: torch.compile (its own time limit is expected, and the summary says so).
+    if ((have_long)); then
+        timed hf-1b-compiled 150 python3 "$dir/hf-bench.py" "$model_1b_long" compiled
+        [[ -s logs/hf-1b-compiled.json ]] || echo '{"skipped": "torch.compile did not finish within its time limit (or failed: logs/hf-1b-compiled.err)"}' >logs/hf-1b-compiled.json
+    fi
     # What comes back: the replies, records and logs only (logs/prepare-id names the prepare), never what
     # went there (binaries, models, keys, requests): judge unpacks them over the prepared DIR.
     back=$(realpath -m -- "${BACK:-$dir.back.tar.xz}")
-    tar -C "$dir" --exclude=./bin --exclude=./models --exclude=./runner --exclude=./seed --exclude=./prepare-id --exclude='./*.args' \
+    tar -C "$dir" --exclude=./bin --exclude=./models --exclude=./runner --exclude=./seed --exclude=./prepare-id --exclude='./*.args' --exclude=./synth-1b.config.json \
         --exclude=./device-check.sh --exclude=./hf-bench.py --exclude='./*/harness' --exclude='./*/model' \
         --exclude='./*/bundle.json' --exclude='./*/request.*' --exclude='./*/plan.json' --exclude='./*/case*.in.safetensors' \
         --exclude='./*/vocab.*' -cf - . | xz -6 -T0 >"$back" || exit 2

@@ -203,3 +203,103 @@ fn the_cuda_engine_declared_for_qwen3_moe_keeps_its_signatures_and_does_not_run_
     .unwrap();
     assert!(!v.passed && v.error.starts_with("no CUDA device: not run"), "{}", v.error);
 }
+
+/// `scripts/device-check.sh run` keeps to its time budget (`BUDGET_S`), so one device call returns
+/// what it measured: a bundle step that would run past the budget is stopped with the process it
+/// started (the harness stand-in's child here), the steps after it are skipped and their logs say
+/// so, the outputs are still packed back (`BACK`) without the binaries and keys that went there, and
+/// the run exits 2 (steps that could not run). The 48-position 1B checkpoint is made from the
+/// 640-position one (the weights hard-linked, not copied) and the config.json prepare wrote, instead
+/// of a second synthesis. A stand-in `metainfer` replaces the real one: what is under test is the
+/// script.
+#[test]
+fn device_check_run_keeps_to_its_budget_and_still_packs_what_it_has() {
+    let t = tempfile::tempdir().unwrap();
+    let root = t.path();
+    let dir = root.join("dir");
+    let w = |p: &str, text: &str| {
+        let p = root.join(p);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(&p, text).unwrap();
+    };
+    // `bundle run kt` starts a child that would outlive the budget; `synth` must not be needed.
+    w(
+        "dir/bin/metainfer",
+        "#!/usr/bin/env bash\n\
+         if [[ \"$1 $2 $3\" == 'bundle run kt' ]]; then sleep 600 & echo $! >\"$CHILD_PID\"; wait; fi\n\
+         [[ \"$1\" == synth ]] && exit 5\n\
+         echo '{}'\n",
+    );
+    std::fs::set_permissions(dir.join("bin/metainfer"), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    w("dir/runner/runner.key", "secret");
+    w("dir/prepare-id", "0123abcd");
+    w("dir/kt/bundle.json", "{}");
+    w("dir/verify-baby/bundle.json", "{}");
+    for b in ["verify-1b", "profile-1b", "profile-1b-512", "serve-1b", "batching-baby"] {
+        w(&format!("dir/{b}/bundle.json"), "{}");
+    }
+    w("dir/synth-1b.args", "--preset\nllama3.2-1b\n--max-seq\n48\n");
+    w("dir/synth-1b-long.args", "--preset\nllama3.2-1b\n--max-seq\n640\n");
+    w("dir/synth-1b.config.json", "{\"max_position_embeddings\": 48}\n");
+    for f in ["model.safetensors", "tokenizer.json", "generation_config.json", "config.json"] {
+        w(&format!("long/{f}"), &format!("{f} of the 640-position checkpoint"));
+    }
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/device-check.sh");
+    let out = std::process::Command::new("timeout")
+        .args(["120", "bash"])
+        .arg(&script)
+        .arg("run")
+        .arg(&dir)
+        .env("BUDGET_S", "22")
+        .env("BACK", root.join("back.tar.xz"))
+        .env("MODEL_1B", root.join("short"))
+        .env("MODEL_1B_LONG", root.join("long"))
+        .env("CHILD_PID", root.join("child.pid"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+
+    let steps = std::fs::read_to_string(dir.join("logs/steps.txt")).unwrap();
+    assert!(steps.contains("run-kt: exit 124"), "kt stopped by its time limit:\n{steps}");
+    let skipped = [
+        "run-verify-baby",
+        "run-verify-1b",
+        "run-profile-1b",
+        "run-profile-1b-512",
+        "run-serve-1b",
+        "hf-1b-eager",
+        "run-batching-baby",
+        "run-profile-1b-nograph",
+        "hf-babyllama",
+    ];
+    for skipped in skipped {
+        assert!(steps.contains(&format!("{skipped}: skipped (out of time")), "{skipped}:\n{steps}");
+        let log = std::fs::read_to_string(dir.join(format!("logs/{skipped}.json"))).unwrap();
+        assert!(log.contains("\"skipped\": \"out of time"), "{log}");
+    }
+    assert!(stderr.contains("steps that could not run") && stderr.contains("run-kt"), "{stderr}");
+    let pid = std::fs::read_to_string(root.join("child.pid")).unwrap();
+    // Gone, or a zombie (dead, waiting for a parent that may never reap it in a container).
+    let stat = std::fs::read_to_string(format!("/proc/{}/stat", pid.trim())).unwrap_or_default();
+    let alive = stat.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z'));
+    assert!(!alive, "the harness stand-in's child {pid} outlived its step");
+
+    // The short checkpoint: the long one's weights (one file, two names) and prepare's config.
+    let short = root.join("short");
+    assert_eq!(std::fs::read_to_string(short.join("config.json")).unwrap(), "{\"max_position_embeddings\": 48}\n");
+    use std::os::unix::fs::MetadataExt;
+    let ino = |p: PathBuf| std::fs::metadata(p).unwrap().ino();
+    assert_eq!(ino(short.join("model.safetensors")), ino(root.join("long/model.safetensors")));
+    assert!(steps.contains("synth-1b: made from"), "{steps}");
+
+    let listing = std::process::Command::new("tar").arg("-tJf").arg(root.join("back.tar.xz")).output().unwrap();
+    let listing = String::from_utf8_lossy(&listing.stdout);
+    assert!(
+        listing.lines().any(|l| l == "./logs/steps.txt") && listing.lines().any(|l| l == "./logs/prepare-id"),
+        "{listing}"
+    );
+    for gone in ["./bin/", "./runner/", "./kt/bundle.json", "./synth-1b.config.json"] {
+        assert!(!listing.lines().any(|l| l.starts_with(gone)), "{gone} travelled back:\n{listing}");
+    }
+}
