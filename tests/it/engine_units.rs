@@ -40,8 +40,9 @@ fn plain_engine_unit_tests_pass_and_catch_a_broken_kernel() {
     Engine::Plain.copy_to(&engine);
     let (ok, text) = cargo_test(&engine);
     assert!(ok, "{text}");
-    // 16 kernel tests and 10 whole-engine tests (src/kernels.rs, src/tests.rs).
-    assert_eq!(passed(&text), 26, "{text}");
+    // 16 kernel tests, 10 whole-engine tests and the KV pool's default size (src/kernels.rs,
+    // src/tests.rs, src/paged.rs).
+    assert_eq!(passed(&text), 27, "{text}");
     assert!(text.contains("every_family_equals_transformers_on_its_conformance_checkpoint ... ok"), "{text}");
     // RMSNorm without its gain: the hand-worked case names the kernel.
     crate::inject(
@@ -62,9 +63,9 @@ fn simd_engine_unit_tests_pass() {
     Engine::Simd.copy_to(&engine);
     let (ok, text) = cargo_test(&engine);
     assert!(ok, "{text}");
-    // src/matmul.rs, kernels.rs, quant.rs, model.rs and pool.rs (the binary's server, feature
-    // `server`, is tested by serving.rs).
-    assert_eq!(passed(&text), 23, "{text}");
+    // src/matmul.rs, kernels.rs, quant.rs, model.rs, pool.rs and paged.rs (the binary's server,
+    // feature `server`, is tested by serving.rs).
+    assert_eq!(passed(&text), 24, "{text}");
 }
 
 /// The CUDA engine's own tests, here without a GPU: the batched step's host plan (rows, positions,
@@ -79,8 +80,8 @@ fn cuda_engine_unit_tests_pass_and_catch_a_broken_slot_plan() {
     Engine::Cuda.copy_to(&engine);
     let (ok, text) = cargo_test(&engine);
     assert!(ok, "{text}");
-    // src/batch.rs 2, device.rs 2, generate.rs 1, model.rs 2.
-    assert_eq!(passed(&text), 7, "{text}");
+    // src/batch.rs 2, device.rs 2, generate.rs 1, model.rs 2, paged.rs 1.
+    assert_eq!(passed(&text), 8, "{text}");
     crate::inject(
         &engine,
         "src/batch.rs",

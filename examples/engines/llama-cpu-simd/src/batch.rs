@@ -32,6 +32,22 @@ pub fn new_cache(model: &crate::model::Model, num_blocks: usize, block_size: usi
     }
 }
 
+/// Bytes of one block of [`PagedKvCache`] holding `block_size` positions: keys and values of every
+/// layer in f32, block_size × n_layers × 2 × kv_dim × 4. At the Llama 3.2 1B shape (16 layers,
+/// 8 KV heads of 64) a block of 16 positions is 1 MiB.
+pub fn block_bytes(model: &Model, block_size: usize) -> usize {
+    block_size * model.n_layers() * 2 * model.kv_dim() * std::mem::size_of::<f32>()
+}
+
+/// What the server's KV cache may take unless told (`--kv-blocks`): half of the memory the kernel
+/// reports available (`MemAvailable` in /proc/meminfo, kB), the rest left to the weights' pages, the
+/// step's scratch and the system; None where it cannot be read (no cap).
+pub fn kv_budget_bytes(_model: &Model) -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kb: u64 = info.lines().find_map(|l| l.strip_prefix("MemAvailable:"))?.trim().strip_suffix("kB")?.trim().parse().ok()?;
+    Some(kb * 1024 / 2)
+}
+
 /// Run every chunk through the model in one pass, writing K/V through the block tables;
 /// returns the logits of each chunk's last token, [chunks.len(), vocab] in chunk order.
 pub fn step(model: &mut crate::model::Model, cache: &mut PagedKvCache, chunks: &[SeqChunk]) -> Vec<f32> {

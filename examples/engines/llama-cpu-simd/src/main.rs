@@ -33,6 +33,7 @@ use axum::serve::ListenerExt;
 use llama_cpu_simd::batch::{self, SeqChunk};
 use llama_cpu_simd::kernels::{self, SamplingParams};
 use llama_cpu_simd::model::Model;
+use llama_cpu_simd::paged;
 use llama_cpu_simd::scheduler::{Event, Finish, Request, Scheduler};
 use llama_cpu_simd::tokenizer::Tokenizer;
 use serde_json::{Value, json};
@@ -70,6 +71,8 @@ struct Sizes {
 struct Loaded {
     vocab: usize,
     max_context: usize,
+    /// The KV-cache pool: blocks, positions per block, bytes.
+    kv: (usize, usize, usize),
 }
 
 /// One flag of a subcommand: name, value placeholder, what it does (with its default).
@@ -104,7 +107,7 @@ const SERVE_FLAGS: &[Flag] = &[
     Flag { name: "--port", value: "PORT", help: "port to listen on (default 8000)" },
     Flag { name: "--max-seqs", value: "N", help: "sequences running at once (default 16)" },
     Flag { name: "--block-size", value: "N", help: "tokens per KV-cache block (default 16)" },
-    Flag { name: "--kv-blocks", value: "N", help: "KV-cache blocks (default: max-seqs full contexts)" },
+    Flag { name: "--kv-blocks", value: "N", help: "KV-cache blocks (default: max-seqs full contexts, as far as memory holds them)" },
     Flag { name: "--max-batch-tokens", value: "N", help: "tokens per batched step (default 256)" },
 ];
 
@@ -244,11 +247,18 @@ fn start_engine(
         };
         let vocab = model.vocab_size();
         let max_context = model.max_seq_len();
-        let kv_blocks = sizes.kv_blocks.unwrap_or(sizes.max_seqs * max_context.div_ceil(sizes.block_size));
+        // Unless told, max_seqs full contexts, as far as the memory holds them (a model's context can
+        // be 131,072 positions).
+        let block_bytes = batch::block_bytes(&model, sizes.block_size);
+        let kv_blocks = sizes.kv_blocks.unwrap_or_else(|| {
+            let wanted = sizes.max_seqs * max_context.div_ceil(sizes.block_size);
+            paged::default_num_blocks(wanted, block_bytes, batch::kv_budget_bytes(&model))
+        });
         let budget = sizes.max_batch_tokens.unwrap_or(256).max(sizes.max_seqs);
         let mut cache = batch::new_cache(&model, kv_blocks, sizes.block_size);
         let mut sched = Scheduler::new(kv_blocks, sizes.block_size, sizes.max_seqs, budget, max_context);
-        let _ = ready_tx.send(Ok(Loaded { vocab, max_context }));
+        let kv = (kv_blocks, sizes.block_size, kv_blocks.saturating_mul(block_bytes));
+        let _ = ready_tx.send(Ok(Loaded { vocab, max_context, kv }));
         engine_loop(&mut model, &mut cache, &mut sched, &tok, &rx, vocab);
     });
     let loaded = ready_rx.recv().map_err(|_| "the engine thread died while loading".to_string())??;
@@ -496,6 +506,7 @@ fn serve(args: &[String]) -> Result<(), Fail> {
     let eos = llama_cpu_simd::generate::stop_tokens(&dir)?;
     let shown = format!("{} from {}", model_id, dir.display());
     let (tx, loaded) = start_engine(dir, tok.clone(), sizes)?;
+    let (loaded_kv, max_context) = (loaded.kv, loaded.max_context);
     let app = Arc::new(App {
         model_id,
         tok,
@@ -524,6 +535,13 @@ fn serve(args: &[String]) -> Result<(), Fail> {
             tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("cannot listen on {addr}: {e}"))?;
         let bound = listener.local_addr().map_err(|e| e.to_string())?;
         eprintln!("serving model {shown} on http://{bound}");
+        let (blocks, size, bytes) = loaded_kv;
+        eprintln!(
+            "KV cache: {blocks} blocks of {size} positions ({:.2} GiB), {} full contexts of {} positions",
+            bytes as f64 / (1u64 << 30) as f64,
+            blocks * size / max_context.max(1),
+            max_context
+        );
         // component.openai_server: TCP_NODELAY on every accepted connection. With Nagle's algorithm a
         // response's second small write (the first event after the headers) waits for the client's
         // delayed ACK (40 ms minimum on Linux) on every reused keep-alive connection.

@@ -66,3 +66,34 @@ impl BlockManager {
         self.seqs.get(&seq).map(|(_, t)| t.clone()).unwrap_or_default()
     }
 }
+
+/// The default size of a server's KV-cache pool, in blocks: `wanted` (max_seqs full contexts),
+/// capped at the blocks of `block_bytes` bytes each that fit in `budget_bytes` (None: no cap), and
+/// at least one. A Llama 3.2 1B (16 layers, 8 KV heads of 64, f32 cache) asked for 64 contexts of
+/// its 131,072 positions wants 524,288 blocks of 16 positions, 1 MiB each: 512 GiB; the budget
+/// keeps it to what the memory holds.
+pub fn default_num_blocks(wanted: usize, block_bytes: usize, budget_bytes: Option<u64>) -> usize {
+    let fit = budget_bytes.map_or(usize::MAX, |b| usize::try_from(b / block_bytes.max(1) as u64).unwrap_or(usize::MAX));
+    wanted.min(fit).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::default_num_blocks;
+
+    /// Serving Llama 3.2 1B (its config.json: 16 layers, 8 KV heads, head_dim 64, 131,072 positions)
+    /// at 64 sequences wants 64 × 131,072 / 16 = 524,288 blocks of 16 positions; a block holds
+    /// 16 × 16 layers × (K and V) × 8 × 64 f32, 1 MiB, so a 60 GiB budget holds 61,440 of them.
+    #[test]
+    fn the_default_pool_is_max_seqs_contexts_as_far_as_the_budget_holds() {
+        let block = 16 * 16 * 2 * 8 * 64 * 4;
+        assert_eq!(block, 1 << 20);
+        assert_eq!(default_num_blocks(524_288, block, Some(60 << 30)), 61_440);
+        assert_eq!(default_num_blocks(524_288, block, None), 524_288);
+        // 16 contexts of 256 positions fit whole.
+        assert_eq!(default_num_blocks(256, block, Some(60 << 30)), 256);
+        // Nothing to spare still gives one block (the scheduler refuses what does not fit).
+        assert_eq!(default_num_blocks(256, block, Some(1000)), 1);
+        assert_eq!(default_num_blocks(256, 0, Some(0)), 1);
+    }
+}

@@ -104,6 +104,21 @@ pub fn new_cache(model: &crate::model::Model, num_blocks: usize, block_size: usi
     }
 }
 
+/// Bytes of one block of [`PagedKvCache`] holding `block_size` positions: keys and values of every
+/// layer in f32, block_size × n_layers × 2 × n_kv_heads × head_dim × 4. At the Llama 3.2 1B shape
+/// (16 layers, 8 KV heads of 64) a block of 16 positions is 1 MiB.
+pub fn block_bytes(model: &crate::model::Model, block_size: usize) -> usize {
+    block_size * model.cfg.n_layers * 2 * model.cfg.n_kv_heads * model.cfg.head_dim * std::mem::size_of::<f32>()
+}
+
+/// What the server's KV cache may take on the device unless told (`--kv-blocks`): 90% of the device
+/// memory free once the weights are loaded (cuMemGetInfo), less 1 GiB for the batched step's scratch
+/// and logits ([n, vocab] f32 per step); None when the driver cannot say (no cap).
+pub fn kv_budget_bytes(model: &crate::model::Model) -> Option<u64> {
+    let (free, _total) = model.dev.context().mem_get_info().ok()?;
+    Some((free as u64 / 10 * 9).saturating_sub(1 << 30))
+}
+
 /// Run every chunk through the model in one pass, writing K/V through the block tables;
 /// returns the logits of each chunk's last token, [chunks.len(), vocab] in chunk order.
 /// Panics naming the chunk when a chunk is empty, reaches beyond its block table or the model's
