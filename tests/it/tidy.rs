@@ -455,6 +455,7 @@ const COPIES: &[(&str, &str, Part)] = &[
     ),
     ("examples/engines/llama-cpu-plain/src/paged.rs", "examples/engines/llama-cpu-simd/src/paged.rs", Part::Whole),
     ("examples/engines/llama-cuda-bf16/src/paged.rs", "examples/engines/llama-cpu-simd/src/paged.rs", Part::Whole),
+    ("examples/engines/llama-cuda-bf16/src/weights.rs", "examples/engines/llama-cpu-plain/src/weights.rs", Part::Whole),
     ("examples/engines/llama-cuda-bf16/src/config.rs", "examples/engines/llama-cpu-plain/src/config.rs", Part::Whole),
     (
         "examples/engines/llama-cuda-bf16/src/scheduler.rs",
@@ -490,18 +491,11 @@ const COPIES: &[(&str, &str, Part)] = &[
 
 /// Modules derived from another engine's and deliberately different (module, origin, reason): checked
 /// to still differ, so a declaration whose reason is gone becomes an entry of [`COPIES`].
-const DERIVED: &[(&str, &str, &str)] = &[
-    (
-        "examples/engines/llama-cpu-plain/src/scheduler.rs",
-        "examples/engines/llama-cpu-simd/src/scheduler.rs",
-        "the plain engine has no server: the simd scheduler's counts() and tokens(), which its server and sampler read, are left out",
-    ),
-    (
-        "examples/engines/llama-cuda-bf16/src/weights.rs",
-        "examples/engines/llama-cpu-plain/src/weights.rs",
-        "the CUDA engine reads a single model.safetensors; the plain engine also reads sharded checkpoints",
-    ),
-];
+const DERIVED: &[(&str, &str, &str)] = &[(
+    "examples/engines/llama-cpu-plain/src/scheduler.rs",
+    "examples/engines/llama-cpu-simd/src/scheduler.rs",
+    "the plain engine has no server: the simd scheduler's counts() and tokens(), which its server and sampler read, are left out",
+)];
 
 /// The text of `part` of `text`, or None when the function is not there exactly once.
 fn part_of(text: &str, part: Part) -> Option<&str> {

@@ -62,6 +62,67 @@ fn greedy_decoding_gives_the_golden_tokens_and_reset_starts_over() {
     assert_eq!(tok.decode(&all), "Once upon a time, there was a li");
 }
 
+/// The weight reader (the CUDA engine's too): BabyLlama split into two shards with an index reads
+/// tensor for tensor what the safetensors crate reads from the single file, bit for bit, and the
+/// model on the shards gives the golden greedy tokens. A tensor taken twice, or with another shape,
+/// is refused by name; a shard named outside the directory is refused before anything is read.
+#[test]
+fn sharded_checkpoint_reads_like_the_single_file() {
+    let dir = babyllama();
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let single = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut names: Vec<String> = single.names().into_iter().map(str::to_string).collect();
+    names.sort();
+    let out = std::env::temp_dir().join(format!("llama-cpu-plain-shards-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    std::fs::create_dir_all(&out).unwrap();
+    for f in ["config.json", "tokenizer.json"] {
+        std::fs::copy(dir.join(f), out.join(f)).unwrap();
+    }
+    let half = names.len() / 2;
+    let mut weight_map = Map::new();
+    for (i, part) in [&names[..half], &names[half..]].into_iter().enumerate() {
+        let file = format!("model-{:05}-of-00002.safetensors", i + 1);
+        let views: Vec<(String, safetensors::tensor::TensorView)> =
+            part.iter().map(|n| (n.clone(), single.tensor(n).unwrap())).collect();
+        safetensors::serialize_to_file(views, None, &out.join(&file)).unwrap();
+        for n in part {
+            weight_map.insert(n.clone(), Value::String(file.clone()));
+        }
+    }
+    let index = json!({"metadata": {}, "weight_map": weight_map});
+    std::fs::write(out.join("model.safetensors.index.json"), index.to_string()).unwrap();
+
+    let mut w = crate::weights::read(&out).unwrap();
+    for n in &names {
+        let view = single.tensor(n).unwrap();
+        let want: Vec<u32> =
+            view.data().chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+        let got: Vec<u32> = w.take(n, view.shape()).unwrap().iter().map(|v| v.to_bits()).collect();
+        assert_eq!(got, want, "{n}");
+    }
+    let e = w.take(&names[0], &[1]).unwrap_err();
+    assert!(e.contains(&format!("missing tensor {}", names[0])), "{e}");
+    let mut w = crate::weights::read(&out).unwrap();
+    let e = w.take("model.norm.weight", &[7]).unwrap_err();
+    assert!(e.contains("tensor model.norm.weight has shape [128]"), "{e}");
+
+    let mut model = Model::load(&out).unwrap();
+    let mut next = generate::sample_greedy(model.prefill(&PROMPT_IDS, 0));
+    let mut got = vec![next];
+    while got.len() < GREEDY_16.len() {
+        next = generate::sample_greedy(model.forward(next, PROMPT_IDS.len() + got.len() - 1));
+        got.push(next);
+    }
+    assert_eq!(got, GREEDY_16);
+
+    let escaping = json!({"weight_map": {"model.norm.weight": "../model.safetensors"}});
+    std::fs::write(out.join("model.safetensors.index.json"), escaping.to_string()).unwrap();
+    let e = crate::weights::read(&out).err().unwrap();
+    assert!(e.contains("not a file beside the index"), "{e}");
+    std::fs::remove_dir_all(&out).unwrap();
+}
+
 #[test]
 fn stop_tokens_read_generation_config_first_then_config() {
     let t = std::env::temp_dir().join(format!("llama-cpu-plain-stop-{}", std::process::id()));

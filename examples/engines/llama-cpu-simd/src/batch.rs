@@ -44,7 +44,8 @@ pub fn block_bytes(model: &Model, block_size: usize) -> usize {
 /// step's scratch and the system; None where it cannot be read (no cap).
 pub fn kv_budget_bytes(_model: &Model) -> Option<u64> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let kb: u64 = info.lines().find_map(|l| l.strip_prefix("MemAvailable:"))?.trim().strip_suffix("kB")?.trim().parse().ok()?;
+    let kb: u64 =
+        info.lines().find_map(|l| l.strip_prefix("MemAvailable:"))?.trim().strip_suffix("kB")?.trim().parse().ok()?;
     Some(kb * 1024 / 2)
 }
 

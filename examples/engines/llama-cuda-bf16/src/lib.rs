@@ -22,9 +22,10 @@
 //! server). The batched step takes dense checkpoints only.
 //!
 //! Its `tokenizer`, `config` (every family of the CKB, transformers v5 `rope_parameters` included;
-//! `model::Model::load` refuses what this engine does not run, by name) and `stop_tokens` are the
-//! plain engine's, held identical by metainfer's tidy test; its `weights` is derived from the
-//! plain engine's, narrowed to one `model.safetensors` file.
+//! `model::Model::load` refuses what this engine does not run, by name), `weights` (one
+//! `model.safetensors` or the shards of an index, each tensor read when the model takes it, so the
+//! host never holds the checkpoint widened to f32) and `stop_tokens` are the plain engine's, held
+//! identical by metainfer's tidy test.
 #![deny(unsafe_op_in_unsafe_fn)]
 // The kernel contracts fix the launchers' signatures, some with more than seven arguments.
 #![allow(clippy::too_many_arguments)]

@@ -107,7 +107,11 @@ const SERVE_FLAGS: &[Flag] = &[
     Flag { name: "--port", value: "PORT", help: "port to listen on (default 8000)" },
     Flag { name: "--max-seqs", value: "N", help: "sequences running at once (default 64)" },
     Flag { name: "--block-size", value: "N", help: "tokens per KV-cache block (default 16)" },
-    Flag { name: "--kv-blocks", value: "N", help: "KV-cache blocks (default: max-seqs full contexts, as far as memory holds them)" },
+    Flag {
+        name: "--kv-blocks",
+        value: "N",
+        help: "KV-cache blocks (default: max-seqs full contexts, as far as memory holds them)",
+    },
     Flag { name: "--max-batch-tokens", value: "N", help: "tokens per batched step (default 256)" },
 ];
 

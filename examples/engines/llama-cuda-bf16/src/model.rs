@@ -238,7 +238,9 @@ fn dev_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> String + '_ {
 }
 
 impl Model {
-    /// Load `config.json` and `model.safetensors` from an HF model directory. Errors name the missing file/tensor.
+    /// Load `config.json` and the weights (`model.safetensors`, or the shards
+    /// `model.safetensors.index.json` names) from an HF model directory onto the device, one tensor
+    /// at a time. Errors name the missing file/tensor.
     pub fn load(dir: &Path) -> Result<Model, String> {
         let cfg = Config::load(dir)?;
         if let Some(why) = unsupported(&cfg) {
