@@ -117,6 +117,58 @@ timed() { # NAME LIMIT COMMAND...
     step_run "$name" timeout -k 5 "$limit" "$@"
 }
 
+# The figures side by side, read from DIR's bundle replies (timings need no reference) and
+# transformers' logs: the engine against transformers eager and compiled, same GPU and shape. `run`
+# prints them too, so they reach the device call's output even if its files do not come back.
+figures() {
+    python3 - "$dir" <<'PY'
+import glob, json, os, statistics, sys
+d = sys.argv[1]
+def replies(bundle):
+    out = []
+    for p in sorted(glob.glob(os.path.join(d, bundle, "reply.*.json"))):
+        try:
+            r = json.load(open(p))
+        except Exception:
+            continue
+        if r.get("reply") == "profile":
+            out.append(r)
+    return out
+def med(v):
+    return statistics.median(v) if v else None
+def load(name):
+    try:
+        return json.load(open(os.path.join(d, "logs", name)))
+    except Exception:
+        return {}
+rows = []
+engine_ttft = {}
+engine_decode = {}
+for bundle in ["profile-1b", "profile-1b-nograph", "profile-1b-512"]:
+    for r in replies(bundle):
+        if bundle != "profile-1b-512" and r.get("decode_s_per_token"):
+            engine_decode[bundle] = 1.0 / med(r["decode_s_per_token"])
+        for p in r.get("prefill_by_len", []):
+            if bundle != "profile-1b-nograph" and p["seconds"]:
+                engine_ttft[p["len"]] = med(p["seconds"]) * 1e3
+eager, compiled = load("hf-1b-eager.json"), load("hf-1b-compiled.json")
+roofline = 4800e9 / (2 * 1235814400)
+def fmt(v, f="%.1f"):
+    return f % v if isinstance(v, (int, float)) else "-"
+print("\n| 1B shape, bf16, batch 1 | engine | engine, no CUDA graph | transformers eager | transformers compiled |")
+print("|---|---|---|---|---|")
+g, ng = engine_decode.get("profile-1b"), engine_decode.get("profile-1b-nograph")
+print("| decode tok/s | %s (%s of %.0f) | %s | %s | %s |" % (fmt(g), fmt(g / roofline if g else None, "%.2f"), roofline,
+      fmt(ng), fmt(eager.get("decode_tok_s")), fmt(compiled.get("decode_tok_s")) if "decode_tok_s" in compiled else compiled.get("skipped", compiled.get("error", "-"))[:60]))
+for n in [16, 128, 512]:
+    print("| TTFT %d tokens, ms | %s | | %s | %s |" % (n, fmt(engine_ttft.get(n), "%.2f"),
+          fmt((eager.get("ttft_ms") or {}).get(str(n)), "%.2f"), fmt((compiled.get("ttft_ms") or {}).get(str(n)), "%.2f")))
+others = sorted(k for k in engine_ttft if k not in (16, 128, 512))
+if others:
+    print("engine TTFT at other lengths (ms): " + ", ".join("%d: %.2f" % (k, engine_ttft[k]) for k in others))
+PY
+}
+
 case "$step" in
 prepare)
     root=$(cd "$(dirname "$0")/.." && pwd)
@@ -314,6 +366,7 @@ PY
         --exclude='./*/bundle.json' --exclude='./*/request.*' --exclude='./*/plan.json' --exclude='./*/case*.in.safetensors' \
         --exclude='./*/vocab.*' -cf - . | xz -6 -T0 >"$back" || exit 2
     log "run done: $back $(du -sm "$back" | cut -f1) MiB"
+    figures
     if ((${#broken[@]})); then
         log "steps that could not run (exit 2 or more): ${broken[*]}"
         exit 2
@@ -415,54 +468,8 @@ for path in sys.argv[1:]:
     err = r.get("error") or r.get("build_error") or ""
     print("  %s: passed=%s%s%s" % (name, r.get("passed"), extra, (" -- " + err[:200]) if err else ""))
 PY
-    # The figures side by side, read from the bundles' replies (timings need no reference) and
-    # transformers' logs: the engine against transformers eager and compiled, same GPU and shape.
-    python3 - "$dir" <<'PY'
-import glob, json, os, statistics, sys
-d = sys.argv[1]
-def replies(bundle):
-    out = []
-    for p in sorted(glob.glob(os.path.join(d, bundle, "reply.*.json"))):
-        try:
-            r = json.load(open(p))
-        except Exception:
-            continue
-        if r.get("reply") == "profile":
-            out.append(r)
-    return out
-def med(v):
-    return statistics.median(v) if v else None
-def load(name):
-    try:
-        return json.load(open(os.path.join(d, "logs", name)))
-    except Exception:
-        return {}
-rows = []
-engine_ttft = {}
-engine_decode = {}
-for bundle in ["profile-1b", "profile-1b-nograph", "profile-1b-512"]:
-    for r in replies(bundle):
-        if bundle != "profile-1b-512" and r.get("decode_s_per_token"):
-            engine_decode[bundle] = 1.0 / med(r["decode_s_per_token"])
-        for p in r.get("prefill_by_len", []):
-            if bundle != "profile-1b-nograph" and p["seconds"]:
-                engine_ttft[p["len"]] = med(p["seconds"]) * 1e3
-eager, compiled = load("hf-1b-eager.json"), load("hf-1b-compiled.json")
-roofline = 4800e9 / (2 * 1235814400)
-def fmt(v, f="%.1f"):
-    return f % v if isinstance(v, (int, float)) else "-"
-print("\n| 1B shape, bf16, batch 1 | engine | engine, no CUDA graph | transformers eager | transformers compiled |")
-print("|---|---|---|---|---|")
-g, ng = engine_decode.get("profile-1b"), engine_decode.get("profile-1b-nograph")
-print("| decode tok/s | %s (%s of %.0f) | %s | %s | %s |" % (fmt(g), fmt(g / roofline if g else None, "%.2f"), roofline,
-      fmt(ng), fmt(eager.get("decode_tok_s")), fmt(compiled.get("decode_tok_s")) if "decode_tok_s" in compiled else compiled.get("skipped", compiled.get("error", "-"))[:60]))
-for n in [16, 128, 512]:
-    print("| TTFT %d tokens, ms | %s | | %s | %s |" % (n, fmt(engine_ttft.get(n), "%.2f"),
-          fmt((eager.get("ttft_ms") or {}).get(str(n)), "%.2f"), fmt((compiled.get("ttft_ms") or {}).get(str(n)), "%.2f")))
-others = sorted(k for k in engine_ttft if k not in (16, 128, 512))
-if others:
-    print("engine TTFT at other lengths (ms): " + ", ".join("%d: %.2f" % (k, engine_ttft[k]) for k in others))
-PY
+    # The figures side by side (see figures).
+    figures
     if ((${#broken[@]})); then
         log "judge steps that could not run (exit 2 or more): ${broken[*]}"
         exit 2

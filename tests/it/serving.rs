@@ -641,14 +641,20 @@ fn simd_binary_explains_itself_and_generate_prints_the_golden_continuation() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let mut line = String::new();
-    std::io::BufRead::read_line(&mut std::io::BufReader::new(server.stderr.take().unwrap()), &mut line).unwrap();
+    let mut stderr = std::io::BufReader::new(server.stderr.take().unwrap());
+    let (mut line, mut pool) = (String::new(), String::new());
+    std::io::BufRead::read_line(&mut stderr, &mut line).unwrap();
+    std::io::BufRead::read_line(&mut stderr, &mut pool).unwrap();
     server.kill().unwrap();
     server.wait().unwrap();
     let want = format!("serving model babyllama-105 from {} on http://127.0.0.1:", model.display());
     assert!(line.starts_with(&want), "{line:?}");
     let port: u16 = line.trim().rsplit(':').next().unwrap().parse().unwrap();
     assert_ne!(port, 0, "{line:?}");
+    // Then the KV-cache pool it made: by default 16 sequences (`--max-seqs`) of BabyLlama's 256
+    // positions (config.json), 256 blocks of 16, each 16 positions × 5 layers × K and V × 4 KV
+    // heads × 16 × 4 bytes = 40,960 bytes: 10 MiB, 0.01 GiB.
+    assert_eq!(pool.trim(), "KV cache: 256 blocks of 16 positions (0.01 GiB), 16 full contexts of 256 positions");
 }
 
 /// The SIMD engine's server passes serve_engine at the stories15M shape too (a synthetic checkpoint
