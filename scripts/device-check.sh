@@ -17,8 +17,8 @@
 # reproduces (tests/it/oracle.rs: reference_forward_reproduces_golden_greedy_ids_and_logits).
 #
 # Mixture of experts: the CUDA engine declared for model.qwen3_moe (a copy beside DIR), its kernel
-# tests (kernel.moe_route and kernel.moe_experts among them) and verify on transformers' Qwen3-MoE
-# checkpoint (../shared/conformance/qwen3_moe).
+# tests (kernel.moe_route and kernel.moe_experts among them), verify and verify_batching on
+# transformers' Qwen3-MoE checkpoint (../shared/conformance/qwen3_moe).
 #
 # Serving on the GPU: verify_batching on BabyLlama (the batched step over the paged KV cache on the
 # device against single-sequence references) and serve_engine on the 1B shape (the engine's own
@@ -238,6 +238,9 @@ prepare)
         step_run write-kt-qwen3-moe "$bin" test-kernel --engine "$engine_moe" --seed "$seed" --write-bundle "$dir/kt-qwen3-moe" --json
         step_run write-verify-qwen3-moe "$bin" verify --engine "$engine_moe" --model "$qwen3_moe" --seed "$seed" \
             --max-new-tokens 16 --write-bundle "$dir/verify-qwen3-moe" --json
+        # Its batched step (q/k norms and experts row by row) against single-sequence references.
+        step_run write-batching-qwen3-moe "$bin" verify-batching --engine "$engine_moe" --model "$qwen3_moe" --seed "$seed" \
+            --write-bundle "$dir/batching-qwen3-moe" --json
     else
         log "qwen3_moe: not prepared (no ../shared/conformance/qwen3_moe, or the engine copy failed)"
     fi
@@ -247,7 +250,7 @@ prepare)
         --write-bundle "$dir/batching-baby" --json
     # A written bundle is "not run" (exit 1 above); one attempted and missing is a failed prepare.
     missing=()
-    for b in kt verify-baby batching-baby kt-qwen3-moe verify-qwen3-moe verify-1b profile-1b profile-1b-512 serve-1b; do
+    for b in kt verify-baby batching-baby kt-qwen3-moe verify-qwen3-moe batching-qwen3-moe verify-1b profile-1b profile-1b-512 serve-1b; do
         [[ -f "$dir/logs/write-$b.json" ]] || continue
         if [[ -f "$dir/$b/bundle.json" ]]; then log "$b: written"; else missing+=("$b"); fi
     done
@@ -332,6 +335,7 @@ run)
     bundle_step run-batching-baby 120 batching-baby
     bundle_step run-kt-qwen3-moe 120 kt-qwen3-moe
     bundle_step run-verify-qwen3-moe 120 verify-qwen3-moe
+    bundle_step run-batching-qwen3-moe 120 batching-qwen3-moe
     if ((have_long)) && [[ -d profile-1b ]]; then
         # The decode profile again with the CUDA graph off (a copy, judged like the original).
         rm -rf profile-1b-nograph && cp -r profile-1b profile-1b-nograph
@@ -416,6 +420,8 @@ judge)
         step_run judge-kt-qwen3-moe "$bin" test-kernel --engine "$engine_moe" --from-bundle "$dir/kt-qwen3-moe" --json
         step_run judge-verify-qwen3-moe "$bin" verify --engine "$engine_moe" --model "$root/../shared/conformance/qwen3_moe" \
             --max-new-tokens 16 --from-bundle "$dir/verify-qwen3-moe" --json
+        [[ -d "$dir/batching-qwen3-moe" ]] && step_run judge-batching-qwen3-moe "$bin" verify-batching --engine "$engine_moe" \
+            --model "$root/../shared/conformance/qwen3_moe" --from-bundle "$dir/batching-qwen3-moe" --json
     fi
     step_run judge-batching-baby "$bin" verify-batching --engine "$engine" --model "$baby" \
         --from-bundle "$dir/batching-baby" --json

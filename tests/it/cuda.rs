@@ -166,8 +166,9 @@ fn the_cuda_engine_builds_here_and_its_gates_do_not_run_without_a_device() {
 /// The CUDA example engine declared for `model.qwen3_moe` (as an agent adding Qwen3-MoE to it
 /// would), here, without a GPU: its sources keep every signature of that family's plan for target
 /// cuda (kernel.moe_route and kernel.moe_experts included, with their CUDA signatures), the kernel
-/// test's harness builds with the MoE kernels' CUDA arms, and the kernel test and verify on
-/// transformers' Qwen3-MoE checkpoint say "no CUDA device: not run" and fail.
+/// test's harness builds with the MoE kernels' CUDA arms, and the kernel test, verify and
+/// verify_batching (its batched step takes expert models) on transformers' Qwen3-MoE checkpoint say
+/// "no CUDA device: not run" and fail.
 #[test]
 fn the_cuda_engine_declared_for_qwen3_moe_keeps_its_signatures_and_does_not_run_without_a_device() {
     let t = tempfile::tempdir().unwrap();
@@ -202,6 +203,14 @@ fn the_cuda_engine_declared_for_qwen3_moe_keeps_its_signatures_and_does_not_run_
     )
     .unwrap();
     assert!(!v.passed && v.error.starts_with("no CUDA device: not run"), "{}", v.error);
+
+    let b = verify_batching(
+        &ctx,
+        &BatchingRequest { engine: s(&engine), model: s(&model), ..Default::default() },
+        &budget(),
+    )
+    .unwrap();
+    assert!(!b.passed && b.error.starts_with("no CUDA device: not run"), "{}", b.error);
 }
 
 /// `scripts/device-check.sh run` keeps to its time budget (`BUDGET_S`), so one device call returns

@@ -9,6 +9,10 @@
 //! (kernel.paged_attention); then the last row of each chunk is gathered, normed and multiplied by
 //! lm_head, and the [n, vocab] logits come back to the host, where the server samples.
 //!
+//! Expert models (Qwen3-MoE, Mixtral) take the same step, with two parts row by row: the per-head
+//! q/k RMSNorm (qk_norm) before RoPE, and the mixture of experts (router, kernel.moe_route, the
+//! selected experts: `moe::mlp`), so each row reads its own experts' rows.
+//!
 //! The cache holds K and V in f32, [num_blocks, block_size, n_kv_heads, head_dim] per layer, as the
 //! CPU engines' does. The step needs the shapes the tensor-core product takes (hidden, the q
 //! width and intermediate multiples of 8, head_dim even and at most 256); `new_cache` refuses others
@@ -19,7 +23,8 @@ use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, PushKernelArg};
 use crate::device::Device;
 use crate::fused;
 use crate::kernels::{self, dim, elementwise, grid, launched, need};
-use crate::model::Model;
+use crate::model::{Mlp, Model};
+use crate::moe::{self, MoeScratch};
 
 /// Device activations of a step, grown to the largest step seen.
 struct Scratch {
@@ -38,6 +43,10 @@ struct Scratch {
     last: CudaSlice<f32>,
     last_normed: CudaSlice<f32>,
     logits: CudaSlice<f32>,
+    /// One row's q and k after their per-head RMSNorm (qk_norm), [(n_heads + n_kv_heads) head_dim].
+    qk: CudaSlice<f32>,
+    /// One row's mixture-of-experts activations (expert models).
+    moe: Option<MoeScratch>,
 }
 
 /// K and V of every layer in num_blocks blocks of block_size positions (component.batched_step),
@@ -60,11 +69,10 @@ pub struct SeqChunk<'a> {
 /// Why the batched step cannot take this model's shape, or None when it can.
 fn unsupported(m: &Model) -> Option<String> {
     let c = &m.cfg;
-    if c.moe.is_some() || c.features.qk_norm {
-        return Some("no batched step for experts or per-head q/k norms".into());
-    }
     let q_dim = c.n_heads * c.head_dim;
-    if !(c.hidden.is_multiple_of(8) && q_dim.is_multiple_of(8) && c.intermediate.is_multiple_of(8)) {
+    // An expert model's dense intermediate is not a product of the step.
+    let inter_ok = c.moe.is_some() || c.intermediate.is_multiple_of(8);
+    if !(c.hidden.is_multiple_of(8) && q_dim.is_multiple_of(8) && inter_ok) {
         return Some(format!(
             "the batched step needs hidden ({}), n_heads * head_dim ({q_dim}) and intermediate ({}) multiples of 8",
             c.hidden, c.intermediate
@@ -222,6 +230,11 @@ fn grow(model: &Model, cache: &mut PagedKvCache, rows: usize, seqs: usize) -> Re
         last: f(seqs * h, "last")?,
         last_normed: f(seqs * h, "last_normed")?,
         logits: f(seqs * c.vocab, "logits")?,
+        qk: f(q_dim + kv_dim, "qk")?,
+        moe: match &c.moe {
+            Some(m) => Some(MoeScratch::new(st, m)?),
+            None => None,
+        },
     });
     Ok(())
 }
@@ -246,11 +259,25 @@ fn run(model: &mut Model, cache: &mut PagedKvCache, chunks: &[SeqChunk]) -> Resu
     );
     kernels::embedding(dev, &embed.as_view(), h, &ids.as_view(), &mut s.x.slice_mut(0..t * h))?;
     for (li, l) in layers.iter().enumerate() {
-        let (w_gate_up, w_down) = l.mlp.dense()?;
         kernels::rms_norm(dev, &s.x.slice(0..t * h), &l.attn_norm.as_view(), eps, &mut s.normed.slice_mut(0..t * h))?;
         fused::split3(dev, &s.normed.slice(0..t * h), &mut s.planes.slice_mut(0..3 * t * h))?;
+        let planes = &s.planes.slice(0..3 * t * h);
+        fused::gemm_bf16x3(dev, planes, &l.wqkv.as_view(), t, h, width, &mut s.qkv.slice_mut(0..t * width), false)?;
+        // Qwen3-MoE: every q and k head RMSNormed with its gain before RoPE, row by row (a row's q
+        // and k heads are contiguous, its v after them).
+        if let Some((q_norm, k_norm)) = &l.qk_norm {
+            for r in 0..t {
+                let (q, k) = (r * width, r * width + q_dim);
+                let qk = &mut s.qk;
+                kernels::rms_norm(dev, &s.qkv.slice(q..k), &q_norm.as_view(), eps, &mut qk.slice_mut(0..q_dim))?;
+                let normed_k = &mut qk.slice_mut(q_dim..q_dim + kv_dim);
+                kernels::rms_norm(dev, &s.qkv.slice(k..k + kv_dim), &k_norm.as_view(), eps, normed_k)?;
+                dev.stream()
+                    .memcpy_dtod(&s.qk, &mut s.qkv.slice_mut(q..k + kv_dim))
+                    .map_err(|e| format!("qk norm: {e}"))?;
+            }
+        }
         let qkv = &mut s.qkv.slice_mut(0..t * width);
-        fused::gemm_bf16x3(dev, &s.planes.slice(0..3 * t * h), &l.wqkv.as_view(), t, h, width, qkv, false)?;
         rope_store_paged(
             dev,
             qkv,
@@ -282,8 +309,20 @@ fn run(model: &mut Model, cache: &mut PagedKvCache, chunks: &[SeqChunk]) -> Resu
         fused::split3(dev, &s.attn.slice(0..t * q_dim), &mut s.planes.slice_mut(0..3 * t * q_dim))?;
         let x = &mut s.x.slice_mut(0..t * h);
         fused::gemm_bf16x3(dev, &s.planes.slice(0..3 * t * q_dim), &l.wo.as_view(), t, q_dim, h, x, true)?;
-        // x += (silu(norm(x) Wgate^T) * norm(x) Wup^T) Wdown^T
+        // x += (silu(norm(x) Wgate^T) * norm(x) Wup^T) Wdown^T, or the mixture of experts row by row
+        // (router, kernel.moe_route, the selected experts' rows: each row reads its own experts).
         kernels::rms_norm(dev, &s.x.slice(0..t * h), &l.ffn_norm.as_view(), eps, &mut s.normed.slice_mut(0..t * h))?;
+        let (w_gate_up, w_down) = match &l.mlp {
+            Mlp::Dense { w_gate_up, w_down } => (w_gate_up, w_down),
+            Mlp::Moe(experts) => {
+                let (m, ms) = (c.moe.as_ref().ok_or("no moe config")?, s.moe.as_mut().ok_or("no moe scratch")?);
+                for r in 0..t {
+                    let x = &mut s.x.slice_mut(r * h..(r + 1) * h);
+                    moe::mlp(dev, m, experts, &s.normed.slice(r * h..(r + 1) * h), ms, x)?;
+                }
+                continue;
+            }
+        };
         fused::split3(dev, &s.normed.slice(0..t * h), &mut s.planes.slice_mut(0..3 * t * h))?;
         let gu = &mut s.gate_up.slice_mut(0..t * 2 * inter);
         fused::gemm_bf16x3(dev, &s.planes.slice(0..3 * t * h), &w_gate_up.as_view(), t, h, 2 * inter, gu, false)?;

@@ -19,7 +19,9 @@
 //! table), `paged::BlockManager` and `scheduler::Scheduler` (the SIMD engine's, held identical),
 //! `generate::sample` (kernel.sample on the host, over the logits rows the step copies back), and
 //! a binary (`src/main.rs`, Cargo feature `server`: `generate` and `serve`, the OpenAI-compatible
-//! server). The batched step takes dense checkpoints only.
+//! server). The batched step takes expert models too (Qwen3-MoE, Mixtral), their q/k norms and
+//! experts row by row: each row reads its own experts' rows (grouping the rows by expert, so each
+//! selected expert is read once per step, is the plain engine's and not yet this one's).
 //!
 //! Its `tokenizer`, `config` (every family of the CKB, transformers v5 `rope_parameters` included;
 //! `model::Model::load` refuses what this engine does not run, by name), `weights` (one
