@@ -34,22 +34,23 @@
 # beyond it).
 #
 # What travels stays under 64 MiB: DIR packed into one xz stream (each bundle's harness binary and the
-# small models repeat; the 64 MiB dictionary stores each once), and the 1B checkpoints are not carried but synthesised on each side from the same
-# seed and shape (their hashes are checked by `bundle run --model` and by the read-back): one with a
-# 48-position context for verify (a 1B verify reply holds 0.5 MB of f32 logits per generated token, and
-# the random prompts reach the end of the context), one with 640 positions for the profiles (their
-# replies hold timings and token ids only). Every step goes on after a failure and leaves its output in
-# DIR/logs; `judge` prints a summary table. `run` keeps to a budget (BUDGET_S, default 450 s): each
-# step under its own time limit or what is left, the most owed first, later ones skipped when time is
-# out, and the outputs packed back whatever happened (one 2.5 GB synthesis: the 48-position checkpoint
-# is the 640-position one's weights with the config.json prepare carries).
+# small models repeat; the 64 MiB dictionary stores each once), and the 1B checkpoint is not carried
+# but synthesised on each side from the same seed and shape, 640 positions (its hash is checked by
+# `bundle run --model` and by the read-back). Verify on it is the normal one (32 new tokens, the last
+# random prompt to 512): at its 128,256-token vocabulary a whole logits row is 0.5 MB, so verify
+# brings back whole rows within 24 MiB (each prompt's first 8 steps, every 37th and the last) and
+# every other step's 16 largest logits (VerifyRequest::logits_every). Every step goes on after a
+# failure and leaves its output in DIR/logs; `judge` prints a summary table (judging the 1B verify
+# replays about 640 positions of the f64 reference here: minutes). `run` keeps to a budget
+# (BUDGET_S, default 450 s): each step under its own time limit or what is left, the most owed
+# first, later ones skipped when time is out, and the outputs packed back whatever happened.
 #
 # Environment: METAINFER (the binary, default target/debug/metainfer, built when missing),
 # METAINFER_LEDGER (the ledger judge records into; prepare and judge must use the same one),
 # BUDGET_S (run's time budget in seconds, default 450), BACK (where run packs its outputs and judge
-# reads them, default DIR.back.tar.xz), SEED (default 20261201), MODEL_1B and MODEL_1B_LONG (where the 1B checkpoints are synthesised;
-# default DIR/../llama-1b and DIR/../llama-1b-640 here, /tmp/metainfer-llama-1b and
-# /tmp/metainfer-llama-1b-640 on the GPU machine), JUDGE_LONG=1 (judge also reads the 512-token profile
+# reads them, default DIR.back.tar.xz), SEED (default 20261201), MODEL_1B_LONG (where the 1B
+# checkpoint is synthesised; default DIR/../llama-1b-640 here, /tmp/metainfer-llama-1b-640 on the GPU
+# machine), JUDGE_LONG=1 (judge also reads the 512-token profile
 # back through the f64 reference, which replays two runs of 520 tokens of a 1B model on this CPU: slow;
 # without it the summary still reports that bundle's timings from its replies).
 set -uo pipefail
@@ -65,9 +66,8 @@ dir=$(realpath -m -- "$dir") || exit 2
 [[ "$dir" != / ]] || { echo "DIR must not be /" >&2; exit 2; }
 seed=${SEED:-20261201}
 # The 1B shape (synth's llama3.2-1b preset: hidden 2048, 16 layers, 32 heads, 8 KV heads, intermediate
-# 8192, vocab 128256, bf16), with a 48-position context for verify (replies of 0.5 MB per generated
-# token) and a 640-position one for the profiles (a 512-token prompt plus 8 new tokens).
-shape_1b=(--preset llama3.2-1b --max-seq 48 --seed "$seed")
+# 8192, vocab 128256, bf16) with a 640-position context: verify's long prompt runs to 512 tokens, the
+# TTFT profile takes a 512-token prompt plus 8 new tokens.
 shape_1b_long=(--preset llama3.2-1b --max-seq 640 --seed "$seed")
 
 # The CUDA engine declared for model.qwen3_moe (its sources otherwise unchanged), beside DIR and not
@@ -200,17 +200,12 @@ prepare)
     step_run write-kt "$bin" test-kernel --engine "$engine" --seed "$seed" --write-bundle "$dir/kt" --json
     step_run write-verify-baby "$bin" verify --engine "$engine" --model "$baby" --seed "$seed" \
         --max-new-tokens 32 --write-bundle "$dir/verify-baby" --json
-    model_1b=${MODEL_1B:-$dir/../llama-1b}
-    if [[ -d "$model_1b" ]] || step_run synth-1b "$bin" synth "${shape_1b[@]}" --out "$model_1b" --json; then
-        printf '%s\n' "${shape_1b[@]}" >"$dir/synth-1b.args"
-        step_run write-verify-1b "$bin" verify --engine "$engine" --model "$model_1b" --seed "$seed" \
-            --max-new-tokens 4 --write-bundle "$dir/verify-1b" --json
-    else
-        log "1B: verify not prepared (synth refused the shape; see logs/synth-1b.err)"
-    fi
     model_1b_long=${MODEL_1B_LONG:-$dir/../llama-1b-640}
     if [[ -d "$model_1b_long" ]] || step_run synth-1b-long "$bin" synth "${shape_1b_long[@]}" --out "$model_1b_long" --json; then
         printf '%s\n' "${shape_1b_long[@]}" >"$dir/synth-1b-long.args"
+        # The normal verify (its logits rows within 24 MiB, the other steps' largest logits).
+        step_run write-verify-1b "$bin" verify --engine "$engine" --model "$model_1b_long" --seed "$seed" \
+            --write-bundle "$dir/verify-1b" --json
         # Decode at batch 1 (64 tokens after a 64-token prompt; prefill_by_len: 16, 32, 64 tokens) ...
         step_run write-profile-1b "$bin" profile --engine "$engine" --model "$model_1b_long" --prompt-len 64 \
             --new-tokens 64 --runs 5 --write-bundle "$dir/profile-1b" --json
@@ -222,14 +217,7 @@ prepare)
         step_run write-serve-1b "$bin" load-test --engine "$engine" --model "$model_1b_long" --seed "$seed" \
             --concurrency 1,4,16,64 --max-tokens 32 --write-bundle "$dir/serve-1b" --json
     else
-        log "1B: profiles not prepared (synth refused the shape; see logs/synth-1b-long.err)"
-    fi
-    # The two 1B checkpoints hold the same weights (synth draws none from the context length), so
-    # `run` makes the short one from the long one and this config.json instead of a second synthesis
-    # (a minute there), when every other file is the same here.
-    if [[ -f "$dir/synth-1b.args" && -f "$dir/synth-1b-long.args" ]] &&
-        (for f in model.safetensors tokenizer.json generation_config.json; do cmp -s "$model_1b/$f" "$model_1b_long/$f" || exit 1; done); then
-        cp "$model_1b/config.json" "$dir/synth-1b.config.json"
+        log "1B: verify and profiles not prepared (synth refused the shape; see logs/synth-1b-long.err)"
     fi
     # Mixture of experts: the CUDA engine on transformers' Qwen3-MoE checkpoint (the router, top-k
     # and the selected experts on the device), its kernel tests and verify.
@@ -300,7 +288,6 @@ run)
     }
     bundle_step run-kt 120 kt
     bundle_step run-verify-baby 120 verify-baby
-    model_1b=${MODEL_1B:-/tmp/metainfer-llama-1b}
     model_1b_long=${MODEL_1B_LONG:-/tmp/metainfer-llama-1b-640}
     have_long=0
     if [[ -f synth-1b-long.args ]]; then
@@ -308,24 +295,8 @@ run)
         [[ -d "$model_1b_long" ]] || timed synth-1b-long 180 "$bin" synth "${args[@]}" --out "$model_1b_long" --json
         [[ -f "$model_1b_long/model.safetensors" ]] && have_long=1
     fi
-    if [[ -f synth-1b.args ]]; then
-        if [[ ! -d "$model_1b" && -f synth-1b.config.json && $have_long == 1 ]]; then
-            # The 48-position checkpoint differs from the 640-position one in config.json only
-            # (prepare compared them): the same weights, linked, and the config that came with DIR.
-            # `bundle run --model` checks the whole directory's hash.
-            if (mkdir -p "$model_1b.making" && cd "$model_1b.making" &&
-                for f in model.safetensors tokenizer.json generation_config.json; do
-                    ln -f "$model_1b_long/$f" "$f" 2>/dev/null || cp "$model_1b_long/$f" "$f" || exit 1
-                done && cp "$dir/synth-1b.config.json" config.json) && mv "$model_1b.making" "$model_1b"; then
-                log "synth-1b: made from $model_1b_long and the config.json prepare wrote"
-            fi
-            rm -rf "$model_1b.making"
-        fi
-        mapfile -t args <synth-1b.args
-        [[ -d "$model_1b" ]] || timed synth-1b 180 "$bin" synth "${args[@]}" --out "$model_1b" --json
-        [[ -d "$model_1b" ]] && bundle_step run-verify-1b 120 verify-1b --model "$model_1b"
-    fi
     if ((have_long)); then
+        bundle_step run-verify-1b 120 verify-1b --model "$model_1b_long"
         bundle_step run-profile-1b 120 profile-1b --model "$model_1b_long"
         bundle_step run-profile-1b-512 120 profile-1b-512 --model "$model_1b_long"
         bundle_step run-serve-1b 180 serve-1b --model "$model_1b_long"
@@ -365,7 +336,7 @@ PY
     # What comes back: the replies, records and logs only (logs/prepare-id names the prepare), never what
     # went there (binaries, models, keys, requests): judge unpacks them over the prepared DIR.
     back=$(realpath -m -- "${BACK:-$dir.back.tar.xz}")
-    tar -C "$dir" --exclude=./bin --exclude=./models --exclude=./runner --exclude=./seed --exclude=./prepare-id --exclude='./*.args' --exclude=./synth-1b.config.json \
+    tar -C "$dir" --exclude=./bin --exclude=./models --exclude=./runner --exclude=./seed --exclude=./prepare-id --exclude='./*.args' \
         --exclude=./device-check.sh --exclude=./hf-bench.py --exclude='./*/harness' --exclude='./*/model' \
         --exclude='./*/bundle.json' --exclude='./*/request.*' --exclude='./*/plan.json' --exclude='./*/case*.in.safetensors' \
         --exclude='./*/vocab.*' -cf - . | xz -6 -T0 >"$back" || exit 2
@@ -406,10 +377,9 @@ judge)
     step_run judge-kt "$bin" test-kernel --engine "$engine" --from-bundle "$dir/kt" --json
     step_run judge-verify-baby "$bin" verify --engine "$engine" --model "$baby" --max-new-tokens 32 \
         --from-bundle "$dir/verify-baby" --json
-    model_1b=${MODEL_1B:-$dir/../llama-1b}
     model_1b_long=${MODEL_1B_LONG:-$dir/../llama-1b-640}
     if [[ -d "$dir/verify-1b" ]]; then
-        step_run judge-verify-1b "$bin" verify --engine "$engine" --model "$model_1b" --max-new-tokens 4 \
+        step_run judge-verify-1b "$bin" verify --engine "$engine" --model "$model_1b_long" \
             --from-bundle "$dir/verify-1b" --json
     fi
     for b in profile-1b profile-1b-nograph; do

@@ -398,6 +398,7 @@ fn agent_loop(ctx: &Ctx, engine_dir: &Path, model: &Path, reps: usize, budget: &
         max_new_tokens: None,
         seed: None,
         dtype: None,
+        logits_every: None,
         write_bundle: None,
         from_bundle: None,
     };

@@ -334,6 +334,10 @@ pub enum Command {
         /// Weight dtype to build the engine for: f32, bf16, f16 or int8 (default: the engine's own, metainfer.toml).
         #[arg(long, value_name = "DTYPE")]
         dtype: Option<String>,
+        /// Whole logits rows at the first 8 steps, every Nth and the last; the 16 largest elsewhere
+        /// (default: every row, unless they would exceed 24 MiB).
+        #[arg(long, value_name = "N")]
+        logits_every: Option<usize>,
         /// Do not run here: build the harness, draw the inputs and write them as a bundle to DIR, to run
         /// with `metainfer bundle run DIR` on the machine with the device.
         #[arg(long, value_name = "DIR", conflicts_with = "from_bundle")]

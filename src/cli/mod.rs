@@ -343,7 +343,18 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
             })?;
             Ok(emit(&r, json))
         }
-        Command::Verify { engine, model, prompts, max_new_tokens, seed, dtype, write_bundle, from_bundle, json } => {
+        Command::Verify {
+            engine,
+            model,
+            prompts,
+            max_new_tokens,
+            seed,
+            dtype,
+            logits_every,
+            write_bundle,
+            from_bundle,
+            json,
+        } => {
             let c = ctx(g)?;
             let req = ops::verify::VerifyRequest {
                 engine: s(&engine),
@@ -352,6 +363,7 @@ pub fn run(cli: args::Cli) -> Result<ExitCode> {
                 max_new_tokens,
                 seed,
                 dtype,
+                logits_every,
                 write_bundle: write_bundle.as_deref().map(s),
                 from_bundle: from_bundle.as_deref().map(s),
             };

@@ -199,6 +199,7 @@ fn verify_req(engine: &Path, model: &Path) -> metainfer::ops::verify::VerifyRequ
         max_new_tokens: Some(8),
         seed: Some(5),
         dtype: None,
+        logits_every: None,
         write_bundle: None,
         from_bundle: None,
     }

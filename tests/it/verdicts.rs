@@ -319,3 +319,51 @@ fn timing_verdicts_do_not_flip_under_load() {
     assert!(!prev.same_sources && !prev.regression, "{text}");
     assert!(loaded.decode_tok_s.max <= loaded.compute_bound_tok_s, "{text}");
 }
+
+/// verify with logits rows left out (`logits_every`: what a large vocabulary gets by default, so a
+/// device's reply stays small) still judges every step: a right engine passes with every step of
+/// every prompt judged; an engine whose logits go wrong only where a row does not come back (a NaN
+/// at position 26, step 9 of the golden prompt's 18 ids: rows 0 to 7 and every 4th come back whole)
+/// fails there, named as non-finite, through the 16 largest logits that do come back.
+#[test]
+fn logits_rows_left_out_still_judge_every_step() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let model = crate::babyllama();
+    let req = |engine: &Path| VerifyRequest {
+        engine: s(engine),
+        model: s(&model),
+        prompts: vec!["Once upon a time".into()],
+        max_new_tokens: Some(16),
+        seed: Some(17),
+        logits_every: Some(4),
+        ..Default::default()
+    };
+    let right = crate::Engine::Plain.shared_copy();
+    let budget = Budget::secs(900);
+    let k = kernel_test(&ctx, &KernelTestRequest { engine: s(&right), seed: Some(3), ..Default::default() }, &budget);
+    assert!(k.unwrap().passed);
+    let v = verify(&ctx, &req(&right), &budget).unwrap();
+    let text = metainfer::ops::Report::text(&v);
+    assert!(v.passed, "{text}");
+    assert!(v.prompts.iter().all(|p| p.steps >= 16 || p.stopped_at_eos || p.steps > 1), "{text}");
+    assert_eq!(v.prompts[0].steps, 16, "{text}");
+
+    let wrong = t.path().join("engine");
+    crate::Engine::Plain.copy_to(&wrong);
+    crate::replace_body(
+        &wrong,
+        "src/model.rs",
+        "pub fn forward(",
+        "self.forward_traced(token, pos, &mut |_, _, _| {});
+        if pos == 26 {
+            self.s.logits[40] = f32::NAN;
+        }
+        &self.s.logits",
+    );
+    let v = verify(&ctx, &req(&wrong), &budget).unwrap();
+    let text = metainfer::ops::Report::text(&v);
+    let p = &v.prompts[0];
+    assert!(!v.passed && !p.logits_ok && p.first_divergence == 9, "{text}");
+    assert!(p.error.contains("NaN in the engine's output at token 40 of step 9"), "{text}");
+}

@@ -310,8 +310,8 @@ pub fn relative(command: protocol::Command, root: &Path) -> protocol::Command {
                 .map(|k| protocol::KernelCase { input: rel(&k.input), output: rel(&k.output), ..k })
                 .collect(),
         },
-        Command::Generate { prompts, tensors, stop_tokens, .. } => {
-            Command::Generate { model: MODEL.into(), prompts, tensors: rel(&tensors), stop_tokens }
+        Command::Generate { prompts, tensors, stop_tokens, logits_every, .. } => {
+            Command::Generate { model: MODEL.into(), prompts, tensors: rel(&tensors), stop_tokens, logits_every }
         }
         Command::Tokenize { sets } => Command::Tokenize {
             sets: sets.into_iter().map(|s| protocol::TokenizeSet { dir: rel(&s.dir), ..s }).collect(),

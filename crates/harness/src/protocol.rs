@@ -43,8 +43,11 @@ pub enum Command {
         cases: Vec<KernelCase>,
     },
     /// Greedy generation through the engine's tokenizer, model and sampler, one prompt after the
-    /// other, writing per prompt `prompt_ids.<p>`, `tokens.<p>` and `logits.<p>` ([tokens, vocab]
-    /// f32 rows: the logits that chose each generated token) into `tensors`.
+    /// other, writing per prompt `prompt_ids.<p>`, `tokens.<p>` and `logits.<p>` (the logits rows
+    /// that chose each generated token, f32, [rows, vocab]: every step's, or with `logits_every` > 1
+    /// only the steps [`whole_row`] names, in step order, and then every step's [`TOP_LOGITS`] largest
+    /// as `top_ids.<p>` (u32) and `top_logits.<p>` (f32), [tokens, min(TOP_LOGITS, vocab)], largest
+    /// first) into `tensors`.
     Generate {
         /// Hugging Face model directory.
         model: PathBuf,
@@ -56,6 +59,10 @@ pub enum Command {
         /// of them unless the engine has its own `generate::stop_tokens`, which then decides.
         #[serde(default)]
         stop_tokens: Vec<u32>,
+        /// 0 or 1: every logits row whole; N > 1: only the rows [`whole_row`] names (a row of a
+        /// 128,256-token vocabulary is 0.5 MB, and a verify generates hundreds of tokens).
+        #[serde(default)]
+        logits_every: usize,
     },
     /// The engine's tokenizer on real vocabularies: per set, `Tokenizer::load(dir)`, then encode each
     /// text and decode each id list.
@@ -271,6 +278,37 @@ pub struct KernelCase {
     pub input: PathBuf,
     /// Where the harness writes the output tensor `out`.
     pub output: PathBuf,
+}
+
+/// Steps of a generation whose logits rows come back whole under `logits_every` > 1: the first
+/// `HEAD_ROWS` (what a diagnosis reruns: `oracle::diagnose::GENERATION_ROWS`).
+pub const HEAD_ROWS: usize = 8;
+
+/// How many of the largest logits of each step come back when its row does not.
+pub const TOP_LOGITS: usize = 16;
+
+/// Whether step `step` of a generation of `steps` tokens returns its whole logits row under
+/// `every` ([`Command::Generate`]'s `logits_every`): always for `every` <= 1; otherwise the first
+/// [`HEAD_ROWS`] steps, every `every`-th step and the last one.
+pub fn whole_row(step: usize, steps: usize, every: usize) -> bool {
+    every <= 1 || step < HEAD_ROWS || step.is_multiple_of(every) || step + 1 == steps
+}
+
+/// The `k` largest values of `row` as (index, value), largest first (equal values by lower index);
+/// NaN counts as larger than every number, so a NaN logit is always among them.
+pub fn top_logits(row: &[f32], k: usize) -> Vec<(u32, f32)> {
+    let key = |v: f32| if v.is_nan() { f32::INFINITY } else { v };
+    let order = |a: &(u32, f32), b: &(u32, f32)| {
+        b.1.is_nan().cmp(&a.1.is_nan()).then(key(b.1).total_cmp(&key(a.1))).then(a.0.cmp(&b.0))
+    };
+    let mut all: Vec<(u32, f32)> = row.iter().enumerate().map(|(i, &v)| (i as u32, v)).collect();
+    let k = k.min(all.len());
+    if k < all.len() && k > 0 {
+        all.select_nth_unstable_by(k - 1, order);
+    }
+    all.truncate(k);
+    all.sort_by(order);
+    all
 }
 
 /// One prompt of [`Command::Generate`].
@@ -546,4 +584,28 @@ pub struct TimedItem {
     pub kernel: String,
     /// Seconds per call, one figure per repetition.
     pub seconds_per_call: Vec<f64>,
+}
+
+#[cfg(test)]
+mod logits_tests {
+    use super::{top_logits, whole_row};
+
+    /// Largest first, equal values by lower token, NaN above every number; k beyond the row.
+    #[test]
+    fn top_logits_order_and_nan() {
+        let row = [1.0, 3.0, 3.0, f32::NAN, f32::NEG_INFINITY, 2.0];
+        let top = top_logits(&row, 3);
+        assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), [3, 1, 2]);
+        assert!(top[0].1.is_nan() && top[1].1 == 3.0);
+        let all: Vec<u32> = top_logits(&row, 10).iter().map(|t| t.0).collect();
+        assert_eq!(all, [3, 1, 2, 5, 0, 4]);
+    }
+
+    /// Under every = 4 in 16 steps: 0 to 7, then 8 and 12, and the last (15).
+    #[test]
+    fn whole_rows_are_the_head_every_nth_and_the_last() {
+        let whole: Vec<usize> = (0..16).filter(|&s| whole_row(s, 16, 4)).collect();
+        assert_eq!(whole, [0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 15]);
+        assert!((0..16).all(|s| whole_row(s, 16, 1)));
+    }
 }

@@ -143,7 +143,7 @@ fn kernel_cmd(cases: &[KernelCase]) -> Reply {
     Reply::Kernel { results }
 }
 
-fn generate_cmd(dir: &Path, prompts: &[Prompt], tensors_path: &Path, server_stops: &[u32]) -> Reply {
+fn generate_cmd(dir: &Path, prompts: &[Prompt], tensors_path: &Path, server_stops: &[u32], every: usize) -> Reply {
     let tok = engine::tokenizer::Tokenizer::load(dir).unwrap_or_else(|e| die(&format!("tokenizer load: {e}")));
     let mut model = engine::model::Model::load(dir).unwrap_or_else(|e| die(&format!("model load: {e}")));
     let vocab = model.vocab_size();
@@ -160,6 +160,7 @@ fn generate_cmd(dir: &Path, prompts: &[Prompt], tensors_path: &Path, server_stop
         let ids = tok.encode(&prompt.text);
         tensors.push((format!("prompt_ids.{p}"), Out::U(ids.clone())));
         let mut rows: Vec<f32> = Vec::new();
+        let (mut top_ids, mut top_values) = (Vec::new(), Vec::new());
         let mut generated = Vec::new();
         if !ids.is_empty() {
             model.reset();
@@ -170,9 +171,18 @@ fn generate_cmd(dir: &Path, prompts: &[Prompt], tensors_path: &Path, server_stop
                     die(&format!("logits have length {}, vocab_size() is {vocab}", logits.len()));
                 }
                 let next = engine::generate::sample_greedy(&logits);
-                rows.extend_from_slice(&logits);
                 generated.push(next);
-                if stops.contains(&next) || step + 1 == prompt.max_new_tokens || pos >= model.max_seq_len() {
+                let last = stops.contains(&next) || step + 1 == prompt.max_new_tokens || pos >= model.max_seq_len();
+                if protocol::whole_row(step, if last { step + 1 } else { usize::MAX }, every) {
+                    rows.extend_from_slice(&logits);
+                }
+                if every > 1 {
+                    for (i, v) in protocol::top_logits(&logits, protocol::TOP_LOGITS) {
+                        top_ids.push(i);
+                        top_values.push(v);
+                    }
+                }
+                if last {
                     break;
                 }
                 logits = model.forward(next, pos).to_vec();
@@ -184,6 +194,10 @@ fn generate_cmd(dir: &Path, prompts: &[Prompt], tensors_path: &Path, server_stop
         out.push(Generated { text: tok.decode(&all), tokens: generated.len() });
         tensors.push((format!("tokens.{p}"), Out::U(generated)));
         tensors.push((format!("logits.{p}"), Out::F(rows)));
+        if every > 1 {
+            tensors.push((format!("top_ids.{p}"), Out::U(top_ids)));
+            tensors.push((format!("top_logits.{p}"), Out::F(top_values)));
+        }
     }
     write_tensors(tensors_path, &tensors);
     Reply::Generate { vocab, prompts: out, stop_tokens: engine_stops }
@@ -468,8 +482,8 @@ fn main() {
         Err(reason) => Reply::NoDevice { reason },
         Ok(info) => match &req.command {
             Command::Kernel { cases } => kernel_cmd(cases),
-            Command::Generate { model, prompts, tensors, stop_tokens } => {
-                generate_cmd(model, prompts, tensors, stop_tokens)
+            Command::Generate { model, prompts, tensors, stop_tokens, logits_every } => {
+                generate_cmd(model, prompts, tensors, stop_tokens, *logits_every)
             }
             Command::Tokenize { sets } => tokenize_cmd(sets),
             Command::Profile { model, prompt_len, new_tokens, runs } => {

@@ -82,6 +82,12 @@ pub struct VerifyRequest {
     /// (metainfer.toml `dtype`). The reference then runs on the weights as that dtype stores them.
     #[serde(default)]
     pub dtype: Option<String>,
+    /// Compare whole logits rows only at the first 8 steps of each prompt, every Nth step and the
+    /// last, and at the other steps the engine's 16 largest logits (and any token the reference
+    /// ranks above them). Absent: every row whole, unless the rows would exceed 24 MiB (a large
+    /// vocabulary: a row of 128,256 tokens is 0.5 MB), then the smallest N that keeps them within.
+    #[serde(default)]
+    pub logits_every: Option<usize>,
     /// Do not run: build the harness and draw the inputs here, and write them as a bundle to this
     /// directory (new or empty), to run with `metainfer bundle run DIR` where the device is.
     #[serde(default)]
@@ -156,6 +162,12 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         });
     }
 
+    let logits_every = match req.logits_every {
+        Some(0) => return Err(Error::usage("logits_every must be at least 1 (1: every logits row whole)")),
+        Some(n) => n,
+        None => logits_every_within(&budgets, cfg.vocab, WHOLE_LOGITS_BYTES),
+    };
+
     let mut contract_ids: Vec<&str> = vec![family.id.as_str()];
     // The tokenizer component is the one tokenizer.json routes to.
     let components = m.components.iter().map(|c| {
@@ -181,6 +193,24 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         sets,
         vectors_skipped,
         tensors_path: PathBuf::new(),
+        logits_every,
     };
     gate.run(&mut spec)
+}
+
+/// How many bytes of whole f32 logits rows a verify asks for by default: a bundle's reply travels
+/// back from the device (the device machine returns at most 64 MiB), and the rows barely compress.
+pub const WHOLE_LOGITS_BYTES: usize = 24 << 20;
+
+/// The smallest `logits_every` whose whole rows ([`harness::protocol::whole_row`]) fit `bytes`
+/// for prompts generating `budgets` tokens at most from a vocabulary of `vocab`: 1 when every row
+/// fits; otherwise each prompt keeps its first `HEAD_ROWS`, its last and every Nth row, and N grows
+/// until they fit (or no row but those is left).
+pub fn logits_every_within(budgets: &[usize], vocab: usize, bytes: usize) -> usize {
+    let rows_fit = bytes / (4 * vocab.max(1));
+    let whole = |every: usize| -> usize {
+        budgets.iter().map(|&n| (0..n).filter(|&s| harness::protocol::whole_row(s, n, every)).count()).sum()
+    };
+    let longest = budgets.iter().copied().max().unwrap_or(0);
+    (1..=longest.max(1)).find(|&every| whole(every) <= rows_fit).unwrap_or(longest.max(2))
 }

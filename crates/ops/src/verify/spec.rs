@@ -13,7 +13,7 @@ use crate::localise::Localisation;
 use base::error::Result;
 use ckb::Tolerance;
 use harness::Called;
-use harness::protocol::{Command, Prompt, Reply};
+use harness::protocol::{self, Command, Prompt, Reply};
 use ledger::figures::{Figures, VerifyFigures};
 use oracle::llama::Reference;
 
@@ -37,6 +37,8 @@ pub(super) struct VerifySpec<'c> {
     pub(super) vectors_skipped: Vec<String>,
     /// Where the harness writes the generation's tensors.
     pub(super) tensors_path: PathBuf,
+    /// Which logits rows come back whole ([`harness::protocol::whole_row`]; 1: all).
+    pub(super) logits_every: usize,
 }
 
 impl VerifySpec<'_> {
@@ -96,6 +98,7 @@ impl Spec for VerifySpec<'_> {
             prompts: items,
             tensors: self.tensors_path.clone(),
             stop_tokens: self.ck.generation.eos_token_ids.clone(),
+            logits_every: self.logits_every,
         };
         // The engine's tokenizer on the real vocabularies of its tokenizer contract, in the same
         // exchange (a bundle holds both requests).
@@ -172,6 +175,7 @@ impl Spec for VerifySpec<'_> {
             )),
         }
         let (prompts, budgets, reference) = (&self.prompts, &self.budgets, &mut self.reference);
+        let every = self.logits_every;
         let (sets, vectors_skipped) = (&self.sets, self.vectors_skipped.clone());
         let target_dtype = self.dtype.clone();
         let model_dir = ck.path().to_path_buf();
@@ -234,25 +238,52 @@ impl Spec for VerifySpec<'_> {
                 && want_tokens.last().is_some_and(|t| generation.eos_token_ids.contains(t));
             let got_tokens = tensors_out.get(&format!("tokens.{i}")).cloned().unwrap_or_default();
             let got_logits = tensors_out.get(&format!("logits.{i}")).cloned().unwrap_or_default();
+            // Each step's tolerance: the family's, its atol widened by the step's rounding margin.
+            let step_tol_of = |step: usize| match margins.get(step) {
+                Some(&w) if w > tol.atol => Tolerance { atol: w, ..tol.clone() },
+                _ => tol.clone(),
+            };
             let got_logits: Vec<f32> = got_logits.iter().map(|&b| f32::from_bits(b)).collect();
             let vocab = cfg.vocab;
-            let mut logits_ok = got_logits.len() >= vocab * want_tokens.len().min(got_tokens.len()).max(1);
+            // Whole rows of the steps `whole_row` names, in order; the others as their largest logits.
+            let n_steps = got_tokens.len();
+            let whole = |step: usize| protocol::whole_row(step, n_steps, every);
+            let k = protocol::TOP_LOGITS.min(vocab);
+            let top_ids = tensors_out.get(&format!("top_ids.{i}")).cloned().unwrap_or_default();
+            let top_values: Vec<f32> = tensors_out
+                .get(&format!("top_logits.{i}"))
+                .map(|v| v.iter().map(|&b| f32::from_bits(b)).collect())
+                .unwrap_or_default();
+            let judged = want_tokens.len().min(n_steps).max(1);
+            let whole_rows = (0..judged).filter(|&s| whole(s)).count();
+            let mut logits_ok = got_logits.len() >= vocab * whole_rows
+                && (every <= 1 || (top_ids.len() >= k * judged && top_values.len() == top_ids.len()));
             let mut tokens_ok = got_tokens.len() == want_tokens.len();
             // The first non-finite logit on either side (step, where): never a pass.
             let mut non_finite = None;
+            let mut cursor = 0;
             for (step, want_row) in rows.iter().enumerate() {
-                let Some(got_row) = got_logits.get(step * vocab..(step + 1) * vocab) else {
-                    break;
+                // The step's verdict (worst_index a token id) and the engine's logit there.
+                let (v, engine_at_worst) = if whole(step) {
+                    let Some(got_row) = got_logits.get(cursor * vocab..(cursor + 1) * vocab) else {
+                        break;
+                    };
+                    cursor += 1;
+                    let v = oracle::compare(got_row, want_row, &step_tol_of(step));
+                    (v, got_row.get(v.worst_index).map_or(f64::NAN, |&x| x as f64))
+                } else {
+                    let (Some(ids), Some(values)) =
+                        (top_ids.get(step * k..(step + 1) * k), top_values.get(step * k..(step + 1) * k))
+                    else {
+                        break;
+                    };
+                    compare_top(ids, values, want_row, &step_tol_of(step))
                 };
                 r.steps = step + 1;
-                let step_tol = match margins.get(step) {
-                    Some(&w) if w > tol.atol => {
-                        r.widened_atol = r.widened_atol.max(w);
-                        Tolerance { atol: w, ..tol.clone() }
-                    }
-                    _ => tol.clone(),
-                };
-                let v = oracle::compare(got_row, want_row, &step_tol);
+                let step_tol = step_tol_of(step);
+                if let Some(&w) = margins.get(step).filter(|&&w| w > tol.atol) {
+                    r.widened_atol = r.widened_atol.max(w);
+                }
                 if non_finite.is_none() {
                     non_finite = v.non_finite.map(|nf| (step, nf));
                 }
@@ -263,7 +294,7 @@ impl Spec for VerifySpec<'_> {
                     r.divergence_phase = if step == 0 { "prefill" } else { "decode" }.into();
                     r.divergence = Some(Divergence {
                         token: v.worst_index,
-                        engine: got_row.get(v.worst_index).map_or(f64::NAN, |&x| x as f64),
+                        engine: engine_at_worst,
                         reference: want_row.get(v.worst_index).copied().unwrap_or(f64::NAN),
                     });
                 }
@@ -287,10 +318,13 @@ impl Spec for VerifySpec<'_> {
             r.logits_ok = logits_ok && r.steps > 0;
             r.tokens_ok = tokens_ok && r.steps > 0;
             if !r.logits_ok && first_fail.is_none() {
+                // The diagnosis reads rows from step 0 on: with rows left out, the first HEAD_ROWS
+                // (all whole) only.
+                let consecutive = if every <= 1 { n_steps } else { protocol::HEAD_ROWS.min(n_steps) };
                 first_fail = Some(FirstFail {
                     ids: got_ids.clone(),
                     tokens: got_tokens.clone(),
-                    logits: got_logits.clone(),
+                    logits: got_logits[..(consecutive * vocab).min(got_logits.len())].to_vec(),
                     prompt: i,
                     step: r.first_divergence.max(0) as usize,
                 });
@@ -442,6 +476,37 @@ fn staged_summary(summary: &str, id: &str) -> String {
     )
 }
 
+/// One step's logits where only the engine's largest came back (`ids`, `values`, largest first):
+/// each against the reference's logit at that token; and each token of the reference's own top
+/// `ids.len()` that the list lacks and the reference puts above the list's smallest value, whose
+/// engine logit is then at most that smallest value, so its error is at least the difference (taken
+/// as the engine's value). Returns the verdict, its `worst_index` a token id, and the engine's value
+/// there. A token id outside the vocabulary fails as a missing reference value.
+fn compare_top(ids: &[u32], values: &[f32], want: &[f64], tol: &Tolerance) -> (oracle::Verdict, f64) {
+    let (mut tokens, mut got): (Vec<usize>, Vec<f32>) = (ids.iter().map(|&t| t as usize).collect(), values.to_vec());
+    let floor = values.iter().copied().fold(f32::INFINITY, f32::min);
+    let mut theirs: Vec<usize> = (0..want.len()).collect();
+    let top = ids.len().min(want.len());
+    if top > 0 && top < theirs.len() {
+        theirs.select_nth_unstable_by(top - 1, |&a, &b| want[b].total_cmp(&want[a]));
+    }
+    for &t in &theirs[..top] {
+        if !tokens.contains(&t) && floor.is_finite() && want[t] > floor as f64 {
+            tokens.push(t);
+            got.push(floor);
+        }
+    }
+    let expected: Vec<f64> = tokens.iter().map(|&t| want.get(t).copied().unwrap_or(f64::NAN)).collect();
+    let mut v = oracle::compare(&got, &expected, tol);
+    let at = v.worst_index.min(tokens.len().saturating_sub(1));
+    let engine = got.get(at).map_or(f64::NAN, |&x| x as f64);
+    v.worst_index = tokens.get(at).copied().unwrap_or(0);
+    if let Some(nf) = v.non_finite.as_mut() {
+        nf.index = tokens.get(nf.index).copied().unwrap_or(nf.index);
+    }
+    (v, engine)
+}
+
 /// The first prompt whose logits failed, as the engine ran it: for the diagnosis and the traced rerun.
 struct FirstFail {
     /// The engine's prompt ids.
@@ -454,4 +519,50 @@ struct FirstFail {
     prompt: usize,
     /// Its first step beyond tolerance.
     step: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::compare_top;
+    use ckb::Tolerance;
+
+    /// The reference's logits over five tokens; tolerance 1e-3 absolute.
+    const WANT: [f64; 5] = [0.0, 5.0, 3.0, 4.0, 1.0];
+
+    fn tol() -> Tolerance {
+        Tolerance { atol: 1e-3, rtol: 0.0, reasoning: String::new() }
+    }
+
+    /// The engine's two largest against the reference, worked by hand.
+    #[test]
+    fn top_logits_are_judged_at_their_tokens_and_a_missing_top_token_is_caught() {
+        // Right: tokens 1 and 3, values 5 and 4.
+        let (v, _) = compare_top(&[1, 3], &[5.0, 4.0], &WANT, &tol());
+        assert!(v.ok && v.max_abs_err == 0.0, "{v:?}");
+        // Token 3 off by 0.5: named, with the engine's value there.
+        let (v, engine) = compare_top(&[1, 3], &[5.0, 4.5], &WANT, &tol());
+        assert!(!v.ok && v.worst_index == 3 && engine == 4.5 && (v.max_abs_err - 0.5).abs() < 1e-12, "{v:?}");
+        // The engine's list lacks token 1, the reference's largest (5): its engine logit is at most
+        // the list's smallest (3), an error of at least 2, named at token 1.
+        let (v, engine) = compare_top(&[3, 2], &[4.0, 3.0], &WANT, &tol());
+        assert!(!v.ok && v.worst_index == 1 && engine == 3.0 && (v.max_abs_err - 2.0).abs() < 1e-12, "{v:?}");
+        // A NaN among the engine's largest: non-finite, at its token.
+        let (v, _) = compare_top(&[1, 3], &[f32::NAN, 4.0], &WANT, &tol());
+        assert!(!v.ok && v.non_finite.is_some_and(|nf| nf.index == 1), "{v:?}");
+        // A token id outside the vocabulary fails.
+        let (v, _) = compare_top(&[1, 9], &[5.0, 4.0], &WANT, &tol());
+        assert!(!v.ok && v.worst_index == 9, "{v:?}");
+    }
+
+    /// The default for a large vocabulary: the 1B verify (prompts of 32, 32, 32 and 512 tokens,
+    /// 128,256 logits a row: 513,024 bytes, so 24 MiB holds 49 rows). Each prompt keeps its first 8
+    /// rows and its last (36 rows); every 37th step adds 13 rows of the long prompt (37, 74, ...,
+    /// 481) and none of the short ones: 49. Every 36th adds 14 (36, ..., 504): 50, too many.
+    #[test]
+    fn the_default_logits_every_fits_the_rows_in_24_mib() {
+        use super::super::logits_every_within;
+        assert_eq!(logits_every_within(&[32, 32, 32, 512], 128_256, 24 << 20), 37);
+        // BabyLlama's 105 tokens: every row fits.
+        assert_eq!(logits_every_within(&[32, 32, 32, 238], 105, 24 << 20), 1);
+    }
 }
