@@ -98,8 +98,9 @@ broken=()
 # In `run`: a step under a time limit of LIMIT seconds or what is left of the run's budget, whichever
 # is less (BUDGET_S, default 450 s from the start of `run`, so that the whole run with its unpacking and
 # packing fits one device call of 8 minutes). A step due with under 20 s left is skipped: its log says
-# so, and it counts as a step that could not run. `timeout` signals the step's whole process group, so
-# a harness or server it started goes with it.
+# so, and it counts as a step that could not run. `timeout` sends SIGTERM to the step's process group;
+# metainfer, on SIGTERM, kills the process groups of the harnesses and servers it started (after a
+# 2 s grace) before it exits, well within the 5 s before `timeout` sends SIGKILL.
 start=$SECONDS
 budget=${BUDGET_S:-450}
 [[ "$budget" =~ ^[0-9]+$ ]] || { echo "BUDGET_S=$budget: give whole seconds (default 450)" >&2; exit 2; }
@@ -259,6 +260,10 @@ prepare)
     fi
     ;;
 run)
+    # Where the outputs go, resolved before anything changes directory; never inside DIR (tar would
+    # read the archive it writes).
+    back=$(realpath -m -- "${BACK:-$dir.back.tar.xz}")
+    [[ "$back" != "$dir"/* ]] || { echo "BACK=$back lies inside $dir: put it beside it (or in \$OUT)" >&2; exit 2; }
     if [[ -f "$dir.tar.xz" ]]; then
         if [[ -e "$dir" ]]; then
             echo "$dir exists beside $dir.tar.xz: remove it to run the archive, or remove the archive to run $dir as it is" >&2
@@ -335,13 +340,13 @@ PY
     fi
     # What comes back: the replies, records and logs only (logs/prepare-id names the prepare), never what
     # went there (binaries, models, keys, requests): judge unpacks them over the prepared DIR.
-    back=$(realpath -m -- "${BACK:-$dir.back.tar.xz}")
+    # The figures first, so they reach the call's output even if packing fails.
+    figures
     tar -C "$dir" --exclude=./bin --exclude=./models --exclude=./runner --exclude=./seed --exclude=./prepare-id --exclude='./*.args' \
         --exclude=./device-check.sh --exclude=./hf-bench.py --exclude='./*/harness' --exclude='./*/model' \
         --exclude='./*/bundle.json' --exclude='./*/request.*' --exclude='./*/plan.json' --exclude='./*/case*.in.safetensors' \
         --exclude='./*/vocab.*' -cf - . | xz -6 -T0 >"$back" || exit 2
     log "run done: $back $(du -sm "$back" | cut -f1) MiB"
-    figures
     if ((${#broken[@]})); then
         log "steps that could not run (exit 2 or more): ${broken[*]}"
         exit 2

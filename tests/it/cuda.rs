@@ -250,6 +250,17 @@ fn device_check_run_keeps_to_its_budget_and_still_packs_what_it_has() {
         w(&format!("long/{f}"), &format!("{f} of the 640-position checkpoint"));
     }
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/device-check.sh");
+    // BACK inside DIR (tar would read the archive it writes) is refused before anything runs.
+    let inside = std::process::Command::new("bash")
+        .arg(&script)
+        .arg("run")
+        .arg(&dir)
+        .env("BACK", dir.join("back.tar.xz"))
+        .output()
+        .unwrap();
+    assert_eq!(inside.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&inside.stderr).contains("lies inside"), "{inside:?}");
+    assert!(!dir.join("logs").exists());
     let out = std::process::Command::new("timeout")
         .args(["120", "bash"])
         .arg(&script)

@@ -60,8 +60,9 @@ pub enum Command {
         #[serde(default)]
         stop_tokens: Vec<u32>,
         /// 0 or 1: every logits row whole; N > 1: only the rows [`whole_row`] names (a row of a
-        /// 128,256-token vocabulary is 0.5 MB, and a verify generates hundreds of tokens).
-        #[serde(default)]
+        /// 128,256-token vocabulary is 0.5 MB, and a verify generates hundreds of tokens). Left out
+        /// of the request when 0, so a request is what it was before the field existed.
+        #[serde(default, skip_serializing_if = "is_zero")]
         logits_every: usize,
     },
     /// The engine's tokenizer on real vocabularies: per set, `Tokenizer::load(dir)`, then encode each
@@ -280,6 +281,10 @@ pub struct KernelCase {
     pub output: PathBuf,
 }
 
+fn is_zero(n: &usize) -> bool {
+    *n == 0
+}
+
 /// Steps of a generation whose logits rows come back whole under `logits_every` > 1: the first
 /// `HEAD_ROWS` (what a diagnosis reruns: `oracle::diagnose::GENERATION_ROWS`).
 pub const HEAD_ROWS: usize = 8;
@@ -295,11 +300,12 @@ pub fn whole_row(step: usize, steps: usize, every: usize) -> bool {
 }
 
 /// The `k` largest values of `row` as (index, value), largest first (equal values by lower index);
-/// NaN counts as larger than every number, so a NaN logit is always among them.
+/// a non-finite value (NaN, inf, -inf) counts as larger than every number, so a non-finite logit is
+/// always among them, and the judge fails it.
 pub fn top_logits(row: &[f32], k: usize) -> Vec<(u32, f32)> {
-    let key = |v: f32| if v.is_nan() { f32::INFINITY } else { v };
     let order = |a: &(u32, f32), b: &(u32, f32)| {
-        b.1.is_nan().cmp(&a.1.is_nan()).then(key(b.1).total_cmp(&key(a.1))).then(a.0.cmp(&b.0))
+        let finite = |v: f32| if v.is_finite() { v } else { f32::INFINITY };
+        b.1.is_finite().cmp(&a.1.is_finite()).reverse().then(finite(b.1).total_cmp(&finite(a.1))).then(a.0.cmp(&b.0))
     };
     let mut all: Vec<(u32, f32)> = row.iter().enumerate().map(|(i, &v)| (i as u32, v)).collect();
     let k = k.min(all.len());
@@ -590,15 +596,17 @@ pub struct TimedItem {
 mod logits_tests {
     use super::{top_logits, whole_row};
 
-    /// Largest first, equal values by lower token, NaN above every number; k beyond the row.
+    /// Largest first, equal values by lower token, NaN and infinities above every number; k beyond
+    /// the row.
     #[test]
     fn top_logits_order_and_nan() {
         let row = [1.0, 3.0, 3.0, f32::NAN, f32::NEG_INFINITY, 2.0];
-        let top = top_logits(&row, 3);
-        assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), [3, 1, 2]);
-        assert!(top[0].1.is_nan() && top[1].1 == 3.0);
+        let top = top_logits(&row, 4);
+        // Non-finite first (by index), then the numbers.
+        assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), [3, 4, 1, 2]);
+        assert!(top[0].1.is_nan() && top[1].1 == f32::NEG_INFINITY && top[2].1 == 3.0);
         let all: Vec<u32> = top_logits(&row, 10).iter().map(|t| t.0).collect();
-        assert_eq!(all, [3, 1, 2, 5, 0, 4]);
+        assert_eq!(all, [3, 4, 1, 2, 5, 0]);
     }
 
     /// Under every = 4 in 16 steps: 0 to 7, then 8 and 12, and the last (15).

@@ -85,7 +85,9 @@ pub struct VerifyRequest {
     /// Compare whole logits rows only at the first 8 steps of each prompt, every Nth step and the
     /// last, and at the other steps the engine's 16 largest logits (and any token the reference
     /// ranks above them). Absent: every row whole, unless the rows would exceed 24 MiB (a large
-    /// vocabulary: a row of 128,256 tokens is 0.5 MB), then the smallest N that keeps them within.
+    /// vocabulary: a row of 128,256 tokens is 0.5 MB), then the smallest N that keeps them within;
+    /// the first 8 and the last of each prompt are whole whatever N, so where those alone exceed
+    /// 24 MiB the report warns with their size.
     #[serde(default)]
     pub logits_every: Option<usize>,
     /// Do not run: build the harness and draw the inputs here, and write them as a bundle to this
@@ -167,6 +169,14 @@ pub fn verify(ctx: &Ctx, req: &VerifyRequest, budget: &Budget) -> Result<VerifyR
         Some(n) => n,
         None => logits_every_within(&budgets, cfg.vocab, WHOLE_LOGITS_BYTES),
     };
+    let whole_bytes = whole_rows(&budgets, logits_every) * cfg.vocab * 4;
+    if req.logits_every.is_none() && whole_bytes > WHOLE_LOGITS_BYTES {
+        warnings.push(format!(
+            "the whole logits rows come to {:.1} MiB even at logits_every {logits_every} (each prompt's first {} steps and its last are always whole): a bundle's reply may be too large to travel; use fewer prompts or max_new_tokens",
+            whole_bytes as f64 / (1 << 20) as f64,
+            harness::protocol::HEAD_ROWS
+        ));
+    }
 
     let mut contract_ids: Vec<&str> = vec![family.id.as_str()];
     // The tokenizer component is the one tokenizer.json routes to.
@@ -208,9 +218,14 @@ pub const WHOLE_LOGITS_BYTES: usize = 24 << 20;
 /// until they fit (or no row but those is left).
 pub fn logits_every_within(budgets: &[usize], vocab: usize, bytes: usize) -> usize {
     let rows_fit = bytes / (4 * vocab.max(1));
-    let whole = |every: usize| -> usize {
-        budgets.iter().map(|&n| (0..n).filter(|&s| harness::protocol::whole_row(s, n, every)).count()).sum()
-    };
     let longest = budgets.iter().copied().max().unwrap_or(0);
-    (1..=longest.max(1)).find(|&every| whole(every) <= rows_fit).unwrap_or(longest.max(2))
+    (1..=longest.max(1)).find(|&every| whole_rows(budgets, every) <= rows_fit).unwrap_or(longest.max(2))
 }
+
+/// Whole logits rows of prompts generating `budgets` tokens at most under `every`.
+fn whole_rows(budgets: &[usize], every: usize) -> usize {
+    budgets.iter().map(|&n| (0..n).filter(|&s| harness::protocol::whole_row(s, n, every)).count()).sum()
+}
+
+// The diagnosis reruns the first GENERATION_ROWS rows of a failing prompt: they must come back whole.
+const _: () = assert!(harness::protocol::HEAD_ROWS >= oracle::diagnose::GENERATION_ROWS);

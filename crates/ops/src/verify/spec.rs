@@ -98,7 +98,8 @@ impl Spec for VerifySpec<'_> {
             prompts: items,
             tensors: self.tensors_path.clone(),
             stop_tokens: self.ck.generation.eos_token_ids.clone(),
-            logits_every: self.logits_every,
+            // 0 (not written) when every row comes back whole: the request as before the field.
+            logits_every: if self.logits_every <= 1 { 0 } else { self.logits_every },
         };
         // The engine's tokenizer on the real vocabularies of its tokenizer contract, in the same
         // exchange (a bundle holds both requests).
@@ -480,7 +481,9 @@ fn staged_summary(summary: &str, id: &str) -> String {
 /// each against the reference's logit at that token; and each token of the reference's own top
 /// `ids.len()` that the list lacks and the reference puts above the list's smallest value, whose
 /// engine logit is then at most that smallest value, so its error is at least the difference (taken
-/// as the engine's value). Returns the verdict, its `worst_index` a token id, and the engine's value
+/// as the engine's value). A non-finite reference logit anywhere in the row fails, as it would in a
+/// whole row (the engine's own non-finite logits are always among its largest:
+/// `protocol::top_logits`). Returns the verdict, its `worst_index` a token id, and the engine's value
 /// there. A token id outside the vocabulary fails as a missing reference value.
 fn compare_top(ids: &[u32], values: &[f32], want: &[f64], tol: &Tolerance) -> (oracle::Verdict, f64) {
     let (mut tokens, mut got): (Vec<usize>, Vec<f32>) = (ids.iter().map(|&t| t as usize).collect(), values.to_vec());
@@ -495,6 +498,10 @@ fn compare_top(ids: &[u32], values: &[f32], want: &[f64], tol: &Tolerance) -> (o
             tokens.push(t);
             got.push(floor);
         }
+    }
+    if let Some(t) = want.iter().position(|w| !w.is_finite()).filter(|t| !tokens.contains(t)) {
+        tokens.push(t);
+        got.push(floor);
     }
     let expected: Vec<f64> = tokens.iter().map(|&t| want.get(t).copied().unwrap_or(f64::NAN)).collect();
     let mut v = oracle::compare(&got, &expected, tol);
@@ -552,6 +559,11 @@ mod tests {
         // A token id outside the vocabulary fails.
         let (v, _) = compare_top(&[1, 9], &[5.0, 4.0], &WANT, &tol());
         assert!(!v.ok && v.worst_index == 9, "{v:?}");
+        // A non-finite reference logit outside both lists still fails, named on the reference's side.
+        let mut want = WANT;
+        want[0] = f64::NEG_INFINITY;
+        let (v, _) = compare_top(&[1, 3], &[5.0, 4.0], &want, &tol());
+        assert!(!v.ok && v.non_finite.is_some_and(|nf| nf.index == 0 && nf.side == oracle::Side::Expected), "{v:?}");
     }
 
     /// The default for a large vocabulary: the 1B verify (prompts of 32, 32, 32 and 512 tokens,

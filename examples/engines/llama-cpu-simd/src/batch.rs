@@ -39,14 +39,27 @@ pub fn block_bytes(model: &Model, block_size: usize) -> usize {
     block_size * model.n_layers() * 2 * model.kv_dim() * std::mem::size_of::<f32>()
 }
 
-/// What the server's KV cache may take unless told (`--kv-blocks`): half of the memory the kernel
-/// reports available (`MemAvailable` in /proc/meminfo, kB), the rest left to the weights' pages, the
-/// step's scratch and the system; None where it cannot be read (no cap).
+/// What the server's KV cache may take unless told (`--kv-blocks`): half of the memory free to this
+/// process, the rest left to the weights' pages, the step's scratch and the system. Free is what the
+/// kernel reports available (`MemAvailable` in /proc/meminfo, kB), and within a cgroup v2 memory
+/// limit (a container) no more than `memory.max - memory.current` of the process's cgroup; None
+/// where neither can be read (no cap).
 pub fn kv_budget_bytes(_model: &Model) -> Option<u64> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let kb: u64 =
-        info.lines().find_map(|l| l.strip_prefix("MemAvailable:"))?.trim().strip_suffix("kB")?.trim().parse().ok()?;
-    Some(kb * 1024 / 2)
+    let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|info| {
+        let kb = info.lines().find_map(|l| l.strip_prefix("MemAvailable:"))?.trim().strip_suffix("kB")?.trim();
+        kb.parse::<u64>().ok().map(|kb| kb * 1024)
+    });
+    let cgroup = std::fs::read_to_string("/proc/self/cgroup").ok().and_then(|c| {
+        let path = c.lines().find_map(|l| l.strip_prefix("0::"))?.trim().to_string();
+        let dir = std::path::Path::new("/sys/fs/cgroup").join(path.trim_start_matches('/'));
+        let read = |f: &str| std::fs::read_to_string(dir.join(f)).ok()?.trim().parse::<u64>().ok();
+        Some(read("memory.max")?.saturating_sub(read("memory.current")?))
+    });
+    let free = match (available, cgroup) {
+        (Some(a), Some(c)) => a.min(c),
+        (a, c) => a.or(c)?,
+    };
+    Some(free / 2)
 }
 
 /// Run every chunk through the model in one pass, writing K/V through the block tables;
