@@ -41,7 +41,7 @@
 # brings back whole rows within 24 MiB (each prompt's first 8 steps, every 37th and the last) and
 # every other step's 16 largest logits (VerifyRequest::logits_every). Every step goes on after a
 # failure and leaves its output in DIR/logs; `judge` prints a summary table (judging the 1B verify
-# replays about 640 positions of the f64 reference here: minutes). `run` keeps to a budget
+# replays about 640 positions of the f64 reference here: about half an hour on 2 cores). `run` keeps to a budget
 # (BUDGET_S, default 450 s): each step under its own time limit or what is left, the most owed
 # first, later ones skipped when time is out, and the outputs packed back whatever happened.
 #
@@ -221,7 +221,7 @@ prepare)
         log "1B: verify and profiles not prepared (synth refused the shape; see logs/synth-1b-long.err)"
     fi
     # Mixture of experts: the CUDA engine on transformers' Qwen3-MoE checkpoint (the router, top-k
-    # and the selected experts on the device), its kernel tests and verify.
+    # and the selected experts on the device), its kernel tests, verify and verify_batching.
     qwen3_moe=$root/../shared/conformance/qwen3_moe
     if engine_moe=$(moe_engine "$root") && [[ -d "$qwen3_moe" ]]; then
         step_run write-kt-qwen3-moe "$bin" test-kernel --engine "$engine_moe" --seed "$seed" --write-bundle "$dir/kt-qwen3-moe" --json
@@ -338,10 +338,10 @@ PY
         timed hf-1b-compiled 150 python3 "$dir/hf-bench.py" "$model_1b_long" compiled
         [[ -s logs/hf-1b-compiled.json ]] || echo '{"skipped": "torch.compile did not finish within its time limit (or failed: logs/hf-1b-compiled.err)"}' >logs/hf-1b-compiled.json
     fi
-    # What comes back: the replies, records and logs only (logs/prepare-id names the prepare), never what
-    # went there (binaries, models, keys, requests): judge unpacks them over the prepared DIR.
     # The figures first, so they reach the call's output even if packing fails.
     figures
+    # What comes back: the replies, records and logs only (logs/prepare-id names the prepare), never what
+    # went there (binaries, models, keys, requests): judge unpacks them over the prepared DIR.
     tar -C "$dir" --exclude=./bin --exclude=./models --exclude=./runner --exclude=./seed --exclude=./prepare-id --exclude='./*.args' \
         --exclude=./device-check.sh --exclude=./hf-bench.py --exclude='./*/harness' --exclude='./*/model' \
         --exclude='./*/bundle.json' --exclude='./*/request.*' --exclude='./*/plan.json' --exclude='./*/case*.in.safetensors' \

@@ -264,13 +264,14 @@ impl Spec for VerifySpec<'_> {
             let mut non_finite = None;
             let mut cursor = 0;
             for (step, want_row) in rows.iter().enumerate() {
+                let step_tol = step_tol_of(step);
                 // The step's verdict (worst_index a token id) and the engine's logit there.
                 let (v, engine_at_worst) = if whole(step) {
                     let Some(got_row) = got_logits.get(cursor * vocab..(cursor + 1) * vocab) else {
                         break;
                     };
                     cursor += 1;
-                    let v = oracle::compare(got_row, want_row, &step_tol_of(step));
+                    let v = oracle::compare(got_row, want_row, &step_tol);
                     (v, got_row.get(v.worst_index).map_or(f64::NAN, |&x| x as f64))
                 } else {
                     let (Some(ids), Some(values)) =
@@ -278,10 +279,9 @@ impl Spec for VerifySpec<'_> {
                     else {
                         break;
                     };
-                    compare_top(ids, values, want_row, &step_tol_of(step))
+                    compare_top(ids, values, want_row, &step_tol)
                 };
                 r.steps = step + 1;
-                let step_tol = step_tol_of(step);
                 if let Some(&w) = margins.get(step).filter(|&&w| w > tol.atol) {
                     r.widened_atol = r.widened_atol.max(w);
                 }

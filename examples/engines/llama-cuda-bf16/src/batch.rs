@@ -265,16 +265,9 @@ fn run(model: &mut Model, cache: &mut PagedKvCache, chunks: &[SeqChunk]) -> Resu
         fused::gemm_bf16x3(dev, planes, &l.wqkv.as_view(), t, h, width, &mut s.qkv.slice_mut(0..t * width), false)?;
         // Qwen3-MoE: every q and k head RMSNormed with its gain before RoPE, row by row (a row's q
         // and k heads are contiguous, its v after them).
-        if let Some((q_norm, k_norm)) = &l.qk_norm {
+        if let Some(norms) = &l.qk_norm {
             for r in 0..t {
-                let (q, k) = (r * width, r * width + q_dim);
-                let qk = &mut s.qk;
-                kernels::rms_norm(dev, &s.qkv.slice(q..k), &q_norm.as_view(), eps, &mut qk.slice_mut(0..q_dim))?;
-                let normed_k = &mut qk.slice_mut(q_dim..q_dim + kv_dim);
-                kernels::rms_norm(dev, &s.qkv.slice(k..k + kv_dim), &k_norm.as_view(), eps, normed_k)?;
-                dev.stream()
-                    .memcpy_dtod(&s.qk, &mut s.qkv.slice_mut(q..k + kv_dim))
-                    .map_err(|e| format!("qk norm: {e}"))?;
+                crate::model::qk_norm_row(dev, norms, eps, &mut s.qkv, r * width, (q_dim, kv_dim), &mut s.qk)?;
             }
         }
         let qkv = &mut s.qkv.slice_mut(0..t * width);

@@ -237,6 +237,27 @@ fn dev_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> String + '_ {
     move |e| format!("{what}: {e}")
 }
 
+/// Qwen3-MoE's per-head RMSNorm of q and k (`norms`: their [head_dim] gains) on the row of a
+/// fused q/k/v product that starts at `at` in `qkv` (q heads, then k heads, contiguous: `dims` =
+/// (n_heads * head_dim, n_kv_heads * head_dim)), through `scratch` ([q_dim + kv_dim]) and copied
+/// back in place. The single-token step and the batched step (row by row) both run it.
+pub(crate) fn qk_norm_row(
+    dev: &Device,
+    norms: &(CudaSlice<f32>, CudaSlice<f32>),
+    eps: f32,
+    qkv: &mut CudaSlice<f32>,
+    at: usize,
+    dims: (usize, usize),
+    scratch: &mut CudaSlice<f32>,
+) -> Result<(), String> {
+    let ((q_norm, k_norm), (q_dim, kv_dim)) = (norms, dims);
+    let (q, k) = (at, at + q_dim);
+    kernels::rms_norm(dev, &qkv.slice(q..k), &q_norm.as_view(), eps, &mut scratch.slice_mut(0..q_dim))?;
+    let normed_k = &mut scratch.slice_mut(q_dim..q_dim + kv_dim);
+    kernels::rms_norm(dev, &qkv.slice(k..k + kv_dim), &k_norm.as_view(), eps, normed_k)?;
+    dev.stream().memcpy_dtod(&*scratch, &mut qkv.slice_mut(q..k + kv_dim)).map_err(|e| format!("qk norm: {e}"))
+}
+
 impl Model {
     /// Load `config.json` and the weights (`model.safetensors`, or the shards
     /// `model.safetensors.index.json` names) from an HF model directory onto the device, one tensor
@@ -796,13 +817,8 @@ impl Model {
                 &mut s.qkv.as_view_mut(),
             )?;
             // Qwen3-MoE: every q and k head RMSNormed with its gain (over head_dim) before RoPE.
-            if let Some((q_norm, k_norm)) = &l.qk_norm {
-                kernels::rms_norm(dev, &s.qkv.slice(0..q_dim), &q_norm.as_view(), eps, &mut s.qk.slice_mut(0..q_dim))?;
-                let k = s.qkv.slice(q_dim..q_dim + kv_dim);
-                kernels::rms_norm(dev, &k, &k_norm.as_view(), eps, &mut s.qk.slice_mut(q_dim..q_dim + kv_dim))?;
-                dev.stream()
-                    .memcpy_dtod(&s.qk, &mut s.qkv.slice_mut(0..q_dim + kv_dim))
-                    .map_err(|e| format!("qk norm: {e}"))?;
+            if let Some(norms) = &l.qk_norm {
+                qk_norm_row(dev, norms, eps, &mut s.qkv, 0, (q_dim, kv_dim), &mut s.qk)?;
             }
             // q and k heads are contiguous in qkv and share the position: one rotation for both.
             let mut qk = s.qkv.slice_mut(0..q_dim + kv_dim);
