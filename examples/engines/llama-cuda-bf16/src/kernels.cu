@@ -991,43 +991,48 @@ __global__ void __launch_bounds__(128) gemm_bf16x3(const unsigned short* a3, con
             }
 }
 
+// One (row t, head h, pair j) of the fused RoPE and KV-cache write below: kernel.rope (rotate-half
+// pairing, angle in f64 as kernel rope) on q and k heads at position pos; q rotated in place in row
+// r of qkv, the rotated k and the v pair written at cache slot `slot` ([slots, n_kv_heads, head_dim]).
+__device__ __forceinline__ void rope_store_pair(float* r, int h, int j, unsigned int pos, u64 slot,
+                                                const double* freqs, int n_heads, int n_kv_heads, int head_dim,
+                                                float* kc, float* vc) {
+    const int half = head_dim / 2, kv_dim = n_kv_heads * head_dim;
+    float x0 = r[h * head_dim + j], x1 = r[h * head_dim + j + half];
+    if (h < n_heads + n_kv_heads) {
+        double sd, cd;
+        sincos((double)pos * freqs[j], &sd, &cd);
+        const float s = (float)sd, c = (float)cd;
+        const float r0 = x0 * c - x1 * s, r1 = x0 * s + x1 * c;
+        x0 = r0;
+        x1 = r1;
+    }
+    float* o;
+    if (h < n_heads) {
+        o = r + h * head_dim + j;
+    } else if (h < n_heads + n_kv_heads) {
+        o = kc + slot * kv_dim + (h - n_heads) * head_dim + j;
+    } else {
+        o = vc + slot * kv_dim + (h - n_heads - n_kv_heads) * head_dim + j;
+    }
+    o[0] = x0;
+    o[half] = x1;
+}
+
 // RoPE on the q and k heads of m rows of qkv ([m, (n_heads + 2 n_kv_heads) head_dim]) at positions
 // start + t, in place for q; the rotated k and the v rows written into the caches at start + t.
-// kernel.rope (rotate-half pairing, angle in f64 as kernel rope) fused with the KV-cache write.
-// One thread per (row, head, pair j).
+// kernel.rope fused with the KV-cache write (rope_store_pair). One thread per (row, head, pair j).
 __global__ void rope_store_rows(float* qkv, int m, int start, const double* freqs, int n_heads, int n_kv_heads,
                                 int head_dim, float* kc, float* vc) {
     const int half = head_dim / 2, heads = n_heads + 2 * n_kv_heads;
     const long long total = (long long)m * heads * half;
-    const int width = heads * head_dim, kv_dim = n_kv_heads * head_dim;
     for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total;
          e += (long long)gridDim.x * blockDim.x) {
         const int j = (int)(e % half);
         const long long th = e / half;
         const int h = (int)(th % heads), t = (int)(th / heads);
         const unsigned int pos = (unsigned int)(start + t);
-        float* r = qkv + (u64)t * width + h * head_dim;
-        float x0 = r[j], x1 = r[j + half];
-        if (h < n_heads + n_kv_heads) {
-            double sd, cd;
-            sincos((double)pos * freqs[j], &sd, &cd);
-            const float s = (float)sd, c = (float)cd;
-            const float r0 = x0 * c - x1 * s, r1 = x0 * s + x1 * c;
-            x0 = r0;
-            x1 = r1;
-        }
-        if (h < n_heads) {
-            r[j] = x0;
-            r[j + half] = x1;
-        } else if (h < n_heads + n_kv_heads) {
-            float* o = kc + (u64)pos * kv_dim + (h - n_heads) * head_dim + j;
-            o[0] = x0;
-            o[half] = x1;
-        } else {
-            float* o = vc + (u64)pos * kv_dim + (h - n_heads - n_kv_heads) * head_dim + j;
-            o[0] = x0;
-            o[half] = x1;
-        }
+        rope_store_pair(qkv + (u64)t * heads * head_dim, h, j, pos, pos, freqs, n_heads, n_kv_heads, head_dim, kc, vc);
     }
 }
 
@@ -1251,34 +1256,13 @@ __global__ void rope_store_paged(float* qkv, int m, const unsigned int* pos, con
                                  float* vc) {
     const int half = head_dim / 2, heads = n_heads + 2 * n_kv_heads;
     const long long total = (long long)m * heads * half;
-    const int width = heads * head_dim, kv_dim = n_kv_heads * head_dim;
     for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total;
          e += (long long)gridDim.x * blockDim.x) {
         const int j = (int)(e % half);
         const long long th = e / half;
         const int h = (int)(th % heads), t = (int)(th / heads);
-        float* r = qkv + (u64)t * width + h * head_dim;
-        float x0 = r[j], x1 = r[j + half];
-        if (h < n_heads + n_kv_heads) {
-            double sd, cd;
-            sincos((double)pos[t] * freqs[j], &sd, &cd);
-            const float s = (float)sd, c = (float)cd;
-            const float r0 = x0 * c - x1 * s, r1 = x0 * s + x1 * c;
-            x0 = r0;
-            x1 = r1;
-        }
-        if (h < n_heads) {
-            r[j] = x0;
-            r[j + half] = x1;
-        } else if (h < n_heads + n_kv_heads) {
-            float* o = kc + (u64)slot[t] * kv_dim + (h - n_heads) * head_dim + j;
-            o[0] = x0;
-            o[half] = x1;
-        } else {
-            float* o = vc + (u64)slot[t] * kv_dim + (h - n_heads - n_kv_heads) * head_dim + j;
-            o[0] = x0;
-            o[half] = x1;
-        }
+        rope_store_pair(qkv + (u64)t * heads * head_dim, h, j, pos[t], slot[t], freqs, n_heads, n_kv_heads,
+                        head_dim, kc, vc);
     }
 }
 
