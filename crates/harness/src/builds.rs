@@ -62,16 +62,22 @@ impl Workshop {
     /// Cargo.lock beside the manifest) and downloads crates into the registry. It builds nothing
     /// and runs no code of the engine (no build script, no proc macro), so the builds that follow
     /// can run `--offline` in the sandbox with the registry read-only.
-    pub(super) fn fetch(&self, manifest: &Path, budget: &Budget) -> Result<Run> {
-        // Skipped when the manifest and its lock file are byte for byte those of this manifest's
-        // last successful fetch: nothing new to download (an edit to the engine's sources is the
-        // common case, and a fetch costs a cargo start and a resolve).
+    pub(super) fn fetch(&self, manifest: &Path, path_deps: &[&Path], budget: &Budget) -> Result<Run> {
+        // Skipped when the manifest and its lock file, and those of every crate it depends on by
+        // path (`path_deps`: a harness's engine), are byte for byte those of this manifest's last
+        // successful fetch: nothing new to download (an edit to the engine's sources is the common
+        // case, and a fetch costs a cargo start and a resolve). A dependency added to the engine
+        // changes its manifest, so the lock file is resolved again here, outside the sandbox, where
+        // the sandboxed `--offline` build could not write it.
         let dir = manifest.parent().unwrap_or(Path::new("."));
         let state = || {
             let mut h = Sha256::new();
-            h.update(std::fs::read(dir.join("Cargo.toml")).unwrap_or_default());
-            h.update(b"\0");
-            h.update(std::fs::read(dir.join("Cargo.lock")).unwrap_or_default());
+            for d in std::iter::once(dir).chain(path_deps.iter().copied()) {
+                for file in ["Cargo.toml", "Cargo.lock"] {
+                    h.update(std::fs::read(d.join(file)).unwrap_or_default());
+                    h.update(b"\0");
+                }
+            }
             format!("{:x}", h.finalize())
         };
         let before = state();
@@ -134,7 +140,7 @@ impl Workshop {
         incremental: bool,
         budget: &Budget,
     ) -> Result<Build> {
-        let fetched = self.fetch(manifest, budget)?;
+        let fetched = self.fetch(manifest, also_read, budget)?;
         if !fetched.ok() {
             return Ok(Build { ok: false, diagnostics: vec![], executable: None, run: fetched });
         }
@@ -222,7 +228,7 @@ impl Workshop {
 /// When cargo cannot resolve the graph (the message carries cargo's).
 pub fn dependency_graph(workshop: &Workshop, engine: &Engine, budget: &Budget) -> Result<Vec<(String, String)>> {
     let manifest = engine.build_dir.join("Cargo.toml");
-    let fetched = workshop.fetch(&manifest, budget)?;
+    let fetched = workshop.fetch(&manifest, &[], budget)?;
     if !fetched.ok() {
         return Err(Error::usage(format!(
             "cargo cannot resolve the engine's dependencies: {}",
@@ -254,4 +260,47 @@ pub fn dependency_graph(workshop: &Workshop, engine: &Engine, budget: &Budget) -
         .filter(|p| Some(&p.id) != root.as_ref())
         .map(|p| (p.name.to_string(), p.version.to_string()))
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(path: &Path, text: &str) {
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, text).unwrap();
+    }
+
+    /// A fetch is skipped only while nothing it resolves changed: a new dependency in a crate the
+    /// manifest depends on by path (a harness's engine) makes it run again. Crates with path
+    /// dependencies only: cargo resolves them offline. A skipped fetch takes 0 s and no cargo.
+    #[test]
+    fn a_path_dependency_whose_manifest_changed_is_fetched_again() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (outer, engine, extra) = (tmp.path().join("harness"), tmp.path().join("engine"), tmp.path().join("extra"));
+        let package = |name: &str, deps: &str| {
+            format!("[package]\nname = \"{name}\"\nversion = \"0.1.0\"\nedition = \"2021\"\n\n[dependencies]\n{deps}\n[workspace]\n")
+        };
+        write(&outer.join("Cargo.toml"), &package("outer", &format!("engine = {{ path = {:?} }}", engine)));
+        write(&outer.join("src/lib.rs"), "");
+        write(&engine.join("Cargo.toml"), &package("engine", ""));
+        write(&engine.join("src/lib.rs"), "");
+        write(&extra.join("Cargo.toml"), &package("extra", ""));
+        write(&extra.join("src/lib.rs"), "");
+        let workshop = Workshop::new(tmp.path().join("cache"));
+        let budget = Budget::secs(120);
+        let fetch = || workshop.fetch(&outer.join("Cargo.toml"), &[engine.as_path()], &budget).unwrap();
+        let first = fetch();
+        assert!(first.ok() && first.seconds > 0.0, "the first fetch runs cargo: {}", first.stderr);
+        assert!(outer.join("Cargo.lock").exists());
+        let again = fetch();
+        assert!(again.ok() && again.seconds == 0.0, "nothing changed: skipped");
+        // The engine gains a dependency: the harness's lock file must be resolved again.
+        write(&engine.join("Cargo.toml"), &package("engine", &format!("extra = {{ path = {:?} }}", extra)));
+        let after = fetch();
+        assert!(after.ok() && after.seconds > 0.0, "the engine's new dependency is fetched");
+        let lock = std::fs::read_to_string(outer.join("Cargo.lock")).unwrap();
+        assert!(lock.contains("name = \"extra\""), "the lock file names the new dependency:\n{lock}");
+        assert_eq!(fetch().seconds, 0.0, "and then skipped again");
+    }
 }
