@@ -83,6 +83,46 @@ fn recurring_unexplained_failures_become_valid_candidates() {
     assert!(ctx.ckb.all().all(|c| !c.id.starts_with("failure.candidate-")));
 }
 
+/// Kernel failures cluster by what went wrong: numbers outside tolerance apart from a panic, and
+/// neither a kernel still `todo!()` nor a run with no device (nothing ran) makes a candidate.
+#[test]
+fn kernel_failures_cluster_by_kind_and_unwritten_ones_make_no_candidate() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let l = Ledger::open(&ctx.ledger).unwrap();
+    let kernel = |extra: serde_json::Value| {
+        let mut k = serde_json::json!({"id": "kernel.argmax", "passed": false, "diagnosis": []});
+        k.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        serde_json::json!({"kernels": [k]})
+    };
+    for i in 0..2 {
+        let todo = kernel(serde_json::json!({"unwritten": true, "error": "panicked: not yet implemented"}));
+        l.record(&failed(i, "run_kernel_test", &["kernel.argmax@1"], "kernel tests FAILED", todo)).unwrap();
+        let mut none = kernel(serde_json::json!({}));
+        none["no_device"] = true.into();
+        l.record(&failed(10 + i, "run_kernel_test", &["kernel.argmax@1"], "kernel tests FAILED", none)).unwrap();
+        let panic =
+            kernel(serde_json::json!({"error": format!("panicked at src/lib.rs:{}:9: index out of bounds", 40 + i)}));
+        l.record(&failed(20 + i, "run_kernel_test", &["kernel.argmax@1"], "kernel tests FAILED", panic)).unwrap();
+        let off = kernel(serde_json::json!({"max_abs_err": 0.5}));
+        l.record(&failed(30 + i, "run_kernel_test", &["kernel.argmax@1"], "kernel tests FAILED", off)).unwrap();
+    }
+    let r = evolve(&ctx, &EvolveRequest::default()).unwrap();
+    let mut seen: Vec<(String, Vec<String>)> =
+        r.clusters.iter().map(|c| (c.shape.clone(), c.outcomes.clone())).collect();
+    seen.sort();
+    assert_eq!(
+        seen,
+        [
+            (
+                "kernel failed: panicked at src/lib.rs:N:N: index out of bounds".to_string(),
+                vec!["o20".to_string(), "o21".to_string()]
+            ),
+            ("kernel outside tolerance".to_string(), vec!["o30".to_string(), "o31".to_string()]),
+        ]
+    );
+}
+
 /// Failed verifies cluster by where the checker saw them go wrong, not by their message's wording:
 /// four failures with one message shape, two diverging in prefill and two in the tokenizer, are two
 /// candidates of two outcomes each (grouped by the summary text, they were one of four); failures

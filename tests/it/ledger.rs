@@ -348,6 +348,54 @@ fn cancelled_outcomes_are_left_out_of_pass_rates() {
     assert_eq!(old.status(), "passed");
 }
 
+/// An attempt is code run against a contract: a gate that ran nothing for want of a device, and a
+/// kernel still the scaffold's `todo!()`, count in no rate. Engine /a: kernel tests with no device,
+/// then rope and softmax with softmax unwritten (its panic text as the harness returns it), then
+/// both passing: rope 2 attempts, first try failed; softmax 1 attempt, first try passed.
+#[test]
+fn no_device_runs_and_unwritten_kernels_are_no_attempts() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let kt = |i: usize, figures: serde_json::Value| {
+        let mut o = outcome(i, "run_kernel_test");
+        o.time = format!("2026-11-30T10:0{i}:00Z");
+        o.passed = false;
+        o.figures = figures;
+        o
+    };
+    let outcomes = vec![
+        kt(
+            1,
+            serde_json::json!({"no_device": true, "kernels": [
+                {"id": "kernel.rope", "passed": false, "diagnosis": []},
+                {"id": "kernel.softmax", "passed": false, "diagnosis": []}]}),
+        ),
+        kt(
+            2,
+            serde_json::json!({"kernels": [
+                {"id": "kernel.rope", "passed": false, "diagnosis": []},
+                {"id": "kernel.softmax", "passed": false, "diagnosis": [], "unwritten": true,
+                 "error": "engine panicked: not yet implemented"}]}),
+        ),
+        kt(
+            3,
+            serde_json::json!({"kernels": [
+                {"id": "kernel.rope", "passed": true, "diagnosis": []},
+                {"id": "kernel.softmax", "passed": true, "diagnosis": []}]}),
+        ),
+    ];
+    let r = metainfer::ops::report::build(&ctx, &outcomes, &Default::default());
+    let stats = |id: &str| r.contracts.iter().find(|c| c.id == id).unwrap().stats.clone();
+    let (rope, softmax) = (stats("kernel.rope"), stats("kernel.softmax"));
+    assert_eq!((rope.attempts, rope.first_try_pass_rate, rope.median_attempts_to_green), (2, 0.0, 2.0));
+    assert_eq!((softmax.attempts, softmax.first_try_pass_rate, softmax.never_green), (1, 1.0, 0));
+    // The scaffold's panic message is what marks a kernel unwritten (std's todo!/unimplemented!).
+    assert!(metainfer::ledger::figures::KernelFigure::is_unwritten(
+        "panicked at src/kernels.rs:3:5:\nnot yet implemented"
+    ));
+    assert!(!metainfer::ledger::figures::KernelFigure::is_unwritten("index out of bounds: the len is 3"));
+}
+
 /// The columns of the outcomes table at schema version 4 (before HMACs), for rows forged with SQL.
 const V4_INSERT: &str = "INSERT INTO outcomes (id, time, tool, engine, engine_hash, contracts, passed, summary, figures, reference_level, duration_ms, client, constraints)
      VALUES (?1, '2026-12-01T00:00:00Z', ?2, '/e', ?3, '[]', 1, 'forged', '{}', 'zero', 1, '', '{\"dtype\":\"f32\"}')";

@@ -279,7 +279,9 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let (outer, engine, extra) = (tmp.path().join("harness"), tmp.path().join("engine"), tmp.path().join("extra"));
         let package = |name: &str, deps: &str| {
-            format!("[package]\nname = \"{name}\"\nversion = \"0.1.0\"\nedition = \"2021\"\n\n[dependencies]\n{deps}\n[workspace]\n")
+            format!(
+                "[package]\nname = \"{name}\"\nversion = \"0.1.0\"\nedition = \"2021\"\n\n[dependencies]\n{deps}\n[workspace]\n"
+            )
         };
         write(&outer.join("Cargo.toml"), &package("outer", &format!("engine = {{ path = {:?} }}", engine)));
         write(&outer.join("src/lib.rs"), "");

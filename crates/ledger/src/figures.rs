@@ -76,6 +76,27 @@ pub struct KernelFigure {
     pub max_abs_err: f64,
     /// Failure contracts whose mutant explains it.
     pub diagnosis: Vec<String>,
+    /// The kernel is not written yet: it panicked with the scaffold's `todo!()` (Rust's message
+    /// "not yet implemented") or an `unimplemented!()` ("not implemented"). No attempt at its
+    /// contract: it counts in no rate and clusters into no candidate.
+    #[serde(skip_serializing_if = "is_false")]
+    pub unwritten: bool,
+    /// Why it failed other than by its numbers (a panic, a missing or misshapen output), cut to
+    /// [`KERNEL_ERROR_CHARS`] characters; "" when its numbers were judged.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub error: String,
+}
+
+/// The most characters of a kernel's error kept in [`KernelFigure::error`].
+pub const KERNEL_ERROR_CHARS: usize = 200;
+
+impl KernelFigure {
+    /// Whether a kernel's error says its body was never written: the panic messages of `todo!()`
+    /// ("not yet implemented") and `unimplemented!()` ("not implemented"), from the Rust standard
+    /// library's documentation of the two macros.
+    pub fn is_unwritten(error: &str) -> bool {
+        error.contains("not yet implemented") || error.contains("not implemented")
+    }
 }
 
 /// `run_kernel_test`.
@@ -348,6 +369,11 @@ impl Figures {
         self.gate().is_some_and(|g| g.blocked)
     }
 
+    /// Whether nothing ran because the engine needs a device this machine lacks: no attempt.
+    pub fn no_device(&self) -> bool {
+        self.gate().is_some_and(|g| g.no_device)
+    }
+
     /// The weight dtype the gate ran at, when it says.
     pub fn dtype(&self) -> Option<&str> {
         self.gate().map(|g| g.dtype.as_str()).filter(|d| !d.is_empty())
@@ -376,6 +402,7 @@ mod tests {
                 passed: false,
                 max_abs_err: 0.5,
                 diagnosis: vec!["failure.rope-adjacent-pairs".into()],
+                ..Default::default()
             }],
         });
         let v = f.to_json();

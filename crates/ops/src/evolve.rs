@@ -136,7 +136,8 @@ fn shape_of(text: &str) -> String {
     out.chars().take(120).collect()
 }
 
-/// The (contract, shape) keys of one failed outcome that no diagnosis explains.
+/// The (contract, shape) keys of one failed outcome that no diagnosis explains: a kernel is keyed
+/// by its error's shape where it failed without numbers, and none for a kernel not written yet.
 fn keys(o: &Outcome) -> Vec<(String, String)> {
     match Figures::read(&o.tool, &o.figures) {
         Figures::Compile(f) => {
@@ -150,8 +151,11 @@ fn keys(o: &Outcome) -> Vec<(String, String)> {
         Figures::KernelTest(f) => f
             .kernels
             .iter()
-            .filter(|k| !k.passed && k.diagnosis.is_empty())
-            .map(|k| (k.id.clone(), "kernel outside tolerance".to_string()))
+            .filter(|k| !k.passed && k.diagnosis.is_empty() && !k.unwritten)
+            .map(|k| match k.error.as_str() {
+                "" => (k.id.clone(), "kernel outside tolerance".to_string()),
+                e => (k.id.clone(), format!("kernel failed: {}", shape_of(e))),
+            })
             .collect(),
         figures => {
             let contract = o.contracts.iter().find(|c| c.starts_with("model.")).or(o.contracts.first());
@@ -188,7 +192,10 @@ pub fn evolve(ctx: &Ctx, req: &EvolveRequest) -> Result<EvolveReport> {
                 && !o.cancelled()
                 && matches!(o.tool.as_str(), "compile_engine" | "run_kernel_test" | "verify_generation")
         })
-        .filter(|o| !Figures::read(&o.tool, &o.figures).blocked())
+        .filter(|o| {
+            let f = Figures::read(&o.tool, &o.figures);
+            !f.blocked() && !f.no_device()
+        })
         .collect();
     let mut explained = 0;
     let mut clusters: BTreeMap<(String, String, String), Vec<String>> = BTreeMap::new();

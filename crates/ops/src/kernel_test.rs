@@ -439,6 +439,8 @@ impl Spec for KernelSpec<'_> {
                     passed: k.passed,
                     max_abs_err: k.max_abs_err,
                     diagnosis: k.diagnosis.iter().map(|d| d.failure.clone()).collect(),
+                    unwritten: !k.passed && KernelFigure::is_unwritten(&k.error),
+                    error: k.error.chars().take(ledger::figures::KERNEL_ERROR_CHARS).collect(),
                 })
                 .collect(),
         };

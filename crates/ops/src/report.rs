@@ -197,18 +197,21 @@ fn stats(seqs: &BTreeMap<String, Vec<(f64, bool)>>) -> Stats {
     }
 }
 
-/// Per-contract verdicts of one outcome. A kernel test carries one verdict per kernel in its
-/// figures. A pass credits every contract the gate ran under. A failure of another gate is charged
+/// Per-contract verdicts of one outcome: none where nothing ran for want of a device. A kernel
+/// test carries one verdict per kernel in its figures, none for a kernel not written yet. A pass credits every contract the gate ran under. A failure of another gate is charged
 /// to the contracts at fault only: those its diagnosed failure modes apply to; else, for
 /// verify_generation and profile_engine, the model family (the kernels answer for themselves in
 /// their own tests, so a diverging forward pass does not make them "never green"); else, for
 /// compile_engine, the contracts its compiler errors were hinted to; else every contract.
 fn verdicts(ctx: &Ctx, o: &Outcome) -> Vec<(String, bool)> {
     let figures = Figures::read(&o.tool, &o.figures);
+    if figures.no_device() {
+        return vec![];
+    }
     if let Figures::KernelTest(f) = &figures
         && !f.kernels.is_empty()
     {
-        return f.kernels.iter().map(|k| (k.id.clone(), k.passed)).collect();
+        return f.kernels.iter().filter(|k| !k.unwritten).map(|k| (k.id.clone(), k.passed)).collect();
     }
     let ids: Vec<String> = o.contracts.iter().map(|c| c.split('@').next().unwrap_or(c).to_string()).collect();
     let all = |passed: bool| ids.iter().map(|id| (id.clone(), passed)).collect::<Vec<_>>();
