@@ -396,6 +396,30 @@ fn no_device_runs_and_unwritten_kernels_are_no_attempts() {
     assert!(!metainfer::ledger::figures::KernelFigure::is_unwritten("index out of bounds: the len is 3"));
 }
 
+/// The report's text: a contract no engine brought to green has no median to green ("-", not
+/// 0.0); coverage rows name their platform (sm80 and sm90 share the target `cuda`); a page of one
+/// section prints no empty table for the others.
+#[test]
+fn report_text_has_no_figure_for_never_green_and_names_platforms() {
+    use metainfer::ops::Report;
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let mut o = outcome(1, "run_kernel_test");
+    o.passed = false;
+    o.figures = serde_json::json!({"kernels": [{"id": "kernel.softmax", "passed": false, "diagnosis": []}]});
+    let r = metainfer::ops::report::build(&ctx, &[o.clone()], &Default::default());
+    let text = r.text();
+    assert!(text.contains("| kernel.softmax | 1 | 1 | 0% | - | - | 1 |"), "{text}");
+    assert!(text.contains("| model.llama | platform.cuda-sm80 | cuda | bf16 | covered |"), "{text}");
+    assert!(text.contains("| model.llama | platform.cuda-sm90 | cuda | bf16 | covered |"), "{text}");
+    let l = Ledger::open(&ctx.ledger).unwrap();
+    l.record(&o).unwrap();
+    let req = metainfer::ops::report::ReportRequest { section: Some("coverage".into()), ..Default::default() };
+    let text = metainfer::ops::report::report(&ctx, &req).unwrap().text();
+    assert!(!text.contains("## Per contract") && !text.contains("## Engines"), "{text}");
+    assert!(text.contains("## Coverage"), "{text}");
+}
+
 /// The columns of the outcomes table at schema version 4 (before HMACs), for rows forged with SQL.
 const V4_INSERT: &str = "INSERT INTO outcomes (id, time, tool, engine, engine_hash, contracts, passed, summary, figures, reference_level, duration_ms, client, constraints)
      VALUES (?1, '2026-12-01T00:00:00Z', ?2, '/e', ?3, '[]', 1, 'forged', '{}', 'zero', 1, '', '{\"dtype\":\"f32\"}')";

@@ -119,6 +119,9 @@ pub struct EngineTimeline {
 pub struct CoverageCell {
     /// Model-family contract.
     pub family: String,
+    /// Platform contract (two platforms may share a target, e.g. `platform.cuda-sm80` and
+    /// `platform.cuda-sm90`).
+    pub platform: String,
     /// Platform target.
     pub target: String,
     /// dtype.
@@ -331,6 +334,7 @@ pub fn build(ctx: &Ctx, outcomes: &[Outcome], req: &ReportRequest) -> CkbReport 
                 });
                 coverage.push(CoverageCell {
                     family: fam.id.clone(),
+                    platform: plat.id.clone(),
                     target: p.target.clone(),
                     dtype: dtype.clone(),
                     status: if verified { "verified" } else { "covered" }.into(),
@@ -425,7 +429,7 @@ pub fn report(ctx: &Ctx, req: &ReportRequest) -> Result<CkbReport> {
     };
     (r.coverage, r.coverage_next) = if wants("coverage") {
         page_of(std::mem::take(&mut r.coverage), cur, limit, share, |c| {
-            format!("{}|{}|{}", c.family, c.target, c.dtype)
+            format!("{}|{}|{}", c.family, c.platform, c.dtype)
         })?
     } else {
         (vec![], None)
@@ -500,40 +504,51 @@ impl Report for CkbReport {
             return self.summary();
         }
         let mut s = format!(
-            "# CKB report ({} outcomes{})\n\n{}## Per contract\n\n",
+            "# CKB report ({} outcomes{})\n\n{}",
             self.outcomes,
             if self.imported > 0 { format!(", {} imported", self.imported) } else { String::new() },
             self.paging()
         );
-        s += "| contract | attempts | engines | first-try pass | median attempts to green | median s to green | never green | failure modes |\n|---|---|---|---|---|---|---|---|\n";
-        for c in &self.contracts {
-            let st = &c.stats;
-            s += &format!(
-                "| {} | {} | {} | {} | {:.1} | {:.0} | {} | {} |\n",
-                c.id,
-                st.attempts,
-                st.engines,
-                pct(st.first_try_pass_rate),
-                st.median_attempts_to_green,
-                st.median_seconds_to_green,
-                st.never_green,
-                c.failure_modes.join(", ")
-            );
+        // A section with no row on this page but rows in the report was left out of this page
+        // (another section asked for): no empty table for it.
+        let shown = |rows: usize, total: usize| rows > 0 || total == 0;
+        // A median over no engine that reached green is no figure.
+        let to_green = |st: &Stats, x: String| if st.never_green == st.engines { "-".to_string() } else { x };
+        if shown(self.contracts.len(), self.totals.contracts) {
+            s += "## Per contract\n\n";
+            s += "| contract | attempts | engines | first-try pass | median attempts to green | median s to green | never green | failure modes |\n|---|---|---|---|---|---|---|---|\n";
+            for c in &self.contracts {
+                let st = &c.stats;
+                s += &format!(
+                    "| {} | {} | {} | {} | {} | {} | {} | {} |\n",
+                    c.id,
+                    st.attempts,
+                    st.engines,
+                    pct(st.first_try_pass_rate),
+                    to_green(st, format!("{:.1}", st.median_attempts_to_green)),
+                    to_green(st, format!("{:.0}", st.median_seconds_to_green)),
+                    st.never_green,
+                    c.failure_modes.join(", ")
+                );
+            }
+            s += "\n";
         }
-        s += "\n## Per reference level\n\n| level | attempts | (engine, contract) pairs | first-try pass | median attempts to green | never green |\n|---|---|---|---|---|---|\n";
+        s += "## Per reference level\n\n| level | attempts | (engine, contract) pairs | first-try pass | median attempts to green | never green |\n|---|---|---|---|---|---|\n";
         for l in &self.levels {
             let st = &l.stats;
             s += &format!(
-                "| {} | {} | {} | {} | {:.1} | {} |\n",
+                "| {} | {} | {} | {} | {} | {} |\n",
                 l.level,
                 st.attempts,
                 st.engines,
                 pct(st.first_try_pass_rate),
-                st.median_attempts_to_green,
+                to_green(st, format!("{:.1}", st.median_attempts_to_green)),
                 st.never_green
             );
         }
-        s += "\n## Engines\n\n";
+        if shown(self.engines.len(), self.totals.engines) {
+            s += "\n## Engines\n\n";
+        }
         for e in &self.engines {
             s += &format!(
                 "- {} ({}{}): ",
@@ -555,9 +570,11 @@ impl Report for CkbReport {
                 .collect();
             s += &(steps.join(" -> ") + "\n");
         }
-        s += "\n## Coverage\n\n| family | target | dtype | status |\n|---|---|---|---|\n";
+        if shown(self.coverage.len(), self.totals.coverage) {
+            s += "\n## Coverage\n\n| family | platform | target | dtype | status |\n|---|---|---|---|---|\n";
+        }
         for c in &self.coverage {
-            s += &format!("| {} | {} | {} | {} |\n", c.family, c.target, c.dtype, c.status);
+            s += &format!("| {} | {} | {} | {} | {} |\n", c.family, c.platform, c.target, c.dtype, c.status);
         }
         s
     }
