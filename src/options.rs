@@ -142,7 +142,7 @@ impl ServerOptions {
             .workspace
             .as_ref()
             .map(|w| {
-                w.canonicalize().map_err(|e| {
+                base::util::expand_home(w).canonicalize().map_err(|e| {
                     Error::usage(format!("--workspace {}: {e}; pass an existing project directory", w.display()))
                 })
             })
@@ -161,7 +161,7 @@ impl ServerOptions {
                 std::path::absolute(&l).unwrap_or(l)
             },
             workspace,
-            models: self.model_dirs.clone(),
+            models: self.model_dirs(),
             time_limit_s: self.time_limit_s,
             max_output: self.max_output,
             client: std::sync::Arc::new(std::sync::RwLock::new(client.into())),
@@ -171,6 +171,23 @@ impl ServerOptions {
         ctx.workshop.protected = ctx.protected_paths();
         ctx.workshop.require_sandbox = self.require_sandbox;
         Ok(ctx)
+    }
+
+    /// The `--model-dir` directories as the server confines paths to them: a leading `~` expanded
+    /// (a client's config passes arguments without a shell), absolute. One that cannot be listed
+    /// admits nothing: it is kept, and a warning on stderr names it.
+    pub fn model_dirs(&self) -> Vec<PathBuf> {
+        self.model_dirs
+            .iter()
+            .map(|m| {
+                let m = base::util::expand_home(m);
+                let m = std::path::absolute(&m).unwrap_or(m);
+                if let Err(e) = std::fs::read_dir(&m) {
+                    tracing::warn!("--model-dir {}: {e}; it admits no path until it exists", m.display());
+                }
+                m
+            })
+            .collect()
     }
 
     /// The arguments of `metainfer serve` that reproduce these options (what `register` writes and

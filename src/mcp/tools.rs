@@ -359,7 +359,14 @@ impl Server {
         let report = AllowedDirectories {
             confined: ctx.workspace.is_some(),
             workspace: ctx.workspace.as_ref().map(|w| w.display().to_string()).unwrap_or_default(),
-            others: ctx.models.iter().map(|m| m.canonicalize().unwrap_or(m.clone()).display().to_string()).collect(),
+            others: ctx
+                .models
+                .iter()
+                .map(|m| match m.canonicalize() {
+                    Ok(real) => real.display().to_string(),
+                    Err(e) => format!("{} (cannot be opened: {e}; it admits nothing)", m.display()),
+                })
+                .collect(),
         };
         self.to_result(Ok(report))
     }

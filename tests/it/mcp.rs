@@ -254,6 +254,44 @@ async fn connect_with(ledger_dir: &Path, args: &[&str]) -> Client {
     ().serve(transport).await.unwrap()
 }
 
+/// A client passes arguments and its config's `args` without a shell: a leading `~` in a path
+/// argument, `--workspace` or `--model-dir` is `$HOME` as a shell would expand it. A `--model-dir`
+/// that does not exist is named as admitting nothing, in list_allowed_directories and in the
+/// refusal, so its advice to add a --model-dir is not taken for the one already given.
+#[tokio::test]
+async fn a_tilde_is_home_and_a_missing_model_dir_is_named() {
+    let t = tempfile::tempdir().unwrap();
+    let home = t.path().join("home");
+    let model = home.join("models/llama");
+    std::fs::create_dir_all(home.join("proj")).unwrap();
+    std::fs::create_dir_all(&model).unwrap();
+    std::fs::copy(crate::shared().join("conformance/llama/config.json"), model.join("config.json")).unwrap();
+    let (ledger, home_) = (t.path().join("ledger.sqlite"), home.clone());
+    let transport = TokioChildProcess::new(tokio::process::Command::new(crate::bin()).configure(|cmd| {
+        cmd.args(["serve", "--workspace", "~/proj", "--model-dir", "~/models", "--model-dir", "~/nowhere"])
+            .env("HOME", &home_)
+            .env("METAINFER_LEDGER", &ledger)
+            .env("METAINFER_CACHE", crate::cache());
+    }))
+    .unwrap();
+    let c = ().serve(transport).await.unwrap();
+    let r = call(&c, "plan_engine", json!({"model": "~/models/llama"})).await;
+    let text = &r.content[0].as_text().unwrap().text;
+    assert_eq!(r.is_error, Some(false), "{text}");
+    assert!(text.contains("model.llama"), "{text}");
+    let v = call(&c, "list_allowed_directories", json!({})).await.structured_content.unwrap();
+    let home = home.canonicalize().unwrap();
+    assert_eq!(v["workspace"], home.join("proj").display().to_string(), "{v}");
+    assert_eq!(v["others"][0], home.join("models").display().to_string(), "{v}");
+    let missing = v["others"][1].as_str().unwrap();
+    assert!(missing.contains("nowhere") && missing.contains("admits nothing"), "{v}");
+    let r = call(&c, "plan_engine", json!({"model": t.path().join("elsewhere")})).await;
+    let text = &r.content[0].as_text().unwrap().text;
+    assert_eq!(r.is_error, Some(true));
+    assert!(text.contains("outside the workspace") && text.contains("nowhere (cannot be opened"), "{text}");
+    c.cancel().await.unwrap();
+}
+
 #[tokio::test]
 async fn read_only_and_toolsets_narrow_the_tools() {
     let t = tempfile::tempdir().unwrap();

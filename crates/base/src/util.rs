@@ -10,9 +10,28 @@
 //! ledger exports, ...).
 
 use std::io::Read;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use crate::error::{Context, Error, Result};
+
+/// `path` with a leading `~` (alone or before a `/`) replaced by `$HOME`, as a shell expands it:
+/// paths that reach the server through a client's JSON arguments or a config file's `args` never
+/// passed a shell. Any other path, and any path when `$HOME` is unset or empty, is returned as is
+/// (`~user` forms are not expanded).
+pub fn expand_home(path: &Path) -> PathBuf {
+    home_expanded(path, std::env::var_os("HOME"))
+}
+
+fn home_expanded(path: &Path, home: Option<std::ffi::OsString>) -> PathBuf {
+    let Some(home) = home.filter(|h| !h.is_empty()) else { return path.to_path_buf() };
+    match path.strip_prefix("~") {
+        Ok(rest) => {
+            let home = PathBuf::from(home);
+            if rest.as_os_str().is_empty() { home } else { home.join(rest) }
+        }
+        _ => path.to_path_buf(),
+    }
+}
 
 /// FNV-1a 64-bit hash of a string (Fowler, Noll, Vo; offset basis 0xcbf29ce484222325, prime
 /// 0x100000001b3), used to derive per-item seeds and stable tags. Not a cryptographic hash.
@@ -295,6 +314,22 @@ pub fn read_regular_text(path: &Path, limit: &Limit) -> Result<String> {
 
 #[cfg(test)]
 mod tests {
+    use super::home_expanded;
+
+    #[test]
+    fn a_leading_tilde_is_home_as_a_shell_expands_it() {
+        let home = || Some(std::ffi::OsString::from("/home/u"));
+        let e = |p: &str| home_expanded(std::path::Path::new(p), home()).display().to_string();
+        assert_eq!(e("~/models/babyllama-105"), "/home/u/models/babyllama-105");
+        assert_eq!(e("~"), "/home/u");
+        assert_eq!(e("~user/x"), "~user/x");
+        assert_eq!(e("models/~/x"), "models/~/x");
+        assert_eq!(e("/abs/~"), "/abs/~");
+        let p = std::path::Path::new("~/m");
+        assert_eq!(home_expanded(p, None), p);
+        assert_eq!(home_expanded(p, Some("".into())), p);
+    }
+
     use super::*;
 
     #[test]

@@ -363,7 +363,8 @@ impl Ctx {
         roots.iter().find_map(|r| real.strip_prefix(r.path()).ok().map(|rel| (r, rel.to_path_buf())))
     }
 
-    /// Resolve the directory a path argument names, once, to a handle ([`Dir`]): every later
+    /// Resolve the directory a path argument names (a leading `~` is `$HOME`, as a shell would
+    /// expand it), once, to a handle ([`Dir`]): every later
     /// access goes through the handle, so a directory swapped for a symlink after this call cannot
     /// redirect it. With a workspace the directory is opened beneath the workspace or a model
     /// directory (a relative path is taken relative to the workspace), and a symlink or `..` that
@@ -380,7 +381,8 @@ impl Ctx {
     /// [`Ctx::confine`], and the root it was opened beneath with its path relative to that root
     /// (None without a workspace).
     fn confine_in(&self, path: &Path) -> Result<(Dir, Option<(Dir, PathBuf)>)> {
-        let Some(ws) = &self.workspace else { return Ok((Dir::open(path)?, None)) };
+        let path = base::util::expand_home(path);
+        let Some(ws) = &self.workspace else { return Ok((Dir::open(&path)?, None)) };
         let path = ws.join(path);
         let roots = self.roots();
         let given: Vec<PathBuf> = std::iter::once(ws).chain(&self.models).cloned().collect();
@@ -402,6 +404,7 @@ impl Ctx {
     /// # Errors
     /// As [`Ctx::confine`]; Usage naming a link that leads outside (not its target's contents).
     pub fn confine_model(&self, path: &Path) -> Result<HeldDir> {
+        let path = &base::util::expand_home(path);
         let (dir, root) = self.confine_in(path).map_err(|e| {
             // A file or a missing path inside the roots gets the model reader's own message (a
             // llama2.c file, a config.json given for its directory, ...) from its type alone:
@@ -475,7 +478,14 @@ impl Ctx {
 
     /// The error for a path outside every root.
     fn outside(&self, path: &Path, roots: &[Dir]) -> Error {
-        let roots: Vec<PathBuf> = roots.iter().map(|r| r.path().to_path_buf()).collect();
+        let mut roots: Vec<PathBuf> = roots.iter().map(|r| r.path().to_path_buf()).collect();
+        // A --model-dir that cannot be opened admits nothing: named as such, so the advice to add
+        // one is not taken for the one already given.
+        roots.extend(self.models.iter().filter(|m| Dir::open(m).is_err()).map(|m| {
+            let mut p = m.clone().into_os_string();
+            p.push(" (cannot be opened: it admits nothing)");
+            PathBuf::from(p)
+        }));
         Error::usage(harness::outside_workspace(&path.canonicalize().unwrap_or(path.to_path_buf()), &roots))
     }
 
