@@ -56,7 +56,13 @@ fn plan_engine_routes_all_six_families() {
         .unwrap();
         assert!(r.covered, "{name}: {:?}", r.gaps);
         assert_eq!(&r.family, id, "{name}");
-        let cfg = r.config.unwrap();
+        // The text an agent reads carries what the JSON does: RoPE scaling, and which matrix
+        // makes the logits (never "tied" for an untied model).
+        let text = metainfer::ops::Report::text(&r);
+        let cfg = r.config.clone().unwrap();
+        let head = if cfg.tied { "(output matrix: the embedding matrix" } else { "(output matrix: lm_head.weight)" };
+        assert!(text.contains(head), "{name}: {text}");
+        assert_eq!(text.contains("rope_scaling llama3 factor 8"), *name == "llama3", "{name}: {text}");
         assert_eq!(cfg.features, features.iter().map(|s| s.to_string()).collect::<Vec<_>>(), "{name}");
         assert!(r.phases.iter().any(|p| p.contracts.contains(&id.to_string())), "{name}");
         match *name {

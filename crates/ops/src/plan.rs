@@ -176,7 +176,7 @@ impl Report for PlanReport {
         }
         if let Some(c) = &self.config {
             s += &format!(
-                "config: hidden {} intermediate {} layers {} heads {}/{} kv head_dim {} vocab {} max_seq {} eps {} theta {} tied {}\n",
+                "config: hidden {} intermediate {} layers {} heads {}/{} kv head_dim {} vocab {} max_seq {} eps {} theta {}{} tied {}\n",
                 c.hidden,
                 c.intermediate,
                 c.n_layers,
@@ -187,6 +187,10 @@ impl Report for PlanReport {
                 c.max_seq,
                 c.rms_norm_eps,
                 c.rope_theta,
+                c.rope_scaling
+                    .as_ref()
+                    .map(|r| format!(" rope_scaling {} factor {}", r.rope_type, r.factor))
+                    .unwrap_or_default(),
                 c.tied
             );
         }
@@ -623,9 +627,12 @@ impl Goals {
                      the last node's output goes on): {}",
                     family.id,
                     graph_line(&g.layer)
-                ),
+                ) + &cfg
+                    .and_then(|c| c.rope_scaling.as_ref())
+                    .map(|r| format!("; RoPE with {} scaling of its frequencies (factor {})", r.rope_type, r.factor))
+                    .unwrap_or_default(),
                 format!(
-                    "all layers of {}: the prologue {}, the layers, the epilogue {} (tied: {head}): Model::forward and \
+                    "all layers of {}: the prologue {}, the layers, the epilogue {} (output matrix: {head}): Model::forward and \
                      Model::prefill give logits within the family's tolerance at {dtype} ({tolerance})",
                     family.id,
                     graph_line(&g.prologue),
