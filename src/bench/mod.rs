@@ -188,8 +188,13 @@ fn spread_of(v: &[f64]) -> Spread {
 /// the run's tokens.
 fn engine_run(ctx: &Ctx, exe: &Path, model: &Path, o: &BenchOptions, threads: usize, budget: &Budget) -> Result<f64> {
     let scratch = ctx.workshop.scratch()?;
-    let command =
-        Command::Profile { model: model.to_path_buf(), prompt_len: o.prompt_len, new_tokens: o.new_tokens, runs: 1 };
+    let command = Command::Profile {
+        model: model.to_path_buf(),
+        prompt_len: o.prompt_len,
+        new_tokens: o.new_tokens,
+        runs: 1,
+        seed: base::util::fresh_seed(),
+    };
     let env = [("RAYON_NUM_THREADS", threads.to_string())];
     let grants = harness::Grants::harness(exe, scratch.path()).read(model);
     match ctx.workshop.call(exe, scratch.path(), command, &env, &grants, budget)?.ok("engine run", 1500) {

@@ -382,3 +382,63 @@ fn logits_rows_left_out_still_judge_every_step() {
     let p = &v.prompts[0];
     assert!(p.error.contains("-inf in the engine's output at token 40 of step 9"), "{}", p.error);
 }
+
+/// A profile's figures are medians over its timed runs, so every timed run is checked against the
+/// reference (before, only the first two were: an engine that decoded honestly twice and then
+/// returned its last logits without computing reported decode several times faster and passed).
+/// This engine counts its prompts (prefill from position 0) and from the fifth on decodes without
+/// computing (its logits pick a token by position): its kernels and verify (four prompts) pass,
+/// its profile of five runs fails, naming the timed runs' tokens.
+#[test]
+fn a_profile_checks_every_timed_run() {
+    use metainfer::ops::profile::{ProfileRequest, profile};
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let model = crate::babyllama();
+    let wrong = t.path().join("engine");
+    crate::Engine::Plain.copy_to(&wrong);
+    let file = wrong.join("src/model.rs");
+    let mut text = std::fs::read_to_string(&file).unwrap();
+    text += "\nstatic PROMPTS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);\n";
+    std::fs::write(&file, text).unwrap();
+    crate::replace_body(
+        &wrong,
+        "src/model.rs",
+        "pub fn prefill(",
+        "for (i, &token) in tokens.iter().enumerate() {
+            self.forward_traced(token, start_pos + i, &mut |_, _, _| {});
+        }
+        if start_pos == 0 {
+            PROMPTS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        &self.s.logits",
+    );
+    crate::replace_body(
+        &wrong,
+        "src/model.rs",
+        "pub fn forward(",
+        "if PROMPTS.load(std::sync::atomic::Ordering::SeqCst) > 4 {
+            let n = self.s.logits.len();
+            self.s.logits.iter_mut().enumerate().for_each(|(i, l)| *l = if i == (pos * 31 + 7) % n { 1.0 } else { 0.0 });
+            return &self.s.logits;
+        }
+        self.forward_traced(token, pos, &mut |_, _, _| {})",
+    );
+    let budget = Budget::secs(900);
+    let k = kernel_test(&ctx, &KernelTestRequest { engine: s(&wrong), seed: Some(3), ..Default::default() }, &budget);
+    assert!(k.unwrap().passed);
+    let v = verify(&ctx, &verify_req(&wrong, &model, None), &budget).unwrap();
+    assert!(v.passed, "{}", metainfer::ops::Report::text(&v));
+    let req = ProfileRequest {
+        engine: s(&wrong),
+        model: s(&model),
+        prompt_len: Some(8),
+        new_tokens: Some(16),
+        runs: Some(5),
+        ..Default::default()
+    };
+    let p = profile(&ctx, &req, &budget).unwrap();
+    let text = metainfer::ops::Report::text(&p);
+    assert!(!p.passed && !p.outputs_ok && p.runs_checked == 5, "{text}");
+    assert!(p.error.contains("the timed runs did not generate the reference's greedy tokens"), "{text}");
+}

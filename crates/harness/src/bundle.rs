@@ -316,8 +316,8 @@ pub fn relative(command: protocol::Command, root: &Path) -> protocol::Command {
         Command::Tokenize { sets } => Command::Tokenize {
             sets: sets.into_iter().map(|s| protocol::TokenizeSet { dir: rel(&s.dir), ..s }).collect(),
         },
-        Command::Profile { prompt_len, new_tokens, runs, .. } => {
-            Command::Profile { model: MODEL.into(), prompt_len, new_tokens, runs }
+        Command::Profile { prompt_len, new_tokens, runs, seed, .. } => {
+            Command::Profile { model: MODEL.into(), prompt_len, new_tokens, runs, seed }
         }
         Command::Trace { tokens, tensors, .. } => {
             Command::Trace { model: MODEL.into(), tokens, tensors: rel(&tensors) }

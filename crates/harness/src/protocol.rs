@@ -71,7 +71,8 @@ pub enum Command {
         /// The vocabularies.
         sets: Vec<TokenizeSet>,
     },
-    /// Timed prefill and decode runs on token ids chosen by the harness (different on every run).
+    /// Timed prefill and decode runs on prompts drawn from `seed` ([`profile_prompt`]: different
+    /// on every run and every call, so an engine cannot tell a timed prompt by its tokens).
     Profile {
         /// Hugging Face model directory.
         model: PathBuf,
@@ -81,6 +82,9 @@ pub enum Command {
         new_tokens: usize,
         /// Runs.
         runs: usize,
+        /// The gate's seed, which the prompts are drawn from.
+        #[serde(default)]
+        seed: u64,
     },
     /// Run `tokens` through the engine's `Model::forward_traced` one at a time from position 0,
     /// keeping the activation points the engine reports while running the last one; write them,
@@ -283,6 +287,29 @@ pub struct KernelCase {
 
 fn is_zero(n: &usize) -> bool {
     *n == 0
+}
+
+/// Which prompts of a profile [`profile_prompt`] draws: the timed decode runs, the prefill-by-length
+/// runs and the traced runs are separate streams.
+pub const PROMPT_DECODE: u64 = 0;
+/// See [`PROMPT_DECODE`].
+pub const PROMPT_PREFILL: u64 = 1;
+/// See [`PROMPT_DECODE`].
+pub const PROMPT_TRACED: u64 = 2;
+
+/// The `len` prompt token ids of profile run `run` of `stream` ([`PROMPT_DECODE`], ...), drawn
+/// from `seed`, each below `vocab`: splitmix64 (Steele, Lea and Flood, "Fast splittable
+/// pseudorandom number generators", OOPSLA 2014) over seed, stream, run and index. The harness
+/// draws them and the server draws them again to check the prompts a reply says it timed.
+pub fn profile_prompt(seed: u64, stream: u64, run: usize, len: usize, vocab: u32) -> Vec<u32> {
+    let mix = |mut z: u64| {
+        z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    let base = mix(seed ^ mix((stream << 32) ^ run as u64));
+    (0..len).map(|i| (mix(base ^ i as u64) % u64::from(vocab.max(1))) as u32).collect()
 }
 
 /// Steps of a generation whose logits rows come back whole under `logits_every` > 1: the first

@@ -240,7 +240,7 @@ fn tokenize_cmd(sets: &[TokenizeSet]) -> Reply {
     Reply::Tokenize { sets: out }
 }
 
-fn profile_cmd(dir: &Path, prompt_len: usize, new_tokens: usize, runs: usize, device: Option<DeviceInfo>) -> Reply {
+fn profile_cmd(dir: &Path, prompt_len: usize, new_tokens: usize, runs: usize, seed: u64, device: Option<DeviceInfo>) -> Reply {
     let t0 = Instant::now();
     let mut model = engine::model::Model::load(dir).unwrap_or_else(|e| die(&format!("model load: {e}")));
     let load_s = t0.elapsed().as_secs_f64();
@@ -250,8 +250,9 @@ fn profile_cmd(dir: &Path, prompt_len: usize, new_tokens: usize, runs: usize, de
     let mut first_token_s = Vec::new();
     let mut checks = Vec::new();
     for run in 0..runs {
-        // Different tokens on every run, so that nothing can be cached between runs.
-        let prompt: Vec<u32> = (0..prompt_len).map(|i| ((i * 7 + run * 13 + 3) as u32) % vocab).collect();
+        // Different tokens on every run and every call: nothing is cached between runs, and a
+        // timed prompt cannot be told by its tokens.
+        let prompt = protocol::profile_prompt(seed, protocol::PROMPT_DECODE, run, prompt_len, vocab);
         model.reset();
         let t = Instant::now();
         let mut next = engine::generate::sample_greedy(model.prefill(&prompt, 0));
@@ -274,7 +275,7 @@ fn profile_cmd(dir: &Path, prompt_len: usize, new_tokens: usize, runs: usize, de
         }
         let mut seconds = Vec::new();
         for run in 0..runs {
-            let prompt: Vec<u32> = (0..len).map(|i| ((i * 11 + run * 17 + 5) as u32) % vocab).collect();
+            let prompt = protocol::profile_prompt(seed, protocol::PROMPT_PREFILL, run * 1024 + len, len, vocab);
             model.reset();
             let t = Instant::now();
             std::hint::black_box(engine::generate::sample_greedy(model.prefill(&prompt, 0)));
@@ -285,7 +286,7 @@ fn profile_cmd(dir: &Path, prompt_len: usize, new_tokens: usize, runs: usize, de
     // Time per activation point of the real forward pass, when the engine has a traced forward.
     let (mut points, mut traced_s_per_token, mut points_error) = (Vec::new(), Vec::new(), None);
     // @item forward_traced
-    match catch_unwind(AssertUnwindSafe(|| traced_timing(&mut model, prompt_len, new_tokens, runs))) {
+    match catch_unwind(AssertUnwindSafe(|| traced_timing(&mut model, prompt_len, new_tokens, runs, seed))) {
         Ok((p, t)) => (points, traced_s_per_token) = (p, t),
         Err(e) => points_error = Some(format!("forward_traced panicked: {}", panic_text(e))),
     }
@@ -356,14 +357,14 @@ fn trace_cmd(dir: &Path, tokens: &[u32], tensors_path: &Path) -> Reply {
 /// per run, the seconds per token spent reaching each point from the one before it (or from the
 /// call's start), by point name summed over layers, and the whole call's seconds per token.
 // @item forward_traced
-fn traced_timing(model: &mut engine::model::Model, prompt_len: usize, new_tokens: usize, runs: usize) -> (Vec<PointTime>, Vec<f64>) {
+fn traced_timing(model: &mut engine::model::Model, prompt_len: usize, new_tokens: usize, runs: usize, seed: u64) -> (Vec<PointTime>, Vec<f64>) {
     let vocab = model.vocab_size() as u32;
     let mut names: Vec<String> = Vec::new();
     let mut layers: Vec<usize> = Vec::new();
     let mut per_run: Vec<Vec<f64>> = Vec::new();
     let mut totals = Vec::new();
     for run in 0..runs {
-        let prompt: Vec<u32> = (0..prompt_len).map(|i| ((i * 5 + run * 19 + 7) as u32) % vocab).collect();
+        let prompt = protocol::profile_prompt(seed, protocol::PROMPT_TRACED, run, prompt_len, vocab);
         model.reset();
         let mut next = engine::generate::sample_greedy(model.prefill(&prompt, 0));
         let n = (prompt_len + new_tokens).min(model.max_seq_len()).saturating_sub(prompt_len);
@@ -486,8 +487,8 @@ fn main() {
                 generate_cmd(model, prompts, tensors, stop_tokens, *logits_every)
             }
             Command::Tokenize { sets } => tokenize_cmd(sets),
-            Command::Profile { model, prompt_len, new_tokens, runs } => {
-                profile_cmd(model, *prompt_len, *new_tokens, *runs, info)
+            Command::Profile { model, prompt_len, new_tokens, runs, seed } => {
+                profile_cmd(model, *prompt_len, *new_tokens, *runs, *seed, info)
             }
             Command::Time { reps, items } => time_cmd(*reps, items),
             Command::Trace { model, tokens, tensors } => trace_cmd(model, tokens, tensors),

@@ -637,6 +637,8 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
     if gate.bundle.is_some() {
         report.figures_from += "; timings measured where the bundle ran (metainfer bundle run)";
     }
+    // The timed prompts are drawn from it (a bundle read back carries the one it was written with).
+    let seed = gate.draw_seed(None)?;
     let threads_env = vec![("RAYON_NUM_THREADS", threads.to_string())];
     // Every kernel of one decode step, timed alone on this model's shapes, at the middle of the
     // decoded span (sent with the profile, so that a bundle carries both).
@@ -658,6 +660,7 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
         peak,
         verified,
         load_before: None,
+        seed,
     };
     gate.run(&mut spec)
 }

@@ -87,6 +87,7 @@ pub(super) struct Rerun<'a> {
     pub(super) new_tokens: usize,
     pub(super) reads: &'a [&'a Path],
     pub(super) env: &'a [(&'a str, String)],
+    pub(super) seed: u64,
 }
 
 /// Compare with the previous passing profile in this call: identical sources are never a
@@ -120,6 +121,7 @@ pub(super) fn compare_with_previous(
                 prompt_len: rerun.prompt_len,
                 new_tokens: rerun.new_tokens,
                 runs: 1,
+                seed: rerun.seed,
             };
             match gate.call_exe(h, exe, command, rerun.env, rerun.reads).map(|c| c.ok("interleaved profile", 500)) {
                 Ok(Ok(Reply::Profile(t))) => out.extend(t.decode_s_per_token.iter().map(|s| 1.0 / s)),

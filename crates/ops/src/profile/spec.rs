@@ -30,6 +30,8 @@ pub(super) struct ProfileSpec<'c> {
     pub(super) verified: bool,
     /// The load average just before the exchange.
     pub(super) load_before: Option<f64>,
+    /// The seed the timed prompts are drawn from ([`harness::protocol::profile_prompt`]).
+    pub(super) seed: u64,
 }
 
 impl Spec for ProfileSpec<'_> {
@@ -46,6 +48,7 @@ impl Spec for ProfileSpec<'_> {
             prompt_len: r.prompt_len,
             new_tokens: r.new_tokens,
             runs: r.runs,
+            seed: self.seed,
         };
         let items: Vec<TimeItem> = self
             .calls
@@ -176,14 +179,30 @@ impl Spec for ProfileSpec<'_> {
                 tok_s: Spread::of(&p.seconds.iter().map(|s| p.len as f64 / s).collect::<Vec<_>>()),
             })
             .collect();
-        // The timed runs' outputs: the first two are replayed through the reference forward pass.
+        // The timed runs' outputs, replayed through the reference forward pass.
         // Consumed while building: 8 bytes per parameter at the peak, not 12 (the 1B shapes).
         let tensors = ck.tensors(&ctx.ckb, &target.dtype)?;
         let mut reference = oracle::llama::Reference::of_family(fam, cfg, tensors, &target.dtype)?;
         let mut problems = Vec::new();
         report.outputs_ok = true;
-        for r in t.runs.iter().take(2) {
+        // Every timed run: a figure is a median over runs, so one run left unchecked is one an
+        // engine could fake; and each on the prompt drawn from this call's seed.
+        let mut prompts_drawn = true;
+        for (i, r) in t.runs.iter().enumerate() {
             let (prompt, got) = (&r.prompt, &r.tokens);
+            let drawn = harness::protocol::profile_prompt(
+                self.seed,
+                harness::protocol::PROMPT_DECODE,
+                i,
+                prompt_len,
+                cfg.vocab as u32,
+            );
+            if *prompt != drawn {
+                report.outputs_ok = false;
+                prompts_drawn = false;
+                report.runs_checked += 1;
+                continue;
+            }
             let (rows, want) = reference.greedy(prompt, got.len().max(1))?;
             let agree = got.iter().zip(&want).zip(&rows).take_while(|((g, w), row)| {
                 // A near-tie in the reference may go either way.
@@ -194,7 +213,13 @@ impl Spec for ProfileSpec<'_> {
             }
             report.runs_checked += 1;
         }
-        if report.runs_checked == 0 || !report.outputs_ok {
+        if !prompts_drawn {
+            problems.push(format!(
+                "the timed runs' prompts are not the ones drawn from seed {} (the harness draws them; an engine \
+                 that reports another vocab_size than config.json's {} draws others)",
+                self.seed, cfg.vocab
+            ));
+        } else if report.runs_checked < report.runs || !report.outputs_ok {
             problems.push("the timed runs did not generate the reference's greedy tokens: the engine computes something else when timed".to_string());
         }
         let compute_bound = report.compute_bound_tok_s;
@@ -291,7 +316,14 @@ impl Spec for ProfileSpec<'_> {
         }
         report.previous = previous_profile(ctx, &gate.engine, &model_dir, &report).map(|(mut prev, hash)| {
             let reads = grant.paths();
-            let rerun = Rerun { model_dir: &model_dir, prompt_len, new_tokens, reads: &reads, env: threads_env };
+            let rerun = Rerun {
+                model_dir: &model_dir,
+                prompt_len,
+                new_tokens,
+                reads: &reads,
+                env: threads_env,
+                seed: self.seed,
+            };
             compare_with_previous(gate, h, &hash, &rerun, &mut prev);
             prev
         });
