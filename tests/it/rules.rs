@@ -182,6 +182,13 @@ fn verify_passes_only_after_kernel_tests_passed_on_the_same_sources() {
     let v = verify(&ctx, &req, &Budget::secs(600)).unwrap();
     assert!(!v.passed && v.error.contains("phase order"), "{}", v.error);
     assert!(v.prompts.iter().all(|p| p.error.is_empty()), "generation itself matched");
+    // A kernel test limited to one kernel passes, and is no phase-order evidence: the other
+    // kernels may be wrong (an agent could otherwise test only the kernels that pass).
+    let one = KernelTestRequest { engine: s(&d), kernels: vec!["kernel.embedding".into()], ..Default::default() };
+    let k = kernel_test(&ctx, &one, &Budget::secs(600)).unwrap();
+    assert!(k.passed && k.kernels.len() == 1);
+    let v = verify(&ctx, &req, &Budget::secs(600)).unwrap();
+    assert!(!v.passed && v.error.contains("phase order") && v.error.contains("limited to some kernels"), "{}", v.error);
     let k = kernel_test(
         &ctx,
         &KernelTestRequest { engine: s(&d), kernels: vec![], ..Default::default() },

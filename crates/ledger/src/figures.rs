@@ -33,6 +33,10 @@ pub struct GateFigures {
     /// Nothing ran: the engine needs a device (CUDA) this machine does not have.
     #[serde(skip_serializing_if = "is_false")]
     pub no_device: bool,
+    /// The gate ran on part of what the engine's plan covers (a kernel test limited to some
+    /// kernels): evidence for those, never for phase order ([`crate::Ledger::passed_on`]).
+    #[serde(skip_serializing_if = "is_false")]
+    pub partial: bool,
     /// The bundle whose run on another machine this outcome judges ("" for a direct run).
     #[serde(skip_serializing_if = "String::is_empty")]
     pub bundle: String,

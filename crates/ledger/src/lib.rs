@@ -642,7 +642,8 @@ impl Ledger {
     /// Whether `tool` last passed on exactly this engine source hash built for weight dtype `dtype`
     /// (outcomes whose constraints record no dtype count as f32), counting only outcomes this server
     /// recorded itself (authenticated, not imported) from a run it made or a trusted runner signed
-    /// (not [`unattested`]): the newest such outcome decides.
+    /// (not [`unattested`]), over all it covers (not [`figures::GateFigures::partial`]): the newest
+    /// such outcome decides.
     ///
     /// # Errors
     /// When SQLite fails.
@@ -658,7 +659,7 @@ impl Ledger {
         let rows = stmt.query_map(params![tool, engine_hash, dtype], |r| self.outcome_of(r)).map_err(fail)?;
         for o in rows {
             let o = o.map_err(fail)?;
-            if o.authenticated && !o.imported && !unattested(&o) {
+            if o.authenticated && !o.imported && !unattested(&o) && o.figures["partial"] != true {
                 return Ok(o.passed);
             }
         }

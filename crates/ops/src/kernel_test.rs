@@ -31,7 +31,7 @@ use base::error::{Context, Error, Result};
 use ckb::{Contract, Kind, Tolerance};
 use harness::protocol::{Command, KernelCase, Reply};
 use harness::{Budget, Called};
-use ledger::figures::{Figures, KernelFigure, KernelTestFigures};
+use ledger::figures::{Figures, GateFigures, KernelFigure, KernelTestFigures};
 use oracle::kernels::{self, Case, Tensor};
 use oracle::{UNWRITTEN, Verdict};
 
@@ -308,7 +308,9 @@ pub fn kernel_test(ctx: &Ctx, req: &KernelTestRequest, budget: &Budget) -> Resul
     let seed = gate.draw_seed(req.seed)?;
     gate.contracts(&contracts.iter().map(|c| c.id.as_str()).collect::<Vec<_>>());
     let dtype = gate.target.dtype.clone();
-    let mut spec = KernelSpec { contracts, seed, dtype, drawn: vec![], cases: vec![] };
+    // Limited to some kernels: evidence for those, not for phase order (verify needs them all).
+    let partial = gate.target.spec.kernels.iter().any(|id| contracts.iter().all(|c| &c.id != id));
+    let mut spec = KernelSpec { contracts, seed, dtype, drawn: vec![], cases: vec![], partial };
     gate.run(&mut spec)
 }
 
@@ -321,6 +323,8 @@ struct KernelSpec<'c> {
     /// engine's process has exited.
     drawn: Vec<Case>,
     cases: Vec<KernelCase>,
+    /// Whether the kernels asked for leave out some of the engine's plan.
+    partial: bool,
 }
 
 impl Spec for KernelSpec<'_> {
@@ -430,7 +434,7 @@ impl Spec for KernelSpec<'_> {
             ..self.unjudged(gate, String::new())
         };
         let figures = KernelTestFigures {
-            gate: gate.common(),
+            gate: GateFigures { partial: self.partial, ..gate.common() },
             kernels: report
                 .kernels
                 .iter()

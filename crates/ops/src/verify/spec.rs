@@ -392,7 +392,7 @@ impl Spec for VerifySpec<'_> {
         if passed && !kernels_passed {
             // Phase order: generation passes only on sources whose kernels passed.
             passed = false;
-            error = "phase order: generation matches the reference, but run_kernel_test has not passed on these exact sources; run it, then verify again".into();
+            error = "phase order: generation matches the reference, but run_kernel_test has not passed on these exact sources over every kernel of the plan (a run limited to some kernels does not count); run it, then verify again".into();
         }
         let mut localisation = match &first_fail {
             Some(f) => {
