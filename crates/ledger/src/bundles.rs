@@ -10,16 +10,14 @@ use super::Ledger;
 use base::error::{Context, Result};
 
 /// Schema step 8: the table of written bundles.
-pub(super) const MIGRATION: &str = "BEGIN;
- CREATE TABLE IF NOT EXISTS bundles_written (
+pub(super) const MIGRATION: &str = "CREATE TABLE IF NOT EXISTS bundles_written (
     nonce TEXT PRIMARY KEY,
     tool TEXT NOT NULL,
     manifest_sha256 TEXT NOT NULL,
     written TEXT NOT NULL,
     mac TEXT NOT NULL
  );
- PRAGMA user_version = 8;
- COMMIT;";
+ PRAGMA user_version = 8;";
 
 impl Ledger {
     fn bundle_mac(&self, nonce: &str, tool: &str, manifest_sha256: &str, written: &str) -> String {

@@ -261,8 +261,23 @@ impl Ledger {
         }
         let fail = |e: rusqlite::Error| Error::input(format!("ledger {}: {e}", path.display()));
         let conn = Connection::open(path).map_err(fail)?;
-        conn.busy_timeout(std::time::Duration::from_secs(10)).map_err(fail)?;
-        conn.pragma_update(None, "journal_mode", "WAL").map_err(fail)?;
+        let busy = std::time::Duration::from_secs(10);
+        conn.busy_timeout(busy).map_err(fail)?;
+        // Switching a file to WAL takes an exclusive lock, and SQLite answers "database is locked"
+        // at once, not through the busy timeout, while another connection holds the file (a fresh
+        // ledger opened by several processes together): retried for as long as the busy timeout.
+        let start = std::time::Instant::now();
+        loop {
+            match conn.pragma_update(None, "journal_mode", "WAL") {
+                Ok(()) => break,
+                Err(rusqlite::Error::SqliteFailure(f, _))
+                    if f.code == rusqlite::ErrorCode::DatabaseBusy && start.elapsed() < busy =>
+                {
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                Err(e) => return Err(fail(e)),
+            }
+        }
         let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0)).map_err(fail)?;
         if version > SCHEMA_VERSION {
             return Err(Error::input(format!(
@@ -270,115 +285,19 @@ impl Ledger {
                 path.display()
             )));
         }
-        if version < 1 {
-            conn.execute_batch(
-                "BEGIN;
-                 CREATE TABLE IF NOT EXISTS outcomes (
-                    id TEXT PRIMARY KEY,
-                    time TEXT NOT NULL,
-                    tool TEXT NOT NULL,
-                    engine TEXT NOT NULL,
-                    engine_hash TEXT NOT NULL,
-                    contracts TEXT NOT NULL,
-                    passed INTEGER NOT NULL,
-                    summary TEXT NOT NULL,
-                    figures TEXT NOT NULL,
-                    reference_level TEXT NOT NULL,
-                    duration_ms INTEGER NOT NULL
-                 );
-                 CREATE INDEX IF NOT EXISTS outcomes_engine ON outcomes(engine_hash, tool);
-                 PRAGMA user_version = 1;
-                 COMMIT;",
-            )
-            .map_err(fail)?;
-        }
-        if version < 2 {
-            conn.execute_batch(
-                "BEGIN;
-                 CREATE TABLE IF NOT EXISTS reference_files (
-                    id INTEGER PRIMARY KEY,
-                    name TEXT NOT NULL,
-                    file TEXT NOT NULL,
-                    UNIQUE(name, file)
-                 );
-                 CREATE TABLE IF NOT EXISTS reference_prints (
-                    file_id INTEGER NOT NULL REFERENCES reference_files(id) ON DELETE CASCADE,
-                    hash INTEGER NOT NULL,
-                    line INTEGER NOT NULL
-                 );
-                 CREATE INDEX IF NOT EXISTS reference_prints_file ON reference_prints(file_id);
-                 PRAGMA user_version = 2;
-                 COMMIT;",
-            )
-            .map_err(fail)?;
-        }
-        if version < 3 {
-            add_columns(
-                &conn,
-                &[("client", "TEXT NOT NULL DEFAULT ''"), ("constraints", "TEXT NOT NULL DEFAULT '{}'")],
-                "",
-                3,
-            )
-            .map_err(fail)?;
-        }
-        if version < 4 {
-            conn.execute_batch(
-                "BEGIN;
-                 CREATE TABLE IF NOT EXISTS machine_probes (
-                    fingerprint TEXT PRIMARY KEY,
-                    time TEXT NOT NULL,
-                    probe TEXT NOT NULL
-                 );
-                 PRAGMA user_version = 4;
-                 COMMIT;",
-            )
-            .map_err(fail)?;
-        }
-        if version < 5 {
-            // Outcome status, so that a cancelled call is neither a pass nor a failure.
-            add_columns(
-                &conn,
-                &[("status", "TEXT NOT NULL DEFAULT ''")],
-                "UPDATE outcomes SET status = CASE passed WHEN 1 THEN 'passed' ELSE 'failed' END WHERE status = '';",
-                5,
-            )
-            .map_err(fail)?;
-        }
-        if version < 6 {
-            // Rows recorded before this version carry no HMAC: they stay listed but are not evidence
-            // (authenticating them now would authenticate whatever had been inserted into them).
-            add_columns(
-                &conn,
-                // `status` again: a ledger a build numbered differently may hold this step's columns
-                // at version 5 without step 5's.
-                &[
-                    ("status", "TEXT NOT NULL DEFAULT ''"),
-                    ("mac", "TEXT NOT NULL DEFAULT ''"),
-                    ("imported", "INTEGER NOT NULL DEFAULT 0"),
-                ],
-                "UPDATE outcomes SET status = CASE passed WHEN 1 THEN 'passed' ELSE 'failed' END WHERE status = '';",
-                6,
-            )
-            .map_err(fail)?;
-        }
-        if version < 7 {
-            // Runners whose signed bundle runs count as evidence (harness::attest).
-            conn.execute_batch(
-                "BEGIN;
-                 CREATE TABLE IF NOT EXISTS runners (
-                    name TEXT PRIMARY KEY,
-                    public_key TEXT NOT NULL UNIQUE,
-                    added TEXT NOT NULL,
-                    mac TEXT NOT NULL
-                 );
-                 PRAGMA user_version = 7;
-                 COMMIT;",
-            )
-            .map_err(fail)?;
-        }
-        if version < 8 {
-            // Bundles this server wrote (bundles::record_bundle).
-            conn.execute_batch(bundles::MIGRATION).map_err(fail)?;
+        if version < SCHEMA_VERSION {
+            // One process migrates at a time: the version is read again and every step run in one
+            // IMMEDIATE transaction (the write lock taken first), so processes opening a fresh
+            // ledger together wait for the first (busy_timeout) and then find it migrated.
+            conn.execute_batch("BEGIN IMMEDIATE;").map_err(fail)?;
+            let migrated = conn
+                .pragma_query_value(None, "user_version", |r| r.get::<_, i64>(0))
+                .and_then(|now| migrate(&conn, now))
+                .and_then(|()| conn.execute_batch("COMMIT;"));
+            if let Err(e) = migrated {
+                let _ = conn.execute_batch("ROLLBACK;");
+                return Err(fail(e));
+            }
         }
         let key = load_or_create_key(path)?;
         Ok(Ledger { conn, path: path.to_path_buf(), key })
@@ -797,21 +716,120 @@ fn insert(conn: &Connection, o: &Outcome, key: Option<&[u8; 32]>) -> rusqlite::R
 /// One schema step on `outcomes`: add each column it lacks (a ledger written by a build that
 /// numbered its steps differently may have some already), run `then`, set `user_version`, all in
 /// one transaction (an error leaves the ledger as it was).
+/// Bring a ledger at schema `version` to [`SCHEMA_VERSION`], step by step, inside the caller's
+/// transaction (each step sets `user_version` to its number).
+fn migrate(conn: &Connection, version: i64) -> rusqlite::Result<()> {
+    if version < 1 {
+        conn.execute_batch(
+            "CREATE TABLE IF NOT EXISTS outcomes (
+                id TEXT PRIMARY KEY,
+                time TEXT NOT NULL,
+                tool TEXT NOT NULL,
+                engine TEXT NOT NULL,
+                engine_hash TEXT NOT NULL,
+                contracts TEXT NOT NULL,
+                passed INTEGER NOT NULL,
+                summary TEXT NOT NULL,
+                figures TEXT NOT NULL,
+                reference_level TEXT NOT NULL,
+                duration_ms INTEGER NOT NULL
+             );
+             CREATE INDEX IF NOT EXISTS outcomes_engine ON outcomes(engine_hash, tool);
+             PRAGMA user_version = 1;",
+        )?;
+    }
+    if version < 2 {
+        conn.execute_batch(
+            "CREATE TABLE IF NOT EXISTS reference_files (
+                id INTEGER PRIMARY KEY,
+                name TEXT NOT NULL,
+                file TEXT NOT NULL,
+                UNIQUE(name, file)
+             );
+             CREATE TABLE IF NOT EXISTS reference_prints (
+                file_id INTEGER NOT NULL REFERENCES reference_files(id) ON DELETE CASCADE,
+                hash INTEGER NOT NULL,
+                line INTEGER NOT NULL
+             );
+             CREATE INDEX IF NOT EXISTS reference_prints_file ON reference_prints(file_id);
+             PRAGMA user_version = 2;",
+        )?;
+    }
+    if version < 3 {
+        add_columns(
+            &conn,
+            &[("client", "TEXT NOT NULL DEFAULT ''"), ("constraints", "TEXT NOT NULL DEFAULT '{}'")],
+            "",
+            3,
+        )?;
+    }
+    if version < 4 {
+        conn.execute_batch(
+            "CREATE TABLE IF NOT EXISTS machine_probes (
+                fingerprint TEXT PRIMARY KEY,
+                time TEXT NOT NULL,
+                probe TEXT NOT NULL
+             );
+             PRAGMA user_version = 4;",
+        )?;
+    }
+    if version < 5 {
+        // Outcome status, so that a cancelled call is neither a pass nor a failure.
+        add_columns(
+            &conn,
+            &[("status", "TEXT NOT NULL DEFAULT ''")],
+            "UPDATE outcomes SET status = CASE passed WHEN 1 THEN 'passed' ELSE 'failed' END WHERE status = '';",
+            5,
+        )?;
+    }
+    if version < 6 {
+        // Rows recorded before this version carry no HMAC: they stay listed but are not evidence
+        // (authenticating them now would authenticate whatever had been inserted into them).
+        add_columns(
+            &conn,
+            // `status` again: a ledger a build numbered differently may hold this step's columns
+            // at version 5 without step 5's.
+            &[
+                ("status", "TEXT NOT NULL DEFAULT ''"),
+                ("mac", "TEXT NOT NULL DEFAULT ''"),
+                ("imported", "INTEGER NOT NULL DEFAULT 0"),
+            ],
+            "UPDATE outcomes SET status = CASE passed WHEN 1 THEN 'passed' ELSE 'failed' END WHERE status = '';",
+            6,
+        )?;
+    }
+    if version < 7 {
+        // Runners whose signed bundle runs count as evidence (harness::attest).
+        conn.execute_batch(
+            "CREATE TABLE IF NOT EXISTS runners (
+                name TEXT PRIMARY KEY,
+                public_key TEXT NOT NULL UNIQUE,
+                added TEXT NOT NULL,
+                mac TEXT NOT NULL
+             );
+             PRAGMA user_version = 7;",
+        )?;
+    }
+    if version < 8 {
+        // Bundles this server wrote (bundles::record_bundle).
+        conn.execute_batch(bundles::MIGRATION)?;
+    }
+    Ok(())
+}
+
 fn add_columns(conn: &Connection, columns: &[(&str, &str)], then: &str, version: i64) -> rusqlite::Result<()> {
     let have: Vec<String> = conn
         .prepare("SELECT name FROM pragma_table_info('outcomes')")?
         .query_map([], |r| r.get(0))?
         .collect::<rusqlite::Result<_>>()?;
-    let mut sql = String::from("BEGIN;\n");
+    let mut sql = String::new();
     for (name, decl) in columns {
         if !have.iter().any(|h| h == name) {
             sql += &format!("ALTER TABLE outcomes ADD COLUMN {name} {decl};\n");
         }
     }
-    sql += &format!("{then}\nPRAGMA user_version = {version};\nCOMMIT;");
-    conn.execute_batch(&sql).inspect_err(|_| {
-        let _ = conn.execute_batch("ROLLBACK;");
-    })
+    sql += &format!("{then}\nPRAGMA user_version = {version};");
+    conn.execute_batch(&sql)
 }
 
 #[cfg(test)]
