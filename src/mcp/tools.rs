@@ -53,6 +53,7 @@ impl Report for AllowedDirectories {
 
 /// An empty request.
 #[derive(Debug, Clone, Default, serde::Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
 pub struct NoArguments {}
 
 #[tool_router(vis = "pub(super)")]

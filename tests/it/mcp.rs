@@ -160,6 +160,20 @@ async fn calls_return_text_and_structured_content_and_bad_requests_are_tool_erro
     let e = c.call_tool(CallToolRequestParams::new("plan_engine").with_arguments(serde_json::Map::new())).await;
     assert!(e.is_err() || e.unwrap().is_error == Some(true));
     assert!(c.call_tool(CallToolRequestParams::new("no_such_tool")).await.is_err());
+    // An argument the tool does not take (the CLI's `--prompt` and `--max-tokens` for
+    // verify_generation's `prompts` and `max_new_tokens`) is refused by name, never dropped.
+    let args = json!({"engine": "e", "model": "m", "prompt": "Hello", "max_tokens": 5});
+    let e = c
+        .call_tool(CallToolRequestParams::new("verify_generation").with_arguments(args.as_object().unwrap().clone()))
+        .await;
+    let why = match e {
+        Err(e) => e.to_string(),
+        Ok(r) => r.content[0].as_text().unwrap().text.clone(),
+    };
+    assert!(
+        why.contains("unknown field `") && why.contains("expected one of") && why.contains("`max_new_tokens`"),
+        "{why}"
+    );
     let r = call(&c, "lookup_contract", json!({"query": "rotary"})).await;
     assert_eq!(r.is_error, Some(false));
     c.cancel().await.unwrap();

@@ -641,6 +641,30 @@ fn rooms_of_a_readable_size(files: &Files) -> Vec<String> {
         .collect()
 }
 
+/// Rule: every request type a tool deserialises (`pub struct ...Request` deriving Deserialize)
+/// refuses unknown fields, so a misspelt or foreign argument is an error naming the fields, never
+/// silently dropped.
+fn requests_refuse_unknown_fields(files: &Files) -> Vec<String> {
+    let mut out = Vec::new();
+    for (p, text) in own(files) {
+        let lines: Vec<&str> = text.lines().collect();
+        for (i, l) in lines.iter().enumerate() {
+            let Some(rest) = l.trim_start().strip_prefix("pub struct ") else { continue };
+            let name: String = rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
+            if !name.ends_with("Request") {
+                continue;
+            }
+            let attrs: Vec<&str> =
+                lines[..i].iter().rev().take_while(|a| a.trim_start().starts_with("#[")).copied().collect();
+            let derives = attrs.iter().any(|a| a.contains("derive(") && a.contains("Deserialize"));
+            if derives && !attrs.iter().any(|a| a.contains("deny_unknown_fields")) {
+                out.push(format!("{p}: {name} derives Deserialize without #[serde(deny_unknown_fields)]"));
+            }
+        }
+    }
+    out
+}
+
 /// Rule: clap is the binary's (src/main.rs and src/cli/): no library module or crate names it.
 fn clap_only_in_the_binary(files: &Files) -> Vec<String> {
     own(files)
@@ -722,6 +746,7 @@ fn the_sources_keep_the_architecture() {
     problems.extend(copies_agree(COPIES, DERIVED, &|p| std::fs::read_to_string(root().join(p)).ok()));
     problems.extend(invariants_name_tests(&architecture, &rust_files("tests")));
     problems.extend(clap_only_in_the_binary(&src));
+    problems.extend(requests_refuse_unknown_fields(&src));
     problems.extend(context_through_the_helper(&src));
     problems.extend(rooms_of_a_readable_size(&src));
     let manifests: Files = ["llama-cpu-plain", "llama-cpu-simd", "llama-cuda-bf16"]
@@ -743,6 +768,12 @@ fn each_rule_catches_a_planted_violation() {
     let f = |p: &str, t: &str| vec![(p.to_string(), t.to_string())];
     assert_eq!(module_docs(&f("src/x.rs", "//! doc\nfn a() {}")).len(), 0);
     assert_eq!(module_docs(&f("src/x.rs", "// not a module doc\nfn a() {}")).len(), 1);
+    let request = |attrs: &str| f("crates/ops/src/x.rs", &format!("//! d\n{attrs}\npub struct XRequest {{}}"));
+    assert_eq!(requests_refuse_unknown_fields(&request("#[derive(Debug, Deserialize)]")).len(), 1);
+    assert!(
+        requests_refuse_unknown_fields(&request("#[derive(Deserialize)]\n#[serde(deny_unknown_fields)]")).is_empty()
+    );
+    assert!(requests_refuse_unknown_fields(&request("#[derive(Debug, Serialize)]")).is_empty());
 
     assert_eq!(processes(&f("src/ops/x.rs", "//! d\nlet c = std::process::Command::new(\"sh\");")).len(), 1);
     assert_eq!(processes(&f("src/ops/x.rs", "//! d\nlet p = duct::cmd(\"sh\", [\"-c\"]);")).len(), 1);

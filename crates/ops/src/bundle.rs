@@ -17,6 +17,7 @@ use harness::{Budget, bundle};
 
 /// What to run.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 pub struct BundleRunRequest {
     /// The bundle directory.
     pub dir: String,

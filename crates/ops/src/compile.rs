@@ -12,6 +12,7 @@ use ledger::figures::{CompileFigures, Figures};
 
 /// Which engine to build.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 pub struct CompileRequest {
     /// Engine crate directory.
     pub engine: String,

@@ -54,6 +54,7 @@ pub const MIN_CLUSTER: usize = 2;
 
 /// Options of an evolution run.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 pub struct EvolveRequest {
     /// Fewest failures in a cluster (default 2).
     #[serde(default)]
@@ -293,6 +294,7 @@ fn write_candidate(dir: &Path, rel: &str, c: &Contract) -> Result<PathBuf> {
 
 /// A contract proposal.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 pub struct ProposeRequest {
     /// The contract as TOML (one file of the CKB), at most 1 MiB.
     pub toml: String,

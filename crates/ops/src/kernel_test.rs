@@ -37,6 +37,7 @@ use oracle::{UNWRITTEN, Verdict};
 
 /// Which kernels to test.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 pub struct KernelTestRequest {
     /// Engine crate directory.
     pub engine: String,

@@ -12,6 +12,7 @@ use ckb::{Contract, Phase};
 
 /// Which contracts: give one of `id`, `ids`, `phase` or `query`.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 pub struct LookupRequest {
     /// Exact contract id, e.g. `kernel.rope`.
     #[serde(default)]

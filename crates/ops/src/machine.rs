@@ -12,6 +12,7 @@ use probe::MachineProbe;
 
 /// Whether to measure again.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 pub struct MachineRequest {
     /// Measure again even when a cached probe exists (takes about a minute).
     #[serde(default)]

@@ -10,6 +10,7 @@ use ledger::{Ledger, OutcomeFilter};
 
 /// Which page of outcomes.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 pub struct OutcomesRequest {
     /// The previous page's `next_cursor`; absent: the newest outcomes.
     #[serde(default)]

@@ -64,6 +64,7 @@ went home. Her mom gave her a hug and a warm cup of milk. Lily was happy.";
 
 /// What to check.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 pub struct PerplexityRequest {
     /// A checkpoint directory with trained weights and tokenizer.json.
     pub model: String,

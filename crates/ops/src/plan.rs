@@ -17,6 +17,7 @@ use model::{self, Files, Gap, GenerationConfig, ResolvedConfig};
 
 /// Constraints of the engine to build.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 pub struct PlanRequest {
     /// Hugging Face model directory (config.json is read; weights are not needed to plan).
     pub model: String,

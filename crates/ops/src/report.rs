@@ -17,6 +17,7 @@ use ledger::{Ledger, Outcome};
 
 /// What to report on, and which page of which section.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 pub struct ReportRequest {
     /// Only contracts whose id starts with this, e.g. `kernel.`.
     #[serde(default)]

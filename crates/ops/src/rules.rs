@@ -15,6 +15,7 @@ use harness::{self, Budget, Engine};
 
 /// Which engine to check.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 pub struct RulesRequest {
     /// Engine crate directory.
     pub engine: String,

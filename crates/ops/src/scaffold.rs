@@ -18,6 +18,7 @@ use base::error::{Error, Result};
 
 /// Where and for what to scaffold.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 pub struct ScaffoldRequest {
     /// Hugging Face model directory the engine is for.
     pub model: String,

@@ -44,6 +44,7 @@ use spec::BatchingSpec;
 
 /// What to verify.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 pub struct BatchingRequest {
     /// Engine crate directory (its metainfer.toml must have a `[serving]` table).
     pub engine: String,

@@ -37,6 +37,7 @@ use spec::ProfileSpec;
 
 /// What to profile.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 pub struct ProfileRequest {
     /// Engine crate directory.
     pub engine: String,

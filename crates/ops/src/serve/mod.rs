@@ -49,6 +49,7 @@ pub use wire::{Answered, Ask, LevelRun, Observed, Plan, Step, StreamAnswered};
 
 /// What to serve and how hard to load it.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 pub struct ServeRequest {
     /// Engine crate directory (its metainfer.toml must have a `[serving]` table; its binary takes
     /// `serve --model DIR --host H --port P`).

@@ -48,6 +48,7 @@ pub const FAMILIES: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "gemma"];
 /// Sizes and family of the checkpoint to write. Unset sizes take the preset's values, or small
 /// defaults without a preset.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 pub struct SynthRequest {
     /// Family: llama, mistral, qwen2, qwen3 or gemma (a `model.` prefix is accepted). May be empty with
     /// a preset, which sets llama.

@@ -63,6 +63,7 @@ use vectors::vocabulary_sets;
 
 /// What to verify.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 pub struct VerifyRequest {
     /// Engine crate directory.
     pub engine: String,
