@@ -191,6 +191,12 @@ async fn paths_outside_the_workspace_are_refused() {
     assert!(!t.path().join("outside").exists(), "nothing may be written outside the workspace");
     let r = call(&c, "scaffold_engine", json!({"model": crate::babyllama(), "out": ws.join("../ws/../escape")})).await;
     assert_eq!(r.is_error, Some(true));
+    // The workspace itself is no new directory: named as such, not as a path outside it.
+    for out in [json!("."), json!(ws)] {
+        let r = call(&c, "scaffold_engine", json!({"model": crate::babyllama(), "out": out})).await;
+        let text = &r.content[0].as_text().unwrap().text;
+        assert!(r.is_error == Some(true) && text.contains("is the workspace itself"), "{text}");
+    }
     let r = call(&c, "scaffold_engine", json!({"model": crate::babyllama(), "out": ws.join("engine")})).await;
     assert_eq!(r.is_error, Some(false), "{:?}", r.content);
     c.cancel().await.unwrap();

@@ -441,12 +441,19 @@ impl Ctx {
     ///
     /// # Errors
     /// As [`Ctx::confine`]; also `..` or `.` after a missing directory, or an ancestor that is not
-    /// a directory.
+    /// a directory, or the workspace itself (`.`).
     pub fn confine_new(&self, path: &Path) -> Result<NewDir> {
+        let path = &base::util::expand_home(path);
         let full = match &self.workspace {
             Some(ws) => ws.join(path),
             None => std::path::absolute(path).usage_ctx(|| path.display().to_string())?,
         };
+        if self.workspace.as_ref().is_some_and(|ws| full.components().eq(ws.components())) {
+            return Err(Error::usage(format!(
+                "{} is the workspace itself; name a new directory beneath it, e.g. `engine`",
+                path.display()
+            )));
+        }
         let name = match full.components().next_back() {
             Some(std::path::Component::Normal(n)) => n.to_owned(),
             _ => return Err(Error::usage(format!("{}: not a usable directory name", path.display()))),
