@@ -165,8 +165,15 @@ pub async fn run(opts: DemoOptions) -> Result<bool> {
         }
     };
     let engine = workspace.join("engine");
-    if engine.exists() {
-        return Err(Error::usage(format!("{} already exists; pass an empty --keep directory", engine.display())));
+    // What the demo writes into its workspace must not be there yet, in any form: a symlink left
+    // in a --keep directory would redirect the writes to wherever it points.
+    let own = ["engine", crate::model::embedded::BABYLLAMA_NAME, "ledger.sqlite"];
+    if let Some(there) = own.iter().map(|n| workspace.join(n)).find(|p| std::fs::symlink_metadata(p).is_ok()) {
+        return Err(Error::usage(format!(
+            "{} already exists; pass an empty --keep directory (the demo writes engine/, {}/ and ledger.sqlite there)",
+            there.display(),
+            crate::model::embedded::BABYLLAMA_NAME
+        )));
     }
     let (model, origin) = match chosen {
         DemoModel::Given(m) => {

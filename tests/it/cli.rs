@@ -189,6 +189,26 @@ fn demo_with_a_wrong_model_names_the_fix() {
     }
 }
 
+/// `demo --keep DIR` writes engine/, babyllama-105/ and ledger.sqlite into DIR: one already there,
+/// in any form, is refused before anything is written, so a link planted there cannot redirect
+/// the demo's writes onto its target (before, the model's files overwrote the link's target).
+#[test]
+fn demo_keep_refuses_a_directory_holding_what_it_writes() {
+    let t = tempfile::tempdir().unwrap();
+    let (keep, victim) = (t.path().join("keep"), t.path().join("victim"));
+    std::fs::create_dir_all(&keep).unwrap();
+    std::fs::create_dir_all(&victim).unwrap();
+    std::fs::write(victim.join("config.json"), "{\"victim\": true}").unwrap();
+    std::os::unix::fs::symlink(&victim, keep.join("babyllama-105")).unwrap();
+    let out = run(&["demo", "--keep", "keep"], t.path());
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("babyllama-105 already exists") && err.contains("--keep"), "{err}");
+    assert_eq!(std::fs::read_to_string(victim.join("config.json")).unwrap(), "{\"victim\": true}");
+    assert_eq!(std::fs::read_dir(&victim).unwrap().count(), 1, "nothing written into the link's target");
+    assert!(!keep.join("engine").exists() && !keep.join("ledger.sqlite").exists());
+}
+
 #[test]
 fn small_messages_name_the_fix() {
     let t = tempfile::tempdir().unwrap();
