@@ -135,8 +135,21 @@ fn level_rank(l: LoggingLevel) -> u8 {
     }
 }
 
+/// The most characters of an error's text a tool result carries: an error can echo its input (a
+/// path of megabytes), and its fix usually follows the echo, so the middle is cut.
+const ERROR_CHARS: usize = 4000;
+
 fn err_result(e: crate::error::Error) -> CallToolResult {
-    CallToolResult::error(vec![ContentBlock::text(e.message)])
+    let n = e.message.chars().count();
+    let text = if n <= ERROR_CHARS {
+        e.message
+    } else {
+        let (head, tail) = (ERROR_CHARS * 3 / 4, ERROR_CHARS / 4);
+        let start: String = e.message.chars().take(head).collect();
+        let end: String = e.message.chars().skip(n - tail).collect();
+        format!("{start}[... {} characters cut ...]{end}", n - head - tail)
+    };
+    CallToolResult::error(vec![ContentBlock::text(text)])
 }
 
 impl Server {

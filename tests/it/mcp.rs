@@ -155,6 +155,14 @@ async fn calls_return_text_and_structured_content_and_bad_requests_are_tool_erro
     // Missing model directory.
     let r = call(&c, "plan_engine", json!({"model": t.path().join("nowhere")})).await;
     assert_eq!(r.is_error, Some(true));
+    // An error echoing a huge argument stays bounded, its head and its end (the fix) kept.
+    let r = call(&c, "plan_engine", json!({"model": "x".repeat(1_000_000)})).await;
+    let text = &r.content[0].as_text().unwrap().text;
+    assert!(
+        r.is_error == Some(true) && text.chars().count() < 4100 && text.contains("characters cut"),
+        "{}",
+        text.len()
+    );
 
     // Missing required field and unknown tool: protocol errors, server stays up.
     let e = c.call_tool(CallToolRequestParams::new("plan_engine").with_arguments(serde_json::Map::new())).await;
