@@ -49,9 +49,14 @@ fn every_conformance_folder_is_checked_and_the_covered_families_equal_transforme
     let c = ctx(tmp.path());
     let dirs = folders();
     assert!(dirs.len() >= 17, "../shared/conformance holds {} folders", dirs.len());
-    let r = conformance(&c, &dirs.iter().map(|(_, p)| p.display().to_string()).collect::<Vec<_>>()).unwrap();
+    // As a shell glob (`conformance/*`) names them: the folders and the plain files beside them.
+    let mut given: Vec<String> = dirs.iter().map(|(_, p)| p.display().to_string()).collect();
+    let readme = crate::shared().join("conformance/README.md").display().to_string();
+    given.push(readme.clone());
+    let r = conformance(&c, &given).unwrap();
     eprintln!("{}", metainfer::ops::Report::text(&r));
     assert_eq!(r.families.len(), dirs.len(), "one entry per folder");
+    assert_eq!(r.skipped_files, [readme], "a plain file is left out, named");
     for ((name, _), f) in dirs.iter().zip(&r.families) {
         assert_eq!(&f.family, name);
         if COVERED.contains(&name.as_str()) {

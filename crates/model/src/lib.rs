@@ -174,8 +174,9 @@ pub fn route<'a>(ckb: &'a Ckb, config: &serde_json::Map<String, Value>) -> std::
         vec![Gap {
             field: "architectures".into(),
             reason: format!(
-                "architectures {architectures:?} (model_type {model_type:?}) match no model-family contract; covered: {}. \
+                "architectures {architectures:?} (model_type {}) match no model-family contract; covered: {}. \
                  A new family needs a model contract (propose one)",
+                model_type.map_or("absent".to_string(), |m| format!("{m:?}")),
                 known.join(", ")
             ),
         }]

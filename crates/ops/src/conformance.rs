@@ -196,6 +196,10 @@ pub struct ConformanceReport {
     /// Whether at least one directory was covered and every covered one passed (a directory not
     /// covered does not fail the report; it is listed as such).
     pub passed: bool,
+    /// Paths given that are plain files, not directories (a shell glob such as
+    /// `conformance/*` also names the folder's README.md): left out, listed here.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub skipped_files: Vec<String>,
 }
 
 impl Report for ConformanceReport {
@@ -209,6 +213,9 @@ impl Report for ConformanceReport {
             self.families.len(),
             if self.passed { "every covered one passed" } else { "FAILED" }
         );
+        for p in &self.skipped_files {
+            s += &format!("  {p}: a file, not a conformance directory; left out\n");
+        }
         for f in &self.families {
             s += &format!("  {}\n", f.line());
             for p in &f.promotions {
@@ -232,7 +239,13 @@ pub fn conformance(ctx: &Ctx, dirs: &[String]) -> Result<ConformanceReport> {
     let live = ctx.live();
     let ctx = &*live;
     let mut families = Vec::new();
+    let mut skipped_files = Vec::new();
     for d in dirs {
+        let full = ctx.workspace.as_ref().map_or_else(|| Path::new(d).to_path_buf(), |w| w.join(d));
+        if std::fs::symlink_metadata(&full).is_ok_and(|m| m.is_file()) {
+            skipped_files.push(d.clone());
+            continue;
+        }
         let started = std::time::Instant::now();
         let held = ctx.confine_model(Path::new(d))?;
         let mut f = check_dir(ctx, &held)?;
@@ -268,7 +281,7 @@ pub fn conformance(ctx: &Ctx, dirs: &[String]) -> Result<ConformanceReport> {
     let covered = families.iter().filter(|f| f.covered).count();
     // Nothing covered is nothing shown.
     let passed = covered > 0 && families.iter().filter(|f| f.covered).all(|f| f.passed);
-    Ok(ConformanceReport { families, covered, passed })
+    Ok(ConformanceReport { families, covered, passed, skipped_files })
 }
 
 /// Read and parse `vectors.json` of a directory.
