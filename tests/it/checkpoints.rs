@@ -892,6 +892,8 @@ fn verify_stops_at_eos_and_checks_the_real_vocabularies() {
     assert_eq!(v.stop_tokens, [eos as u32]);
     let first = &v.prompts[0];
     assert!(first.stopped_at_eos && first.steps == 6, "{first:?}");
+    let text = metainfer::ops::Report::text(&v);
+    assert!(text.contains("(6 steps, stopped at EOS, max abs"), "the text says why it stopped: {text}");
     assert!(v.warnings.iter().any(|w| w.contains("no generate::stop_tokens")), "{:?}", v.warnings);
     assert_eq!(v.tokenizer, "component.tokenizer");
     let names: Vec<&str> = v.tokenizer_vectors.iter().map(|x| x.vocabulary.as_str()).collect();

@@ -227,7 +227,7 @@ impl Report for VerifyReport {
         }
         for p in &self.prompts {
             s += &format!(
-                "{} {:?}{}: tokenizer {} tokens {} logits {} ({} steps, max abs {}{})\n   {:?}\n",
+                "{} {:?}{}: tokenizer {} tokens {} logits {} ({} steps{}, max abs {}{})\n   {:?}\n",
                 if p.error.is_empty() { "ok  " } else { "FAIL" },
                 p.prompt,
                 if p.random { " (random)" } else { "" },
@@ -235,6 +235,7 @@ impl Report for VerifyReport {
                 mark(p.tokens_ok),
                 mark(p.logits_ok),
                 p.steps,
+                if p.stopped_at_eos { ", stopped at EOS" } else { "" },
                 crate::sci(p.max_abs_err),
                 if p.widened_atol > 0.0 {
                     format!(
