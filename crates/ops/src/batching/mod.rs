@@ -13,8 +13,8 @@
 //!    reference within the family's tolerance, and its greedy tokens exactly.
 //!
 //! 3. the scheduler (`component.scheduler`): a request trace (arrivals at drawn steps, requests
-//!    too long for the context, aborts of live and finished ids, a block pool small enough to force
-//!    preemption) through the engine's `Scheduler`, each request's scripted tokens given to
+//!    too long for the context, aborts of live and finished ids, a block pool of one to one and a
+//!    half full contexts, so that sequences usually preempt; the count is reported) through the engine's `Scheduler`, each request's scripted tokens given to
 //!    `update` as the sampled ones; every answer, plan and event is checked against the
 //!    contract's invariants (`check_trace`).
 //!
@@ -177,6 +177,9 @@ pub struct BatchingReport {
 impl Report for BatchingReport {
     fn passed(&self) -> bool {
         self.passed
+    }
+    fn bundle_written(&self) -> bool {
+        crate::gate::wrote_bundle(&self.error)
     }
     fn text(&self) -> String {
         let ok = self.sequences.iter().filter(|s| s.tokens_ok && s.logits_ok).count();

@@ -40,7 +40,8 @@ pub fn draw_trace(rng: &mut ChaCha8Rng) -> Trace {
     let block_size: usize = rng.random_range(1..=8);
     let max_context: usize = rng.random_range(8..=48);
     let per_seq = max_context.div_ceil(block_size);
-    let num_blocks = rng.random_range(per_seq..=per_seq * 2);
+    // One to one and a half full contexts: two long sequences running together usually exhaust it.
+    let num_blocks = rng.random_range(per_seq..=per_seq + per_seq / 2);
     let max_seqs = rng.random_range(2..=6);
     let max_batch_tokens = rng.random_range(max_seqs..=max_seqs + 32);
     let n = rng.random_range(6..=14);
