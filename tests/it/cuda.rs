@@ -115,6 +115,10 @@ fn the_cuda_engine_builds_here_and_its_gates_do_not_run_without_a_device() {
     let k = kernel_test(&ctx, &kt(&engine, 5, None, None), &budget()).unwrap();
     assert!(!k.passed, "{k:?}");
     assert!(k.build_error.starts_with("no CUDA device: not run"), "{}", k.build_error);
+    // Nothing ran and nothing failed to build; the way to run it is named.
+    let text = metainfer::ops::Report::text(&k);
+    assert!(text.starts_with("kernel tests NOT RUN") && !text.contains("harness build failed"), "{text}");
+    assert!(text.contains("--write-bundle DIR") && text.contains("metainfer bundle run DIR"), "{text}");
     // The family's 8 kernels, and the serving ones its `[serving]` constraints add: paged attention
     // and sampling (on the host, as its [cuda] section says).
     assert_eq!(k.kernels.len(), 10);
@@ -153,8 +157,19 @@ fn the_cuda_engine_builds_here_and_its_gates_do_not_run_without_a_device() {
     assert!(recorded.iter().filter(|o| o.tool != "check_rules").all(|o| !o.passed && o.figures["no_device"] == true));
 
     // Its bundle, run on a machine without a device, replies no_device and does not pass.
+    // Written from the CLI: what was asked for, so exit 0; a kernel test reads no model, so the
+    // `bundle run` it names takes none.
     let dir = t.path().join("cuda-bundle");
-    kernel_test(&ctx, &kt(&engine, 5, Some(&dir), None), &budget()).unwrap();
+    let written = std::process::Command::new(crate::bin())
+        .args(["test-kernel", "--engine", &s(&engine), "--seed", "5", "--write-bundle", &s(&dir)])
+        .env("METAINFER_LEDGER", &ctx.ledger)
+        .env("METAINFER_CACHE", crate::cache())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&written.stdout);
+    assert_eq!(written.status.code(), Some(0), "{text}{}", String::from_utf8_lossy(&written.stderr));
+    assert!(text.starts_with("kernel tests NOT RUN") && text.contains("not run: bundle written to"), "{text}");
+    assert!(text.contains(&format!("`metainfer bundle run {}` on the machine", dir.display())), "{text}");
     let out = run_bundle(&dir);
     assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stdout));
     let ran: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();

@@ -121,16 +121,29 @@ impl Report for KernelTestReport {
     fn passed(&self) -> bool {
         self.passed
     }
+    fn bundle_written(&self) -> bool {
+        super::gate::wrote_bundle(&self.build_error)
+    }
     fn text(&self) -> String {
         let ok = self.kernels.iter().filter(|k| k.passed).count();
+        // Nothing ran (a bundle written, no device): no verdict, and no build failed.
+        let not_run = self.bundle_written() || self.build_error.starts_with(super::gate::NO_DEVICE);
         let mut s = format!(
             "kernel tests {}: {ok}/{} kernels passed (seed {}, {} weights)\n",
-            if self.passed { "PASSED" } else { "FAILED" },
+            if self.passed {
+                "PASSED"
+            } else if not_run {
+                "NOT RUN"
+            } else {
+                "FAILED"
+            },
             self.kernels.len(),
             self.seed,
             self.dtype
         );
-        if !self.build_error.is_empty() {
+        if not_run {
+            s += &format!("{}\n", self.build_error);
+        } else if !self.build_error.is_empty() {
             s += &format!("harness build failed:\n{}\n", self.build_error);
         }
         if !self.attestation.is_empty() {

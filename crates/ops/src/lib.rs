@@ -327,6 +327,11 @@ pub trait Report: Serialize {
     fn passed(&self) -> bool;
     /// A text rendering useful on its own (MCP text content, CLI output without --json).
     fn text(&self) -> String;
+    /// Whether the call wrote a bundle to run elsewhere instead of a verdict (`write_bundle`): no
+    /// pass and no failure; the CLI exits 0 for it.
+    fn bundle_written(&self) -> bool {
+        false
+    }
 }
 
 pub use manifest::ReferenceLevel;

@@ -53,7 +53,7 @@ use ledger::figures::{
 };
 
 pub use super::evolve::Promotion;
-pub use transport::{BundleWritten, Harness, Scratch, Staging};
+pub use transport::{BundleWritten, Harness, Scratch, Staging, wrote_bundle};
 
 mod transport;
 
@@ -134,10 +134,16 @@ pub enum Exchange {
     Written(BundleWritten),
 }
 
+/// How the text of a gate that found no device begins ([`no_device`]).
+pub const NO_DEVICE: &str = "no CUDA device: not run ";
+
 /// The gate's text for a harness that found no device (`Reply::NoDevice`), None otherwise.
 pub fn no_device(called: &Called) -> Option<String> {
     match &called.reply {
-        Ok(harness::protocol::Reply::NoDevice { reason }) => Some(format!("no CUDA device: not run ({reason})")),
+        Ok(harness::protocol::Reply::NoDevice { reason }) => Some(format!(
+            "{NO_DEVICE}({reason}); write a bundle (write_bundle, `--write-bundle DIR`) and run it with \
+             `metainfer bundle run DIR` where the device is"
+        )),
         _ => None,
     }
 }

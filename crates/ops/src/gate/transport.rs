@@ -251,19 +251,30 @@ pub struct BundleWritten {
     pub bytes: u64,
     /// Whether the model was copied in (else `bundle run --model DIR` must name it).
     pub model_copied: bool,
+    /// Whether the gate reads a model at all (a kernel test does not).
+    pub has_model: bool,
+}
+
+/// How the text of a gate that wrote a bundle begins ([`BundleWritten::text`]): such a report is
+/// no verdict, and the CLI exits 0 for it.
+pub const BUNDLE_WRITTEN: &str = "not run: bundle written to ";
+
+/// Whether a gate report's reason text says it wrote a bundle (no verdict).
+pub fn wrote_bundle(why: &str) -> bool {
+    why.starts_with(BUNDLE_WRITTEN)
 }
 
 impl BundleWritten {
     /// What a gate reports for it: not run, and how to run and compare it.
     pub fn text(&self, tool: &str) -> String {
         format!(
-            "not run: bundle written to {} ({} request(s), {} bytes{}); run `metainfer bundle run {}{}` on the machine with the device, then call {tool} again with from_bundle = {}",
+            "{BUNDLE_WRITTEN}{} ({} request(s), {} bytes{}); run `metainfer bundle run {}{}` on the machine with the device, then call {tool} again with from_bundle = {}",
             self.dir.display(),
             self.requests,
             self.bytes,
             if self.model_copied { ", model included" } else { "" },
             self.dir.display(),
-            if self.model_copied { "" } else { " --model DIR" },
+            if self.model_copied || !self.has_model { "" } else { " --model DIR" },
             self.dir.display()
         )
     }
@@ -489,6 +500,7 @@ impl<'a> Gate<'a> {
             dir: dest.path(),
             requests: manifest.requests.len(),
             bytes,
+            has_model: model_entry.is_some(),
             model_copied: model_entry.is_some_and(|m| m.copied),
         })
     }

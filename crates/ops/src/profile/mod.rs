@@ -315,6 +315,9 @@ impl Report for ProfileReport {
     fn passed(&self) -> bool {
         self.passed
     }
+    fn bundle_written(&self) -> bool {
+        crate::gate::wrote_bundle(&self.error)
+    }
     fn text(&self) -> String {
         if !self.passed && self.decode_tok_s.median == 0.0 {
             return format!("profile FAILED: {}", self.error);

@@ -158,6 +158,9 @@ impl Report for ServeReport {
     fn passed(&self) -> bool {
         self.passed
     }
+    fn bundle_written(&self) -> bool {
+        crate::gate::wrote_bundle(&self.error)
+    }
     fn text(&self) -> String {
         let ok = self.checks.iter().filter(|c| c.passed).count();
         let mut s = format!(

@@ -186,6 +186,9 @@ impl Report for VerifyReport {
     fn passed(&self) -> bool {
         self.passed
     }
+    fn bundle_written(&self) -> bool {
+        crate::gate::wrote_bundle(&self.error)
+    }
     fn text(&self) -> String {
         let ok = self.prompts.iter().filter(|p| p.error.is_empty()).count();
         // A written bundle ran nothing: say so rather than count prompts.
