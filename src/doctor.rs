@@ -132,8 +132,46 @@ fn readable_dir(dir: &Path, what: &str, again: &str) -> std::result::Result<usiz
 /// session; until then `claude mcp list` shows it as "⏸ Pending approval (run `claude` to
 /// approve)". The choice is kept in `~/.claude.json` under the project's path
 /// (`enabledMcpjsonServers`, `disabledMcpjsonServers`).
+/// The client's own command-line program and the command that installs it, for the clients that
+/// are one (Claude Code, Codex, Gemini CLI; npm package names from their install guides); None for
+/// the editors, which need not be on the PATH.
+fn client_program(client: Client) -> Option<(&'static str, &'static str)> {
+    match client {
+        Client::Claude => Some(("claude", "npm install -g @anthropic-ai/claude-code")),
+        Client::Codex => Some(("codex", "npm install -g @openai/codex")),
+        Client::Gemini => Some(("gemini", "npm install -g @google/gemini-cli")),
+        Client::Cursor | Client::Vscode => None,
+    }
+}
+
+/// Whether the client's program is on this shell's PATH (see [`client_program`]).
+fn client_installed(client: Client, program: &str, install: &str, project: &Path) -> Check {
+    let env: Vec<(String, String)> = std::env::vars().collect();
+    match find_program(program, &env, project) {
+        Some(p) => pass("client", format!("`{program}` at {}", p.display())),
+        None => fail(
+            "client",
+            format!("`{program}` is not on this shell's PATH: {} is not installed for this user", client.title()),
+            format!("install it (`{install}`), then run doctor again"),
+        ),
+    }
+}
+
 fn claude_approval(project: &Path, name: &str) -> Check {
     let file = dirs::home_dir().unwrap_or_default().join(".claude.json");
+    if !file.exists() {
+        return fail(
+            "approval",
+            format!(
+                "{} does not exist: Claude Code has not run as this user, so it has approved nothing",
+                file.display()
+            ),
+            format!(
+                "start `claude` in {} once and choose to use the MCP server `{name}` when asked",
+                project.display()
+            ),
+        );
+    }
     let state: serde_json::Value =
         std::fs::read(&file).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or(serde_json::Value::Null);
     let p = &state["projects"][project.display().to_string()];
@@ -205,6 +243,9 @@ pub async fn run(client: Client, project: &Path, name: Option<String>) -> Result
         }
     };
     report.checks.push(pass("config", format!("entry `{name}`: {} {}", entry.command, entry.args.join(" "))));
+    if let Some((program, install)) = client_program(client) {
+        report.checks.push(client_installed(client, program, install, project));
+    }
     if client == Client::Claude {
         report.checks.push(claude_approval(project, &name));
     }

@@ -220,6 +220,18 @@ fn verify_checks_the_shipped_vocabularies_and_names_every_one_it_skipped() {
     assert_eq!((names(&sets), skipped.len()), (vec!["llama-spm".to_string(), "phi-3".into()], 0));
 }
 
+/// Stand-ins for the clients' programs (`claude`, `codex`) in `home/clients`: doctor checks that
+/// the client is installed, on the PATH.
+fn client_programs(home: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = home.join("clients");
+    std::fs::create_dir_all(&dir).unwrap();
+    for p in ["claude", "codex"] {
+        std::fs::write(dir.join(p), "#!/bin/sh\nexit 0\n").unwrap();
+        std::fs::set_permissions(dir.join(p), std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+}
+
 /// An approval of the project's `.mcp.json` server `metainfer`, as Claude Code records it when the
 /// user approves it in an interactive session.
 fn approve(home: &Path, project: &Path) {
@@ -228,15 +240,22 @@ fn approve(home: &Path, project: &Path) {
     std::fs::write(home.join(".claude.json"), v.to_string()).unwrap();
 }
 
+/// `doctor` as a user whose HOME is `home` runs it; `path` replaces PATH, else the clients'
+/// programs (stand-ins in `home/clients`, see [`client_programs`]) come first on this PATH.
 fn doctor(project: &Path, home: &Path, client: &str, path: Option<&str>) -> (i32, String) {
     let mut c = Command::new(crate::bin());
     c.args(["doctor", "--client", client, "--dir"])
         .arg(project)
         .env("HOME", home)
         .env("CODEX_HOME", home.join("codex"));
-    if let Some(p) = path {
-        c.env("PATH", p);
-    }
+    match path {
+        Some(p) => c.env("PATH", p),
+        None => {
+            let inherited = std::env::var_os("PATH").unwrap();
+            let paths = std::iter::once(home.join("clients")).chain(std::env::split_paths(&inherited));
+            c.env("PATH", std::env::join_paths(paths).unwrap())
+        }
+    };
     let out = c.output().unwrap();
     (out.status.code().unwrap_or(-1), format!("{}{}", text(&out.stdout), text(&out.stderr)))
 }
@@ -271,9 +290,24 @@ fn doctor_passes_on_a_registered_project_and_names_the_fix_on_each_broken_setup(
     register("codex");
     let exe = crate::bin().canonicalize().unwrap();
 
-    // Registered but not approved yet: the one failing check says how to approve.
+    // Claude Code not installed: the client check says how to install it; never having run, it
+    // has approved nothing (and no `claude mcp list` output is made up).
+    std::fs::remove_file(home.join(".claude.json")).ok();
     let (code, out) = doctor(&project, &home, "claude", None);
     assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("FAIL client     `claude` is not on this shell's PATH")
+            && out.contains("npm install -g @anthropic-ai/claude-code"),
+        "{out}"
+    );
+    assert!(out.contains("FAIL approval") && out.contains("has approved nothing") && !out.contains("Pending"), "{out}");
+    client_programs(&home);
+
+    // Registered but not approved yet: the one failing check says how to approve.
+    std::fs::write(home.join(".claude.json"), "{\"projects\": {}}").unwrap();
+    let (code, out) = doctor(&project, &home, "claude", None);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("ok   client     `claude` at"), "{out}");
     assert!(out.contains("FAIL approval") && out.contains("Pending approval"), "{out}");
     assert!(out.contains("fix: start `claude` in"), "{out}");
 
