@@ -679,6 +679,7 @@ pub enum Command {
     BenchPeer { model: PathBuf, prompt_len: usize, new_tokens: usize },
     /// Benchmark the f64 reference forward pass that verify_generation runs: peak memory and seconds
     /// per token on a checkpoint (e.g. `synth --preset llama3.2-1b`), in this process alone.
+    #[command(after_help = "Example:\n  metainfer bench-reference --model /tmp/llama-1b --dtype bf16 --tokens 4")]
     BenchReference {
         /// Hugging Face model directory (single or sharded weights).
         #[arg(long, value_name = "DIR")]

@@ -46,30 +46,31 @@ fn help_groups_global_options_documents_every_option_and_gives_examples() {
     let t = tempfile::tempdir().unwrap();
     let top = text(&run(&["--help"], t.path()).stdout);
     assert!(top.contains("Global options:") && top.contains("METAINFER_MODEL"), "{top}");
-    for sub in [
-        "serve",
-        "plan",
-        "synth",
-        "contract",
-        "ckb",
-        "scaffold",
-        "compile",
-        "test-kernel",
-        "verify",
-        "check-rules",
-        "reference",
-        "profile",
-        "ledger",
-        "evolve",
-        "machine",
-        "report",
-        "install-skills",
-        "register",
-        "doctor",
-        "demo",
-        "bench",
-    ] {
-        let h = text(&run(&[sub, "-h"], t.path()).stdout);
+    // Every subcommand, nested ones included, read from the help's own "Commands:" sections.
+    let commands = |args: &[&str]| -> Vec<String> {
+        let mut a = args.to_vec();
+        a.push("--help");
+        let h = text(&run(&a, t.path()).stdout);
+        h.lines()
+            .skip_while(|l| !l.starts_with("Commands:"))
+            .skip(1)
+            .take_while(|l| l.starts_with("  "))
+            .filter_map(|l| l.split_whitespace().next().map(str::to_owned))
+            .filter(|c| c != "help")
+            .collect()
+    };
+    let mut all: Vec<Vec<String>> = Vec::new();
+    for sub in commands(&[]) {
+        let nested = commands(&[sub.as_str()]);
+        all.push(vec![sub.clone()]);
+        all.extend(nested.into_iter().map(|n| vec![sub.clone(), n]));
+    }
+    assert!(all.len() > 30 && all.iter().any(|c| c == &["bundle", "trust"]), "{all:?}");
+    for path in &all {
+        let sub = path.join(" ");
+        let mut a: Vec<&str> = path.iter().map(String::as_str).collect();
+        a.push("-h");
+        let h = text(&run(&a, t.path()).stdout);
         assert!(h.contains("Example"), "`{sub} -h` has no example:\n{h}");
         // Every option line has a description after its name (clap prints a bare name otherwise).
         let lines: Vec<&str> = h.lines().map(str::trim_start).collect();

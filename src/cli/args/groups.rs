@@ -8,6 +8,7 @@ use clap::Subcommand;
 #[derive(Subcommand)]
 pub enum ContractCmd {
     /// Show contracts whole (TOML); several ids are each shown once.
+    #[command(after_help = "Example:\n  metainfer contract show kernel.rope kernel.rms_norm")]
     Show {
         /// Contract ids, e.g. kernel.rope.
         #[arg(required = true, value_name = "ID")]
@@ -17,6 +18,7 @@ pub enum ContractCmd {
         json: bool,
     },
     /// Show a build phase's contracts with their failure modes and requirements, each once.
+    #[command(after_help = "Example:\n  metainfer contract phase decoder_layer --family model.qwen3 --dtype bf16")]
     Phase {
         /// kernels, weight_loading, decoder_layer, full_forward, generation or performance.
         #[arg(value_name = "PHASE")]
@@ -32,6 +34,7 @@ pub enum ContractCmd {
         json: bool,
     },
     /// Search contracts by words (ids rank first).
+    #[command(after_help = "Example:\n  metainfer contract search \"rotary half\"")]
     Search {
         /// Words, e.g. rotary half.
         #[arg(value_name = "TEXT")]
@@ -45,12 +48,14 @@ pub enum ContractCmd {
 #[derive(Subcommand)]
 pub enum LedgerCmd {
     /// Write every outcome, oldest first, as JSONL (to stdout, or --out FILE).
+    #[command(after_help = "Example:\n  metainfer ledger export --out outcomes.jsonl")]
     Export {
         /// File to write (atomically).
         #[arg(long, value_name = "FILE")]
         out: Option<PathBuf>,
     },
     /// Merge outcomes from a JSONL export; outcomes already present (same id) are skipped.
+    #[command(after_help = "Example:\n  metainfer ledger import outcomes.jsonl")]
     Import {
         /// A file written by `ledger export`.
         #[arg(value_name = "FILE")]
@@ -61,6 +66,7 @@ pub enum LedgerCmd {
 #[derive(Subcommand)]
 pub enum ReferenceCmd {
     /// Fingerprint a source tree (Rust, C/C++, CUDA, Python, Go) and register it under a name.
+    #[command(after_help = "Example:\n  metainfer reference add ~/src/llama2.c --name llama2c")]
     Add {
         /// The source tree.
         #[arg(value_name = "DIR")]
@@ -70,12 +76,16 @@ pub enum ReferenceCmd {
         name: Option<String>,
     },
     /// List registered references.
+    #[command(after_help = "Example:\n  metainfer reference list")]
     List,
 }
 
 #[derive(Subcommand)]
 pub enum BundleCmd {
     /// Run every request of the bundle in DIR here; the replies stay in DIR.
+    #[command(
+        after_help = "Examples:\n  metainfer bundle run kt-bundle --key ~/runner/runner.key\n  metainfer bundle run verify-1b --model /data/llama-1b"
+    )]
     Run {
         /// The bundle directory.
         #[arg(value_name = "DIR")]
@@ -93,6 +103,7 @@ pub enum BundleCmd {
     },
     /// Make a runner key pair in DIR: runner.key (secret, mode 0600: keep it where the device is,
     /// out of the agent's reach) and runner.pub (give it to `bundle trust`).
+    #[command(after_help = "Example:\n  metainfer bundle keygen --out ~/runner")]
     Keygen {
         /// The directory to write the two files into (created if needed).
         #[arg(long, value_name = "DIR")]
@@ -100,6 +111,7 @@ pub enum BundleCmd {
     },
     /// Trust a runner's public key: bundle runs it signs (`bundle run --key`) count as evidence
     /// in this ledger; unsigned ones are recorded as unattested.
+    #[command(after_help = "Example:\n  metainfer bundle trust runner.pub --name gpu-box")]
     Trust {
         /// The public key: runner.pub, or its 64 hex digits.
         #[arg(value_name = "KEY")]
@@ -109,18 +121,21 @@ pub enum BundleCmd {
         name: String,
     },
     /// List the trusted runners of this ledger.
+    #[command(after_help = "Example:\n  metainfer bundle runners")]
     Runners,
 }
 
 #[derive(Subcommand)]
 pub enum CkbCmd {
     /// Validate every contract file against the schema and the lint; list findings.
+    #[command(after_help = "Example:\n  metainfer --ckb ./contracts ckb check")]
     Check {
         /// Print exactly the structured result as JSON.
         #[arg(long)]
         json: bool,
     },
     /// Print the JSON Schema of a contract file.
+    #[command(after_help = "Example:\n  metainfer ckb schema > contract.schema.json")]
     Schema,
     /// Check family contracts against an independent implementation's numbers: each DIR holds a
     /// checkpoint, config.json and vectors.json (logits at every prompt position, greedy ids). Each
@@ -159,6 +174,7 @@ pub enum CkbCmd {
         json: bool,
     },
     /// Validate a new or amended contract file and stage it as a candidate (tool propose_contract).
+    #[command(after_help = "Example:\n  metainfer --ckb ./contracts ckb propose gemma3.toml")]
     Propose {
         /// The contract file (TOML).
         #[arg(value_name = "FILE")]
@@ -168,6 +184,7 @@ pub enum CkbCmd {
         json: bool,
     },
     /// Move a staged candidate into the CKB working copy (--ckb DIR): needs evidence in the ledger, or --force.
+    #[command(after_help = "Example:\n  metainfer --ckb ./contracts ckb promote model.gemma3")]
     Promote {
         /// Contract id of the staged candidate.
         #[arg(value_name = "ID")]
