@@ -68,6 +68,7 @@ fn plan_and_scaffold_take_target_cuda_and_a_platform() {
     };
     let sc = scaffold(&ctx, &req).unwrap();
     assert!(sc.files.contains(&"src/device.rs".to_string()), "{:?}", sc.files);
+    assert!(sc.next.contains("write_bundle") && sc.next.contains("metainfer bundle run DIR"), "{}", sc.next);
     let cargo = std::fs::read_to_string(engine.join("Cargo.toml")).unwrap();
     assert!(cargo.contains("cudarc = ") && cargo.contains("\"dynamic-loading\""), "{cargo}");
     let manifest = std::fs::read_to_string(engine.join("metainfer.toml")).unwrap();

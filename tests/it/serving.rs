@@ -89,6 +89,7 @@ fn serving_scaffold_fails_verify_batching_on_its_todos() {
         },
     )
     .unwrap();
+    assert!(r.next.contains("(verify_batching)") && r.next.contains("(serve_engine)"), "{}", r.next);
     for f in ["src/paged.rs", "src/batch.rs", "src/scheduler.rs"] {
         assert!(r.files.contains(&f.to_string()), "{:?}", r.files);
     }

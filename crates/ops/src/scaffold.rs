@@ -308,8 +308,25 @@ fn scaffold_only(ctx: &Ctx, req: &ScaffoldRequest) -> Result<ScaffoldReport> {
         dir: shown.display().to_string(),
         files: files.into_iter().map(|(r, _)| r).collect(),
         contracts,
-        next: "implement src/kernels.rs, then call compile_engine and run_kernel_test; then the model, tokenizer and generate modules, then verify_generation".into(),
+        next: next_steps(&req.target, req.serving.is_some()),
     })
+}
+
+/// The gates after a scaffold, in phase order: the serving ones for an engine with serving
+/// constraints; for a CUDA engine, how its gates run where the device is (bundles).
+fn next_steps(target: &str, serving: bool) -> String {
+    let mut s =
+        "implement src/kernels.rs, then call compile_engine and run_kernel_test; then the model, tokenizer and \
+                 generate modules, then verify_generation"
+            .to_string();
+    if serving {
+        s += "; then the block manager, batched step and scheduler (verify_batching), and the server (serve_engine)";
+    }
+    if target == "cuda" {
+        s += ". Without a GPU here, each gate takes write_bundle: run the bundle with `metainfer bundle run DIR` where \
+              the device is, then call the gate again with from_bundle";
+    }
+    s
 }
 
 /// Write `files` into a staging directory beside `out` (relative to `base`; its parent exists) and
