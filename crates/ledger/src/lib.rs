@@ -757,7 +757,7 @@ fn migrate(conn: &Connection, version: i64) -> rusqlite::Result<()> {
     }
     if version < 3 {
         add_columns(
-            &conn,
+            conn,
             &[("client", "TEXT NOT NULL DEFAULT ''"), ("constraints", "TEXT NOT NULL DEFAULT '{}'")],
             "",
             3,
@@ -776,7 +776,7 @@ fn migrate(conn: &Connection, version: i64) -> rusqlite::Result<()> {
     if version < 5 {
         // Outcome status, so that a cancelled call is neither a pass nor a failure.
         add_columns(
-            &conn,
+            conn,
             &[("status", "TEXT NOT NULL DEFAULT ''")],
             "UPDATE outcomes SET status = CASE passed WHEN 1 THEN 'passed' ELSE 'failed' END WHERE status = '';",
             5,
@@ -786,7 +786,7 @@ fn migrate(conn: &Connection, version: i64) -> rusqlite::Result<()> {
         // Rows recorded before this version carry no HMAC: they stay listed but are not evidence
         // (authenticating them now would authenticate whatever had been inserted into them).
         add_columns(
-            &conn,
+            conn,
             // `status` again: a ledger a build numbered differently may hold this step's columns
             // at version 5 without step 5's.
             &[
