@@ -302,14 +302,46 @@ pub const PROMPT_TRACED: u64 = 2;
 /// pseudorandom number generators", OOPSLA 2014) over seed, stream, run and index. The harness
 /// draws them and the server draws them again to check the prompts a reply says it timed.
 pub fn profile_prompt(seed: u64, stream: u64, run: usize, len: usize, vocab: u32) -> Vec<u32> {
-    let mix = |mut z: u64| {
-        z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    };
-    let base = mix(seed ^ mix((stream << 32) ^ run as u64));
-    (0..len).map(|i| (mix(base ^ i as u64) % u64::from(vocab.max(1))) as u32).collect()
+    let base = splitmix64(seed ^ splitmix64((stream << 32) ^ run as u64));
+    (0..len).map(|i| (splitmix64(base ^ i as u64) % u64::from(vocab.max(1))) as u32).collect()
+}
+
+/// One output of splitmix64 from state `z` (the state advanced by the golden-ratio increment, then
+/// mixed), as in Vigna's reference splitmix64.c.
+fn splitmix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+#[cfg(test)]
+mod prompt_tests {
+    use super::{PROMPT_DECODE, PROMPT_PREFILL, profile_prompt, splitmix64};
+
+    /// splitmix64's first outputs from state 0 are 0xE220A8397B1DCDAF and 0x6E789E6AA1B965F4
+    /// (Vigna's splitmix64.c; the state advances by the increment before each output).
+    #[test]
+    fn splitmix64_gives_the_reference_outputs() {
+        assert_eq!(splitmix64(0), 0xE220_A839_7B1D_CDAF);
+        assert_eq!(splitmix64(0x9E37_79B9_7F4A_7C15), 0x6E78_9E6A_A1B9_65F4);
+    }
+
+    /// Prompts are below the vocabulary, the same for the same draw, and differ by seed, run and
+    /// stream.
+    #[test]
+    fn prompts_are_in_range_repeatable_and_distinct() {
+        let p = profile_prompt(7, PROMPT_DECODE, 0, 64, 105);
+        assert!(p.len() == 64 && p.iter().all(|&t| t < 105));
+        assert_eq!(p, profile_prompt(7, PROMPT_DECODE, 0, 64, 105));
+        for other in [
+            profile_prompt(8, PROMPT_DECODE, 0, 64, 105),
+            profile_prompt(7, PROMPT_DECODE, 1, 64, 105),
+            profile_prompt(7, PROMPT_PREFILL, 0, 64, 105),
+        ] {
+            assert_ne!(p, other);
+        }
+    }
 }
 
 /// Steps of a generation whose logits rows come back whole under `logits_every` > 1: the first
