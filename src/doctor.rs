@@ -159,27 +159,21 @@ fn client_installed(client: Client, program: &str, install: &str, project: &Path
 
 fn claude_approval(project: &Path, name: &str) -> Check {
     let file = dirs::home_dir().unwrap_or_default().join(".claude.json");
+    let approve = format!(
+        "start `claude` in {} once and choose to use the MCP server `{name}` when asked; `claude mcp list` then shows it \"✔ Connected\"",
+        project.display()
+    );
     if !file.exists() {
-        return fail(
-            "approval",
-            format!(
-                "{} does not exist: Claude Code has not run as this user, so it has approved nothing",
-                file.display()
-            ),
-            format!(
-                "start `claude` in {} once and choose to use the MCP server `{name}` when asked",
-                project.display()
-            ),
+        let never = format!(
+            "{} does not exist: Claude Code has not run as this user, so it has approved nothing",
+            file.display()
         );
+        return fail("approval", never, approve);
     }
     let state: serde_json::Value =
         std::fs::read(&file).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or(serde_json::Value::Null);
     let p = &state["projects"][project.display().to_string()];
     let listed = |key: &str| p[key].as_array().is_some_and(|a| a.iter().any(|x| x.as_str() == Some(name)));
-    let approve = format!(
-        "start `claude` in {} once and choose to use the MCP server `{name}` when asked; `claude mcp list` then shows it \"✔ Connected\"",
-        project.display()
-    );
     if listed("disabledMcpjsonServers") {
         fail(
             "approval",

@@ -29,6 +29,14 @@ fn failed(i: usize, tool: &str, contracts: &[&str], summary: &str, figures: serd
     }
 }
 
+/// Each cluster's shape and its outcomes, sorted.
+fn shapes(r: &metainfer::ops::evolve::EvolveReport) -> Vec<(String, Vec<String>)> {
+    let mut seen: Vec<(String, Vec<String>)> =
+        r.clusters.iter().map(|c| (c.shape.clone(), c.outcomes.clone())).collect();
+    seen.sort();
+    seen
+}
+
 #[test]
 fn recurring_unexplained_failures_become_valid_candidates() {
     let t = tempfile::tempdir().unwrap();
@@ -108,9 +116,7 @@ fn kernel_failures_cluster_by_kind_and_unwritten_ones_make_no_candidate() {
         l.record(&failed(30 + i, "run_kernel_test", &["kernel.argmax@1"], "kernel tests FAILED", off)).unwrap();
     }
     let r = evolve(&ctx, &EvolveRequest::default()).unwrap();
-    let mut seen: Vec<(String, Vec<String>)> =
-        r.clusters.iter().map(|c| (c.shape.clone(), c.outcomes.clone())).collect();
-    seen.sort();
+    let seen = shapes(&r);
     assert_eq!(
         seen,
         [
@@ -147,9 +153,7 @@ fn failed_verifies_cluster_by_where_they_diverge() {
         l.record(&failed(i, "verify_generation", &["model.qwen3@1"], &summary, figures)).unwrap();
     }
     let r = evolve(&ctx, &EvolveRequest::default()).unwrap();
-    let mut seen: Vec<(String, Vec<String>)> =
-        r.clusters.iter().map(|c| (c.shape.clone(), c.outcomes.clone())).collect();
-    seen.sort();
+    let seen = shapes(&r);
     assert_eq!(
         seen,
         [

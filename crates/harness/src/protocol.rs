@@ -297,12 +297,13 @@ pub const PROMPT_PREFILL: u64 = 1;
 /// See [`PROMPT_DECODE`].
 pub const PROMPT_TRACED: u64 = 2;
 
-/// The `len` prompt token ids of profile run `run` of `stream` ([`PROMPT_DECODE`], ...), drawn
-/// from `seed`, each below `vocab`: splitmix64 (Steele, Lea and Flood, "Fast splittable
-/// pseudorandom number generators", OOPSLA 2014) over seed, stream, run and index. The harness
-/// draws them and the server draws them again to check the prompts a reply says it timed.
-pub fn profile_prompt(seed: u64, stream: u64, run: usize, len: usize, vocab: u32) -> Vec<u32> {
-    let base = splitmix64(seed ^ splitmix64((stream << 32) ^ run as u64));
+/// The `len` prompt token ids of the profile prompt that `draw` names (its stream,
+/// [`PROMPT_DECODE`], ..., then its run, and for a prefill-by-length run its length), drawn from
+/// `seed`, each below `vocab`: splitmix64 (Steele, Lea and Flood, "Fast splittable pseudorandom
+/// number generators", OOPSLA 2014) chained over seed, the parts of `draw` and the index. The
+/// harness draws them and the server draws them again to check the prompts a reply says it timed.
+pub fn profile_prompt(seed: u64, draw: &[u64], len: usize, vocab: u32) -> Vec<u32> {
+    let base = draw.iter().fold(splitmix64(seed), |h, &part| splitmix64(h ^ part));
     (0..len).map(|i| (splitmix64(base ^ i as u64) % u64::from(vocab.max(1))) as u32).collect()
 }
 
@@ -331,13 +332,13 @@ mod prompt_tests {
     /// stream.
     #[test]
     fn prompts_are_in_range_repeatable_and_distinct() {
-        let p = profile_prompt(7, PROMPT_DECODE, 0, 64, 105);
+        let p = profile_prompt(7, &[PROMPT_DECODE, 0], 64, 105);
         assert!(p.len() == 64 && p.iter().all(|&t| t < 105));
-        assert_eq!(p, profile_prompt(7, PROMPT_DECODE, 0, 64, 105));
+        assert_eq!(p, profile_prompt(7, &[PROMPT_DECODE, 0], 64, 105));
         for other in [
-            profile_prompt(8, PROMPT_DECODE, 0, 64, 105),
-            profile_prompt(7, PROMPT_DECODE, 1, 64, 105),
-            profile_prompt(7, PROMPT_PREFILL, 0, 64, 105),
+            profile_prompt(8, &[PROMPT_DECODE, 0], 64, 105),
+            profile_prompt(7, &[PROMPT_DECODE, 1], 64, 105),
+            profile_prompt(7, &[PROMPT_PREFILL, 0, 64], 64, 105),
         ] {
             assert_ne!(p, other);
         }

@@ -202,8 +202,9 @@ fn stats(seqs: &BTreeMap<String, Vec<(f64, bool)>>) -> Stats {
 }
 
 /// Per-contract verdicts of one outcome: none where nothing ran for want of a device. A kernel
-/// test carries one verdict per kernel in its figures, none for a kernel not written yet. A pass credits every contract the gate ran under. A failure of another gate is charged
-/// to the contracts at fault only: those its diagnosed failure modes apply to; else, for
+/// test carries one verdict per kernel in its figures, none for a kernel not written yet. A pass
+/// credits every contract the gate ran under. A failure of another gate is charged to the
+/// contracts at fault only: those its diagnosed failure modes apply to; else, for
 /// verify_generation and profile_engine, the model family (the kernels answer for themselves in
 /// their own tests, so a diverging forward pass does not make them "never green"); else, for
 /// compile_engine, the contracts its compiler errors were hinted to; else every contract.

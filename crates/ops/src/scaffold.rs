@@ -315,10 +315,10 @@ fn scaffold_only(ctx: &Ctx, req: &ScaffoldRequest) -> Result<ScaffoldReport> {
 /// The gates after a scaffold, in phase order: the serving ones for an engine with serving
 /// constraints; for a CUDA engine, how its gates run where the device is (bundles).
 fn next_steps(target: &str, serving: bool) -> String {
-    let mut s =
+    let mut s = String::from(
         "implement src/kernels.rs, then call compile_engine and run_kernel_test; then the model, tokenizer and \
-                 generate modules, then verify_generation"
-            .to_string();
+         generate modules, then verify_generation",
+    );
     if serving {
         s += "; then the block manager, batched step and scheduler (verify_batching), and the server (serve_engine)";
     }

@@ -252,7 +252,7 @@ fn profile_cmd(dir: &Path, prompt_len: usize, new_tokens: usize, runs: usize, se
     for run in 0..runs {
         // Different tokens on every run and every call: nothing is cached between runs, and a
         // timed prompt cannot be told by its tokens.
-        let prompt = protocol::profile_prompt(seed, protocol::PROMPT_DECODE, run, prompt_len, vocab);
+        let prompt = protocol::profile_prompt(seed, &[protocol::PROMPT_DECODE, run as u64], prompt_len, vocab);
         model.reset();
         let t = Instant::now();
         let mut next = engine::generate::sample_greedy(model.prefill(&prompt, 0));
@@ -275,7 +275,7 @@ fn profile_cmd(dir: &Path, prompt_len: usize, new_tokens: usize, runs: usize, se
         }
         let mut seconds = Vec::new();
         for run in 0..runs {
-            let prompt = protocol::profile_prompt(seed, protocol::PROMPT_PREFILL, run * 1024 + len, len, vocab);
+            let prompt = protocol::profile_prompt(seed, &[protocol::PROMPT_PREFILL, run as u64, len as u64], len, vocab);
             model.reset();
             let t = Instant::now();
             std::hint::black_box(engine::generate::sample_greedy(model.prefill(&prompt, 0)));
@@ -364,7 +364,7 @@ fn traced_timing(model: &mut engine::model::Model, prompt_len: usize, new_tokens
     let mut per_run: Vec<Vec<f64>> = Vec::new();
     let mut totals = Vec::new();
     for run in 0..runs {
-        let prompt = protocol::profile_prompt(seed, protocol::PROMPT_TRACED, run, prompt_len, vocab);
+        let prompt = protocol::profile_prompt(seed, &[protocol::PROMPT_TRACED, run as u64], prompt_len, vocab);
         model.reset();
         let mut next = engine::generate::sample_greedy(model.prefill(&prompt, 0));
         let n = (prompt_len + new_tokens).min(model.max_seq_len()).saturating_sub(prompt_len);

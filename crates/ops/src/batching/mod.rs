@@ -14,9 +14,9 @@
 //!
 //! 3. the scheduler (`component.scheduler`): a request trace (arrivals at drawn steps, requests
 //!    too long for the context, aborts of live and finished ids, a block pool of one to one and a
-//!    half full contexts, so that sequences usually preempt; the count is reported) through the engine's `Scheduler`, each request's scripted tokens given to
-//!    `update` as the sampled ones; every answer, plan and event is checked against the
-//!    contract's invariants (`check_trace`).
+//!    half full contexts, so that sequences usually preempt; the count is reported) through the
+//!    engine's `Scheduler`, each request's scripted tokens given to `update` as the sampled ones;
+//!    every answer, plan and event is checked against the contract's invariants (`check_trace`).
 //!
 //! Expected values exist only in the server and are computed after the engine's process exited.
 

@@ -190,13 +190,8 @@ impl Spec for ProfileSpec<'_> {
         let mut prompts_drawn = true;
         for (i, r) in t.runs.iter().enumerate() {
             let (prompt, got) = (&r.prompt, &r.tokens);
-            let drawn = harness::protocol::profile_prompt(
-                self.seed,
-                harness::protocol::PROMPT_DECODE,
-                i,
-                prompt_len,
-                cfg.vocab as u32,
-            );
+            let draw = [harness::protocol::PROMPT_DECODE, i as u64];
+            let drawn = harness::protocol::profile_prompt(self.seed, &draw, prompt_len, cfg.vocab as u32);
             if *prompt != drawn {
                 report.outputs_ok = false;
                 prompts_drawn = false;
