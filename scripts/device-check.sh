@@ -41,7 +41,9 @@
 # brings back whole rows within 24 MiB (each prompt's first 8 steps, every 37th and the last) and
 # every other step's 16 largest logits (VerifyRequest::logits_every). Every step goes on after a
 # failure and leaves its output in DIR/logs; `judge` prints a summary table (judging the 1B verify
-# replays about 640 positions of the f64 reference here: about half an hour on 2 cores). `run` keeps to a budget
+# replays about 640 positions of the f64 reference here, and each 1B decode profile of 3 runs 384
+# decode positions plus two of three prefill-by-length runs (224) and traced runs (256): about 1.5 s
+# a position on 2 cores, some 15 and 22 minutes). `run` keeps to a budget
 # (BUDGET_S, default 450 s): each step under its own time limit or what is left, the most owed
 # first, later ones skipped when time is out, and the outputs packed back whatever happened.
 #
@@ -51,7 +53,8 @@
 # reads them, default DIR.back.tar.xz), SEED (default 20261201), MODEL_1B_LONG (where the 1B
 # checkpoint is synthesised; default DIR/../llama-1b-640 here, /tmp/metainfer-llama-1b-640 on the GPU
 # machine), JUDGE_LONG=1 (judge also reads the 512-token profile
-# back through the f64 reference, which replays two runs of 520 tokens of a 1B model on this CPU: slow;
+# back through the f64 reference, which replays three runs of 520 tokens of a 1B model on this CPU and
+# two of three of its prefill and traced runs, some 4,400 positions: nearly two hours;
 # without it the summary still reports that bundle's timings from its replies).
 set -uo pipefail
 
@@ -209,7 +212,7 @@ prepare)
             --write-bundle "$dir/verify-1b" --json
         # Decode at batch 1 (64 tokens after a 64-token prompt; prefill_by_len: 16, 32, 64 tokens) ...
         step_run write-profile-1b "$bin" profile --engine "$engine" --model "$model_1b_long" --prompt-len 64 \
-            --new-tokens 64 --runs 5 --write-bundle "$dir/profile-1b" --json
+            --new-tokens 64 --runs 3 --write-bundle "$dir/profile-1b" --json
         # ... and time to first token for long prompts (prefill_by_len: 128, 256, 512 tokens).
         step_run write-profile-1b-512 "$bin" profile --engine "$engine" --model "$model_1b_long" --prompt-len 512 \
             --new-tokens 8 --runs 3 --write-bundle "$dir/profile-1b-512" --json
@@ -389,7 +392,7 @@ judge)
     fi
     for b in profile-1b profile-1b-nograph; do
         [[ -d "$dir/$b" ]] && step_run "judge-$b" "$bin" profile --engine "$engine" --model "$model_1b_long" \
-            --prompt-len 64 --new-tokens 64 --runs 5 --from-bundle "$dir/$b" --json
+            --prompt-len 64 --new-tokens 64 --runs 3 --from-bundle "$dir/$b" --json
     done
     if [[ -d "$dir/verify-qwen3-moe" ]] && engine_moe=$(moe_engine "$root"); then
         step_run judge-kt-qwen3-moe "$bin" test-kernel --engine "$engine_moe" --from-bundle "$dir/kt-qwen3-moe" --json

@@ -442,3 +442,57 @@ fn a_profile_checks_every_timed_run() {
     assert!(!p.passed && !p.outputs_ok && p.runs_checked == 5, "{text}");
     assert!(p.error.contains("the timed runs did not generate the reference's greedy tokens"), "{text}");
 }
+
+/// The prefill-by-length and traced runs are timed too, so a majority of each (drawn when the reply
+/// is judged) is checked against the reference. This engine prefills its first five prompts (the
+/// timed decode runs) honestly and then answers every prefill without computing (a token picked
+/// by the prompt's length): its decode runs pass the check, its prefill runs at 2, 4 and 8 tokens
+/// and its traced runs (whose first token comes from a prefill) fail it, each named.
+#[test]
+fn a_profile_checks_its_prefill_by_length_and_traced_runs() {
+    use metainfer::ops::profile::{ProfileRequest, profile};
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let wrong = t.path().join("engine");
+    crate::Engine::Plain.copy_to(&wrong);
+    let file = wrong.join("src/model.rs");
+    let mut text = std::fs::read_to_string(&file).unwrap();
+    text += "\nstatic PROMPTS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);\n";
+    std::fs::write(&file, text).unwrap();
+    crate::replace_body(
+        &wrong,
+        "src/model.rs",
+        "pub fn prefill(",
+        "if start_pos == 0 && PROMPTS.fetch_add(1, std::sync::atomic::Ordering::SeqCst) >= 5 {
+            let n = self.s.logits.len();
+            self.s.logits.iter_mut().enumerate().for_each(|(i, l)| *l = if i == (tokens.len() * 31 + 7) % n { 1.0 } else { 0.0 });
+            return &self.s.logits;
+        }
+        for (i, &token) in tokens.iter().enumerate() {
+            self.forward_traced(token, start_pos + i, &mut |_, _, _| {});
+        }
+        &self.s.logits",
+    );
+    let req = ProfileRequest {
+        engine: s(&wrong),
+        model: s(&crate::babyllama()),
+        prompt_len: Some(8),
+        new_tokens: Some(16),
+        runs: Some(5),
+        ..Default::default()
+    };
+    let p = profile(&ctx, &req, &Budget::secs(900)).unwrap();
+    let text = metainfer::ops::Report::text(&p);
+    // Decode runs: all five checked and right; prefill: 3 of 5 at each of 3 lengths; traced: 3 of 5.
+    assert!(!p.passed && !p.outputs_ok, "{text}");
+    assert_eq!((p.runs_checked, p.prefill_runs_checked, p.traced_runs_checked), (5, 9, 3), "{text}");
+    assert!(!p.error.contains("the timed runs did not generate"), "{text}");
+    assert!(
+        p.error.contains("the prefill-by-length or traced runs did not generate the reference's greedy tokens"),
+        "{text}"
+    );
+    for len in [2, 4, 8] {
+        assert!(p.error.contains(&format!("of {len} tokens chose token {}", (len * 31 + 7) % 105)), "{text}");
+    }
+    assert!(p.error.contains("traced run"), "{text}");
+}

@@ -438,7 +438,7 @@ pub enum Reply {
         sets: Vec<TokenizedSet>,
     },
     /// Timings of [`Command::Profile`].
-    Profile(ProfileTimings),
+    Profile(Box<ProfileTimings>),
     /// Timings of [`Command::Time`], per item in request order.
     Time {
         /// The items.
@@ -596,6 +596,11 @@ pub struct ProfileTimings {
     /// Why the points are missing when the engine has a traced forward (it panicked).
     #[serde(default)]
     pub points_error: Option<String>,
+    /// The greedy tokens of each traced run (its prompt is [`profile_prompt`]'s
+    /// `[PROMPT_TRACED, run]`), the first chosen after the prefill, for the server to check;
+    /// empty without a traced forward.
+    #[serde(default)]
+    pub traced_runs: Vec<Vec<u32>>,
 }
 
 /// One activation point an engine's traced forward reported: its layer (None in the prologue and
@@ -630,6 +635,10 @@ pub struct PrefillTimes {
     pub len: usize,
     /// Seconds per run.
     pub seconds: Vec<f64>,
+    /// The greedy token chosen after each run's prefill (its prompt is [`profile_prompt`]'s
+    /// `[PROMPT_PREFILL, run, len]`), for the server to check.
+    #[serde(default)]
+    pub tokens: Vec<u32>,
 }
 
 /// One timed run's tokens.

@@ -273,21 +273,23 @@ fn profile_cmd(dir: &Path, prompt_len: usize, new_tokens: usize, runs: usize, se
         if len == 0 || prefill_by_len.iter().any(|v| v.len == len) {
             continue;
         }
-        let mut seconds = Vec::new();
+        let (mut seconds, mut tokens) = (Vec::new(), Vec::new());
         for run in 0..runs {
             let prompt = protocol::profile_prompt(seed, &[protocol::PROMPT_PREFILL, run as u64, len as u64], len, vocab);
             model.reset();
             let t = Instant::now();
-            std::hint::black_box(engine::generate::sample_greedy(model.prefill(&prompt, 0)));
+            let next = engine::generate::sample_greedy(model.prefill(&prompt, 0));
             seconds.push(t.elapsed().as_secs_f64());
+            // The server checks the token each timed prefill chose.
+            tokens.push(next);
         }
-        prefill_by_len.push(PrefillTimes { len, seconds });
+        prefill_by_len.push(PrefillTimes { len, seconds, tokens });
     }
     // Time per activation point of the real forward pass, when the engine has a traced forward.
-    let (mut points, mut traced_s_per_token, mut points_error) = (Vec::new(), Vec::new(), None);
+    let (mut points, mut traced_s_per_token, mut points_error, mut traced_runs) = (Vec::new(), Vec::new(), None, Vec::new());
     // @item forward_traced
     match catch_unwind(AssertUnwindSafe(|| traced_timing(&mut model, prompt_len, new_tokens, runs, seed))) {
-        Ok((p, t)) => (points, traced_s_per_token) = (p, t),
+        Ok((p, t, r)) => (points, traced_s_per_token, traced_runs) = (p, t, r),
         Err(e) => points_error = Some(format!("forward_traced panicked: {}", panic_text(e))),
     }
     // @end
@@ -296,7 +298,7 @@ fn profile_cmd(dir: &Path, prompt_len: usize, new_tokens: usize, runs: usize, se
         .ok()
         .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()))
         .unwrap_or(0);
-    Reply::Profile(ProfileTimings {
+    Reply::Profile(Box::new(ProfileTimings {
         load_s,
         prefill_s,
         decode_s_per_token,
@@ -308,7 +310,8 @@ fn profile_cmd(dir: &Path, prompt_len: usize, new_tokens: usize, runs: usize, se
         points,
         traced_s_per_token,
         points_error,
-    })
+        traced_runs,
+    }))
 }
 
 /// Most points a traced forward may report for one token, and most values in all.
@@ -355,18 +358,21 @@ fn trace_cmd(dir: &Path, tokens: &[u32], tensors_path: &Path) -> Reply {
 
 /// Decode timed point by point through `forward_traced`, after a prefill of `prompt_len` tokens:
 /// per run, the seconds per token spent reaching each point from the one before it (or from the
-/// call's start), by point name summed over layers, and the whole call's seconds per token.
+/// call's start), by point name summed over layers, the whole call's seconds per token, and the
+/// run's greedy tokens (the first chosen after the prefill) for the server to check.
 // @item forward_traced
-fn traced_timing(model: &mut engine::model::Model, prompt_len: usize, new_tokens: usize, runs: usize, seed: u64) -> (Vec<PointTime>, Vec<f64>) {
+fn traced_timing(model: &mut engine::model::Model, prompt_len: usize, new_tokens: usize, runs: usize, seed: u64) -> (Vec<PointTime>, Vec<f64>, Vec<Vec<u32>>) {
     let vocab = model.vocab_size() as u32;
     let mut names: Vec<String> = Vec::new();
     let mut layers: Vec<usize> = Vec::new();
     let mut per_run: Vec<Vec<f64>> = Vec::new();
     let mut totals = Vec::new();
+    let mut generated = Vec::new();
     for run in 0..runs {
         let prompt = protocol::profile_prompt(seed, &[protocol::PROMPT_TRACED, run as u64], prompt_len, vocab);
         model.reset();
         let mut next = engine::generate::sample_greedy(model.prefill(&prompt, 0));
+        let mut tokens = vec![next];
         let n = (prompt_len + new_tokens).min(model.max_seq_len()).saturating_sub(prompt_len);
         let mut acc = vec![0.0f64; names.len()];
         let mut total = 0.0;
@@ -394,7 +400,9 @@ fn traced_timing(model: &mut engine::model::Model, prompt_len: usize, new_tokens
             });
             next = engine::generate::sample_greedy(logits);
             total += start.elapsed().as_secs_f64();
+            tokens.push(next);
         }
+        generated.push(tokens);
         acc.resize(names.len(), 0.0);
         per_run.push(acc.iter().map(|s| s / n.max(1) as f64).collect());
         totals.push(total / n.max(1) as f64);
@@ -408,7 +416,7 @@ fn traced_timing(model: &mut engine::model::Model, prompt_len: usize, new_tokens
             seconds: per_run.iter().map(|r| r.get(k).copied().unwrap_or(0.0)).collect(),
         })
         .collect();
-    (points, totals)
+    (points, totals, generated)
 }
 // @end
 

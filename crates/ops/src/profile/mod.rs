@@ -72,7 +72,7 @@ pub struct ProfileRequest {
 pub use base::stats::Spread;
 
 /// Profile result.
-#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
 pub struct ProfileReport {
     /// Whether the profile ran.
     pub passed: bool,
@@ -135,9 +135,20 @@ pub struct ProfileReport {
     /// Compute bound: platform peak f32 FLOP/s (all threads) / 2 FLOP per weight per token. No real
     /// engine exceeds it; a figure above it is reported as invalid, never as fast.
     pub compute_bound_tok_s: f64,
-    /// Timed runs whose generated tokens were checked against the reference forward pass.
+    /// Timed decode runs whose generated tokens were checked against the reference forward pass
+    /// (every one of them).
     pub runs_checked: usize,
-    /// Whether every checked timed run generated the reference's tokens.
+    /// Prefill-by-length runs whose chosen token was checked against the reference: a majority
+    /// of each length's runs (n / 2 + 1 of n), drawn when the reply is judged, so that a median is
+    /// an honest run's or a faked run is among those checked.
+    #[serde(default)]
+    pub prefill_runs_checked: usize,
+    /// Traced runs whose generated tokens were checked against the reference: a majority of them
+    /// drawn as for the prefill runs; 0 without a traced forward.
+    #[serde(default)]
+    pub traced_runs_checked: usize,
+    /// Whether every checked timed run (decode, prefill by length, traced) generated the
+    /// reference's tokens.
     pub outputs_ok: bool,
     /// Threads the engine ran with (RAYON_NUM_THREADS).
     pub threads: usize,
@@ -351,6 +362,14 @@ impl Report for ProfileReport {
                 .collect::<Vec<_>>()
                 .join(", "),
             self.peak_rss_mb
+        ) + &format!(
+            "outputs {} the reference's: {} of {} decode runs, {} of {} prefill-by-length runs, {} traced runs checked\n",
+            if self.outputs_ok { "equal to" } else { "NOT equal to" },
+            self.runs_checked,
+            self.runs,
+            self.prefill_runs_checked,
+            self.runs * self.prefill_by_len.len(),
+            self.traced_runs_checked
         ) + &format!("figures from {}\n", self.figures_from)
             + &self
                 .expert_fraction
@@ -627,6 +646,8 @@ pub fn profile(ctx: &Ctx, req: &ProfileRequest, budget: &Budget) -> Result<Profi
         roofline_decode_tok_s: roofline,
         compute_bound_tok_s: compute_bound,
         runs_checked: 0,
+        prefill_runs_checked: 0,
+        traced_runs_checked: 0,
         outputs_ok: false,
         sandboxed: ctx.workshop.sandboxed(),
         rules: vec![],

@@ -117,58 +117,8 @@ impl Spec for ProfileSpec<'_> {
         // A CUDA engine: the roofline is the device model's HBM bandwidth from the platform contract,
         // checked against the bandwidth probe the harness ran on the device.
         if let (Some(info), Some(gpu)) = (&t.device, gpu) {
-            let hbm = gpu.device(&info.name).map(|d| d.hbm_gbs.value).unwrap_or(0.0);
-            let bw = if hbm > 0.0 { hbm } else { info.copy_gbs };
-            if bw > 0.0 {
-                report.roofline_decode_tok_s = bw * 1e9 / bytes_per_token;
-            }
-            // The compute bound must never understate: the largest peak the device has (tensor cores).
-            if let Some(peak) = gpu.peak_tflops.values().map(|f| f.value).reduce(f64::max) {
-                report.compute_bound_tok_s = peak * 1e12 / (2.0 * self.active as f64);
-            }
-            if hbm == 0.0 {
-                problems.push(format!(
-                    "device {} is not among the device models of {} ({}): the roofline is its measured copy bandwidth",
-                    info.name,
-                    target.platform.clone().unwrap_or_default(),
-                    gpu.devices.iter().map(|d| d.name.as_str()).collect::<Vec<_>>().join(", ")
-                ));
-            } else if info.copy_gbs > 1.05 * hbm {
-                problems.push(format!(
-                    "the device's measured copy bandwidth {:.0} GB/s exceeds the platform contract's {hbm:.0} GB/s: the contract's figure is wrong for {}",
-                    info.copy_gbs, info.name
-                ));
-            }
-            report.figures_from = format!(
-                "{} (device {}, compute capability {}): HBM {hbm:.0} GB/s from the contract, {:.0} GB/s measured by a device-to-device copy",
-                target.platform.clone().unwrap_or_default(),
-                info.name,
-                info.compute_capability,
-                info.copy_gbs
-            );
-            report.device = Some(DeviceFigures {
-                name: info.name.clone(),
-                compute_capability: info.compute_capability.clone(),
-                hbm_gbs: hbm,
-                copy_gbs: info.copy_gbs,
-                probe_fraction: if hbm > 0.0 { info.copy_gbs / hbm } else { 0.0 },
-                decode_fraction: if report.roofline_decode_tok_s > 0.0 {
-                    report.decode_tok_s.median / report.roofline_decode_tok_s
-                } else {
-                    0.0
-                },
-            });
-            // Weights beyond the L2 stream from HBM: a decode speed above the roofline is invalid.
-            if bytes_per_token > gpu.l2_mib.value * (1 << 20) as f64
-                && report.decode_tok_s.max > 1.05 * report.roofline_decode_tok_s
-            {
-                problems.push(format!(
-                    "measured {:.0} tok/s decode is above the HBM roofline of {:.0} tok/s for {:.0} MB of weights per token: invalid, not fast",
-                    report.decode_tok_s.max,
-                    report.roofline_decode_tok_s,
-                    bytes_per_token / 1e6
-                ));
-            }
+            let platform = target.platform.clone().unwrap_or_default();
+            problems.extend(judge_device(&mut report, info, gpu, &platform, bytes_per_token, self.active));
         }
         report.peak_rss_mb = t.peak_rss_kb as f64 / 1024.0;
         report.prefill_by_len = t
@@ -183,30 +133,22 @@ impl Spec for ProfileSpec<'_> {
         // Consumed while building: 8 bytes per parameter at the peak, not 12 (the 1B shapes).
         let tensors = ck.tensors(&ctx.ckb, &target.dtype)?;
         let mut reference = oracle::llama::Reference::of_family(fam, cfg, tensors, &target.dtype)?;
-        let mut problems = Vec::new();
         report.outputs_ok = true;
-        // Every timed run: a figure is a median over runs, so one run left unchecked is one an
-        // engine could fake; and each on the prompt drawn from this call's seed.
+        // Every timed decode run: a figure is a median over runs, so one run left unchecked is one
+        // an engine could fake; and each on the prompt drawn from this call's seed.
         let mut prompts_drawn = true;
         for (i, r) in t.runs.iter().enumerate() {
-            let (prompt, got) = (&r.prompt, &r.tokens);
             let draw = [harness::protocol::PROMPT_DECODE, i as u64];
             let drawn = harness::protocol::profile_prompt(self.seed, &draw, prompt_len, cfg.vocab as u32);
-            if *prompt != drawn {
+            report.runs_checked += 1;
+            if r.prompt != drawn {
                 report.outputs_ok = false;
                 prompts_drawn = false;
-                report.runs_checked += 1;
                 continue;
             }
-            let (rows, want) = reference.greedy(prompt, got.len().max(1))?;
-            let agree = got.iter().zip(&want).zip(&rows).take_while(|((g, w), row)| {
-                // A near-tie in the reference may go either way.
-                g == w || row[**w as usize] - row.get(**g as usize).copied().unwrap_or(f64::NEG_INFINITY) <= 1e-3
-            });
-            if agree.count() < want.len() || got.len() != want.len() {
+            if !greedy_agrees(&mut reference, &r.prompt, &r.tokens)? {
                 report.outputs_ok = false;
             }
-            report.runs_checked += 1;
         }
         if !prompts_drawn {
             problems.push(format!(
@@ -216,6 +158,59 @@ impl Spec for ProfileSpec<'_> {
             ));
         } else if report.runs_checked < report.runs || !report.outputs_ok {
             problems.push("the timed runs did not generate the reference's greedy tokens: the engine computes something else when timed".to_string());
+        }
+        // The prefill-by-length and traced runs: a majority of each group, drawn now. These replay
+        // up to 2.75 times the decode runs' positions, so not all of them; a majority keeps every
+        // median honest (see `majority`).
+        let mut wrong: Vec<String> = Vec::new();
+        let lens = [prompt_len / 4, prompt_len / 2, prompt_len];
+        let lens: Vec<usize> =
+            lens.iter().enumerate().filter(|&(i, &l)| l > 0 && !lens[..i].contains(&l)).map(|(_, &l)| l).collect();
+        let timed_lens: Vec<usize> = t.prefill_by_len.iter().map(|p| p.len).collect();
+        if timed_lens != lens {
+            wrong.push(format!("prefill by length timed at {timed_lens:?}, not {lens:?}"));
+        }
+        for p in &t.prefill_by_len {
+            if p.tokens.len() != p.seconds.len() || p.seconds.len() != report.runs {
+                wrong.push(format!(
+                    "{} prefill runs of {} tokens with {} tokens, not {}",
+                    p.seconds.len(),
+                    p.len,
+                    p.tokens.len(),
+                    report.runs
+                ));
+                continue;
+            }
+            for run in majority(p.tokens.len()) {
+                let draw = [harness::protocol::PROMPT_PREFILL, run as u64, p.len as u64];
+                let prompt = harness::protocol::profile_prompt(self.seed, &draw, p.len, cfg.vocab as u32);
+                report.prefill_runs_checked += 1;
+                if !greedy_agrees(&mut reference, &prompt, &p.tokens[run..=run])? {
+                    wrong.push(format!("prefill run {run} of {} tokens chose token {}", p.len, p.tokens[run]));
+                }
+            }
+        }
+        // An engine with a traced forward that ran (points reported) returns each traced run's tokens.
+        if !t.points.is_empty() && t.points_error.is_none() {
+            if t.traced_runs.len() != report.runs {
+                wrong.push(format!("{} traced runs' tokens, not {}", t.traced_runs.len(), report.runs));
+            } else {
+                for run in majority(t.traced_runs.len()) {
+                    let draw = [harness::protocol::PROMPT_TRACED, run as u64];
+                    let prompt = harness::protocol::profile_prompt(self.seed, &draw, prompt_len, cfg.vocab as u32);
+                    report.traced_runs_checked += 1;
+                    if !greedy_agrees(&mut reference, &prompt, &t.traced_runs[run])? {
+                        wrong.push(format!("traced run {run} generated other tokens than the reference's"));
+                    }
+                }
+            }
+        }
+        if !wrong.is_empty() {
+            report.outputs_ok = false;
+            problems.push(format!(
+                "the prefill-by-length or traced runs did not generate the reference's greedy tokens ({}): their timings are not of the real forward",
+                wrong.join("; ")
+            ));
         }
         let compute_bound = report.compute_bound_tok_s;
         if report.decode_tok_s.max > compute_bound || report.prefill_tok_s.max > compute_bound * 16.0 {
@@ -346,4 +341,102 @@ impl Spec for ProfileSpec<'_> {
         };
         Ok(GateVerdict { report, figures: Figures::Profile(figures) })
     }
+}
+
+/// Whether `got`, an engine's greedy tokens after `prompt` (the first chosen after the prefill),
+/// are the reference's, a near-tie in the reference (1e-3) going either way; an empty `got` is not.
+///
+/// # Errors
+/// As [`oracle::llama::Reference::greedy`].
+fn greedy_agrees(reference: &mut oracle::llama::Reference, prompt: &[u32], got: &[u32]) -> Result<bool> {
+    let (rows, want) = reference.greedy(prompt, got.len().max(1))?;
+    let agree = got.iter().zip(&want).zip(&rows).take_while(|((g, w), row)| {
+        g == w || row[**w as usize] - row.get(**g as usize).copied().unwrap_or(f64::NEG_INFINITY) <= 1e-3
+    });
+    Ok(agree.count() == want.len() && got.len() == want.len())
+}
+
+/// Which of `n` timed runs the server replays: a majority, n / 2 + 1 of them, drawn afresh from
+/// the operating system's randomness when the reply is judged (the engine cannot know which),
+/// ascending. A median over the runs is then an honest run's figure, or a faked run is among those
+/// checked: moving the median past every honest run takes at least n / 2 faked runs (n odd: more
+/// than half), which leaves fewer honest runs than the n / 2 + 1 checked.
+pub(super) fn majority(n: usize) -> Vec<usize> {
+    if n == 0 {
+        return vec![];
+    }
+    let mut picked = rand::seq::index::sample(&mut rand::rng(), n, n / 2 + 1).into_vec();
+    picked.sort_unstable();
+    picked
+}
+
+/// A CUDA engine's device figures from its reply: the roofline at the device model's HBM bandwidth
+/// (`platform.gpu.devices` of the engine's platform contract, else the measured copy bandwidth),
+/// the compute bound at the device's largest peak, and [`super::DeviceFigures`], written into
+/// `report` (a device model the contract lacks is named in `figures_from`); returns the problems,
+/// each a reason the profile fails: a measured copy bandwidth above the contract's HBM figure (more
+/// than 5 %), or a decode speed above the roofline (more than 5 %) while the weights read per
+/// token exceed the L2 cache (`platform.gpu.l2_mib`).
+pub(super) fn judge_device(
+    report: &mut ProfileReport,
+    info: &harness::protocol::DeviceInfo,
+    gpu: &ckb::Gpu,
+    platform: &str,
+    bytes_per_token: f64,
+    active: usize,
+) -> Vec<String> {
+    let mut problems = Vec::new();
+    let hbm = gpu.device(&info.name).map(|d| d.hbm_gbs.value).unwrap_or(0.0);
+    let bw = if hbm > 0.0 { hbm } else { info.copy_gbs };
+    if bw > 0.0 {
+        report.roofline_decode_tok_s = bw * 1e9 / bytes_per_token;
+    }
+    // The compute bound must never understate: the largest peak the device has (tensor cores).
+    if let Some(peak) = gpu.peak_tflops.values().map(|f| f.value).reduce(f64::max) {
+        report.compute_bound_tok_s = peak * 1e12 / (2.0 * active as f64);
+    }
+    report.figures_from = format!(
+        "{platform} (device {}, compute capability {}): HBM {hbm:.0} GB/s from the contract, {:.0} GB/s measured by a device-to-device copy",
+        info.name, info.compute_capability, info.copy_gbs
+    );
+    if hbm == 0.0 {
+        // Still a bound (a copy reaches at most the HBM bandwidth), so the figures stand.
+        report.figures_from = format!(
+            "{platform} (device {}, compute capability {}): the device is not among the contract's device models ({}), so the roofline is its measured copy bandwidth {:.0} GB/s; add the model to platform.gpu.devices",
+            info.name,
+            info.compute_capability,
+            gpu.devices.iter().map(|d| d.name.as_str()).collect::<Vec<_>>().join(", "),
+            info.copy_gbs
+        );
+    } else if info.copy_gbs > 1.05 * hbm {
+        problems.push(format!(
+            "the device's measured copy bandwidth {:.0} GB/s exceeds the platform contract's {hbm:.0} GB/s: the contract's figure is wrong for {}",
+            info.copy_gbs, info.name
+        ));
+    }
+    report.device = Some(DeviceFigures {
+        name: info.name.clone(),
+        compute_capability: info.compute_capability.clone(),
+        hbm_gbs: hbm,
+        copy_gbs: info.copy_gbs,
+        probe_fraction: if hbm > 0.0 { info.copy_gbs / hbm } else { 0.0 },
+        decode_fraction: if report.roofline_decode_tok_s > 0.0 {
+            report.decode_tok_s.median / report.roofline_decode_tok_s
+        } else {
+            0.0
+        },
+    });
+    // Weights beyond the L2 stream from HBM: a decode speed above the roofline is invalid.
+    if bw > 0.0
+        && bytes_per_token > gpu.l2_mib.value * (1 << 20) as f64
+        && report.decode_tok_s.max > 1.05 * report.roofline_decode_tok_s
+    {
+        problems.push(format!(
+            "measured {:.0} tok/s decode is above the HBM roofline of {:.0} tok/s for {:.0} MB of weights per token: invalid, not fast",
+            report.decode_tok_s.max,
+            report.roofline_decode_tok_s,
+            bytes_per_token / 1e6
+        ));
+    }
+    problems
 }

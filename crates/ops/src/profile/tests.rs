@@ -63,3 +63,57 @@ fn regression_needs_disjoint_ranges_and_a_drop_beyond_the_noise() {
     // Faster is never a regression.
     assert!(!is_regression(&spread(1000.0, 990.0, 1010.0), &spread(1200.0, 1190.0, 1210.0)));
 }
+
+/// The device figures a CUDA engine's reply carries are judged against platform.cuda-sm90's
+/// datasheet figures (H200: 4,800 GB/s HBM; L2 50 MiB): 2 GB of weights per token put the
+/// roofline at 4800e9 / 2e9 = 2,400 tok/s, so 2,600 tok/s decode (beyond 5 %) fails as invalid
+/// and 2,500 does not; a copy faster than the HBM figure (beyond 5 %) says the contract is wrong;
+/// a device model the contract lacks is named, with its copy bandwidth as the roofline.
+#[test]
+fn device_figures_fail_a_decode_above_the_hbm_roofline() {
+    let ckb = ckb::Ckb::embedded().unwrap();
+    let gpu = ckb.get("platform.cuda-sm90").unwrap().platform.as_ref().unwrap().gpu.clone().unwrap();
+    let info = |name: &str, copy_gbs: f64| harness::protocol::DeviceInfo {
+        name: name.into(),
+        compute_capability: "9.0".into(),
+        memory_bytes: 141 << 30,
+        copy_gbs,
+    };
+    let judge = |name: &str, copy_gbs: f64, decode_max: f64| {
+        let mut report = ProfileReport {
+            decode_tok_s: spread(decode_max * 0.9, decode_max * 0.8, decode_max),
+            ..Default::default()
+        };
+        let problems =
+            spec::judge_device(&mut report, &info(name, copy_gbs), &gpu, "platform.cuda-sm90", 2e9, 1_000_000_000);
+        (report, problems)
+    };
+    let (r, problems) = judge("NVIDIA H200", 4250.0, 2600.0);
+    assert_eq!(r.roofline_decode_tok_s, 2400.0);
+    assert!(problems.len() == 1 && problems[0].contains("above the HBM roofline of 2400 tok/s"), "{problems:?}");
+    let d = r.device.unwrap();
+    assert_eq!((d.hbm_gbs, d.decode_fraction), (4800.0, 2600.0 * 0.9 / 2400.0));
+    // bf16 tensor cores, 989 TFLOP/s dense: 989e12 / (2 x 1e9) tok/s.
+    assert_eq!(r.compute_bound_tok_s, 989e12 / 2e9);
+    let (_, problems) = judge("NVIDIA H200", 4250.0, 2500.0);
+    assert!(problems.is_empty(), "{problems:?}");
+    let (_, problems) = judge("NVIDIA H200", 5100.0, 1000.0);
+    assert!(problems.len() == 1 && problems[0].contains("exceeds the platform contract's 4800 GB/s"), "{problems:?}");
+    let (r, problems) = judge("NVIDIA B200", 7000.0, 1000.0);
+    assert!(problems.is_empty() && r.roofline_decode_tok_s == 3500.0, "{problems:?}");
+    assert!(r.figures_from.contains("not among the contract's device models (H200, H100)"), "{}", r.figures_from);
+}
+
+/// A majority of the runs, distinct, ascending, each a run: n / 2 + 1 of n.
+#[test]
+fn a_majority_of_runs_is_checked() {
+    assert!(spec::majority(0).is_empty());
+    for (n, k) in [(1, 1), (2, 2), (3, 2), (4, 3), (5, 3), (100, 51)] {
+        let m = spec::majority(n);
+        assert_eq!(m.len(), k, "{n}");
+        assert!(m.windows(2).all(|w| w[0] < w[1]) && m.iter().all(|&i| i < n), "{m:?}");
+    }
+    // Drawn afresh: over 50 draws of 3 of 5, more than one set comes up.
+    let sets: std::collections::BTreeSet<Vec<usize>> = (0..50).map(|_| spec::majority(5)).collect();
+    assert!(sets.len() > 1);
+}

@@ -18,19 +18,47 @@ pub struct Faults {
 }
 
 /// `x W^T` with `f`'s mistakes. `x`: [m, k]; `w`: [n, k]; returns [m, n].
+///
+/// Each output is one dot product summed in order over `k`, so the result does not depend on how
+/// the work is split: products of at least [`PARALLEL_MACS`] multiply-adds split the `n` outputs
+/// over the machine's cores (`std::thread::available_parallelism`), the same sums in the same order
+/// (the 1B-shape replays of profile and verify are dominated by these products).
 pub fn core(x: &[f64], w: &[f64], m: usize, k: usize, n: usize, f: Faults) -> Vec<f64> {
     let mut out = vec![0.0; m * n];
-    for i in 0..m {
-        for j in 0..n {
-            out[i * n + j] = if f.xw {
-                (0..k).map(|p| x[i * k + p] * w[p * n + j]).sum()
-            } else {
-                (0..k).map(|p| x[i * k + p] * w[j * k + p]).sum()
-            };
+    let dot = |i: usize, j: usize| -> f64 {
+        if f.xw {
+            (0..k).map(|p| x[i * k + p] * w[p * n + j]).sum()
+        } else {
+            (0..k).map(|p| x[i * k + p] * w[j * k + p]).sum()
         }
+    };
+    let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).min(n.max(1));
+    if m * n * k < PARALLEL_MACS || threads < 2 || m == 0 {
+        for i in 0..m {
+            for j in 0..n {
+                out[i * n + j] = dot(i, j);
+            }
+        }
+        return out;
+    }
+    for (i, row) in out.chunks_mut(n).enumerate() {
+        let per = n.div_ceil(threads);
+        std::thread::scope(|s| {
+            for (c, part) in row.chunks_mut(per).enumerate() {
+                s.spawn(move || {
+                    for (o, v) in part.iter_mut().enumerate() {
+                        *v = dot(i, c * per + o);
+                    }
+                });
+            }
+        });
     }
     out
 }
+
+/// Multiply-adds from which [`core`] splits its outputs over threads: about a millisecond of work
+/// in f64, against tens of microseconds to start a thread.
+pub const PARALLEL_MACS: usize = 1 << 20;
 
 /// The dims `m`, `k`, `n` of a case.
 pub fn mkn(c: &Case) -> Option<(usize, usize, usize)> {
@@ -118,6 +146,28 @@ pub static KERNEL: Kernel = Kernel {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A product large enough to be split over threads gives the serial sums bit for bit (each
+    /// output one dot product in order over k), both ways of reading the weights.
+    #[test]
+    fn a_split_product_is_the_serial_one_bit_for_bit() {
+        let (m, k, n) = (2, 1024, 1030);
+        assert!(m * k * n >= PARALLEL_MACS);
+        let x: Vec<f64> = (0..m * k).map(|i| ((i * 7919) % 1009) as f64 / 1009.0 - 0.5).collect();
+        let w: Vec<f64> = (0..n * k).map(|i| ((i * 104_729) % 2003) as f64 / 2003.0 - 0.5).collect();
+        for xw in [false, true] {
+            let got = core(&x, &w, m, k, n, Faults { xw });
+            for i in 0..m {
+                for j in 0..n {
+                    let mut want = 0.0;
+                    for p in 0..k {
+                        want += x[i * k + p] * if xw { w[p * n + j] } else { w[j * k + p] };
+                    }
+                    assert_eq!(got[i * n + j].to_bits(), want.to_bits(), "row {i} column {j}, xw {xw}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn xw_reads_k_major() {
