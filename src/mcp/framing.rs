@@ -5,6 +5,12 @@
 //! (invalid UTF-8, a lone surrogate escape, not JSON at all, longer than [`MAX_LINE`]) is answered
 //! here with that error, written between rmcp's own lines so no message is split.
 //!
+//! A request whose `params` rmcp cannot read as its method's (`tools/call` with `arguments` that
+//! are not an object, a `name` that is not a string, no `params`) got rmcp's "-32601 tools/call",
+//! which names nothing to fix. This layer answers such requests itself with JSON-RPC's Invalid
+//! params, -32602, and the request's `id`, naming the field and the shape it takes
+//! ([`invalid_params`]).
+//!
 //! A peer that echoed every error back as more invalid data could make an endless exchange
 //! (rmcp's reason to stay silent, modelcontextprotocol/rust-sdk#938); this layer answers at most
 //! [`MAX_PARSE_ERRORS`] such lines per session and then logs them only.
@@ -43,6 +49,72 @@ pub fn check_line(line: &[u8]) -> Option<String> {
         Ok(_) => None,
         Err(e) => Some(format!("the line is not JSON ({e})")),
     }
+}
+
+/// The JSON-RPC Invalid params response (-32602) to a request of `line` (one JSON value) whose
+/// `params` do not have the shape its MCP method takes (MCP 2025-06-18, schema.ts:
+/// `CallToolRequest`, `GetPromptRequest`, `ReadResourceRequest`; every request's `params` an
+/// object), naming what to fix; None for anything else (notifications, responses, well-formed
+/// requests, methods not checked here), which go on to rmcp.
+pub fn invalid_params(line: &[u8]) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_slice(line.strip_prefix(b"\xef\xbb\xbf").unwrap_or(line)).ok()?;
+    let (method, id) = (v.get("method")?.as_str()?, v.get("id")?);
+    if !(id.is_string() || id.is_number()) {
+        return None;
+    }
+    let kind = |x: &serde_json::Value| match x {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    };
+    let shape = match method {
+        "tools/call" => r#"{"name": "<tool>", "arguments": {...}}"#,
+        "prompts/get" => r#"{"name": "<prompt>", "arguments": {"<name>": "<string>"}}"#,
+        "resources/read" => r#"{"uri": "<uri>"}"#,
+        _ => "an object",
+    };
+    let why = match v.get("params") {
+        None | Some(serde_json::Value::Null) if shape != "an object" => {
+            format!("{method} takes params {shape}; none were given")
+        }
+        None | Some(serde_json::Value::Null) => return None,
+        Some(p) if !p.is_object() && shape == "an object" => format!("params must be an object, not {}", kind(p)),
+        Some(p) if !p.is_object() => format!("params must be an object ({shape}), not {}", kind(p)),
+        Some(p) => {
+            let key = if method == "resources/read" { "uri" } else { "name" };
+            match (method, p.get(key), p.get("arguments")) {
+                ("tools/call" | "prompts/get" | "resources/read", k, _) if !k.is_some_and(|k| k.is_string()) => {
+                    format!(
+                        "params.{key} must be a string ({method} takes params {shape}), not {}",
+                        k.map_or("missing", kind)
+                    )
+                }
+                ("tools/call" | "prompts/get", _, Some(a)) if !a.is_object() && !a.is_null() => format!(
+                    "params.arguments must be an object of the {} arguments by name ({shape}), not {}",
+                    if method == "tools/call" { "tool's" } else { "prompt's" },
+                    kind(a)
+                ),
+                ("prompts/get", _, Some(serde_json::Value::Object(a))) => {
+                    match a.iter().find(|(_, x)| !x.is_string()) {
+                        Some((name, x)) => format!("prompt argument {name} must be a string, not {}", kind(x)),
+                        None => return None,
+                    }
+                }
+                _ => return None,
+            }
+        }
+    };
+    Some(
+        serde_json::json!({
+            "jsonrpc": "2.0",
+            "id": id,
+            "error": {"code": -32602, "message": format!("Invalid params: {why}")}
+        })
+        .to_string(),
+    )
 }
 
 /// Run the framing: read lines from `input`, pass the JSON ones to `to_rmcp`, copy rmcp's output
@@ -95,6 +167,17 @@ where
             let line = buf.strip_suffix(b"\n").unwrap_or(&buf);
             let why =
                 if too_long { Some(format!("the line is longer than {MAX_LINE} bytes")) } else { check_line(line) };
+            // A request whose params its method cannot read is answered here too (see the module's
+            // documentation), within the same cap as the parse errors.
+            let invalid = if why.is_none() { invalid_params(line) } else { None };
+            if let Some(reply) = invalid {
+                tracing::warn!("client sent a request with invalid params: {reply}");
+                if answered < MAX_PARSE_ERRORS {
+                    answered += 1;
+                    let _ = errors.send(reply);
+                }
+                continue;
+            }
             match why {
                 None => {
                     if to_rmcp.write_all(&buf).await.is_err() {
@@ -164,5 +247,46 @@ mod tests {
         assert!(check_line(b"\xff\xfe{}").unwrap().contains("not valid UTF-8"));
         assert!(check_line(br#"{"a":"\ud800"}"#).unwrap().contains("not JSON"));
         assert!(check_line(b"hello").unwrap().contains("not JSON"));
+    }
+
+    /// Requests whose params their method cannot read get -32602 with their id and what to fix;
+    /// well-formed ones, notifications and unchecked methods go on to rmcp.
+    #[test]
+    fn requests_with_params_of_the_wrong_shape_are_named() {
+        let answer = |line: &str| -> Option<serde_json::Value> {
+            invalid_params(line.as_bytes()).map(|r| serde_json::from_str(&r).unwrap())
+        };
+        let r = answer(
+            r#"{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"lookup_contract","arguments":[1]}}"#,
+        )
+        .unwrap();
+        assert_eq!((r["id"].as_i64(), r["error"]["code"].as_i64()), (Some(2), Some(-32602)));
+        let m = r["error"]["message"].as_str().unwrap();
+        assert!(m.contains("params.arguments must be an object") && m.ends_with("not an array"), "{m}");
+        for (line, says) in [
+            (r#"{"jsonrpc":"2.0","id":"a","method":"tools/call","params":{"name":5}}"#, "params.name must be a string"),
+            (r#"{"jsonrpc":"2.0","id":3,"method":"tools/call"}"#, "tools/call takes params"),
+            (r#"{"jsonrpc":"2.0","id":3,"method":"tools/call","params":[1]}"#, "params must be an object"),
+            (r#"{"jsonrpc":"2.0","id":3,"method":"ping","params":[1]}"#, "params must be an object, not an array"),
+            (r#"{"jsonrpc":"2.0","id":3,"method":"resources/read","params":{}}"#, "params.uri must be a string"),
+            (
+                r#"{"jsonrpc":"2.0","id":3,"method":"prompts/get","params":{"name":"p","arguments":{"a":1}}}"#,
+                "prompt argument a must be a string",
+            ),
+        ] {
+            let r = answer(line).unwrap_or_else(|| panic!("{line} not answered"));
+            assert!(r["error"]["message"].as_str().unwrap().contains(says), "{r}");
+            assert_eq!(r["id"], serde_json::from_str::<serde_json::Value>(line).unwrap()["id"]);
+        }
+        for fine in [
+            r#"{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"lookup_contract","arguments":{"id":"kernel.rope"}}}"#,
+            r#"{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"lookup_contract"}}"#,
+            r#"{"jsonrpc":"2.0","id":2,"method":"tools/list"}"#,
+            r#"{"jsonrpc":"2.0","method":"notifications/initialized","params":[1]}"#,
+            r#"{"jsonrpc":"2.0","id":2,"result":{}}"#,
+            r#"{"jsonrpc":"2.0","id":2,"method":"prompts/get","params":{"name":"p","arguments":{"a":"b"}}}"#,
+        ] {
+            assert!(answer(fine).is_none(), "{fine}");
+        }
     }
 }

@@ -476,7 +476,8 @@ async fn the_clients_roots_become_the_workspace() {
 
 /// Regression: a line that is not JSON (invalid UTF-8, a lone surrogate escape, plain text) got no
 /// reply. JSON-RPC 2.0 (5.1) answers each with a Parse error, -32700, `id` null; the session goes on
-/// and the next request is answered as usual.
+/// and the next request is answered as usual. A `tools/call` whose `arguments` are not an object
+/// got "-32601 tools/call"; it gets Invalid params, -32602, with its id and the field to fix.
 #[test]
 fn lines_that_are_not_json_are_answered_with_a_parse_error() {
     use std::io::{BufRead, Write};
@@ -495,11 +496,12 @@ fn lines_that_are_not_json_are_answered_with_a_parse_error() {
     stdin.write_all(b"\xff\xfe not utf-8\n").unwrap();
     stdin.write_all(b"{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"ping\",\"params\":{\"s\":\"\\ud800\"}}\n").unwrap();
     stdin.write_all(b"hello\n").unwrap();
+    stdin.write_all(b"{\"jsonrpc\":\"2.0\",\"id\":9,\"method\":\"tools/call\",\"params\":{\"name\":\"lookup_contract\",\"arguments\":[1]}}\n").unwrap();
     let init = r#"{"jsonrpc":"2.0","id":7,"method":"initialize","params":{"protocolVersion":"2025-06-18","capabilities":{},"clientInfo":{"name":"t","version":"1"}}}"#;
     writeln!(stdin, "{init}").unwrap();
     stdin.flush().unwrap();
     let mut replies = Vec::new();
-    for _ in 0..4 {
+    for _ in 0..5 {
         let mut line = String::new();
         stdout.read_line(&mut line).unwrap();
         replies.push(serde_json::from_str::<Value>(&line).unwrap_or_else(|e| panic!("{e}: {line:?}")));
@@ -508,6 +510,9 @@ fn lines_that_are_not_json_are_answered_with_a_parse_error() {
     assert_eq!(parse_errors.len(), 3, "{replies:?}");
     assert!(parse_errors.iter().all(|r| r.as_object().unwrap().contains_key("id") && r["id"].is_null()));
     assert!(parse_errors[0]["error"]["message"].as_str().unwrap().contains("UTF-8"));
+    let invalid = replies.iter().find(|r| r["id"] == 9).expect("the tools/call reply");
+    assert_eq!(invalid["error"]["code"], -32602, "{invalid}");
+    assert!(invalid["error"]["message"].as_str().unwrap().contains("params.arguments must be an object"), "{invalid}");
     let init = replies.iter().find(|r| r["id"] == 7).expect("the initialize reply");
     assert!(init["result"]["serverInfo"]["name"].is_string(), "{init}");
     drop(stdin);
