@@ -496,3 +496,34 @@ fn a_profile_checks_its_prefill_by_length_and_traced_runs() {
     }
     assert!(p.error.contains("traced run"), "{text}");
 }
+
+/// The harness divides each timed run's decode time by the tokens asked for, so every run must
+/// generate all of them. This engine says its context ends 4 positions after the prompt: its runs
+/// decode 4 tokens, not 16 (the tokens it does generate are the reference's), and the profile
+/// fails naming the count, where it passed before with a decode speed 4 times too high.
+#[test]
+fn a_profile_fails_runs_that_generate_fewer_tokens_than_asked() {
+    use metainfer::ops::profile::{ProfileRequest, profile};
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let short = t.path().join("engine");
+    crate::Engine::Plain.copy_to(&short);
+    crate::replace_body(&short, "src/model.rs", "pub fn max_seq_len(", "12");
+    let req = ProfileRequest {
+        engine: s(&short),
+        model: s(&crate::babyllama()),
+        prompt_len: Some(8),
+        new_tokens: Some(16),
+        runs: Some(3),
+        ..Default::default()
+    };
+    let p = profile(&ctx, &req, &Budget::secs(900)).unwrap();
+    let text = metainfer::ops::Report::text(&p);
+    assert!(!p.passed && !p.outputs_ok, "{text}");
+    assert!(
+        p.error.contains("timed runs generated fewer or more tokens than the 17 asked for")
+            && p.error.contains("decode run 0: 5 tokens"),
+        "{text}"
+    );
+    assert!(p.error.contains("traced runs of [5, 5, 5] tokens, not 17 each"), "{text}");
+}

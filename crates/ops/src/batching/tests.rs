@@ -128,3 +128,23 @@ fn schedule_respects_budget_and_prefills_every_prompt_once_in_order() {
     // Prompts longer than the cap were chunked.
     assert!(seqs.iter().zip(&chunks).any(|(q, &c)| q.prompt.len() > 8 && c >= 2));
 }
+
+/// A scheduler reply is tied to the trace: a run that recorded no step (or left out a request's
+/// add at its arrival step) fails, where an empty record used to pass with nothing to check.
+#[test]
+fn a_scheduler_record_must_hold_the_trace_s_adds_and_aborts() {
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    let mut trace = draw_trace(&mut rng);
+    trace.requests[0].arrival = 0;
+    let mut out = SchedulerResult::default();
+    let v = check_trace(&trace, &[], &mut out);
+    assert!(v.iter().any(|m| m.starts_with("the run recorded 0 steps and ended before")), "{v:?}");
+    // One step recorded with no adds, where the trace's first requests arrive.
+    let first: Vec<u64> = trace.requests.iter().filter(|r| r.arrival == 0).map(|r| r.id).collect();
+    let v = check_trace(&trace, &[harness::protocol::SchedulerStep::default()], &mut out);
+    assert!(!first.is_empty());
+    assert_eq!(
+        v[0],
+        format!("step 0: the adds recorded are of requests []; the trace's arrivals at this step are {first:?}")
+    );
+}

@@ -91,7 +91,9 @@ struct Followed {
     table: Vec<u32>,
 }
 
-/// Check the scheduler's recorded steps against the trace and the contract's invariants: `add`
+/// Check the scheduler's recorded steps against the trace and the contract's invariants: every
+/// request is added at its arrival step and every abort sent at its step, none before the run
+/// ends; `add`
 /// refuses exactly the requests that cannot fit the context or the pool (or have an empty prompt,
 /// or max_tokens 0); `abort` answers true exactly for a live request, which is never seen again; per
 /// step at most max_batch_tokens tokens and max_seqs sequences, one chunk each; each chunk starts
@@ -109,6 +111,22 @@ pub fn check_trace(trace: &Trace, steps: &[SchedulerStep], out: &mut SchedulerRe
     out.steps = steps.len();
     for (si, step) in steps.iter().enumerate() {
         let mut note = |m: String| bad.push(format!("step {si}: {m}"));
+        // The steps are the trace's: each request added at its arrival step, each abort sent at
+        // its step, in trace order (the harness drives them; a reply is not taken on its word).
+        let arrivals: Vec<u64> = trace.requests.iter().filter(|r| r.arrival == si).map(|r| r.id).collect();
+        let added: Vec<u64> = step.added.iter().map(|a| a.0).collect();
+        if added != arrivals {
+            note(format!(
+                "the adds recorded are of requests {added:?}; the trace's arrivals at this step are {arrivals:?}"
+            ));
+        }
+        let aborts: Vec<u64> = trace.aborts.iter().filter(|a| a.0 == si).map(|a| a.1).collect();
+        let aborted: Vec<u64> = step.aborted.iter().map(|a| a.0).collect();
+        if aborted != aborts {
+            note(format!(
+                "the aborts recorded are of requests {aborted:?}; the trace's aborts at this step are {aborts:?}"
+            ));
+        }
         for (id, err) in &step.added {
             let Some(r) = by_id.get(id) else {
                 note(format!("add of unknown request {id}"));
@@ -301,6 +319,19 @@ pub fn check_trace(trace: &Trace, steps: &[SchedulerStep], out: &mut SchedulerRe
             bad.truncate(8);
             return bad;
         }
+    }
+    let unsent: Vec<u64> = trace
+        .requests
+        .iter()
+        .filter(|r| r.arrival >= steps.len())
+        .map(|r| r.id)
+        .chain(trace.aborts.iter().filter(|a| a.0 >= steps.len()).map(|a| a.1))
+        .collect();
+    if !unsent.is_empty() {
+        bad.push(format!(
+            "the run recorded {} steps and ended before the trace's requests or aborts {unsent:?} were sent",
+            steps.len()
+        ));
     }
     let open: Vec<u64> = st.iter().filter(|(_, f)| f.admitted && !f.done).map(|(id, _)| *id).collect();
     if !open.is_empty() {

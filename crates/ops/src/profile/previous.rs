@@ -88,34 +88,45 @@ pub(super) struct Rerun<'a> {
     pub(super) reads: &'a [&'a Path],
     pub(super) env: &'a [(&'a str, String)],
     pub(super) seed: u64,
+    /// The tokens of the profile's timed decode run 0, checked equal to the reference's: every
+    /// interleaved run (the same prompt, drawn from the same seed) must generate them. None when
+    /// they were not (the profile fails then, and nothing is compared).
+    pub(super) checked: Option<&'a [u32]>,
 }
 
 /// Compare with the previous passing profile in this call: identical sources are never a
 /// regression; otherwise, when the previous build's harness was kept, both builds decode
 /// alternately ([`INTERLEAVED_PAIRS`] pairs, one run each) and [`is_regression`] judges the two
-/// spreads measured here. Without a kept build no regression is called.
+/// spreads measured here. Without a kept build no regression is called. Every interleaved run's
+/// tokens are compared with the checked run's ([`Rerun::checked`]): returns the problem when this
+/// build's differ (it computes something else when rerun, and the profile fails); the previous
+/// build's differing leaves the comparison out.
 pub(super) fn compare_with_previous(
     gate: &Gate<'_>,
     h: &crate::gate::Harness,
     hash: &str,
     rerun: &Rerun<'_>,
     prev: &mut PreviousProfile,
-) {
+) -> Option<String> {
     if prev.same_sources {
         prev.note =
             "same sources as the previous profile: the change is the machine's noise between calls, not a regression"
                 .into();
-        return;
+        return None;
     }
+    let Some(checked) = rerun.checked else {
+        prev.note = "no comparison: the timed runs' tokens were not all the reference's".into();
+        return None;
+    };
     let old = kept_dir(gate.ctx, &gate.engine).join(hash);
     if !old.is_file() || !matches!(gate.mode, crate::gate::Mode::Direct) {
         prev.note = "the previous build is not kept here, so both cannot be timed in this call; figures from different calls differ by the machine's noise, so no regression is called".into();
-        return;
+        return None;
     }
     let mut now = Vec::new();
     let mut before = Vec::new();
     for _ in 0..INTERLEAVED_PAIRS {
-        for (exe, out) in [(h.exe.as_path(), &mut now), (old.as_path(), &mut before)] {
+        for (this, exe, out) in [(true, h.exe.as_path(), &mut now), (false, old.as_path(), &mut before)] {
             let command = Command::Profile {
                 model: rerun.model_dir.to_path_buf(),
                 prompt_len: rerun.prompt_len,
@@ -124,14 +135,25 @@ pub(super) fn compare_with_previous(
                 seed: rerun.seed,
             };
             match gate.call_exe(h, exe, command, rerun.env, rerun.reads).map(|c| c.ok("interleaved profile", 500)) {
-                Ok(Ok(Reply::Profile(t))) => out.extend(t.decode_s_per_token.iter().map(|s| 1.0 / s)),
+                Ok(Ok(Reply::Profile(t))) if t.runs.first().is_some_and(|r| r.tokens == checked) => {
+                    out.extend(t.decode_s_per_token.iter().map(|s| 1.0 / s));
+                }
+                Ok(Ok(Reply::Profile(_))) => {
+                    let which = if this { "this build" } else { "the previous build" };
+                    prev.note = format!(
+                        "no comparison: {which}'s interleaved run did not generate the tokens of the checked timed run 0"
+                    );
+                    return this.then(|| {
+                        "this build's interleaved decode run (the regression comparison's) did not generate the tokens of its checked timed run 0 on the same prompt: the engine computes something else when rerun".to_string()
+                    });
+                }
                 Ok(Ok(other)) => {
                     prev.note = format!("no comparison: a build answered the interleaved profile with {other:?}");
-                    return;
+                    return None;
                 }
                 Ok(Err(why)) | Err(base::error::Error { message: why, .. }) => {
                     prev.note = format!("no comparison: {why}");
-                    return;
+                    return None;
                 }
             }
         }
@@ -144,4 +166,5 @@ pub(super) fn compare_with_previous(
         now.median, now.min, now.max, before.median, before.min, before.max
     );
     prev.interleaved = Some(Interleaved { pairs: INTERLEAVED_PAIRS, now_tok_s: now, before_tok_s: before });
+    None
 }

@@ -137,6 +137,7 @@ impl Spec for ProfileSpec<'_> {
         // Every timed decode run: a figure is a median over runs, so one run left unchecked is one
         // an engine could fake; and each on the prompt drawn from this call's seed.
         let mut prompts_drawn = true;
+        let mut short: Vec<String> = Vec::new();
         for (i, r) in t.runs.iter().enumerate() {
             let draw = [harness::protocol::PROMPT_DECODE, i as u64];
             let drawn = harness::protocol::profile_prompt(self.seed, &draw, prompt_len, cfg.vocab as u32);
@@ -146,11 +147,23 @@ impl Spec for ProfileSpec<'_> {
                 prompts_drawn = false;
                 continue;
             }
-            if !greedy_agrees(&mut reference, &r.prompt, &r.tokens)? {
+            // The harness divides each run's decode time by the tokens asked for, so a run must
+            // have generated all of them (the first chosen after the prefill, then new_tokens).
+            if r.tokens.len() != new_tokens + 1 {
+                short.push(format!("decode run {i}: {} tokens", r.tokens.len()));
+                report.outputs_ok = false;
+            } else if !greedy_agrees(&mut reference, &r.prompt, &r.tokens)? {
                 report.outputs_ok = false;
             }
         }
-        if !prompts_drawn {
+        if !short.is_empty() {
+            problems.push(format!(
+                "timed runs generated fewer or more tokens than the {} asked for (the first after the prefill, then {new_tokens}): {}; \
+                 a decode speed counts every token asked for",
+                new_tokens + 1,
+                short.join(", ")
+            ));
+        } else if !prompts_drawn {
             problems.push(format!(
                 "the timed runs' prompts are not the ones drawn from seed {} (the harness draws them; an engine \
                  that reports another vocab_size than config.json's {} draws others)",
@@ -195,6 +208,10 @@ impl Spec for ProfileSpec<'_> {
             if t.traced_runs.len() != report.runs {
                 wrong.push(format!("{} traced runs' tokens, not {}", t.traced_runs.len(), report.runs));
             } else {
+                let lens: Vec<usize> = t.traced_runs.iter().map(Vec::len).collect();
+                if lens.iter().any(|&l| l != new_tokens + 1) {
+                    wrong.push(format!("traced runs of {lens:?} tokens, not {} each", new_tokens + 1));
+                }
                 for run in majority(t.traced_runs.len()) {
                     let draw = [harness::protocol::PROMPT_TRACED, run as u64];
                     let prompt = harness::protocol::profile_prompt(self.seed, &draw, prompt_len, cfg.vocab as u32);
@@ -304,6 +321,7 @@ impl Spec for ProfileSpec<'_> {
                 }
             }
         }
+        let checked = t.runs.first().map(|r| r.tokens.as_slice()).filter(|_| report.outputs_ok);
         report.previous = previous_profile(ctx, &gate.engine, &model_dir, &report).map(|(mut prev, hash)| {
             let reads = grant.paths();
             let rerun = Rerun {
@@ -313,8 +331,9 @@ impl Spec for ProfileSpec<'_> {
                 reads: &reads,
                 env: threads_env,
                 seed: self.seed,
+                checked,
             };
-            compare_with_previous(gate, h, &hash, &rerun, &mut prev);
+            problems.extend(compare_with_previous(gate, h, &hash, &rerun, &mut prev));
             prev
         });
         if !decode.is_empty() && problems.is_empty() && matches!(gate.mode, crate::gate::Mode::Direct) {

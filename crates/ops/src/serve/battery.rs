@@ -220,9 +220,10 @@ pub(super) fn observe(
         )
     }));
 
-    // 8. a burst: BURST requests at once, each answered or refused with a 4xx, none lost.
-    seen.steps.push(checked(if died(&server).is_some() {
-        check("burst", false, "not sent: the server had exited")
+    // 8. a burst: BURST requests at once, each answered or refused with a 4xx, none lost; the
+    // completions' texts are judged against the reference.
+    seen.steps.push(if died(&server).is_some() {
+        checked(check("burst", false, "not sent: the server had exited"))
     } else {
         let b = burst(&client, &e0.prompt, BURST);
         let passed = b.wrong.is_empty() && b.completed > 0;
@@ -240,8 +241,8 @@ pub(super) fn observe(
         } else if b.completed == 0 {
             detail += "; none completed";
         }
-        check("burst", passed, detail)
-    }));
+        Step::Burst { check: check("burst", passed, detail), texts: b.texts.into_iter().collect() }
+    });
 
     // 9. alive afterwards (its answer judged against the reference).
     let alive = match died(&server) {

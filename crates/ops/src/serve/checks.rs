@@ -208,6 +208,8 @@ pub const BURST: usize = 1000;
 pub(super) struct Burst {
     /// Answered 200 with a completion.
     pub(super) completed: usize,
+    /// The completions' texts (as recorded, `wire::recorded`), distinct, with how many gave each.
+    pub(super) texts: std::collections::BTreeMap<String, usize>,
     /// Answered 4xx with an OpenAI error object (e.g. 429 when the queue is full).
     pub(super) refused: usize,
     /// Anything else (no answer, 5xx, another shape): how many, and the first few.
@@ -233,17 +235,23 @@ pub(super) fn burst(client: &Client, prompt: &str, n: usize) -> Burst {
     let answer = |r: std::result::Result<Answer, String>| match r {
         Ok(a) if a.status == 200 => serde_json::from_str::<Value>(&a.body)
             .ok()
-            .filter(|v| v["choices"][0]["text"].is_string())
-            .map(|_| ())
+            .and_then(|v| v["choices"][0]["text"].as_str().map(|t| super::wire::recorded(t.to_string())))
             .ok_or_else(|| format!("200 without a completion: {}", harness::tail(&a.body, 200))),
         Ok(a) if (400..500).contains(&a.status) && openai_error(&a.body) => Err(String::new()),
         Ok(a) => Err(format!("answered {}: {}", a.status, harness::tail(&a.body, 200))),
         Err(e) => Err(e),
     };
-    let sort = |r: std::result::Result<(), String>, retry: bool| {
+    let sort = |r: std::result::Result<String, String>, retry: bool| {
         let mut b = out.lock().unwrap_or_else(|p| p.into_inner());
         match r {
-            Ok(()) => b.completed += 1,
+            Ok(text) => {
+                b.completed += 1;
+                // At most a few hundred distinct texts are kept: a server answering each request
+                // differently fails the judge's comparison with the first of them anyway.
+                if b.texts.len() < 256 || b.texts.contains_key(&text) {
+                    *b.texts.entry(text).or_default() += 1;
+                }
+            }
             Err(e) if e.is_empty() => b.refused += 1,
             Err(_) if retry => *lost.lock().unwrap_or_else(|p| p.into_inner()) += 1,
             Err(e) => {

@@ -3,6 +3,7 @@
 //! ([`Observed`]) with them.
 
 use super::checks::check;
+use super::load::percentile;
 use super::wire::{Answered, Observed, Plan, Step};
 use super::{Check, LoadLevel};
 use base::error::Result;
@@ -23,12 +24,15 @@ pub(super) struct Want {
 pub(super) struct Expected {
     pub(super) greedy: Vec<Want>,
     pub(super) pool: Vec<Want>,
+    /// The burst's one-token greedy answer to the first greedy prompt.
+    pub(super) burst: Want,
 }
 
 /// The checks decided where the server runs: they compare the server's behaviour with the
-/// contract (status codes, shapes, timing), not its answers with the reference.
-pub(super) const DECIDED_THERE: [&str; 8] =
-    ["help", "health", "models", "chat", "bad_requests", "burst", "disconnect", "keep_alive"];
+/// contract (status codes, shapes, timing), not its answers with the reference. (A burst that
+/// failed there is taken too; one that passed is judged here, [`Step::Burst`].)
+pub(super) const DECIDED_THERE: [&str; 7] =
+    ["help", "health", "models", "chat", "bad_requests", "disconnect", "keep_alive"];
 
 /// Every check of the battery, in the order a server that answers everything goes through them.
 pub(super) const BATTERY: [&str; 12] = [
@@ -60,10 +64,12 @@ pub(super) fn judge(plan: &Plan, want: &Expected, seen: &Observed) -> (Vec<Check
             // Decided where the server ran: only the checks that need no reference (and alive
             // when the server had died); any other is judged here, never taken from the run.
             Step::Checked { check: c }
-                if DECIDED_THERE.contains(&c.name.as_str()) || (c.name == "alive" && !c.passed) =>
+                if DECIDED_THERE.contains(&c.name.as_str())
+                    || (matches!(c.name.as_str(), "alive" | "burst") && !c.passed) =>
             {
                 c.clone()
             }
+            Step::Burst { check: c, texts } => burst(c, texts, &want.burst),
             Step::Checked { check: c } => {
                 check(&c.name, false, "recorded as decided where the server ran; only the judge here decides it")
             }
@@ -138,16 +144,72 @@ pub(super) fn judge(plan: &Plan, want: &Expected, seen: &Observed) -> (Vec<Check
         .iter()
         .enumerate()
         .map(|(i, run)| {
-            let mut level = run.level.clone();
             let picks = plan.levels.get(i).map_or(&[][..], |(_, p)| p.as_slice());
-            level.requests = picks.len();
-            level.completed = run.answers.len().min(picks.len());
-            level.greedy_mismatches =
-                run.answers.iter().filter(|(pick, text)| want.pool.get(*pick).is_none_or(|w| w.text != *text)).count();
-            level
+            level_figures(run, picks.len(), &want.pool)
         })
         .collect();
     (checks, levels)
+}
+
+/// One load level's figures from what the run recorded and the reference's answers: the requests
+/// planned, those completed, those whose text differs from the reference's (`greedy_mismatches`),
+/// and from the answers equal to the reference's alone, output tokens (the reference's token
+/// counts, not the server's `usage`) and their rate over the level's wall time, TTFT (the first
+/// non-empty text) and ITL (per request, the time from its first to its last text over its tokens
+/// less one, so that how the server splits its text into events changes nothing), nearest-rank
+/// p50 and p99 in milliseconds.
+pub(super) fn level_figures(run: &super::wire::LevelRun, planned: usize, pool: &[Want]) -> super::LoadLevel {
+    let mut level = run.level.clone();
+    level.requests = planned;
+    level.completed = run.answers.len().min(planned);
+    let (mut tokens, mut ttft, mut itl, mut mismatches) = (0, Vec::new(), Vec::new(), 0);
+    for (k, (pick, text)) in run.answers.iter().enumerate() {
+        let Some(w) = pool.get(*pick).filter(|w| w.text == *text) else {
+            mismatches += 1;
+            continue;
+        };
+        tokens += w.completion_tokens;
+        if let Some(&(first, last)) = run.spans_ms.get(k) {
+            ttft.push(first);
+            if w.completion_tokens > 1 {
+                itl.push((last - first).max(0.0) / (w.completion_tokens - 1) as f64);
+            }
+        }
+    }
+    level.greedy_mismatches = mismatches;
+    level.output_tokens = tokens;
+    level.output_tokens_per_s = tokens as f64 / level.seconds.max(1e-9);
+    level.ttft_ms_p50 = percentile(&mut ttft, 50.0);
+    level.ttft_ms_p99 = percentile(&mut ttft, 99.0);
+    level.itl_ms_p50 = percentile(&mut itl, 50.0);
+    level.itl_ms_p99 = percentile(&mut itl, 99.0);
+    level
+}
+
+/// The burst check: what the run decided (each request answered or refused with a 4xx, none
+/// lost), and every completed answer's text the reference's one-token greedy answer `want`.
+fn burst(c: &Check, texts: &[(String, usize)], want: &Want) -> Check {
+    if !c.passed || c.name != "burst" {
+        return check("burst", false, c.detail.clone());
+    }
+    let wrong: Vec<String> =
+        texts.iter().filter(|(t, _)| *t != want.text).map(|(t, n)| format!("{n} answered {t:?}")).collect();
+    if wrong.is_empty() && !texts.is_empty() {
+        check("burst", true, format!("{}; every completion is the reference's {:?}", c.detail, want.text))
+    } else if texts.is_empty() {
+        check("burst", false, format!("{}; no completion's text was recorded", c.detail))
+    } else {
+        check(
+            "burst",
+            false,
+            format!(
+                "{}; completions differ from the reference's one-token answer {:?}: {}",
+                c.detail,
+                want.text,
+                wrong.iter().take(4).cloned().collect::<Vec<_>>().join(", ")
+            ),
+        )
+    }
 }
 
 /// The greedy check: every answer equals the reference's text, token count and finish reason.
@@ -216,5 +278,9 @@ pub(super) fn expected(
     };
     let greedy = plan.greedy.iter().map(|a| want(&a.prompt, a.max_tokens)).collect::<Result<_>>()?;
     let pool = plan.pool.iter().map(|a| want(&a.prompt, a.max_tokens)).collect::<Result<_>>()?;
-    Ok(Expected { greedy, pool })
+    let burst = match plan.greedy.first() {
+        Some(a) => want(&a.prompt, 1)?,
+        None => Want { text: String::new(), completion_tokens: 0, finish: "length" },
+    };
+    Ok(Expected { greedy, pool, burst })
 }

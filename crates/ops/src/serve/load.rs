@@ -1,5 +1,6 @@
-//! The load test of serve_engine: one concurrency level of streaming clients, its throughput and
-//! its nearest-rank TTFT and ITL percentiles, and the machine's load average.
+//! The load test of serve_engine: one concurrency level of streaming clients, each request's text
+//! and when its first and last text arrived, and the machine's load average; the judge derives the
+//! level's throughput and nearest-rank TTFT and ITL percentiles (`judge::level_figures`).
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -29,9 +30,9 @@ pub(super) fn load_average() -> f64 {
         .unwrap_or(-1.0)
 }
 
-/// One load-test request as its client saw it: its pool index, completion tokens, text, TTFT (one
-/// entry) and inter-token gaps, milliseconds.
-type Sent = (usize, usize, String, Vec<f64>, Vec<f64>);
+/// One load-test request as its client saw it: its pool index, completion tokens, text, and when
+/// its first and last non-empty text arrived (milliseconds from the request).
+type Sent = (usize, usize, String, (f64, f64));
 
 /// One concurrency level: `c` clients send the streaming greedy requests `picks` (indices into
 /// `pool`) back to back, in order; the figures of the level and each completed request's text.
@@ -63,9 +64,8 @@ pub(super) fn load_level(client: &Client, pool: &[Ask], c: usize, picks: &[usize
                             return Err("the event stream ended without [DONE]".to_string());
                         }
                         let times: Vec<f64> = st.pieces.iter().map(|(t, _)| t.as_secs_f64() * 1e3).collect();
-                        let ttft = times.first().copied().into_iter().collect();
-                        let itl = times.windows(2).map(|w| w[1] - w[0]).collect();
-                        Ok((picks[i], st.completion_tokens, st.text(), ttft, itl))
+                        let span = (times.first().copied().unwrap_or(0.0), times.last().copied().unwrap_or(0.0));
+                        Ok((picks[i], st.completion_tokens, st.text(), span))
                     });
                     results.lock().unwrap_or_else(|p| p.into_inner()).push(r);
                 }
@@ -75,25 +75,19 @@ pub(super) fn load_level(client: &Client, pool: &[Ask], c: usize, picks: &[usize
     let seconds = start.elapsed().as_secs_f64();
     let results = results.into_inner().unwrap_or_else(|p| p.into_inner());
     let mut level = LoadLevel { concurrency: c, requests: n, seconds, ..Default::default() };
-    let (mut ttft, mut itl, mut answers) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut answers, mut spans_ms) = (Vec::new(), Vec::new());
     for r in results {
         match r {
-            Ok((pick, tokens, text, t, i)) => {
+            Ok((pick, tokens, text, span)) => {
                 level.completed += 1;
                 level.output_tokens += tokens;
                 answers.push((pick, super::wire::recorded(text)));
-                ttft.extend(t);
-                itl.extend(i);
+                spans_ms.push(span);
             }
             Err(e) if level.errors.len() < 4 => level.errors.push(e),
             Err(_) => {}
         }
     }
-    level.output_tokens_per_s = level.output_tokens as f64 / seconds.max(1e-9);
     level.requests_per_s = level.completed as f64 / seconds.max(1e-9);
-    level.ttft_ms_p50 = percentile(&mut ttft, 50.0);
-    level.ttft_ms_p99 = percentile(&mut ttft, 99.0);
-    level.itl_ms_p50 = percentile(&mut itl, 50.0);
-    level.itl_ms_p99 = percentile(&mut itl, 99.0);
-    LevelRun { level, answers }
+    LevelRun { level, answers, spans_ms }
 }

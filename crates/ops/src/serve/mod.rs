@@ -107,7 +107,8 @@ pub struct LoadLevel {
     pub completed: usize,
     /// Completions whose text differs from the reference's greedy text.
     pub greedy_mismatches: usize,
-    /// Completion tokens (from `usage`) over all requests.
+    /// Completion tokens over the requests answered with the reference's text (the reference's
+    /// token counts; the server's `usage` is not trusted).
     pub output_tokens: usize,
     /// Wall time of the level, seconds.
     pub seconds: f64,
@@ -119,7 +120,8 @@ pub struct LoadLevel {
     pub ttft_ms_p50: f64,
     /// Time to first token, 99th percentile (nearest rank), milliseconds.
     pub ttft_ms_p99: f64,
-    /// Inter-token latency, median, milliseconds.
+    /// Inter-token latency, median, milliseconds: per request answered with the reference's text,
+    /// the time from its first to its last streamed text over its tokens less one.
     pub itl_ms_p50: f64,
     /// Inter-token latency, 99th percentile, milliseconds.
     pub itl_ms_p99: f64,

@@ -118,6 +118,7 @@ fn judged_case() -> (Plan, judge::Expected, Observed) {
     let expected = judge::Expected {
         greedy: vec![want(" a time there was a girl", 8, "length")],
         pool: vec![want(" ran to the", 4, "length")],
+        burst: want(" a", 1, "length"),
     };
     let answered = Answered { text: " a time there was a girl".into(), finish: "length".into(), completion_tokens: 8 };
     let ok = |name: &str| Step::Checked { check: checks::check(name, true, "ok") };
@@ -138,13 +139,17 @@ fn judged_case() -> (Plan, judge::Expected, Observed) {
         },
         ok("chat"),
         ok("bad_requests"),
-        ok("burst"),
+        Step::Burst {
+            check: checks::check("burst", true, "1000 requests at once: 1000 completed"),
+            texts: vec![(" a".into(), 1000)],
+        },
         Step::Alive { answer: Ok(answered) },
         ok("disconnect"),
         ok("keep_alive"),
     ];
-    let level = LoadLevel { concurrency: 2, requests: 2, completed: 2, ..Default::default() };
-    let levels = vec![LevelRun { level, answers: vec![(0, " ran to the".into()), (0, " ran to the".into())] }];
+    let level = LoadLevel { concurrency: 2, requests: 2, completed: 2, seconds: 0.5, ..Default::default() };
+    let answers = vec![(0, " ran to the".into()), (0, " ran to the".into())];
+    let levels = vec![LevelRun { level, answers, spans_ms: vec![(10.0, 40.0), (20.0, 110.0)] }];
     (plan, expected, Observed { sandboxed: true, steps, levels, load_average: 0.5, error: String::new() })
 }
 
@@ -156,6 +161,28 @@ fn the_judge_passes_answers_equal_to_the_reference() {
     assert_eq!(names, judge::BATTERY);
     assert!(checks.iter().all(|c| c.passed), "{checks:?}");
     assert_eq!((levels[0].requests, levels[0].completed, levels[0].greedy_mismatches), (2, 2, 0));
+    // The reference's 4 tokens each over 0.5 s; TTFT 10 and 20 ms; ITL (40 - 10) / 3 and
+    // (110 - 20) / 3 ms.
+    let l = &levels[0];
+    assert_eq!((l.output_tokens, l.output_tokens_per_s), (8, 16.0));
+    assert_eq!((l.ttft_ms_p50, l.ttft_ms_p99, l.itl_ms_p50, l.itl_ms_p99), (10.0, 20.0, 10.0, 30.0));
+}
+
+/// A level's figures come from the reference: the server's `usage` (here 100,000 tokens a
+/// request) and its level figures are not used, an answer that differs from the reference's adds
+/// no tokens and no latency, and ITL is per token however the text was split into events.
+#[test]
+fn load_figures_count_the_reference_s_tokens_of_answers_equal_to_it() {
+    let (plan, want, mut seen) = judged_case();
+    let run = &mut seen.levels[0];
+    run.level.output_tokens = 200_000;
+    run.level.output_tokens_per_s = 400_000.0;
+    run.level.itl_ms_p50 = 0.001;
+    run.answers[1].1 = " ran to".into();
+    let (_, levels) = judge::judge(&plan, &want, &seen);
+    let l = &levels[0];
+    assert_eq!((l.greedy_mismatches, l.output_tokens, l.output_tokens_per_s), (1, 4, 8.0));
+    assert_eq!((l.ttft_ms_p50, l.itl_ms_p50, l.itl_ms_p99), (10.0, 10.0, 10.0));
 }
 
 #[test]
@@ -200,6 +227,30 @@ fn the_judge_fails_each_answer_that_differs_and_each_check_not_recorded() {
     let (checks, _) = judge::judge(&plan, &want, &seen);
     let stop = checks.iter().find(|c| c.name == "stop").unwrap();
     assert!(!stop.passed && stop.detail.ends_with("expected \" a time \" (stop)"), "{stop:?}");
+}
+
+/// The burst's completions are judged here against the reference's one-token answer: a server
+/// that answers some of its thousand requests with another text (cross-talk under load) fails,
+/// and a burst recorded as passed where the server ran is not taken.
+#[test]
+fn the_burst_s_completions_are_the_reference_s() {
+    let (plan, want, mut seen) = judged_case();
+    let burst = |seen: &Observed| {
+        let (checks, _) = judge::judge(&plan, &want, seen);
+        checks.into_iter().find(|c| c.name == "burst").unwrap()
+    };
+    let c = burst(&seen);
+    assert!(c.passed && c.detail.ends_with("every completion is the reference's \" a\""), "{c:?}");
+    let passed_there = checks::check("burst", true, "1000 requests at once: 1000 completed");
+    seen.steps[8] = Step::Burst { check: passed_there.clone(), texts: vec![(" a".into(), 990), (" ran".into(), 10)] };
+    let c = burst(&seen);
+    assert!(!c.passed && c.detail.ends_with("one-token answer \" a\": 10 answered \" ran\""), "{c:?}");
+    seen.steps[8] = Step::Checked { check: passed_there };
+    let c = burst(&seen);
+    assert!(!c.passed && c.detail.contains("only the judge here decides it"), "{c:?}");
+    // A burst that failed there (or was not sent) fails as it was recorded.
+    seen.steps[8] = Step::Checked { check: checks::check("burst", false, "not sent: the server had exited") };
+    assert_eq!(burst(&seen).detail, "not sent: the server had exited");
 }
 
 #[test]

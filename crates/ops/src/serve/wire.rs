@@ -200,7 +200,8 @@ pub struct StreamAnswered {
 #[serde(tag = "step", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Step {
     /// A check decided where the server ran: it needs no reference (help, health, models, chat,
-    /// bad requests, burst, disconnect, keep-alive; alive when the server had died).
+    /// bad requests, disconnect, keep-alive; alive when the server had died, burst when it was not
+    /// sent).
     Checked {
         /// The check.
         check: Check,
@@ -221,6 +222,15 @@ pub enum Step {
         /// The greedy request it was sent with, its stop string and the answer.
         sent: Option<(usize, String, std::result::Result<Answered, String>)>,
     },
+    /// The burst as decided where the server ran (each request answered or refused with a 4xx),
+    /// with the texts of its completed answers and how many gave each; judged here against the
+    /// reference's one-token answer.
+    Burst {
+        /// The check as decided there.
+        check: Check,
+        /// Each distinct completion text and its count.
+        texts: Vec<(String, usize)>,
+    },
     /// The first greedy request again, after the bad requests and the burst.
     Alive {
         /// The answer.
@@ -237,6 +247,11 @@ pub struct LevelRun {
     pub level: LoadLevel,
     /// Per completed request: its pool index and streamed text.
     pub answers: Vec<(usize, String)>,
+    /// Per completed request, as `answers`: when its first and its last non-empty text arrived,
+    /// milliseconds from the request (the judge derives the level's token counts and inter-token
+    /// latency from these and the reference's tokens, not from the server's usage or chunking).
+    #[serde(default)]
+    pub spans_ms: Vec<(f64, f64)>,
 }
 
 /// Everything the battery and the load test saw, where the server ran.

@@ -484,8 +484,24 @@ fn staged_summary(summary: &str, id: &str) -> String {
 /// as the engine's value). A non-finite reference logit anywhere in the row fails, as it would in a
 /// whole row (the engine's own non-finite logits are always among its largest:
 /// `protocol::top_logits`). Returns the verdict, its `worst_index` a token id, and the engine's value
-/// there. A token id outside the vocabulary fails as a missing reference value.
+/// there. A token id outside the vocabulary fails as a missing reference value. A list that is not
+/// distinct tokens, largest first (non-finite values first, as `protocol::top_logits` orders them),
+/// fails at its first repeated or misplaced token ([`oracle::UNWRITTEN`] errors): a list repeating
+/// the engine's largest would otherwise leave the reference's other top tokens unchecked.
 fn compare_top(ids: &[u32], values: &[f32], want: &[f64], tol: &Tolerance) -> (oracle::Verdict, f64) {
+    let finite = |v: f32| if v.is_finite() { v } else { f32::INFINITY };
+    let repeated = ids.iter().enumerate().position(|(i, t)| ids[..i].contains(t));
+    let misplaced = values.windows(2).position(|w| finite(w[0]) < finite(w[1])).map(|i| i + 1);
+    if let Some(at) = [repeated, misplaced].into_iter().flatten().min().filter(|&at| at < values.len()) {
+        let v = oracle::Verdict {
+            max_abs_err: oracle::UNWRITTEN,
+            max_rel_err: oracle::UNWRITTEN,
+            worst_index: ids[at] as usize,
+            ok: false,
+            non_finite: None,
+        };
+        return (v, values[at] as f64);
+    }
     let (mut tokens, mut got): (Vec<usize>, Vec<f32>) = (ids.iter().map(|&t| t as usize).collect(), values.to_vec());
     let floor = values.iter().copied().fold(f32::INFINITY, f32::min);
     let mut theirs: Vec<usize> = (0..want.len()).collect();
@@ -564,6 +580,16 @@ mod tests {
         want[0] = f64::NEG_INFINITY;
         let (v, _) = compare_top(&[1, 3], &[5.0, 4.0], &want, &tol());
         assert!(!v.ok && v.non_finite.is_some_and(|nf| nf.index == 0 && nf.side == oracle::Side::Expected), "{v:?}");
+        // The engine's largest repeated in place of its second: the reference's token 3 (4.0) would
+        // go unchecked; the list fails at the repeat.
+        let (v, engine) = compare_top(&[1, 1], &[5.0, 5.0], &WANT, &tol());
+        assert!(!v.ok && v.worst_index == 1 && engine == 5.0 && v.max_abs_err == oracle::UNWRITTEN, "{v:?}");
+        // Not largest first: fails at the misplaced token.
+        let (v, _) = compare_top(&[3, 1], &[4.0, 5.0], &WANT, &tol());
+        assert!(!v.ok && v.worst_index == 1, "{v:?}");
+        // Non-finite values first are in order (and fail as non-finite).
+        let (v, _) = compare_top(&[1, 3], &[f32::NEG_INFINITY, 4.0], &WANT, &tol());
+        assert!(!v.ok && v.non_finite.is_some_and(|nf| nf.index == 1), "{v:?}");
     }
 
     /// The default for a large vocabulary: the 1B verify (prompts of 32, 32, 32 and 512 tokens,
