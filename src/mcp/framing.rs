@@ -72,7 +72,7 @@ pub fn invalid_params(line: &[u8]) -> Option<String> {
     };
     let shape = match method {
         "tools/call" => r#"{"name": "<tool>", "arguments": {...}}"#,
-        "prompts/get" => r#"{"name": "<prompt>", "arguments": {"<name>": "<string>"}}"#,
+        "prompts/get" => r#"{"name": "<prompt>", "arguments": {"<name>": "<value>"}}"#,
         "resources/read" => r#"{"uri": "<uri>"}"#,
         _ => "an object",
     };
@@ -97,12 +97,6 @@ pub fn invalid_params(line: &[u8]) -> Option<String> {
                     if method == "tools/call" { "tool's" } else { "prompt's" },
                     kind(a)
                 ),
-                ("prompts/get", _, Some(serde_json::Value::Object(a))) => {
-                    match a.iter().find(|(_, x)| !x.is_string()) {
-                        Some((name, x)) => format!("prompt argument {name} must be a string, not {}", kind(x)),
-                        None => return None,
-                    }
-                }
                 _ => return None,
             }
         }
@@ -168,14 +162,13 @@ where
             let why =
                 if too_long { Some(format!("the line is longer than {MAX_LINE} bytes")) } else { check_line(line) };
             // A request whose params its method cannot read is answered here too (see the module's
-            // documentation), within the same cap as the parse errors.
-            let invalid = if why.is_none() { invalid_params(line) } else { None };
+            // documentation), within the same cap as the parse errors; past the cap it goes on to
+            // rmcp, whose own error answers it.
+            let invalid = if why.is_none() && answered < MAX_PARSE_ERRORS { invalid_params(line) } else { None };
             if let Some(reply) = invalid {
                 tracing::warn!("client sent a request with invalid params: {reply}");
-                if answered < MAX_PARSE_ERRORS {
-                    answered += 1;
-                    let _ = errors.send(reply);
-                }
+                answered += 1;
+                let _ = errors.send(reply);
                 continue;
             }
             match why {
@@ -270,8 +263,8 @@ mod tests {
             (r#"{"jsonrpc":"2.0","id":3,"method":"ping","params":[1]}"#, "params must be an object, not an array"),
             (r#"{"jsonrpc":"2.0","id":3,"method":"resources/read","params":{}}"#, "params.uri must be a string"),
             (
-                r#"{"jsonrpc":"2.0","id":3,"method":"prompts/get","params":{"name":"p","arguments":{"a":1}}}"#,
-                "prompt argument a must be a string",
+                r#"{"jsonrpc":"2.0","id":3,"method":"prompts/get","params":{"name":"p","arguments":[1]}}"#,
+                "params.arguments must be an object",
             ),
         ] {
             let r = answer(line).unwrap_or_else(|| panic!("{line} not answered"));
@@ -285,6 +278,8 @@ mod tests {
             r#"{"jsonrpc":"2.0","method":"notifications/initialized","params":[1]}"#,
             r#"{"jsonrpc":"2.0","id":2,"result":{}}"#,
             r#"{"jsonrpc":"2.0","id":2,"method":"prompts/get","params":{"name":"p","arguments":{"a":"b"}}}"#,
+            // The prompt handler takes arguments that are not strings as their JSON text.
+            r#"{"jsonrpc":"2.0","id":2,"method":"prompts/get","params":{"name":"p","arguments":{"a":1}}}"#,
         ] {
             assert!(answer(fine).is_none(), "{fine}");
         }

@@ -98,15 +98,17 @@ pub(super) struct Rerun<'a> {
 /// regression; otherwise, when the previous build's harness was kept, both builds decode
 /// alternately ([`INTERLEAVED_PAIRS`] pairs, one run each) and [`is_regression`] judges the two
 /// spreads measured here. Without a kept build no regression is called. Every interleaved run's
-/// tokens are compared with the checked run's ([`Rerun::checked`]): returns the problem when this
-/// build's differ (it computes something else when rerun, and the profile fails); the previous
-/// build's differing leaves the comparison out.
+/// tokens are the checked run's ([`Rerun::checked`]) or, where they differ (a near-tie gone the
+/// other way), greedy choices of the reference (`agrees`, run 0's prompt): returns the problem
+/// when this build's are neither (it computes something else when rerun, and the profile fails);
+/// the previous build's leave the comparison out.
 pub(super) fn compare_with_previous(
     gate: &Gate<'_>,
     h: &crate::gate::Harness,
     hash: &str,
     rerun: &Rerun<'_>,
     prev: &mut PreviousProfile,
+    agrees: &mut dyn FnMut(&[u32]) -> bool,
 ) -> Option<String> {
     if prev.same_sources {
         prev.note =
@@ -135,7 +137,9 @@ pub(super) fn compare_with_previous(
                 seed: rerun.seed,
             };
             match gate.call_exe(h, exe, command, rerun.env, rerun.reads).map(|c| c.ok("interleaved profile", 500)) {
-                Ok(Ok(Reply::Profile(t))) if t.runs.first().is_some_and(|r| r.tokens == checked) => {
+                Ok(Ok(Reply::Profile(t)))
+                    if t.runs.first().is_some_and(|r| r.tokens == checked || agrees(&r.tokens)) =>
+                {
                     out.extend(t.decode_s_per_token.iter().map(|s| 1.0 / s));
                 }
                 Ok(Ok(Reply::Profile(_))) => {

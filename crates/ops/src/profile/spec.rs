@@ -147,8 +147,9 @@ impl Spec for ProfileSpec<'_> {
                 prompts_drawn = false;
                 continue;
             }
-            // The harness divides each run's decode time by the tokens asked for, so a run must
-            // have generated all of them (the first chosen after the prefill, then new_tokens).
+            // A run is timed on the decode asked for: the first token chosen after the prefill,
+            // then new_tokens (within config.json's context). Fewer means a shorter context than the
+            // model's, or a decode that returned fewer tokens than the harness timed it for.
             if r.tokens.len() != new_tokens + 1 {
                 short.push(format!("decode run {i}: {} tokens", r.tokens.len()));
                 report.outputs_ok = false;
@@ -156,10 +157,20 @@ impl Spec for ProfileSpec<'_> {
                 report.outputs_ok = false;
             }
         }
+        // Every timing a median is taken over is one of the runs checked above.
+        let counts = [t.runs.len(), t.decode_s_per_token.len(), t.prefill_s.len(), t.first_token_s.len()];
+        if counts.iter().any(|&c| c != report.runs) {
+            problems.push(format!(
+                "the reply holds {} timed runs' tokens, {} decode, {} prefill and {} first-token timings for the {} runs asked for",
+                counts[0], counts[1], counts[2], counts[3], report.runs
+            ));
+            report.outputs_ok = false;
+        }
         if !short.is_empty() {
             problems.push(format!(
-                "timed runs generated fewer or more tokens than the {} asked for (the first after the prefill, then {new_tokens}): {}; \
-                 a decode speed counts every token asked for",
+                "timed runs generated other token counts than the {} asked for (the first after the prefill, then {new_tokens}): {}; \
+                 the figures are of that decode only: an engine whose context (Model::max_seq_len) is shorter than config.json's \
+                 max_position_embeddings, or whose decode returns fewer tokens than asked, is not timed on it",
                 new_tokens + 1,
                 short.join(", ")
             ));
@@ -205,8 +216,13 @@ impl Spec for ProfileSpec<'_> {
         }
         // An engine with a traced forward that ran (points reported) returns each traced run's tokens.
         if !t.points.is_empty() && t.points_error.is_none() {
-            if t.traced_runs.len() != report.runs {
-                wrong.push(format!("{} traced runs' tokens, not {}", t.traced_runs.len(), report.runs));
+            if t.traced_runs.len() != report.runs || t.traced_s_per_token.len() != report.runs {
+                wrong.push(format!(
+                    "{} traced runs' tokens and {} timings, not {}",
+                    t.traced_runs.len(),
+                    t.traced_s_per_token.len(),
+                    report.runs
+                ));
             } else {
                 let lens: Vec<usize> = t.traced_runs.iter().map(Vec::len).collect();
                 if lens.iter().any(|&l| l != new_tokens + 1) {
@@ -333,7 +349,16 @@ impl Spec for ProfileSpec<'_> {
                 seed: self.seed,
                 checked,
             };
-            problems.extend(compare_with_previous(gate, h, &hash, &rerun, &mut prev));
+            let prompt0 = harness::protocol::profile_prompt(
+                self.seed,
+                &[harness::protocol::PROMPT_DECODE, 0],
+                prompt_len,
+                cfg.vocab as u32,
+            );
+            let mut agrees = |tokens: &[u32]| {
+                tokens.len() == new_tokens + 1 && greedy_agrees(&mut reference, &prompt0, tokens).unwrap_or(false)
+            };
+            problems.extend(compare_with_previous(gate, h, &hash, &rerun, &mut prev, &mut agrees));
             prev
         });
         if !decode.is_empty() && problems.is_empty() && matches!(gate.mode, crate::gate::Mode::Direct) {
@@ -363,16 +388,38 @@ impl Spec for ProfileSpec<'_> {
 }
 
 /// Whether `got`, an engine's greedy tokens after `prompt` (the first chosen after the prefill),
-/// are the reference's, a near-tie in the reference (1e-3) going either way; an empty `got` is not.
+/// are greedy choices of the reference: each the reference's argmax after the prompt and the
+/// engine's own earlier tokens, or within 1e-3 of it (a near-tie may go either way, and the run is
+/// judged on from the engine's choice); an empty `got`, or one running past the context, is not.
 ///
 /// # Errors
-/// As [`oracle::llama::Reference::greedy`].
-fn greedy_agrees(reference: &mut oracle::llama::Reference, prompt: &[u32], got: &[u32]) -> Result<bool> {
-    let (rows, want) = reference.greedy(prompt, got.len().max(1))?;
-    let agree = got.iter().zip(&want).zip(&rows).take_while(|((g, w), row)| {
-        g == w || row[**w as usize] - row.get(**g as usize).copied().unwrap_or(f64::NEG_INFINITY) <= 1e-3
-    });
-    Ok(agree.count() == want.len() && got.len() == want.len())
+/// As [`oracle::llama::Reference::step`]; Input when a reference row holds NaN or an infinity.
+pub(super) fn greedy_agrees(reference: &mut oracle::llama::Reference, prompt: &[u32], got: &[u32]) -> Result<bool> {
+    if got.is_empty() || prompt.is_empty() || prompt.len() + got.len() - 1 > reference.config().max_seq {
+        return Ok(false);
+    }
+    reference.reset();
+    let mut logits = Vec::new();
+    for &t in prompt {
+        logits = reference.step(t)?;
+    }
+    for (i, &g) in got.iter().enumerate() {
+        if let Some(at) = logits.iter().position(|v| !v.is_finite()) {
+            return Err(base::error::Error::input(format!(
+                "the reference computes a non-finite logit ({} at token {at}) at step {i} of a timed run: its weights or activations overflow at this dtype, so no engine can be checked against it",
+                logits[at]
+            )));
+        }
+        let best = oracle::argmax(&logits);
+        let theirs = logits.get(g as usize).copied().unwrap_or(f64::NEG_INFINITY);
+        if g as usize != best && logits[best] - theirs > 1e-3 {
+            return Ok(false);
+        }
+        if i + 1 < got.len() {
+            logits = reference.step(g)?;
+        }
+    }
+    Ok(true)
 }
 
 /// Which of `n` timed runs the server replays: a majority, n / 2 + 1 of them, drawn afresh from

@@ -17,9 +17,11 @@
 //! ([`Observed`]) is judged here against the reference, as a direct run's is.
 //!
 //! The load test: at each concurrency level, that many clients send streaming greedy completions of
-//! drawn prompts back to back over pooled keep-alive connections, as real clients send them; it reports output tokens/s, requests/s, time to first token (TTFT) and
-//! inter-token latency (ITL: time between successive text chunks) at p50 and p99 (nearest rank), and
-//! checks every output under load against the reference. Figures are measurements of this machine
+//! drawn prompts back to back over pooled keep-alive connections, as real clients send them; it
+//! checks every output under load against the reference and reports, from the answers equal to
+//! the reference's, output tokens/s (the reference's token counts), requests/s, time to first
+//! token (TTFT) and inter-token latency (ITL: per request, the time from its first to its last text
+//! over its text tokens less one) at p50 and p99 (nearest rank) (`judge::level_figures`). Figures are measurements of this machine
 //! under its current load; no test asserts them.
 
 use schemars::JsonSchema;

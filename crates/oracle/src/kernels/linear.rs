@@ -20,10 +20,16 @@ pub struct Faults {
 /// `x W^T` with `f`'s mistakes. `x`: [m, k]; `w`: [n, k]; returns [m, n].
 ///
 /// Each output is one dot product summed in order over `k`, so the result does not depend on how
-/// the work is split: products of at least [`PARALLEL_MACS`] multiply-adds split the `n` outputs
-/// over the machine's cores (`std::thread::available_parallelism`), the same sums in the same order
-/// (the 1B-shape replays of profile and verify are dominated by these products).
+/// the work is split: a row of at least [`PARALLEL_MACS`] multiply-adds (`n k`) splits its `n`
+/// outputs over the machine's cores (`std::thread::available_parallelism`), the same sums in the
+/// same order (the 1B-shape replays of profile and verify are dominated by such rows).
 pub fn core(x: &[f64], w: &[f64], m: usize, k: usize, n: usize, f: Faults) -> Vec<f64> {
+    let threads = if n * k >= PARALLEL_MACS { std::thread::available_parallelism().map_or(1, |t| t.get()) } else { 1 };
+    core_split(x, w, m, k, n, f, threads)
+}
+
+/// [`core`] with each row's outputs split over `threads` threads (1: serially).
+fn core_split(x: &[f64], w: &[f64], m: usize, k: usize, n: usize, f: Faults, threads: usize) -> Vec<f64> {
     let mut out = vec![0.0; m * n];
     let dot = |i: usize, j: usize| -> f64 {
         if f.xw {
@@ -32,8 +38,8 @@ pub fn core(x: &[f64], w: &[f64], m: usize, k: usize, n: usize, f: Faults) -> Ve
             (0..k).map(|p| x[i * k + p] * w[j * k + p]).sum()
         }
     };
-    let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).min(n.max(1));
-    if m * n * k < PARALLEL_MACS || threads < 2 || m == 0 {
+    let threads = threads.min(n);
+    if threads < 2 {
         for i in 0..m {
             for j in 0..n {
                 out[i * n + j] = dot(i, j);
@@ -41,8 +47,8 @@ pub fn core(x: &[f64], w: &[f64], m: usize, k: usize, n: usize, f: Faults) -> Ve
         }
         return out;
     }
+    let per = n.div_ceil(threads);
     for (i, row) in out.chunks_mut(n).enumerate() {
-        let per = n.div_ceil(threads);
         std::thread::scope(|s| {
             for (c, part) in row.chunks_mut(per).enumerate() {
                 s.spawn(move || {
@@ -56,8 +62,8 @@ pub fn core(x: &[f64], w: &[f64], m: usize, k: usize, n: usize, f: Faults) -> Ve
     out
 }
 
-/// Multiply-adds from which [`core`] splits its outputs over threads: about a millisecond of work
-/// in f64, against tens of microseconds to start a thread.
+/// Multiply-adds of one row from which [`core`] splits its outputs over threads: about a
+/// millisecond of work in f64, against tens of microseconds to start a thread.
 pub const PARALLEL_MACS: usize = 1 << 20;
 
 /// The dims `m`, `k`, `n` of a case.
@@ -147,16 +153,15 @@ pub static KERNEL: Kernel = Kernel {
 mod tests {
     use super::*;
 
-    /// A product large enough to be split over threads gives the serial sums bit for bit (each
-    /// output one dot product in order over k), both ways of reading the weights.
+    /// A product split over 3 threads (whatever this machine has) gives the serial sums bit for
+    /// bit (each output one dot product in order over k), both ways of reading the weights.
     #[test]
     fn a_split_product_is_the_serial_one_bit_for_bit() {
-        let (m, k, n) = (2, 1024, 1030);
-        assert!(m * k * n >= PARALLEL_MACS);
+        let (m, k, n) = (2, 64, 70);
         let x: Vec<f64> = (0..m * k).map(|i| ((i * 7919) % 1009) as f64 / 1009.0 - 0.5).collect();
         let w: Vec<f64> = (0..n * k).map(|i| ((i * 104_729) % 2003) as f64 / 2003.0 - 0.5).collect();
         for xw in [false, true] {
-            let got = core(&x, &w, m, k, n, Faults { xw });
+            let got = core_split(&x, &w, m, k, n, Faults { xw }, 3);
             for i in 0..m {
                 for j in 0..n {
                     let mut want = 0.0;
