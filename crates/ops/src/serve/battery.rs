@@ -260,7 +260,10 @@ pub(super) fn observe(
 
     // 10. a client that goes away cancels its request.
     if alive {
-        seen.steps.push(checked(disconnect(&client, &e0.prompt, plan.disconnect_tokens, plan.max_seqs.clamp(1, 64))));
+        seen.steps.push(match disconnect(&client, &e0.prompt, plan.disconnect_tokens, plan.max_seqs.clamp(1, 64)) {
+            (c, Some(full)) => Step::Disconnect { check: c, full },
+            (c, None) => checked(c),
+        });
         if let Some(why) = died(&server) {
             seen.steps.push(checked(check("alive", false, format!("after the dropped clients: {why}"))));
         }

@@ -11,6 +11,7 @@ use serde_json::{Value, json};
 use super::Check;
 use super::client::{Answer, Client, MAX_STREAM_BYTES, read_event_line};
 use super::load::percentile;
+use super::wire::Answered;
 use base::error::Result;
 use harness::{Budget, Grants};
 
@@ -85,9 +86,11 @@ pub(super) fn openai_error(body: &str) -> bool {
 /// makes it wait for a free slot, at least until one k-token sequence ends, which takes at least
 /// `t_full` (a step of every slot's sequence is no faster than a step of one). Passes when
 /// `t_probe < t_full`; when `t_full` is under 20 ms (a short model context, or an early EOS) the two
-/// cannot be told apart from scheduling noise, and the check says so and passes.
-pub(super) fn disconnect(client: &Client, prompt: &str, full: usize, slots: usize) -> Check {
-    let timed = |max_tokens: usize| -> std::result::Result<(Duration, usize), String> {
+/// cannot be told apart from scheduling noise, and the check says so and passes where the server
+/// ran, returning the full-length answer: the judge then passes it only when that answer is the
+/// reference's (a server could answer it at once with anything to take this way out).
+pub(super) fn disconnect(client: &Client, prompt: &str, full: usize, slots: usize) -> (Check, Option<Answered>) {
+    let timed = |max_tokens: usize| -> std::result::Result<(Duration, Answered), String> {
         let start = Instant::now();
         let body = json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).to_string();
         let a = client.post("/v1/completions", &body)?;
@@ -95,22 +98,30 @@ pub(super) fn disconnect(client: &Client, prompt: &str, full: usize, slots: usiz
             return Err(format!("answered {}: {}", a.status, harness::tail(&a.body, 300)));
         }
         let v: Value = serde_json::from_str(&a.body).map_err(|e| format!("the body is not JSON: {e}"))?;
-        Ok((start.elapsed(), v["usage"]["completion_tokens"].as_u64().unwrap_or(0) as usize))
+        let c = &v["choices"][0];
+        let answered = Answered {
+            text: super::wire::recorded(c["text"].as_str().unwrap_or("").to_string()),
+            finish: c["finish_reason"].as_str().unwrap_or("").to_string(),
+            completion_tokens: v["usage"]["completion_tokens"].as_u64().unwrap_or(0) as usize,
+        };
+        Ok((start.elapsed(), answered))
     };
-    let (t_full, k) = match timed(full) {
+    let (t_full, answer) = match timed(full) {
         Ok(x) => x,
-        Err(why) => return check("disconnect", false, format!("the full-length request alone: {why}")),
+        Err(why) => return (check("disconnect", false, format!("the full-length request alone: {why}")), None),
     };
+    let k = answer.completion_tokens;
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     if t_full < Duration::from_millis(20) {
-        return check(
+        let c = check(
             "disconnect",
             true,
             format!(
-                "not observable here: one request of {k} tokens takes {:.1} ms, too short to tell a cancelled request from a finished one",
+                "{NOT_OBSERVABLE}: one request of {k} tokens takes {:.1} ms, too short to tell a cancelled request from a finished one",
                 ms(t_full)
             ),
         );
+        return (c, Some(answer));
     }
     let body = json!({"prompt": prompt, "max_tokens": full, "temperature": 0, "stream": true}).to_string();
     let barrier = std::sync::Barrier::new(slots);
@@ -139,7 +150,7 @@ pub(super) fn disconnect(client: &Client, prompt: &str, full: usize, slots: usiz
     let abandoned = slots;
     let (t_probe, _) = match timed(1) {
         Ok(x) => x,
-        Err(why) => return check("disconnect", false, format!("the request after the dropped clients: {why}")),
+        Err(why) => return (check("disconnect", false, format!("the request after the dropped clients: {why}")), None),
     };
     let detail = format!(
         "{opened} of {abandoned} streaming requests of {k} tokens (max_seqs) dropped after their first event; a one-token request then took {:.1} ms, one {k}-token request alone {:.1} ms",
@@ -147,9 +158,9 @@ pub(super) fn disconnect(client: &Client, prompt: &str, full: usize, slots: usiz
         ms(t_full)
     );
     if opened * 2 < abandoned {
-        return check("disconnect", false, format!("{detail}: too few requests were accepted to tell"));
+        return (check("disconnect", false, format!("{detail}: too few requests were accepted to tell")), None);
     }
-    if t_probe < t_full {
+    let c = if t_probe < t_full {
         check("disconnect", true, format!("{detail}: the dropped requests were cancelled"))
     } else {
         check(
@@ -159,7 +170,8 @@ pub(super) fn disconnect(client: &Client, prompt: &str, full: usize, slots: usiz
                 "{detail}: it waited behind the dropped requests (component.openai_server: a client disconnect cancels its request and frees its slot)"
             ),
         )
-    }
+    };
+    (c, None)
 }
 
 /// The keep-alive check (component.openai_server: TCP_NODELAY on every accepted connection). One
@@ -199,6 +211,10 @@ pub(super) fn keep_alive(pooled: &Client, fresh: &Client, body: &Value) -> Check
         }
     }
 }
+
+/// How a disconnect check that could not tell begins its detail; the judge passes it only on a
+/// full-length answer equal to the reference's.
+pub(super) const NOT_OBSERVABLE: &str = "not observable here";
 
 /// Requests the burst check sends at once: component.openai_server's "1,000 requests at once".
 pub const BURST: usize = 1000;

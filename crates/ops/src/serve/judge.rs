@@ -2,7 +2,7 @@
 //! reach the server or a bundle), and the checks that compare what the server answered
 //! ([`Observed`]) with them.
 
-use super::checks::check;
+use super::checks::{NOT_OBSERVABLE, check};
 use super::load::percentile;
 use super::wire::{Answered, Observed, Plan, Step};
 use super::{Check, LoadLevel};
@@ -26,6 +26,15 @@ pub(super) struct Expected {
     pub(super) pool: Vec<Want>,
     /// The burst's one-token greedy answer to the first greedy prompt.
     pub(super) burst: Want,
+    /// The disconnect check's full-length answer to the first greedy prompt
+    /// (`Plan::disconnect_tokens`), computed only when a run needs it ([`needs_full_answer`]).
+    pub(super) disconnect: Option<Want>,
+}
+
+/// Whether `seen` holds a disconnect check that could not tell, whose full-length answer the judge
+/// compares with the reference's.
+pub(super) fn needs_full_answer(seen: &Observed) -> bool {
+    seen.steps.iter().any(|s| matches!(s, Step::Disconnect { .. }))
 }
 
 /// The checks decided where the server runs: they compare the server's behaviour with the
@@ -64,11 +73,32 @@ pub(super) fn judge(plan: &Plan, want: &Expected, seen: &Observed) -> (Vec<Check
             // Decided where the server ran: only the checks that need no reference (and alive
             // when the server had died); any other is judged here, never taken from the run.
             Step::Checked { check: c }
-                if DECIDED_THERE.contains(&c.name.as_str())
+                if (DECIDED_THERE.contains(&c.name.as_str())
+                    && !(c.name == "disconnect" && c.passed && c.detail.starts_with(NOT_OBSERVABLE)))
                     || (matches!(c.name.as_str(), "alive" | "burst") && !c.passed) =>
             {
                 c.clone()
             }
+            Step::Disconnect { check: c, full } => match &want.disconnect {
+                Some(w)
+                    if c.name == "disconnect"
+                        && c.passed
+                        && full.text == w.text
+                        && full.finish == w.finish
+                        && full.completion_tokens == w.completion_tokens =>
+                {
+                    c.clone()
+                }
+                Some(w) => check(
+                    "disconnect",
+                    false,
+                    format!(
+                        "{}; but the full-length request was answered {:?} ({} tokens, {}), the reference {:?} ({} tokens, {})",
+                        c.detail, full.text, full.completion_tokens, full.finish, w.text, w.completion_tokens, w.finish
+                    ),
+                ),
+                None => check("disconnect", false, "the reference's full-length answer was not computed"),
+            },
             Step::Burst { check: c, texts } => burst(c, texts, &want.burst),
             Step::Checked { check: c } => {
                 check(&c.name, false, "recorded as decided where the server ran; only the judge here decides it")
@@ -264,7 +294,8 @@ fn greedy(plan: &Plan, want: &Expected, answers: &[std::result::Result<Answered,
     }
 }
 
-/// The reference's answers to `plan`: `greedy(ids, n)` gives the reference's `n` greedy tokens
+/// The reference's answers to `plan` (with `full_answer`, the disconnect check's too):
+/// `greedy(ids, n)` gives the reference's `n` greedy tokens
 /// after the prompt ids; `encode` and `decode` are the model's tokenizer; generation stops at the
 /// first of `eos`.
 ///
@@ -276,6 +307,7 @@ pub(super) fn expected(
     encode: impl Fn(&str) -> Result<Vec<u32>>,
     decode: impl Fn(&[u32]) -> Result<String>,
     mut greedy: impl FnMut(&[u32], usize) -> Result<Vec<u32>>,
+    full_answer: bool,
 ) -> Result<Expected> {
     let mut want = |prompt: &str, n: usize| -> Result<Want> {
         let ids = encode(prompt)?;
@@ -298,5 +330,9 @@ pub(super) fn expected(
         Some(a) => want(&a.prompt, 1)?,
         None => Want { text: String::new(), completion_tokens: 0, finish: "length" },
     };
-    Ok(Expected { greedy, pool, burst })
+    let disconnect = match plan.greedy.first() {
+        Some(a) if full_answer => Some(want(&a.prompt, plan.disconnect_tokens)?),
+        _ => None,
+    };
+    Ok(Expected { greedy, pool, burst, disconnect })
 }

@@ -307,7 +307,7 @@ struct ServeSpec<'c> {
 impl ServeSpec<'_> {
     /// The reference's answers to the plan: the family's graph, as every gate builds it, stopping
     /// at the stop tokens every gate uses (`Checkpoint::generation`).
-    fn expected(&self, gate: &Gate) -> Result<judge::Expected> {
+    fn expected(&self, gate: &Gate, full_answer: bool) -> Result<judge::Expected> {
         let (ctx, ck) = (gate.ctx, self.ck);
         let tensors = ck.tensors(&ctx.ckb, &self.report.dtype)?;
         let (_, fam) = ck.family(&ctx.ckb)?;
@@ -319,6 +319,7 @@ impl ServeSpec<'_> {
             |p| model::hf_encode(tok, p),
             |ids| model::hf_decode(tok, ids),
             |ids, n| Ok(reference.greedy(ids, n)?.1),
+            full_answer,
         )
     }
 
@@ -366,18 +367,23 @@ impl Spec for ServeSpec<'_> {
     ) -> Result<GateVerdict<ServeReport>> {
         let exe = exe.ok_or_else(|| Error::internal("serve_engine judged without the engine's binary"))?;
         // The reference's answers, computed before the server starts (it never sees them).
-        let want = self.expected(gate)?;
+        let mut want = self.expected(gate, false)?;
         let grant = self.ck.held.grant();
         let reads: Vec<std::path::PathBuf> = grant.paths().into_iter().map(std::path::Path::to_path_buf).collect();
         let seen = battery::observe(&gate.ctx.workshop, exe, self.ck.path(), &reads, &self.plan, scratch, gate.budget)?;
         drop(grant);
+        // The disconnect check's full-length answer, only where a run could not time it (a small
+        // model answers it within 20 ms; at the 1B shape only a server that did not compute it).
+        if judge::needs_full_answer(&seen) {
+            want = self.expected(gate, true)?;
+        }
         Ok(self.verdict(gate, &want, &seen))
     }
 
     fn judge_observed(&mut self, gate: &Gate, observed: &[u8]) -> Result<GateVerdict<ServeReport>> {
         let seen: Observed = serde_json::from_slice(observed)
             .usage_ctx(|| "the bundle's observations do not parse: run the bundle again".to_owned())?;
-        let want = self.expected(gate)?;
+        let want = self.expected(gate, judge::needs_full_answer(&seen))?;
         Ok(self.verdict(gate, &want, &seen))
     }
 }

@@ -119,6 +119,7 @@ fn judged_case() -> (Plan, judge::Expected, Observed) {
         greedy: vec![want(" a time there was a girl", 8, "length")],
         pool: vec![want(" ran to the", 4, "length")],
         burst: want(" a", 1, "length"),
+        disconnect: Some(want(" a time there was a girl who", 9, "stop")),
     };
     let answered = Answered { text: " a time there was a girl".into(), finish: "length".into(), completion_tokens: 8 };
     let ok = |name: &str| Step::Checked { check: checks::check(name, true, "ok") };
@@ -251,6 +252,35 @@ fn the_burst_s_completions_are_the_reference_s() {
     // A burst that failed there (or was not sent) fails as it was recorded.
     seen.steps[8] = Step::Checked { check: checks::check("burst", false, "not sent: the server had exited") };
     assert_eq!(burst(&seen).detail, "not sent: the server had exited");
+}
+
+/// A disconnect check that could not tell (the full-length request took under 20 ms) passes only
+/// when that request's answer is the reference's: a server answering it at once with anything
+/// fails, and such a check recorded as passed where the server ran is not taken.
+#[test]
+fn a_disconnect_check_that_could_not_tell_needs_the_reference_s_full_answer() {
+    let (plan, want, mut seen) = judged_case();
+    let at =
+        seen.steps.iter().position(|s| matches!(s, Step::Checked { check } if check.name == "disconnect")).unwrap();
+    let disconnect = |seen: &Observed| {
+        let (checks, _) = judge::judge(&plan, &want, seen);
+        checks.into_iter().find(|c| c.name == "disconnect").unwrap()
+    };
+    let c =
+        checks::check("disconnect", true, format!("{}: one request of 9 tokens takes 3.0 ms", checks::NOT_OBSERVABLE));
+    let answered = |text: &str, n| Answered { text: text.into(), finish: "stop".into(), completion_tokens: n };
+    seen.steps[at] = Step::Disconnect { check: c.clone(), full: answered(" a time there was a girl who", 9) };
+    assert!(judge::needs_full_answer(&seen));
+    assert!(disconnect(&seen).passed);
+    seen.steps[at] = Step::Disconnect { check: c.clone(), full: answered("", 9) };
+    let d = disconnect(&seen);
+    assert!(
+        !d.passed && d.detail.ends_with("the reference \" a time there was a girl who\" (9 tokens, stop)"),
+        "{d:?}"
+    );
+    seen.steps[at] = Step::Checked { check: c };
+    let d = disconnect(&seen);
+    assert!(!d.passed && d.detail.contains("only the judge here decides it"), "{d:?}");
 }
 
 #[test]

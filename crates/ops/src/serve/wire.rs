@@ -231,6 +231,14 @@ pub enum Step {
         /// Each distinct completion text and its count.
         texts: Vec<(String, usize)>,
     },
+    /// The disconnect check that could not tell (`checks::NOT_OBSERVABLE`: its full-length request
+    /// alone took under 20 ms), with that request's answer; judged here against the reference's.
+    Disconnect {
+        /// The check as decided there.
+        check: Check,
+        /// The full-length request's answer.
+        full: Answered,
+    },
     /// The first greedy request again, after the bad requests and the burst.
     Alive {
         /// The answer.
