@@ -123,7 +123,7 @@ pub struct LoadLevel {
     /// Time to first token, 99th percentile (nearest rank), milliseconds.
     pub ttft_ms_p99: f64,
     /// Inter-token latency, median, milliseconds: per request answered with the reference's text,
-    /// the time from its first to its last streamed text over its tokens less one.
+    /// the time from its first to its last streamed text over its tokens that carry text less one.
     pub itl_ms_p50: f64,
     /// Inter-token latency, 99th percentile, milliseconds.
     pub itl_ms_p99: f64,
