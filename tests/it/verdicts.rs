@@ -383,6 +383,30 @@ fn logits_rows_left_out_still_judge_every_step() {
     assert!(p.error.contains("-inf in the engine's output at token 40 of step 9"), "{}", p.error);
 }
 
+/// The plain engine copied into `dir/engine`, its model.rs given a `PROMPTS` counter for a faking
+/// body to count its prompts with.
+fn counting_engine(dir: &Path) -> PathBuf {
+    let engine = dir.join("engine");
+    crate::Engine::Plain.copy_to(&engine);
+    let file = engine.join("src/model.rs");
+    let mut text = std::fs::read_to_string(&file).unwrap();
+    text += "\nstatic PROMPTS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);\n";
+    std::fs::write(&file, text).unwrap();
+    engine
+}
+
+/// A profile of `engine` on BabyLlama: 8 prompt tokens, 16 new, `runs` runs.
+fn babyllama_profile(engine: &Path, runs: usize) -> metainfer::ops::profile::ProfileRequest {
+    metainfer::ops::profile::ProfileRequest {
+        engine: s(engine),
+        model: s(&crate::babyllama()),
+        prompt_len: Some(8),
+        new_tokens: Some(16),
+        runs: Some(runs),
+        ..Default::default()
+    }
+}
+
 /// A profile's figures are medians over its timed runs, so every timed run is checked against the
 /// reference (before, only the first two were: an engine that decoded honestly twice and then
 /// returned its last logits without computing reported decode several times faster and passed).
@@ -391,16 +415,11 @@ fn logits_rows_left_out_still_judge_every_step() {
 /// its profile of five runs fails, naming the timed runs' tokens.
 #[test]
 fn a_profile_checks_every_timed_run() {
-    use metainfer::ops::profile::{ProfileRequest, profile};
+    use metainfer::ops::profile::profile;
     let t = tempfile::tempdir().unwrap();
     let ctx = crate::ctx(t.path());
     let model = crate::babyllama();
-    let wrong = t.path().join("engine");
-    crate::Engine::Plain.copy_to(&wrong);
-    let file = wrong.join("src/model.rs");
-    let mut text = std::fs::read_to_string(&file).unwrap();
-    text += "\nstatic PROMPTS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);\n";
-    std::fs::write(&file, text).unwrap();
+    let wrong = counting_engine(t.path());
     crate::replace_body(
         &wrong,
         "src/model.rs",
@@ -429,14 +448,7 @@ fn a_profile_checks_every_timed_run() {
     assert!(k.unwrap().passed);
     let v = verify(&ctx, &verify_req(&wrong, &model, None), &budget).unwrap();
     assert!(v.passed, "{}", metainfer::ops::Report::text(&v));
-    let req = ProfileRequest {
-        engine: s(&wrong),
-        model: s(&model),
-        prompt_len: Some(8),
-        new_tokens: Some(16),
-        runs: Some(5),
-        ..Default::default()
-    };
+    let req = babyllama_profile(&wrong, 5);
     let p = profile(&ctx, &req, &budget).unwrap();
     let text = metainfer::ops::Report::text(&p);
     assert!(!p.passed && !p.outputs_ok && p.runs_checked == 5, "{text}");
@@ -450,15 +462,10 @@ fn a_profile_checks_every_timed_run() {
 /// and its traced runs (whose first token comes from a prefill) fail it, each named.
 #[test]
 fn a_profile_checks_its_prefill_by_length_and_traced_runs() {
-    use metainfer::ops::profile::{ProfileRequest, profile};
+    use metainfer::ops::profile::profile;
     let t = tempfile::tempdir().unwrap();
     let ctx = crate::ctx(t.path());
-    let wrong = t.path().join("engine");
-    crate::Engine::Plain.copy_to(&wrong);
-    let file = wrong.join("src/model.rs");
-    let mut text = std::fs::read_to_string(&file).unwrap();
-    text += "\nstatic PROMPTS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);\n";
-    std::fs::write(&file, text).unwrap();
+    let wrong = counting_engine(t.path());
     crate::replace_body(
         &wrong,
         "src/model.rs",
@@ -473,14 +480,7 @@ fn a_profile_checks_its_prefill_by_length_and_traced_runs() {
         }
         &self.s.logits",
     );
-    let req = ProfileRequest {
-        engine: s(&wrong),
-        model: s(&crate::babyllama()),
-        prompt_len: Some(8),
-        new_tokens: Some(16),
-        runs: Some(5),
-        ..Default::default()
-    };
+    let req = babyllama_profile(&wrong, 5);
     let p = profile(&ctx, &req, &Budget::secs(900)).unwrap();
     let text = metainfer::ops::Report::text(&p);
     // Decode runs: all five checked and right; prefill: 3 of 5 at each of 3 lengths; traced: 3 of 5.
@@ -504,20 +504,13 @@ fn a_profile_checks_its_prefill_by_length_and_traced_runs() {
 /// naming the counts, where it passed before with figures of a shorter decode.
 #[test]
 fn a_profile_fails_runs_that_generate_fewer_tokens_than_asked() {
-    use metainfer::ops::profile::{ProfileRequest, profile};
+    use metainfer::ops::profile::profile;
     let t = tempfile::tempdir().unwrap();
     let ctx = crate::ctx(t.path());
     let short = t.path().join("engine");
     crate::Engine::Plain.copy_to(&short);
     crate::replace_body(&short, "src/model.rs", "pub fn max_seq_len(", "12");
-    let req = ProfileRequest {
-        engine: s(&short),
-        model: s(&crate::babyllama()),
-        prompt_len: Some(8),
-        new_tokens: Some(16),
-        runs: Some(3),
-        ..Default::default()
-    };
+    let req = babyllama_profile(&short, 3);
     let p = profile(&ctx, &req, &Budget::secs(900)).unwrap();
     let text = metainfer::ops::Report::text(&p);
     assert!(!p.passed && !p.outputs_ok, "{text}");
