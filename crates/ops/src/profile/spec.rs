@@ -157,13 +157,8 @@ impl Spec for ProfileSpec<'_> {
                 report.outputs_ok = false;
             }
         }
-        // Every timing a median is taken over is one of the runs checked above.
-        let counts = [t.runs.len(), t.decode_s_per_token.len(), t.prefill_s.len(), t.first_token_s.len()];
-        if counts.iter().any(|&c| c != report.runs) {
-            problems.push(format!(
-                "the reply holds {} timed runs' tokens, {} decode, {} prefill and {} first-token timings for the {} runs asked for",
-                counts[0], counts[1], counts[2], counts[3], report.runs
-            ));
+        if let Some(why) = timings_problem(&t, report.runs) {
+            problems.push(why);
             report.outputs_ok = false;
         }
         if !short.is_empty() {
@@ -505,4 +500,30 @@ pub(super) fn judge_device(
         ));
     }
     problems
+}
+
+/// Why the timings of a profile reply `t` for `runs` runs cannot be taken, if they cannot: every
+/// timing a median is taken over must be one of the runs checked (as many decode, prefill and
+/// first-token timings as timed runs' tokens, as runs asked for), and every timing a finite number
+/// of seconds above 0 (a NaN compares false with every bound, so it would pass them all).
+pub(super) fn timings_problem(t: &harness::protocol::ProfileTimings, runs: usize) -> Option<String> {
+    let counts = [t.runs.len(), t.decode_s_per_token.len(), t.prefill_s.len(), t.first_token_s.len()];
+    if counts.iter().any(|&c| c != runs) {
+        return Some(format!(
+            "the reply holds {} timed runs' tokens, {} decode, {} prefill and {} first-token timings for the {runs} runs asked for",
+            counts[0], counts[1], counts[2], counts[3]
+        ));
+    }
+    let named = [
+        ("decode", &t.decode_s_per_token),
+        ("prefill", &t.prefill_s),
+        ("first-token", &t.first_token_s),
+        ("traced", &t.traced_s_per_token),
+    ];
+    let by_len = t.prefill_by_len.iter().map(|p| ("prefill-by-length", &p.seconds));
+    named.into_iter().chain(by_len).find_map(|(what, xs)| {
+        xs.iter()
+            .position(|s| !(s.is_finite() && *s > 0.0))
+            .map(|i| format!("the reply's {what} timing {i} is {} seconds: a timing is a finite number above 0", xs[i]))
+    })
 }

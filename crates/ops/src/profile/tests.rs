@@ -117,3 +117,41 @@ fn a_majority_of_runs_is_checked() {
     let sets: std::collections::BTreeSet<Vec<usize>> = (0..50).map(|_| spec::majority(5)).collect();
     assert!(sets.len() > 1);
 }
+
+/// A reply's timings are taken only when each list holds one per run and every value is a finite
+/// number of seconds above 0: a NaN decode time would pass every bound it is compared with.
+#[test]
+fn timings_must_be_one_per_run_finite_and_positive() {
+    use harness::protocol::{PrefillTimes, ProfileTimings, TimedRun};
+    let run = TimedRun { prompt: vec![1, 2], tokens: vec![3, 4] };
+    let good = ProfileTimings {
+        load_s: 0.1,
+        prefill_s: vec![0.01, 0.02],
+        decode_s_per_token: vec![0.001, 0.002],
+        first_token_s: vec![0.01, 0.02],
+        prefill_by_len: vec![PrefillTimes { len: 2, seconds: vec![0.01, 0.01], tokens: vec![5, 5] }],
+        peak_rss_kb: 0,
+        runs: vec![run.clone(), run],
+        device: None,
+        points: vec![],
+        traced_s_per_token: vec![],
+        points_error: None,
+        traced_runs: vec![],
+    };
+    assert_eq!(spec::timings_problem(&good, 2), None);
+    assert!(spec::timings_problem(&good, 3).unwrap().contains("for the 3 runs asked for"));
+    let mut nan = good.clone();
+    nan.decode_s_per_token[1] = f64::NAN;
+    assert_eq!(
+        spec::timings_problem(&nan, 2).unwrap(),
+        "the reply's decode timing 1 is NaN seconds: a timing is a finite number above 0"
+    );
+    let mut zero = good.clone();
+    zero.prefill_by_len[0].seconds[0] = 0.0;
+    assert!(
+        spec::timings_problem(&zero, 2).unwrap().starts_with("the reply's prefill-by-length timing 0 is 0 seconds")
+    );
+    let mut inf = good;
+    inf.first_token_s[0] = f64::INFINITY;
+    assert!(spec::timings_problem(&inf, 2).unwrap().contains("first-token timing 0 is inf"));
+}
