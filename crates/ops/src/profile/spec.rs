@@ -456,10 +456,6 @@ pub(super) fn judge_device(
     if let Some(peak) = gpu.peak_tflops.values().map(|f| f.value).reduce(f64::max) {
         report.compute_bound_tok_s = peak * 1e12 / (2.0 * active as f64);
     }
-    report.figures_from = format!(
-        "{platform} (device {}, compute capability {}): HBM {hbm:.0} GB/s from the contract, {:.0} GB/s measured by a device-to-device copy",
-        info.name, info.compute_capability, info.copy_gbs
-    );
     if hbm == 0.0 {
         // Still a bound (a copy reaches at most the HBM bandwidth), so the figures stand.
         report.figures_from = format!(
@@ -469,11 +465,17 @@ pub(super) fn judge_device(
             gpu.devices.iter().map(|d| d.name.as_str()).collect::<Vec<_>>().join(", "),
             info.copy_gbs
         );
-    } else if info.copy_gbs > 1.05 * hbm {
-        problems.push(format!(
-            "the device's measured copy bandwidth {:.0} GB/s exceeds the platform contract's {hbm:.0} GB/s: the contract's figure is wrong for {}",
-            info.copy_gbs, info.name
-        ));
+    } else {
+        report.figures_from = format!(
+            "{platform} (device {}, compute capability {}): HBM {hbm:.0} GB/s from the contract, {:.0} GB/s measured by a device-to-device copy",
+            info.name, info.compute_capability, info.copy_gbs
+        );
+        if info.copy_gbs > 1.05 * hbm {
+            problems.push(format!(
+                "the device's measured copy bandwidth {:.0} GB/s exceeds the platform contract's {hbm:.0} GB/s: the contract's figure is wrong for {}",
+                info.copy_gbs, info.name
+            ));
+        }
     }
     report.device = Some(DeviceFigures {
         name: info.name.clone(),

@@ -79,26 +79,7 @@ pub(super) fn judge(plan: &Plan, want: &Expected, seen: &Observed) -> (Vec<Check
             {
                 c.clone()
             }
-            Step::Disconnect { check: c, full } => match &want.disconnect {
-                Some(w)
-                    if c.name == "disconnect"
-                        && c.passed
-                        && full.text == w.text
-                        && full.finish == w.finish
-                        && full.completion_tokens == w.completion_tokens =>
-                {
-                    c.clone()
-                }
-                Some(w) => check(
-                    "disconnect",
-                    false,
-                    format!(
-                        "{}; but the full-length request was answered {:?} ({} tokens, {}), the reference {:?} ({} tokens, {})",
-                        c.detail, full.text, full.completion_tokens, full.finish, w.text, w.completion_tokens, w.finish
-                    ),
-                ),
-                None => check("disconnect", false, "the reference's full-length answer was not computed"),
-            },
+            Step::Disconnect { check: c, full } => disconnect(c, full, want.disconnect.as_ref()),
             Step::Burst { check: c, texts } => burst(c, texts, &want.burst),
             Step::Checked { check: c } => {
                 check(&c.name, false, "recorded as decided where the server ran; only the judge here decides it")
@@ -224,6 +205,31 @@ pub(super) fn level_figures(run: &super::wire::LevelRun, planned: usize, pool: &
     level.itl_ms_p50 = percentile(&mut itl, 50.0);
     level.itl_ms_p99 = percentile(&mut itl, 99.0);
     level
+}
+
+/// The disconnect check that could not tell: what the run decided, taken only when the full-length
+/// request's answer `full` is the reference's `want` (text, token count and finish reason).
+fn disconnect(c: &Check, full: &Answered, want: Option<&Want>) -> Check {
+    match want {
+        Some(w)
+            if c.name == "disconnect"
+                && c.passed
+                && full.text == w.text
+                && full.finish == w.finish
+                && full.completion_tokens == w.completion_tokens =>
+        {
+            c.clone()
+        }
+        Some(w) => check(
+            "disconnect",
+            false,
+            format!(
+                "{}; but the full-length request was answered {:?} ({} tokens, {}), the reference {:?} ({} tokens, {})",
+                c.detail, full.text, full.completion_tokens, full.finish, w.text, w.completion_tokens, w.finish
+            ),
+        ),
+        None => check("disconnect", false, "the reference's full-length answer was not computed"),
+    }
 }
 
 /// The burst check: what the run decided (each request answered or refused with a 4xx, none
