@@ -77,18 +77,34 @@ pub(super) fn openai_error(body: &str) -> bool {
         .unwrap_or(false)
 }
 
-/// The disconnect check (component.openai_server: "client disconnect cancels the request"). First
-/// one greedy request of `full` new tokens alone: its time `t_full` and its token count k. Then
+/// Fewest tokens the disconnect check's full-length request must generate for the check to be
+/// decided by its witness, and per running slot: the kept request must outlast the scheduler's
+/// admission of every slot (one prompt per step at worst) by a wide margin.
+pub const DISCONNECT_MIN_TOKENS: usize = 32;
+/// See [`DISCONNECT_MIN_TOKENS`].
+pub const DISCONNECT_TOKENS_PER_SLOT: usize = 4;
+
+/// The disconnect check (component.openai_server: "client disconnect cancels the request").
+///
+/// First one greedy request of `full` new tokens alone: its token count k and time `t_full`. Then
 /// `slots` streaming requests of the same prompt and length (the engine's max_seqs: every running
-/// slot taken), each dropped once its first event arrived (so it is running); then a one-token
-/// request: its time `t_probe`. A server that cancels the dropped requests frees their slots within
-/// a step or two and answers it about as fast as when idle; one that goes on generating for them
-/// makes it wait for a free slot, at least until one k-token sequence ends, which takes at least
-/// `t_full` (a step of every slot's sequence is no faster than a step of one). Passes when
-/// `t_probe < t_full`; when `t_full` is under 20 ms (a short model context, or an early EOS) the two
-/// cannot be told apart from scheduling noise, and the check says so and passes where the server
-/// ran, returning the full-length answer: the judge then passes it only when that answer is the
-/// reference's (a server could answer it at once with anything to take this way out).
+/// slot taken). Once each has its first event (so each is running), all but one are dropped; the
+/// one kept open is read to its end, the witness. Then a one-token request, the probe. A server
+/// that cancels the dropped requests frees their slots within a step or two and answers the probe
+/// while the kept request still has most of its tokens to go. One that goes on generating for them
+/// makes the probe wait for a free slot: the dropped and the kept requests are the same request
+/// started together, so the first slot frees only near the kept one's end (within the admission of
+/// the slots, a step per slot at worst). Passes when the probe is answered with at least half of
+/// the kept request's generation time (first event to `[DONE]`) still to come. Nothing here is
+/// timed against a request the server could tell apart: the kept request is one of the dropped
+/// ones' twins, so a server cannot lengthen it alone without cancelling or knowing which was kept.
+///
+/// With one slot there is no twin to keep: the probe's time is compared with `t_full`, which a
+/// server could lengthen by sleeping on a lone full-length request. When `t_full` is under 20 ms
+/// or k under [`DISCONNECT_MIN_TOKENS`] (and [`DISCONNECT_TOKENS_PER_SLOT`] per slot) the outcomes
+/// cannot be told apart (a short model context, or an early EOS): the check says so and passes where
+/// the server ran, returning the full-length answer, and the judge then passes it only when that
+/// answer is the reference's (a server could answer it at once with anything to take this way out).
 pub(super) fn disconnect(client: &Client, prompt: &str, full: usize, slots: usize) -> (Check, Option<Answered>) {
     let timed = |max_tokens: usize| -> std::result::Result<(Duration, Answered), String> {
         let start = Instant::now();
@@ -112,55 +128,108 @@ pub(super) fn disconnect(client: &Client, prompt: &str, full: usize, slots: usiz
     };
     let k = answer.completion_tokens;
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
-    if t_full < Duration::from_millis(20) {
+    let witnessed = slots >= 2;
+    let least = if witnessed { DISCONNECT_MIN_TOKENS.max(DISCONNECT_TOKENS_PER_SLOT * slots) } else { 1 };
+    if t_full < Duration::from_millis(20) || k < least {
         let c = check(
             "disconnect",
             true,
             format!(
-                "{NOT_OBSERVABLE}: one request of {k} tokens takes {:.1} ms, too short to tell a cancelled request from a finished one",
+                "{NOT_OBSERVABLE}: one request of {k} tokens takes {:.1} ms, too short to tell a cancelled request from a finished one (at least 20 ms and {least} tokens for {slots} slots)",
                 ms(t_full)
             ),
         );
         return (c, Some(answer));
     }
     let body = json!({"prompt": prompt, "max_tokens": full, "temperature": 0, "stream": true}).to_string();
-    let barrier = std::sync::Barrier::new(slots);
+    // Every streaming request's thread and, with a witness, the probe's sender wait here once, until
+    // every request has its first event (or failed).
+    let barrier = std::sync::Barrier::new(slots + usize::from(witnessed));
     let running = std::sync::atomic::AtomicUsize::new(0);
-    std::thread::scope(|s| {
-        for _ in 0..slots {
-            s.spawn(|| {
-                let r = client.post_request("/v1/completions").send(body.as_str());
-                if let Some(mut r) = r.ok().filter(|r| r.status().as_u16() == 200) {
-                    let mut first = Vec::new();
-                    let mut reader = BufReader::new(r.body_mut().with_config().limit(MAX_STREAM_BYTES).reader());
-                    while read_event_line(&mut reader, &mut first).unwrap_or(false) && !first.starts_with(b"data:") {}
-                    if first.starts_with(b"data:") {
-                        running.fetch_add(1, Ordering::SeqCst);
-                    }
-                    // Every response is held until all have their first event, then dropped: the
-                    // clients go away while their requests run.
-                    barrier.wait();
-                    return;
+    // One streaming request: its first event, then (kept) its `[DONE]`, or dropped.
+    let stream = |keep: bool| -> std::result::Result<Option<Witness>, String> {
+        let sent = client.post_request("/v1/completions").send(body.as_str()).map_err(|e| e.to_string());
+        let (mut response, refused) = match sent {
+            Ok(r) if r.status().as_u16() == 200 => (Some(r), None),
+            Ok(r) => (None, Some(format!("answered {}", r.status().as_u16()))),
+            Err(e) => (None, Some(e)),
+        };
+        let mut reader =
+            response.as_mut().map(|r| BufReader::new(r.body_mut().with_config().limit(MAX_STREAM_BYTES).reader()));
+        let mut line = Vec::new();
+        let first = match (reader.as_mut(), refused) {
+            (Some(rd), _) => loop {
+                match read_event_line(rd, &mut line) {
+                    Err(e) => break Err(e),
+                    Ok(false) => break Err("the event stream ended before its first event".to_string()),
+                    Ok(true) if line.starts_with(b"data:") => break Ok(Instant::now()),
+                    Ok(true) => {}
                 }
-                barrier.wait();
-            });
+            },
+            (None, why) => Err(why.unwrap_or_default()),
+        };
+        if first.is_ok() {
+            running.fetch_add(1, Ordering::SeqCst);
         }
+        barrier.wait();
+        let first = first?;
+        let Some(rd) = reader.as_mut().filter(|_| keep) else {
+            // Dropped: the client goes away while its request runs.
+            return Ok(None);
+        };
+        while read_event_line(rd, &mut line)? {
+            let data = String::from_utf8_lossy(&line);
+            if data.trim_end().strip_prefix("data:").map(str::trim) == Some("[DONE]") {
+                return Ok(Some(Witness { first, done: Instant::now() }));
+            }
+        }
+        Err("the event stream ended without [DONE]".into())
+    };
+    let (kept, probe) = std::thread::scope(|s| {
+        let threads: Vec<_> = (0..slots).map(|i| s.spawn(move || stream(witnessed && i == 0))).collect();
+        let probe = witnessed.then(|| {
+            barrier.wait();
+            timed(1).map(|(t, _)| (t, Instant::now()))
+        });
+        let mut joined = threads.into_iter().map(|t| t.join().unwrap_or_else(|_| Err("its thread panicked".into())));
+        (joined.next(), probe)
     });
     let opened = running.into_inner();
-    let abandoned = slots;
-    let (t_probe, _) = match timed(1) {
+    let probe = match probe {
+        Some(p) => p,
+        None => timed(1).map(|(t, _)| (t, Instant::now())),
+    };
+    let (t_probe, answered_at) = match probe {
         Ok(x) => x,
         Err(why) => return (check("disconnect", false, format!("the request after the dropped clients: {why}")), None),
     };
+    let dropped = slots - usize::from(witnessed);
     let detail = format!(
-        "{opened} of {abandoned} streaming requests of {k} tokens (max_seqs) dropped after their first event; a one-token request then took {:.1} ms, one {k}-token request alone {:.1} ms",
-        ms(t_probe),
-        ms(t_full)
+        "{opened} of {slots} streaming requests of {k} tokens (max_seqs) had their first event, {dropped} then dropped; a one-token request then took {:.1} ms",
+        ms(t_probe)
     );
-    if opened * 2 < abandoned {
+    if opened * 2 < slots {
         return (check("disconnect", false, format!("{detail}: too few requests were accepted to tell")), None);
     }
-    let c = if t_probe < t_full {
+    let (passed, detail) = match kept {
+        Some(Ok(Some(w))) => {
+            let generating = w.done.saturating_duration_since(w.first);
+            let left = w.done.saturating_duration_since(answered_at);
+            let detail = format!(
+                "{detail}, answered {:.1} ms before the end of the request kept open, whose generation took {:.1} ms (at least half must be left)",
+                ms(left),
+                ms(generating)
+            );
+            (left * 2 >= generating, detail)
+        }
+        Some(Ok(None)) | None => {
+            (t_probe < t_full, format!("{detail}; one {k}-token request alone took {:.1} ms", ms(t_full)))
+        }
+        Some(Err(why)) => {
+            return (check("disconnect", false, format!("{detail}; the streaming request kept open: {why}")), None);
+        }
+    };
+    let c = if passed {
         check("disconnect", true, format!("{detail}: the dropped requests were cancelled"))
     } else {
         check(
@@ -172,6 +241,12 @@ pub(super) fn disconnect(client: &Client, prompt: &str, full: usize, slots: usiz
         )
     };
     (c, None)
+}
+
+/// The disconnect check's witness: when the request kept open had its first event and its `[DONE]`.
+struct Witness {
+    first: Instant,
+    done: Instant,
 }
 
 /// The keep-alive check (component.openai_server: TCP_NODELAY on every accepted connection). One
