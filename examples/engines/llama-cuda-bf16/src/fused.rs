@@ -18,6 +18,10 @@ pub(crate) const MV_MAX_BLOCKS: usize = 4096;
 /// Most shared memory a block takes without opting in (the staged input vector, k floats).
 const SMEM_DEFAULT: usize = 48 * 1024;
 
+/// Static shared memory of the matrix-vector kernels (`mv_run`: red[32], sv[8], si[8], last: 196
+/// bytes), rounded up: the staged vector gets 48 KiB less this.
+const MV_STATIC_SMEM: usize = 256;
+
 /// Whether a device buffer starts on a 16-byte boundary (the matrix-vector kernels load 8 bf16 at once).
 pub(crate) fn aligned16<T>(dev: &Device, v: &CudaView<'_, T>) -> bool {
     let (p, _sync) = v.device_ptr(dev.stream());
@@ -29,7 +33,10 @@ pub(crate) fn aligned16<T>(dev: &Device, v: &CudaView<'_, T>) -> bool {
 /// 4 KB), fewer when there are fewer groups; the blocks then loop over the groups.
 fn mv_grid(dev: &Device, groups: usize, k: usize) -> Result<LaunchConfig, String> {
     let smem = k * 4;
-    need(smem <= SMEM_DEFAULT, &format!("matrix-vector: k = {k} needs more than 48 KiB of shared memory"))?;
+    need(
+        smem + MV_STATIC_SMEM <= SMEM_DEFAULT,
+        &format!("matrix-vector: k = {k} needs more than 48 KiB of shared memory"),
+    )?;
     let blocks = groups.div_ceil(8).clamp(1, (dev.sm_count() * MV_BLOCKS_PER_SM).min(MV_MAX_BLOCKS));
     Ok(grid(blocks, MV_THREADS, smem as u32))
 }
@@ -37,7 +44,7 @@ fn mv_grid(dev: &Device, groups: usize, k: usize) -> Result<LaunchConfig, String
 /// Whether the fused matrix-vector kernels take a [n, k] matrix: k a multiple of 8 that fits the
 /// staged vector in 48 KiB, the matrix on a 16-byte boundary.
 pub(crate) fn mv_fits(dev: &Device, w: &CudaView<'_, u16>, k: usize) -> bool {
-    k > 0 && k.is_multiple_of(8) && k * 4 <= SMEM_DEFAULT && aligned16(dev, w)
+    k > 0 && k.is_multiple_of(8) && k * 4 + MV_STATIC_SMEM <= SMEM_DEFAULT && aligned16(dev, w)
 }
 
 /// out = x W^T (+ out when `accumulate`) for one row x [k]: kernel.linear_bf16 at m = 1 (and the

@@ -850,9 +850,11 @@ __global__ void __launch_bounds__(32 * AD_WARPS) attn_decode(const float* q, con
 // writes, batched causal attention.
 // =====================================================================================================
 
-// f32 to bf16 bits, round to nearest even (the same rule as the engine's host conversion).
+// f32 to bf16 bits, round to nearest even (the same rule as the engine's host conversion). A NaN
+// stays a quiet NaN: the device's own NaN is 0x7fffffff, which the rounding add would wrap to -0.
 __device__ __forceinline__ unsigned int bf16_rne(float v) {
     const unsigned int b = __float_as_uint(v);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return (b >> 16) | 0x40u;
     return (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
 }
 
@@ -864,7 +866,9 @@ __global__ void split3_bf16(const float* x, long long len, unsigned short* out) 
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < len; i += (long long)gridDim.x * blockDim.x) {
         const float v = x[i];
         const unsigned int hi = bf16_rne(v);
-        const float r1 = v - __uint_as_float(hi << 16);
+        const float h = __uint_as_float(hi << 16);
+        // An infinite x is its hi plane alone (inf - inf would make the other planes NaN).
+        const float r1 = isinf(h) ? 0.0f : v - h;
         const unsigned int mid = bf16_rne(r1);
         const float r2 = r1 - __uint_as_float(mid << 16);
         const unsigned int lo = bf16_rne(r2);
@@ -930,7 +934,7 @@ __global__ void __launch_bounds__(128) gemm_bf16x3(const unsigned short* a3, con
             const int e = tid + i * 128;  // 0..255
             const int row = e >> 2, ch = e & 3;
             const int gr = n0 + row, gc = k0 + ch * 8;
-            rb[i] = (gr < n && gc < ke) ? __ldcs((const uint4*)(w + (u64)gr * k + gc)) : make_uint4(0u, 0u, 0u, 0u);
+            rb[i] = (gr < n && gc < ke) ? __ldg((const uint4*)(w + (u64)gr * k + gc)) : make_uint4(0u, 0u, 0u, 0u);
         }
     };
     if (kb < ke) load(kb);

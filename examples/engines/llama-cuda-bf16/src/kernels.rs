@@ -67,6 +67,10 @@ pub fn rms_norm(
     let d = weight.len();
     need(d > 0 && x.len() % d == 0 && out.len() == x.len(), "rms_norm: x and out must be [rows, weight.len()]")?;
     let dm = dim(d, "dim")?;
+    if x.is_empty() {
+        // No rows: nothing to launch (grid() would give one block, which would read a row).
+        return Ok(());
+    }
     let mut b = dev.stream().launch_builder(dev.function("rms_norm"));
     b.arg(x).arg(weight).arg(&eps).arg(&mut *out).arg(&dm);
     // SAFETY: matches `rms_norm(x, w, eps, out, dim)`; one block per row of the checked lengths.
@@ -262,14 +266,18 @@ pub fn softmax(dev: &Device, x: &mut CudaViewMut<'_, f32>, n: usize) -> Result<(
     need(n > 0 && x.len() % n == 0, "softmax: x must be [rows, n]")?;
     let nn = dim(n, "n")?;
     let rows = x.len() / n;
+    if rows == 0 {
+        return Ok(());
+    }
     let mut b = dev.stream().launch_builder(dev.function("softmax"));
     b.arg(&mut *x).arg(&nn);
     // SAFETY: matches `softmax(x, n)`; one block per row.
     launched(unsafe { b.launch(grid(rows, BLOCK, 0)) }, "softmax")
 }
 
-/// Most positions one attention block keeps scores for (48 KiB of shared memory, the default limit).
-pub const MAX_KV_LEN: usize = 12 * 1024;
+/// Most positions one attention block keeps scores for: the 48 KiB of shared memory a launch may use
+/// without opting in, less the kernel's static `sh[32]` (128 bytes), at 4 bytes a score.
+pub const MAX_KV_LEN: usize = (48 * 1024 - 128) / 4;
 
 /// CUDA variant of kernel.attention: the same math on device buffers, launched on dev.stream(); Err on a launch error.
 pub fn attention(

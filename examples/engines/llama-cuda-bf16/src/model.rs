@@ -42,7 +42,9 @@ pub(crate) struct Layer {
     pub(crate) mlp: Mlp,
     /// Qwen3-MoE: the per-head RMSNorm gains of q and k ([head_dim] each), applied before RoPE.
     pub(crate) qk_norm: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
-    /// Keys after RoPE and values, [max_seq, n_kv_heads, head_dim] each.
+    /// Keys after RoPE and values, [max_seq, n_kv_heads, head_dim] each, of the single-sequence
+    /// API; one element until its first call (`Model::ensure_cache`): a server holds its KV cache
+    /// in the paged pool only.
     pub(crate) k_cache: CudaSlice<f32>,
     pub(crate) v_cache: CudaSlice<f32>,
 }
@@ -308,8 +310,8 @@ impl Model {
                 ffn_norm: up32(&w.take(&name("post_attention_layernorm.weight"), &[h])?, "ffn_norm")?,
                 mlp,
                 qk_norm,
-                k_cache: zeros(cfg.max_seq * kv_dim, "k_cache")?,
-                v_cache: zeros(cfg.max_seq * kv_dim, "v_cache")?,
+                k_cache: zeros(1, "k_cache")?,
+                v_cache: zeros(1, "v_cache")?,
             });
         }
         let embed = w.take("model.embed_tokens.weight", &[v, h])?;
@@ -391,6 +393,29 @@ impl Model {
         })
     }
 
+    /// Panics naming the first of `ids` outside the vocabulary: the embedding kernel writes no row
+    /// for such an id, so the step would silently go on from the previous token's hidden state.
+    fn check_ids(&self, what: &str, ids: &[u32]) {
+        if let Some(t) = ids.iter().find(|&&t| t as usize >= self.cfg.vocab) {
+            panic!("{what}: token id {t} is outside the vocabulary ({})", self.cfg.vocab);
+        }
+    }
+
+    /// Allocate every layer's contiguous KV cache ([max_seq, n_kv_heads, head_dim] f32 for K and
+    /// for V) on the first single-sequence call; `what` names the call in the panic on a device
+    /// error. The decode step's graph is captured after this, on these buffers.
+    fn ensure_cache(&mut self, what: &str) {
+        let len = self.cfg.max_seq * self.cfg.n_kv_heads * self.cfg.head_dim;
+        if self.layers.first().is_none_or(|l| l.k_cache.len() == len) {
+            return;
+        }
+        let st = self.dev.stream().clone();
+        for l in &mut self.layers {
+            l.k_cache = st.alloc_zeros::<f32>(len).unwrap_or_else(|e| panic!("{what}: allocating the KV cache: {e}"));
+            l.v_cache = st.alloc_zeros::<f32>(len).unwrap_or_else(|e| panic!("{what}: allocating the KV cache: {e}"));
+        }
+    }
+
     /// Vocabulary size (length of the logits vector).
     pub fn vocab_size(&self) -> usize {
         self.cfg.vocab
@@ -417,6 +442,8 @@ impl Model {
             start_pos + tokens.len(),
             self.cfg.max_seq
         );
+        self.check_ids("prefill", tokens);
+        self.ensure_cache("prefill");
         if tokens.len() > 1 && self.pf.is_some() {
             self.prefill_batched(tokens, start_pos).unwrap_or_else(|e| panic!("prefill: {e}"));
             return self.read_logits();
@@ -434,6 +461,8 @@ impl Model {
 
     /// Run one token at position `pos` (cache holds 0..pos), write its K/V at `pos`; return logits [vocab].
     pub fn forward(&mut self, token: u32, pos: usize) -> &[f32] {
+        self.check_ids("forward", &[token]);
+        self.ensure_cache("forward");
         if self.fused {
             assert!(
                 pos < self.cfg.max_seq,
@@ -472,6 +501,8 @@ impl Model {
             "forward_traced: position {pos} beyond max_position_embeddings {}",
             self.cfg.max_seq
         );
+        self.check_ids("forward_traced", &[token]);
+        self.ensure_cache("forward_traced");
         if self.fused {
             self.dev
                 .stream()
@@ -496,6 +527,8 @@ impl Model {
             pos + n,
             self.cfg.max_seq
         );
+        self.check_ids("decode_greedy", &[token]);
+        self.ensure_cache("decode_greedy");
         if n == 0 {
             return Vec::new();
         }
