@@ -456,6 +456,78 @@ fn a_server_that_dies_under_a_burst_fails_serve_engine() {
     assert!(r.levels.is_empty(), "{text}");
 }
 
+/// A SIMD server whose batched step panics once a sequence passes position 100 (as a device error
+/// or an out-of-memory would on the GPU) answers the request in flight with a 500 in OpenAI's shape
+/// and exits with status 70, its reason on stderr, rather than going on answering `/health` while
+/// every request fails. A short request before it is answered.
+#[test]
+fn a_server_whose_engine_thread_fails_exits() {
+    let t = tempfile::tempdir().unwrap();
+    let ctx = crate::ctx(t.path());
+    let dir = t.path().join("failing");
+    Engine::Simd.copy_to(&dir);
+    crate::inject(
+        &dir,
+        "src/main.rs",
+        "        let logits = batch::step(model, cache, &chunks);",
+        "        assert!(chunks.iter().all(|c| c.start <= 100), \"a device error in the batched step\");\n        let logits = batch::step(model, cache, &chunks);",
+    );
+    let engine = ctx.workshop.engine_at(&metainfer::beneath::Dir::open(&dir).unwrap()).unwrap();
+    let bin = t.path().join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let build = ctx.workshop.build_engine_binary(&engine, &["server".into()], &bin, &Budget::secs(900)).unwrap();
+    assert!(build.ok, "{:?}", build.diagnostics);
+    let model = crate::babyllama();
+    let mut server = std::process::Command::new(build.executable.unwrap())
+        .args(["serve", "--model", model.to_str().unwrap(), "--port", "0"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = std::io::BufReader::new(server.stderr.take().unwrap());
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut stderr, &mut line).unwrap();
+    let port: u16 = line.trim().rsplit(':').next().unwrap().parse().unwrap();
+    // One plain HTTP/1.1 request on its own connection: (status, body).
+    let complete = |max_tokens: usize| -> (u16, String) {
+        use std::io::{Read, Write};
+        let body = format!(r#"{{"prompt": "Once upon a time", "max_tokens": {max_tokens}, "temperature": 0}}"#);
+        let mut c = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        write!(
+            c,
+            "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut answer = String::new();
+        c.read_to_string(&mut answer).unwrap();
+        let status = answer.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+        let body = answer.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+        (status, body)
+    };
+    let (status, body) = complete(8);
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = complete(200);
+    assert_eq!(status, 500, "{body}");
+    let error: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(error["error"]["type"], "server_error", "{body}");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let exit = loop {
+        if let Some(status) = server.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            server.kill().unwrap();
+            panic!("the server is still running 30 s after its engine thread failed");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert_eq!(exit.code(), Some(70));
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stderr, &mut rest).unwrap();
+    assert!(rest.contains("a device error in the batched step"), "{rest}");
+    assert!(rest.contains("the engine thread failed"), "{rest}");
+}
+
 /// The SIMD engine's server with Nagle's algorithm left on (TCP_NODELAY not set on accepted
 /// connections) answers every request right but waits for the client's delayed ACK on reused
 /// keep-alive connections: it fails the keep_alive check (component.openai_server), and only it.

@@ -233,6 +233,23 @@ fn parsed<T: std::str::FromStr>(args: &[String], name: &str, default: T) -> Resu
     }
 }
 
+/// Exit status of a server whose engine thread failed (EX_SOFTWARE, sysexits.h).
+const ENGINE_FAILED: i32 = 70;
+
+/// Held by the engine thread: when that thread ends in a panic (a device error, an out-of-memory,
+/// a bug), the whole server exits with [`ENGINE_FAILED`], so that nothing goes on answering
+/// `/health` while every request fails. The panic's message is already on stderr.
+struct Lifeline;
+
+impl Drop for Lifeline {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("error: the engine thread failed (the panic above); the server stops");
+            std::process::exit(ENGINE_FAILED);
+        }
+    }
+}
+
 /// Start the engine thread: it loads the model, then serves jobs until every sender is gone.
 fn start_engine(
     dir: PathBuf,
@@ -242,6 +259,7 @@ fn start_engine(
     let (tx, rx) = std::sync::mpsc::channel::<Job>();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<Loaded, String>>();
     std::thread::spawn(move || {
+        let _lifeline = Lifeline;
         let mut model = match Model::load(&dir) {
             Ok(m) => m,
             Err(e) => {
