@@ -837,6 +837,17 @@ impl Model {
         point(dev, &s.x, &mut trace, None, "embed")?;
         let position = s.positions.slice(pos..pos + 1);
         let kv_len = pos + 1;
+        // Past the positions whose scores the per-token attention kernel keeps in shared memory
+        // (head_dim 128 or a group that does not divide its query tile: no tiled kernel), the
+        // attention is split over the sequence (flash-decoding), its position read from ctl[0].
+        let split_attention = kv_len > kernels::MAX_KV_LEN
+            && !fused::prefill_attention_fits(c.n_heads, c.n_kv_heads, hd)
+            && fused::decode_attention_fits(c.n_heads, c.n_kv_heads, hd);
+        if split_attention {
+            dev.stream()
+                .memcpy_htod(&[pos as u32], &mut s.ctl.slice_mut(0..1))
+                .map_err(|e| format!("writing the position: {e}"))?;
+        }
         for (i, l) in layers.iter_mut().enumerate() {
             // Attention block: x += o_proj(attention(rope(q), cache(rope(k), v))).
             kernels::rms_norm(dev, &s.x.as_view(), &l.attn_norm.as_view(), eps, &mut s.normed.as_view_mut())?;
@@ -867,19 +878,37 @@ impl Model {
                 &mut l.v_cache.as_view_mut(),
                 pos,
             )?;
-            let (keys, values) = (l.k_cache.slice(0..kv_len * kv_dim), l.v_cache.slice(0..kv_len * kv_dim));
-            kernels::attention(
-                dev,
-                &qkv.slice(0..q_dim),
-                &keys,
-                &values,
-                1,
-                kv_len,
-                c.n_heads,
-                c.n_kv_heads,
-                hd,
-                &mut s.attn.as_view_mut(),
-            )?;
+            if split_attention {
+                fused::attn_decode(
+                    dev,
+                    &qkv.slice(0..q_dim),
+                    &l.k_cache.as_view(),
+                    &l.v_cache.as_view(),
+                    &s.ctl.as_view(),
+                    c.n_heads,
+                    c.n_kv_heads,
+                    hd,
+                    s.attn_splits,
+                    &mut s.attn_ml.as_view_mut(),
+                    &mut s.attn_acc.as_view_mut(),
+                    &mut s.attn_ticket.as_view_mut(),
+                    &mut s.attn.as_view_mut(),
+                )?;
+            } else {
+                let (keys, values) = (l.k_cache.slice(0..kv_len * kv_dim), l.v_cache.slice(0..kv_len * kv_dim));
+                kernels::attention(
+                    dev,
+                    &qkv.slice(0..q_dim),
+                    &keys,
+                    &values,
+                    1,
+                    kv_len,
+                    c.n_heads,
+                    c.n_kv_heads,
+                    hd,
+                    &mut s.attn.as_view_mut(),
+                )?;
+            }
             kernels::linear_bf16_into(
                 dev,
                 &s.attn.as_view(),
