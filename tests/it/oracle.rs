@@ -29,6 +29,39 @@ fn reference_forward_reproduces_golden_greedy_ids_and_logits() {
     assert_eq!(&greedy[prompt.len()..], &tokens[..]);
 }
 
+/// `Reference::greedy_agrees` takes the golden greedy continuation (agreed by four independent
+/// implementations) and refuses it with its last token changed to the golden run's runner-up at
+/// that step, unless the tie allowed covers the gap between the two logits; an empty run, or one
+/// past the context, is refused.
+#[test]
+fn greedy_agrees_takes_the_golden_continuation_and_refuses_a_changed_token() {
+    let g = crate::golden();
+    let ckb = metainfer::ckb::Ckb::embedded().unwrap();
+    let dir = crate::babyllama();
+    let cfg = model::load_config(&ckb, &dir).unwrap();
+    let tensors = model::read_safetensors(&dir).unwrap();
+    let mut r = Reference::new(&cfg, &tensors).unwrap();
+    let ids = |k: &str| -> Vec<u32> { g[k].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect() };
+    let (prompt, greedy) = (ids("prompt_ids"), ids("greedy_ids"));
+    let golden = &greedy[prompt.len()..];
+    assert!(r.greedy_agrees(&prompt, golden, 1e-3).unwrap());
+    // The runner-up of the last step, and its gap to the golden token.
+    let mut r2 = Reference::new(&cfg, &tensors).unwrap();
+    let (rows, _) = r2.greedy(&prompt, golden.len()).unwrap();
+    let last = rows.last().unwrap();
+    let best = *golden.last().unwrap() as usize;
+    let second = (0..last.len()).filter(|&i| i != best).max_by(|&a, &b| last[a].total_cmp(&last[b])).unwrap();
+    let gap = last[best] - last[second];
+    assert!(gap > 1e-3, "the golden run has a near-tie at its last step ({gap})");
+    let mut changed = golden.to_vec();
+    *changed.last_mut().unwrap() = second as u32;
+    assert!(!r.greedy_agrees(&prompt, &changed, 1e-3).unwrap());
+    assert!(r.greedy_agrees(&prompt, &changed, gap * 1.001).unwrap());
+    assert!(!r.greedy_agrees(&prompt, &[], 1e-3).unwrap());
+    let past = vec![golden[0]; cfg.max_seq];
+    assert!(!r.greedy_agrees(&prompt, &past, f64::INFINITY).unwrap());
+}
+
 #[test]
 fn hf_tokenizer_matches_golden_prompt_and_text() {
     let g = crate::golden();

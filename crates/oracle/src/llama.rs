@@ -585,7 +585,7 @@ impl Reference {
         let mut rows = Vec::new();
         let mut tokens = Vec::new();
         for i in 0..max_new {
-            if let Some(at) = logits.iter().position(|v| !v.is_finite()) {
+            if let Some(at) = non_finite(&logits) {
                 return Err(Error::input(format!(
                     "the reference computes a non-finite logit ({} at token {at}) at generation step {i} (position {}): its weights or activations overflow at this dtype, so no engine can be checked against it; check the checkpoint's weights for NaN/inf or values beyond the weight dtype's range, or choose a wider dtype",
                     logits[at],
@@ -602,4 +602,45 @@ impl Reference {
         }
         Ok((rows, tokens))
     }
+
+    /// Whether `got`, an engine's greedy tokens after `prompt` (the first chosen after the
+    /// prefill), are greedy choices of this reference: each the argmax after the prompt and the
+    /// engine's own earlier tokens, or a token whose logit is within `tie` of the argmax's (a
+    /// near-tie may go either way, and the run is judged on from the engine's choice). An empty
+    /// `got`, or one that runs past the context (max_seq), is not.
+    ///
+    /// # Errors
+    /// As [`Reference::step`]; Input when a row the judgement reads holds NaN or an infinity.
+    pub fn greedy_agrees(&mut self, prompt: &[u32], got: &[u32], tie: f64) -> Result<bool> {
+        if got.is_empty() || prompt.is_empty() || prompt.len() + got.len() - 1 > self.config().max_seq {
+            return Ok(false);
+        }
+        self.reset();
+        let mut logits = Vec::new();
+        for &t in prompt {
+            logits = self.step(t)?;
+        }
+        for (i, &g) in got.iter().enumerate() {
+            if let Some(at) = non_finite(&logits) {
+                return Err(Error::input(format!(
+                    "the reference computes a non-finite logit ({} at token {at}) at step {i} of the engine's run: its weights or activations overflow at this dtype, so no engine can be checked against it",
+                    logits[at]
+                )));
+            }
+            let best = argmax(&logits);
+            let theirs = logits.get(g as usize).copied().unwrap_or(f64::NEG_INFINITY);
+            if g as usize != best && logits[best] - theirs > tie {
+                return Ok(false);
+            }
+            if i + 1 < got.len() {
+                logits = self.step(g)?;
+            }
+        }
+        Ok(true)
+    }
+}
+
+/// The index of the first NaN or infinity in a logits row, if any.
+fn non_finite(logits: &[f64]) -> Option<usize> {
+    logits.iter().position(|v| !v.is_finite())
 }
