@@ -892,8 +892,9 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], unsigned int a0, unsigne
 }
 
 // C[m, n] (=, += or atomically +=) A[m, k] W[n, k]^T with A given as its three bf16 planes
-// (split3_bf16: the f32 activations exactly) and W bf16: three tensor-core products per tile, f32
-// accumulation, so the result is the f32 product summed in f32 (kernel.linear_bf16's contract).
+// (split3_bf16: the f32 activations exactly) and W bf16: three tensor-core products per tile, each
+// tile's sum (32 of k) added to the f32 accumulators by ordinary round-to-nearest adds, so the result
+// is the f32 product summed in f32 in chunks of 32 (kernel.linear_bf16's contract).
 // Block tile 64 x 64, k step 32, 4 warps of 32 x 32; grid (ceil(n / 64), ceil(m / 64), k splits);
 // blockIdx.z takes k in [z * kchunk, min(k, (z + 1) * kchunk)), kchunk % 32 == 0. k % 8 == 0, A
 // planes and W 16-byte aligned. mode 0: store, 1: add, 2: atomicAdd (k split over blocks).
@@ -954,6 +955,17 @@ __global__ void __launch_bounds__(128) gemm_bf16x3(const unsigned short* a3, con
         }
         __syncthreads();
         if (k0 + GB_K < ke) load(k0 + GB_K);  // next tile in flight during the products
+        // This tile's products go into `part`, then into `acc` by ordinary (round-to-nearest) f32
+        // adds: mma's own f32 accumulation aligns its terms to the largest and truncates, so
+        // accumulating all of k inside the tensor cores would lose up to an ulp of the running sum
+        // per step, always toward zero (3 k / 16 steps: 1,536 at k = 8192).
+        float part[2][4][4];
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) part[i][j][e] = 0.0f;
 #pragma unroll
         for (int ks = 0; ks < GB_K; ks += 16) {
             unsigned int bf[4][2];
@@ -973,10 +985,16 @@ __global__ void __launch_bounds__(128) gemm_bf16x3(const unsigned short* a3, con
                     const unsigned int a2 = *(const unsigned int*)(ar + 8);
                     const unsigned int a3v = *(const unsigned int*)(ar + 8 * GB_LD + 8);
 #pragma unroll
-                    for (int j = 0; j < 4; j++) mma_bf16(acc[i][j], a0, a1, a2, a3v, bf[j][0], bf[j][1]);
+                    for (int j = 0; j < 4; j++) mma_bf16(part[i][j], a0, a1, a2, a3v, bf[j][0], bf[j][1]);
                 }
             }
         }
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[i][j][e] += part[i][j][e];
     }
 #pragma unroll
     for (int i = 0; i < 2; i++)
