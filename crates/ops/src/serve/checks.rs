@@ -3,7 +3,6 @@
 
 use std::io::BufReader;
 use std::sync::Mutex;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
@@ -77,9 +76,10 @@ pub(super) fn openai_error(body: &str) -> bool {
         .unwrap_or(false)
 }
 
-/// Fewest tokens the disconnect check's full-length request must generate for the check to be
-/// decided by its witness, and per running slot: the kept request must outlast the scheduler's
-/// admission of every slot (one prompt per step at worst) by a wide margin.
+/// Fewest tokens the disconnect check's full-length request, and the streaming request it keeps
+/// open, must generate for the check to be decided by that witness, and per running slot: the
+/// witness must outlast the scheduler's admission of every slot (one prompt per step at worst) by
+/// a wide margin.
 pub const DISCONNECT_MIN_TOKENS: usize = 32;
 /// See [`DISCONNECT_MIN_TOKENS`].
 pub const DISCONNECT_TOKENS_PER_SLOT: usize = 4;
@@ -88,23 +88,24 @@ pub const DISCONNECT_TOKENS_PER_SLOT: usize = 4;
 ///
 /// First one greedy request of `full` new tokens alone: its token count k and time `t_full`. Then
 /// `slots` streaming requests of the same prompt and length (the engine's max_seqs: every running
-/// slot taken). Once each has its first event (so each is running), all but one are dropped; the
-/// one kept open is read to its end, the witness. Then a one-token request, the probe. A server
-/// that cancels the dropped requests frees their slots within a step or two and answers the probe
-/// while the kept request still has most of its tokens to go. One that goes on generating for them
-/// makes the probe wait for a free slot: the dropped and the kept requests are the same request
-/// started together, so the first slot frees only near the kept one's end (within the admission of
-/// the slots, a step per slot at worst). Passes when the probe is answered with at least half of
-/// the kept request's generation time (first event to `[DONE]`) still to come. Nothing here is
-/// timed against a request the server could tell apart: the kept request is one of the dropped
-/// ones' twins, so a server cannot lengthen it alone without cancelling or knowing which was kept.
+/// slot taken). Once each has its first event (so each is running, or has run), all are dropped but
+/// one, the witness: the request whose first event came last, the last the server admitted, read to
+/// its `[DONE]`. Then a one-token request, the probe. A server that cancels the dropped requests
+/// frees their slots within a step or two and answers the probe while the witness still has most
+/// of its tokens to send. One that goes on generating for them makes the probe wait for a free
+/// slot: every dropped request is the witness's twin and started no later, so the first slot frees
+/// only near the witness's end (within the admission of the slots, a step per slot at worst).
+/// Passes when the probe is answered with at least half of the witness's events still to come.
+/// Events are counted, not timed, so a server that holds back its `[DONE]` gains nothing; one that
+/// generated everything at once and paced its events would pass, and wastes the same work.
 ///
 /// With one slot there is no twin to keep: the probe's time is compared with `t_full`, which a
-/// server could lengthen by sleeping on a lone full-length request. When `t_full` is under 20 ms
-/// or k under [`DISCONNECT_MIN_TOKENS`] (and [`DISCONNECT_TOKENS_PER_SLOT`] per slot) the outcomes
-/// cannot be told apart (a short model context, or an early EOS): the check says so and passes where
-/// the server ran, returning the full-length answer, and the judge then passes it only when that
-/// answer is the reference's (a server could answer it at once with anything to take this way out).
+/// server could lengthen by sleeping on a lone full-length request. When `t_full` is under 20 ms,
+/// or (with two or more slots) k or the witness's event count is under [`DISCONNECT_MIN_TOKENS`]
+/// and [`DISCONNECT_TOKENS_PER_SLOT`] per slot, the outcomes cannot be told apart (a short model
+/// context, or an early EOS): the check says so and passes where the server ran, returning the
+/// full-length answer, and the judge then passes it only when that answer is the reference's (a
+/// server could answer it at once with anything to take this way out).
 pub(super) fn disconnect(client: &Client, prompt: &str, full: usize, slots: usize) -> (Check, Option<Answered>) {
     let timed = |max_tokens: usize| -> std::result::Result<(Duration, Answered), String> {
         let start = Instant::now();
@@ -145,9 +146,11 @@ pub(super) fn disconnect(client: &Client, prompt: &str, full: usize, slots: usiz
     // Every streaming request's thread and, with a witness, the probe's sender wait here once, until
     // every request has its first event (or failed).
     let barrier = std::sync::Barrier::new(slots + usize::from(witnessed));
-    let running = std::sync::atomic::AtomicUsize::new(0);
-    // One streaming request: its first event, then (kept) its `[DONE]`, or dropped.
-    let stream = |keep: bool| -> std::result::Result<Option<Witness>, String> {
+    // When each request had its first event (None: refused, or no event).
+    let firsts = Mutex::new(vec![None::<Instant>; slots]);
+    // One streaming request: its first event; then, as the witness, the arrival of each of its
+    // events up to `[DONE]`, or else dropped (Ok(None)).
+    let stream = |i: usize| -> std::result::Result<Option<Vec<Instant>>, String> {
         let sent = client.post_request("/v1/completions").send(body.as_str()).map_err(|e| e.to_string());
         let (mut response, refused) = match sent {
             Ok(r) if r.status().as_u16() == 200 => (Some(r), None),
@@ -168,33 +171,50 @@ pub(super) fn disconnect(client: &Client, prompt: &str, full: usize, slots: usiz
             },
             (None, why) => Err(why.unwrap_or_default()),
         };
-        if first.is_ok() {
-            running.fetch_add(1, Ordering::SeqCst);
+        if let (Ok(at), Ok(mut f)) = (&first, firsts.lock()) {
+            f[i] = Some(*at);
         }
         barrier.wait();
         let first = first?;
-        let Some(rd) = reader.as_mut().filter(|_| keep) else {
+        // The witness is the request whose first event came last (the lowest such index): the
+        // last one the server admitted, so every dropped request started no later than it.
+        let last = firsts.lock().ok().and_then(|f| {
+            f.iter().enumerate().filter_map(|(j, t)| t.map(|t| (t, j))).max_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)))
+        });
+        let Some(rd) = reader.as_mut().filter(|_| witnessed && last.map(|(_, j)| j) == Some(i)) else {
             // Dropped: the client goes away while its request runs.
             return Ok(None);
         };
+        let mut events = vec![first];
         while read_event_line(rd, &mut line)? {
-            let data = String::from_utf8_lossy(&line);
-            if data.trim_end().strip_prefix("data:").map(str::trim) == Some("[DONE]") {
-                return Ok(Some(Witness { first, done: Instant::now() }));
+            let text = String::from_utf8_lossy(&line);
+            let Some(data) = text.trim_end().strip_prefix("data:").map(str::trim) else { continue };
+            if data == "[DONE]" {
+                return Ok(Some(events));
             }
+            events.push(Instant::now());
         }
         Err("the event stream ended without [DONE]".into())
     };
     let (kept, probe) = std::thread::scope(|s| {
-        let threads: Vec<_> = (0..slots).map(|i| s.spawn(move || stream(witnessed && i == 0))).collect();
+        let threads: Vec<_> = (0..slots).map(|i| s.spawn(move || stream(i))).collect();
         let probe = witnessed.then(|| {
             barrier.wait();
             timed(1).map(|(t, _)| (t, Instant::now()))
         });
-        let mut joined = threads.into_iter().map(|t| t.join().unwrap_or_else(|_| Err("its thread panicked".into())));
-        (joined.next(), probe)
+        let joined = threads.into_iter().map(|t| t.join().unwrap_or_else(|_| Err("its thread panicked".into())));
+        // The witness's answer, else the first failure of a request that had its first event.
+        let mut kept = None;
+        for (j, r) in joined.enumerate() {
+            match r {
+                Ok(Some(events)) => kept = Some(Ok(events)),
+                Err(why) if kept.is_none() && firsts.lock().is_ok_and(|f| f[j].is_some()) => kept = Some(Err(why)),
+                _ => {}
+            }
+        }
+        (kept, probe)
     });
-    let opened = running.into_inner();
+    let opened = firsts.into_inner().map(|f| f.iter().flatten().count()).unwrap_or(0);
     let probe = match probe {
         Some(p) => p,
         None => timed(1).map(|(t, _)| (t, Instant::now())),
@@ -203,7 +223,7 @@ pub(super) fn disconnect(client: &Client, prompt: &str, full: usize, slots: usiz
         Ok(x) => x,
         Err(why) => return (check("disconnect", false, format!("the request after the dropped clients: {why}")), None),
     };
-    let dropped = slots - usize::from(witnessed);
+    let dropped = opened.saturating_sub(usize::from(witnessed));
     let detail = format!(
         "{opened} of {slots} streaming requests of {k} tokens (max_seqs) had their first event, {dropped} then dropped; a one-token request then took {:.1} ms",
         ms(t_probe)
@@ -212,21 +232,32 @@ pub(super) fn disconnect(client: &Client, prompt: &str, full: usize, slots: usiz
         return (check("disconnect", false, format!("{detail}: too few requests were accepted to tell")), None);
     }
     let (passed, detail) = match kept {
-        Some(Ok(Some(w))) => {
-            let generating = w.done.saturating_duration_since(w.first);
-            let left = w.done.saturating_duration_since(answered_at);
-            let detail = format!(
-                "{detail}, answered {:.1} ms before the end of the request kept open, whose generation took {:.1} ms (at least half must be left)",
-                ms(left),
-                ms(generating)
-            );
-            (left * 2 >= generating, detail)
-        }
-        Some(Ok(None)) | None => {
+        None if !witnessed => {
             (t_probe < t_full, format!("{detail}; one {k}-token request alone took {:.1} ms", ms(t_full)))
         }
+        None => return (check("disconnect", false, format!("{detail}; no request was kept open")), None),
         Some(Err(why)) => {
             return (check("disconnect", false, format!("{detail}; the streaming request kept open: {why}")), None);
+        }
+        Some(Ok(events)) if events.len() < least => {
+            // The kept request ended early (an EOS its batch reached sooner): too short to tell.
+            let c = check(
+                "disconnect",
+                true,
+                format!(
+                    "{NOT_OBSERVABLE}: {detail}; the request kept open ended after {} events, too few to tell a cancelled request from a finished one (at least {least})",
+                    events.len()
+                ),
+            );
+            return (c, Some(answer));
+        }
+        Some(Ok(events)) => {
+            let total = events.len();
+            let to_come = events.iter().filter(|t| **t > answered_at).count();
+            let detail = format!(
+                "{detail}, answered with {to_come} of the {total} events of the request kept open (the last admitted) still to come (at least half must be)"
+            );
+            (to_come * 2 >= total, detail)
         }
     };
     let c = if passed {
@@ -241,12 +272,6 @@ pub(super) fn disconnect(client: &Client, prompt: &str, full: usize, slots: usiz
         )
     };
     (c, None)
-}
-
-/// The disconnect check's witness: when the request kept open had its first event and its `[DONE]`.
-struct Witness {
-    first: Instant,
-    done: Instant,
 }
 
 /// The keep-alive check (component.openai_server: TCP_NODELAY on every accepted connection). One
