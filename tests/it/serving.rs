@@ -458,8 +458,9 @@ fn a_server_that_dies_under_a_burst_fails_serve_engine() {
 
 /// A SIMD server whose batched step panics once a sequence passes position 100 (as a device error
 /// or an out-of-memory would on the GPU) answers the request in flight with a 500 in OpenAI's shape
-/// and exits with status 70, its reason on stderr, rather than going on answering `/health` while
-/// every request fails. A short request before it is answered.
+/// and exits with status 70 once the requests in flight are answered, its reason on stderr, rather
+/// than going on answering `/health` while every request fails. A short request before it is
+/// answered.
 #[test]
 fn a_server_whose_engine_thread_fails_exits() {
     let t = tempfile::tempdir().unwrap();
@@ -526,6 +527,8 @@ fn a_server_whose_engine_thread_fails_exits() {
     std::io::Read::read_to_string(&mut stderr, &mut rest).unwrap();
     assert!(rest.contains("a device error in the batched step"), "{rest}");
     assert!(rest.contains("the engine thread failed"), "{rest}");
+    // It stopped by the graceful path, not by the engine thread's last resort 5 s later.
+    assert!(rest.contains("the server answered the requests in flight and stopped"), "{rest}");
 }
 
 /// The SIMD engine's server with Nagle's algorithm left on (TCP_NODELAY not set on accepted

@@ -236,15 +236,25 @@ fn parsed<T: std::str::FromStr>(args: &[String], name: &str, default: T) -> Resu
 /// Exit status of a server whose engine thread failed (EX_SOFTWARE, sysexits.h).
 const ENGINE_FAILED: i32 = 70;
 
+/// Wakes the HTTP server's graceful shutdown when the engine thread has failed.
+static ENGINE_DOWN: tokio::sync::Notify = tokio::sync::Notify::const_new();
+
+/// How long the failed engine thread lets the HTTP server answer the requests in flight (each with
+/// a 500: their channels closed) before it ends the process itself.
+const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Held by the engine thread: when that thread ends in a panic (a device error, an out-of-memory,
-/// a bug), the whole server exits with [`ENGINE_FAILED`], so that nothing goes on answering
-/// `/health` while every request fails. The panic's message is already on stderr.
+/// a bug), the server stops taking connections, answers the requests in flight and exits with
+/// [`ENGINE_FAILED`] (within [`SHUTDOWN_GRACE`]), so that nothing goes on answering `/health` while
+/// every request fails. The panic's message is already on stderr.
 struct Lifeline;
 
 impl Drop for Lifeline {
     fn drop(&mut self) {
         if std::thread::panicking() {
             eprintln!("error: the engine thread failed (the panic above); the server stops");
+            ENGINE_DOWN.notify_one();
+            std::thread::sleep(SHUTDOWN_GRACE);
             std::process::exit(ENGINE_FAILED);
         }
     }
@@ -572,9 +582,15 @@ fn serve(args: &[String]) -> Result<(), Fail> {
                 eprintln!("cannot set TCP_NODELAY on an accepted connection: {e}");
             }
         });
-        axum::serve(listener, router).await.map_err(|e| e.to_string())
+        axum::serve(listener, router)
+            .with_graceful_shutdown(ENGINE_DOWN.notified())
+            .await
+            .map_err(|e| e.to_string())
     })
-    .map_err(Fail::Run)
+    .map_err(Fail::Run)?;
+    // Only the engine thread's failure ends the server (its Lifeline).
+    eprintln!("the server answered the requests in flight and stopped");
+    std::process::exit(ENGINE_FAILED)
 }
 
 /// An OpenAI-shaped error: {"error": {"message", "type", "param", "code"}}.

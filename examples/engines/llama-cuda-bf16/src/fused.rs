@@ -15,7 +15,8 @@ const MV_THREADS: u32 = 256;
 const MV_BLOCKS_PER_SM: usize = 2;
 /// Most blocks of a matrix-vector grid: the argmax partials are sized for it.
 pub(crate) const MV_MAX_BLOCKS: usize = 4096;
-/// Most shared memory a block takes without opting in (the staged input vector, k floats).
+/// Most shared memory a block takes without opting in: static arrays and the dynamic part (the
+/// matrix-vector kernels' staged input vector, k floats) together.
 const SMEM_DEFAULT: usize = 48 * 1024;
 
 /// Static shared memory of the matrix-vector kernels (`mv_run`: red[32], sv[8], si[8], last: 196
@@ -41,8 +42,9 @@ fn mv_grid(dev: &Device, groups: usize, k: usize) -> Result<LaunchConfig, String
     Ok(grid(blocks, MV_THREADS, smem as u32))
 }
 
-/// Whether the fused matrix-vector kernels take a [n, k] matrix: k a multiple of 8 that fits the
-/// staged vector in 48 KiB, the matrix on a 16-byte boundary.
+/// Whether the fused matrix-vector kernels take a [n, k] matrix: k a multiple of 8 whose staged
+/// vector fits in 48 KiB beside the kernels' static shared memory (k <= 12,224), the matrix on a
+/// 16-byte boundary.
 pub(crate) fn mv_fits(dev: &Device, w: &CudaView<'_, u16>, k: usize) -> bool {
     k > 0 && k.is_multiple_of(8) && k * 4 + MV_STATIC_SMEM <= SMEM_DEFAULT && aligned16(dev, w)
 }
@@ -60,7 +62,7 @@ pub(crate) fn mv_bf16(
     accumulate: bool,
 ) -> Result<(), String> {
     need(x.len() == k && w.len() == n * k && out.len() == n, "mv_bf16: x [k], w [n, k], out [n]")?;
-    need(mv_fits(dev, w, k), "mv_bf16: k % 8 == 0, k <= 12288, w 16-byte aligned")?;
+    need(mv_fits(dev, w, k), "mv_bf16: k % 8 == 0, k <= 12224, w 16-byte aligned")?;
     let cfg = mv_grid(dev, n, k)?;
     let (kk, nn, acc) = (dim(k, "k")?, dim(n, "n")?, accumulate as i32);
     let mut b = dev.stream().launch_builder(dev.function("mv_bf16"));

@@ -865,10 +865,12 @@ __device__ __forceinline__ unsigned int bf16_rne(float v) {
 __global__ void split3_bf16(const float* x, long long len, unsigned short* out) {
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < len; i += (long long)gridDim.x * blockDim.x) {
         const float v = x[i];
-        const unsigned int hi = bf16_rne(v);
+        unsigned int hi = bf16_rne(v);
+        // A finite x that rounds past bf16's largest value is truncated instead (then exact in three
+        // planes); an infinite x is its hi plane alone (inf - inf would make the others NaN).
+        if (!isinf(v) && isinf(__uint_as_float(hi << 16))) hi = __float_as_uint(v) >> 16;
         const float h = __uint_as_float(hi << 16);
-        // An infinite x is its hi plane alone (inf - inf would make the other planes NaN).
-        const float r1 = isinf(h) ? 0.0f : v - h;
+        const float r1 = isinf(v) ? 0.0f : v - h;
         const unsigned int mid = bf16_rne(r1);
         const float r2 = r1 - __uint_as_float(mid << 16);
         const unsigned int lo = bf16_rne(r2);
