@@ -770,10 +770,10 @@ fn stories15m(dir: &std::path::Path) -> std::path::PathBuf {
 /// A server that goes on generating for clients that went away (it never aborts a request whose
 /// token channel is closed) fails the disconnect check (component.openai_server: a client
 /// disconnect cancels its request), on the stories15M shape where a long request takes hundreds of
-/// milliseconds; every other check still passes. It also holds every plain answer of over 100
-/// tokens for 3 s, as a server would to make the full-length request alone look slower than its
-/// probe: the check is decided by a streaming request kept open among the dropped ones, which ends
-/// before the probe is answered, not by that time.
+/// milliseconds; every other check still passes. It also holds every answer of over 100 tokens
+/// for 3 s before its end (the plain answer's body, the stream's last chunk), as a server would to
+/// make the full-length request alone, or the stream kept open, look longer than the probe's wait:
+/// the check counts the kept stream's events, nearly all of which came before the probe's answer.
 #[test]
 fn a_server_that_ignores_dropped_clients_fails_serve_engine() {
     let t = tempfile::tempdir().unwrap();
@@ -792,6 +792,12 @@ fn a_server_that_ignores_dropped_clients_fails_serve_engine() {
         "src/main.rs",
         "                drop(slot);\n                let usage",
         "                if completion_tokens > 100 { std::thread::sleep(std::time::Duration::from_secs(3)); }\n                drop(slot);\n                let usage",
+    );
+    crate::inject(
+        &engine,
+        "src/main.rs",
+        "                        let mut last = chunk(\"\", Some(finish), first);",
+        "                        if completion_tokens > 100 { std::thread::sleep(std::time::Duration::from_secs(3)); }\n                        let mut last = chunk(\"\", Some(finish), first);",
     );
     let req = ServeRequest { model: s(&model), concurrency: Some(vec![1]), ..serve_req(&engine) };
     let r = serve_engine(&ctx, &req, &Budget::secs(900)).unwrap();
