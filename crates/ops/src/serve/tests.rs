@@ -1,5 +1,6 @@
 //! Unit tests of serve_engine: percentiles, the keep-alive check against a Nagle-bound server,
-//! the OpenAI error shape, the judge of a recorded run.
+//! the disconnect check against cancelling and deaf servers, the OpenAI error shape, the judge of
+//! a recorded run.
 
 use std::io::{BufRead, BufReader};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -92,6 +93,139 @@ fn keep_alive_fails_a_nagle_bound_server_and_passes_one_with_nodelay() {
         assert_eq!(c.passed, nodelay, "nodelay {nodelay}: {}", c.detail);
         assert_eq!(c.detail.contains("set TCP_NODELAY"), !nodelay, "{}", c.detail);
     }
+}
+
+/// Time a [`slot_server`] takes per generated token.
+const STEP: Duration = Duration::from_millis(3);
+
+/// A loopback completion server with `cap` running slots: each request waits for a free slot, then
+/// generates its max_tokens tokens, one per [`STEP`] (streamed as events, or answered at the end),
+/// and frees the slot. A streaming client that went away is noticed at the next failed write; the
+/// server then stops generating for it, unless `deaf`, which goes on to the end holding the slot.
+/// With `refuse_one`, the first streaming request of more than one token is refused with a 429.
+/// One request per connection. Returns the port.
+fn slot_server(cap: usize, deaf: bool, refuse_one: bool) -> u16 {
+    use std::io::{Read, Write};
+    use std::sync::{Arc, Condvar, Mutex};
+    let listener = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let slots = Arc::new((Mutex::new(cap), Condvar::new()));
+    let refused = Arc::new(std::sync::atomic::AtomicBool::new(!refuse_one));
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut out) = conn else { continue };
+            let (slots, refused) = (slots.clone(), refused.clone());
+            std::thread::spawn(move || {
+                let mut input = BufReader::new(out.try_clone().unwrap());
+                let (mut line, mut length) = (String::new(), 0usize);
+                loop {
+                    line.clear();
+                    if input.read_line(&mut line).unwrap_or(0) == 0 {
+                        return;
+                    }
+                    if line == "\r\n" {
+                        break;
+                    }
+                    if let Some((k, v)) = line.split_once(':')
+                        && k.eq_ignore_ascii_case("content-length")
+                    {
+                        length = v.trim().parse().unwrap();
+                    }
+                }
+                let mut body = vec![0u8; length];
+                input.read_exact(&mut body).unwrap();
+                let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+                let n = v["max_tokens"].as_u64().unwrap() as usize;
+                let stream = v["stream"].as_bool().unwrap_or(false);
+                if stream && n > 1 && !refused.swap(true, Ordering::SeqCst) {
+                    let e = r#"{"error":{"message":"busy","type":"rate_limit_error"}}"#;
+                    let _ = write!(
+                        out,
+                        "HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{e}",
+                        e.len()
+                    );
+                    return;
+                }
+                {
+                    let (free, cv) = &*slots;
+                    let mut free = free.lock().unwrap();
+                    while *free == 0 {
+                        free = cv.wait(free).unwrap();
+                    }
+                    *free -= 1;
+                }
+                let chunk = |e: &str| format!("{:x}\r\n{e}\n\n\r\n", e.len() + 2);
+                let mut gone = stream
+                    && out
+                        .write_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n")
+                        .is_err();
+                for i in 0..n {
+                    std::thread::sleep(STEP);
+                    if stream && !gone {
+                        let e = format!(r#"data: {{"choices":[{{"index":0,"text":" t{i}","finish_reason":null}}]}}"#);
+                        gone = out.write_all(chunk(&e).as_bytes()).is_err();
+                    }
+                    if gone && !deaf {
+                        break;
+                    }
+                }
+                {
+                    let (free, cv) = &*slots;
+                    *free.lock().unwrap() += 1;
+                    cv.notify_one();
+                }
+                let text: String = (0..n).map(|i| format!(" t{i}")).collect();
+                if stream {
+                    let last = format!(
+                        r#"data: {{"choices":[{{"index":0,"text":"","finish_reason":"length"}}],"usage":{{"completion_tokens":{n}}}}}"#
+                    );
+                    let _ = out.write_all(format!("{}{}0\r\n\r\n", chunk(&last), chunk("data: [DONE]")).as_bytes());
+                } else {
+                    let b = json!({"choices": [{"index": 0, "text": text, "finish_reason": "length"}], "usage": {"completion_tokens": n}}).to_string();
+                    let _ = write!(
+                        out,
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{b}",
+                        b.len()
+                    );
+                }
+            });
+        }
+    });
+    port
+}
+
+/// The disconnect check on a [`slot_server`] of `cap` running slots, claimed to have `slots`, with
+/// requests of 64 tokens (32 at least are needed to tell; 64 x 3 ms is well over 20 ms).
+fn disconnect_on(cap: usize, slots: usize, deaf: bool, refuse_one: bool) -> Check {
+    let port = slot_server(cap, deaf, refuse_one);
+    let client = Client::new(port, Instant::now() + Duration::from_secs(60));
+    let (c, full) = super::checks::disconnect(&client, "Once upon", 64, slots);
+    assert!(full.is_none(), "decided by the witness: {}", c.detail);
+    c
+}
+
+/// A server that frees the slots of clients that went away passes the disconnect check; one that
+/// goes on generating for them fails it, the check's witness (one of four twins kept open) having
+/// nearly all its events sent when the probe is answered.
+#[test]
+fn disconnect_passes_a_cancelling_server_and_fails_a_deaf_one() {
+    let c = disconnect_on(4, 4, false, false);
+    assert!(c.passed && c.detail.ends_with("the dropped requests were cancelled"), "{}", c.detail);
+    let c = disconnect_on(4, 4, true, false);
+    assert!(!c.passed && c.detail.contains("it waited behind the dropped requests"), "{}", c.detail);
+}
+
+/// The witness is one of the requests that ran, the last admitted: a cancelling server passes when
+/// it refuses one of the streams (429), and when it runs two sequences at once though four are
+/// claimed (the witness is then in the second wave); a deaf server running two at once still fails.
+#[test]
+fn disconnect_takes_a_refused_stream_and_fewer_running_slots_than_claimed() {
+    let c = disconnect_on(4, 4, false, true);
+    assert!(c.passed && c.detail.starts_with("3 of 4 streaming requests"), "{}", c.detail);
+    let c = disconnect_on(2, 4, false, false);
+    assert!(c.passed, "{}", c.detail);
+    let c = disconnect_on(2, 4, true, false);
+    assert!(!c.passed && c.detail.contains("it waited behind the dropped requests"), "{}", c.detail);
 }
 
 #[test]
