@@ -201,6 +201,12 @@ pub fn attention_sinks(q: &[f64], k: &[f64], v: &[f64], sinks: &[f64], s: AttnSh
     out
 }
 
+/// Largest gap between the reference's greedy logit and another token's at which an engine may
+/// choose either: f32 and bf16 engines' logits differ from the f64 reference's by 1e-5 to 1e-4
+/// (the contracts' tolerances), so a gap under 1e-3 is a near-tie either side may win. Used where
+/// an engine's own tokens are judged (profile's timed runs, serve_engine's answers).
+pub const GREEDY_TIE: f64 = 1e-3;
+
 /// Index of the largest element, the first on ties. (contract kernel.argmax)
 ///
 /// # Panics

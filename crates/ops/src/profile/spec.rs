@@ -383,18 +383,14 @@ impl Spec for ProfileSpec<'_> {
 }
 
 /// Whether `got`, an engine's greedy tokens after `prompt`, are greedy choices of the reference,
-/// a near-tie within [`GREEDY_TIE`] going either way (`oracle::llama::Reference::greedy_agrees`).
+/// a near-tie within [`oracle::GREEDY_TIE`] going either way
+/// (`oracle::llama::Reference::greedy_agrees`).
 ///
 /// # Errors
 /// As `Reference::greedy_agrees`.
 pub(super) fn greedy_agrees(reference: &mut oracle::llama::Reference, prompt: &[u32], got: &[u32]) -> Result<bool> {
-    reference.greedy_agrees(prompt, got, GREEDY_TIE)
+    reference.greedy_agrees(prompt, got, oracle::GREEDY_TIE)
 }
-
-/// Largest gap between the reference's best logit and a timed run's token's logit that still counts
-/// as a greedy choice: f32 engines' logits differ from the f64 reference's by 1e-5 to 1e-4 (the
-/// contracts' tolerances), so a gap under 1e-3 is a near-tie either side may win.
-pub(super) const GREEDY_TIE: f64 = 1e-3;
 
 /// Which of `n` timed runs the server replays: a majority, n / 2 + 1 of them, drawn afresh from
 /// the operating system's randomness when the reply is judged (the engine cannot know which),

@@ -107,7 +107,8 @@ pub struct LoadLevel {
     pub requests: usize,
     /// Requests answered completely (streamed to `[DONE]`).
     pub completed: usize,
-    /// Completions whose text differs from the reference's greedy text.
+    /// Completions whose text differs from the reference's greedy text and from each of its
+    /// near-tie alternatives (another token within 1e-3 of the greedy logit, followed greedily).
     pub greedy_mismatches: usize,
     /// Completion tokens over the requests answered with the reference's text (the reference's
     /// token counts; the server's `usage` is not trusted).
@@ -318,7 +319,7 @@ impl ServeSpec<'_> {
             &ck.generation.eos_token_ids,
             |p| model::hf_encode(tok, p),
             |ids| model::hf_decode(tok, ids),
-            |ids, n| Ok(reference.greedy(ids, n)?.1),
+            |ids, n| reference.greedy(ids, n),
             full_answer,
         )
     }

@@ -248,7 +248,7 @@ fn judged_case() -> (Plan, judge::Expected, Observed) {
         max_seqs: 4,
         disconnect_tokens: 250,
     };
-    let want = |t: &str, n, f| judge::Want { text: t.into(), completion_tokens: n, finish: f };
+    let want = |t: &str, n, f| judge::Want { text: t.into(), completion_tokens: n, finish: f, near: vec![] };
     let expected = judge::Expected {
         greedy: vec![want(" a time there was a girl", 8, "length")],
         pool: vec![want(" ran to the", 4, "length")],
@@ -454,4 +454,58 @@ fn a_plan_out_of_bounds_is_refused_naming_the_field_and_long_answers_are_cut() {
     assert!(cut.ends_with(" [cut: longer than the recorded bound]"));
     assert_eq!(cut.len(), wire::MAX_RECORDED_TEXT + " [cut: longer than the recorded bound]".len());
     assert_eq!(wire::recorded("short".into()), "short");
+}
+
+/// The reference's near-ties become accepted answers: on a hand-made model of three letters where
+/// each token is followed by the next letter (a, b, c, a, ...) with logit 1 and all others 0,
+/// except that after two tokens the letter after the next is 5e-4 behind (within
+/// `oracle::GREEDY_TIE`), the answer to "a" of 3 tokens is "bca", its near-tie "bab" is accepted,
+/// and "bcb" is not; an EOS taken at a near-tie ends the alternative there.
+#[test]
+fn near_ties_of_the_reference_are_accepted_answers() {
+    const EOS: u32 = 3;
+    let encode = |p: &str| -> Result<Vec<u32>> { Ok(p.bytes().map(|b| u32::from(b - b'a')).collect()) };
+    let decode = |ids: &[u32]| -> Result<String> {
+        Ok(ids.iter().filter(|&&t| t != EOS).map(|&t| char::from(b'a' + t as u8)).collect())
+    };
+    let model = |near: u32| {
+        move |ids: &[u32], n: usize| -> Result<(Vec<Vec<f64>>, Vec<u32>)> {
+            let (mut ids, mut rows, mut toks) = (ids.to_vec(), Vec::new(), Vec::new());
+            for _ in 0..n {
+                let next = (ids.last().unwrap() + 1) % 3;
+                let mut row = vec![0.0; 4];
+                row[next as usize] = 1.0;
+                if ids.len() == 2 {
+                    row[near as usize] = 1.0 - 5e-4;
+                }
+                rows.push(row);
+                toks.push(next);
+                ids.push(next);
+            }
+            Ok((rows, toks))
+        }
+    };
+    let ask = |p: &str, n| Ask { prompt: p.into(), max_tokens: n };
+    let plan = Plan {
+        seed: 1,
+        greedy: vec![ask("a", 3)],
+        pool: vec![],
+        levels: vec![],
+        max_seqs: 1,
+        max_context: 8,
+        disconnect_tokens: 3,
+    };
+    let e = judge::expected(&plan, &[EOS], encode, decode, model(0), false).unwrap();
+    let w = &e.greedy[0];
+    assert_eq!((w.text.as_str(), w.finish), ("bca", "length"));
+    let near: Vec<&str> = w.near.iter().map(|n| n.text.as_str()).collect();
+    assert_eq!(near, ["bab"]);
+    assert!(w.accepting("bab").is_some() && w.accepting("bca").is_some());
+    assert!(w.accepting("bcb").is_none());
+    // The burst's one-token answer has no near-tie at its only step.
+    assert!(e.burst.near.is_empty());
+    // A near-tie with the EOS token: the alternative stops there.
+    let e = judge::expected(&plan, &[EOS], encode, decode, model(EOS), false).unwrap();
+    let n = &e.greedy[0].near[0];
+    assert_eq!((n.text.as_str(), n.completion_tokens, n.finish), ("b", 2, "stop"));
 }
