@@ -202,8 +202,9 @@ pub fn attention_sinks(q: &[f64], k: &[f64], v: &[f64], sinks: &[f64], s: AttnSh
 }
 
 /// Largest gap between the reference's greedy logit and another token's at which an engine may
-/// choose either: f32 and bf16 engines' logits differ from the f64 reference's by 1e-5 to 1e-4
-/// (the contracts' tolerances), so a gap under 1e-3 is a near-tie either side may win. Used where
+/// choose either: engines that compute in f32 (over f32 or bf16 weights) give logits within 1e-5 to
+/// 1e-4 of the f64 reference's (the contracts' tolerances), so a gap under 1e-3 is a near-tie either
+/// side may win. Used where
 /// an engine's own tokens are judged (profile's timed runs, serve_engine's answers).
 pub const GREEDY_TIE: f64 = 1e-3;
 

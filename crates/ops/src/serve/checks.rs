@@ -88,24 +88,31 @@ pub const DISCONNECT_TOKENS_PER_SLOT: usize = 4;
 ///
 /// First one greedy request of `full` new tokens alone: its token count k and time `t_full`. Then
 /// `slots` streaming requests of the same prompt and length (the engine's max_seqs: every running
-/// slot taken). Once each has its first event (so each is running, or has run), all are dropped but
-/// one, the witness: the request whose first event came last, the last the server admitted, read to
-/// its `[DONE]`. Then a one-token request, the probe. A server that cancels the dropped requests
-/// frees their slots within a step or two and answers the probe while the witness still has most
-/// of its tokens to send. One that goes on generating for them makes the probe wait for a free
-/// slot: every dropped request is the witness's twin and started no later, so the first slot frees
-/// only near the witness's end (within the admission of the slots, a step per slot at worst).
-/// Passes when the probe is answered with at least half of the witness's events still to come.
-/// Events are counted, not timed, so a server that holds back its `[DONE]` gains nothing; one that
-/// generated everything at once and paced its events would pass, and wastes the same work.
+/// slot taken). Once each has its first event (so each is running), all are dropped but one, the
+/// witness: the request whose first event came last, the last the server admitted, read to its
+/// `[DONE]`. Then a one-token request, the probe. A server that cancels the dropped requests frees
+/// their slots within a step or two and answers the probe while the witness still has most of its
+/// text to send. One that goes on generating for them makes the probe wait for a free slot: every
+/// dropped request is the witness's twin and started no later, so the first slot frees only near
+/// the witness's end (within the admission of the slots, a step per slot at worst). Passes when the
+/// probe is answered with at least half of the witness's text events still to come. Events are
+/// counted, not timed, so a server that holds back its last chunk or its `[DONE]` gains nothing.
 ///
-/// With one slot there is no twin to keep: the probe's time is compared with `t_full`, which a
-/// server could lengthen by sleeping on a lone full-length request. When `t_full` is under 20 ms,
-/// or (with two or more slots) k or the witness's event count is under [`DISCONNECT_MIN_TOKENS`]
-/// and [`DISCONNECT_TOKENS_PER_SLOT`] per slot, the outcomes cannot be told apart (a short model
-/// context, or an early EOS): the check says so and passes where the server ran, returning the
-/// full-length answer, and the judge then passes it only when that answer is the reference's (a
-/// server could answer it at once with anything to take this way out).
+/// The slots must all run at once, or a free slot could not be told from a cancelled request. When
+/// some streaming requests are refused, the check runs again with as many; when some are queued
+/// (their first event more than `t_full / 2` after the earliest), again with as many as ran at once,
+/// the server's running slots. If they again do not all run at once, it fails. Limits: a server that
+/// knew which stream is the witness (after the drops it is the only one open) could hold back its
+/// events; one that always kept a slot free for new requests would look like one slot fewer and
+/// answer the probe in it; one slot has no twin, so there the probe's time is compared with
+/// `t_full`, which a server could lengthen by sleeping on a lone full-length request.
+///
+/// When `t_full` is under 20 ms, or (with two or more slots) k is under [`DISCONNECT_MIN_TOKENS`] and
+/// [`DISCONNECT_TOKENS_PER_SLOT`] per slot, or the witness's answer ended early (an EOS its batch
+/// reached sooner), the outcomes cannot be told apart: the check says so and passes where the server
+/// ran, returning the full-length answer, and the judge then passes it only when that answer is the
+/// reference's (a server could answer it at once with anything to take this way out). A witness that
+/// sends its whole answer in fewer events than that fails: each piece is to be sent as it comes.
 pub(super) fn disconnect(client: &Client, prompt: &str, full: usize, slots: usize) -> (Check, Option<Answered>) {
     let timed = |max_tokens: usize| -> std::result::Result<(Duration, Answered), String> {
         let start = Instant::now();
@@ -129,28 +136,158 @@ pub(super) fn disconnect(client: &Client, prompt: &str, full: usize, slots: usiz
     };
     let k = answer.completion_tokens;
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
-    let witnessed = slots >= 2;
-    let least = if witnessed { DISCONNECT_MIN_TOKENS.max(DISCONNECT_TOKENS_PER_SLOT * slots) } else { 1 };
-    if t_full < Duration::from_millis(20) || k < least {
-        let c = check(
-            "disconnect",
-            true,
-            format!(
-                "{NOT_OBSERVABLE}: one request of {k} tokens takes {:.1} ms, too short to tell a cancelled request from a finished one (at least 20 ms and {least} tokens for {slots} slots)",
-                ms(t_full)
-            ),
-        );
-        return (c, Some(answer));
+    let least = |n: usize| if n >= 2 { DISCONNECT_MIN_TOKENS.max(DISCONNECT_TOKENS_PER_SLOT * n) } else { 1 };
+    let not_observable = |why: String| {
+        let c = check("disconnect", true, format!("{NOT_OBSERVABLE}: {why}"));
+        (c, Some(answer.clone()))
+    };
+    if t_full < Duration::from_millis(20) || k < least(slots) {
+        return not_observable(format!(
+            "one request of {k} tokens takes {:.1} ms, too short to tell a cancelled request from a finished one (at least 20 ms and {} tokens for {slots} slots)",
+            ms(t_full),
+            least(slots)
+        ));
     }
+    let mut n = slots;
+    let mut rerun = String::new();
+    loop {
+        let run = drop_streams(client, prompt, full, n, || timed(1).map(|(t, _)| (t, Instant::now())));
+        let (t_probe, answered_at) = match run.probe {
+            Ok(x) => x,
+            Err(why) => {
+                return (
+                    check("disconnect", false, format!("{rerun}the request after the dropped clients: {why}")),
+                    None,
+                );
+            }
+        };
+        let started: Vec<Instant> = run.firsts.iter().flatten().copied().collect();
+        let opened = started.len();
+        // The streams that ran at once: first events within t_full / 2 of the earliest.
+        let at_once = started.iter().min().map_or(0, |&e| started.iter().filter(|&&t| t - e < t_full / 2).count());
+        let detail = format!(
+            "{rerun}{opened} of {n} streaming requests of {k} tokens had their first event, {} then dropped; a one-token request then took {:.1} ms",
+            opened.saturating_sub(usize::from(n >= 2)),
+            ms(t_probe)
+        );
+        if opened < n || at_once < n {
+            // Refused streams: the same count again (their slots were free, so a gap among them is
+            // no evidence); queued ones: as many as ran at once, the server's running slots.
+            let refused = opened < n;
+            if !rerun.is_empty() || at_once == 0 {
+                let why = if refused {
+                    format!(
+                        "{} of {n} were refused, so a free slot cannot be told from a cancelled request (component.openai_server: requests beyond the running slots wait in the queue)",
+                        n - opened
+                    )
+                } else {
+                    format!(
+                        "only {at_once} ran at once, so a free slot cannot be told from a cancelled request (component.openai_server: the server runs max_seqs sequences at once; lower max_seqs in metainfer.toml [serving] to what it holds)"
+                    )
+                };
+                return (check("disconnect", false, format!("{detail}: {why}")), None);
+            }
+            let again = if refused { n } else { at_once };
+            rerun = if refused {
+                format!("{} of {n} streaming requests were refused, so the check ran again: ", n - opened)
+            } else {
+                format!(
+                    "{at_once} of {n} streaming requests ran at once (the others queued), so the check ran again with {at_once}: "
+                )
+            };
+            n = again;
+            continue;
+        }
+        let (passed, detail) = match run.kept {
+            None if n < 2 => {
+                (t_probe < t_full, format!("{detail}; one {k}-token request alone took {:.1} ms", ms(t_full)))
+            }
+            None => return (check("disconnect", false, format!("{detail}; no request was kept open")), None),
+            Some(Err(why)) => {
+                return (check("disconnect", false, format!("{detail}; the streaming request kept open: {why}")), None);
+            }
+            Some(Ok(w)) if w.events.len() < least(n) => {
+                // Compared as recorded (the lone answer's text is cut at the recorded bound).
+                if super::wire::recorded(w.text.clone()).chars().count() < answer.text.chars().count() {
+                    return not_observable(format!(
+                        "{detail}; the request kept open ended after {} text events, {:?}, sooner than the request alone (an EOS reached in the batch): too few to tell (at least {})",
+                        w.events.len(),
+                        w.text,
+                        least(n)
+                    ));
+                }
+                return (
+                    check(
+                        "disconnect",
+                        false,
+                        format!(
+                            "{detail}; the request kept open sent its whole answer in {} text events (component.openai_server: a streaming request sends each decoded piece as it arrives)",
+                            w.events.len()
+                        ),
+                    ),
+                    None,
+                );
+            }
+            Some(Ok(w)) => {
+                let total = w.events.len();
+                let to_come = w.events.iter().filter(|t| **t > answered_at).count();
+                let detail = format!(
+                    "{detail}, answered with {to_come} of the {total} text events of the request kept open (the last admitted) still to come (at least half must be)"
+                );
+                (to_come * 2 >= total, detail)
+            }
+        };
+        let c = if passed {
+            check("disconnect", true, format!("{detail}: the dropped requests were cancelled"))
+        } else {
+            check(
+                "disconnect",
+                false,
+                format!(
+                    "{detail}: it waited behind the dropped requests (component.openai_server: a client disconnect cancels its request and frees its slot)"
+                ),
+            )
+        };
+        return (c, None);
+    }
+}
+
+/// What the disconnect check's streaming requests saw.
+struct Dropped {
+    /// When each request had its first event (None: refused, or no event).
+    firsts: Vec<Option<Instant>>,
+    /// The witness's events (with two or more requests), or the first failure of a request that
+    /// had its first event.
+    kept: Option<std::result::Result<Witness, String>>,
+    /// The probe's time and when its answer came, or why it failed.
+    probe: std::result::Result<(Duration, Instant), String>,
+}
+
+/// The request kept open: when each of its events with text arrived, and the text.
+struct Witness {
+    events: Vec<Instant>,
+    text: String,
+}
+
+/// `n` streaming requests of `full` tokens of `prompt`; once every one has its first event (or
+/// failed), all but the witness (the latest first event, the lowest index on a tie; none when `n`
+/// is 1) are dropped and `probe` runs while the witness is read to its `[DONE]`.
+fn drop_streams(
+    client: &Client,
+    prompt: &str,
+    full: usize,
+    n: usize,
+    probe: impl FnOnce() -> std::result::Result<(Duration, Instant), String>,
+) -> Dropped {
+    let witnessed = n >= 2;
     let body = json!({"prompt": prompt, "max_tokens": full, "temperature": 0, "stream": true}).to_string();
     // Every streaming request's thread and, with a witness, the probe's sender wait here once, until
     // every request has its first event (or failed).
-    let barrier = std::sync::Barrier::new(slots + usize::from(witnessed));
-    // When each request had its first event (None: refused, or no event).
-    let firsts = Mutex::new(vec![None::<Instant>; slots]);
-    // One streaming request: its first event; then, as the witness, the arrival of each of its
-    // events up to `[DONE]`, or else dropped (Ok(None)).
-    let stream = |i: usize| -> std::result::Result<Option<Vec<Instant>>, String> {
+    let barrier = std::sync::Barrier::new(n + usize::from(witnessed));
+    let firsts = Mutex::new(vec![None::<Instant>; n]);
+    // One streaming request: its first event; then, as the witness, its text events up to `[DONE]`;
+    // else dropped (Ok(None)).
+    let stream = |i: usize| -> std::result::Result<Option<Witness>, String> {
         let sent = client.post_request("/v1/completions").send(body.as_str()).map_err(|e| e.to_string());
         let (mut response, refused) = match sent {
             Ok(r) if r.status().as_u16() == 200 => (Some(r), None),
@@ -176,8 +313,6 @@ pub(super) fn disconnect(client: &Client, prompt: &str, full: usize, slots: usiz
         }
         barrier.wait();
         let first = first?;
-        // The witness is the request whose first event came last (the lowest such index): the
-        // last one the server admitted, so every dropped request started no later than it.
         let last = firsts.lock().ok().and_then(|f| {
             f.iter().enumerate().filter_map(|(j, t)| t.map(|t| (t, j))).max_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)))
         });
@@ -185,93 +320,65 @@ pub(super) fn disconnect(client: &Client, prompt: &str, full: usize, slots: usiz
             // Dropped: the client goes away while its request runs.
             return Ok(None);
         };
-        let mut events = vec![first];
-        while read_event_line(rd, &mut line)? {
-            let text = String::from_utf8_lossy(&line);
-            let Some(data) = text.trim_end().strip_prefix("data:").map(str::trim) else { continue };
+        let mut w = Witness { events: vec![], text: String::new() };
+        let take = |line: &[u8], at: Instant, w: &mut Witness| -> bool {
+            let text = String::from_utf8_lossy(line);
+            let Some(data) = text.trim_end().strip_prefix("data:").map(str::trim) else { return false };
             if data == "[DONE]" {
-                return Ok(Some(events));
+                return true;
             }
-            events.push(Instant::now());
+            let piece = serde_json::from_str::<Value>(data)
+                .ok()
+                .and_then(|v| v["choices"][0]["text"].as_str().map(str::to_string))
+                .unwrap_or_default();
+            if !piece.is_empty() {
+                w.events.push(at);
+                w.text += &piece;
+            }
+            false
+        };
+        let first_line = line.clone();
+        take(&first_line, first, &mut w);
+        while read_event_line(rd, &mut line)? {
+            if take(&line, Instant::now(), &mut w) {
+                return Ok(Some(w));
+            }
         }
         Err("the event stream ended without [DONE]".into())
     };
-    let (kept, probe) = std::thread::scope(|s| {
-        let threads: Vec<_> = (0..slots).map(|i| s.spawn(move || stream(i))).collect();
-        let probe = witnessed.then(|| {
-            barrier.wait();
-            timed(1).map(|(t, _)| (t, Instant::now()))
-        });
+    let mut probe = Some(probe);
+    let (kept, early) = std::thread::scope(|s| {
+        let threads: Vec<_> = (0..n).map(|i| s.spawn(move || stream(i))).collect();
+        let early = match probe.take() {
+            Some(p) if witnessed => {
+                barrier.wait();
+                Some(p())
+            }
+            other => {
+                probe = other;
+                None
+            }
+        };
         let joined = threads.into_iter().map(|t| t.join().unwrap_or_else(|_| Err("its thread panicked".into())));
         // The witness's answer, else the first failure of a request that had its first event.
         let mut kept = None;
         for (j, r) in joined.enumerate() {
             match r {
-                Ok(Some(events)) => kept = Some(Ok(events)),
+                Ok(Some(w)) => kept = Some(Ok(w)),
                 Err(why) if kept.is_none() && firsts.lock().is_ok_and(|f| f[j].is_some()) => kept = Some(Err(why)),
                 _ => {}
             }
         }
-        (kept, probe)
+        (kept, early)
     });
-    let opened = firsts.into_inner().map(|f| f.iter().flatten().count()).unwrap_or(0);
-    let probe = match probe {
-        Some(p) => p,
-        None => timed(1).map(|(t, _)| (t, Instant::now())),
+    let firsts = firsts.into_inner().unwrap_or_default();
+    // Without a witness, the probe follows the dropped requests.
+    let probe = match (early, probe) {
+        (Some(p), _) => p,
+        (None, Some(p)) => p(),
+        (None, None) => Err("the probe was not sent".into()),
     };
-    let (t_probe, answered_at) = match probe {
-        Ok(x) => x,
-        Err(why) => return (check("disconnect", false, format!("the request after the dropped clients: {why}")), None),
-    };
-    let dropped = opened.saturating_sub(usize::from(witnessed));
-    let detail = format!(
-        "{opened} of {slots} streaming requests of {k} tokens (max_seqs) had their first event, {dropped} then dropped; a one-token request then took {:.1} ms",
-        ms(t_probe)
-    );
-    if opened * 2 < slots {
-        return (check("disconnect", false, format!("{detail}: too few requests were accepted to tell")), None);
-    }
-    let (passed, detail) = match kept {
-        None if !witnessed => {
-            (t_probe < t_full, format!("{detail}; one {k}-token request alone took {:.1} ms", ms(t_full)))
-        }
-        None => return (check("disconnect", false, format!("{detail}; no request was kept open")), None),
-        Some(Err(why)) => {
-            return (check("disconnect", false, format!("{detail}; the streaming request kept open: {why}")), None);
-        }
-        Some(Ok(events)) if events.len() < least => {
-            // The kept request ended early (an EOS its batch reached sooner): too short to tell.
-            let c = check(
-                "disconnect",
-                true,
-                format!(
-                    "{NOT_OBSERVABLE}: {detail}; the request kept open ended after {} events, too few to tell a cancelled request from a finished one (at least {least})",
-                    events.len()
-                ),
-            );
-            return (c, Some(answer));
-        }
-        Some(Ok(events)) => {
-            let total = events.len();
-            let to_come = events.iter().filter(|t| **t > answered_at).count();
-            let detail = format!(
-                "{detail}, answered with {to_come} of the {total} events of the request kept open (the last admitted) still to come (at least half must be)"
-            );
-            (to_come * 2 >= total, detail)
-        }
-    };
-    let c = if passed {
-        check("disconnect", true, format!("{detail}: the dropped requests were cancelled"))
-    } else {
-        check(
-            "disconnect",
-            false,
-            format!(
-                "{detail}: it waited behind the dropped requests (component.openai_server: a client disconnect cancels its request and frees its slot)"
-            ),
-        )
-    };
-    (c, None)
+    Dropped { firsts, kept, probe }
 }
 
 /// The keep-alive check (component.openai_server: TCP_NODELAY on every accepted connection). One

@@ -28,9 +28,10 @@ pub(super) struct Want {
 pub const MAX_NEAR_TIES: usize = 8;
 
 impl Want {
-    /// This answer, or the near-tie alternative, whose text is `text`.
-    pub(super) fn accepting(&self, text: &str) -> Option<&Want> {
-        std::iter::once(self).chain(&self.near).find(|w| w.text == text)
+    /// This answer, or else the first near-tie alternative, that `matches` (an answer's text, and
+    /// where the server reports them its finish reason and token count, compared together).
+    pub(super) fn accepts(&self, matches: impl Fn(&Want) -> bool) -> Option<&Want> {
+        std::iter::once(self).chain(&self.near).find(|w| matches(w))
     }
 }
 
@@ -104,7 +105,7 @@ pub(super) fn judge(plan: &Plan, want: &Expected, seen: &Observed) -> (Vec<Check
                 greedy(plan, want, answers)
             }
             Step::Streaming { answer } => match answer {
-                Ok(s) if s.done && w0.accepting(&s.text).is_some_and(|m| s.finish == m.finish) => check(
+                Ok(s) if s.done && w0.accepts(|m| m.text == s.text && m.finish == s.finish).is_some() => check(
                     "streaming",
                     true,
                     format!("{} events, text equal to the non-streaming one, then [DONE]", s.events),
@@ -139,7 +140,7 @@ pub(super) fn judge(plan: &Plan, want: &Expected, seen: &Observed) -> (Vec<Check
                 }
             }
             Step::Alive { answer } => match answer {
-                Ok(a) if w0.accepting(&a.text).is_some() => {
+                Ok(a) if w0.accepts(|m| m.text == a.text).is_some() => {
                     check("alive", true, "the server still answers greedy requests with the reference's text")
                 }
                 Ok(a) => {
@@ -190,7 +191,7 @@ pub(super) fn level_figures(run: &super::wire::LevelRun, planned: usize, pool: &
     level.completed = run.answers.len().min(planned);
     let (mut tokens, mut ttft, mut itl, mut mismatches) = (0, Vec::new(), Vec::new(), 0);
     for (k, (pick, text)) in run.answers.iter().enumerate() {
-        let Some(w) = pool.get(*pick).and_then(|w| w.accepting(text)) else {
+        let Some(w) = pool.get(*pick).and_then(|w| w.accepts(|m| m.text == *text)) else {
             mismatches += 1;
             continue;
         };
@@ -229,8 +230,10 @@ fn disconnect(c: &Check, full: &Answered, want: Option<&Want>) -> Check {
         Some(w)
             if c.name == "disconnect"
                 && c.passed
-                && w.accepting(&full.text)
-                    .is_some_and(|m| full.finish == m.finish && full.completion_tokens == m.completion_tokens) =>
+                && w.accepts(|m| {
+                    m.text == full.text && m.finish == full.finish && m.completion_tokens == full.completion_tokens
+                })
+                .is_some() =>
         {
             c.clone()
         }
@@ -284,8 +287,7 @@ fn greedy(plan: &Plan, want: &Expected, answers: &[std::result::Result<Answered,
     let (mut bad, mut other_side) = (Vec::new(), 0);
     for (i, (ask, w)) in plan.greedy.iter().zip(&want.greedy).enumerate() {
         let same = |a: &Answered| {
-            w.accepting(&a.text)
-                .filter(|m| a.finish == m.finish && a.completion_tokens == m.completion_tokens)
+            w.accepts(|m| m.text == a.text && m.finish == a.finish && m.completion_tokens == a.completion_tokens)
                 .map(|m| !std::ptr::eq(m, w))
         };
         match answers.get(i) {
@@ -330,8 +332,8 @@ fn greedy(plan: &Plan, want: &Expected, answers: &[std::result::Result<Answered,
 
 /// The reference's answers to `plan` (with `full_answer`, the disconnect check's too), each with
 /// its near-tie alternatives ([`Want::near`]): `greedy(ids, n)` gives the reference's logits rows
-/// and its `n` greedy tokens after the ids; `encode` and `decode` are the model's tokenizer;
-/// generation stops at the first of `eos`.
+/// and its greedy tokens after the ids, `n` at most, ending after the first of `eos` if one comes
+/// (as `Reference::greedy_until`); `encode` and `decode` are the model's tokenizer.
 ///
 /// # Errors
 /// When the reference or the tokenizer fails.

@@ -319,7 +319,7 @@ impl ServeSpec<'_> {
             &ck.generation.eos_token_ids,
             |p| model::hf_encode(tok, p),
             |ids| model::hf_decode(tok, ids),
-            |ids, n| reference.greedy(ids, n),
+            |ids, n| reference.greedy_until(ids, n, &ck.generation.eos_token_ids),
             full_answer,
         )
     }
