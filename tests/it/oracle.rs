@@ -4,14 +4,19 @@
 use metainfer::model;
 use metainfer::oracle::{self, AttnShape, llama::Reference};
 
-#[test]
-fn reference_forward_reproduces_golden_greedy_ids_and_logits() {
-    let g = crate::golden();
+/// The reference forward pass on BabyLlama (../shared/models/babyllama-105).
+fn babyllama_reference() -> Reference {
     let ckb = metainfer::ckb::Ckb::embedded().unwrap();
     let dir = crate::babyllama();
     let cfg = model::load_config(&ckb, &dir).unwrap();
     let tensors = model::read_safetensors(&dir).unwrap();
-    let mut r = Reference::new(&cfg, &tensors).unwrap();
+    Reference::new(&cfg, &tensors).unwrap()
+}
+
+#[test]
+fn reference_forward_reproduces_golden_greedy_ids_and_logits() {
+    let g = crate::golden();
+    let mut r = babyllama_reference();
     let prompt: Vec<u32> = g["prompt_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
     let greedy: Vec<u32> = g["greedy_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
 
@@ -36,18 +41,13 @@ fn reference_forward_reproduces_golden_greedy_ids_and_logits() {
 #[test]
 fn greedy_agrees_takes_the_golden_continuation_and_refuses_a_changed_token() {
     let g = crate::golden();
-    let ckb = metainfer::ckb::Ckb::embedded().unwrap();
-    let dir = crate::babyllama();
-    let cfg = model::load_config(&ckb, &dir).unwrap();
-    let tensors = model::read_safetensors(&dir).unwrap();
-    let mut r = Reference::new(&cfg, &tensors).unwrap();
+    let mut r = babyllama_reference();
     let ids = |k: &str| -> Vec<u32> { g[k].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect() };
     let (prompt, greedy) = (ids("prompt_ids"), ids("greedy_ids"));
     let golden = &greedy[prompt.len()..];
     assert!(r.greedy_agrees(&prompt, golden, 1e-3).unwrap());
     // The runner-up of the last step, and its gap to the golden token.
-    let mut r2 = Reference::new(&cfg, &tensors).unwrap();
-    let (rows, _) = r2.greedy(&prompt, golden.len()).unwrap();
+    let (rows, _) = r.greedy(&prompt, golden.len()).unwrap();
     let last = rows.last().unwrap();
     let best = *golden.last().unwrap() as usize;
     let second = (0..last.len()).filter(|&i| i != best).max_by(|&a, &b| last[a].total_cmp(&last[b])).unwrap();
@@ -58,7 +58,7 @@ fn greedy_agrees_takes_the_golden_continuation_and_refuses_a_changed_token() {
     assert!(!r.greedy_agrees(&prompt, &changed, 1e-3).unwrap());
     assert!(r.greedy_agrees(&prompt, &changed, gap * 1.001).unwrap());
     assert!(!r.greedy_agrees(&prompt, &[], 1e-3).unwrap());
-    let past = vec![golden[0]; cfg.max_seq];
+    let past = vec![golden[0]; r.config().max_seq];
     assert!(!r.greedy_agrees(&prompt, &past, f64::INFINITY).unwrap());
 }
 

@@ -23,12 +23,35 @@ fn nearest_rank_percentiles_by_hand() {
     assert_eq!(percentile(&mut [], 50.0), 0.0);
 }
 
+/// One HTTP/1.1 request from a test server's connection: its body (by content-length), or None at
+/// the connection's end.
+fn read_request(input: &mut impl BufRead) -> Option<Vec<u8>> {
+    let (mut line, mut length) = (String::new(), 0usize);
+    loop {
+        line.clear();
+        if input.read_line(&mut line).unwrap_or(0) == 0 {
+            return None;
+        }
+        if line == "\r\n" {
+            break;
+        }
+        if let Some((k, v)) = line.split_once(':')
+            && k.eq_ignore_ascii_case("content-length")
+        {
+            length = v.trim().parse().unwrap();
+        }
+    }
+    let mut body = vec![0u8; length];
+    std::io::Read::read_exact(input, &mut body).unwrap();
+    Some(body)
+}
+
 /// A minimal HTTP/1.1 server on a loopback port that answers every request of a connection with a
 /// streamed completion, writing the header block and each event as its own small write (as an
 /// HTTP stack does); `nodelay` sets TCP_NODELAY on each accepted connection. Returns the port and
 /// the count of accepted connections.
 fn sse_server(nodelay: bool) -> (u16, std::sync::Arc<AtomicUsize>) {
-    use std::io::{Read, Write};
+    use std::io::Write;
     let listener = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap();
     let port = listener.local_addr().unwrap().port();
     let accepted = std::sync::Arc::new(AtomicUsize::new(0));
@@ -40,25 +63,7 @@ fn sse_server(nodelay: bool) -> (u16, std::sync::Arc<AtomicUsize>) {
             out.set_nodelay(nodelay).unwrap();
             std::thread::spawn(move || {
                 let mut input = BufReader::new(out.try_clone().unwrap());
-                loop {
-                    let mut length = 0usize;
-                    let mut line = String::new();
-                    loop {
-                        line.clear();
-                        if input.read_line(&mut line).unwrap_or(0) == 0 {
-                            return;
-                        }
-                        if line == "\r\n" {
-                            break;
-                        }
-                        if let Some((k, v)) = line.split_once(':')
-                            && k.eq_ignore_ascii_case("content-length")
-                        {
-                            length = v.trim().parse().unwrap();
-                        }
-                    }
-                    let mut body = vec![0u8; length];
-                    input.read_exact(&mut body).unwrap();
+                while read_request(&mut input).is_some() {
                     let head =
                         "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
                     let events = [
@@ -105,7 +110,7 @@ const STEP: Duration = Duration::from_millis(3);
 /// With `refuse_one`, the first streaming request of more than one token is refused with a 429.
 /// One request per connection. Returns the port.
 fn slot_server(cap: usize, deaf: bool, refuse_one: bool) -> u16 {
-    use std::io::{Read, Write};
+    use std::io::Write;
     use std::sync::{Arc, Condvar, Mutex};
     let listener = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap();
     let port = listener.local_addr().unwrap().port();
@@ -117,23 +122,7 @@ fn slot_server(cap: usize, deaf: bool, refuse_one: bool) -> u16 {
             let (slots, refused) = (slots.clone(), refused.clone());
             std::thread::spawn(move || {
                 let mut input = BufReader::new(out.try_clone().unwrap());
-                let (mut line, mut length) = (String::new(), 0usize);
-                loop {
-                    line.clear();
-                    if input.read_line(&mut line).unwrap_or(0) == 0 {
-                        return;
-                    }
-                    if line == "\r\n" {
-                        break;
-                    }
-                    if let Some((k, v)) = line.split_once(':')
-                        && k.eq_ignore_ascii_case("content-length")
-                    {
-                        length = v.trim().parse().unwrap();
-                    }
-                }
-                let mut body = vec![0u8; length];
-                input.read_exact(&mut body).unwrap();
+                let Some(body) = read_request(&mut input) else { return };
                 let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
                 let n = v["max_tokens"].as_u64().unwrap() as usize;
                 let stream = v["stream"].as_bool().unwrap_or(false);
