@@ -125,9 +125,15 @@ timed() { # NAME LIMIT COMMAND...
 # transformers' logs: the engine against transformers eager and compiled, same GPU and shape. `run`
 # prints them too, so they reach the device call's output even if its files do not come back.
 figures() {
-    python3 - "$dir" <<'PY'
-import glob, json, os, statistics, sys
+    python3 - "$dir" "$(dirname "$0")/../contracts/platforms/cuda-sm90.toml" <<'PY'
+import glob, json, os, statistics, sys, tomllib
 d = sys.argv[1]
+# The HBM bandwidth of the device the replies name, from platform.cuda-sm90's device models (the
+# roofline profile_engine judges by); the H200's when no reply names a device the contract has.
+try:
+    devices = tomllib.load(open(sys.argv[2], "rb"))["platform"]["gpu"]["devices"]
+except Exception:
+    devices = []
 def replies(bundle):
     out = []
     for p in sorted(glob.glob(os.path.join(d, bundle, "reply.*.json"))):
@@ -156,7 +162,15 @@ for bundle in ["profile-1b", "profile-1b-nograph", "profile-1b-512"]:
             if bundle != "profile-1b-nograph" and p["seconds"]:
                 engine_ttft[p["len"]] = med(p["seconds"]) * 1e3
 eager, compiled = load("hf-1b-eager.json"), load("hf-1b-compiled.json")
-roofline = 4800e9 / (2 * 1235814400)
+names = [(r.get("device") or {}).get("name", "") for r in replies("profile-1b")]
+hbm = next((dv["hbm_gbs"]["value"] for n in names for dv in devices if dv["name"] in n), None)
+device = next((n for n in names if n), "H200 (assumed)")
+if hbm is None:
+    hbm = 4800.0
+    device += ", not among platform.cuda-sm90's devices: H200's 4,800 GB/s assumed"
+# Bytes of bf16 weights read per token at the 1B shape (1,235,814,400 parameters, tied lm_head read once).
+roofline = hbm * 1e9 / (2 * 1235814400)
+print("\ndevice: %s; HBM roofline %.0f tok/s at %.0f GB/s" % (device, roofline, hbm))
 def fmt(v, f="%.1f"):
     return f % v if isinstance(v, (int, float)) else "-"
 print("\n| 1B shape, bf16, batch 1 | engine | engine, no CUDA graph | transformers eager | transformers compiled |")
