@@ -17,18 +17,24 @@ pub(super) struct Want {
     pub(super) completion_tokens: usize,
     /// "stop" (EOS) or "length".
     pub(super) finish: &'static str,
-    /// The answers a correct engine may give instead: at each step where another token's logit is
-    /// within [`oracle::GREEDY_TIE`] of the greedy token's, that token followed greedily to the end
-    /// (one per near-tie of this answer, at most [`MAX_NEAR_TIES`]; not their own near-ties).
+    /// The server's other answers to this ask that a correct engine may give: each a path of the
+    /// reference that takes, at one or more steps, a token whose logit is within
+    /// [`oracle::GREEDY_TIE`] of the greedy token's and is otherwise greedy ([`expected`]'s
+    /// search); only those the server gave.
     pub(super) near: Vec<Want>,
 }
 
-/// Most near-tie alternatives computed per answer: each costs the reference a run of the prompt
-/// and the answer; an answer with more near-ties than this is judged on its first ones.
-pub const MAX_NEAR_TIES: usize = 8;
+/// Most reference runs the near-tie search spends on one judgement, all answers together: each
+/// branch taken at a near-tie is one run of the prompt and the answer so far. Judging a correct
+/// engine takes one per near-tie its answers went the other way at.
+pub const MAX_BRANCH_RUNS: usize = 64;
+
+/// Most distinct answers to one ask the near-tie search looks at: an engine that gives more is
+/// judged unequal on the others.
+pub const MAX_TEXTS_SEARCHED: usize = 8;
 
 impl Want {
-    /// This answer, or else the first near-tie alternative, that `matches` (an answer's text, and
+    /// This answer, or else the first near-tie path ([`Want::near`]), that `matches` (an answer's text, and
     /// where the server reports them its finish reason and token count, compared together).
     pub(super) fn accepts(&self, matches: impl Fn(&Want) -> bool) -> Option<&Want> {
         std::iter::once(self).chain(&self.near).find(|w| matches(w))
@@ -45,6 +51,9 @@ pub(super) struct Expected {
     /// The disconnect check's full-length answer to the first greedy prompt
     /// (`Plan::disconnect_tokens`), computed only when a run needs it ([`needs_full_answer`]).
     pub(super) disconnect: Option<Want>,
+    /// The server's answers the near-tie search did not finish ([`MAX_BRANCH_RUNS`],
+    /// [`MAX_TEXTS_SEARCHED`]): each is judged unequal, and a failing check says so.
+    pub(super) unsearched: usize,
 }
 
 /// Whether `seen` holds a disconnect check that could not tell, whose full-length answer the judge
@@ -166,7 +175,7 @@ pub(super) fn judge(plan: &Plan, want: &Expected, seen: &Observed) -> (Vec<Check
             ));
         }
     }
-    let levels = seen
+    let mut levels: Vec<LoadLevel> = seen
         .levels
         .iter()
         .enumerate()
@@ -175,6 +184,18 @@ pub(super) fn judge(plan: &Plan, want: &Expected, seen: &Observed) -> (Vec<Check
             level_figures(run, picks.len(), &want.pool)
         })
         .collect();
+    if want.unsearched > 0 {
+        let note = format!(
+            "{} of the server's answers were judged unequal without a finished near-tie search (at most {MAX_BRANCH_RUNS} reference runs a judgement, {MAX_TEXTS_SEARCHED} distinct answers an ask)",
+            want.unsearched
+        );
+        for c in checks.iter_mut().filter(|c| !c.passed) {
+            c.detail = format!("{}; {note}", c.detail);
+        }
+        for l in levels.iter_mut().filter(|l| l.greedy_mismatches > 0) {
+            l.errors.push(note.clone());
+        }
+    }
     (checks, levels)
 }
 
@@ -330,10 +351,78 @@ fn greedy(plan: &Plan, want: &Expected, answers: &[std::result::Result<Answered,
     }
 }
 
-/// The reference's answers to `plan` (with `full_answer`, the disconnect check's too), each with
-/// its near-tie alternatives ([`Want::near`]): `greedy(ids, n)` gives the reference's logits rows
-/// and its greedy tokens after the ids, `n` at most, ending after the first of `eos` if one comes
-/// (as `Reference::greedy_until`); `encode` and `decode` are the model's tokenizer.
+/// What the server answered to one ask, as far as its step recorded it: the text, and where the
+/// step has them the finish reason and token count. The near-tie search looks for a path of the
+/// reference that gives all of them.
+struct Target<'s> {
+    text: &'s str,
+    finish: Option<&'s str>,
+    tokens: Option<usize>,
+}
+
+impl Target<'_> {
+    /// Whether the reference's answer `w` is this one.
+    fn is(&self, w: &Want) -> bool {
+        w.text == self.text
+            && self.finish.is_none_or(|f| f == w.finish)
+            && self.tokens.is_none_or(|n| n == w.completion_tokens)
+    }
+}
+
+/// The server's answers in `seen` to each ask of `plan`: per greedy ask (the greedy step's answer;
+/// for the first also the streamed and the alive one), per pool prompt (every load level's
+/// answers to it), and the disconnect check's full-length answer.
+fn targets<'s>(plan: &Plan, seen: &'s Observed) -> (Vec<Vec<Target<'s>>>, Vec<Vec<Target<'s>>>, Vec<Target<'s>>) {
+    let mut greedy: Vec<Vec<Target>> = plan.greedy.iter().map(|_| Vec::new()).collect();
+    let mut pool: Vec<Vec<Target>> = plan.pool.iter().map(|_| Vec::new()).collect();
+    let mut disconnect = Vec::new();
+    let full = |a: &'s Answered| Target { text: &a.text, finish: Some(&a.finish), tokens: Some(a.completion_tokens) };
+    for step in &seen.steps {
+        match step {
+            Step::Greedy { answers } => {
+                for (i, a) in answers.iter().enumerate() {
+                    if let (Some(t), Ok(a)) = (greedy.get_mut(i), a) {
+                        t.push(full(a));
+                    }
+                }
+            }
+            Step::Streaming { answer: Ok(s) } => {
+                if let Some(t) = greedy.first_mut() {
+                    t.push(Target { text: &s.text, finish: Some(&s.finish), tokens: None });
+                }
+            }
+            Step::Alive { answer: Ok(a) } => {
+                if let Some(t) = greedy.first_mut() {
+                    t.push(Target { text: &a.text, finish: None, tokens: None });
+                }
+            }
+            Step::Disconnect { full: a, .. } => disconnect.push(full(a)),
+            _ => {}
+        }
+    }
+    for run in &seen.levels {
+        for (pick, text) in &run.answers {
+            if let Some(t) = pool.get_mut(*pick) {
+                t.push(Target { text, finish: None, tokens: None });
+            }
+        }
+    }
+    (greedy, pool, disconnect)
+}
+
+/// The reference's answers to `plan`, each with the near-tie paths to the server's other answers
+/// in `seen` ([`Want::near`]); the disconnect check's full-length answer where `seen` holds a
+/// check that could not tell ([`needs_full_answer`]). `greedy(ids, n)` gives the reference's
+/// logits rows and its greedy tokens after the ids, `n` at most, ending after the first of `eos` if
+/// one comes (as `Reference::greedy_until`); `encode` and `decode` are the model's tokenizer.
+///
+/// The search for a server's answer starts from the reference's greedy path and finds the first
+/// step where its text leaves the server's; at that step or an earlier one, a token within
+/// [`oracle::GREEDY_TIE`] of the greedy logit whose text still agrees is followed greedily, and
+/// the search goes on from there, so an answer may take any number of near-ties. Each branch
+/// costs the reference one run; a judgement spends at most [`MAX_BRANCH_RUNS`], and an answer
+/// not found within them is judged unequal. An answer whose text leaves the server's at a step
+/// with no near-tie that agrees costs nothing.
 ///
 /// # Errors
 /// When the reference or the tokenizer fails.
@@ -343,55 +432,171 @@ pub(super) fn expected(
     encode: impl Fn(&str) -> Result<Vec<u32>>,
     decode: impl Fn(&[u32]) -> Result<String>,
     mut greedy: impl FnMut(&[u32], usize) -> Result<(Vec<Vec<f64>>, Vec<u32>)>,
-    full_answer: bool,
+    seen: &Observed,
 ) -> Result<Expected> {
-    // The answer `toks` (cut after its first EOS) to the prompt `ids` of `n` new tokens at most.
-    let answer = |ids: &[u32], toks: &[u32], n: usize| -> Result<Want> {
-        let cut = toks.iter().position(|t| eos.contains(t)).map_or(toks.len(), |i| i + 1);
+    let (greedy_seen, pool_seen, disconnect_seen) = targets(plan, seen);
+    let mut search =
+        Search { eos, decode: &decode, greedy: &mut greedy, runs_left: MAX_BRANCH_RUNS, cut: 0, starved: false };
+    let mut asks = Vec::new();
+    for (a, targets) in plan.greedy.iter().zip(&greedy_seen) {
+        asks.push(search.want(&encode(&a.prompt)?, a.max_tokens, targets)?);
+    }
+    let mut pool = Vec::new();
+    for (a, targets) in plan.pool.iter().zip(&pool_seen) {
+        pool.push(search.want(&encode(&a.prompt)?, a.max_tokens, targets)?);
+    }
+    let (burst, disconnect) = match plan.greedy.first() {
+        Some(a) => {
+            let ids = encode(&a.prompt)?;
+            let full = match needs_full_answer(seen) {
+                true => Some(search.want(&ids, plan.disconnect_tokens, &disconnect_seen)?),
+                false => None,
+            };
+            (search.burst(&ids)?, full)
+        }
+        None => (Want { text: String::new(), completion_tokens: 0, finish: "length", near: vec![] }, None),
+    };
+    Ok(Expected { greedy: asks, pool, burst, disconnect, unsearched: search.cut })
+}
+
+/// The near-tie search of [`expected`], with what is left of its budget.
+struct Search<'f> {
+    eos: &'f [u32],
+    decode: &'f dyn Fn(&[u32]) -> Result<String>,
+    greedy: &'f mut dyn FnMut(&[u32], usize) -> Result<(Vec<Vec<f64>>, Vec<u32>)>,
+    /// Reference runs the search may still spend.
+    runs_left: usize,
+    /// Server answers whose search the budget cut short.
+    cut: usize,
+    /// Whether the current search ran out of runs.
+    starved: bool,
+}
+
+impl Search<'_> {
+    /// The answer `toks` (cut after its first EOS) to the prompt `ids` of `n` new tokens at most.
+    fn answer(&self, ids: &[u32], toks: &[u32], n: usize) -> Result<Want> {
+        let cut = toks.iter().position(|t| self.eos.contains(t)).map_or(toks.len(), |i| i + 1);
         let toks = &toks[..cut];
-        let finish = if cut < n || toks.last().is_some_and(|t| eos.contains(t)) { "stop" } else { "length" };
-        let prompt_text = decode(ids)?;
+        let finish = if cut < n || toks.last().is_some_and(|t| self.eos.contains(t)) { "stop" } else { "length" };
+        let prompt_text = (self.decode)(ids)?;
         let all: Vec<u32> = ids.iter().chain(toks).copied().collect();
-        let full = decode(&all)?;
+        let full = (self.decode)(&all)?;
         let text = match full.strip_prefix(prompt_text.as_str()) {
             Some(t) => t.to_string(),
-            None => decode(toks)?,
+            None => (self.decode)(toks)?,
         };
         Ok(Want { text, completion_tokens: toks.len(), finish, near: vec![] })
-    };
-    let mut want = |prompt: &str, n: usize| -> Result<Want> {
-        let ids = encode(prompt)?;
-        let (rows, toks) = greedy(&ids, n)?;
-        let mut w = answer(&ids, &toks, n)?;
-        // Every near-tie up to the answer's end, followed greedily from the other token.
-        let mut near = Vec::new();
-        for (i, row) in rows.iter().enumerate().take(w.completion_tokens) {
-            let best = toks[i] as usize;
-            for (j, v) in row.iter().enumerate() {
-                if j != best && near.len() < MAX_NEAR_TIES && row[best] - v <= oracle::GREEDY_TIE {
-                    let mut branch: Vec<u32> = toks[..i].to_vec();
-                    branch.push(j as u32);
-                    let stops = eos.contains(&(j as u32));
-                    if !stops && i + 1 < n {
-                        let prefix: Vec<u32> = ids.iter().chain(&branch).copied().collect();
-                        branch.extend(greedy(&prefix, n - i - 1)?.1);
+    }
+
+    /// Whether the answer `toks` so far agrees with `text`: its text, less a character still
+    /// incomplete at its end (decoded as U+FFFD), begins `text`.
+    fn agrees(&self, ids: &[u32], toks: &[u32], text: &str) -> Result<bool> {
+        let w = self.answer(ids, toks, usize::MAX)?;
+        Ok(text.starts_with(w.text.trim_end_matches('\u{FFFD}')))
+    }
+
+    /// The reference's greedy answer to `ids` of `n` new tokens at most, with a near-tie path to
+    /// each of the server's answers `seen` that differs from it and that the search finds (at most
+    /// [`MAX_TEXTS_SEARCHED`] distinct ones).
+    fn want(&mut self, ids: &[u32], n: usize, seen: &[Target]) -> Result<Want> {
+        let (rows, toks) = (self.greedy)(ids, n)?;
+        let mut w = self.answer(ids, &toks, n)?;
+        let mut tried: Vec<&Target> = Vec::new();
+        for t in seen {
+            if t.is(&w)
+                || w.near.iter().any(|m| t.is(m))
+                || tried.iter().any(|u| (u.text, u.finish, u.tokens) == (t.text, t.finish, t.tokens))
+            {
+                continue;
+            }
+            if tried.len() == MAX_TEXTS_SEARCHED {
+                self.cut += 1;
+                continue;
+            }
+            tried.push(t);
+            self.starved = false;
+            match self.find(ids, n, &[], &rows, &toks, t)? {
+                Some(found) => w.near.push(found),
+                None if self.starved => self.cut += 1,
+                None => {}
+            }
+        }
+        Ok(w)
+    }
+
+    /// A path to the server's answer `t` that begins with `prefix` and whose greedy continuation
+    /// is `toks` (each chosen from its logits row in `rows`), taking near-ties where its text
+    /// leaves `t`'s; None when there is none (or the budget ran out first).
+    fn find(
+        &mut self,
+        ids: &[u32],
+        n: usize,
+        prefix: &[u32],
+        rows: &[Vec<f64>],
+        toks: &[u32],
+        t: &Target,
+    ) -> Result<Option<Want>> {
+        let path: Vec<u32> = prefix.iter().chain(toks).copied().collect();
+        let here = self.answer(ids, &path, n)?;
+        if t.is(&here) {
+            return Ok(Some(here));
+        }
+        // The first step whose token's text leaves the server's (all of them agree: the greedy
+        // path ended before it, and a near-tie at any step may lengthen it).
+        let mut leaves = toks.len();
+        for k in 0..toks.len() {
+            if !self.agrees(ids, &path[..prefix.len() + k + 1], t.text)? {
+                leaves = k;
+                break;
+            }
+        }
+        for k in (0..toks.len().min(leaves + 1)).rev() {
+            let Some(row) = rows.get(k) else { continue };
+            let best = toks[k] as usize;
+            let mut ties: Vec<usize> =
+                (0..row.len()).filter(|&j| j != best && row[best] - row[j] <= oracle::GREEDY_TIE).collect();
+            ties.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+            for j in ties {
+                let mut branch: Vec<u32> = path[..prefix.len() + k].to_vec();
+                branch.push(j as u32);
+                if !self.agrees(ids, &branch, t.text)? {
+                    continue;
+                }
+                if self.eos.contains(&(j as u32)) || branch.len() >= n {
+                    let end = self.answer(ids, &branch, n)?;
+                    if t.is(&end) {
+                        return Ok(Some(end));
                     }
-                    near.push(answer(&ids, &branch, n)?);
+                    continue;
+                }
+                if self.runs_left == 0 {
+                    self.starved = true;
+                    return Ok(None);
+                }
+                self.runs_left -= 1;
+                let whole: Vec<u32> = ids.iter().chain(&branch).copied().collect();
+                let (rows2, toks2) = (self.greedy)(&whole, n - branch.len())?;
+                let found = self.find(ids, n, &branch, &rows2, &toks2, t)?;
+                if found.is_some() || self.starved {
+                    return Ok(found);
                 }
             }
         }
-        w.near = near;
+        Ok(None)
+    }
+
+    /// The reference's one-token answer to `ids`, with every near-tie of its only step as an
+    /// alternative (they cost no run).
+    fn burst(&mut self, ids: &[u32]) -> Result<Want> {
+        let (rows, toks) = (self.greedy)(ids, 1)?;
+        let mut w = self.answer(ids, &toks, 1)?;
+        if let (Some(row), Some(&best)) = (rows.first(), toks.first()) {
+            for (j, v) in row.iter().enumerate() {
+                if j != best as usize && row[best as usize] - v <= oracle::GREEDY_TIE {
+                    w.near.push(self.answer(ids, &[j as u32], 1)?);
+                }
+            }
+        }
         Ok(w)
-    };
-    let greedy = plan.greedy.iter().map(|a| want(&a.prompt, a.max_tokens)).collect::<Result<_>>()?;
-    let pool = plan.pool.iter().map(|a| want(&a.prompt, a.max_tokens)).collect::<Result<_>>()?;
-    let burst = match plan.greedy.first() {
-        Some(a) => want(&a.prompt, 1)?,
-        None => Want { text: String::new(), completion_tokens: 0, finish: "length", near: vec![] },
-    };
-    let disconnect = match plan.greedy.first() {
-        Some(a) if full_answer => Some(want(&a.prompt, plan.disconnect_tokens)?),
-        _ => None,
-    };
-    Ok(Expected { greedy, pool, burst, disconnect })
+    }
 }

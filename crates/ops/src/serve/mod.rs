@@ -107,8 +107,9 @@ pub struct LoadLevel {
     pub requests: usize,
     /// Requests answered completely (streamed to `[DONE]`).
     pub completed: usize,
-    /// Completions whose text differs from the reference's greedy text and from each of its
-    /// near-tie alternatives (another token within 1e-3 of the greedy logit, followed greedily).
+    /// Completions whose text differs from the reference's greedy text and is reached by no path
+    /// of it that takes near-ties (another token within 1e-3 of the greedy logit) where it leaves
+    /// the greedy one.
     pub greedy_mismatches: usize,
     /// Completion tokens over the requests answered with the reference's text (the reference's
     /// token counts; the server's `usage` is not trusted).
@@ -306,9 +307,10 @@ struct ServeSpec<'c> {
 }
 
 impl ServeSpec<'_> {
-    /// The reference's answers to the plan: the family's graph, as every gate builds it, stopping
-    /// at the stop tokens every gate uses (`Checkpoint::generation`).
-    fn expected(&self, gate: &Gate, full_answer: bool) -> Result<judge::Expected> {
+    /// The reference's answers to the plan, with the near-tie paths to the server's answers in
+    /// `seen`: the family's graph, as every gate builds it, stopping at the stop tokens every gate
+    /// uses (`Checkpoint::generation`).
+    fn expected(&self, gate: &Gate, seen: &Observed) -> Result<judge::Expected> {
         let (ctx, ck) = (gate.ctx, self.ck);
         let tensors = ck.tensors(&ctx.ckb, &self.report.dtype)?;
         let (_, fam) = ck.family(&ctx.ckb)?;
@@ -320,7 +322,7 @@ impl ServeSpec<'_> {
             |p| model::hf_encode(tok, p),
             |ids| model::hf_decode(tok, ids),
             |ids, n| reference.greedy_until(ids, n, &ck.generation.eos_token_ids),
-            full_answer,
+            seen,
         )
     }
 
@@ -367,24 +369,19 @@ impl Spec for ServeSpec<'_> {
         scratch: &std::path::Path,
     ) -> Result<GateVerdict<ServeReport>> {
         let exe = exe.ok_or_else(|| Error::internal("serve_engine judged without the engine's binary"))?;
-        // The reference's answers, computed before the server starts (it never sees them).
-        let mut want = self.expected(gate, false)?;
         let grant = self.ck.held.grant();
         let reads: Vec<std::path::PathBuf> = grant.paths().into_iter().map(std::path::Path::to_path_buf).collect();
         let seen = battery::observe(&gate.ctx.workshop, exe, self.ck.path(), &reads, &self.plan, scratch, gate.budget)?;
         drop(grant);
-        // The disconnect check's full-length answer, only where a run could not time it (a small
-        // model answers it within 20 ms; at the 1B shape only a server that did not compute it).
-        if judge::needs_full_answer(&seen) {
-            want = self.expected(gate, true)?;
-        }
+        // The reference's answers, computed once the server has stopped (it never sees them).
+        let want = self.expected(gate, &seen)?;
         Ok(self.verdict(gate, &want, &seen))
     }
 
     fn judge_observed(&mut self, gate: &Gate, observed: &[u8]) -> Result<GateVerdict<ServeReport>> {
         let seen: Observed = serde_json::from_slice(observed)
             .usage_ctx(|| "the bundle's observations do not parse: run the bundle again".to_owned())?;
-        let want = self.expected(gate, judge::needs_full_answer(&seen))?;
+        let want = self.expected(gate, &seen)?;
         Ok(self.verdict(gate, &want, &seen))
     }
 }

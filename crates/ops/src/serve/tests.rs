@@ -251,6 +251,7 @@ fn judged_case() -> (Plan, judge::Expected, Observed) {
         pool: vec![want(" ran to the", 4, "length")],
         burst: want(" a", 1, "length"),
         disconnect: Some(want(" a time there was a girl who", 9, "stop")),
+        unsearched: 0,
     };
     let answered = Answered { text: " a time there was a girl".into(), finish: "length".into(), completion_tokens: 8 };
     let ok = |name: &str| Step::Checked { check: checks::check(name, true, "ok") };
@@ -453,46 +454,85 @@ fn a_plan_out_of_bounds_is_refused_naming_the_field_and_long_answers_are_cut() {
     assert_eq!(wire::recorded("short".into()), "short");
 }
 
-/// The reference's near-ties become accepted answers: on a hand-made model of three letters where
-/// each token is followed by the next letter (a, b, c, a, ...) with logit 1 and all others 0,
-/// except that after two tokens the letter after the next is 5e-4 behind (within
-/// `oracle::GREEDY_TIE`), the answer to "a" of 3 tokens is "bca", its near-tie "bab" is accepted,
-/// and "bcb" is not; an EOS taken at a near-tie ends the alternative there.
-#[test]
-fn near_ties_of_the_reference_are_accepted_answers() {
+/// A hand-made model of three letters (a, b, c) and an EOS: each token is followed by the next
+/// letter (a, b, c, a, ...) with logit 1, all others 0, except the letter `near` (or, with
+/// `every`, the letter after the next) 5e-4 behind (within `oracle::GREEDY_TIE`) after two
+/// tokens (or, with `every`, after every token). Its tokenizer is the letters themselves; it
+/// counts the reference runs in `runs`.
+struct Letters {
+    near: u32,
+    every: bool,
+    runs: std::cell::Cell<usize>,
+}
+
+impl Letters {
     const EOS: u32 = 3;
-    let encode = |p: &str| -> Result<Vec<u32>> { Ok(p.bytes().map(|b| u32::from(b - b'a')).collect()) };
-    let decode = |ids: &[u32]| -> Result<String> {
-        Ok(ids.iter().filter(|&&t| t != EOS).map(|&t| char::from(b'a' + t as u8)).collect())
-    };
-    let model = |near: u32| {
-        move |ids: &[u32], n: usize| -> Result<(Vec<Vec<f64>>, Vec<u32>)> {
-            let (mut ids, mut rows, mut toks) = (ids.to_vec(), Vec::new(), Vec::new());
-            for _ in 0..n {
-                let next = (ids.last().unwrap() + 1) % 3;
-                let mut row = vec![0.0; 4];
-                row[next as usize] = 1.0;
-                if ids.len() == 2 {
-                    row[near as usize] = 1.0 - 5e-4;
-                }
-                rows.push(row);
-                toks.push(next);
-                ids.push(next);
+
+    fn new(near: u32, every: bool) -> Self {
+        Self { near, every, runs: std::cell::Cell::new(0) }
+    }
+
+    fn encode(p: &str) -> Result<Vec<u32>> {
+        Ok(p.bytes().map(|b| u32::from(b - b'a')).collect())
+    }
+
+    fn decode(ids: &[u32]) -> Result<String> {
+        Ok(ids.iter().filter(|&&t| t != Self::EOS).map(|&t| char::from(b'a' + t as u8)).collect())
+    }
+
+    fn greedy(&self, ids: &[u32], n: usize) -> Result<(Vec<Vec<f64>>, Vec<u32>)> {
+        self.runs.set(self.runs.get() + 1);
+        let (mut ids, mut rows, mut toks) = (ids.to_vec(), Vec::new(), Vec::new());
+        for _ in 0..n {
+            let next = (ids.last().unwrap() + 1) % 3;
+            let mut row = vec![0.0; 4];
+            row[next as usize] = 1.0;
+            if self.every {
+                row[((next + 1) % 3) as usize] = 1.0 - 5e-4;
+            } else if ids.len() == 2 {
+                row[self.near as usize] = 1.0 - 5e-4;
             }
-            Ok((rows, toks))
+            rows.push(row);
+            toks.push(next);
+            ids.push(next);
         }
-    };
-    let ask = |p: &str, n| Ask { prompt: p.into(), max_tokens: n };
+        Ok((rows, toks))
+    }
+
+    /// The reference's answers to `plan` with the near-tie paths to the answers in `seen`.
+    fn expected(&self, plan: &Plan, seen: &Observed) -> judge::Expected {
+        judge::expected(plan, &[Self::EOS], Self::encode, Self::decode, |i, n| self.greedy(i, n), seen).unwrap()
+    }
+}
+
+/// A plan of one greedy ask, `prompt` of `n` tokens, and a run that answered it with `texts`
+/// (finish "length", `n` tokens, as the letters' model never ends).
+fn letters_case(prompt: &str, n: usize, texts: &[&str]) -> (Plan, Observed) {
     let plan = Plan {
         seed: 1,
-        greedy: vec![ask("a", 3)],
-        pool: vec![],
+        greedy: vec![Ask { prompt: prompt.into(), max_tokens: n }],
+        pool: vec![Ask { prompt: prompt.into(), max_tokens: n }],
         levels: vec![],
         max_seqs: 1,
-        max_context: 8,
-        disconnect_tokens: 3,
+        max_context: 512,
+        disconnect_tokens: n,
     };
-    let e = judge::expected(&plan, &[EOS], encode, decode, model(0), false).unwrap();
+    let answered = |t: &str| Ok(Answered { text: t.into(), finish: "length".into(), completion_tokens: n });
+    let steps = vec![Step::Greedy { answers: vec![answered(texts[0])] }];
+    let level = LoadLevel { concurrency: 1, requests: texts.len(), completed: texts.len(), ..Default::default() };
+    let levels = vec![LevelRun { level, answers: texts.iter().map(|t| (0, (*t).into())).collect(), spans_ms: vec![] }];
+    (plan, Observed { sandboxed: true, steps, levels, load_average: 0.0, error: String::new() })
+}
+
+/// The reference's near-ties become accepted answers, only those the server gave: on the letters'
+/// model with a near-tie after two tokens, the answer to "a" of 3 tokens is "bca"; the server's
+/// "bab" takes the near-tie and is accepted, "bcb" is not (no near-tie where it leaves "bca");
+/// an EOS taken at a near-tie ends the answer there.
+#[test]
+fn near_ties_of_the_reference_are_accepted_answers() {
+    let m = Letters::new(0, false);
+    let (plan, seen) = letters_case("a", 3, &["bab", "bcb", "bca"]);
+    let e = m.expected(&plan, &seen);
     let w = &e.greedy[0];
     assert_eq!((w.text.as_str(), w.finish), ("bca", "length"));
     let near: Vec<&str> = w.near.iter().map(|n| n.text.as_str()).collect();
@@ -501,10 +541,73 @@ fn near_ties_of_the_reference_are_accepted_answers() {
     assert_eq!(accepted("bab").as_deref(), Some("bab"));
     assert_eq!(accepted("bca").as_deref(), Some("bca"));
     assert_eq!(accepted("bcb"), None);
+    assert_eq!(e.pool[0].near.len(), 1);
+    // The level's three answers: "bcb" is the one mismatch.
+    let (_, levels) = judge::judge(&plan, &e, &seen);
+    assert_eq!(levels[0].greedy_mismatches, 1);
+    // One greedy run per ask (greedy, pool, burst) and one branch per ask that found "bab": the
+    // wrong "bcb" left the greedy path at a step with no near-tie and cost no run.
+    assert_eq!((m.runs.get(), e.unsearched), (3 + 2, 0));
     // The burst's one-token answer has no near-tie at its only step.
     assert!(e.burst.near.is_empty());
-    // A near-tie with the EOS token: the alternative stops there.
-    let e = judge::expected(&plan, &[EOS], encode, decode, model(EOS), false).unwrap();
+    // A near-tie with the EOS token: the answer stops there, after 2 tokens.
+    let m = Letters::new(Letters::EOS, false);
+    let mut seen = letters_case("a", 3, &["b"]).1;
+    seen.steps = vec![Step::Greedy {
+        answers: vec![Ok(Answered { text: "b".into(), finish: "stop".into(), completion_tokens: 2 })],
+    }];
+    let e = m.expected(&plan, &seen);
     let n = &e.greedy[0].near[0];
     assert_eq!((n.text.as_str(), n.completion_tokens, n.finish), ("b", 2, "stop"));
+    // The same text with a token count the path does not have is not accepted.
+    seen.steps = vec![Step::Greedy {
+        answers: vec![Ok(Answered { text: "b".into(), finish: "stop".into(), completion_tokens: 3 })],
+    }];
+    assert!(m.expected(&plan, &seen).greedy[0].near.is_empty());
+}
+
+/// An answer may take any number of near-ties: on the letters' model with the letter after the
+/// next 5e-4 behind at every step, the answer to "a" of 3 tokens is "bca"; "cac" takes near-ties at
+/// its first and last steps and is accepted, "caa" is not (no letter follows itself). An answer of
+/// 100 near-ties in a row ("cbacba...") needs 100 branches, more than the search may spend
+/// (`judge::MAX_BRANCH_RUNS`): it is judged unequal and the failing check says why; one of 10
+/// near-ties in 100 tokens is accepted.
+#[test]
+fn an_answer_may_take_several_near_ties_within_the_search_budget() {
+    let m = Letters::new(0, true);
+    let (plan, seen) = letters_case("a", 3, &["cac", "caa"]);
+    let e = m.expected(&plan, &seen);
+    let near: Vec<&str> = e.greedy[0].near.iter().map(|n| n.text.as_str()).collect();
+    assert_eq!(near, ["cac"]);
+    let (checks, levels) = judge::judge(&plan, &e, &seen);
+    assert!(checks.iter().any(|c| c.name == "greedy" && c.passed), "{checks:?}");
+    assert_eq!(levels[0].greedy_mismatches, 1);
+    assert_eq!(e.unsearched, 0);
+
+    // 100 tokens: every step a near-tie taken.
+    let all_ties: String = "cba".chars().cycle().take(100).collect();
+    // 10 near-ties: the greedy "bcabca..." that takes the letter after the next at every tenth step.
+    let mut ten = String::new();
+    let mut last = 0u8;
+    for i in 1..=100 {
+        last = (last + if i % 10 == 0 { 2 } else { 1 }) % 3;
+        ten.push(char::from(b'a' + last));
+    }
+    let m = Letters::new(0, true);
+    let (plan, seen) = letters_case("a", 100, &[&ten, &all_ties]);
+    let e = m.expected(&plan, &seen);
+    let near: Vec<&str> = e.greedy[0].near.iter().map(|n| n.text.as_str()).collect();
+    assert_eq!(near, [ten.as_str()]);
+    assert!(e.pool[0].accepts(|w| w.text == ten).is_some());
+    assert!(e.pool[0].accepts(|w| w.text == all_ties).is_none());
+    assert!(e.unsearched >= 1, "{}", e.unsearched);
+    // The greedy ask's search found "ten" in 10 runs; the pool's "all_ties" spent the rest.
+    assert!(m.runs.get() <= 3 + judge::MAX_BRANCH_RUNS, "{} runs", m.runs.get());
+    let (_, levels) = judge::judge(&plan, &e, &seen);
+    assert_eq!(levels[0].greedy_mismatches, 1);
+    assert!(
+        levels[0].errors.iter().any(|e| e.contains("without a finished near-tie search")),
+        "{:?}",
+        levels[0].errors
+    );
 }
