@@ -459,11 +459,14 @@ pub(super) fn expected(
     Ok(Expected { greedy: asks, pool, burst, disconnect, unsearched: search.cut })
 }
 
+/// The reference's greedy run: logits rows and tokens after `ids`, `n` at most ([`expected`]).
+type GreedyRun<'f> = dyn FnMut(&[u32], usize) -> Result<(Vec<Vec<f64>>, Vec<u32>)> + 'f;
+
 /// The near-tie search of [`expected`], with what is left of its budget.
 struct Search<'f> {
     eos: &'f [u32],
     decode: &'f dyn Fn(&[u32]) -> Result<String>,
-    greedy: &'f mut dyn FnMut(&[u32], usize) -> Result<(Vec<Vec<f64>>, Vec<u32>)>,
+    greedy: &'f mut GreedyRun<'f>,
     /// Reference runs the search may still spend.
     runs_left: usize,
     /// Server answers whose search the budget cut short.
