@@ -24,10 +24,18 @@ pub(super) struct Want {
     pub(super) near: Vec<Want>,
 }
 
-/// Most reference runs the near-tie search spends on one judgement, all answers together: each
-/// branch taken at a near-tie is one run of the prompt and the answer so far. Judging a correct
-/// engine takes one per near-tie its answers went the other way at.
-pub const MAX_BRANCH_RUNS: usize = 64;
+/// Most reference positions the near-tie search spends on one judgement, all answers together:
+/// each branch taken at a near-tie is a run of the prompt, the answer up to the branch and the
+/// rest of it (64 branches of 512 positions). Judging a correct engine takes one branch per
+/// near-tie its answers went the other way at, except at an answer's last step.
+pub const MAX_SEARCH_POSITIONS: usize = 32_768;
+
+/// Whether a server's answer text is the reference's `reference`: equal, or equal but for the
+/// bytes of a character the answer's last tokens left incomplete (decoded as U+FFFD at the end of
+/// the reference's text), which a server may hold back.
+pub(super) fn same_text(server: &str, reference: &str) -> bool {
+    server == reference || (reference.ends_with('\u{FFFD}') && server == reference.trim_end_matches('\u{FFFD}'))
+}
 
 /// Most distinct answers to one ask the near-tie search looks at: an engine that gives more is
 /// judged unequal on the others.
@@ -51,7 +59,7 @@ pub(super) struct Expected {
     /// The disconnect check's full-length answer to the first greedy prompt
     /// (`Plan::disconnect_tokens`), computed only when a run needs it ([`needs_full_answer`]).
     pub(super) disconnect: Option<Want>,
-    /// The server's answers the near-tie search did not finish ([`MAX_BRANCH_RUNS`],
+    /// The server's answers the near-tie search did not finish ([`MAX_SEARCH_POSITIONS`],
     /// [`MAX_TEXTS_SEARCHED`]): each is judged unequal, and a failing check says so.
     pub(super) unsearched: usize,
 }
@@ -114,11 +122,13 @@ pub(super) fn judge(plan: &Plan, want: &Expected, seen: &Observed) -> (Vec<Check
                 greedy(plan, want, answers)
             }
             Step::Streaming { answer } => match answer {
-                Ok(s) if s.done && w0.accepts(|m| m.text == s.text && m.finish == s.finish).is_some() => check(
-                    "streaming",
-                    true,
-                    format!("{} events, text equal to the non-streaming one, then [DONE]", s.events),
-                ),
+                Ok(s) if s.done && w0.accepts(|m| same_text(&s.text, &m.text) && m.finish == s.finish).is_some() => {
+                    check(
+                        "streaming",
+                        true,
+                        format!("{} events, text equal to the non-streaming one, then [DONE]", s.events),
+                    )
+                }
                 Ok(s) => check(
                     "streaming",
                     false,
@@ -149,7 +159,7 @@ pub(super) fn judge(plan: &Plan, want: &Expected, seen: &Observed) -> (Vec<Check
                 }
             }
             Step::Alive { answer } => match answer {
-                Ok(a) if w0.accepts(|m| m.text == a.text).is_some() => {
+                Ok(a) if w0.accepts(|m| same_text(&a.text, &m.text)).is_some() => {
                     check("alive", true, "the server still answers greedy requests with the reference's text")
                 }
                 Ok(a) => {
@@ -186,10 +196,12 @@ pub(super) fn judge(plan: &Plan, want: &Expected, seen: &Observed) -> (Vec<Check
         .collect();
     if want.unsearched > 0 {
         let note = format!(
-            "{} of the server's answers were judged unequal without a finished near-tie search (at most {MAX_BRANCH_RUNS} reference runs a judgement, {MAX_TEXTS_SEARCHED} distinct answers an ask)",
+            "{} of the server's answers were judged unequal without a finished near-tie search (at most {MAX_SEARCH_POSITIONS} reference positions a judgement, {MAX_TEXTS_SEARCHED} distinct answers an ask)",
             want.unsearched
         );
-        for c in checks.iter_mut().filter(|c| !c.passed) {
+        // Only the checks that compare answers with the reference's.
+        let compared = ["greedy", "streaming", "alive", "disconnect"];
+        for c in checks.iter_mut().filter(|c| !c.passed && compared.contains(&c.name.as_str())) {
             c.detail = format!("{}; {note}", c.detail);
         }
         for l in levels.iter_mut().filter(|l| l.greedy_mismatches > 0) {
@@ -212,7 +224,7 @@ pub(super) fn level_figures(run: &super::wire::LevelRun, planned: usize, pool: &
     level.completed = run.answers.len().min(planned);
     let (mut tokens, mut ttft, mut itl, mut mismatches) = (0, Vec::new(), Vec::new(), 0);
     for (k, (pick, text)) in run.answers.iter().enumerate() {
-        let Some(w) = pool.get(*pick).and_then(|w| w.accepts(|m| m.text == *text)) else {
+        let Some(w) = pool.get(*pick).and_then(|w| w.accepts(|m| same_text(text, &m.text))) else {
             mismatches += 1;
             continue;
         };
@@ -252,7 +264,9 @@ fn disconnect(c: &Check, full: &Answered, want: Option<&Want>) -> Check {
             if c.name == "disconnect"
                 && c.passed
                 && w.accepts(|m| {
-                    m.text == full.text && m.finish == full.finish && m.completion_tokens == full.completion_tokens
+                    same_text(&full.text, &m.text)
+                        && m.finish == full.finish
+                        && m.completion_tokens == full.completion_tokens
                 })
                 .is_some() =>
         {
@@ -308,8 +322,10 @@ fn greedy(plan: &Plan, want: &Expected, answers: &[std::result::Result<Answered,
     let (mut bad, mut other_side) = (Vec::new(), 0);
     for (i, (ask, w)) in plan.greedy.iter().zip(&want.greedy).enumerate() {
         let same = |a: &Answered| {
-            w.accepts(|m| m.text == a.text && m.finish == a.finish && m.completion_tokens == a.completion_tokens)
-                .map(|m| !std::ptr::eq(m, w))
+            w.accepts(|m| {
+                same_text(&a.text, &m.text) && m.finish == a.finish && m.completion_tokens == a.completion_tokens
+            })
+            .map(|m| !std::ptr::eq(m, w))
         };
         match answers.get(i) {
             Some(Ok(a)) if same(a).is_some() => other_side += usize::from(same(a) == Some(true)),
@@ -363,7 +379,7 @@ struct Target<'s> {
 impl Target<'_> {
     /// Whether the reference's answer `w` is this one.
     fn is(&self, w: &Want) -> bool {
-        w.text == self.text
+        same_text(self.text, &w.text)
             && self.finish.is_none_or(|f| f == w.finish)
             && self.tokens.is_none_or(|n| n == w.completion_tokens)
     }
@@ -418,11 +434,12 @@ fn targets<'s>(plan: &Plan, seen: &'s Observed) -> (Vec<Vec<Target<'s>>>, Vec<Ve
 ///
 /// The search for a server's answer starts from the reference's greedy path and finds the first
 /// step where its text leaves the server's; at that step or an earlier one, a token within
-/// [`oracle::GREEDY_TIE`] of the greedy logit whose text still agrees is followed greedily, and
-/// the search goes on from there, so an answer may take any number of near-ties. Each branch
-/// costs the reference one run; a judgement spends at most [`MAX_BRANCH_RUNS`], and an answer
-/// not found within them is judged unequal. An answer whose text leaves the server's at a step
-/// with no near-tie that agrees costs nothing.
+/// [`oracle::GREEDY_TIE`] of the greedy logit whose text still agrees is followed greedily (up to
+/// the answer's token count where the server reported it), and the search goes on from there, so
+/// an answer may take any number of near-ties. Each branch costs the reference a run of the
+/// prompt and the answer so far and to come; a judgement spends at most [`MAX_SEARCH_POSITIONS`]
+/// positions, and an answer not found within them is judged unequal. An answer whose text leaves
+/// the server's at a step with no near-tie that agrees costs nothing.
 ///
 /// # Errors
 /// When the reference or the tokenizer fails.
@@ -435,8 +452,14 @@ pub(super) fn expected(
     seen: &Observed,
 ) -> Result<Expected> {
     let (greedy_seen, pool_seen, disconnect_seen) = targets(plan, seen);
-    let mut search =
-        Search { eos, decode: &decode, greedy: &mut greedy, runs_left: MAX_BRANCH_RUNS, cut: 0, starved: false };
+    let mut search = Search {
+        eos,
+        decode: &decode,
+        greedy: &mut greedy,
+        positions_left: MAX_SEARCH_POSITIONS,
+        cut: 0,
+        starved: false,
+    };
     let mut asks = Vec::new();
     for (a, targets) in plan.greedy.iter().zip(&greedy_seen) {
         asks.push(search.want(&encode(&a.prompt)?, a.max_tokens, targets)?);
@@ -467,34 +490,63 @@ struct Search<'f> {
     eos: &'f [u32],
     decode: &'f dyn Fn(&[u32]) -> Result<String>,
     greedy: &'f mut GreedyRun<'f>,
-    /// Reference runs the search may still spend.
-    runs_left: usize,
-    /// Server answers whose search the budget cut short.
+    /// Reference positions (prompt and tokens of each branch run) the search may still spend.
+    positions_left: usize,
+    /// Distinct server answers whose search the budget cut short or that were not searched.
     cut: usize,
-    /// Whether the current search ran out of runs.
+    /// Whether the current search skipped a branch for want of budget.
     starved: bool,
 }
 
+/// One ask as the search sees it: the prompt's ids and decoding, and the most new tokens.
+struct Asked<'a> {
+    ids: &'a [u32],
+    prompt: String,
+    n: usize,
+}
+
+/// Per step of a greedy run, the tokens other than the greedy one whose logit is within
+/// [`oracle::GREEDY_TIE`] of it, the largest first (the rows themselves are not kept: a row of a
+/// real vocabulary is 1 MB).
+fn near_ties(rows: &[Vec<f64>], toks: &[u32]) -> Vec<Vec<u32>> {
+    rows.iter()
+        .zip(toks)
+        .map(|(row, &best)| {
+            let top = row.get(best as usize).copied().unwrap_or(f64::NAN);
+            let mut ties: Vec<u32> = (0..row.len())
+                .filter(|&j| j != best as usize && top - row[j] <= oracle::GREEDY_TIE)
+                .map(|j| j as u32)
+                .collect();
+            ties.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]));
+            ties
+        })
+        .collect()
+}
+
 impl Search<'_> {
-    /// The answer `toks` (cut after its first EOS) to the prompt `ids` of `n` new tokens at most.
-    fn answer(&self, ids: &[u32], toks: &[u32], n: usize) -> Result<Want> {
+    /// The answer `toks` (cut after its first EOS) to the ask `a`.
+    fn answer(&self, a: &Asked, toks: &[u32]) -> Result<Want> {
         let cut = toks.iter().position(|t| self.eos.contains(t)).map_or(toks.len(), |i| i + 1);
         let toks = &toks[..cut];
-        let finish = if cut < n || toks.last().is_some_and(|t| self.eos.contains(t)) { "stop" } else { "length" };
-        let prompt_text = (self.decode)(ids)?;
-        let all: Vec<u32> = ids.iter().chain(toks).copied().collect();
+        let finish = if cut < a.n || toks.last().is_some_and(|t| self.eos.contains(t)) { "stop" } else { "length" };
+        let all: Vec<u32> = a.ids.iter().chain(toks).copied().collect();
         let full = (self.decode)(&all)?;
-        let text = match full.strip_prefix(prompt_text.as_str()) {
+        let text = match full.strip_prefix(a.prompt.as_str()) {
             Some(t) => t.to_string(),
             None => (self.decode)(toks)?,
         };
         Ok(Want { text, completion_tokens: toks.len(), finish, near: vec![] })
     }
 
+    /// Whether `toks` is a whole answer to `a`: it ends with an EOS or has `a.n` tokens.
+    fn whole(&self, a: &Asked, toks: &[u32]) -> bool {
+        toks.len() >= a.n || toks.iter().any(|t| self.eos.contains(t))
+    }
+
     /// Whether the answer `toks` so far agrees with `text`: its text, less a character still
     /// incomplete at its end (decoded as U+FFFD), begins `text`.
-    fn agrees(&self, ids: &[u32], toks: &[u32], text: &str) -> Result<bool> {
-        let w = self.answer(ids, toks, usize::MAX)?;
+    fn agrees(&self, a: &Asked, toks: &[u32], text: &str) -> Result<bool> {
+        let w = self.answer(a, toks)?;
         Ok(text.starts_with(w.text.trim_end_matches('\u{FFFD}')))
     }
 
@@ -502,86 +554,89 @@ impl Search<'_> {
     /// each of the server's answers `seen` that differs from it and that the search finds (at most
     /// [`MAX_TEXTS_SEARCHED`] distinct ones).
     fn want(&mut self, ids: &[u32], n: usize, seen: &[Target]) -> Result<Want> {
+        let a = Asked { ids, prompt: (self.decode)(ids)?, n };
         let (rows, toks) = (self.greedy)(ids, n)?;
-        let mut w = self.answer(ids, &toks, n)?;
+        let ties = near_ties(&rows, &toks);
+        drop(rows);
+        let mut w = self.answer(&a, &toks)?;
         let mut tried: Vec<&Target> = Vec::new();
+        let mut cut: Vec<&Target> = Vec::new();
+        let same = |u: &Target, t: &Target| (u.text, u.finish, u.tokens) == (t.text, t.finish, t.tokens);
         for t in seen {
-            if t.is(&w)
-                || w.near.iter().any(|m| t.is(m))
-                || tried.iter().any(|u| (u.text, u.finish, u.tokens) == (t.text, t.finish, t.tokens))
-            {
+            if t.is(&w) || w.near.iter().any(|m| t.is(m)) || tried.iter().chain(&cut).any(|u| same(u, t)) {
                 continue;
             }
             if tried.len() == MAX_TEXTS_SEARCHED {
-                self.cut += 1;
+                cut.push(t);
                 continue;
             }
             tried.push(t);
             self.starved = false;
-            match self.find(ids, n, &[], &rows, &toks, t)? {
+            match self.find(&a, &[], &ties, &toks, t)? {
                 Some(found) => w.near.push(found),
-                None if self.starved => self.cut += 1,
+                None if self.starved => cut.push(t),
                 None => {}
             }
         }
+        self.cut += cut.len();
         Ok(w)
     }
 
     /// A path to the server's answer `t` that begins with `prefix` and whose greedy continuation
-    /// is `toks` (each chosen from its logits row in `rows`), taking near-ties where its text
-    /// leaves `t`'s; None when there is none (or the budget ran out first).
-    fn find(
-        &mut self,
-        ids: &[u32],
-        n: usize,
-        prefix: &[u32],
-        rows: &[Vec<f64>],
-        toks: &[u32],
-        t: &Target,
-    ) -> Result<Option<Want>> {
+    /// is `toks` (with `ties`, each step's near-ties), taking near-ties where its text leaves
+    /// `t`'s; None when there is none within the budget (`starved` says whether it ran short).
+    fn find(&mut self, a: &Asked, prefix: &[u32], ties: &[Vec<u32>], toks: &[u32], t: &Target) -> Result<Option<Want>> {
         let path: Vec<u32> = prefix.iter().chain(toks).copied().collect();
-        let here = self.answer(ids, &path, n)?;
-        if t.is(&here) {
-            return Ok(Some(here));
-        }
-        // The first step whose token's text leaves the server's (all of them agree: the greedy
-        // path ended before it, and a near-tie at any step may lengthen it).
-        let mut leaves = toks.len();
-        for k in 0..toks.len() {
-            if !self.agrees(ids, &path[..prefix.len() + k + 1], t.text)? {
-                leaves = k;
-                break;
+        if self.whole(a, &path) {
+            let here = self.answer(a, &path)?;
+            if t.is(&here) {
+                return Ok(Some(here));
             }
         }
+        // The first step whose text leaves the server's (toks.len() when none does: the greedy
+        // path ended first, and a near-tie at any step may lengthen it). Agreement only shrinks
+        // as the path grows, so it is found by bisection.
+        let (mut lo, mut hi) = (0, toks.len());
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            if self.agrees(a, &path[..prefix.len() + mid + 1], t.text)? {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        let leaves = lo;
         for k in (0..toks.len().min(leaves + 1)).rev() {
-            let Some(row) = rows.get(k) else { continue };
-            let best = toks[k] as usize;
-            let mut ties: Vec<usize> =
-                (0..row.len()).filter(|&j| j != best && row[best] - row[j] <= oracle::GREEDY_TIE).collect();
-            ties.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
-            for j in ties {
+            for &j in ties.get(k).map_or(&[][..], Vec::as_slice) {
                 let mut branch: Vec<u32> = path[..prefix.len() + k].to_vec();
-                branch.push(j as u32);
-                if !self.agrees(ids, &branch, t.text)? {
+                branch.push(j);
+                if t.tokens.is_some_and(|c| branch.len() > c) || !self.agrees(a, &branch, t.text)? {
                     continue;
                 }
-                if self.eos.contains(&(j as u32)) || branch.len() >= n {
-                    let end = self.answer(ids, &branch, n)?;
+                if self.whole(a, &branch) {
+                    let end = self.answer(a, &branch)?;
                     if t.is(&end) {
                         return Ok(Some(end));
                     }
                     continue;
                 }
-                if self.runs_left == 0 {
-                    self.starved = true;
-                    return Ok(None);
+                // The rest of the answer: up to its token count where the server reported it.
+                let rest = t.tokens.map_or(a.n, |c| c.min(a.n)) - branch.len();
+                if rest == 0 {
+                    continue;
                 }
-                self.runs_left -= 1;
-                let whole: Vec<u32> = ids.iter().chain(&branch).copied().collect();
-                let (rows2, toks2) = (self.greedy)(&whole, n - branch.len())?;
-                let found = self.find(ids, n, &branch, &rows2, &toks2, t)?;
-                if found.is_some() || self.starved {
-                    return Ok(found);
+                let cost = a.ids.len() + branch.len() + rest;
+                if cost > self.positions_left {
+                    self.starved = true;
+                    continue;
+                }
+                self.positions_left -= cost;
+                let whole: Vec<u32> = a.ids.iter().chain(&branch).copied().collect();
+                let (rows2, toks2) = (self.greedy)(&whole, rest)?;
+                let ties2 = near_ties(&rows2, &toks2);
+                drop(rows2);
+                if let Some(found) = self.find(a, &branch, &ties2, &toks2, t)? {
+                    return Ok(Some(found));
                 }
             }
         }
@@ -591,14 +646,11 @@ impl Search<'_> {
     /// The reference's one-token answer to `ids`, with every near-tie of its only step as an
     /// alternative (they cost no run).
     fn burst(&mut self, ids: &[u32]) -> Result<Want> {
+        let a = Asked { ids, prompt: (self.decode)(ids)?, n: 1 };
         let (rows, toks) = (self.greedy)(ids, 1)?;
-        let mut w = self.answer(ids, &toks, 1)?;
-        if let (Some(row), Some(&best)) = (rows.first(), toks.first()) {
-            for (j, v) in row.iter().enumerate() {
-                if j != best as usize && row[best as usize] - v <= oracle::GREEDY_TIE {
-                    w.near.push(self.answer(ids, &[j as u32], 1)?);
-                }
-            }
+        let mut w = self.answer(&a, &toks)?;
+        for &j in near_ties(&rows, &toks).first().map_or(&[][..], Vec::as_slice) {
+            w.near.push(self.answer(&a, &[j])?);
         }
         Ok(w)
     }
