@@ -1,7 +1,8 @@
 //! Target `cuda` on a machine without a GPU: plan and scaffold route a family to the CUDA kernels
 //! and signatures of a named platform contract; the CUDA example engine builds (cudarc loads the
 //! driver at run time), keeps its contracts' signatures, and every gate says "no CUDA device: not
-//! run" and fails, directly and through a bundle.
+//! run" and fails, directly and through a bundle. Its fused kernels are checked on a CPU model of
+//! the GPU (scripts/cuda-sim-check.sh).
 
 use std::path::PathBuf;
 
@@ -325,4 +326,63 @@ fn device_check_run_keeps_to_its_budget_and_still_packs_what_it_has() {
     for gone in ["./bin/", "./runner/", "./kt/bundle.json", "./synth-1b-long.args"] {
         assert!(!listing.lines().any(|l| l.starts_with(gone)), "{gone} travelled back:\n{listing}");
     }
+}
+
+/// Runs `scripts/cuda-sim-check.sh` on `kernels` (None: the engine's own) with `filter`, under a
+/// time limit (a kernel whose threads miss a barrier would hang): its exit status and output.
+fn cuda_sim(kernels: Option<&std::path::Path>, filter: &str) -> (Option<i32>, String) {
+    let t = tempfile::tempdir().unwrap();
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/cuda-sim-check.sh");
+    let mut cmd = std::process::Command::new("timeout");
+    cmd.args(["600", "bash"]).arg(&script).arg(filter).env("OUT", t.path().join("build"));
+    if let Some(k) = kernels {
+        cmd.env("KERNELS", k);
+    }
+    let out = cmd.output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.code(), text)
+}
+
+/// The CUDA engine's fused kernels compute what their contracts say when run on a CPU model of the
+/// GPU (scripts/cuda-sim/sim.h: a thread per CUDA thread, barriers for __syncthreads and the warp
+/// shuffles, mma.sync from the PTX ISA's fragment layout), launched as the engine launches them and
+/// compared with f64 loops: the matrix-vector kernels with their fused RMSNorm, SiLU, RoPE, cache
+/// write and argmax, the split decode attention, the tensor-core product with and without k-splits,
+/// the prefill attention, the paged attention and its RoPE and cache write. The same checks fail
+/// the kernels with two fragment registers of the tensor-core product swapped, and with paged
+/// attention reading KV head h % n_kv_heads for query head h (GQA maps h to h / group).
+#[test]
+fn the_cuda_kernels_compute_their_contracts_on_a_cpu_model_of_the_gpu() {
+    let (code, out) = cuda_sim(None, "");
+    assert_eq!(code, Some(0), "{out}");
+    let passed = out.lines().filter(|l| l.starts_with("PASS ")).count();
+    assert!(passed >= 35 && !out.contains("FAIL"), "{out}");
+    for kernel in ["mv_bf16_qkv", "mv_bf16_head", "attn_decode", "gemm_bf16x3", "attn_prefill", "paged_attention"] {
+        assert!(out.lines().any(|l| l.starts_with(&format!("PASS {kernel}"))), "{kernel} not checked:\n{out}");
+    }
+
+    let t = tempfile::tempdir().unwrap();
+    let source = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/engines/llama-cuda-bf16/src/kernels.cu"),
+    )
+    .unwrap();
+    let mutant = |name: &str, from: &str, to: &str| {
+        assert_eq!(source.matches(from).count(), 1, "kernels.cu no longer holds {from:?} once");
+        let p = t.path().join(name);
+        std::fs::write(&p, source.replace(from, to)).unwrap();
+        p
+    };
+    let swapped =
+        mutant("swapped.cu", "mma_bf16(part[i][j], a0, a1, a2, a3v,", "mma_bf16(part[i][j], a0, a2, a1, a3v,");
+    let (code, out) = cuda_sim(Some(&swapped), "gemm");
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.lines().any(|l| l.starts_with("FAIL gemm_bf16x3")), "{out}");
+    let paged = mutant(
+        "paged.cu",
+        "const int g = h / (n_heads / n_kv_heads);\n    const unsigned int* tr",
+        "const int g = h % n_kv_heads;\n    const unsigned int* tr",
+    );
+    let (code, out) = cuda_sim(Some(&paged), "paged");
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.lines().any(|l| l.starts_with("FAIL paged_attention (3 sequences")), "{out}");
 }

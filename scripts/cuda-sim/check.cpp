@@ -1,0 +1,355 @@
+// Checks of the CUDA example engine's fused kernels on the CPU model of sim.h: each kernel is
+// launched as src/fused.rs and src/batch.rs launch it (grid, block, shared memory), on random
+// inputs of small shapes, and compared with an f64 loop written here from the kernel contracts'
+// math (kernel.linear_bf16, kernel.rms_norm, kernel.rope, kernel.attention, kernel.argmax,
+// kernel.paged_attention, component.kv_cache). Built and run by scripts/cuda-sim-check.sh, which
+// includes the kernels' source (with the two edits it names) before this file.
+#include <cstdio>
+#include <string>
+
+namespace {
+
+std::mt19937_64 rng(20261207);
+int failures = 0;
+const int SMS = 3;  // the SM count the grids are sized from (fused.rs mv_grid, gemm_bf16x3)
+
+std::vector<float> randn(size_t n, float scale = 1.0f) {
+    std::normal_distribution<float> d(0.0f, scale);
+    std::vector<float> v(n);
+    for (auto& x : v) x = d(rng);
+    return v;
+}
+
+// Round to the nearest bf16 (ties to even): the weights' storage format.
+unsigned short to_bf16(float f) {
+    unsigned int u = __float_as_uint(f);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
+double bf(unsigned short b) { return (double)sim::bf16(b); }
+std::vector<unsigned short> randw(size_t n, float scale) {
+    std::vector<unsigned short> w(n);
+    for (auto& x : w) x = to_bf16(randn(1, scale)[0]);
+    return w;
+}
+
+// Compare got with want: |got - want| <= tol * (1 + |want|) everywhere, and both finite.
+void expect(const char* name, const std::vector<float>& got, const std::vector<double>& want, double tol) {
+    double worst = 0.0;
+    size_t at = 0, bad = 0;
+    for (size_t i = 0; i < want.size(); i++) {
+        const double e = std::fabs((double)got[i] - want[i]) / (1.0 + std::fabs(want[i]));
+        if (!(e <= tol)) bad++;
+        if (!(e <= worst)) { worst = e; at = i; }
+    }
+    const bool ok = bad == 0 && got.size() == want.size();
+    if (!ok) failures++;
+    std::printf("%s %-44s max rel err %.2e at %zu (got %.6g, want %.6g)%s\n", ok ? "PASS" : "FAIL", name, worst, at,
+                want.empty() ? 0.0 : (double)got[at], want.empty() ? 0.0 : want[at],
+                bad ? (" " + std::to_string(bad) + " outside " + std::to_string(tol)).c_str() : "");
+}
+void expect_eq(const char* name, long long got, long long want) {
+    const bool ok = got == want;
+    if (!ok) failures++;
+    std::printf("%s %-44s %lld (want %lld)\n", ok ? "PASS" : "FAIL", name, got, want);
+}
+
+const float NaNf = __uint_as_float(0x7fc00000u);
+
+std::vector<double> rms(const std::vector<float>& x, const std::vector<float>& g, double eps) {
+    double s = 0.0;
+    for (float v : x) s += (double)v * v;
+    const double inv = 1.0 / std::sqrt(s / x.size() + eps);
+    std::vector<double> o(x.size());
+    for (size_t i = 0; i < x.size(); i++) o[i] = x[i] * inv * g[i];
+    return o;
+}
+std::vector<double> matvec(const std::vector<double>& x, const std::vector<unsigned short>& w, int n) {
+    const size_t k = x.size();
+    std::vector<double> o(n, 0.0);
+    for (int r = 0; r < n; r++)
+        for (size_t c = 0; c < k; c++) o[r] += x[c] * bf(w[r * k + c]);
+    return o;
+}
+std::vector<double> widen(const std::vector<float>& x) { return std::vector<double>(x.begin(), x.end()); }
+
+dim3 mv_grid(int groups) { return {(unsigned)std::clamp((groups + 7) / 8, 1, SMS * 2), 1, 1}; }
+
+// Rotate-half RoPE of one head (kernel.rope): pairs (j, j + d/2), angle pos * freqs[j].
+void rope(double* h, int d, unsigned pos, const std::vector<double>& freqs) {
+    for (int j = 0; j < d / 2; j++) {
+        const double a = pos * freqs[j], c = std::cos(a), s = std::sin(a);
+        const double x0 = h[j], x1 = h[j + d / 2];
+        h[j] = x0 * c - x1 * s;
+        h[j + d / 2] = x0 * s + x1 * c;
+    }
+}
+std::vector<double> freqs_of(int d) {
+    std::vector<double> f(d / 2);
+    for (int j = 0; j < d / 2; j++) f[j] = std::pow(10000.0, -2.0 * j / d);
+    return f;
+}
+
+// softmax(q.k / sqrt(d)) v over keys 0..=p of one query head (kernel.attention), keys given by
+// key(t) and values by val(t), each a pointer to d floats.
+template <class K, class V> std::vector<double> attend(const float* q, int d, long long p, K key, V val) {
+    std::vector<double> sc(p + 1), o(d, 0.0);
+    double mx = -INFINITY, sum = 0.0;
+    for (long long t = 0; t <= p; t++) {
+        double s = 0.0;
+        for (int c = 0; c < d; c++) s += (double)q[c] * key(t)[c];
+        sc[t] = s / std::sqrt((double)d);
+        mx = std::max(mx, sc[t]);
+    }
+    for (long long t = 0; t <= p; t++) sum += (sc[t] = std::exp(sc[t] - mx));
+    for (long long t = 0; t <= p; t++)
+        for (int c = 0; c < d; c++) o[c] += sc[t] / sum * val(t)[c];
+    return o;
+}
+
+void check_mv() {
+    const int n = 100, k = 264;
+    auto x = randn(k), gain = randn(k, 0.5f), gu = randn(2 * k), out0 = randn(n);
+    auto w = randw((size_t)n * k, 0.05f);
+    std::vector<float> out(n, NaNf);
+    sim::launch(mv_bf16, mv_grid(n), {256}, k * 4, 1, x.data(), w.data(), k, n, out.data(), 0);
+    expect("mv_bf16", out, matvec(widen(x), w, n), 1e-5);
+    out = out0;
+    sim::launch(mv_bf16, mv_grid(n), {256}, k * 4, 2, x.data(), w.data(), k, n, out.data(), 1);
+    auto want = matvec(widen(x), w, n);
+    for (int i = 0; i < n; i++) want[i] += out0[i];
+    expect("mv_bf16 accumulate", out, want, 1e-5);
+    out.assign(n, NaNf);
+    sim::launch(mv_bf16_norm, mv_grid(n), {256}, k * 4, 3, x.data(), gain.data(), 1e-5f, w.data(), k, n, out.data());
+    expect("mv_bf16_norm", out, matvec(rms(x, gain, 1e-5), w, n), 1e-5);
+    out = out0;
+    sim::launch(mv_bf16_silu, mv_grid(n), {256}, k * 4, 4, gu.data(), w.data(), k, n, out.data());
+    std::vector<double> act(k);
+    for (int c = 0; c < k; c++) act[c] = gu[c] / (1.0 + std::exp(-(double)gu[c])) * gu[k + c];
+    want = matvec(act, w, n);
+    for (int i = 0; i < n; i++) want[i] += out0[i];
+    expect("mv_bf16_silu (+ residual)", out, want, 1e-5);
+}
+
+void check_qkv() {
+    const int H = 4, KVH = 2, D = 16, k = 64, max_seq = 8, n = (H + 2 * KVH) * D;
+    const unsigned pos = 5;
+    auto x = randn(k), gain = randn(k, 0.5f);
+    auto w = randw((size_t)n * k, 0.1f);
+    auto freqs = freqs_of(D);
+    unsigned ctl[3] = {pos, 0, 0};
+    std::vector<float> q(H * D, NaNf), kc(max_seq * KVH * D, 7.0f), vc(max_seq * KVH * D, 7.0f);
+    sim::launch(mv_bf16_qkv, mv_grid(n / 2), {256}, k * 4, 5, x.data(), gain.data(), 1e-6f, w.data(), k,
+                (const unsigned*)ctl, (const double*)freqs.data(), H, KVH, D, q.data(), kc.data(), vc.data());
+    auto y = matvec(rms(x, gain, 1e-6), w, n);
+    for (int h = 0; h < H + KVH; h++) rope(&y[h * D], D, pos, freqs);
+    std::vector<double> wq(y.begin(), y.begin() + H * D), wkc(kc.size(), 7.0), wvc(vc.size(), 7.0);
+    for (int c = 0; c < KVH * D; c++) {
+        wkc[pos * KVH * D + c] = y[H * D + c];
+        wvc[pos * KVH * D + c] = y[(H + KVH) * D + c];
+    }
+    expect("mv_bf16_qkv q (RMSNorm, RoPE)", q, wq, 1e-5);
+    expect("mv_bf16_qkv key cache (row pos only)", kc, wkc, 1e-5);
+    expect("mv_bf16_qkv value cache (row pos only)", vc, wvc, 1e-5);
+}
+
+void check_head() {
+    const int n = 300, k = 64, blocks = mv_grid(n).x;
+    auto x = randn(k), gain = randn(k, 0.5f);
+    auto w = randw((size_t)n * k, 0.1f);
+    std::vector<float> logits(n, NaNf), part_v(4096, NaNf);
+    std::vector<unsigned> part_i(4096, 77), trail(8, 99);
+    unsigned ticket = 0, ctl[3] = {3, 2, 0};
+    sim::launch(mv_bf16_head, dim3{(unsigned)blocks}, {256}, k * 4, 6, x.data(), gain.data(), 1e-5f, w.data(), k, n,
+                logits.data(), 1, part_v.data(), part_i.data(), &ticket, ctl, trail.data());
+    auto want = matvec(rms(x, gain, 1e-5), w, n);
+    expect("mv_bf16_head logits", logits, want, 1e-5);
+    const long long best = std::max_element(want.begin(), want.end()) - want.begin();
+    expect_eq("mv_bf16_head argmax token ctl[2]", ctl[2], best);
+    expect_eq("mv_bf16_head argmax trail[step]", trail[2], best);
+    expect_eq("mv_bf16_head position advanced", ctl[0], 4);
+    expect_eq("mv_bf16_head step advanced", ctl[1], 3);
+    expect_eq("mv_bf16_head ticket reset", ticket, 0);
+    // A tie: two equal rows, the lower index wins (kernel.argmax: first maximum).
+    std::copy(w.begin() + 250 * k, w.begin() + 251 * k, w.begin() + 17 * k);
+    for (int c = 0; c < k; c++) w[250 * k + c] = w[17 * k + c] = to_bf16(std::fabs(bf(w[17 * k + c])) * (gain[c] > 0 ? 4 : -4) * (x[c] > 0 ? 1 : -1));
+    sim::launch(mv_bf16_head, dim3{(unsigned)blocks}, {256}, k * 4, 7, x.data(), gain.data(), 1e-5f, w.data(), k, n,
+                logits.data(), 1, part_v.data(), part_i.data(), &ticket, ctl, trail.data());
+    want = matvec(rms(x, gain, 1e-5), w, n);
+    expect_eq("mv_bf16_head first of two equal maxima", ctl[2], std::max_element(want.begin(), want.end()) - want.begin());
+}
+
+void check_attn_decode(int pos, int max_seq) {
+    const int H = 8, KVH = 2, D = 40, grp = H / KVH;
+    const int splits = std::clamp((max_seq + 31) / 32, 1, 32);
+    auto q = randn(H * D), kc = randn((size_t)max_seq * KVH * D), vc = randn((size_t)max_seq * KVH * D);
+    unsigned ctl[3] = {(unsigned)pos, 0, 0};
+    std::vector<float> ml(KVH * splits * grp * 2, NaNf), acc((size_t)KVH * splits * grp * D, NaNf), out(H * D, NaNf);
+    std::vector<unsigned> ticket(KVH, 0);
+    sim::launch(attn_decode, dim3{(unsigned)KVH, (unsigned)splits, 1}, {256}, 0, 8 + pos, q.data(), kc.data(),
+                vc.data(), (const unsigned*)ctl, H, KVH, D, splits, ml.data(), acc.data(), ticket.data(), out.data());
+    std::vector<double> want;
+    for (int h = 0; h < H; h++) {
+        const int g = h / grp;
+        auto o = attend(&q[h * D], D, pos, [&](long long t) { return &kc[(t * KVH + g) * D]; },
+                        [&](long long t) { return &vc[(t * KVH + g) * D]; });
+        want.insert(want.end(), o.begin(), o.end());
+    }
+    const std::string name = "attn_decode pos " + std::to_string(pos) + ", " + std::to_string(splits) + " splits";
+    expect(name.c_str(), out, want, 1e-5);
+    expect_eq((name + ": tickets reset").c_str(), ticket[0] + ticket[1], 0);
+}
+
+void check_gemm(int m, int k, int n, int mode_acc) {
+    auto x = randn((size_t)m * k), c0 = randn((size_t)m * n);
+    auto w = randw((size_t)n * k, 0.05f);
+    std::vector<unsigned short> a3((size_t)3 * m * k, 0xffff);
+    const long long len = (long long)m * k;
+    sim::launch(split3_bf16, dim3{4}, {256}, 0, 9, x.data(), len, a3.data());
+    std::vector<float> back(len);
+    for (long long i = 0; i < len; i++) back[i] = (float)(bf(a3[i]) + bf(a3[len + i]) + bf(a3[2 * len + i]));
+    expect("split3_bf16 planes sum to x", back, widen(x), 0.0);
+    // Splits as fused.rs gemm_bf16x3 chooses them.
+    const int tiles = ((n + 63) / 64) * ((m + 63) / 64), want_blocks = 2 * SMS;
+    int splits = tiles >= want_blocks ? 1 : std::max(1, std::min((want_blocks + tiles - 1) / tiles, k / 256));
+    const int kchunk = ((k + splits - 1) / splits + 31) / 32 * 32;
+    splits = (k + kchunk - 1) / kchunk;
+    std::vector<float> out = mode_acc ? c0 : std::vector<float>((size_t)m * n, NaNf);
+    int mode = mode_acc;
+    if (splits > 1) {
+        if (!mode_acc) std::fill(out.begin(), out.end(), 0.0f);
+        mode = 2;
+    }
+    sim::launch(gemm_bf16x3, dim3{(unsigned)((n + 63) / 64), (unsigned)((m + 63) / 64), (unsigned)splits}, {128}, 0,
+                10 + k, (const unsigned short*)a3.data(), (const unsigned short*)w.data(), m, k, n, out.data(), mode,
+                kchunk);
+    std::vector<double> want((size_t)m * n);
+    for (int r = 0; r < m; r++)
+        for (int o = 0; o < n; o++) {
+            double s = mode_acc ? c0[(size_t)r * n + o] : 0.0;
+            for (int c = 0; c < k; c++) s += (double)x[(size_t)r * k + c] * bf(w[(size_t)o * k + c]);
+            want[(size_t)r * n + o] = s;
+        }
+    const std::string name = "gemm_bf16x3 m " + std::to_string(m) + " k " + std::to_string(k) + " n " +
+                             std::to_string(n) + (mode_acc ? " +=" : " =") + " (" + std::to_string(splits) + " k-splits)";
+    expect(name.c_str(), out, want, 2e-5);
+}
+
+void check_attn_prefill() {
+    const int H = 4, KVH = 2, D = 32, n_q = 70, start = 5, grp = H / KVH, ldq = (H + 2 * KVH) * D;
+    auto q = randn((size_t)n_q * ldq), kc = randn((size_t)(start + n_q) * KVH * D), vc = randn(kc.size());
+    std::vector<float> out((size_t)n_q * H * D, NaNf);
+    const int rows_per_block = 64 / grp;
+    sim::launch(attn_prefill, dim3{(unsigned)((n_q + rows_per_block - 1) / rows_per_block), (unsigned)KVH, 1}, {256}, 0,
+                11, q.data(), ldq, kc.data(), vc.data(), n_q, start, H, KVH, D, out.data());
+    std::vector<double> want;
+    for (int t = 0; t < n_q; t++)
+        for (int h = 0; h < H; h++) {
+            const int g = h / grp;
+            auto o = attend(&q[(size_t)t * ldq + h * D], D, start + t, [&](long long s) { return &kc[(s * KVH + g) * D]; },
+                            [&](long long s) { return &vc[(s * KVH + g) * D]; });
+            want.insert(want.end(), o.begin(), o.end());
+        }
+    expect("attn_prefill (causal, start 5, 70 rows)", out, want, 1e-5);
+}
+
+void check_paged() {
+    const int H = 4, KVH = 2, D = 48, bs = 4, bps = 5, nb = 16, grp = H / KVH, ldq = (H + 2 * KVH) * D;
+    // Three sequences: 3 query rows ending a context of 7, 1 row at the end of 13, 1 row alone.
+    const unsigned ctx[3] = {7, 13, 1}, qs[4] = {0, 3, 4, 5};
+    std::vector<unsigned> table(3 * bps);
+    std::vector<unsigned> perm(nb);
+    for (int i = 0; i < nb; i++) perm[i] = i;
+    std::shuffle(perm.begin(), perm.end(), rng);
+    for (int i = 0; i < 3 * bps; i++) table[i] = perm[i];
+    const int total_q = 5;
+    auto q = randn((size_t)total_q * ldq), kc = randn((size_t)nb * bs * KVH * D), vc = randn(kc.size());
+    std::vector<float> out((size_t)total_q * H * D, NaNf);
+    sim::launch(paged_attention, dim3{(unsigned)(total_q * H)}, {128}, 0, 12, q.data(), ldq, kc.data(), vc.data(),
+                (const unsigned*)table.data(), bps, qs, ctx, 3, nb, H, KVH, D, bs, out.data());
+    std::vector<double> want;
+    for (int s = 0; s < 3; s++)
+        for (unsigned r = qs[s]; r < qs[s + 1]; r++) {
+            const long long p = (long long)ctx[s] - (qs[s + 1] - qs[s]) + (r - qs[s]);
+            for (int h = 0; h < H; h++) {
+                const int g = h / grp;
+                auto slot = [&](long long t) { return ((size_t)table[s * bps + t / bs] * bs + t % bs) * KVH + g; };
+                auto o = attend(&q[(size_t)r * ldq + h * D], D, p, [&](long long t) { return &kc[slot(t) * D]; },
+                                [&](long long t) { return &vc[slot(t) * D]; });
+                want.insert(want.end(), o.begin(), o.end());
+            }
+        }
+    expect("paged_attention (3 sequences, shuffled blocks)", out, want, 1e-5);
+    // A block id outside the cache: that sequence's rows are NaN, the others unchanged.
+    table[bps + 1] = nb + 3;
+    std::vector<float> out2((size_t)total_q * H * D, 0.0f);
+    sim::launch(paged_attention, dim3{(unsigned)(total_q * H)}, {128}, 0, 13, q.data(), ldq, kc.data(), vc.data(),
+                (const unsigned*)table.data(), bps, qs, ctx, 3, nb, H, KVH, D, bs, out2.data());
+    long long nan_rows = 0, same = 0;
+    for (int r = 0; r < total_q; r++) {
+        bool all_nan = true, eq = true;
+        for (int e = 0; e < H * D; e++) {
+            all_nan &= std::isnan(out2[(size_t)r * H * D + e]);
+            eq &= out2[(size_t)r * H * D + e] == out[(size_t)r * H * D + e];
+        }
+        nan_rows += all_nan;
+        same += eq;
+    }
+    expect_eq("paged_attention broken table: NaN rows", nan_rows, 1);
+    expect_eq("paged_attention broken table: other rows unchanged", same, 4);
+}
+
+void check_rope_store_paged() {
+    const int H = 4, KVH = 2, D = 16, m = 3, heads = H + 2 * KVH, slots = 12;
+    auto qkv = randn((size_t)m * heads * D);
+    auto freqs = freqs_of(D);
+    const unsigned pos[m] = {4, 0, 9}, slot[m] = {7, 2, 11};
+    std::vector<float> kc((size_t)slots * KVH * D, 5.0f), vc(kc.size(), 5.0f), x = qkv;
+    const int total = m * heads * D / 2;
+    sim::launch(rope_store_paged, dim3{(unsigned)((total + 255) / 256)}, {256}, 0, 14, x.data(), m, pos, slot,
+                (const double*)freqs.data(), H, KVH, D, kc.data(), vc.data());
+    std::vector<double> wq = widen(qkv), wk(kc.size(), 5.0), wv(vc.size(), 5.0);
+    for (int t = 0; t < m; t++) {
+        for (int h = 0; h < H + KVH; h++) rope(&wq[((size_t)t * heads + h) * D], D, pos[t], freqs);
+        for (int c = 0; c < KVH * D; c++) {
+            wk[(size_t)slot[t] * KVH * D + c] = wq[((size_t)t * heads + H) * D + c];
+            wv[(size_t)slot[t] * KVH * D + c] = qkv[((size_t)t * heads + H + KVH) * D + c];
+        }
+    }
+    // q rotated in place; the k and v heads of qkv are read, not written (kernels.cu: "q rotated in
+    // place; the rotated k and the v rows written into the paged caches").
+    std::vector<double> wq_only = wq;
+    for (int t = 0; t < m; t++)
+        for (int c = H * D; c < heads * D; c++) wq_only[(size_t)t * heads * D + c] = qkv[(size_t)t * heads * D + c];
+    expect("rope_store_paged q in place, k and v unchanged", x, wq_only, 1e-6);
+    expect("rope_store_paged key cache at slots", kc, wk, 1e-6);
+    expect("rope_store_paged value cache at slots", vc, wv, 0.0);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    const std::string only = argc > 1 ? argv[1] : "";
+    const std::pair<const char*, std::function<void()>> groups[] = {
+        {"mv", check_mv},
+        {"qkv", check_qkv},
+        {"head", check_head},
+        {"attn_decode", [] { check_attn_decode(37, 100); check_attn_decode(2, 100); check_attn_decode(0, 40); }},
+        {"gemm", [] { check_gemm(70, 96, 72, 0); check_gemm(70, 96, 72, 1); check_gemm(20, 1024, 40, 0); check_gemm(20, 1024, 40, 1); }},
+        {"attn_prefill", check_attn_prefill},
+        {"paged", check_paged},
+        {"rope_store_paged", check_rope_store_paged},
+    };
+    int ran = 0;
+    for (const auto& [name, run] : groups) {
+        if (std::string(name).find(only) == std::string::npos) continue;
+        run();
+        ran++;
+    }
+    if (ran == 0) {
+        std::printf("FAIL: no check group matches %s\n", only.c_str());
+        return 2;
+    }
+    std::printf("%s: %d failed\n", failures ? "FAIL" : "PASS", failures);
+    return failures ? 1 : 0;
+}
