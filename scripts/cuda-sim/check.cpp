@@ -326,6 +326,71 @@ void check_rope_store_paged() {
     expect("rope_store_paged value cache at slots", vc, wv, 0.0);
 }
 
+// kernel.moe_route and kernel.moe_experts as src/kernels.rs launches them: one warp with n floats of
+// dynamic shared memory; then a warp per intermediate row (gate/up) and per output row (down), 256
+// threads a block.
+void check_moe() {
+    const int n = 40, top_k = 4, hidden = 72, inter = 40;
+    auto scores = randn(n);
+    // Two equal scores at the edge of the kept set: the lower index is kept.
+    std::vector<int> idx(n);
+    for (int i = 0; i < n; i++) idx[i] = i;
+    std::sort(idx.begin(), idx.end(), [&](int a, int b) { return scores[a] > scores[b]; });
+    scores[std::max(idx[3], idx[4])] = scores[std::min(idx[3], idx[4])];
+    auto route_ref = [&](bool renorm) {
+        double mx = -INFINITY, sum = 0.0;
+        for (float v : scores) mx = std::max(mx, (double)v);
+        std::vector<double> p(n), out(n, 0.0);
+        for (int e = 0; e < n; e++) sum += (p[e] = std::exp(scores[e] - mx));
+        std::vector<int> order(n);
+        for (int e = 0; e < n; e++) order[e] = e;
+        std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return p[a] > p[b]; });
+        double kept = 0.0;
+        for (int r = 0; r < top_k; r++) kept += (out[order[r]] = p[order[r]] / sum);
+        if (renorm)
+            for (double& v : out) v /= kept;
+        return out;
+    };
+    std::vector<float> route(n, NaNf);
+    for (int renorm = 0; renorm < 2; renorm++) {
+        sim::launch(moe_route, dim3{1}, {32}, 4 * n, 15 + renorm, (const float*)scores.data(), n, top_k, renorm,
+                    route.data());
+        expect(renorm ? "moe_route renormalized (a tie at the edge)" : "moe_route (a tie at the edge)", route,
+               route_ref(renorm), 1e-6);
+    }
+    auto gate = randw((size_t)n * inter * hidden, 0.1f), up = randw(gate.size(), 0.1f);
+    auto down = randw((size_t)n * hidden * inter, 0.1f);
+    auto x = randn(hidden), out0 = randn(hidden);
+    std::vector<float> act((size_t)n * inter, NaNf), out = out0;
+    sim::launch(moe_gate_up, dim3{(unsigned)((inter + 7) / 8)}, {256}, 0, 17, (const float*)x.data(),
+                (const float*)route.data(), (const unsigned short*)gate.data(), (const unsigned short*)up.data(), n,
+                inter, hidden, act.data());
+    sim::launch(moe_down, dim3{(unsigned)((hidden + 7) / 8)}, {256}, 0, 18, (const float*)act.data(),
+                (const float*)route.data(), (const unsigned short*)down.data(), n, inter, hidden, out.data(), 1);
+    auto rw = route_ref(true);
+    std::vector<double> want(out0.begin(), out0.end());
+    for (int e = 0; e < n; e++) {
+        if (rw[e] == 0.0) continue;
+        std::vector<double> a(inter);
+        for (int r = 0; r < inter; r++) {
+            double g = 0.0, u = 0.0;
+            for (int c = 0; c < hidden; c++) {
+                g += x[c] * bf(gate[((size_t)e * inter + r) * hidden + c]);
+                u += x[c] * bf(up[((size_t)e * inter + r) * hidden + c]);
+            }
+            a[r] = rw[e] * g / (1.0 + std::exp(-g)) * u;
+        }
+        for (int o = 0; o < hidden; o++)
+            for (int r = 0; r < inter; r++) want[o] += a[r] * bf(down[((size_t)e * hidden + o) * inter + r]);
+    }
+    expect("moe_gate_up + moe_down (+ residual)", out, want, 1e-5);
+    // A NaN score makes every weight NaN.
+    scores[7] = NaNf;
+    route.assign(n, 0.0f);
+    sim::launch(moe_route, dim3{1}, {32}, 4 * n, 19, (const float*)scores.data(), n, top_k, 1, route.data());
+    expect_eq("moe_route NaN score: NaN weights", std::count_if(route.begin(), route.end(), [](float v) { return std::isnan(v); }), n);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -339,6 +404,7 @@ int main(int argc, char** argv) {
         {"attn_prefill", check_attn_prefill},
         {"paged", check_paged},
         {"rope_store_paged", check_rope_store_paged},
+        {"moe", check_moe},
     };
     int ran = 0;
     for (const auto& [name, run] : groups) {
