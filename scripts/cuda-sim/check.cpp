@@ -253,8 +253,24 @@ void check_attn_prefill() {
     expect("attn_prefill (causal, start 5, 70 rows)", out, want, 1e-5);
 }
 
-void check_paged() {
-    const int H = 4, KVH = 2, D = 48, bs = 4, bps = 5, nb = 16, grp = H / KVH, ldq = (H + 2 * KVH) * D;
+// The paged attention kernel src/batch.rs picks for head_dim (paged_attention_dN, N the lanes' chunks
+// of a head), with its grid: one block per (query row, KV head, up to 16 / N (at most 8) heads).
+using PagedFn = void (*)(const float*, int, const float*, const float*, const unsigned*, int, const unsigned*,
+                         const unsigned*, int, int, int, int, int, int, float*);
+void run_paged(const std::vector<float>& q, int ldq, const std::vector<float>& kc, const std::vector<float>& vc,
+               const std::vector<unsigned>& table, int bps, const unsigned* qs, const unsigned* ctx, int n_seqs,
+               int nb, int H, int KVH, int D, int bs, int total_q, std::vector<float>& out, uint64_t seed) {
+    int chunks = 1;
+    while (chunks * 32 < D) chunks *= 2;
+    const PagedFn fns[4] = {paged_attention_d1, paged_attention_d2, paged_attention_d4, paged_attention_d8};
+    const PagedFn f = fns[chunks == 1 ? 0 : chunks == 2 ? 1 : chunks == 4 ? 2 : 3];
+    const int per_block = std::min(16 / chunks, 8), parts = (H / KVH + per_block - 1) / per_block;
+    sim::launch(f, dim3{(unsigned)(total_q * KVH * parts)}, {128}, 0, seed, q.data(), ldq, kc.data(), vc.data(),
+                table.data(), bps, qs, ctx, n_seqs, nb, H, KVH, D, bs, out.data());
+}
+
+void check_paged_shape(int H, int KVH, int D, bool broken_table) {
+    const int bs = 4, bps = 5, nb = 16, grp = H / KVH, ldq = (H + 2 * KVH) * D;
     // Three sequences: 3 query rows ending a context of 7, 1 row at the end of 13, 1 row alone.
     const unsigned ctx[3] = {7, 13, 1}, qs[4] = {0, 3, 4, 5};
     std::vector<unsigned> table(3 * bps);
@@ -265,8 +281,7 @@ void check_paged() {
     const int total_q = 5;
     auto q = randn((size_t)total_q * ldq), kc = randn((size_t)nb * bs * KVH * D), vc = randn(kc.size());
     std::vector<float> out((size_t)total_q * H * D, NaNf);
-    sim::launch(paged_attention, dim3{(unsigned)(total_q * H)}, {128}, 0, 12, q.data(), ldq, kc.data(), vc.data(),
-                (const unsigned*)table.data(), bps, qs, ctx, 3, nb, H, KVH, D, bs, out.data());
+    run_paged(q, ldq, kc, vc, table, bps, qs, ctx, 3, nb, H, KVH, D, bs, total_q, out, 12 + D);
     std::vector<double> want;
     for (int s = 0; s < 3; s++)
         for (unsigned r = qs[s]; r < qs[s + 1]; r++) {
@@ -279,12 +294,14 @@ void check_paged() {
                 want.insert(want.end(), o.begin(), o.end());
             }
         }
-    expect("paged_attention (3 sequences, shuffled blocks)", out, want, 1e-5);
+    const std::string shape = "paged_attention " + std::to_string(H) + "/" + std::to_string(KVH) + " heads, head_dim " +
+                              std::to_string(D);
+    expect((shape + " (3 sequences, shuffled blocks)").c_str(), out, want, 1e-5);
+    if (!broken_table) return;
     // A block id outside the cache: that sequence's rows are NaN, the others unchanged.
     table[bps + 1] = nb + 3;
     std::vector<float> out2((size_t)total_q * H * D, 0.0f);
-    sim::launch(paged_attention, dim3{(unsigned)(total_q * H)}, {128}, 0, 13, q.data(), ldq, kc.data(), vc.data(),
-                (const unsigned*)table.data(), bps, qs, ctx, 3, nb, H, KVH, D, bs, out2.data());
+    run_paged(q, ldq, kc, vc, table, bps, qs, ctx, 3, nb, H, KVH, D, bs, total_q, out2, 13);
     long long nan_rows = 0, same = 0;
     for (int r = 0; r < total_q; r++) {
         bool all_nan = true, eq = true;
@@ -295,8 +312,18 @@ void check_paged() {
         nan_rows += all_nan;
         same += eq;
     }
-    expect_eq("paged_attention broken table: NaN rows", nan_rows, 1);
-    expect_eq("paged_attention broken table: other rows unchanged", same, 4);
+    expect_eq((shape + " broken table: NaN rows").c_str(), nan_rows, 1);
+    expect_eq((shape + " broken table: other rows unchanged").c_str(), same, 4);
+}
+
+// Every kernel variant, a group split over blocks (16 heads of a KV head at 8 a block; 6 at 2), a
+// group smaller than a block's heads, and no GQA.
+void check_paged() {
+    check_paged_shape(4, 2, 48, true);
+    check_paged_shape(32, 2, 64, false);
+    check_paged_shape(8, 2, 128, false);
+    check_paged_shape(6, 1, 256, true);
+    check_paged_shape(3, 3, 20, false);
 }
 
 void check_rope_store_paged() {

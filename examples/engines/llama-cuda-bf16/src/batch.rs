@@ -371,7 +371,9 @@ fn rope_store_paged(
 pub(crate) const PAGED_MAX_HEAD_DIM: usize = 256;
 
 /// kernel.paged_attention with query row r at q[r * ldq..] (ldq >= n_heads * head_dim: a row of
-/// the fused qkv product). One block of 4 warps per (query row, head).
+/// the fused qkv product). One block of 4 warps per (query row, KV head, up to 8 query heads of its
+/// group: 4 at head_dim 128, 2 at 256), so a group's keys and values are read once: the kernel
+/// `paged_attention_d{N}` for head_dim <= 32 N.
 pub(crate) fn paged_attention_rows(
     dev: &Device,
     q: &CudaView<'_, f32>,
@@ -422,15 +424,25 @@ pub(crate) fn paged_attention_rows(
         dim(head_dim, "head_dim")?,
         dim(block_size, "block_size")?,
     );
-    dim(total_q * n_heads, "total_q * n_heads")?;
-    let mut b = dev.stream().launch_builder(dev.function("paged_attention"));
+    // Lanes' chunks of a head (a power of two) and the query heads a block takes (kernels.cu's HB).
+    let chunks = head_dim.div_ceil(32).next_power_of_two();
+    let per_block = (16 / chunks).min(8);
+    let blocks = total_q * n_kv_heads * (n_heads / n_kv_heads).div_ceil(per_block);
+    dim(blocks, "paged attention blocks")?;
+    let name = match chunks {
+        1 => "paged_attention_d1",
+        2 => "paged_attention_d2",
+        4 => "paged_attention_d4",
+        _ => "paged_attention_d8",
+    };
+    let mut b = dev.stream().launch_builder(dev.function(name));
     b.arg(q).arg(&l).arg(k_cache).arg(v_cache).arg(block_table).arg(&bps).arg(query_start).arg(context_lens);
     b.arg(&ns).arg(&nb).arg(&h).arg(&kvh).arg(&hd).arg(&bs).arg(&mut *out);
-    // SAFETY: matches `paged_attention(q, ldq, kc, vc, table, blocks_per_seq, query_start,
+    // SAFETY: matches `paged_attention_dN(q, ldq, kc, vc, table, blocks_per_seq, query_start,
     // context_lens, n_seqs, num_blocks, n_heads, n_kv_heads, head_dim, block_size, out)`; lengths
     // checked above; the kernel reads table rows < n_seqs, cache blocks < num_blocks and positions
-    // < blocks_per_seq * block_size only, and writes out rows < total_q.
-    launched(unsafe { b.launch(grid(total_q * n_heads, 128, 0)) }, "paged_attention")
+    // < blocks_per_seq * block_size only, and writes out rows < total_q; head_dim <= 32 * chunks.
+    launched(unsafe { b.launch(grid(blocks, 128, 0)) }, name)
 }
 
 #[cfg(test)]

@@ -1171,26 +1171,41 @@ __global__ void __launch_bounds__(256) attn_prefill(const float* q, int ldq, con
 // Serving kernels (phase 6: several sequences per step over a paged KV cache, src/batch.rs).
 // =====================================================================================================
 
-// ---- kernel.paged_attention: one block per (query row, head), PA_WARPS warps ----
+}  // extern "C" (the paged attention body is a template; its kernels are extern "C" again below)
+
+// ---- kernel.paged_attention: one block per (query row, KV head, part of its GQA group), PA_WARPS
+// warps, so that the keys and values a group shares are read once for all its query heads ----
 // The row's sequence s is found in query_start (binary search), its position p = context_lens[s] -
-// n_q(s) + (row - query_start[s]). The warps take the keys t = warp, warp + PA_WARPS, ... <= p, each
-// found through the block table (block table[s][t / block_size], slot t % block_size); per key a warp
-// computes q.k with lanes along head_dim (warp_sum), then updates its online softmax (running max m,
-// sum l and weighted V in registers). The warps' partials are merged in shared memory at the end, so
-// no context-sized buffer is needed. q rows at q + row * ldq (ldq >= n_heads * head_dim: a row of the
-// fused qkv product); out: [total_q, n_heads, head_dim]. head_dim <= PA_MAX_HD. A block id outside the
-// cache or a position outside the table (a broken table) writes NaN for the row, never reads there.
+// n_q(s) + (row - query_start[s]). The block takes the query heads h0 .. h0 + nh - 1 of KV head g (nh
+// at most HB = min(8, PA_SLOTS / ND): its lanes hold HB x ND values of q and of the weighted V sum).
+// The warps take the keys t = warp, warp + PA_WARPS, ... <= p, each found through the block table
+// (block table[s][t / block_size], slot t % block_size); per key a warp loads the key and value rows
+// once, computes q.k for each of its heads with lanes along head_dim (warp_sum), and updates each
+// head's online softmax (running max m, sum l and weighted V in registers). The warps' partials are
+// merged in shared memory at the end, so no context-sized buffer is needed. Each head's sums are
+// taken in the same order as with a block per head. q rows at q + row * ldq (ldq >= n_heads *
+// head_dim: a row of the fused qkv product); out: [total_q, n_heads, head_dim]; head_dim <= ND * 32.
+// A block id outside the cache or a position outside the table (a broken table) writes NaN for the
+// row's heads, never reads there.
 #define PA_WARPS 4
 #define PA_MAX_HD 256
+#define PA_SLOTS 16
 
-__global__ void __launch_bounds__(PA_WARPS * 32) paged_attention(
-    const float* q, int ldq, const float* kc, const float* vc, const unsigned int* table, int blocks_per_seq,
-    const unsigned int* query_start, const unsigned int* context_lens, int n_seqs, int num_blocks, int n_heads,
-    int n_kv_heads, int head_dim, int block_size, float* out) {
-    __shared__ float wm[PA_WARPS], wl[PA_WARPS];
-    __shared__ float wacc[PA_WARPS][PA_MAX_HD];
+template <int ND>
+__device__ __forceinline__ void paged_attention_group(const float* q, int ldq, const float* kc, const float* vc,
+                                                      const unsigned int* table, int blocks_per_seq,
+                                                      const unsigned int* query_start,
+                                                      const unsigned int* context_lens, int n_seqs, int num_blocks,
+                                                      int n_heads, int n_kv_heads, int head_dim, int block_size,
+                                                      float* out) {
+    constexpr int HB = PA_SLOTS / ND < 8 ? PA_SLOTS / ND : 8;
+    __shared__ float wm[PA_WARPS][HB], wl[PA_WARPS][HB];
+    __shared__ float wacc[PA_WARPS][HB * ND * 32];
     __shared__ int bad;
-    const int row = blockIdx.x / n_heads, h = blockIdx.x % n_heads;
+    const int grp = n_heads / n_kv_heads, parts = (grp + HB - 1) / HB;
+    const int row = blockIdx.x / (n_kv_heads * parts), rest = blockIdx.x % (n_kv_heads * parts);
+    const int g = rest / parts, part = rest % parts;
+    const int h0 = g * grp + part * HB, nh = min(HB, grp - part * HB);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (threadIdx.x == 0) bad = 0;
     int lo = 0, hi = n_seqs - 1;
@@ -1202,23 +1217,26 @@ __global__ void __launch_bounds__(PA_WARPS * 32) paged_attention(
     const int s = lo;
     const int q0 = (int)query_start[s], n_q = (int)query_start[s + 1] - q0;
     const long long p = (long long)context_lens[s] - n_q + (row - q0);
-    const int g = h / (n_heads / n_kv_heads);
     const unsigned int* tr = table + (u64)s * blocks_per_seq;
     const u64 kv_stride = (u64)n_kv_heads * head_dim;
     const float scale = 1.0f / sqrtf((float)head_dim);
-    const float* qr = q + (u64)row * ldq + (u64)h * head_dim;
-    float qv[PA_MAX_HD / 32], acc[PA_MAX_HD / 32];
+    float qv[HB][ND], acc[HB][ND], m[HB], l[HB];
 #pragma unroll
-    for (int i = 0; i < PA_MAX_HD / 32; i++) {
-        const int c = lane + 32 * i;
-        qv[i] = c < head_dim ? qr[c] : 0.0f;
-        acc[i] = 0.0f;
+    for (int j = 0; j < HB; j++) {
+        const float* qr = q + (u64)row * ldq + (u64)(h0 + j) * head_dim;
+        m[j] = NEG_INF;
+        l[j] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < ND; i++) {
+            const int c = lane + 32 * i;
+            qv[j][i] = (j < nh && c < head_dim) ? qr[c] : 0.0f;
+            acc[j][i] = 0.0f;
+        }
     }
     __syncthreads();
     if (n_q < 1 || p < 0 || p >= (long long)blocks_per_seq * block_size) {
         if (threadIdx.x == 0) bad = 1;
     }
-    float m = NEG_INF, l = 0.0f;
     for (long long t = warp; t <= p && t < (long long)blocks_per_seq * block_size; t += PA_WARPS) {
         const unsigned int b = tr[t / block_size];
         if (b >= (unsigned int)num_blocks) {
@@ -1226,49 +1244,72 @@ __global__ void __launch_bounds__(PA_WARPS * 32) paged_attention(
             break;
         }
         const u64 base = ((u64)b * block_size + (u64)(t % block_size)) * kv_stride + (u64)g * head_dim;
-        const float* kr = kc + base;
-        const float* vr = vc + base;
-        float d = 0.0f;
+        float kv[ND], vv[ND];
 #pragma unroll
-        for (int i = 0; i < PA_MAX_HD / 32; i++) {
+        for (int i = 0; i < ND; i++) {
             const int c = lane + 32 * i;
-            if (c < head_dim) d = fmaf(qv[i], kr[c], d);
+            kv[i] = c < head_dim ? kc[base + c] : 0.0f;
+            vv[i] = c < head_dim ? vc[base + c] : 0.0f;
         }
-        d = warp_sum(d) * scale;
-        const float mn = fmaxf(m, d);
-        const float corr = expf(m - mn);  // 0 for the first key (m = -inf)
-        const float e = expf(d - mn);
-        l = l * corr + e;
 #pragma unroll
-        for (int i = 0; i < PA_MAX_HD / 32; i++) {
-            const int c = lane + 32 * i;
-            if (c < head_dim) acc[i] = fmaf(e, vr[c], acc[i] * corr);
+        for (int j = 0; j < HB; j++) {
+            if (j < nh) {  // nh is the same for every lane: the shuffles stay converged
+                float d = 0.0f;
+#pragma unroll
+                for (int i = 0; i < ND; i++) d = fmaf(qv[j][i], kv[i], d);
+                d = warp_sum(d) * scale;
+                const float mn = fmaxf(m[j], d);
+                const float corr = expf(m[j] - mn);  // 0 for the first key (m = -inf)
+                const float e = expf(d - mn);
+                l[j] = l[j] * corr + e;
+#pragma unroll
+                for (int i = 0; i < ND; i++) acc[j][i] = fmaf(e, vv[i], acc[j][i] * corr);
+                m[j] = mn;
+            }
         }
-        m = mn;
-    }
-    if (lane == 0) {
-        wm[warp] = m;
-        wl[warp] = l;
     }
 #pragma unroll
-    for (int i = 0; i < PA_MAX_HD / 32; i++) {
-        const int c = lane + 32 * i;
-        if (c < head_dim) wacc[warp][c] = acc[i];
+    for (int j = 0; j < HB; j++) {
+        if (lane == 0) {
+            wm[warp][j] = m[j];
+            wl[warp][j] = l[j];
+        }
+#pragma unroll
+        for (int i = 0; i < ND; i++) wacc[warp][j * ND * 32 + lane + 32 * i] = acc[j][i];
     }
     __syncthreads();
-    float mx = NEG_INF;
-    for (int w = 0; w < PA_WARPS; w++) mx = fmaxf(mx, wm[w]);
-    float sum = 0.0f;
-    for (int w = 0; w < PA_WARPS; w++)
-        if (wm[w] != NEG_INF) sum += wl[w] * expf(wm[w] - mx);
-    float* o = out + ((u64)row * n_heads + h) * head_dim;
-    for (int c = threadIdx.x; c < head_dim; c += blockDim.x) {
-        float a = 0.0f;
-        for (int w = 0; w < PA_WARPS; w++)
-            if (wm[w] != NEG_INF) a += wacc[w][c] * expf(wm[w] - mx);
-        o[c] = bad ? __int_as_float(0x7fc00000) : a / sum;
+    for (int e = threadIdx.x; e < nh * head_dim; e += blockDim.x) {
+        const int j = e / head_dim, c = e - j * head_dim;
+        float mx = NEG_INF;
+        for (int w = 0; w < PA_WARPS; w++) mx = fmaxf(mx, wm[w][j]);
+        float sum = 0.0f, a = 0.0f;
+        for (int w = 0; w < PA_WARPS; w++) {
+            if (wm[w][j] == NEG_INF) continue;
+            const float f = expf(wm[w][j] - mx);
+            sum += wl[w][j] * f;
+            a += wacc[w][j * ND * 32 + c] * f;
+        }
+        out[((u64)row * n_heads + h0 + j) * head_dim + c] = bad ? __int_as_float(0x7fc00000) : a / sum;
     }
 }
+
+extern "C" {
+
+// paged_attention_dN: the paged attention for head_dim <= 32 N (N = 1, 2, 4, 8: the lanes' chunks of a
+// head), 8 query heads a block (4 at head_dim 128, 2 at 256). Grid: total_q x n_kv_heads x
+// ceil(group / heads a block); PA_WARPS x 32 threads.
+#define PAGED_ATTENTION(N)                                                                                      \
+    __global__ void __launch_bounds__(PA_WARPS * 32) paged_attention_d##N(                                   \
+        const float* q, int ldq, const float* kc, const float* vc, const unsigned int* table, int blocks_per_seq, \
+        const unsigned int* query_start, const unsigned int* context_lens, int n_seqs, int num_blocks,        \
+        int n_heads, int n_kv_heads, int head_dim, int block_size, float* out) {                              \
+        paged_attention_group<N>(q, ldq, kc, vc, table, blocks_per_seq, query_start, context_lens, n_seqs,    \
+                                 num_blocks, n_heads, n_kv_heads, head_dim, block_size, out);                 \
+    }
+PAGED_ATTENTION(1)
+PAGED_ATTENTION(2)
+PAGED_ATTENTION(4)
+PAGED_ATTENTION(8)
 
 // RoPE on the q and k heads of m rows of qkv ([m, (n_heads + 2 n_kv_heads) head_dim]), row t at
 // position pos[t], q rotated in place; the rotated k and the v rows written into the paged caches
