@@ -12,7 +12,7 @@
 #
 #   scripts/cuda-sim-check.sh [FILTER]   prints PASS or FAIL per check (those whose group name holds
 #                                        FILTER: mv, qkv, head, attn_decode, gemm, attn_prefill,
-#                                        paged, rope_store_paged, moe); exit status 0 when all pass
+#                                        paged, rope_store_paged, moe, contract); exit status 0 when all pass
 #
 # Environment: CXX (default g++), OUT (build directory, default a fresh temporary one, removed),
 # KERNELS (the source checked, default the engine's src/kernels.cu).

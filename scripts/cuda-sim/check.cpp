@@ -1,4 +1,4 @@
-// Checks of the CUDA example engine's fused kernels on the CPU model of sim.h: each kernel is
+// Checks of the CUDA example engine's kernels on the CPU model of sim.h: each kernel is
 // launched as src/fused.rs and src/batch.rs launch it (grid, block, shared memory), on random
 // inputs of small shapes, and compared with an f64 loop written here from the kernel contracts'
 // math (kernel.linear_bf16, kernel.rms_norm, kernel.rope, kernel.attention, kernel.argmax,
@@ -76,7 +76,7 @@ std::vector<double> widen(const std::vector<float>& x) { return std::vector<doub
 dim3 mv_grid(int groups) { return {(unsigned)std::clamp((groups + 7) / 8, 1, SMS * 2), 1, 1}; }
 
 // Rotate-half RoPE of one head (kernel.rope): pairs (j, j + d/2), angle pos * freqs[j].
-void rope(double* h, int d, unsigned pos, const std::vector<double>& freqs) {
+void rope_ref(double* h, int d, unsigned pos, const std::vector<double>& freqs) {
     for (int j = 0; j < d / 2; j++) {
         const double a = pos * freqs[j], c = std::cos(a), s = std::sin(a);
         const double x0 = h[j], x1 = h[j + d / 2];
@@ -142,7 +142,7 @@ void check_qkv() {
     sim::launch(mv_bf16_qkv, mv_grid(n / 2), {256}, k * 4, 5, x.data(), gain.data(), 1e-6f, w.data(), k,
                 (const unsigned*)ctl, (const double*)freqs.data(), H, KVH, D, q.data(), kc.data(), vc.data());
     auto y = matvec(rms(x, gain, 1e-6), w, n);
-    for (int h = 0; h < H + KVH; h++) rope(&y[h * D], D, pos, freqs);
+    for (int h = 0; h < H + KVH; h++) rope_ref(&y[h * D], D, pos, freqs);
     std::vector<double> wq(y.begin(), y.begin() + H * D), wkc(kc.size(), 7.0), wvc(vc.size(), 7.0);
     for (int c = 0; c < KVH * D; c++) {
         wkc[pos * KVH * D + c] = y[H * D + c];
@@ -337,7 +337,7 @@ void check_rope_store_paged() {
                 (const double*)freqs.data(), H, KVH, D, kc.data(), vc.data());
     std::vector<double> wq = widen(qkv), wk(kc.size(), 5.0), wv(vc.size(), 5.0);
     for (int t = 0; t < m; t++) {
-        for (int h = 0; h < H + KVH; h++) rope(&wq[((size_t)t * heads + h) * D], D, pos[t], freqs);
+        for (int h = 0; h < H + KVH; h++) rope_ref(&wq[((size_t)t * heads + h) * D], D, pos[t], freqs);
         for (int c = 0; c < KVH * D; c++) {
             wk[(size_t)slot[t] * KVH * D + c] = wq[((size_t)t * heads + H) * D + c];
             wv[(size_t)slot[t] * KVH * D + c] = qkv[((size_t)t * heads + H + KVH) * D + c];
@@ -418,6 +418,192 @@ void check_moe() {
     expect_eq("moe_route NaN score: NaN weights", std::count_if(route.begin(), route.end(), [](float v) { return std::isnan(v); }), n);
 }
 
+// The per-contract kernels as src/kernels.rs launches them (BLOCK = 256 threads; matrix products a
+// warp per output feature, 8 a block; argmax one block of 1024).
+void check_contract_kernels() {
+    // kernel.embedding: a row per id; an id outside the vocabulary leaves its row unwritten.
+    {
+        const int vocab = 50, d = 300;
+        auto table = randn((size_t)vocab * d);
+        const unsigned ids[3] = {7, 49, 50};
+        std::vector<float> out(3 * d, 3.0f);
+        sim::launch(embedding, dim3{3}, {256}, 0, 20, (const float*)table.data(), vocab, d, ids, 3, out.data());
+        std::vector<double> want(3 * d, 3.0);
+        for (int j = 0; j < d; j++) {
+            want[j] = table[7 * d + j];
+            want[d + j] = table[49 * d + j];
+        }
+        expect("embedding (an id past the vocabulary: row unwritten)", out, want, 0.0);
+    }
+    // kernel.rms_norm: a block per row.
+    {
+        const int rows = 3, d = 300;
+        auto x = randn(rows * d), w = randn(d);
+        std::vector<float> out(rows * d, NaNf);
+        sim::launch(rms_norm, dim3{rows}, {256}, 0, 21, (const float*)x.data(), (const float*)w.data(), 1e-6f,
+                    out.data(), d);
+        std::vector<double> want;
+        for (int r = 0; r < rows; r++) {
+            auto o = rms(std::vector<float>(x.begin() + r * d, x.begin() + (r + 1) * d), w, 1e-6);
+            want.insert(want.end(), o.begin(), o.end());
+        }
+        expect("rms_norm", out, want, 1e-6);
+    }
+    // kernel.rope: a thread per pair, positions per token.
+    {
+        const int n_tok = 3, H = 4, D = 16;
+        auto x = randn(n_tok * H * D);
+        auto freqs = freqs_of(D);
+        const unsigned pos[3] = {0, 5, 1000};
+        std::vector<float> y = x;
+        const int pairs = n_tok * H * D / 2;
+        sim::launch(rope, dim3{(unsigned)((pairs + 255) / 256)}, {256}, 0, 22, y.data(), pos, (const double*)freqs.data(),
+                    n_tok, H, D);
+        auto want = widen(x);
+        for (int t = 0; t < n_tok; t++)
+            for (int h = 0; h < H; h++) rope_ref(&want[((size_t)t * H + h) * D], D, pos[t], freqs);
+        expect("rope (positions 0, 5, 1000)", y, want, 1e-6);
+    }
+    // kernel.linear_*: m rows, a warp per output feature.
+    {
+        const int m = 3, n = 20;
+        for (int k : {64, 30}) {
+            auto x = randn((size_t)m * k), w = randn((size_t)n * k, 0.1f), out0 = randn(m * n);
+            std::vector<float> out = out0;
+            sim::launch(linear_f32, dim3{(unsigned)((n + 7) / 8)}, {256}, 0, 23, (const float*)x.data(),
+                        (const float*)w.data(), m, k, n, out.data(), 1);
+            std::vector<double> want(m * n);
+            for (int i = 0; i < m; i++)
+                for (int o = 0; o < n; o++) {
+                    double acc = out0[i * n + o];
+                    for (int c = 0; c < k; c++) acc += (double)x[i * k + c] * w[o * k + c];
+                    want[i * n + o] = acc;
+                }
+            expect(k == 64 ? "linear_f32 += (k % 4 == 0: float4 loads)" : "linear_f32 += (k % 4 != 0)", out, want, 1e-5);
+        }
+        const int k = 72;
+        auto x = randn((size_t)m * k);
+        auto wb = randw((size_t)n * k, 0.1f);
+        std::vector<float> out(m * n, NaNf);
+        sim::launch(linear_bf16, dim3{(unsigned)((n + 7) / 8)}, {256}, 0, 24, (const float*)x.data(),
+                    (const unsigned short*)wb.data(), m, k, n, out.data(), 0);
+        std::vector<double> want(m * n, 0.0);
+        for (int i = 0; i < m; i++)
+            for (int o = 0; o < n; o++)
+                for (int c = 0; c < k; c++) want[i * n + o] += (double)x[i * k + c] * bf(wb[o * k + c]);
+        expect("linear_bf16", out, want, 1e-5);
+        // IEEE binary16 weights: normal values of both signs and a subnormal in each row.
+        std::vector<unsigned short> wh((size_t)n * k);
+        std::uniform_int_distribution<unsigned> bits(0, 1023), ex(10, 17), sign(0, 1);
+        auto half_value = [](unsigned h) {
+            const int e = (h >> 10) & 31, mant = h & 1023;
+            const double v = e == 0 ? mant * std::ldexp(1.0, -24) : (1.0 + mant / 1024.0) * std::ldexp(1.0, e - 15);
+            return (h & 0x8000) ? -v : v;
+        };
+        for (size_t i = 0; i < wh.size(); i++)
+            wh[i] = (unsigned short)((sign(rng) << 15) | (i % k == 5 ? 0 : ex(rng) << 10) | bits(rng));
+        out.assign(m * n, NaNf);
+        sim::launch(linear_f16, dim3{(unsigned)((n + 7) / 8)}, {256}, 0, 25, (const float*)x.data(),
+                    (const unsigned short*)wh.data(), m, k, n, out.data());
+        std::fill(want.begin(), want.end(), 0.0);
+        for (int i = 0; i < m; i++)
+            for (int o = 0; o < n; o++)
+                for (int c = 0; c < k; c++) want[i * n + o] += (double)x[i * k + c] * half_value(wh[o * k + c]);
+        expect("linear_f16 (subnormal weights included)", out, want, 1e-5);
+        std::vector<signed char> w8((size_t)n * k);
+        std::uniform_int_distribution<int> q8(-127, 127);
+        for (auto& v : w8) v = (signed char)q8(rng);
+        auto scales = randn(n, 0.01f);
+        out.assign(m * n, NaNf);
+        sim::launch(linear_int8, dim3{(unsigned)((n + 7) / 8)}, {256}, 0, 26, (const float*)x.data(),
+                    (const signed char*)w8.data(), (const float*)scales.data(), m, k, n, out.data());
+        for (int i = 0; i < m; i++)
+            for (int o = 0; o < n; o++) {
+                double acc = 0.0;
+                for (int c = 0; c < k; c++) acc += (double)x[i * k + c] * w8[o * k + c];
+                want[i * n + o] = scales[o] * acc;
+            }
+        expect("linear_int8 (per-row scales)", out, want, 1e-5);
+    }
+    // kernel.silu_and_mul, kernel.gelu_tanh_and_mul: grid-stride.
+    {
+        const int len = 1000;
+        auto g = randn(len, 2.0f), u = randn(len);
+        std::vector<float> out(len, NaNf);
+        sim::launch(silu_and_mul, dim3{(unsigned)((len + 255) / 256)}, {256}, 0, 27, (const float*)g.data(),
+                    (const float*)u.data(), out.data(), len);
+        std::vector<double> want(len);
+        for (int i = 0; i < len; i++) want[i] = g[i] / (1.0 + std::exp(-(double)g[i])) * u[i];
+        expect("silu_and_mul", out, want, 1e-6);
+        out.assign(len, NaNf);
+        sim::launch(gelu_tanh_and_mul, dim3{(unsigned)((len + 255) / 256)}, {256}, 0, 28, (const float*)g.data(),
+                    (const float*)u.data(), out.data(), len);
+        for (int i = 0; i < len; i++) {
+            const double x = g[i];
+            want[i] = 0.5 * x * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x))) * u[i];
+        }
+        expect("gelu_tanh_and_mul", out, want, 1e-5);
+    }
+    // kernel.softmax: a block per row, in place.
+    {
+        const int rows = 3, n = 300;
+        auto x = randn(rows * n, 3.0f);
+        std::vector<float> y = x;
+        sim::launch(softmax, dim3{rows}, {256}, 0, 29, y.data(), n);
+        std::vector<double> want(rows * n);
+        for (int r = 0; r < rows; r++) {
+            double mx = -INFINITY, sum = 0.0;
+            for (int j = 0; j < n; j++) mx = std::max(mx, (double)x[r * n + j]);
+            for (int j = 0; j < n; j++) sum += std::exp(x[r * n + j] - mx);
+            for (int j = 0; j < n; j++) want[r * n + j] = std::exp(x[r * n + j] - mx) / sum;
+        }
+        expect("softmax", y, want, 1e-6);
+    }
+    // kernel.attention: a block per (query row, head), kv_len floats of dynamic shared memory; the
+    // n_q rows are the last n_q positions of kv_len.
+    {
+        const int H = 4, KVH = 2, D = 40, n_q = 3, kv_len = 9, grp = H / KVH;
+        auto q = randn(n_q * H * D), kc = randn(kv_len * KVH * D), vc = randn(kv_len * KVH * D);
+        std::vector<float> out(n_q * H * D, NaNf);
+        sim::launch(attention, dim3{(unsigned)(n_q * H)}, {256}, kv_len * 4, 30, (const float*)q.data(),
+                    (const float*)kc.data(), (const float*)vc.data(), n_q, kv_len, H, KVH, D, out.data());
+        std::vector<double> want;
+        for (int i = 0; i < n_q; i++)
+            for (int h = 0; h < H; h++) {
+                const int g = h / grp;
+                auto o = attend(&q[(i * H + h) * D], D, kv_len - n_q + i, [&](long long t) { return &kc[(t * KVH + g) * D]; },
+                                [&](long long t) { return &vc[(t * KVH + g) * D]; });
+                want.insert(want.end(), o.begin(), o.end());
+            }
+        expect("attention (3 rows at the end of 9, GQA)", out, want, 1e-5);
+    }
+    // kernel.argmax: one block of 1024 threads, the first maximum, and the trail.
+    {
+        const int n = 5000;
+        auto x = randn(n);
+        x[3001] = x[4321] = 9.0f;
+        unsigned out = 77, trail[4] = {5, 5, 5, 5};
+        sim::launch(argmax, dim3{1}, {1024}, 0, 31, (const float*)x.data(), n, &out, trail, 2);
+        expect_eq("argmax (first of two equal maxima)", out, 3001);
+        expect_eq("argmax trail[step]", trail[2], 3001);
+    }
+    // store_kv: one position's K and V rows into the caches.
+    {
+        const int kv_dim = 48, max_seq = 6, pos = 4;
+        auto qkv = randn(4 * kv_dim);
+        std::vector<float> kc(max_seq * kv_dim, 1.0f), vc(max_seq * kv_dim, 1.0f);
+        sim::launch(store_kv, dim3{1}, {256}, 0, 32, (const float*)qkv.data(), kv_dim, 3 * kv_dim, kv_dim, kc.data(),
+                    vc.data(), pos);
+        std::vector<double> wk(kc.size(), 1.0), wv(vc.size(), 1.0);
+        for (int c = 0; c < kv_dim; c++) {
+            wk[pos * kv_dim + c] = qkv[kv_dim + c];
+            wv[pos * kv_dim + c] = qkv[3 * kv_dim + c];
+        }
+        expect("store_kv key cache", kc, wk, 0.0);
+        expect("store_kv value cache", vc, wv, 0.0);
+    }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -432,6 +618,7 @@ int main(int argc, char** argv) {
         {"paged", check_paged},
         {"rope_store_paged", check_rope_store_paged},
         {"moe", check_moe},
+        {"contract", check_contract_kernels},
     };
     int ran = 0;
     for (const auto& [name, run] : groups) {

@@ -348,7 +348,9 @@ fn cuda_sim(kernels: Option<&std::path::Path>, filter: &str) -> (Option<i32>, St
 /// shuffles, mma.sync from the PTX ISA's fragment layout), launched as the engine launches them and
 /// compared with f64 loops: the matrix-vector kernels with their fused RMSNorm, SiLU, RoPE, cache
 /// write and argmax, the split decode attention, the tensor-core product with and without k-splits,
-/// the prefill attention, the paged attention and its RoPE and cache write. The same checks fail
+/// the prefill attention, the paged attention and its RoPE and cache write, the mixture-of-experts
+/// routing and experts, and the per-contract kernels (embedding, RMSNorm, RoPE, the four weight
+/// formats' products, the gated activations, softmax, attention, argmax). The same checks fail
 /// the kernels with two fragment registers of the tensor-core product swapped, and with paged
 /// attention reading KV head 0 for every query head (GQA maps h to h / group).
 #[test]
@@ -356,8 +358,21 @@ fn the_cuda_kernels_compute_their_contracts_on_a_cpu_model_of_the_gpu() {
     let (code, out) = cuda_sim(None, "");
     assert_eq!(code, Some(0), "{out}");
     let passed = out.lines().filter(|l| l.starts_with("PASS ")).count();
-    assert!(passed >= 35 && !out.contains("FAIL"), "{out}");
-    for kernel in ["mv_bf16_qkv", "mv_bf16_head", "attn_decode", "gemm_bf16x3", "attn_prefill", "paged_attention"] {
+    assert!(passed >= 60 && !out.contains("FAIL"), "{out}");
+    for kernel in [
+        "mv_bf16_qkv",
+        "mv_bf16_head",
+        "attn_decode",
+        "gemm_bf16x3",
+        "attn_prefill",
+        "paged_attention",
+        "moe_route",
+        "moe_gate_up",
+        "rms_norm",
+        "linear_f16",
+        "attention (",
+        "argmax",
+    ] {
         assert!(out.lines().any(|l| l.starts_with(&format!("PASS {kernel}"))), "{kernel} not checked:\n{out}");
     }
 
