@@ -1,5 +1,5 @@
 // Checks of the CUDA example engine's kernels on the CPU model of sim.h: each kernel is
-// launched as src/fused.rs and src/batch.rs launch it (grid, block, shared memory), on random
+// launched as src/kernels.rs, src/fused.rs and src/batch.rs launch it (grid, block, shared memory), on random
 // inputs of small shapes, and compared with an f64 loop written here from the kernel contracts'
 // math (kernel.linear_bf16, kernel.rms_norm, kernel.rope, kernel.attention, kernel.argmax,
 // kernel.paged_attention, component.kv_cache). Built and run by scripts/cuda-sim-check.sh, which
