@@ -15,7 +15,9 @@
 #                                        paged, rope_store_paged, moe, contract); exit status 0 when all pass
 #
 # Environment: CXX (default g++), OUT (build directory, default a fresh temporary one, removed),
-# KERNELS (the source checked, default the engine's src/kernels.cu).
+# KERNELS (the source checked, default the engine's src/kernels.cu), SANITIZE=1 (build with
+# AddressSanitizer and UndefinedBehaviorSanitizer: a read or write outside a buffer fails the run;
+# about a minute to build).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-}
@@ -39,5 +41,7 @@ PY
     echo "#include \"$out/kernels.cpp\""
     echo "#include \"$root/scripts/cuda-sim/check.cpp\""
 } >"$out/all.cpp"
-"${CXX:-g++}" -std=c++20 -O1 -pthread -w -o "$out/check" "$out/all.cpp"
+flags=(-std=c++20 -O1 -pthread -w)
+[[ "${SANITIZE:-0}" == 1 ]] && flags+=(-g -fsanitize=address,undefined -fno-sanitize-recover=all)
+"${CXX:-g++}" "${flags[@]}" -o "$out/check" "$out/all.cpp"
 "$out/check" "${1:-}"

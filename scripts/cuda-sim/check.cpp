@@ -33,12 +33,15 @@ std::vector<unsigned short> randw(size_t n, float scale) {
     return w;
 }
 
-// Compare got with want: |got - want| <= tol * (1 + |want|) everywhere, and both finite.
-void expect(const char* name, const std::vector<float>& got, const std::vector<double>& want, double tol) {
+// Compare got with want: |got - want| <= tol * (1 + |want|) everywhere (with `relative`, tol *
+// |want|), NaN exactly where want is NaN.
+void expect(const char* name, const std::vector<float>& got, const std::vector<double>& want, double tol,
+            bool relative = false) {
     double worst = 0.0;
     size_t at = 0, bad = 0;
     for (size_t i = 0; i < want.size(); i++) {
-        const double e = std::fabs((double)got[i] - want[i]) / (1.0 + std::fabs(want[i]));
+        const double e = std::isnan(want[i]) ? (std::isnan(got[i]) ? 0.0 : INFINITY)
+                                             : std::fabs((double)got[i] - want[i]) / ((relative ? 0.0 : 1.0) + std::fabs(want[i]));
         if (!(e <= tol)) bad++;
         if (!(e <= worst)) { worst = e; at = i; }
     }
@@ -198,6 +201,16 @@ void check_attn_decode(int pos, int max_seq) {
     const std::string name = "attn_decode pos " + std::to_string(pos) + ", " + std::to_string(splits) + " splits";
     expect(name.c_str(), out, want, 1e-5);
     expect_eq((name + ": tickets reset").c_str(), ticket[0] + ticket[1], 0);
+    if (pos < 37) return;
+    // Every key of the first split NaN (one element each, KV head 1): that group's heads are NaN,
+    // even though no warp of that split saw a finite score.
+    const int per = (pos + 1 + splits - 1) / splits;
+    for (int t = 0; t < per; t++) kc[(t * KVH + 1) * D + 3] = NaNf;
+    sim::launch(attn_decode, dim3{(unsigned)KVH, (unsigned)splits, 1}, {256}, 0, 9 + pos, q.data(), kc.data(),
+                vc.data(), (const unsigned*)ctl, H, KVH, D, splits, ml.data(), acc.data(), ticket.data(), out.data());
+    for (int h = grp; h < H; h++)
+        for (int c = 0; c < D; c++) want[h * D + c] = NAN;
+    expect((name + ", a split of NaN keys").c_str(), out, want, 1e-5);
 }
 
 void check_gemm(int m, int k, int n, int mode_acc) {
@@ -251,6 +264,16 @@ void check_attn_prefill() {
             want.insert(want.end(), o.begin(), o.end());
         }
     expect("attn_prefill (causal, start 5, 70 rows)", out, want, 1e-5);
+    // The first 32 keys NaN (one element each, KV head 0): rows whose keys include them are NaN for
+    // that group's heads; past the first key tile the later tiles' finite scores must not hide it.
+    for (int t = 0; t < 32; t++) kc[(t * KVH + 0) * D + 3] = NaNf;
+    out.assign(out.size(), 0.0f);
+    sim::launch(attn_prefill, dim3{(unsigned)((n_q + rows_per_block - 1) / rows_per_block), (unsigned)KVH, 1}, {256}, 0,
+                12, q.data(), ldq, kc.data(), vc.data(), n_q, start, H, KVH, D, out.data());
+    for (int t = 0; t < n_q; t++)
+        for (int h = 0; h < grp; h++)
+            for (int c = 0; c < D; c++) want[((size_t)t * H + h) * D + c] = NAN;
+    expect("attn_prefill, 32 NaN keys", out, want, 1e-5);
 }
 
 // The paged attention kernel src/batch.rs picks for head_dim (paged_attention_dN, N the lanes' chunks
@@ -298,6 +321,19 @@ void check_paged_shape(int H, int KVH, int D, bool broken_table) {
                               std::to_string(D);
     expect((shape + " (3 sequences, shuffled blocks)").c_str(), out, want, 1e-5);
     if (!broken_table) return;
+    {
+        // A NaN in the key at position 1 of sequence 0 (KV head 0): its rows (positions 4, 5, 6)
+        // are NaN for that group's heads. At position 4, key 1 is the only key of its warp.
+        auto kn = kc;
+        kn[(((size_t)table[0] * bs + 1) * KVH + 0) * D + 3] = NaNf;
+        std::vector<float> out3((size_t)total_q * H * D, 0.0f);
+        run_paged(q, ldq, kn, vc, table, bps, qs, ctx, 3, nb, H, KVH, D, bs, total_q, out3, 14);
+        auto want3 = want;
+        for (int r = 0; r < 3; r++)
+            for (int h = 0; h < grp; h++)
+                for (int c = 0; c < D; c++) want3[((size_t)r * H + h) * D + c] = NAN;
+        expect((shape + " a NaN key").c_str(), out3, want3, 1e-5);
+    }
     // A block id outside the cache: that sequence's rows are NaN, the others unchanged.
     table[bps + 1] = nb + 3;
     std::vector<float> out2((size_t)total_q * H * D, 0.0f);
@@ -510,6 +546,16 @@ void check_contract_kernels() {
             for (int o = 0; o < n; o++)
                 for (int c = 0; c < k; c++) want[i * n + o] += (double)x[i * k + c] * half_value(wh[o * k + c]);
         expect("linear_f16 (subnormal weights included)", out, want, 1e-5);
+        // Every weight subnormal: a kernel that flushes them to zero is off by 100 %.
+        for (size_t i = 0; i < wh.size(); i++) wh[i] = (unsigned short)((sign(rng) << 15) | bits(rng));
+        out.assign(m * n, NaNf);
+        sim::launch(linear_f16, dim3{(unsigned)((n + 7) / 8)}, {256}, 0, 25, (const float*)x.data(),
+                    (const unsigned short*)wh.data(), m, k, n, out.data());
+        std::fill(want.begin(), want.end(), 0.0);
+        for (int i = 0; i < m; i++)
+            for (int o = 0; o < n; o++)
+                for (int c = 0; c < k; c++) want[i * n + o] += (double)x[i * k + c] * half_value(wh[o * k + c]);
+        expect("linear_f16 (every weight subnormal, relative)", out, want, 1e-4, true);
         std::vector<signed char> w8((size_t)n * k);
         std::uniform_int_distribution<int> q8(-127, 127);
         for (auto& v : w8) v = (signed char)q8(rng);

@@ -6,7 +6,8 @@
 // block's threads, warp shuffles and __syncwarp are barriers of the warp's 32 threads with a
 // register exchange, and a thread that returns leaves both barriers (what the hardware does with an
 // exited thread). Shared memory is the kernels' static arrays (one block at a time) and a dynamic
-// buffer of the launch's size, filled with NaN bits so that reading an unwritten element shows.
+// buffer of the launch's size, both filled with NaN bits before each block so that reading an
+// element the block did not write shows.
 // mma.sync m16n8k16 (bf16 in, f32 accumulate) is computed from the fragment layout of the PTX ISA
 // ("Matrix Fragments for mma.m16n8k16 with floating point type", PTX ISA 8.x, section 9.7.14.5.8):
 // groupID g = lane / 4, t = lane % 4; A regs a0: row g, cols 2t, 2t+1; a1: row g+8, same cols;
@@ -15,10 +16,12 @@
 // bits of a register hold the lower index. The sum is taken in f64 and rounded once (the hardware
 // truncates its alignment; the checks' tolerances cover either).
 //
-// What it does not model: timing, the memory model beyond the barriers (a race the hardware
-// tolerates by luck can pass here), resource limits (registers, the 48 KiB shared-memory default:
-// scripts/nvrtc-check.py checks those), and warp-synchronous code that skips __syncwarp (each lane
-// here runs freely between barriers, so such code fails here rather than passing by chance).
+// What it does not model: timing; blocks running at once (one block runs at a time, so a race
+// between blocks, such as a non-atomic update of a counter or output other blocks also update,
+// passes here); races within a block that the barriers happen to order (threads run freely between
+// barriers, so such a race passes unless the scheduling shows it); resource limits (registers, the
+// 48 KiB shared-memory default: scripts/nvrtc-check.py checks those). Reads outside a buffer show
+// with SANITIZE=1 (scripts/cuda-sim-check.sh), reads of shared memory a block did not write as NaN.
 #pragma once
 
 #include <algorithm>
@@ -67,7 +70,10 @@ inline thread_local dim3 threadIdx, blockIdx, blockDim, gridDim;
 #define __launch_bounds__(...)
 #define __restrict__ __restrict
 #define __align__(n) __attribute__((aligned(n)))
-#define __shared__ static
+// Static shared arrays go to one linker section, poisoned (NaN bits) before each block as the
+// dynamic buffer is, so a kernel that reads shared memory it has not written in this block shows.
+#define __shared__ static __attribute__((section("sim_shared")))
+extern "C" unsigned char __start_sim_shared[], __stop_sim_shared[];
 
 inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
@@ -162,7 +168,11 @@ void launch(void (*k)(P...), dim3 grid, dim3 blk, size_t smem, uint64_t seed, A.
             bl.warps.push_back(std::move(wp));
         }
     }
-    auto refill = []() noexcept { std::fill(dyn_smem.begin(), dyn_smem.end(), 0xff); };
+    auto refill = []() noexcept {
+        std::fill(dyn_smem.begin(), dyn_smem.end(), 0xff);
+        std::fill(__start_sim_shared, __stop_sim_shared, 0xff);
+    };
+    refill();
     std::barrier between(n, refill);
     std::vector<std::thread> threads;
     for (int t = 0; t < n; t++) {

@@ -328,13 +328,15 @@ fn device_check_run_keeps_to_its_budget_and_still_packs_what_it_has() {
     }
 }
 
-/// Runs `scripts/cuda-sim-check.sh` on `kernels` (None: the engine's own) with `filter`, under a
-/// time limit (a kernel whose threads miss a barrier would hang): its exit status and output.
+/// Runs `scripts/cuda-sim-check.sh` on `kernels` (None: the engine's own, built with the address and
+/// undefined-behaviour sanitizers) with `filter`, under a time limit (a kernel whose threads miss a
+/// barrier would hang): its exit status and output.
 fn cuda_sim(kernels: Option<&std::path::Path>, filter: &str) -> (Option<i32>, String) {
     let t = tempfile::tempdir().unwrap();
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/cuda-sim-check.sh");
     let mut cmd = std::process::Command::new("timeout");
     cmd.args(["600", "bash"]).arg(&script).arg(filter).env("OUT", t.path().join("build"));
+    cmd.env("SANITIZE", if kernels.is_none() { "1" } else { "0" });
     if let Some(k) = kernels {
         cmd.env("KERNELS", k);
     }
@@ -350,7 +352,8 @@ fn cuda_sim(kernels: Option<&std::path::Path>, filter: &str) -> (Option<i32>, St
 /// write and argmax, the split decode attention, the tensor-core product with and without k-splits,
 /// the prefill attention, the paged attention and its RoPE and cache write, the mixture-of-experts
 /// routing and experts, and the per-contract kernels (embedding, RMSNorm, RoPE, the four weight
-/// formats' products, the gated activations, softmax, attention, argmax). The same checks fail
+/// formats' products, the gated activations, softmax, attention, argmax); a NaN key reaches the
+/// output of each attention kernel; no read or write leaves its buffer. The same checks fail
 /// the kernels with two fragment registers of the tensor-core product swapped, and with paged
 /// attention reading KV head 0 for every query head (GQA maps h to h / group).
 #[test]

@@ -810,12 +810,13 @@ __global__ void __launch_bounds__(32 * AD_WARPS) attn_decode(const float* q, con
         float mx = NEG_INF;
         for (int w = 0; w < AD_WARPS; w++) mx = fmaxf(mx, sm_m[w][h]);
         float sl = 0.0f, sa = 0.0f;
-        if (mx != NEG_INF) {
-            for (int w = 0; w < AD_WARPS; w++) {
-                const float f = expf(sm_m[w][h] - mx);
-                sl = fmaf(sm_l[w][h], f, sl);
-                sa = fmaf(sm_acc[w][h * AD_MAXD * 32 + d], f, sa);
-            }
+        for (int w = 0; w < AD_WARPS; w++) {
+            // A warp with no position has l = 0; one whose scores were all NaN has m = -inf (fmaxf
+            // drops a NaN) and l = NaN, and must stay in the sums so that the NaN reaches out.
+            if (sm_l[w][h] == 0.0f) continue;
+            const float f = expf(sm_m[w][h] - mx);
+            sl = fmaf(sm_l[w][h], f, sl);
+            sa = fmaf(sm_acc[w][h * AD_MAXD * 32 + d], f, sa);
         }
         part_acc[(u64)(base + h) * head_dim + d] = sa;
         if (d == 0) {
@@ -836,8 +837,10 @@ __global__ void __launch_bounds__(32 * AD_WARPS) attn_decode(const float* q, con
         float sl = 0.0f, sa = 0.0f;
         for (int sp = 0; sp < splits; sp++) {
             const int pi = (g * splits + sp) * grp + h;
-            const float f = expf(__ldcg(part_ml + 2 * pi) - mx);  // empty splits: e^-inf = 0
-            sl = fmaf(__ldcg(part_ml + 2 * pi + 1), f, sl);
+            const float lp = __ldcg(part_ml + 2 * pi + 1);
+            if (lp == 0.0f) continue;  // an empty split (a NaN one has l = NaN and stays)
+            const float f = expf(__ldcg(part_ml + 2 * pi) - mx);
+            sl = fmaf(lp, f, sl);
             sa = fmaf(__ldcg(part_acc + (u64)pi * head_dim + d), f, sa);
         }
         out[(u64)(g * grp + h) * head_dim + d] = sa / sl;
@@ -1138,6 +1141,8 @@ __global__ void __launch_bounds__(256) attn_prefill(const float* q, int ldq, con
             if (mn != NEG_INF) {
                 p = expf(sc - mn);
                 corr = expf(m[r] - mn);
+            } else if (sc != sc) {
+                p = sc;  // every score so far NaN (fmaxf dropped them): the NaN stays in the sums
             }
             l[r] = l[r] * corr + warp_sum(p);
             acc[r][0] *= corr;
@@ -1284,7 +1289,9 @@ __device__ __forceinline__ void paged_attention_group(const float* q, int ldq, c
         for (int w = 0; w < PA_WARPS; w++) mx = fmaxf(mx, wm[w][j]);
         float sum = 0.0f, a = 0.0f;
         for (int w = 0; w < PA_WARPS; w++) {
-            if (wm[w][j] == NEG_INF) continue;
+            // A warp with no key has l = 0; one whose scores were all NaN has m = -inf (fmaxf drops
+            // a NaN) and l = NaN, and must stay in the sums so that the NaN reaches out.
+            if (wl[w][j] == 0.0f) continue;
             const float f = expf(wm[w][j] - mx);
             sum += wl[w][j] * f;
             a += wacc[w][j * ND * 32 + c] * f;
