@@ -355,7 +355,8 @@ fn cuda_sim(kernels: Option<&std::path::Path>, filter: &str) -> (Option<i32>, St
 /// formats' products, the gated activations, softmax, attention, argmax); a NaN key reaches the
 /// output of each attention kernel; no read or write leaves its buffer. The same checks fail
 /// the kernels with two fragment registers of the tensor-core product swapped, and with paged
-/// attention reading KV head 0 for every query head (GQA maps h to h / group).
+/// attention reading KV head 0 for every query head (GQA maps h to h / group), and with paged
+/// attention reading its shared broken-table flag without setting it first.
 #[test]
 fn the_cuda_kernels_compute_their_contracts_on_a_cpu_model_of_the_gpu() {
     let (code, out) = cuda_sim(None, "");
@@ -403,4 +404,13 @@ fn the_cuda_kernels_compute_their_contracts_on_a_cpu_model_of_the_gpu() {
     let (code, out) = cuda_sim(Some(&paged), "paged");
     assert_eq!(code, Some(1), "{out}");
     assert!(out.lines().any(|l| l.starts_with("FAIL paged_attention 4/2 heads")), "{out}");
+    // Shared memory a block reads before writing it: its flag for a broken table left unset.
+    let unset = mutant(
+        "unset.cu",
+        "    if (threadIdx.x == 0) bad = 0;\n    int lo = 0, hi = n_seqs - 1;\n    while (lo < hi) {\n        const int mid = (lo + hi + 1) >> 1;\n        if ((int)query_start[mid] <= row) lo = mid;\n        else hi = mid - 1;\n    }\n    const int s = lo;\n    const int q0 = (int)query_start[s], n_q = (int)query_start[s + 1] - q0;\n    const long long p = (long long)context_lens[s] - n_q + (row - q0);\n    const unsigned int* tr",
+        "    int lo = 0, hi = n_seqs - 1;\n    while (lo < hi) {\n        const int mid = (lo + hi + 1) >> 1;\n        if ((int)query_start[mid] <= row) lo = mid;\n        else hi = mid - 1;\n    }\n    const int s = lo;\n    const int q0 = (int)query_start[s], n_q = (int)query_start[s + 1] - q0;\n    const long long p = (long long)context_lens[s] - n_q + (row - q0);\n    const unsigned int* tr",
+    );
+    let (code, out) = cuda_sim(Some(&unset), "paged");
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.lines().any(|l| l.starts_with("FAIL paged_attention")), "{out}");
 }
