@@ -26,6 +26,10 @@ if [[ -z "$out" ]]; then
     trap 'rm -rf "$out"' EXIT
 fi
 mkdir -p "$out"
+if ! command -v "${CXX:-g++}" >/dev/null; then
+    echo "cuda-sim-check: no C++ compiler ${CXX:-g++}: install g++ (12 or later, for C++20's std::barrier) or set CXX" >&2
+    exit 2
+fi
 python3 - "${KERNELS:-$root/examples/engines/llama-cuda-bf16/src/kernels.cu}" "$out/kernels.cpp" <<'PY'
 import re, sys
 src = open(sys.argv[1]).read()

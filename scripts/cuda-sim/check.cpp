@@ -218,7 +218,9 @@ void check_gemm(int m, int k, int n, int mode_acc) {
     auto w = randw((size_t)n * k, 0.05f);
     std::vector<unsigned short> a3((size_t)3 * m * k, 0xffff);
     const long long len = (long long)m * k;
-    sim::launch(split3_bf16, dim3{4}, {256}, 0, 9, x.data(), len, a3.data());
+    // As fused.rs split3 launches it: elementwise(len) blocks of 256.
+    sim::launch(split3_bf16, dim3{(unsigned)std::clamp((len + 255) / 256, 1LL, 4096LL)}, {256}, 0, 9, x.data(), len,
+                a3.data());
     std::vector<float> back(len);
     for (long long i = 0; i < len; i++) back[i] = (float)(bf(a3[i]) + bf(a3[len + i]) + bf(a3[2 * len + i]));
     expect("split3_bf16 planes sum to x", back, widen(x), 0.0);
