@@ -391,26 +391,34 @@ fn the_cuda_kernels_compute_their_contracts_on_a_cpu_model_of_the_gpu() {
         std::fs::write(&p, source.replace(from, to)).unwrap();
         p
     };
-    let swapped =
-        mutant("swapped.cu", "mma_bf16(part[i][j], a0, a1, a2, a3v,", "mma_bf16(part[i][j], a0, a2, a1, a3v,");
-    let (code, out) = cuda_sim(Some(&swapped), "gemm");
-    assert_eq!(code, Some(1), "{out}");
-    assert!(out.lines().any(|l| l.starts_with("FAIL gemm_bf16x3")), "{out}");
-    let paged = mutant(
-        "paged.cu",
-        "(u64)(t % block_size)) * kv_stride + (u64)g * head_dim;",
-        "(u64)(t % block_size)) * kv_stride;",
-    );
-    let (code, out) = cuda_sim(Some(&paged), "paged");
-    assert_eq!(code, Some(1), "{out}");
-    assert!(out.lines().any(|l| l.starts_with("FAIL paged_attention 4/2 heads")), "{out}");
-    // Shared memory a block reads before writing it: its flag for a broken table left unset.
-    let unset = mutant(
-        "unset.cu",
-        "    if (threadIdx.x == 0) bad = 0;\n    int lo = 0, hi = n_seqs - 1;\n    while (lo < hi) {\n        const int mid = (lo + hi + 1) >> 1;\n        if ((int)query_start[mid] <= row) lo = mid;\n        else hi = mid - 1;\n    }\n    const int s = lo;\n    const int q0 = (int)query_start[s], n_q = (int)query_start[s + 1] - q0;\n    const long long p = (long long)context_lens[s] - n_q + (row - q0);\n    const unsigned int* tr",
-        "    int lo = 0, hi = n_seqs - 1;\n    while (lo < hi) {\n        const int mid = (lo + hi + 1) >> 1;\n        if ((int)query_start[mid] <= row) lo = mid;\n        else hi = mid - 1;\n    }\n    const int s = lo;\n    const int q0 = (int)query_start[s], n_q = (int)query_start[s + 1] - q0;\n    const long long p = (long long)context_lens[s] - n_q + (row - q0);\n    const unsigned int* tr",
-    );
-    let (code, out) = cuda_sim(Some(&unset), "paged");
-    assert_eq!(code, Some(1), "{out}");
-    assert!(out.lines().any(|l| l.starts_with("FAIL paged_attention")), "{out}");
+    // Each broken kernel, the check group run on it, and the check that must fail.
+    let broken = [
+        // Two fragment registers of the tensor-core product swapped.
+        (
+            mutant("swapped.cu", "mma_bf16(part[i][j], a0, a1, a2, a3v,", "mma_bf16(part[i][j], a0, a2, a1, a3v,"),
+            "gemm",
+            "FAIL gemm_bf16x3",
+        ),
+        // Paged attention reading KV head 0 for every query head.
+        (
+            mutant(
+                "paged.cu",
+                "(u64)(t % block_size)) * kv_stride + (u64)g * head_dim;",
+                "(u64)(t % block_size)) * kv_stride;",
+            ),
+            "paged",
+            "FAIL paged_attention 4/2 heads",
+        ),
+        // Shared memory a block reads before writing it: its flag for a broken table left unset.
+        (
+            mutant("unset.cu", "    if (threadIdx.x == 0) bad = 0;\n    int lo = 0", "    int lo = 0"),
+            "paged",
+            "FAIL paged_attention",
+        ),
+    ];
+    for (path, group, failing) in &broken {
+        let (code, out) = cuda_sim(Some(path), group);
+        assert_eq!(code, Some(1), "{}: {out}", path.display());
+        assert!(out.lines().any(|l| l.starts_with(failing)), "{}: {out}", path.display());
+    }
 }
