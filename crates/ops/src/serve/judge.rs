@@ -122,7 +122,12 @@ pub(super) fn judge(plan: &Plan, want: &Expected, seen: &Observed) -> (Vec<Check
                 greedy(plan, want, answers)
             }
             Step::Streaming { answer } => match answer {
-                Ok(s) if s.done && w0.accepts(|m| same_text(&s.text, &m.text) && m.finish == s.finish).is_some() => {
+                Ok(s)
+                    if s.done
+                        && w0
+                            .accepts(|m| Target { text: &s.text, finish: Some(&s.finish), tokens: None }.is(m))
+                            .is_some() =>
+                {
                     check(
                         "streaming",
                         true,
@@ -260,16 +265,7 @@ pub(super) fn level_figures(run: &super::wire::LevelRun, planned: usize, pool: &
 /// request's answer `full` is the reference's `want` (text, token count and finish reason).
 fn disconnect(c: &Check, full: &Answered, want: Option<&Want>) -> Check {
     match want {
-        Some(w)
-            if c.name == "disconnect"
-                && c.passed
-                && w.accepts(|m| {
-                    same_text(&full.text, &m.text)
-                        && m.finish == full.finish
-                        && m.completion_tokens == full.completion_tokens
-                })
-                .is_some() =>
-        {
+        Some(w) if c.name == "disconnect" && c.passed && w.accepts(|m| Target::answered(full).is(m)).is_some() => {
             c.clone()
         }
         Some(w) => check(
@@ -321,12 +317,7 @@ fn burst(c: &Check, texts: &[(String, usize)], want: &Want) -> Check {
 fn greedy(plan: &Plan, want: &Expected, answers: &[std::result::Result<Answered, String>]) -> Check {
     let (mut bad, mut other_side) = (Vec::new(), 0);
     for (i, (ask, w)) in plan.greedy.iter().zip(&want.greedy).enumerate() {
-        let same = |a: &Answered| {
-            w.accepts(|m| {
-                same_text(&a.text, &m.text) && m.finish == a.finish && m.completion_tokens == a.completion_tokens
-            })
-            .map(|m| !std::ptr::eq(m, w))
-        };
+        let same = |a: &Answered| w.accepts(|m| Target::answered(a).is(m)).map(|m| !std::ptr::eq(m, w));
         match answers.get(i) {
             Some(Ok(a)) if same(a).is_some() => other_side += usize::from(same(a) == Some(true)),
             Some(Ok(a)) => bad.push(format!(
@@ -376,7 +367,12 @@ struct Target<'s> {
     tokens: Option<usize>,
 }
 
-impl Target<'_> {
+impl<'s> Target<'s> {
+    /// A non-streamed answer: its text, finish reason and token count.
+    fn answered(a: &'s Answered) -> Self {
+        Target { text: &a.text, finish: Some(&a.finish), tokens: Some(a.completion_tokens) }
+    }
+
     /// Whether the reference's answer `w` is this one.
     fn is(&self, w: &Want) -> bool {
         same_text(self.text, &w.text)
@@ -392,13 +388,12 @@ fn targets<'s>(plan: &Plan, seen: &'s Observed) -> (Vec<Vec<Target<'s>>>, Vec<Ve
     let mut greedy: Vec<Vec<Target>> = plan.greedy.iter().map(|_| Vec::new()).collect();
     let mut pool: Vec<Vec<Target>> = plan.pool.iter().map(|_| Vec::new()).collect();
     let mut disconnect = Vec::new();
-    let full = |a: &'s Answered| Target { text: &a.text, finish: Some(&a.finish), tokens: Some(a.completion_tokens) };
     for step in &seen.steps {
         match step {
             Step::Greedy { answers } => {
                 for (i, a) in answers.iter().enumerate() {
                     if let (Some(t), Ok(a)) = (greedy.get_mut(i), a) {
-                        t.push(full(a));
+                        t.push(Target::answered(a));
                     }
                 }
             }
@@ -412,7 +407,7 @@ fn targets<'s>(plan: &Plan, seen: &'s Observed) -> (Vec<Vec<Target<'s>>>, Vec<Ve
                     t.push(Target { text: &a.text, finish: None, tokens: None });
                 }
             }
-            Step::Disconnect { full: a, .. } => disconnect.push(full(a)),
+            Step::Disconnect { full: a, .. } => disconnect.push(Target::answered(a)),
             _ => {}
         }
     }
